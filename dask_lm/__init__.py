@@ -1,0 +1,31 @@
+"""dask-lm: language-model policy work (logprobs, top-k, scores, training, refit) on the GPUs of a Dask cluster.
+
+The public API mirrors NVIDIA NeMo RL's ``Policy``; see ``dask_lm.Policy`` and ``dask_lm.connect``.
+"""
+
+from __future__ import annotations
+
+from dask_lm.config import PolicyConfig
+from dask_lm.engine.batch import BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs, SlicedDataDict
+from dask_lm.engine.cluster import connect
+from dask_lm.engine.packing import PackingAlgorithm, get_packer
+from dask_lm.engine.policy import Policy
+from dask_lm.engine.sharding import BatchError
+from dask_lm.engine.worker_group import RankFailedError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchError",
+    "BatchedDataDict",
+    "DynamicBatchingArgs",
+    "PackingAlgorithm",
+    "Policy",
+    "PolicyConfig",
+    "RankFailedError",
+    "SequencePackingArgs",
+    "SlicedDataDict",
+    "connect",
+    "get_packer",
+    "__version__",
+]

@@ -1,0 +1,370 @@
+"""Typed configuration with NeMo RL's PolicyConfig key names.
+
+A user passes a plain dict (as NeMo RL code does) or a :class:`PolicyConfig`. Every key has a default except
+``model_name``; an unknown key, or a value of the wrong type, raises ``ValueError`` naming the dotted key
+(``policy.dynamic_batching.logprob_mb_tokens``) and what was expected, before any worker is touched.
+
+Example
+-------
+>>> cfg = PolicyConfig.from_dict({"model_name": "/models/qwen", "precision": "float32",
+...                               "dynamic_batching": {"enabled": True, "logprob_mb_tokens": 4096}})
+>>> cfg.dynamic_batching.logprob_mb_tokens
+4096
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "PolicyConfig",
+    "TokenizerConfig",
+    "DTensorConfig",
+    "MegatronConfig",
+    "DynamicBatchingConfig",
+    "SequencePackingConfig",
+    "GenerationConfig",
+    "RewardModelConfig",
+    "OptimizerConfig",
+    "config_from_dict",
+]
+
+Precision = Literal["float32", "bfloat16", "float16"]
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (nested dicts become dataclasses)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(value, option, key)
+            except ValueError as e:
+                errors.append(e)
+        raise ValueError(f"`{key}` must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ValueError(f"`{key}` must be null, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if isinstance(value, str) and value.lower() in [str(a).lower() for a in allowed]:
+            return next(a for a in allowed if str(a).lower() == value.lower())
+        raise ValueError(f"`{key}` must be one of {list(allowed)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"`{key}` must be a mapping of {tp.__name__} keys, got {type(value).__name__}")
+        return config_from_dict(tp, value, prefix=key)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"`{key}` must be a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp)[:1] or (Any,)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"`{key}` must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"`{key}` must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"`{key}` must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(f"`{key}` must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"`{key}` must be a string, got {value!r}")
+    raise AssertionError(f"unsupported annotation {tp!r} for {key}")
+
+
+def config_from_dict(cls: type, data: dict[str, Any], *, prefix: str = "policy") -> Any:
+    """Build dataclass ``cls`` from ``data``; errors name the dotted key (``prefix.key``)."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    # NeMo RL spells a few keys with a leading underscore (`_v2`, `_pad_token_id`); we keep the spelling.
+    aliases = {f.metadata.get("key", f.name): f.name for f in fields.values()}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in aliases:
+            close = difflib.get_close_matches(key, list(aliases), n=1)
+            hint = f"; did you mean `{prefix}.{close[0]}`?" if close else ""
+            raise ValueError(f"unknown config key `{prefix}.{key}`{hint} (known keys: {sorted(aliases)})")
+        name = aliases[key]
+        kwargs[name] = _coerce(value, hints[name], f"{prefix}.{key}")
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"missing required config key `{prefix}.{missing[0]}`") from e
+        raise
+
+
+def _to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.metadata.get("key", f.name): _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [_to_dict(v) for v in obj]
+    return obj
+
+
+class _Section:
+    """Mixin: ``from_dict`` / ``to_dict`` and dict-style reads, so NeMo RL code doing ``cfg["key"]`` ports."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+    def __getitem__(self, key: str) -> Any:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if f.metadata.get("key", f.name) == key:
+                return getattr(self, f.name)
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: str) -> bool:
+        return self.get(key, None) is not None
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig(_Section):
+    name: str | None = None
+    """Tokenizer path or id; defaults to ``model_name``."""
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    use_processor: bool = False
+    use_fastokens: bool = False
+    audio: dict | None = None
+    video: dict | None = None
+
+
+@dataclass(kw_only=True)
+class DTensorConfig(_Section):
+    enabled: bool = True
+    """FSDP2 (``fully_shard``) over the ranks; the only backend dask-lm has."""
+    v2: bool = field(default=True, metadata={"key": "_v2"})
+    tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    dp_replicate_size: int = 1
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    custom_parallel_plan: str | None = None
+    defer_fsdp_grad_sync: bool = False
+    clear_cache_every_n_steps: int | None = None
+    env_vars: dict | None = None
+    lora_cfg: dict | None = None
+    automodel_kwargs: dict | None = None
+    moe_parallelizer: dict | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_parallel_size", "context_parallel_size", "expert_parallel_size", "dp_replicate_size"):
+            if getattr(self, key) != 1:
+                raise ValueError(f"`policy.dtensor_cfg.{key}` = {getattr(self, key)} is not supported yet: "
+                                 "dask-lm shards with FSDP2 data parallelism only; set it to 1")
+        if self.lora_cfg and self.lora_cfg.get("enabled"):
+            raise ValueError("`policy.dtensor_cfg.lora_cfg.enabled` is not supported yet; set it to false")
+
+
+@dataclass(kw_only=True)
+class MegatronConfig(_Section):
+    enabled: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            raise ValueError("`policy.megatron_cfg.enabled` is not supported: dask-lm runs the DTensor (FSDP2) "
+                             "backend; set megatron_cfg.enabled to false and dtensor_cfg.enabled to true")
+
+
+@dataclass(kw_only=True)
+class DynamicBatchingConfig(_Section):
+    enabled: bool = False
+    train_mb_tokens: int | None = None
+    """Token budget of a training micro-batch (default: max_total_sequence_length x train_micro_batch_size)."""
+    logprob_mb_tokens: int | None = None
+    """Token budget of a logprob / top-k / score micro-batch (default: max_total_sequence_length x logprob_batch_size)."""
+    sequence_length_round: int = 64
+
+
+@dataclass(kw_only=True)
+class SequencePackingConfig(_Section):
+    enabled: bool = False
+    train_mb_tokens: int | None = None
+    logprob_mb_tokens: int | None = None
+    algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle",
+                       "concatenative"] = "modified_first_fit_decreasing"
+    microbatch_order: Literal["packer", "largest_first"] = "packer"
+    sequence_length_round: int | None = None
+    """Accepted for NeMo RL compatibility and, as there, unused: the pad multiple is
+    ``make_sequence_length_divisible_by``."""
+
+
+@dataclass(kw_only=True)
+class GenerationConfig(_Section):
+    backend: str = "hf"
+    max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    stop_strings: list[str] | None = None
+    model_name: str | None = None
+    colocated: dict | None = None
+    vllm_cfg: dict | None = None
+    sglang_cfg: dict | None = None
+    vllm_kwargs: dict | None = None
+    pad_token_id: int | None = field(default=None, metadata={"key": "_pad_token_id"})
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"`policy.generation.temperature` must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"`policy.generation.top_p` must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < -1:
+            raise ValueError(f"`policy.generation.top_k` must be null, -1 or >= 1, got {self.top_k}")
+
+    @property
+    def filtering_active(self) -> bool:
+        return (self.top_k is not None and self.top_k > 0) or self.top_p < 1.0
+
+
+@dataclass(kw_only=True)
+class RewardModelConfig(_Section):
+    enabled: bool = False
+    reward_model_type: Literal["bradley_terry"] = "bradley_terry"
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig(_Section):
+    name: str = "torch.optim.AdamW"
+    """Import path of the optimizer class."""
+    kwargs: dict = field(default_factory=lambda: {"lr": 5e-6, "weight_decay": 0.01, "betas": [0.9, 0.999],
+                                                  "eps": 1e-8})
+
+
+@dataclass(kw_only=True)
+class PolicyConfig(_Section):
+    """The policy configuration, key for key NeMo RL's ``PolicyConfig`` (plus a few dask-lm keys at the end)."""
+
+    model_name: str
+    """Hugging Face model directory (or hub id when the workers can reach a hub)."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    train_global_batch_size: int = 32
+    train_micro_batch_size: int = 4
+    logprob_batch_size: int | None = None
+    """Rows per logprob / top-k / score micro-batch (default: ``train_micro_batch_size``)."""
+    logprob_chunk_size: int | None = 1024
+    """Token positions per float32 log-softmax chunk. dask-lm chunks over the flattened tokens of a micro-batch
+    (NeMo RL chunks along the sequence), so peak memory is ``chunk x vocab x 4`` bytes whatever the batch shape.
+    null computes a whole micro-batch at once."""
+    generation_batch_size: int = 32
+    max_total_sequence_length: int = 512
+    precision: Precision = "bfloat16"
+    offload_optimizer_for_logprob: bool = False
+    dtensor_cfg: DTensorConfig = field(default_factory=DTensorConfig)
+    megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
+    dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
+    sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
+    make_sequence_length_divisible_by: int = 1
+    max_grad_norm: float | None = 1.0
+    refit_buffer_size_gb: float | None = None
+    optimizer: OptimizerConfig | None = field(default_factory=OptimizerConfig)
+    scheduler: dict | list | None = None
+    generation: GenerationConfig | None = None
+    reward_model_cfg: RewardModelConfig = field(default_factory=RewardModelConfig)
+    hf_config_overrides: dict | None = None
+    quant_cfg: dict | None = None
+    draft: dict | None = None
+    router_replay: dict | None = None
+    pretrained_checkpoint: str | None = None
+    is_vlm: bool = False
+    # dask-lm keys
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel of the Hugging Face model; packing builds a block-diagonal mask that both accept."""
+    collective_timeout_s: float = 600.0
+    """torch.distributed timeout: a lost rank becomes an error after this long, never a hang."""
+
+    def __post_init__(self) -> None:
+        p = "policy"
+        for key in ("train_global_batch_size", "train_micro_batch_size", "max_total_sequence_length",
+                    "generation_batch_size", "make_sequence_length_divisible_by"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"`{p}.{key}` must be >= 1, got {getattr(self, key)}")
+        if self.logprob_batch_size is None:
+            self.logprob_batch_size = self.train_micro_batch_size
+        elif self.logprob_batch_size < 1:
+            raise ValueError(f"`{p}.logprob_batch_size` must be >= 1, got {self.logprob_batch_size}")
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+            raise ValueError(f"`{p}.logprob_chunk_size` must be >= 1 or null, got {self.logprob_chunk_size}")
+        if self.dynamic_batching.enabled and self.sequence_packing.enabled:
+            raise ValueError(f"`{p}.dynamic_batching.enabled` and `{p}.sequence_packing.enabled` cannot both be "
+                             "true: pick one way to cut micro-batches")
+        for section, mbs in ((self.dynamic_batching, None), (self.sequence_packing, None)):
+            if section.train_mb_tokens is None:
+                section.train_mb_tokens = self.max_total_sequence_length * self.train_micro_batch_size
+            if section.logprob_mb_tokens is None:
+                section.logprob_mb_tokens = self.max_total_sequence_length * self.logprob_batch_size
+        name = "dynamic_batching" if self.dynamic_batching.enabled else "sequence_packing"
+        active = self.dynamic_batching if self.dynamic_batching.enabled else self.sequence_packing
+        if (self.dynamic_batching.enabled or self.sequence_packing.enabled):
+            for key in ("train_mb_tokens", "logprob_mb_tokens"):
+                if getattr(active, key) < 1:
+                    raise ValueError(f"`{p}.{name}.{key}` must be >= 1, got {getattr(active, key)}")
+        if self.quant_cfg:
+            raise ValueError(f"`{p}.quant_cfg` is not supported yet; remove it")
+        if self.is_vlm:
+            raise ValueError(f"`{p}.is_vlm` is not supported yet: dask-lm runs text-only causal LMs")
+        if self.tokenizer.name is None:
+            self.tokenizer.name = self.model_name
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | PolicyConfig) -> PolicyConfig:
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError(f"policy config must be a dict or PolicyConfig, got {type(data).__name__}")
+        return config_from_dict(cls, data, prefix="policy")
+
+    @classmethod
+    def from_yaml(cls, path: str) -> PolicyConfig:
+        """Read a YAML file; a top-level ``policy:`` section is used when present."""
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if "policy" in data and isinstance(data["policy"], dict):
+            data = data["policy"]
+        return cls.from_dict(data)

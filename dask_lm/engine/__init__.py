@@ -1,0 +1,1 @@
+"""Driver side of dask-lm: owns no model and never initialises CUDA."""

@@ -1,0 +1,122 @@
+"""``connect()``: attach to a Dask scheduler, or start a local cluster with one worker per GPU (or CPU rank).
+
+The driver never initialises CUDA: GPUs are counted through NVML (``nvidia-smi``'s library) when it is
+installed, else through ``CUDA_VISIBLE_DEVICES`` / ``/proc/driver/nvidia``, never through ``torch.cuda``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Literal
+
+from distributed import Client
+
+__all__ = ["connect", "count_gpus", "as_client"]
+
+logger = logging.getLogger("dask_lm")
+
+ClusterKind = Literal["auto", "cuda", "cpu"]
+
+
+def count_gpus() -> int:
+    """GPUs visible to this machine, without creating a CUDA context."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML library or no driver: count device nodes instead
+        pass
+    gpus_dir = "/proc/driver/nvidia/gpus"
+    return len(os.listdir(gpus_dir)) if os.path.isdir(gpus_dir) else 0
+
+
+def _scheduler_file(address: str) -> bool:
+    return address.endswith(".json") and os.path.exists(address)
+
+
+def connect(address: str | None = None, *, n_workers: int | None = None, cluster: ClusterKind = "auto",
+            memory_limit: str | float | None = "auto", dashboard_address: str = ":0",
+            **cluster_kwargs: Any) -> Client:
+    """A ``distributed.Client`` for dask-lm work.
+
+    Parameters
+    ----------
+    address:
+        A scheduler address (``tcp://host:8786``) or a scheduler file (``scheduler.json``). Without one,
+        ``DASK_SCHEDULER_ADDRESS`` is used when set. An existing cluster is attached to and never closed.
+    n_workers:
+        For a local cluster: workers to start (default: one per GPU, or 2 on a CPU machine).
+    cluster:
+        ``"auto"`` starts ``dask_cuda.LocalCUDACluster`` when GPUs are present, else a CPU ``LocalCluster``;
+        ``"cuda"`` / ``"cpu"`` force one.
+
+    Examples
+    --------
+    >>> client = connect()                       # local: one worker per GPU, or 2 CPU workers
+    >>> client = connect("tcp://10.0.0.5:8786")  # a SLURM / Kubernetes / gateway scheduler
+    """
+    if cluster not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"`cluster` must be 'auto', 'cuda' or 'cpu', got {cluster!r}")
+    address = address or os.environ.get("DASK_SCHEDULER_ADDRESS") or None
+    if address:
+        if _scheduler_file(address):
+            return Client(scheduler_file=address)
+        if address.endswith(".json"):
+            raise ValueError(f"scheduler file {address!r} does not exist")
+        return Client(address)
+    gpus = count_gpus()
+    use_cuda = cluster == "cuda" or (cluster == "auto" and gpus > 0)
+    if n_workers is not None and n_workers < 1:
+        raise ValueError(f"`n_workers` must be >= 1, got {n_workers}")
+    if use_cuda:
+        if gpus == 0:
+            raise ValueError("cluster='cuda' but no GPU is visible on this machine; use cluster='cpu'")
+        try:
+            from dask_cuda import LocalCUDACluster
+        except ImportError as e:
+            raise ValueError("GPUs are present but dask-cuda is not installed: `pip install 'dask-lm[cuda]'`, "
+                             "or pass cluster='cpu'") from e
+        n = n_workers or gpus
+        if n > gpus:
+            raise ValueError(f"`n_workers`={n} but only {gpus} GPUs are visible: one worker per GPU")
+        devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = devices.split(",")[:n] if devices else list(range(n))
+        # model weights and pinned buffers are unmanaged memory: Dask's pause / terminate thresholds would
+        # stall an SPMD group or kill a rank mid-collective, so GPU workers get no host memory limit
+        lc = LocalCUDACluster(CUDA_VISIBLE_DEVICES=visible, threads_per_worker=1, memory_limit=0,
+                              dashboard_address=dashboard_address, host="127.0.0.1", **cluster_kwargs)
+    else:
+        from distributed import LocalCluster
+
+        lc = LocalCluster(n_workers=n_workers or 2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                          dashboard_address=dashboard_address, memory_limit=memory_limit, **cluster_kwargs)
+    client = Client(lc)
+    client._dask_lm_owns_cluster = True  # type: ignore[attr-defined]
+    return client
+
+
+def as_client(cluster: Any) -> Client:
+    """A Client for what a user passed as ``cluster``: a Client, a Dask cluster object or a scheduler address."""
+    if isinstance(cluster, Client):
+        return cluster
+    if isinstance(cluster, str):
+        return connect(cluster)
+    if cluster is None:
+        from distributed import get_client
+
+        try:
+            return get_client()
+        except ValueError:
+            raise ValueError("no Dask client: pass `cluster=dask_lm.connect()` (or a scheduler address)") from None
+    if hasattr(cluster, "scheduler_address"):
+        return Client(cluster)
+    raise ValueError(f"`cluster` must be a distributed.Client, a Dask cluster or a scheduler address, "
+                     f"got {type(cluster).__name__}")

@@ -1,0 +1,327 @@
+"""``Policy``: NeMo RL's Policy API on a Dask cluster. The driver half: it owns no model and never touches CUDA.
+
+Example
+-------
+>>> client = dask_lm.connect()                      # one worker per GPU (2 CPU workers without GPUs)
+>>> policy = dask_lm.Policy(client, {"model_name": "/models/qwen2.5-0.5b", "precision": "bfloat16"}, tokenizer)
+>>> out = policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lengths))
+>>> out["logprobs"].shape                           # float32 [B, S]; position 0 is 0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from distributed import span
+
+from dask_lm.config import PolicyConfig
+from dask_lm.engine.batch import BatchedDataDict
+from dask_lm.engine.cluster import as_client
+from dask_lm.engine.validation import validate_input_batch
+from dask_lm.engine.worker_group import WorkerGroup
+from dask_lm.io.arrow import shard_to_wire
+from dask_lm.workers import tasks
+
+__all__ = ["Policy"]
+
+logger = logging.getLogger("dask_lm")
+
+
+def _timed(timer: Any, label: str) -> contextlib.AbstractContextManager:
+    return timer.time(label) if timer is not None and hasattr(timer, "time") else contextlib.nullcontext()
+
+
+def _model_vocab_size(model_name: str, overrides: dict | None) -> int | None:
+    """The embedding rows of the model, read from its config.json on the driver (no weights, no CUDA)."""
+    try:
+        import transformers
+
+        cfg = transformers.AutoConfig.from_pretrained(model_name, **(overrides or {}))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"`policy.model_name` = {model_name!r} is not a readable Hugging Face model directory: "
+                         f"{e}") from e
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return getattr(text, "vocab_size", None)
+
+
+class Policy:
+    """A language-model policy sharded over the workers of a Dask cluster (NeMo RL's ``Policy`` API).
+
+    Parameters follow NeMo RL. ``cluster`` is a ``distributed.Client``, a Dask cluster object or a scheduler
+    address; every worker of it becomes one rank (``workers_per_node`` caps the ranks taken per host).
+    ``config`` is a dict with NeMo RL's PolicyConfig keys or a :class:`~dask_lm.PolicyConfig`.
+    """
+
+    def __init__(self, cluster: Any, config: dict[str, Any] | PolicyConfig, tokenizer: Any,
+                 name_prefix: str = "lm_policy", workers_per_node: int | None = None, init_optimizer: bool = True,
+                 weights_path: str | os.PathLike | None = None, optimizer_path: str | os.PathLike | None = None,
+                 init_reference_model: bool = True, processor: Any = None,
+                 worker_extension_cls_fqn: str | None = None, skip_weight_load: bool = False) -> None:
+        self._group: WorkerGroup | None = None
+        self.cfg = PolicyConfig.from_dict(config)
+        if processor is not None:
+            raise ValueError("`processor` (multimodal inputs) is not supported yet; pass processor=None")
+        if optimizer_path is not None:
+            raise ValueError("`optimizer_path` restore arrives with Policy.train (training issue); pass None")
+        if weights_path is not None:
+            weights_path = os.path.abspath(weights_path)
+            if not os.path.isdir(weights_path):
+                raise ValueError(f"`weights_path` {weights_path!r} is not a directory")
+        self.tokenizer = tokenizer
+        self.pad_token_id = self._pad_id(tokenizer)
+        self.vocab_size = _model_vocab_size(self.cfg.model_name, self.cfg.hf_config_overrides)
+        self.client = as_client(cluster)
+        workers = self._pick_workers(workers_per_node)
+        self._group = group = WorkerGroup(self.client, workers=workers, name_prefix=name_prefix)
+        options = {"init_optimizer": init_optimizer, "init_reference_model": init_reference_model,
+                   "weights_path": weights_path, "skip_weight_load": skip_weight_load}
+        members = tuple(str(n) for n in group.names)
+        lock = group.group_lock() if group.world_size > 1 else contextlib.nullcontext()
+        with span("dask-lm/load-model"), lock:
+            master = group.rendezvous()
+            with group._submit_lock:
+                futs = [group.submit_rank(r, tasks.init_policy, group.policy_id, self.cfg.to_dict(),
+                                          key_name="load-model", rank=r, members=members, master=master,
+                                          pad_token_id=self.pad_token_id, extension_fqn=worker_extension_cls_fqn,
+                                          options=options)
+                        for r in range(group.world_size)]
+            self.worker_info = group.gather(futs, what="loading the model")
+        self._finalizer = weakref.finalize(self, _shutdown_quietly, group)
+
+    # ----------------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _pad_id(tokenizer: Any) -> int:
+        for attr in ("pad_token_id", "eos_token_id"):
+            value = getattr(tokenizer, attr, None)
+            if isinstance(value, int):
+                return value
+        return 0
+
+    def _pick_workers(self, workers_per_node: int | None) -> list[Any] | None:
+        if workers_per_node is None:
+            return None
+        if workers_per_node < 1:
+            raise ValueError(f"`workers_per_node` must be >= 1, got {workers_per_node}")
+        from dask_lm.engine.worker_group import _name_key, _scheduler_info
+
+        per_host: dict[str, list[Any]] = {}
+        for w in _scheduler_info(self.client)["workers"].values():
+            per_host.setdefault(w["host"], []).append(w["name"])
+        return sorted((n for names in per_host.values() for n in sorted(names, key=_name_key)[:workers_per_node]),
+                      key=_name_key)
+
+    @property
+    def group(self) -> WorkerGroup:
+        if self._group is None or not self._finalizer.alive:
+            raise RuntimeError("this Policy has been shut down; create a new one")
+        return self._group
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.group.world_size
+
+    def _shard(self, data: BatchedDataDict, batch_budget: int | None) -> tuple[list[BatchedDataDict], Any, bool]:
+        """DP shards (plain, dynamic or packed) and the permutation that restores input order (or None)."""
+        dp = self.data_parallel_size
+        cfg = self.cfg
+        if cfg.dynamic_batching.enabled:
+            shards, order = data.shard_by_batch_size(dp, dynamic_batching_args={
+                "input_key": "input_ids", "input_lengths_key": "input_lengths",
+                "sequence_length_round": cfg.dynamic_batching.sequence_length_round,
+                "max_tokens_per_microbatch": int(batch_budget or cfg.dynamic_batching.logprob_mb_tokens)})
+            return shards, order, False
+        if cfg.sequence_packing.enabled:
+            shards, order = data.shard_by_batch_size(dp, sequence_packing_args={
+                "input_key": "input_ids", "input_lengths_key": "input_lengths",
+                "max_tokens_per_microbatch": int(batch_budget or cfg.sequence_packing.logprob_mb_tokens),
+                "algorithm": cfg.sequence_packing.algorithm,
+                "sequence_length_pad_multiple": cfg.make_sequence_length_divisible_by,
+                "microbatch_order": cfg.sequence_packing.microbatch_order})
+            return shards, order, True
+        return data.shard_by_batch_size(dp, allow_uneven_shards=True), None, False
+
+    def _run_sharded(self, method: str, data: Any, *, what: str, timer: Any = None, label: str | None = None,
+                     **kwargs: Any) -> tuple[list[dict[str, Any]], Any]:
+        """Validate, shard, scatter each shard to its rank, run ``method`` on every rank, return rank results."""
+        label = label or method
+        data = validate_input_batch(data, what=what, vocab_size=self.vocab_size,
+                                    max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
+        group = self.group
+        with _timed(timer, f"{label}/shard_data"):
+            shards, order, packed = self._shard(data, None)
+        with _timed(timer, f"{label}/submit_logprob_futures"), span(f"dask-lm/{label}"):
+            payloads = [self.client.scatter(shard_to_wire(s, packed=packed), workers=[n], hash=False)
+                        for s, n in zip(shards, group.names)]
+            futs = group.submit_all(tasks.call_policy, [(group.policy_id, method, p) for p in payloads],
+                                    key_name=label.replace("_", "-"), **kwargs)
+            results = group.gather(futs, what=what)
+        return results, order
+
+    @staticmethod
+    def _join(results: list[dict[str, Any]], order: Any, key: str, cat: bool = False) -> torch.Tensor:
+        if cat:
+            joined = BatchedDataDict({key: torch.cat([r[key] for r in results], dim=0)})
+        else:
+            joined = BatchedDataDict.from_batches([BatchedDataDict({key: r[key]}) for r in results])
+        if order is not None:
+            joined.reorder_data(order)
+        return joined[key]
+
+    # ----------------------------------------------------------------------------------------- inference
+    def get_logprobs(self, data: BatchedDataDict, timer: Any = None) -> BatchedDataDict:
+        """Per-token log-probabilities: ``{"logprobs": float32 [B, S]}``; position 0 and padding hold 0."""
+        results, order = self._run_sharded("get_logprobs", data, what="get_logprobs", timer=timer)
+        return BatchedDataDict(logprobs=self._join(results, order, "logprobs"))
+
+    def get_reference_policy_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None,
+                                      timer: Any = None) -> BatchedDataDict:
+        """Log-probabilities under the weights as first loaded (before training or a ``weights_path`` restore):
+        ``{"reference_logprobs": float32 [B, S]}``; the generation temperature applies, top-k/top-p do not."""
+        results, order = self._run_sharded("get_logprobs", data, what="get_reference_policy_logprobs", timer=timer,
+                                           label="get_reference_policy_logprobs",
+                                           micro_batch_size=micro_batch_size, reference=True)
+        return BatchedDataDict(reference_logprobs=self._join(results, order, "reference_logprobs"))
+
+    def get_topk_logits(self, data: BatchedDataDict, k: int, micro_batch_size: int | None = None,
+                        timer: Any = None) -> BatchedDataDict:
+        """The k largest temperature-scaled logits at every position: ``topk_logits`` float32 [B, S, k] and
+        ``topk_indices`` int64 [B, S, k] (padding positions hold 0)."""
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"get_topk_logits: `k` must be a positive integer, got {k!r}")
+        if self.vocab_size is not None and k > self.vocab_size:
+            raise ValueError(f"get_topk_logits: `k`={k} exceeds the vocabulary size {self.vocab_size}")
+        results, order = self._run_sharded("get_topk_logits", data, what="get_topk_logits", timer=timer, k=k,
+                                           micro_batch_size=micro_batch_size)
+        return BatchedDataDict(topk_logits=self._join(results, order, "topk_logits", cat=True),
+                               topk_indices=self._join(results, order, "topk_indices", cat=True))
+
+    def score(self, data: BatchedDataDict) -> BatchedDataDict:
+        """Reward-model scores ``{"scores": float32 [B]}`` (needs ``reward_model_cfg.enabled``)."""
+        if not self.cfg.reward_model_cfg.enabled:
+            raise ValueError("score() needs a reward model: set `policy.reward_model_cfg.enabled: true` and point "
+                             "`policy.model_name` at a sequence-classification checkpoint")
+        results, order = self._run_sharded("score", data, what="score")
+        return BatchedDataDict(scores=self._join(results, order, "scores", cat=True))
+
+    # ----------------------------------------------------------------------------------------- generic hooks
+    def run_all_workers_single_data(self, method_name: str, *args: Any, run_rank_0_only_axes: Any = None,
+                                    **kwargs: Any) -> list[Any]:
+        """Call ``method_name`` (of the worker, or of ``worker_extension_cls_fqn``) on every rank with the same
+        arguments; one result per rank."""
+        return self.group.run_all(tasks.call_policy, self.group.policy_id, method_name, None, *args,
+                                  what=method_name, key_name=method_name.replace("_", "-"), **kwargs)
+
+    def run_all_workers_multiple_data(self, method_name: str, *args: Any, run_rank_0_only_axes: Any = None,
+                                      common_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
+        """Like ``run_all_workers_single_data``, but each positional / keyword argument is a list with one entry
+        per rank; ``common_kwargs`` go to every rank."""
+        n = self.data_parallel_size
+        for i, a in enumerate(args):
+            if not isinstance(a, (list, tuple)) or len(a) != n:
+                raise ValueError(f"run_all_workers_multiple_data: positional argument {i} must be a list of {n} "
+                                 "entries (one per worker)")
+        for key, v in kwargs.items():
+            if not isinstance(v, (list, tuple)) or len(v) != n:
+                raise ValueError(f"run_all_workers_multiple_data: `{key}` must be a list of {n} entries")
+        group = self.group
+        with group._submit_lock:
+            futs = [group.submit_rank(r, tasks.call_policy, group.policy_id, method_name, None,
+                                      *[a[r] for a in args], key_name=method_name.replace("_", "-"),
+                                      **{k: v[r] for k, v in kwargs.items()}, **(common_kwargs or {}))
+                    for r in range(n)]
+        return group.gather(futs, what=method_name)
+
+    def _call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.run_all_workers_single_data(method, *args, **kwargs)
+
+    # ----------------------------------------------------------------------------------------- placement
+    def get_free_memory_bytes(self) -> int:
+        """The smallest free device memory over the workers (host RAM on CPU workers)."""
+        infos = self.group.run_all(tasks.rank_info, what="get_free_memory_bytes", key_name="free-memory")
+        return int(min(i["free_memory_bytes"] for i in infos))
+
+    def print_node_ip_and_gpu_id(self) -> list[tuple[str, Any]]:
+        infos = self.group.run_all(tasks.rank_info, what="print_node_ip_and_gpu_id", key_name="node-ip")
+        rows = [(str(name), i["node_ip"], i["gpu_id"], i["gpu_name"]) for name, i in zip(self.group.names, infos)]
+        lines = [f"{'worker':>8}  {'node ip':>15}  {'gpu id':>6}  device", *(
+            f"{w:>8}  {ip:>15}  {str(g):>6}  {n}" for w, ip, g, n in rows)]
+        print("\n".join(lines))
+        return [(ip, g) for _, ip, g, _ in rows]
+
+    def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
+        self._call_all("prepare_for_lp_inference")
+
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def invalidate_kv_cache(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def finish_inference(self) -> None:
+        self._call_all("finish_inference")
+
+    def offload_to_cpu(self) -> None:
+        self._call_all("offload_to_cpu")
+
+    offload_after_refit = offload_to_cpu
+
+    def start_gpu_profiling(self) -> None:
+        self.group.run_all(_profiler, True, what="start_gpu_profiling", key_name="profiler")
+
+    def stop_gpu_profiling(self) -> None:
+        self.group.run_all(_profiler, False, what="stop_gpu_profiling", key_name="profiler")
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+    def shutdown(self) -> bool:
+        """Free everything this Policy holds on the workers (model, optimizer, reference, process group)."""
+        if self._group is None or not self._finalizer.alive:
+            return True
+        self._finalizer.detach()
+        ok = _shutdown_quietly(self._group, raise_errors=True)
+        return ok
+
+    def __del__(self) -> None:  # weakref.finalize does the work; this keeps NeMo RL's contract visible
+        pass
+
+    def __enter__(self) -> Policy:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        if self._group is None:
+            return "Policy(<not started>)"
+        return (f"Policy(model={self.cfg.model_name!r}, ranks={self._group.world_size}, "
+                f"workers={self._group.names}, precision={self.cfg.precision})")
+
+
+def _profiler(_prev: Any, start: bool) -> bool:
+    from dask_lm.workers import device
+
+    (device.start_profiler if start else device.stop_profiler)()
+    return True
+
+
+def _shutdown_quietly(group: WorkerGroup, raise_errors: bool = False) -> bool:
+    try:
+        if group.client.status not in ("running", "connecting"):
+            return False
+        futs = group.submit_all(tasks.shutdown_policy, [(group.policy_id,)] * group.world_size,
+                                key_name="shutdown")
+        group.gather(futs, what="shutdown", timeout=120)
+        return True
+    except Exception:
+        if raise_errors:
+            raise
+        logger.warning("shutting down policy %s failed", group.policy_id, exc_info=True)
+        return False

@@ -1,0 +1,208 @@
+"""How a batch is split over data-parallel ranks and cut into micro-batches (pure functions, no processes).
+
+Three ways, all as NeMo RL does them, so every rank of an FSDP group runs the same number of forwards:
+
+* **plain**: the batch is cut into ``batch_size`` chunks (global batches); shard s takes the s-th contiguous
+  slice of every chunk, so each rank's k-th local batch comes from global batch k.
+* **dynamic batching**: within each chunk rows are sorted by length (stable) and dealt round-robin to the
+  shards; micro-batch boundaries are then cut once for all shards from the per-position maximum length, so that
+  ``rows x padded length <= max_tokens_per_microbatch``.
+* **sequence packing**: within each chunk a packer puts rows into bins of at most ``max_tokens_per_microbatch``
+  tokens, with a bin count that is a multiple of the shard count; bins go round-robin to the shards.
+
+Sorting and packing return ``batch_sorted_indices``: the original row of each output position, in rank-major
+order; ``BatchedDataDict.reorder_data`` undoes it after the ranks' outputs are concatenated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
+
+import torch
+
+from dask_lm.engine.packing import get_packer
+
+if TYPE_CHECKING:
+    from dask_lm.engine.batch import BatchedDataDict
+
+try:
+    from typing import NotRequired
+except ImportError:  # Python 3.10
+    from typing_extensions import NotRequired
+
+__all__ = ["BatchError", "DynamicBatchingArgs", "SequencePackingArgs", "shard_batch", "batch_size_of"]
+
+
+class BatchError(ValueError, AssertionError):
+    """A batch that cannot be split as asked. A ``ValueError`` (bad input), and an ``AssertionError`` too, because
+    NeMo RL asserts the same conditions and code written against it may catch that."""
+
+
+class DynamicBatchingArgs(TypedDict):
+    max_tokens_per_microbatch: int
+    sequence_length_round: int
+    input_key: str
+    input_lengths_key: str
+
+
+class SequencePackingArgs(TypedDict):
+    max_tokens_per_microbatch: int
+    input_key: str
+    input_lengths_key: str
+    algorithm: str
+    sequence_length_pad_multiple: NotRequired[int]
+    microbatch_order: NotRequired[Literal["packer", "largest_first"]]
+
+
+def batch_size_of(value: Any) -> int:
+    return int(value.shape[0]) if isinstance(value, torch.Tensor) else len(value)
+
+
+def _take(value: Any, rows: list[int] | torch.Tensor) -> Any:
+    if isinstance(value, torch.Tensor):
+        idx = rows if isinstance(rows, torch.Tensor) else torch.as_tensor(rows, dtype=torch.long)
+        return value.index_select(0, idx.to(value.device))
+    if isinstance(value, list):
+        return [value[int(i)] for i in rows]
+    raise TypeError(f"Unsupported type {type(value)} for index selection in BatchedDataDict")
+
+
+def shard_batch(data: BatchedDataDict, shards: int, batch_size: int | None = None, allow_uneven_shards: bool = False,
+                dynamic_batching_args: DynamicBatchingArgs | None = None,
+                sequence_packing_args: SequencePackingArgs | None = None) -> Any:
+    """The body of ``BatchedDataDict.shard_by_batch_size`` (see there)."""
+    from dask_lm.engine.batch import SlicedDataDict
+
+    if shards < 1:
+        raise BatchError(f"shards must be >= 1, got {shards}")
+    if allow_uneven_shards and batch_size is not None:
+        raise BatchError("batch_size must be None if allow_uneven_shards is True")
+    if dynamic_batching_args is not None and sequence_packing_args is not None:
+        raise BatchError("dynamic_batching_args and sequence_packing_args cannot be passed together")
+    sizes = sorted({batch_size_of(v) for v in data.values()})
+    if len(sizes) > 1:
+        raise BatchError("Batch sizes are not the same across the rollout batch, found sizes: "
+                         f"[{','.join(str(s) for s in sizes)}]")
+    total = sizes[0] if sizes else 0
+    batch_size = total if batch_size is None else batch_size
+    if batch_size < 1 and total:
+        raise BatchError(f"batch_size must be >= 1, got {batch_size}")
+    if total and total % batch_size:
+        raise BatchError(f"Total batch size ({total}) is not a multiple of batch_size ({batch_size})")
+    if not allow_uneven_shards and batch_size % shards:
+        raise BatchError(f"Batch size ({batch_size}) is not a multiple of shards ({shards})")
+    num_chunks = total // batch_size if batch_size else 0
+
+    if sequence_packing_args is not None:
+        return _pack_shards(data, shards, batch_size, num_chunks, sequence_packing_args, allow_uneven_shards)
+
+    sorted_indices: list[int] | None = None
+    if dynamic_batching_args is not None:
+        lengths = data[dynamic_batching_args["input_lengths_key"]]
+        sorted_indices = []
+        for c in range(num_chunks):
+            start = c * batch_size
+            local = sorted(range(batch_size), key=lambda i: int(lengths[start + i]))
+            dealt = [start + i for s in range(shards) for i in local[s::shards]]
+            sorted_indices.extend(dealt)
+        data = type(data)({k: _take(v, sorted_indices) for k, v in data.items()})
+
+    shard_size = math.ceil(batch_size / shards) if allow_uneven_shards else batch_size // shards
+    out = []
+    for s in range(shards):
+        rows: list[int] = []
+        for c in range(num_chunks):
+            lo = c * batch_size + s * shard_size
+            hi = c * batch_size + (s + 1) * shard_size
+            if allow_uneven_shards:
+                lo, hi = min(lo, (c + 1) * batch_size), min(hi, (c + 1) * batch_size)
+            rows.extend(range(lo, hi))
+        out.append(SlicedDataDict({k: _take(v, rows) for k, v in data.items()}))
+    if dynamic_batching_args is None:
+        return out
+    _cut_dynamic_micro_batches(out, shard_size, num_chunks, dynamic_batching_args,
+                               width=int(data[dynamic_batching_args["input_key"]].shape[1]))
+    return out, sorted_indices
+
+
+def _cut_dynamic_micro_batches(shards: list[Any], shard_size: int, num_chunks: int, args: DynamicBatchingArgs,
+                               *, width: int) -> None:
+    """Identical micro-batch boundaries for every shard: position j's length is the max over shards."""
+    budget = int(args["max_tokens_per_microbatch"])
+    rnd = int(args["sequence_length_round"])
+    key = args["input_lengths_key"]
+    indices, lengths = [], []
+    for c in range(num_chunks):
+        mbi: list[list[int]] = [[0, 0]]
+        mbl: list[int] = [0]
+        longest = 0
+        for j in range(shard_size):
+            m = max((int(sh[key][c * shard_size + j]) for sh in shards
+                     if c * shard_size + j < batch_size_of(sh[key])), default=0)
+            m = min(math.ceil(m / rnd) * rnd, width)
+            if m > budget:
+                raise BatchError(f"got an input of padded ({rnd}) sequence length of {m}, however max microbatch "
+                                 f"size is {budget} tokens; raise the token budget (logprob_mb_tokens / "
+                                 "train_mb_tokens) or shorten the row")
+            rows = mbi[-1][1] - mbi[-1][0] + 1
+            longest = max(longest, m)
+            if rows * longest <= budget:
+                mbi[-1][1] += 1
+                mbl[-1] = longest
+            else:
+                mbi.append([j, j + 1])
+                longest = m
+                mbl.append(longest)
+        indices.append(mbi)
+        lengths.append(mbl)
+    for sh in shards:
+        n = batch_size_of(sh[key]) if sh else 0
+        # uneven shards: a shorter shard keeps the same count of micro-batches, its trailing ones clipped (empty
+        # ones run as dummies on the rank, so collectives still pair up)
+        sh.micro_batch_indices = [[[min(s, n), min(e, n)] for s, e in chunk] for chunk in indices]
+        sh.micro_batch_lengths = [list(chunk) for chunk in lengths]
+
+
+def _pack_shards(data: BatchedDataDict, shards: int, batch_size: int, num_chunks: int, args: SequencePackingArgs,
+                 allow_uneven: bool) -> tuple[list[Any], list[int]]:
+    from dask_lm.engine.batch import SlicedDataDict
+
+    order = args.get("microbatch_order")
+    if order not in (None, "packer", "largest_first"):
+        raise BatchError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', got {order!r}")
+    pad = int(args.get("sequence_length_pad_multiple", 1) or 1)
+    lengths = data[args["input_lengths_key"]]
+    if not isinstance(lengths, torch.Tensor):
+        lengths = torch.tensor(lengths)
+    per_shard_rows: list[list[int]] = [[] for _ in range(shards)]
+    mbi: list[list[list[list[int]]]] = [[] for _ in range(shards)]
+    mbl: list[list[list[int]]] = [[] for _ in range(shards)]
+    counts: list[list[int]] = [[] for _ in range(shards)]
+    for c in range(num_chunks):
+        start = c * batch_size
+        padded = [(int(x) + pad - 1) // pad * pad for x in lengths[start:start + batch_size].tolist()]
+        # with fewer rows than ranks (allowed for inference only), some ranks get no bin and run dummies
+        bins_needed = shards if not allow_uneven or len(padded) >= shards else None
+        packer = get_packer(args["algorithm"], int(args["max_tokens_per_microbatch"]), collect_metrics=False,
+                            min_bin_count=bins_needed, bin_count_multiple=bins_needed)
+        bins = packer.pack(padded)
+        for s in range(shards):
+            mine = bins[s::shards]
+            if order == "largest_first":
+                mine = sorted(mine, key=lambda b: -sum(padded[i] for i in b))
+            chunk_idx, chunk_len, pos = [], [], 0
+            for b in mine:
+                per_shard_rows[s].extend(start + i for i in b)
+                chunk_idx.append([pos, pos + len(b)])
+                chunk_len.append(sum(padded[i] for i in b))
+                pos += len(b)
+            mbi[s].append(chunk_idx)
+            mbl[s].append(chunk_len)
+            counts[s].append(pos)
+    out = []
+    for s in range(shards):
+        shard = SlicedDataDict({k: _take(v, per_shard_rows[s]) for k, v in data.items()})
+        shard.micro_batch_indices, shard.micro_batch_lengths, shard.elem_counts_per_gb = mbi[s], mbl[s], counts[s]
+        out.append(shard)
+    return out, [i for rows in per_shard_rows for i in rows]

@@ -1,0 +1,94 @@
+"""Checks on a batch before any worker sees it. Each error names the key, the row and the fix.
+
+A rejected call changes nothing: validation runs on the driver before anything is scattered or submitted, so
+the Policy keeps working after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from dask_lm.engine.batch import BatchedDataDict
+
+__all__ = ["validate_input_batch"]
+
+_SHAPE_HELP = "`input_ids` must be an integer tensor [B, S] of right-padded token ids"
+
+
+def validate_input_batch(data: Any, *, what: str, vocab_size: int | None, max_length: int | None,
+                         pad_token_id: int | None = None) -> BatchedDataDict:
+    """Return ``data`` as a BatchedDataDict after checking ``input_ids`` / ``input_lengths``; raise ``ValueError``."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{what}: data must be a BatchedDataDict (or dict) with `input_ids` and `input_lengths`, "
+                         f"got {type(data).__name__}")
+    for key in ("input_ids", "input_lengths"):
+        if key not in data:
+            hint = (" ([B] true length of each row)" if key == "input_lengths"
+                    else " ([B, S] right-padded token ids)")
+            raise ValueError(f"{what}: data is missing the key `{key}`{hint}; it has {sorted(data.keys())}")
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{what}: {_SHAPE_HELP}, got {type(ids).__name__}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{what}: `input_ids` has dtype {ids.dtype}; token ids must be integers "
+                         "(convert with .long())")
+    if ids.dim() != 2:
+        raise ValueError(f"{what}: {_SHAPE_HELP}, got shape {list(ids.shape)}")
+    b, s = ids.shape
+    if b == 0 or s == 0:
+        raise ValueError(f"{what}: `input_ids` is empty (shape {list(ids.shape)}); pass at least one row")
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1:
+        raise ValueError(f"{what}: `input_lengths` must be an integer tensor [B]")
+    if lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise ValueError(f"{what}: `input_lengths` has dtype {lengths.dtype}; lengths must be integers")
+    if lengths.shape[0] != b:
+        raise ValueError(f"{what}: `input_lengths` has {lengths.shape[0]} entries but `input_ids` has {b} rows")
+    for key, value in data.items():
+        n = value.shape[0] if isinstance(value, torch.Tensor) else len(value)
+        if n != b:
+            raise ValueError(f"{what}: `{key}` has {n} rows but `input_ids` has {b}")
+    lens = lengths.detach().to("cpu", torch.int64)
+    short = (lens < 1).nonzero()
+    if short.numel():
+        r = int(short[0])
+        raise ValueError(f"{what}: `input_lengths[{r}]` = {int(lens[r])}; every row needs at least one token")
+    over = (lens > s).nonzero()
+    if over.numel():
+        r = int(over[0])
+        raise ValueError(f"{what}: `input_lengths[{r}]` = {int(lens[r])} but `input_ids` has only {s} columns")
+    if max_length is not None:
+        too_long = (lens > max_length).nonzero()
+        if too_long.numel():
+            r = int(too_long[0])
+            raise ValueError(f"{what}: row {r} has {int(lens[r])} tokens, more than "
+                             f"`policy.max_total_sequence_length` = {max_length}; truncate the row or raise "
+                             "max_total_sequence_length")
+    cpu_ids = ids.detach().to("cpu", torch.int64)
+    valid = torch.arange(s)[None, :] < lens[:, None]
+    bad = valid & ((cpu_ids < 0) | (cpu_ids >= vocab_size if vocab_size is not None else torch.zeros_like(valid)))
+    if bool(bad.any()):
+        r, c = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"{what}: `input_ids[{r}, {c}]` = {int(cpu_ids[r, c])} is outside the model's vocabulary "
+                         f"[0, {vocab_size}); the tokenizer and the model do not match")
+    if pad_token_id is not None:
+        _check_right_padding(cpu_ids, lens, pad_token_id, what)
+    return data if isinstance(data, BatchedDataDict) else BatchedDataDict(data)
+
+
+def _check_right_padding(ids: torch.Tensor, lens: torch.Tensor, pad: int, what: str) -> None:
+    """A left-padded row starts with pad tokens and ends with real ones: its logprobs would be silently wrong."""
+    s = ids.shape[1]
+    padded_rows = (lens < s).nonzero().flatten()
+    if padded_rows.numel() == 0:
+        return
+    for r in padded_rows.tolist():
+        n = int(lens[r])
+        head_is_pad = bool((ids[r, : s - n] == pad).all()) and int(ids[r, 0]) == pad
+        tail_is_pad = bool((ids[r, n:] == pad).all())
+        if head_is_pad and not tail_is_pad:
+            raise ValueError(f"{what}: row {r} looks left-padded (it starts with {s - n} pad tokens and its last "
+                             f"{s - n} positions are not padding); dask-lm needs right padding: tokens first, then "
+                             "pad, with `input_lengths` giving the count of real tokens")

@@ -1,0 +1,116 @@
+"""Ranks as Dask workers: pinned, chained SPMD tasks and the torch.distributed rendezvous.
+
+Rank r is the worker whose *name* sorts r-th (names survive a nanny restart; addresses do not). A collective call
+is one task per rank, submitted together under a lock, each pinned to its worker (``allow_other_workers=False``)
+and chained to that rank's previous SPMD task so every rank runs collectives in the same order. Tasks never
+retry: one rank cannot redo a collective alone, so a lost rank fails the call with an error naming it.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from distributed import Client, Future, Lock, wait
+
+from dask_lm.workers import tasks
+from dask_lm.workers.state import DaskLMWorkerState
+
+__all__ = ["WorkerGroup", "RankFailedError"]
+
+
+class RankFailedError(RuntimeError):
+    """A rank's task failed or its worker died; the group must be re-created."""
+
+
+def _scheduler_info(client: Client) -> dict[str, Any]:
+    # recent distributed lists only 5 workers unless asked for all
+    try:
+        return client.scheduler_info(n_workers=-1)
+    except TypeError:
+        return client.scheduler_info()
+
+
+def _name_key(name: Any) -> tuple[int, Any]:
+    return (0, int(name)) if str(name).isdigit() else (1, str(name))
+
+
+class WorkerGroup:
+    """The Dask workers one Policy runs on, one rank each."""
+
+    def __init__(self, client: Client, *, workers: Sequence[Any] | None = None, name_prefix: str = "lm_policy",
+                 wait_timeout_s: float = 120.0) -> None:
+        self.client = client
+        info = _scheduler_info(client)
+        if not info["workers"]:
+            client.wait_for_workers(1, timeout=wait_timeout_s)
+            info = _scheduler_info(client)
+        by_name = {w["name"]: addr for addr, w in info["workers"].items()}
+        if workers is None:
+            names = sorted(by_name, key=_name_key)
+        else:
+            missing = [w for w in workers if w not in by_name]
+            if missing:
+                raise ValueError(f"workers {missing} are not in the cluster (it has {sorted(by_name, key=_name_key)})")
+            names = list(workers)
+        self.names: list[Any] = names
+        self.hosts: list[str] = [info["workers"][by_name[n]]["host"] for n in names]
+        self.policy_id = f"{name_prefix}-{uuid.uuid4().hex[:8]}"
+        self._last: list[Future | None] = [None] * len(names)
+        self._submit_lock = threading.Lock()
+        client.register_plugin(DaskLMWorkerState(), name="dask-lm")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.names)
+
+    def submit_rank(self, rank: int, fn: Callable[..., Any], *args: Any, key_name: str = "call",
+                    chain: bool = True, **kwargs: Any) -> Future:
+        """One pinned task on ``rank`` (chained after that rank's previous SPMD task when ``chain``)."""
+        prev = self._last[rank] if chain else None
+        fut = self.client.submit(fn, prev, *args, workers=[self.names[rank]], allow_other_workers=False,
+                                 pure=False, retries=0, key=f"{key_name}-{self.policy_id}-r{rank}-{uuid.uuid4().hex[:6]}",
+                                 **kwargs)
+        if chain:
+            self._last[rank] = fut
+        return fut
+
+    def submit_all(self, fn: Callable[..., Any], per_rank_args: Sequence[tuple] | None = None, *common: Any,
+                   key_name: str = "call", **kwargs: Any) -> list[Future]:
+        """One chained task per rank, submitted together; ``per_rank_args[r]`` goes before ``common``."""
+        with self._submit_lock:
+            return [self.submit_rank(r, fn, *((per_rank_args[r] if per_rank_args else ()) + common),
+                                     key_name=key_name, **kwargs) for r in range(self.world_size)]
+
+    def gather(self, futures: Sequence[Future], *, what: str, timeout: float | None = None) -> list[Any]:
+        """Results of one SPMD call; a failure names the rank and worker and keeps the root cause."""
+        wait(list(futures), timeout=timeout)
+        failed = [(r, f) for r, f in enumerate(futures) if f.status != "finished"]
+        if failed:
+            rank, fut = failed[0]
+            try:
+                exc = fut.exception(timeout=5)
+            except Exception as e:  # cancelled / lost futures raise here
+                exc = e
+            if isinstance(exc, ValueError):
+                raise exc
+            raise RankFailedError(f"{what} failed on rank {rank} (worker {self.names[rank]!r}): "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        return self.client.gather(list(futures))
+
+    def run_all(self, fn: Callable[..., Any], *args: Any, what: str, key_name: str = "call",
+                **kwargs: Any) -> list[Any]:
+        return self.gather(self.submit_all(fn, None, *args, key_name=key_name, **kwargs), what=what)
+
+    def rendezvous(self) -> tuple[str, int] | None:
+        """Rank 0's host and a free port there, found by a task on rank 0 (None for one rank)."""
+        if self.world_size == 1:
+            return None
+        fut = self.submit_rank(0, tasks.find_free_port, key_name="find-port", chain=False)
+        return tuple(self.gather([fut], what="finding a rendezvous port"))[0]  # type: ignore[return-value]
+
+    def group_lock(self) -> Lock:
+        """Cluster-wide lock held while process groups are created, so every worker makes them in one order."""
+        return Lock("dask-lm-process-groups", client=self.client)

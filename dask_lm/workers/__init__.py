@@ -1,0 +1,1 @@
+"""Worker side of dask-lm: code that runs inside the Dask worker processes, one process per GPU."""

@@ -1,0 +1,152 @@
+"""Log-probabilities and top-k logits from final hidden states, a chunk of tokens at a time.
+
+A model's ``lm_head`` turns ``[N, H]`` hidden states into ``[N, V]`` logits; for a 152k vocabulary a float32
+``[B, S, V]`` tensor is 0.6 MB per token, which is what runs real jobs out of memory. These functions take only
+the positions that count, run the head over ``chunk_size`` of them at a time, reduce each chunk to what the
+caller needs (one logprob, or k logits) and let the chunk's logits go before the next one is built.
+Peak extra memory is ``chunk_size x V x 4`` bytes (plus the same again while filtering), independent of batch shape.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["OutputHead", "output_head", "next_token_logprobs", "topk_logits", "apply_top_k_top_p"]
+
+
+@dataclass
+class OutputHead:
+    """``hidden [N, H] -> float32 logits [N, V]`` for one model, with the model family's logit transforms."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight, self.bias).float()
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def output_head(model: torch.nn.Module) -> OutputHead:
+    """The output projection of a Hugging Face causal LM, read from its live (unsharded) parameters."""
+    head = model.get_output_embeddings()
+    assert head is not None, f"{type(model).__name__} has no output embeddings"
+    cfg = model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    scale = 1.0
+    if getattr(text_cfg, "logit_scale", None) is not None:  # Cohere multiplies
+        scale = float(text_cfg.logit_scale)
+    if getattr(text_cfg, "logits_scaling", None) is not None:  # Granite divides
+        scale = 1.0 / float(text_cfg.logits_scaling)
+    softcap = getattr(text_cfg, "final_logit_softcapping", None)
+    return OutputHead(head.weight, getattr(head, "bias", None), scale, softcap)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
+    """Set logits outside the sampler's top-k / nucleus to -inf (rows are independent positions)."""
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p; the top token always stays
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _chunks(n: int, chunk_size: int | None) -> list[tuple[int, int]]:
+    step = n if not chunk_size else chunk_size
+    return [(s, min(s + step, n)) for s in range(0, n, max(step, 1))]
+
+
+def next_token_logprobs(
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    valid: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = 1024,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+) -> torch.Tensor:
+    """float32 ``[B, S]``: position i >= 1 holds log p(input_ids[:, i] | input_ids[:, :i]); position 0 and
+    every position where ``valid`` is false hold 0.
+
+    ``hidden`` is ``[B, S, H]`` (final hidden states, after the last norm); ``valid`` is ``[B, S]`` bool.
+    """
+    b, s = input_ids.shape
+    out = torch.zeros(b, s, dtype=torch.float32, device=hidden.device)
+    if s < 2:
+        return out
+    target_mask = valid[:, 1:].clone()
+    rows, cols = target_mask.nonzero(as_tuple=True)  # cols index the predicting position
+    if rows.numel() == 0:
+        return out
+    h = hidden[rows, cols]  # [N, H]
+    targets = input_ids[rows, cols + 1]
+    values = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)
+    filtering = (top_k is not None and top_k > 0) or top_p < 1.0
+    for start, end in _chunks(rows.numel(), chunk_size):
+        logits = head(h[start:end])
+        if temperature != 1.0:
+            logits = logits / temperature
+        if filtering:
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        picked = logits.gather(1, targets[start:end, None]).squeeze(1)
+        values[start:end] = picked - torch.logsumexp(logits, dim=-1)
+        del logits
+    if filtering:
+        bad = ~torch.isfinite(values)
+        if bool(bad.any()):
+            warnings.warn(f"{int(bad.sum())} valid tokens fall outside the generation top-k/top-p filter; "
+                          "their logprobs are set to 0", stacklevel=2)
+            values = values.masked_fill(bad, 0.0)
+    out[rows, cols + 1] = values
+    return out
+
+
+def topk_logits(
+    hidden: torch.Tensor,
+    valid: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    k: int,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest temperature-scaled logits at every valid position: float32 ``[B, S, k]`` and int64
+    vocabulary ids ``[B, S, k]``, sorted descending; invalid (padding) positions hold 0 in both."""
+    b, s, _ = hidden.shape
+    values = torch.zeros(b, s, k, dtype=torch.float32, device=hidden.device)
+    indices = torch.zeros(b, s, k, dtype=torch.int64, device=hidden.device)
+    rows, cols = valid.nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return values, indices
+    h = hidden[rows, cols]
+    flat_v = torch.empty(rows.numel(), k, dtype=torch.float32, device=hidden.device)
+    flat_i = torch.empty(rows.numel(), k, dtype=torch.int64, device=hidden.device)
+    for start, end in _chunks(rows.numel(), chunk_size):
+        logits = head(h[start:end])
+        if temperature != 1.0:
+            logits = logits / temperature
+        top = torch.topk(logits, k, dim=-1)
+        flat_v[start:end], flat_i[start:end] = top.values, top.indices
+        del logits
+    values[rows, cols] = flat_v
+    indices[rows, cols] = flat_i
+    return values, indices

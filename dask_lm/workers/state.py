@@ -1,0 +1,128 @@
+"""Worker-side state: the WorkerPlugin that holds each rank's policies and the process group they share.
+
+The plugin is light on purpose: ``setup`` runs on the worker's event loop, so it only creates empty
+containers. Heavy work (model load, ``init_process_group``) runs in pinned tasks on the task thread, where it
+shows on the dashboard. A worker restarted by its nanny gets the plugin again with *empty* state, which is how a
+Policy notices that a rank lost its model.
+
+torch.distributed allows one default process group per process. dask-lm initialises it once per worker over
+the ranks of the first multi-rank Policy and gives every Policy its own sub-group (its own communicator), so a
+policy and a reward model on the same workers run collectives side by side without pairing up by mistake.
+The default group is torn down when the last Policy on the worker shuts down.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from distributed import WorkerPlugin, get_worker
+
+if TYPE_CHECKING:
+    from dask_lm.workers.policy_worker import PolicyWorker
+
+__all__ = ["PLUGIN_NAME", "DaskLMWorkerState", "get_state", "join_process_group", "leave_process_group"]
+
+PLUGIN_NAME = "dask-lm"
+logger = logging.getLogger("dask_lm.worker")
+
+
+class DaskLMWorkerState(WorkerPlugin):
+    """Holds this worker's :class:`PolicyWorker` objects, keyed by policy id, and the world process group."""
+
+    name = PLUGIN_NAME
+    idempotent = True  # registering again (a second Policy) keeps the state that is already there
+
+    def __init__(self) -> None:
+        self.policies: dict[str, PolicyWorker] = {}
+        self.world_members: tuple[str, ...] | None = None
+        self.world_users: set[str] = set()
+        self.groups: dict[str, Any] = {}
+        self.last_call: dict[str, Any] = {}
+
+    def setup(self, worker: Any) -> None:
+        self.policies = {}
+        self.world_members = None
+        self.world_users = set()
+        self.groups = {}
+        self.last_call = {"tokens": 0, "seconds": 0.0}
+        # numeric gauges become extra columns of the dashboard's Workers table
+        worker.metrics["dask_lm_policies"] = lambda w: len(self.policies)
+        worker.metrics["dask_lm_tokens_per_s"] = lambda w: (
+            self.last_call["tokens"] / self.last_call["seconds"] if self.last_call["seconds"] else 0.0)
+
+    def teardown(self, worker: Any) -> None:
+        for policy_id in list(self.policies):
+            try:
+                self.shutdown_policy(policy_id)
+            except Exception:  # teardown must not raise into the worker's close path
+                logger.exception("shutting down policy %s", policy_id)
+
+    def shutdown_policy(self, policy_id: str) -> bool:
+        pw = self.policies.pop(policy_id, None)
+        if pw is not None:
+            pw.shutdown()
+            del pw
+        leave_process_group(self, policy_id)
+        gc.collect()
+        from dask_lm.workers import device
+
+        device.empty_cache()
+        return True
+
+
+def get_state() -> DaskLMWorkerState:
+    """The plugin of the worker running the current task; an actionable error elsewhere."""
+    try:
+        worker = get_worker()
+    except ValueError:
+        raise RuntimeError("dask_lm worker state is only available inside a task on a Dask worker") from None
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        raise RuntimeError(f"worker {worker.name} has no dask-lm plugin: it was restarted or joined after the "
+                           "Policy was created; shut the Policy down and create it again")
+    return plugin  # type: ignore[return-value]
+
+
+def join_process_group(state: DaskLMWorkerState, policy_id: str, *, members: tuple[str, ...], rank: int,
+                       master_addr: str, master_port: int, backend: str, timeout_s: float) -> Any:
+    """Initialise the world group on first use, then make a sub-group for ``policy_id`` over all members.
+
+    Every member calls this in the same order (the driver holds a cluster-wide lock while it creates a
+    Policy), which ``new_group`` requires.
+    """
+    import torch
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = torch.device("cuda", 0)
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=len(members), timeout=timeout, **kwargs)
+        state.world_members = members
+    elif state.world_members != members:
+        raise RuntimeError(
+            f"this worker is already in a process group over workers {list(state.world_members or ())} "
+            f"(policies {sorted(state.world_users)}); a Policy over {list(members)} cannot join it. Use the same "
+            "workers for Policies that run side by side, or shut the others down first")
+    assert dist.get_rank() == rank, f"rank mismatch: world rank {dist.get_rank()} vs policy rank {rank}"
+    group = dist.new_group(ranks=list(range(len(members))), timeout=timeout, backend=backend)
+    state.world_users.add(policy_id)
+    state.groups[policy_id] = group
+    return group
+
+
+def leave_process_group(state: DaskLMWorkerState, policy_id: str) -> None:
+    import torch.distributed as dist
+
+    group = state.groups.pop(policy_id, None)
+    if group is not None and dist.is_initialized():
+        dist.destroy_process_group(group)
+    state.world_users.discard(policy_id)
+    if not state.world_users and dist.is_initialized():
+        dist.destroy_process_group()
+        state.world_members = None

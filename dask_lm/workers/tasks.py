@@ -1,0 +1,107 @@
+"""The functions the driver submits as pinned Dask tasks. Each runs on one rank's worker.
+
+The first argument of every SPMD task is that rank's previous SPMD future (resolved to its result by Dask and
+ignored here): chaining makes each rank run collective calls in the order the driver issued them, which is what
+keeps two all-gathers from pairing up across different calls.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+__all__ = ["find_free_port", "rank_info", "init_policy", "call_policy", "shutdown_policy"]
+
+
+def find_free_port(_prev: Any = None) -> tuple[str, int]:
+    """A TCP port free on this worker's host, for the torch.distributed rendezvous."""
+    from distributed import get_worker
+
+    host = get_worker().address.split("://")[-1].rsplit(":", 1)[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return host, int(s.getsockname()[1])
+
+
+def rank_info(_prev: Any = None) -> dict[str, Any]:
+    from dask_lm.workers import device
+
+    info = device.device_info()
+    info["free_memory_bytes"] = device.free_memory_bytes()
+    return info
+
+
+def init_policy(_prev: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: int, members: tuple[str, ...],
+                master: tuple[str, int] | None, pad_token_id: int, extension_fqn: str | None,
+                options: dict[str, Any]) -> dict[str, Any]:
+    """Join the process group (when there is more than one rank), then build this rank's PolicyWorker."""
+    from dask_lm.config import PolicyConfig
+    from dask_lm.workers import device
+    from dask_lm.workers.policy_worker import PolicyWorker, resolve_class
+    from dask_lm.workers.state import get_state, join_process_group
+
+    state = get_state()
+    if policy_id in state.policies:  # a retried init on the same worker; should not happen with retries=0
+        state.shutdown_policy(policy_id)
+    cfg = PolicyConfig.from_dict(cfg_dict)
+    env = (cfg.dtensor_cfg.env_vars or {})
+    if env:
+        import os
+
+        os.environ.update({str(k): str(v) for k, v in env.items()})
+    group = None
+    if len(members) > 1:
+        assert master is not None
+        group = join_process_group(state, policy_id, members=members, rank=rank, master_addr=master[0],
+                                   master_port=master[1], backend=device.collective_backend(),
+                                   timeout_s=cfg.collective_timeout_s)
+    cls: type = PolicyWorker
+    if extension_fqn:
+        ext = resolve_class(extension_fqn, "worker_extension_cls_fqn")
+        cls = type(f"{ext.__name__}PolicyWorker", (ext, PolicyWorker), {})
+    try:
+        worker = cls(cfg, rank=rank, world_size=len(members), group=group, pad_token_id=pad_token_id, **options)
+    except BaseException:
+        state.shutdown_policy(policy_id)
+        raise
+    state.policies[policy_id] = worker
+    info = device.device_info()
+    info["rank"] = rank
+    info["model_dtype"] = str(worker.dtype).replace("torch.", "")
+    info["num_parameters"] = sum(p.numel() for p in worker.model.parameters()) * (len(members) if group else 1)
+    return info
+
+
+def _policy(policy_id: str) -> Any:
+    from dask_lm.workers.state import get_state
+
+    state = get_state()
+    worker = state.policies.get(policy_id)
+    if worker is None:
+        raise RuntimeError(f"policy {policy_id} is not loaded on this worker: the worker restarted or the Policy was "
+                           "shut down. Create the Policy again (and reload its last checkpoint)")
+    return worker
+
+
+def call_policy(_prev: Any, policy_id: str, method: str, payload: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """Call ``method`` of this rank's PolicyWorker. ``payload`` is an Arrow shard + metadata or None."""
+    from dask_lm.io.arrow import shard_from_wire
+
+    worker = _policy(policy_id)
+    fn = getattr(worker, method, None)
+    if fn is None or method.startswith("_"):
+        raise ValueError(f"the policy worker has no method {method!r}")
+    if payload is not None:
+        data, meta = shard_from_wire(payload)
+        return fn(data, meta, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def shutdown_policy(_prev: Any, policy_id: str) -> bool:
+    from dask_lm.workers.state import get_state
+
+    try:
+        state = get_state()
+    except RuntimeError:
+        return False
+    return state.shutdown_policy(policy_id)
