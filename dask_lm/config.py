@@ -75,10 +75,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ValueError(f"`{key}` must be a mapping of {tp.__name__} keys, got {type(value).__name__}")
         return config_from_dict(tp, value, prefix=key)
-    if origin in (list, tuple):
+    if origin in (list, tuple) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"`{key}` must be a list, got {value!r}")
-        (item_tp,) = typing.get_args(tp)[:1] or (Any,)
+        (item_tp,) = typing.get_args(tp)[:1] or (Any,)  # a bare `list` holds anything
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):

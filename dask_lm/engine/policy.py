@@ -131,13 +131,14 @@ class Policy:
         dp = self.data_parallel_size
         cfg = self.cfg
         if cfg.dynamic_batching.enabled:
-            shards, order = data.shard_by_batch_size(dp, dynamic_batching_args={
+            # inference accepts any batch size: shards may differ by a row (allow_uneven_shards)
+            shards, order = data.shard_by_batch_size(dp, allow_uneven_shards=True, dynamic_batching_args={
                 "input_key": "input_ids", "input_lengths_key": "input_lengths",
                 "sequence_length_round": cfg.dynamic_batching.sequence_length_round,
                 "max_tokens_per_microbatch": int(batch_budget or cfg.dynamic_batching.logprob_mb_tokens)})
             return shards, order, False
         if cfg.sequence_packing.enabled:
-            shards, order = data.shard_by_batch_size(dp, sequence_packing_args={
+            shards, order = data.shard_by_batch_size(dp, allow_uneven_shards=True, sequence_packing_args={
                 "input_key": "input_ids", "input_lengths_key": "input_lengths",
                 "max_tokens_per_microbatch": int(batch_budget or cfg.sequence_packing.logprob_mb_tokens),
                 "algorithm": cfg.sequence_packing.algorithm,

@@ -66,7 +66,7 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self.names)
 
-    def submit_rank(self, rank: int, fn: Callable[..., Any], *args: Any, key_name: str = "call",
+    def submit_rank(self, rank: int, fn: Callable[..., Any], /, *args: Any, key_name: str = "call",
                     chain: bool = True, **kwargs: Any) -> Future:
         """One pinned task on ``rank`` (chained after that rank's previous SPMD task when ``chain``)."""
         prev = self._last[rank] if chain else None
@@ -77,7 +77,7 @@ class WorkerGroup:
             self._last[rank] = fut
         return fut
 
-    def submit_all(self, fn: Callable[..., Any], per_rank_args: Sequence[tuple] | None = None, *common: Any,
+    def submit_all(self, fn: Callable[..., Any], per_rank_args: Sequence[tuple] | None = None, /, *common: Any,
                    key_name: str = "call", **kwargs: Any) -> list[Future]:
         """One chained task per rank, submitted together; ``per_rank_args[r]`` goes before ``common``."""
         with self._submit_lock:
@@ -100,7 +100,7 @@ class WorkerGroup:
                                   f"{type(exc).__name__}: {exc}") from exc
         return self.client.gather(list(futures))
 
-    def run_all(self, fn: Callable[..., Any], *args: Any, what: str, key_name: str = "call",
+    def run_all(self, fn: Callable[..., Any], /, *args: Any, what: str, key_name: str = "call",
                 **kwargs: Any) -> list[Any]:
         return self.gather(self.submit_all(fn, None, *args, key_name=key_name, **kwargs), what=what)
 
@@ -113,4 +113,4 @@ class WorkerGroup:
 
     def group_lock(self) -> Lock:
         """Cluster-wide lock held while process groups are created, so every worker makes them in one order."""
-        return Lock("dask-lm-process-groups", client=self.client)
+        return Lock("dask-lm-process-groups", scheduler_rpc=self.client.scheduler, loop=self.client.loop)

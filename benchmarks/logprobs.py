@@ -1,0 +1,281 @@
+"""Logprob throughput on long-tailed row lengths: ``Policy.get_logprobs`` against a plain Hugging Face loop.
+
+A benchmark, not a test: it prints numbers and asserts nothing about speed. Arm B (dask-lm, one worker by default so
+the ratio compares one device with one device) runs first; arm A (fixed 16-row batches in data order, right-padded to
+the batch max, full-vocab float32 log_softmax + gather) runs second in this process, after the cluster is closed, so
+the two never share a GPU. FLOPs follow perf_anchors.md section 2 (forward, causal half, real tokens only).
+
+Examples
+--------
+    python benchmarks/logprobs.py                                  # CPU: tiny random llama, about 1-2 minutes
+    python benchmarks/logprobs.py --shape qwen2.5-0.5b             # GPU: random Qwen2.5-0.5B shape, bf16
+    python benchmarks/logprobs.py --model /models/qwen --mode packed --num-rows 4096
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import tempfile
+import time
+from typing import Any, Literal
+
+import click
+import torch
+
+Mode = Literal["dynamic", "packed", "plain"]
+GIB = 2**30
+H200_BF16_DENSE = 989.5e12  # datasheet dense bf16 (perf_anchors.md section 6); MFU is also given against it
+
+
+def make_rows(num_rows: int, min_len: int, max_len: int, median_len: int, sigma: float, vocab: int, pad_id: int,
+              seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids [N, S]`` and ``input_lengths [N]``: lognormal lengths, random ids in [3, vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.exp(torch.randn(num_rows, generator=g) * sigma + math.log(median_len))
+    lens = lens.round().clamp(min_len, max_len).long()
+    ids = torch.randint(3, vocab, (num_rows, int(lens.max())), generator=g)
+    ids[torch.arange(ids.shape[1])[None, :] >= lens[:, None]] = pad_id
+    return ids, lens
+
+
+def build_model(shape: str, root: str, max_len: int) -> str:
+    """A random model directory: ``tiny`` (CPU-sized llama) or ``qwen2.5-0.5b`` (the real shape, for the GPU)."""
+    path = os.path.join(root, shape)
+    if shape == "tiny":
+        from dask_lm.tiny import build_tiny_model
+
+        return build_tiny_model(path, family="llama", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4,
+                                num_kv_heads=2, intermediate_size=512, max_position_embeddings=max(4096, max_len))
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                                   max_position_embeddings=max(32768, max_len), pad_token_id=0)
+    torch.manual_seed(0)
+    # HF's default init (std 0.02), not tiny's widened one: 24 layers of std-0.2 weights give extreme logits
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+def forward_flops(cfg: Any, lens: torch.Tensor) -> float:
+    """Forward FLOPs over the real tokens: per token 2*N_matmul (lm_head included) + 2*L*heads*head_dim*T."""
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    h, layers, heads = cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    hd = getattr(cfg, "head_dim", None) or h // heads
+    per_layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * cfg.intermediate_size
+    n_matmul = layers * per_layer + h * cfg.vocab_size
+    t = lens.double()
+    # summing 2*L*heads*hd*T over the T positions of a row gives the causal half: 2*L*heads*hd*T^2 per row
+    return float((2 * n_matmul * t + 2 * layers * heads * hd * t * t).sum())
+
+
+def measured_peak(device: torch.device) -> tuple[float, str]:
+    """Best matmul FLOP/s on ``device``: bf16 8192^3 on a GPU (as in perf_anchors.md section 0), fp32 2048^3 on CPU."""
+    n, dtype, iters = (8192, torch.bfloat16, 10) if device.type == "cuda" else (2048, torch.float32, 5)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for i in range(iters + 3):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        if i >= 3:  # the first calls pick kernels and warm clocks
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best, f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} {n}^3 matmul"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``[b, w-1]`` logprobs of tokens 1.. given their prefix. No attention mask: with right padding, causal
+    attention already keeps real positions from seeing the pad tail (the anchors' baseline does the same)."""
+    logits = model(input_ids=ids, use_cache=False).logits
+    return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def run_hf(model_dir: str, dtype: torch.dtype, device: torch.device, ids: torch.Tensor, lens: torch.Tensor,
+           batch_size: int) -> tuple[torch.Tensor, float, int, int]:
+    """Arm A: ``(logprobs [N, S] with position 0 = 0, seconds, peak bytes, computed tokens incl. padding)``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    out = torch.zeros(ids.shape, dtype=torch.float32)
+    batches = [(s, min(s + batch_size, ids.shape[0])) for s in range(0, ids.shape[0], batch_size)]
+    with torch.inference_mode():
+        hf_logprobs(model, ids[:4, :64].to(device))  # warm-up: kernel selection, allocator, cuBLAS handles
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        for s, e in batches:
+            w = int(lens[s:e].max())
+            lp = hf_logprobs(model, ids[s:e, :w].to(device, non_blocking=True))
+            # a blocking copy: a non_blocking device-to-host copy may still be in flight when `out` is written
+            out[s:e, 1:w] = lp.to("cpu")
+        sync(device)
+        seconds = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    computed = sum((e - s) * int(lens[s:e].max()) for s, e in batches)
+    del model
+    return out, seconds, peak, computed
+
+
+def _worker_peak_bytes() -> int:
+    """Runs on the worker (via client.run): peak device bytes, or the worker process's peak RSS on CPU."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _worker_reset_peak() -> int:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    return torch.get_num_threads()
+
+
+def run_dask(model_dir: str, precision: str, tokenizer: Any, ids: torch.Tensor, lens: torch.Tensor, *, mode: Mode,
+             n_workers: int, mb_tokens: int, hf_batch_size: int, max_len: int) -> tuple[torch.Tensor, float, int, int]:
+    """Arm B: ``(logprobs [N, S], seconds, peak bytes (max over workers), torch threads per worker)``."""
+    import dask_lm
+    from dask_lm import BatchedDataDict
+
+    modes: dict[str, dict[str, Any]] = {
+        "dynamic": {"dynamic_batching": {"enabled": True, "logprob_mb_tokens": mb_tokens, "sequence_length_round": 64}},
+        "packed": {"sequence_packing": {"enabled": True, "logprob_mb_tokens": mb_tokens}},
+        # plain = the same fixed row count per micro-batch as arm A, but sharded and run by the engine
+        "plain": {"logprob_batch_size": hf_batch_size},
+    }
+    config = {"model_name": model_dir, "precision": precision, "logprob_chunk_size": 4096,
+              "max_total_sequence_length": max_len, **modes[mode]}
+    client = dask_lm.connect(n_workers=n_workers)
+    cluster = client.cluster
+    try:
+        policy = dask_lm.Policy(client, config, tokenizer)
+        warm = BatchedDataDict(input_ids=ids[:8].clone(), input_lengths=lens[:8].clone())
+        policy.get_logprobs(warm)
+        threads = min(client.run(_worker_reset_peak).values())
+        data = BatchedDataDict(input_ids=ids, input_lengths=lens)
+        t0 = time.perf_counter()
+        out = policy.get_logprobs(data)["logprobs"]
+        seconds = time.perf_counter() - t0
+        peak = max(client.run(_worker_peak_bytes).values())
+        policy.shutdown()  # frees the worker's GPU memory before arm A uses the same device
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    return out, seconds, peak, threads
+
+
+@click.command()
+@click.option("--shape", type=click.Choice(["tiny", "qwen2.5-0.5b"]), default="tiny", show_default=True,
+              help="Random model to build when --model is not given.")
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="An existing Hugging Face model directory (overrides --shape).")
+@click.option("--precision", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="auto: float32 on CPU, bfloat16 on GPU.")
+@click.option("--mode", type=click.Choice(["dynamic", "packed", "plain"]), default="dynamic", show_default=True)
+@click.option("--num-rows", type=int, default=None, help="Rows to score [default: 96 on CPU, 2048 on GPU].")
+@click.option("--min-len", type=int, default=16, show_default=True)
+@click.option("--max-len", type=int, default=2048, show_default=True)
+@click.option("--median-len", type=int, default=256, show_default=True, help="Median of the lognormal lengths.")
+@click.option("--sigma", type=float, default=1.0, show_default=True, help="Log-space spread of the lengths.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--hf-batch-size", type=int, default=16, show_default=True)
+@click.option("--mb-tokens", type=int, default=None, help="dask-lm token budget [default: 8192 CPU, 32768 GPU].")
+@click.option("--n-workers", type=int, default=1, show_default=True)
+def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows: int | None, min_len: int,
+         max_len: int, median_len: int, sigma: float, seed: int, hf_batch_size: int, mb_tokens: int | None,
+         n_workers: int) -> None:
+    import transformers
+
+    from dask_lm.engine.cluster import count_gpus
+    from dask_lm.tiny import train_tiny_tokenizer
+
+    # counted through NVML, not torch.cuda: this process keeps no CUDA context while the cluster starts
+    on_gpu = count_gpus() > 0
+    precision = precision if precision != "auto" else ("bfloat16" if on_gpu else "float32")
+    num_rows = num_rows or (2048 if on_gpu else 96)
+    mb_tokens = mb_tokens or (32768 if on_gpu else 8192)
+    with tempfile.TemporaryDirectory(prefix="dask-lm-bench-") as root:
+        t0 = time.perf_counter()
+        given_dir = model_dir
+        model_dir = model_dir or build_model(shape, root, max_len)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError):  # a bare model dir: ids are generated directly, only a pad id is needed
+            tokenizer = transformers.AutoTokenizer.from_pretrained(train_tiny_tokenizer(os.path.join(root, "tok")))
+        pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
+        cfg = transformers.AutoConfig.from_pretrained(model_dir)
+        vocab = (cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg).vocab_size
+        ids, lens = make_rows(num_rows, min_len, max_len, median_len, sigma, vocab, pad_id, seed)
+        useful = int(lens.sum())
+        flops = forward_flops(cfg, lens)
+        print(f"model {model_dir} ({precision}); rows {num_rows}, useful tokens {useful}, lengths "
+              f"min/median/mean/max {int(lens.min())}/{int(lens.median())}/{useful / num_rows:.0f}/{int(lens.max())}, "
+              f"forward {flops / 1e12:.3f} TFLOP; setup {time.perf_counter() - t0:.1f}s", flush=True)
+
+        lp_b, sec_b, peak_b, threads = run_dask(model_dir, precision, tokenizer, ids, lens, mode=mode,
+                                                n_workers=n_workers, mb_tokens=mb_tokens,
+                                                hf_batch_size=hf_batch_size, max_len=max_len)
+        print(f"dask-lm ({mode}, {n_workers} worker(s)): {sec_b:.2f}s", flush=True)
+        device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        if device.type == "cpu":
+            # Dask starts CPU workers with OMP_NUM_THREADS=1; give arm A the same thread count so the ratio
+            # compares engines, not core counts
+            torch.set_num_threads(threads)
+        peak_flops, peak_what = measured_peak(device)
+        dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+        lp_a, sec_a, peak_a, computed_a = run_hf(model_dir, dtype, device, ids, lens, hf_batch_size)
+        print(f"plain HF loop: {sec_a:.2f}s", flush=True)
+
+    valid = (torch.arange(ids.shape[1])[None, :] < lens[:, None]) & (torch.arange(ids.shape[1])[None, :] >= 1)
+    w = min(lp_a.shape[1], lp_b.shape[1])
+    diff = float(((lp_a[:, :w] - lp_b[:, :w]).abs() * valid[:, :w]).max())
+    tps_a, tps_b = useful / sec_a, useful / sec_b
+    mfu = {arm: flops / sec / peak_flops for arm, sec in (("hf", sec_a), ("dask_lm", sec_b))}
+    res: dict[str, Any] = {
+        "model": given_dir or f"random {shape}", "shape": None if given_dir else shape,
+        "precision": precision, "device": str(device), "torch_threads": torch.get_num_threads(), "mode": mode,
+        "n_workers": n_workers, "rows": num_rows, "useful_tokens": useful, "hf_computed_tokens": computed_a,
+        "hf_batch_size": hf_batch_size, "mb_tokens": mb_tokens, "forward_tflop": flops / 1e12,
+        "hf_seconds": sec_a, "dask_lm_seconds": sec_b, "hf_tok_per_s": tps_a, "dask_lm_tok_per_s": tps_b,
+        "ratio_dask_lm_over_hf": tps_b / tps_a, "engine_cost_hf_over_dask_lm": tps_a / tps_b,
+        "hf_peak_gib": peak_a / GIB, "dask_lm_peak_gib": peak_b / GIB,
+        "measured_peak_tflops": peak_flops / 1e12, "measured_peak_kind": peak_what,
+        "hf_mfu_measured": mfu["hf"], "dask_lm_mfu_measured": mfu["dask_lm"], "max_abs_logprob_diff": diff,
+    }
+    if device.type == "cuda":
+        res["hf_mfu_989"] = flops / sec_a / H200_BF16_DENSE
+        res["dask_lm_mfu_989"] = flops / sec_b / H200_BF16_DENSE
+    mem = "peak allocated" if device.type == "cuda" else "process peak RSS"
+    print(f"\nrows {num_rows}, useful tokens {useful} (plain HF computes {computed_a}: "
+          f"{computed_a / useful:.2f}x with padding)")
+    print(f"{'arm':<16}{'seconds':>9}{'tok/s':>12}{'GiB ' + mem:>26}{'fwd MFU':>10}")
+    for name, sec, tps, peak, m in (("plain HF loop", sec_a, tps_a, peak_a, mfu["hf"]),
+                                    (f"dask-lm {mode}", sec_b, tps_b, peak_b, mfu["dask_lm"])):
+        print(f"{name:<16}{sec:>9.2f}{tps:>12.0f}{peak / GIB:>26.2f}{m:>10.1%}")
+    print(f"dask-lm / HF = {tps_b / tps_a:.2f}x; engine cost (HF tok/s / dask-lm tok/s) = {tps_a / tps_b:.2f}")
+    print(f"MFU against measured {peak_what} = {peak_flops / 1e12:.2f} TFLOP/s"
+          + (f" (vs 989.5 datasheet: HF {res['hf_mfu_989']:.1%}, dask-lm {res['dask_lm_mfu_989']:.1%})"
+             if device.type == "cuda" else f" on {torch.get_num_threads()} thread(s)"))
+    print(f"max |logprob(HF) - logprob(dask-lm)| over real positions = {diff:.3g} ({precision})")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":  # Dask's LocalCluster spawns worker processes that re-import this module
+    main()

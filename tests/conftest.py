@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny models saved to disk the way users have them, and one CPU cluster per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run `pytest -m gpu` on the GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Paths of a tokenizer trained on the fly and tiny random models saved with save_pretrained."""
+    from dask_lm.tiny import build_tiny_model, train_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("models")
+    tok = train_tiny_tokenizer(str(root / "tokenizer"))
+    paths = {
+        "tokenizer": tok,
+        "llama": build_tiny_model(str(root / "llama"), family="llama", tokenizer_path=tok, seed=1),
+        "qwen2": build_tiny_model(str(root / "qwen2"), family="qwen2", tokenizer_path=tok, seed=2),
+        "llama_rm": build_tiny_model(str(root / "llama_rm"), family="llama", sequence_classification=True,
+                                     tokenizer_path=tok, seed=3),
+        "llama_tuned": build_tiny_model(str(root / "llama_tuned"), family="llama", tokenizer_path=tok, seed=4),
+    }
+    return paths
+
+
+@pytest.fixture(scope="session")
+def client():
+    """A real LocalCluster: 2 worker processes, 1 thread each (gloo collectives between them)."""
+    import dask_lm
+
+    c = dask_lm.connect(n_workers=2, cluster="cpu")
+    yield c
+    c.close()
+    c.cluster.close()
