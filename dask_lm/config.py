@@ -53,6 +53,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
+        options = [o for o in typing.get_args(tp) if o is not type(None)]
+        if value is None and len(options) < len(typing.get_args(tp)):
+            return None
+        if len(options) == 1:  # `X | None` with a value: X's own error names the inner key
+            return _coerce(value, options[0], key)
         errors = []
         for option in typing.get_args(tp):
             try:

@@ -1,0 +1,67 @@
+"""Project-level guarantees: the driver never touches CUDA, environment.yml matches pyproject, public names."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_driver_never_initialises_cuda():
+    """Import the package and shard / validate a batch with CUDA initialisation made fatal."""
+    code = """
+import torch
+def boom(*a, **k):
+    raise RuntimeError("the driver initialised CUDA")
+torch.cuda._lazy_init = boom
+torch.cuda.init = boom
+import dask_lm
+from dask_lm.engine.validation import validate_input_batch
+from dask_lm.engine import cluster
+b = dask_lm.BatchedDataDict(input_ids=torch.tensor([[4, 5, 6], [7, 8, 0]]), input_lengths=torch.tensor([3, 2]))
+validate_input_batch(b, what="t", vocab_size=10, max_length=8, pad_token_id=0)
+b.shard_by_batch_size(2, allow_uneven_shards=True, sequence_packing_args={"input_key": "input_ids",
+    "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": 8, "algorithm": "first_fit_decreasing"})
+b.to_arrow()
+cluster.count_gpus()
+assert not torch.cuda.is_initialized()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def _pyproject_deps() -> dict[str, str]:
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    deps = data["project"]["dependencies"]
+    return {re.split(r"[<>=!\[ ]", d, maxsplit=1)[0].lower(): d for d in deps}
+
+
+def test_environment_yml_matches_pyproject():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    conda_names = {"torch": "pytorch"}  # conda-forge spells a few packages differently
+    listed = {re.split(r"[<>=! ]", d, maxsplit=1)[0].lower() for d in env["dependencies"] if isinstance(d, str)}
+    pip = [x for d in env["dependencies"] if isinstance(d, dict) for x in d.get("pip", [])]
+    assert any(p.startswith("-e .") for p in pip), "environment.yml must install dask-lm itself"
+    for name in _pyproject_deps():
+        want = conda_names.get(name, name)
+        assert want in listed, f"{name} is in pyproject.toml but {want} is not in environment.yml"
+    # and nothing in environment.yml that the project does not declare (besides python / pip)
+    declared = {conda_names.get(n, n) for n in _pyproject_deps()} | {"python", "pip", "dask-cuda", "pytest",
+                                                                     "pytest-timeout"}
+    assert listed <= declared, listed - declared
+
+
+def test_public_names():
+    import dask_lm
+
+    for name in dask_lm.__all__:
+        assert hasattr(dask_lm, name), name
+    assert {"Policy", "PolicyConfig", "BatchedDataDict", "connect"} <= set(dask_lm.__all__)
