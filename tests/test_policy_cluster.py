@@ -192,3 +192,24 @@ def test_run_all_workers_with_extension(client, tiny, tok):
         policy.offload_to_cpu()
         policy.start_gpu_profiling()
         policy.stop_gpu_profiling()
+
+
+def test_calls_show_as_dask_spans_with_token_counts(client, tiny, tok):
+    ids, lens = make_batch(tok, TEXTS)
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok, init_reference_model=False) as policy:
+        policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))
+
+    def span_tokens(dask_scheduler):
+        total = 0
+        for span in dask_scheduler.extensions["spans"].spans.values():
+            if span.name and span.name[-1] == "dask-lm/get_logprobs":
+                total += sum(v for k, v in span.cumulative_worker_metrics.items()
+                             if k[-2:] == ("tokens", "count"))
+        return total
+
+    import time
+
+    deadline = time.time() + 20  # worker metrics reach the scheduler with the heartbeat
+    while time.time() < deadline and client.run_on_scheduler(span_tokens) < int(lens.sum()):
+        time.sleep(0.5)
+    assert client.run_on_scheduler(span_tokens) >= int(lens.sum())

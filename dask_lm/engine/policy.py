@@ -154,6 +154,8 @@ class Policy:
         data = validate_input_batch(data, what=what, vocab_size=self.vocab_size,
                                     max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
         group = self.group
+        # the forward needs only these two keys; other per-row data (masks, advantages) stays on the driver
+        data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
         with _timed(timer, f"{label}/shard_data"):
             shards, order, packed = self._shard(data, None)
         with _timed(timer, f"{label}/submit_logprob_futures"), span(f"dask-lm/{label}"):

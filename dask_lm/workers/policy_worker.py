@@ -145,6 +145,7 @@ class PolicyWorker:
         return gen.temperature if gen is not None else 1.0
 
     def _plan(self, data: BatchedDataDict, meta: dict[str, Any], mbs: int | None) -> list[MicroBatch]:
+        self._ensure_on_device()
         plan = plan_micro_batches(data.size, mbs=mbs or int(self.cfg.logprob_batch_size or 1),
                                   micro_batch_indices=meta.get("micro_batch_indices"),
                                   packed=bool(meta.get("packed")))
@@ -251,6 +252,11 @@ class PolicyWorker:
         self._record(data, start)
         return {"scores": scores}
 
+    def _ensure_on_device(self) -> None:
+        # offload_to_cpu / finish_inference park the weights on the host; a pass brings them back first
+        if next(self.model.parameters()).device.type != self.device.type:
+            self.model.to(self.device)
+
     # ----------------------------------------------------------------------------------------- reference
     @contextlib.contextmanager
     def _reference_weights(self) -> Iterator[None]:
@@ -307,7 +313,12 @@ class PolicyWorker:
             st = get_state()
         except RuntimeError:
             return
-        st.last_call = {"tokens": int(data["input_lengths"].sum()), "seconds": time.perf_counter() - start}
+        tokens = int(data["input_lengths"].sum()) if data.size else 0
+        st.last_call = {"tokens": tokens, "seconds": time.perf_counter() - start}
+        # a token count on the task: the dashboard's fine performance metrics sum it per span (per Policy call)
+        from distributed.metrics import context_meter
+
+        context_meter.digest_metric("tokens", tokens, "count")
 
     def shutdown(self) -> None:
         self.optimizer = None
