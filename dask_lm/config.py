@@ -334,6 +334,11 @@ class PolicyConfig(_Section):
             raise ValueError(f"`{p}.logprob_batch_size` must be >= 1, got {self.logprob_batch_size}")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             raise ValueError(f"`{p}.logprob_chunk_size` must be >= 1 or null, got {self.logprob_chunk_size}")
+        if self.dynamic_batching.sequence_length_round < 1:
+            raise ValueError(f"`{p}.dynamic_batching.sequence_length_round` must be >= 1, got "
+                             f"{self.dynamic_batching.sequence_length_round}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"`{p}.collective_timeout_s` must be > 0, got {self.collective_timeout_s}")
         if self.dynamic_batching.enabled and self.sequence_packing.enabled:
             raise ValueError(f"`{p}.dynamic_batching.enabled` and `{p}.sequence_packing.enabled` cannot both be "
                              "true: pick one way to cut micro-batches")

@@ -61,3 +61,15 @@ def test_foreign_table_from_dask_dataframe_columns():
     b = BatchedDataDict.from_arrow(table)
     assert b["input_ids"].tolist() == [[3, 4], [5, 0]] and b["input_lengths"].tolist() == [2, 1]
     assert b["id"] == ["x", "y"]
+
+
+def test_edge_shapes_and_dtypes_round_trip():
+    b = BatchedDataDict(input_ids=torch.tensor([[4, 5, 0]]), input_lengths=torch.tensor([2]),
+                        bf=torch.tensor([[2.0, 3.0, 1.0]], dtype=torch.bfloat16),
+                        mask=torch.tensor([[True, True, False]]), nothing=torch.zeros(1, 0),
+                        wide=torch.tensor([[2**40, 1, 0]]))
+    back = from_arrow(to_arrow(b))
+    for k, v in b.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    empty = BatchedDataDict(input_ids=torch.zeros(0, 4, dtype=torch.long), input_lengths=torch.zeros(0))
+    assert from_arrow(to_arrow(empty))["input_ids"].shape == (0, 4)

@@ -187,6 +187,13 @@ def test_run_all_workers_with_extension(client, tiny, tok):
         assert policy.run_all_workers_multiple_data("whoami", ["a", "b"]) == ["a:0", "b:1"]
         with pytest.raises(ValueError, match="one per worker"):
             policy.run_all_workers_multiple_data("whoami", ["a"])
+        # a call that fails on the workers leaves the Policy usable (the failed tasks leave the rank chains)
+        ids, lens = make_batch(tok, TEXTS[:3])
+        batch = BatchedDataDict(input_ids=ids, input_lengths=lens)
+        with pytest.raises(ValueError, match="init_reference_model"):
+            policy.get_reference_policy_logprobs(batch)
+        torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], hf_logprobs(tiny["llama"], ids, lens)[0],
+                                   atol=1e-4, rtol=0)
         policy.print_node_ip_and_gpu_id()
         policy.prepare_for_lp_inference()
         policy.offload_to_cpu()

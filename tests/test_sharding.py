@@ -88,11 +88,11 @@ def test_dynamic_batching_properties(seed, shards):
 @pytest.mark.parametrize("shards", [1, 2, 4])
 def test_packing_properties(algorithm, shards):
     rng = random.Random(7)
-    lengths = [rng.randint(1, 100) for _ in range(37)]
+    lengths = [rng.randint(1, 100) for _ in range(36)]
     b = _batch(lengths, width=100)
     out, order = b.shard_by_batch_size(shards, sequence_packing_args={
         "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": 160,
-        "algorithm": algorithm, "sequence_length_pad_multiple": 4}, allow_uneven_shards=True)
+        "algorithm": algorithm, "sequence_length_pad_multiple": 4})
     assert sorted(order) == list(range(len(lengths)))
     assert len({len(s.micro_batch_indices[0]) for s in out}) == 1  # bins are a multiple of the shard count
     seen = []
@@ -153,3 +153,12 @@ def test_batched_data_dict_helpers():
     gb = shards[0].get_batch(0, batch_size=2)
     assert gb.micro_batch_indices == [shards[0].micro_batch_indices[0]]
     assert gb.get_microbatch_iterator_dynamic_shapes_len() == len(shards[0].micro_batch_indices[0])
+
+
+@pytest.mark.parametrize("rows, shards", [(3, 2), (7, 4), (11, 2), (1, 3)])
+def test_inference_packing_accepts_any_batch_size(rows, shards):
+    b = _batch([8] * rows)
+    out, order = b.shard_by_batch_size(shards, allow_uneven_shards=True, sequence_packing_args={
+        "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": 8,
+        "algorithm": "modified_first_fit_decreasing"})
+    assert sorted(order) == list(range(rows)) and sum(s.size for s in out) == rows

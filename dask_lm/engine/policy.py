@@ -91,7 +91,11 @@ class Policy:
                                           pad_token_id=self.pad_token_id, extension_fqn=worker_extension_cls_fqn,
                                           options=options)
                         for r in range(group.world_size)]
-            self.worker_info = group.gather(futs, what="loading the model")
+            try:
+                self.worker_info = group.gather(futs, what="loading the model")
+            except BaseException:
+                _shutdown_quietly(group)  # ranks that did load free their model and process group
+                raise
         self._finalizer = weakref.finalize(self, _shutdown_quietly, group)
 
     # ----------------------------------------------------------------------------------------- helpers
@@ -319,8 +323,9 @@ def _shutdown_quietly(group: WorkerGroup, raise_errors: bool = False) -> bool:
     try:
         if group.client.status not in ("running", "connecting"):
             return False
-        futs = group.submit_all(tasks.shutdown_policy, [(group.policy_id,)] * group.world_size,
-                                key_name="shutdown")
+        # not chained: a failed earlier call must not stop the clean-up (one task thread per worker keeps order)
+        futs = [group.submit_rank(r, tasks.shutdown_policy, group.policy_id, key_name="shutdown", chain=False)
+                for r in range(group.world_size)]
         group.gather(futs, what="shutdown", timeout=120)
         return True
     except Exception:

@@ -182,10 +182,14 @@ def _pack_shards(data: BatchedDataDict, shards: int, batch_size: int, num_chunks
     for c in range(num_chunks):
         start = c * batch_size
         padded = [(int(x) + pad - 1) // pad * pad for x in lengths[start:start + batch_size].tolist()]
-        # with fewer rows than ranks (allowed for inference only), some ranks get no bin and run dummies
-        bins_needed = shards if not allow_uneven or len(padded) >= shards else None
+        # training needs a multiple of `shards` bins (equal counts, NeMo RL's rule); inference (allow_uneven) only
+        # asks for a bin per rank when there are enough rows: ranks with fewer bins run dummy forwards
+        if allow_uneven:
+            min_bins, multiple = min(shards, len(padded)) or None, None
+        else:
+            min_bins = multiple = shards
         packer = get_packer(args["algorithm"], int(args["max_tokens_per_microbatch"]), collect_metrics=False,
-                            min_bin_count=bins_needed, bin_count_multiple=bins_needed)
+                            min_bin_count=min_bins, bin_count_multiple=multiple)
         bins = packer.pack(padded)
         for s in range(shards):
             mine = bins[s::shards]

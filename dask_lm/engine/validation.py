@@ -47,6 +47,9 @@ def validate_input_batch(data: Any, *, what: str, vocab_size: int | None, max_le
     if lengths.shape[0] != b:
         raise ValueError(f"{what}: `input_lengths` has {lengths.shape[0]} entries but `input_ids` has {b} rows")
     for key, value in data.items():
+        if not isinstance(value, (torch.Tensor, list, tuple)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+            raise ValueError(f"{what}: `{key}` is not per-row data (a tensor or list with one entry per row); "
+                             "keep other values out of the batch")
         n = value.shape[0] if isinstance(value, torch.Tensor) else len(value)
         if n != b:
             raise ValueError(f"{what}: `{key}` has {n} rows but `input_ids` has {b}")

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from distributed import Client, Future, Lock, wait
+from distributed import Client, Future, Lock, as_completed, wait
 
 from dask_lm.workers import tasks
 from dask_lm.workers.state import DaskLMWorkerState
@@ -60,6 +60,8 @@ class WorkerGroup:
         self.policy_id = f"{name_prefix}-{uuid.uuid4().hex[:8]}"
         self._last: list[Future | None] = [None] * len(names)
         self._submit_lock = threading.Lock()
+        self.settle_timeout_s = 10.0
+        self.broken: str | None = None
         client.register_plugin(DaskLMWorkerState(), name="dask-lm")
 
     @property
@@ -69,6 +71,8 @@ class WorkerGroup:
     def submit_rank(self, rank: int, fn: Callable[..., Any], /, *args: Any, key_name: str = "call",
                     chain: bool = True, **kwargs: Any) -> Future:
         """One pinned task on ``rank`` (chained after that rank's previous SPMD task when ``chain``)."""
+        if chain and self.broken:
+            raise RankFailedError(self.broken)
         prev = self._last[rank] if chain else None
         fut = self.client.submit(fn, prev, *args, workers=[self.names[rank]], allow_other_workers=False,
                                  pure=False, retries=0, key=f"{key_name}-{self.policy_id}-r{rank}-{uuid.uuid4().hex[:6]}",
@@ -86,9 +90,32 @@ class WorkerGroup:
 
     def gather(self, futures: Sequence[Future], *, what: str, timeout: float | None = None) -> list[Any]:
         """Results of one SPMD call; a failure names the rank and worker and keeps the root cause."""
-        wait(list(futures), timeout=timeout)
-        failed = [(r, f) for r, f in enumerate(futures) if f.status != "finished"]
+        # stop at the first failure: its peers may sit in a collective until the collective timeout
+        for fut in as_completed(list(futures), timeout=timeout):
+            if fut.status != "finished":
+                break
+        bad = ("error", "cancelled", "lost")
+        failed = [(r, f) for r, f in enumerate(futures) if f.status in bad]
+        if not failed and any(f.status != "finished" for f in futures):
+            failed = [(r, f) for r, f in enumerate(futures) if f.status != "finished"]
         if failed:
+            # peers of a failed rank usually fail fast too (same bad input); give them a moment to settle
+            pending = [f for f in futures if f.status == "pending"]
+            if pending:
+                try:
+                    wait(pending, timeout=self.settle_timeout_s)
+                except TimeoutError:
+                    pass
+            # Dask fails every task whose dependency failed, so a failed task must not stay at the head of its
+            # rank's chain: the Policy keeps working after a rejected or failed call
+            for r, last in enumerate(self._last):
+                if last is not None and last.status in bad:
+                    self._last[r] = None
+            stuck = [self.names[r] for r, f in enumerate(futures) if f.status == "pending"]
+            if stuck:
+                # a rank still running after its peer failed sits in a collective: the group cannot be trusted
+                self.broken = (f"workers {stuck} did not finish {what} after a peer failed (stuck in a collective "
+                               "until its timeout); shut this Policy down and create it again")
             rank, fut = failed[0]
             try:
                 exc = fut.exception(timeout=5)

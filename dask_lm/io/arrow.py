@@ -95,10 +95,15 @@ def to_arrow(data: Any) -> pa.Table:
         if isinstance(value, torch.Tensor):
             meta.update(kind="tensor", dtype=str(value.dtype).replace("torch.", ""), shape=list(value.shape))
             arr = _np(value)
+            inner = int(np.prod(arr.shape[1:])) if value.dim() > 1 else 1
             if value.dim() <= 1:
                 col = pa.array(arr)
+            elif inner == 0 or arr.shape[0] == 0:  # nothing to carry but the shape
+                meta.update(empty=True)
+                col = pa.nulls(arr.shape[0])
             else:
-                pad = _trim_info(value.cpu(), lengths)
+                # bf16 travels as int16 bits and bools have no zero-copy view: both go whole, untrimmed
+                pad = None if value.dtype in (torch.bfloat16, torch.bool) else _trim_info(value.cpu(), lengths)
                 if pad is not None and value.dtype in (torch.int64, torch.int32) and value.numel() and \
                         int(value.min()) >= -(2**31) and int(value.max()) < 2**31:
                     arr = arr.astype(np.int32)  # token ids: list<int32>
@@ -109,7 +114,6 @@ def to_arrow(data: Any) -> pa.Table:
                     np.cumsum(lengths.numpy(), out=offs[1:])
                     col = pa.ListArray.from_arrays(pa.array(offs), pa.array(arr[keep]))
                 else:
-                    inner = int(np.prod(arr.shape[1:]))
                     col = pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1)), inner)
         else:
             items = list(value)
@@ -151,7 +155,9 @@ def from_arrow(table: pa.Table, *, device: torch.device | str | None = None) -> 
         dtype = _NAME_TO_TORCH[meta["dtype"]]
         shape = meta["shape"]
         carrier = torch.int16 if dtype == torch.bfloat16 else dtype
-        if len(shape) <= 1:
+        if meta.get("empty"):
+            t = torch.zeros(shape, dtype=carrier)
+        elif len(shape) <= 1:
             t = torch.from_numpy(col.to_numpy().copy()).to(carrier)
         elif meta.get("trimmed"):
             v, o = list_values_offsets(col)

@@ -198,15 +198,17 @@ class PolicyWorker:
             width = data["input_ids"].shape[1]
             out = torch.zeros(data.size, width, dtype=torch.float32)
             start = time.perf_counter()
-            for mb in self._plan(data, meta, micro_batch_size):
-                hidden, info = self._forward(data, mb)
-                if mb.dummy or not info:
-                    continue
-                lp = next_token_logprobs(hidden, info["ids"], info["targets_valid"], output_head(self.model),
-                                         temperature=self.temperature, chunk_size=self.cfg.logprob_chunk_size,
-                                         top_k=top_k, top_p=top_p)
-                self._scatter(out, mb, lp, info)
-            self._finish_pass()
+            try:
+                for mb in self._plan(data, meta, micro_batch_size):
+                    hidden, info = self._forward(data, mb)
+                    if mb.dummy or not info:
+                        continue
+                    lp = next_token_logprobs(hidden, info["ids"], info["targets_valid"], output_head(self.model),
+                                             temperature=self.temperature, chunk_size=self.cfg.logprob_chunk_size,
+                                             top_k=top_k, top_p=top_p)
+                    self._scatter(out, mb, lp, info)
+            finally:
+                self._finish_pass()
         self._record(data, start)
         return {"reference_logprobs" if reference else "logprobs": out}
 
@@ -217,15 +219,17 @@ class PolicyWorker:
         values = torch.zeros(data.size, width, k, dtype=torch.float32)
         indices = torch.zeros(data.size, width, k, dtype=torch.int64)
         start = time.perf_counter()
-        for mb in self._plan(data, meta, micro_batch_size):
-            hidden, info = self._forward(data, mb)
-            if mb.dummy or not info:
-                continue
-            v, i = topk_logits(hidden, info["valid"], output_head(self.model), k, temperature=self.temperature,
-                               chunk_size=self.cfg.logprob_chunk_size)
-            self._scatter(values, mb, v, info)
-            self._scatter(indices, mb, i, info)
-        self._finish_pass()
+        try:
+            for mb in self._plan(data, meta, micro_batch_size):
+                hidden, info = self._forward(data, mb)
+                if mb.dummy or not info:
+                    continue
+                v, i = topk_logits(hidden, info["valid"], output_head(self.model), k, temperature=self.temperature,
+                                   chunk_size=self.cfg.logprob_chunk_size)
+                self._scatter(values, mb, v, info)
+                self._scatter(indices, mb, i, info)
+        finally:
+            self._finish_pass()
         self._record(data, start)
         return {"topk_logits": values, "topk_indices": indices}
 
@@ -238,17 +242,19 @@ class PolicyWorker:
         assert head is not None, f"{type(self.model).__name__} has no `score` head"
         scores = torch.zeros(data.size, dtype=torch.float32)
         start = time.perf_counter()
-        for mb in self._plan(data, meta, None):
-            hidden, info = self._forward(data, mb)
-            if mb.dummy or not info:
-                continue
-            if mb.packed:
-                last = hidden[0, info["cu"][1:].to(torch.int64) - 1]
-            else:
-                rows = torch.arange(hidden.shape[0], device=hidden.device)
-                last = hidden[rows, info["lens"] - 1]
-            scores[mb.start:mb.end] = head(last).float().squeeze(-1).cpu()
-        self._finish_pass()
+        try:
+            for mb in self._plan(data, meta, None):
+                hidden, info = self._forward(data, mb)
+                if mb.dummy or not info:
+                    continue
+                if mb.packed:
+                    last = hidden[0, info["cu"][1:].to(torch.int64) - 1]
+                else:
+                    rows = torch.arange(hidden.shape[0], device=hidden.device)
+                    last = hidden[rows, info["lens"] - 1]
+                scores[mb.start:mb.end] = head(last).float().squeeze(-1).cpu()
+        finally:
+            self._finish_pass()
         self._record(data, start)
         return {"scores": scores}
 
