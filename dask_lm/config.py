@@ -342,7 +342,7 @@ class PolicyConfig(_Section):
         if self.dynamic_batching.enabled and self.sequence_packing.enabled:
             raise ValueError(f"`{p}.dynamic_batching.enabled` and `{p}.sequence_packing.enabled` cannot both be "
                              "true: pick one way to cut micro-batches")
-        for section, mbs in ((self.dynamic_batching, None), (self.sequence_packing, None)):
+        for section in (self.dynamic_batching, self.sequence_packing):
             if section.train_mb_tokens is None:
                 section.train_mb_tokens = self.max_total_sequence_length * self.train_micro_batch_size
             if section.logprob_mb_tokens is None:

@@ -150,7 +150,7 @@ def test_policies_side_by_side_and_shutdown_frees_workers(client, tiny, tok):
     scores = reward.score(batch)["scores"]
     torch.testing.assert_close(lp, hf_logprobs(tiny["llama"], ids, lens)[0], atol=1e-4, rtol=0)
     assert scores.shape == (len(TEXTS),)
-    assert min(policy.get_free_memory_bytes(), 1) == 1
+    assert policy.get_free_memory_bytes() > 0
     held = client.run(lambda dask_worker: sorted(dask_worker.plugins["dask-lm"].policies))
     assert all(len(v) == 2 for v in held.values())
     policy.shutdown()

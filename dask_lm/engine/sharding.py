@@ -59,15 +59,6 @@ def batch_size_of(value: Any) -> int:
     return int(value.shape[0]) if isinstance(value, torch.Tensor) else len(value)
 
 
-def _take(value: Any, rows: list[int] | torch.Tensor) -> Any:
-    if isinstance(value, torch.Tensor):
-        idx = rows if isinstance(rows, torch.Tensor) else torch.as_tensor(rows, dtype=torch.long)
-        return value.index_select(0, idx.to(value.device))
-    if isinstance(value, list):
-        return [value[int(i)] for i in rows]
-    raise TypeError(f"Unsupported type {type(value)} for index selection in BatchedDataDict")
-
-
 def shard_batch(data: BatchedDataDict, shards: int, batch_size: int | None = None, allow_uneven_shards: bool = False,
                 dynamic_batching_args: DynamicBatchingArgs | None = None,
                 sequence_packing_args: SequencePackingArgs | None = None) -> Any:
@@ -106,7 +97,7 @@ def shard_batch(data: BatchedDataDict, shards: int, batch_size: int | None = Non
             local = sorted(range(batch_size), key=lambda i: int(lengths[start + i]))
             dealt = [start + i for s in range(shards) for i in local[s::shards]]
             sorted_indices.extend(dealt)
-        data = type(data)({k: _take(v, sorted_indices) for k, v in data.items()})
+        data = data.select_indices(sorted_indices)
 
     shard_size = math.ceil(batch_size / shards) if allow_uneven_shards else batch_size // shards
     out = []
@@ -118,7 +109,7 @@ def shard_batch(data: BatchedDataDict, shards: int, batch_size: int | None = Non
             if allow_uneven_shards:
                 lo, hi = min(lo, (c + 1) * batch_size), min(hi, (c + 1) * batch_size)
             rows.extend(range(lo, hi))
-        out.append(SlicedDataDict({k: _take(v, rows) for k, v in data.items()}))
+        out.append(SlicedDataDict(data.select_indices(rows)))
     if dynamic_batching_args is None:
         return out
     _cut_dynamic_micro_batches(out, shard_size, num_chunks, dynamic_batching_args,
@@ -206,7 +197,7 @@ def _pack_shards(data: BatchedDataDict, shards: int, batch_size: int, num_chunks
             counts[s].append(pos)
     out = []
     for s in range(shards):
-        shard = SlicedDataDict({k: _take(v, per_shard_rows[s]) for k, v in data.items()})
+        shard = SlicedDataDict(data.select_indices(per_shard_rows[s]))
         shard.micro_batch_indices, shard.micro_batch_lengths, shard.elem_counts_per_gb = mbi[s], mbl[s], counts[s]
         out.append(shard)
     return out, [i for rows in per_shard_rows for i in rows]

@@ -84,14 +84,15 @@ def validate_input_batch(data: Any, *, what: str, vocab_size: int | None, max_le
 def _check_right_padding(ids: torch.Tensor, lens: torch.Tensor, pad: int, what: str) -> None:
     """A left-padded row starts with pad tokens and ends with real ones: its logprobs would be silently wrong."""
     s = ids.shape[1]
-    padded_rows = (lens < s).nonzero().flatten()
-    if padded_rows.numel() == 0:
-        return
-    for r in padded_rows.tolist():
-        n = int(lens[r])
-        head_is_pad = bool((ids[r, : s - n] == pad).all()) and int(ids[r, 0]) == pad
-        tail_is_pad = bool((ids[r, n:] == pad).all())
-        if head_is_pad and not tail_is_pad:
-            raise ValueError(f"{what}: row {r} looks left-padded (it starts with {s - n} pad tokens and its last "
-                             f"{s - n} positions are not padding); dask-lm needs right padding: tokens first, then "
-                             "pad, with `input_lengths` giving the count of real tokens")
+    pos = torch.arange(s)[None, :]
+    is_pad = ids == pad
+    n_pad = (s - lens)[:, None]
+    head_is_pad = (is_pad | (pos >= n_pad)).all(dim=1)  # the first s - n positions are all pad
+    tail_is_pad = (is_pad | (pos < lens[:, None])).all(dim=1)  # positions from n on are all pad
+    left = (lens < s) & is_pad[:, 0] & head_is_pad & ~tail_is_pad
+    if bool(left.any()):
+        r = int(left.nonzero()[0])
+        k = s - int(lens[r])
+        raise ValueError(f"{what}: row {r} looks left-padded (it starts with {k} pad tokens and its last {k} "
+                         "positions are not padding); dask-lm needs right padding: tokens first, then pad, with "
+                         "`input_lengths` giving the count of real tokens")

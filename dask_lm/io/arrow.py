@@ -141,8 +141,7 @@ def from_arrow(table: pa.Table, *, device: torch.device | str | None = None) -> 
                 v, o = list_values_offsets(col)
                 out[name] = pad_from_offsets(v, o, device=device)
             elif pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type):
-                out[name] = torch.from_numpy(col.to_numpy().copy()).to(device) if device else \
-                    torch.from_numpy(col.to_numpy().copy())
+                out[name] = torch.from_numpy(col.to_numpy().copy()).to(device)
             else:
                 out[name] = col.to_pylist()
             continue

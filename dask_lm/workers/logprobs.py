@@ -93,8 +93,7 @@ def next_token_logprobs(
     out = torch.zeros(b, s, dtype=torch.float32, device=hidden.device)
     if s < 2:
         return out
-    target_mask = valid[:, 1:].clone()
-    rows, cols = target_mask.nonzero(as_tuple=True)  # cols index the predicting position
+    rows, cols = valid[:, 1:].nonzero(as_tuple=True)  # cols index the predicting position
     if rows.numel() == 0:
         return out
     h = hidden[rows, cols]  # [N, H]

@@ -68,7 +68,7 @@ def init_policy(_prev: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: i
     info = device.device_info()
     info["rank"] = rank
     info["model_dtype"] = str(worker.dtype).replace("torch.", "")
-    info["num_parameters"] = sum(p.numel() for p in worker.model.parameters()) * (len(members) if group else 1)
+    info["num_parameters"] = sum(p.numel() for p in worker.model.parameters())  # DTensor numel is global
     return info
 
 
