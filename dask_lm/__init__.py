@@ -11,12 +11,47 @@ from dask_lm.engine.cluster import connect
 from dask_lm.engine.packing import PackingAlgorithm, get_packer
 from dask_lm.engine.policy import Policy
 from dask_lm.engine.sharding import BatchError
+from dask_lm.engine.metrics import FLOPTracker, Timer
 from dask_lm.engine.worker_group import RankFailedError
+from dask_lm.losses import (
+    ClippedPGLossConfig,
+    ClippedPGLossFn,
+    DistillationLossConfig,
+    DistillationLossFn,
+    DPOLossConfig,
+    DPOLossFn,
+    LossFunction,
+    LossInputType,
+    LossType,
+    NLLLoss,
+    NLLLossFn,
+    PreferenceLossFn,
+    calculate_kl,
+    masked_mean,
+    prepare_loss_input,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchError",
+    "ClippedPGLossConfig",
+    "ClippedPGLossFn",
+    "DPOLossConfig",
+    "DPOLossFn",
+    "DistillationLossConfig",
+    "DistillationLossFn",
+    "FLOPTracker",
+    "LossFunction",
+    "LossInputType",
+    "LossType",
+    "NLLLoss",
+    "NLLLossFn",
+    "PreferenceLossFn",
+    "Timer",
+    "calculate_kl",
+    "masked_mean",
+    "prepare_loss_input",
     "BatchedDataDict",
     "DynamicBatchingArgs",
     "PackingAlgorithm",

@@ -23,10 +23,12 @@ from distributed import span
 from dask_lm.config import PolicyConfig
 from dask_lm.engine.batch import BatchedDataDict
 from dask_lm.engine.cluster import as_client
+from dask_lm.engine.training import TrainingMixin
 from dask_lm.engine.validation import validate_input_batch
 from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.io.arrow import shard_to_wire
 from dask_lm.workers import tasks
+from dask_lm.workers.optim import check_optim_config
 
 __all__ = ["Policy"]
 
@@ -37,20 +39,18 @@ def _timed(timer: Any, label: str) -> contextlib.AbstractContextManager:
     return timer.time(label) if timer is not None and hasattr(timer, "time") else contextlib.nullcontext()
 
 
-def _model_vocab_size(model_name: str, overrides: dict | None) -> int | None:
-    """The embedding rows of the model, read from its config.json on the driver (no weights, no CUDA)."""
+def _model_config(model_name: str, overrides: dict | None) -> Any:
+    """The model's Hugging Face config, read from its config.json on the driver (no weights, no CUDA)."""
     try:
         import transformers
 
-        cfg = transformers.AutoConfig.from_pretrained(model_name, **(overrides or {}))
+        return transformers.AutoConfig.from_pretrained(model_name, **(overrides or {}))
     except (OSError, ValueError) as e:
         raise ValueError(f"`policy.model_name` = {model_name!r} is not a readable Hugging Face model directory: "
                          f"{e}") from e
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return getattr(text, "vocab_size", None)
 
 
-class Policy:
+class Policy(TrainingMixin):
     """A language-model policy sharded over the workers of a Dask cluster (NeMo RL's ``Policy`` API).
 
     Parameters follow NeMo RL. ``cluster`` is a ``distributed.Client``, a Dask cluster object or a scheduler
@@ -67,20 +67,30 @@ class Policy:
         self.cfg = PolicyConfig.from_dict(config)
         if processor is not None:
             raise ValueError("`processor` (multimodal inputs) is not supported yet; pass processor=None")
-        if optimizer_path is not None:
-            raise ValueError("`optimizer_path` restore arrives with Policy.train (training issue); pass None")
         if weights_path is not None:
             weights_path = os.path.abspath(weights_path)
             if not os.path.isdir(weights_path):
                 raise ValueError(f"`weights_path` {weights_path!r} is not a directory")
+        if optimizer_path is not None:
+            optimizer_path = os.path.abspath(optimizer_path)
+            if not init_optimizer:
+                raise ValueError("`optimizer_path` restores optimizer state, which needs init_optimizer=True")
+            if not os.path.isfile(os.path.join(optimizer_path, ".metadata")):
+                raise ValueError(f"`optimizer_path` {optimizer_path!r} is not an optimizer checkpoint written by "
+                                 "save_checkpoint (no .metadata file in it)")
+        self.init_optimizer = bool(init_optimizer and self.cfg.optimizer is not None)
+        if self.init_optimizer:
+            check_optim_config(self.cfg)
         self.tokenizer = tokenizer
         self.pad_token_id = self._pad_id(tokenizer)
-        self.vocab_size = _model_vocab_size(self.cfg.model_name, self.cfg.hf_config_overrides)
+        self.hf_config = _model_config(self.cfg.model_name, self.cfg.hf_config_overrides)
+        text = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
+        self.vocab_size = getattr(text, "vocab_size", None)
         self.client = as_client(cluster)
         workers = self._pick_workers(workers_per_node)
         self._group = group = WorkerGroup(self.client, workers=workers, name_prefix=name_prefix)
         options = {"init_optimizer": init_optimizer, "init_reference_model": init_reference_model,
-                   "weights_path": weights_path, "skip_weight_load": skip_weight_load}
+                   "weights_path": weights_path, "optimizer_path": optimizer_path, "skip_weight_load": skip_weight_load}
         members = tuple(str(n) for n in group.names)
         lock = group.group_lock() if group.world_size > 1 else contextlib.nullcontext()
         with span("dask-lm/load-model"), lock:
@@ -264,22 +274,12 @@ class Policy:
     def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
         self._call_all("prepare_for_lp_inference")
 
-    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
-        return True
-
-    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
-        return True
-
-    def invalidate_kv_cache(self, *args: Any, **kwargs: Any) -> bool:
-        return True
-
     def finish_inference(self) -> None:
         self._call_all("finish_inference")
 
     def offload_to_cpu(self) -> None:
+        """Weights and optimizer state to host memory, freeing the devices."""
         self._call_all("offload_to_cpu")
-
-    offload_after_refit = offload_to_cpu
 
     def start_gpu_profiling(self) -> None:
         self.group.run_all(_profiler, True, what="start_gpu_profiling", key_name="profiler")

@@ -13,7 +13,7 @@ import torch
 
 from dask_lm.engine.batch import BatchedDataDict
 
-__all__ = ["validate_input_batch"]
+__all__ = ["validate_input_batch", "validate_train_batch"]
 
 _SHAPE_HELP = "`input_ids` must be an integer tensor [B, S] of right-padded token ids"
 
@@ -96,3 +96,66 @@ def _check_right_padding(ids: torch.Tensor, lens: torch.Tensor, pad: int, what: 
         raise ValueError(f"{what}: row {r} looks left-padded (it starts with {k} pad tokens and its last {k} "
                          "positions are not padding); dask-lm needs right padding: tokens first, then pad, with "
                          "`input_lengths` giving the count of real tokens")
+
+
+def validate_train_batch(data: BatchedDataDict, loss_fn: Any, *, check_dim_skip_keys: Any = None,
+                         what: str = "train") -> BatchedDataDict:
+    """Checks for ``Policy.train`` beyond :func:`validate_input_batch` (run that first); returns a new batch.
+
+    * the loss follows the ``LossFunction`` protocol and every key it needs is in the data;
+    * every tensor with 2+ dims has the sequence width of ``input_ids`` in dim 1 (``check_dim_skip_keys`` aside);
+    * float data is finite where it counts (a NaN advantage would silently poison every weight);
+    * ``sample_mask`` defaults to ones; ``token_mask`` is zeroed past each row's length (padding never trains).
+    """
+    from dask_lm.losses.base import LossInputType
+    from dask_lm.losses.loss_input import input_type_of
+
+    if not callable(loss_fn):
+        raise ValueError(f"{what}: loss_fn must be callable as loss_fn(data, global_valid_seqs, global_valid_toks, "
+                         f"**inputs), got {type(loss_fn).__name__}")
+    for attr in ("loss_type", "input_type"):
+        if not hasattr(loss_fn, attr):
+            raise ValueError(f"{what}: {type(loss_fn).__name__} has no `{attr}` attribute; a loss needs `loss_type` "
+                             "(LossType) and `input_type` (LossInputType), see dask_lm.losses.LossFunction")
+    kind = input_type_of(loss_fn)
+    required = list(getattr(loss_fn, "required_keys", ()) or ())
+    if kind == LossInputType.DISTILLATION:
+        required += [k for k in ("teacher_topk_logits", "teacher_topk_indices") if k not in required]
+    out = BatchedDataDict(dict(data.items()))
+    b, s = out["input_ids"].shape
+    lens = out["input_lengths"].detach().to("cpu", torch.int64)
+    if "sample_mask" not in out:
+        out["sample_mask"] = torch.ones(b, dtype=torch.float32)
+    missing = [k for k in required if k not in out]
+    if missing:
+        raise ValueError(f"{what}: {type(loss_fn).__name__} needs the data keys {missing}, which the batch lacks "
+                         f"(it has {sorted(out.keys())})")
+    skip = set(check_dim_skip_keys or ())
+    valid = torch.arange(s)[None, :] < lens[:, None]
+    for key, value in out.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() >= 2 and key not in skip and value.shape[1] != s:
+            raise ValueError(f"{what}: `{key}` has shape {list(value.shape)} but `input_ids` is [{b}, {s}]: per-token "
+                             "data must have the same sequence width (pad it to S), or list the key in "
+                             "check_dim_skip_keys")
+        if value.is_floating_point():
+            v = value.detach().to("cpu")
+            region = v if v.dim() < 2 or v.shape[1] != s else v[valid]
+            bad = ~torch.isfinite(region)
+            if bool(bad.any()):
+                where = "" if v.dim() < 2 or v.shape[1] != s else " (within the rows' lengths)"
+                raise ValueError(f"{what}: `{key}` holds {int(bad.sum())} NaN/inf values{where}; fix the data "
+                                 "before training on it")
+    if "token_mask" in out:
+        tm = out["token_mask"]
+        if not isinstance(tm, torch.Tensor) or tm.shape != (b, s):
+            raise ValueError(f"{what}: `token_mask` must be a tensor [{b}, {s}] (1 where a token is trained on)")
+        out["token_mask"] = tm * valid.to(tm.device, tm.dtype)
+    sm = out["sample_mask"]
+    if not isinstance(sm, torch.Tensor) or sm.shape != (b,):
+        raise ValueError(f"{what}: `sample_mask` must be a tensor [{b}] (1 for rows that count, 0 for padding rows)")
+    if getattr(loss_fn, "requires_pairs", False) and b % 2:
+        raise ValueError(f"{what}: {type(loss_fn).__name__} takes (chosen, rejected) row pairs, but the batch has "
+                         f"{b} rows")
+    return out

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["OutputHead", "output_head", "next_token_logprobs", "topk_logits", "apply_top_k_top_p"]
+__all__ = ["OutputHead", "output_head", "next_token_logprobs", "next_token_logprobs_train", "topk_logits",
+           "apply_top_k_top_p"]
 
 
 @dataclass
@@ -149,3 +150,61 @@ def topk_logits(
     values[rows, cols] = flat_v
     indices[rows, cols] = flat_i
     return values, indices
+
+
+def _chunk_logprobs(h: torch.Tensor, targets: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+                    temperature: float, top_k: int | None, top_p: float, unfiltered: bool) -> tuple[torch.Tensor, ...]:
+    logits = head(h)
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, targets[:, None]).squeeze(1)
+    if not ((top_k is not None and top_k > 0) or top_p < 1.0):
+        lp = picked - lse
+        return (lp, lp) if unfiltered else (lp,)
+    filtered = apply_top_k_top_p(logits, top_k, top_p)
+    lp = picked - torch.logsumexp(filtered, dim=-1)
+    # a target outside the filter has logprob -inf: 0 there (and no gradient), as in the inference path
+    lp = torch.where(torch.isfinite(filtered.gather(1, targets[:, None]).squeeze(1)), lp, torch.zeros_like(lp))
+    return (lp, picked - lse) if unfiltered else (lp,)
+
+
+def next_token_logprobs_train(
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    valid: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = 1024,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    unfiltered: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`next_token_logprobs` with gradients, still memory-flat: each chunk of logits is recomputed in the
+    backward pass (``torch.utils.checkpoint``) instead of being kept, so training never holds a ``[N, V]``
+    float32 tensor for more than one chunk. With ``unfiltered`` it also returns the logprobs without top-k /
+    top-p filtering (what a KL penalty needs), from the same logits."""
+    from torch.utils.checkpoint import checkpoint
+
+    b, s = input_ids.shape
+    rows, cols = valid[:, 1:].nonzero(as_tuple=True)
+    h = hidden[rows, cols]
+    targets = input_ids[rows, cols + 1]
+    n_out = 2 if unfiltered else 1
+    pieces: list[tuple[torch.Tensor, ...]] = []
+    for start, end in _chunks(rows.numel(), chunk_size):
+        args = (h[start:end], targets[start:end], head, temperature, top_k, top_p, unfiltered)
+        if chunk_size and torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(*args))
+    outs = []
+    for j in range(n_out):
+        values = torch.cat([p[j] for p in pieces]) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+        out = torch.zeros(b, s, dtype=torch.float32, device=hidden.device)
+        if values.numel():
+            outs.append(out.index_put((rows, cols + 1), values))
+        else:  # no position to score: stay connected to the head and the decoder, so every gradient exists
+            outs.append(out + 0.0 * head(hidden.reshape(-1, hidden.shape[-1])[:1]).sum())
+    return (outs[0], outs[1]) if unfiltered else outs[0]

@@ -7,7 +7,6 @@ pinned tasks from ``tasks.py``. Every public method here is the worker half of a
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import time
 from collections.abc import Iterator
@@ -27,9 +26,11 @@ from dask_lm.workers.forward import (
     plan_micro_batches,
     unpack_positions,
 )
+from dask_lm.io.checkpoint import BackgroundWriter
 from dask_lm.workers.logprobs import next_token_logprobs, output_head, topk_logits
+from dask_lm.workers.optim import MasterWeights, build_optimizer, build_scheduler, resolve_class
 
-__all__ = ["PolicyWorker", "local_tensor"]
+__all__ = ["PolicyWorker", "local_tensor", "resolve_class"]
 
 logger = logging.getLogger("dask_lm.worker")
 
@@ -40,41 +41,53 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
-def resolve_class(path: str, key: str) -> type:
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"`{key}` = {path!r} cannot be imported ({e}); give a full import path such as "
-                         "'torch.optim.AdamW'") from e
-
-
 class PolicyWorker:
     """The model, optimizer and reference weights of one rank."""
 
     def __init__(self, cfg: PolicyConfig, *, rank: int, world_size: int, group: Any, pad_token_id: int,
                  init_optimizer: bool = True, init_reference_model: bool = True, weights_path: str | None = None,
-                 skip_weight_load: bool = False) -> None:
+                 optimizer_path: str | None = None, skip_weight_load: bool = False, cpu_group: Any = None) -> None:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.cpu_group = cpu_group
         self.pad_token_id = pad_token_id
         self.device = device.local_device()
         self.dtype = device.torch_dtype(cfg.precision)
         self.is_reward_model = cfg.reward_model_cfg.enabled
-        self.model = self._build_model(skip_weight_load)
         self.fsdp = world_size > 1
+        self.trainable = bool(init_optimizer and cfg.optimizer is not None)
+        # low-precision training keeps fp32 master weights (see optim.py): FSDP's fp32 shards, or MasterWeights
+        self.keeps_fp32 = self.trainable and self.dtype != torch.float32
+        self.model = self._build_model(skip_weight_load)
+        if cfg.dtensor_cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.fsdp:
             self._apply_fsdp()
         self.model.eval()
-        # the reference is the weights as loaded from model_name, taken before any weights_path restore
+        # the reference is the weights as loaded from model_name, taken before any weights_path restore; kept in
+        # the compute dtype (what the forward sees), as each rank's own shard in pinned host memory
         self.reference: dict[str, torch.Tensor] | None = None
         if init_reference_model:
-            self.reference = {n: device.pin(local_tensor(p)) for n, p in self.model.named_parameters()}
+            self.reference = {n: device.pin(local_tensor(p).to(self.dtype)) for n, p in self.model.named_parameters()}
+        self.masters: MasterWeights | None = None
+        if self.keeps_fp32 and not self.fsdp:
+            self.masters = MasterWeights(self.model)
         if weights_path:
             self.load_weights(weights_path)
-        self.optimizer = self._build_optimizer() if init_optimizer and cfg.optimizer is not None else None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        if self.trainable:
+            self.optimizer = build_optimizer(self.masters.parameters() if self.masters else self.model.parameters(),
+                                             cfg)
+            self.scheduler = build_scheduler(self.optimizer, cfg)
+        if optimizer_path:
+            from dask_lm.workers.checkpointing import load_optimizer_state
+
+            load_optimizer_state(self, optimizer_path)
+        self.writer = BackgroundWriter()
+        self.pending_save: dict[str, Any] | None = None
         self.extension_state: dict[str, Any] = {}
 
     # ----------------------------------------------------------------------------------------- build
@@ -91,52 +104,61 @@ class PolicyWorker:
         if getattr(hf_config, "pad_token_id", None) is None:
             # sequence-classification heads refuse batches > 1 without a pad id; we pool by length anyway
             hf_config.pad_token_id = self.pad_token_id
-        kwargs = {"config": hf_config, "dtype": self.dtype, "attn_implementation": cfg.attn_implementation}
+        # FSDP keeps the fp32 masters as its shards (MixedPrecisionPolicy computes in `precision`)
+        dtype = torch.float32 if self.keeps_fp32 and self.fsdp else self.dtype
+        kwargs = {"config": hf_config, "dtype": dtype, "attn_implementation": cfg.attn_implementation}
         if skip_weight_load:
-            model = auto.from_config(hf_config, dtype=self.dtype, attn_implementation=cfg.attn_implementation)
+            model = auto.from_config(hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation)
         else:
             model = auto.from_pretrained(cfg.model_name, **kwargs)
         return model.to(self.device)
 
     def _apply_fsdp(self) -> None:
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = DeviceMesh.from_group(self.group, self.device.type)
+        kwargs: dict[str, Any] = {"mesh": mesh}
+        if self.keeps_fp32:  # compute in `precision`, reduce gradients in fp32 into the fp32 shards
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         block_names = set(getattr(self.model, "_no_split_modules", None) or [])
         blocks = [m for m in self.model.modules() if type(m).__name__ in block_names]
         assert blocks, f"{type(self.model).__name__} declares no _no_split_modules to shard by"
         for block in blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        opt_cfg = self.cfg.optimizer
-        assert opt_cfg is not None
-        cls = resolve_class(opt_cfg.name, "policy.optimizer.name")
-        kwargs = dict(opt_cfg.kwargs)
-        if "betas" in kwargs:
-            kwargs["betas"] = tuple(kwargs["betas"])
-        try:
-            return cls(self.model.parameters(), **kwargs)
-        except TypeError as e:
-            raise ValueError(f"`policy.optimizer.kwargs` do not fit {opt_cfg.name}: {e}") from e
+            fully_shard(block, **kwargs)
+        fully_shard(self.model, **kwargs)
 
     def load_weights(self, weights_path: str) -> None:
-        """Load a Hugging Face model directory (``save_pretrained`` / ``save_checkpoint`` output) into this rank."""
+        """Load a Hugging Face model directory (``save_pretrained`` / ``save_checkpoint`` output) into this rank.
+
+        A trainable low-precision policy reads it in fp32 into its master weights, so a checkpoint written by
+        ``save_checkpoint`` (fp32 masters) restores the exact state training continues from."""
         import transformers
 
         auto = (transformers.AutoModelForSequenceClassification if self.is_reward_model
                 else transformers.AutoModelForCausalLM)
-        full = auto.from_pretrained(weights_path, dtype=self.dtype).state_dict()
+        dtype = torch.float32 if self.keeps_fp32 else self.dtype
+        try:
+            full = auto.from_pretrained(weights_path, dtype=dtype).state_dict()
+        except (OSError, ValueError) as e:
+            raise ValueError(f"weights_path {weights_path!r} is not a loadable Hugging Face model directory: {e}") from e
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
-        else:
-            missing, unexpected = self.model.load_state_dict(full, strict=False)
-            if unexpected:
-                raise ValueError(f"weights_path {weights_path!r} holds tensors this model lacks: {unexpected[:5]}")
+            return
+        own = self.model.state_dict()
+        unexpected = [k for k in full if k not in own]
+        if unexpected:
+            raise ValueError(f"weights_path {weights_path!r} holds tensors this model lacks: {unexpected[:5]}")
+        if self.masters is not None:
+            with torch.no_grad():
+                for name, master in self.masters.named_parameters().items():
+                    if name in full:
+                        master.copy_(full[name])
+            self.masters.copy_to_model()
+            full = {k: v for k, v in full.items() if k not in self.masters.named_parameters()}
+        self.model.load_state_dict(full, strict=False)
 
     # ----------------------------------------------------------------------------------------- passes
     @property
@@ -283,34 +305,114 @@ class PolicyWorker:
                     local_tensor(p).copy_(current[n], non_blocking=True)
             device.synchronize()
 
+    # ----------------------------------------------------------------------------------------- training
+    def train(self, data: BatchedDataDict, meta: dict[str, Any], loss_fn: Any, *, eval_mode: bool, gbs: int, mbs: int,
+              num_global_batches: int) -> dict[str, Any]:
+        from dask_lm.workers import trainer
+
+        start = time.perf_counter()
+        out = trainer.train(self, data, meta, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
+                            num_global_batches=num_global_batches)
+        self._record(data, start)
+        return out
+
+    def ensure_optimizer(self) -> None:
+        if self.optimizer is None:
+            raise ValueError("this Policy has no optimizer: it was created with init_optimizer=False (or "
+                             "`policy.optimizer: null`); create it with init_optimizer=True to train or save "
+                             "optimizer state")
+
+    def trainable_parameters(self) -> list[torch.Tensor]:
+        """What the optimizer updates: the fp32 masters, or the (FSDP-sharded) model parameters."""
+        if self.masters is not None:
+            return self.masters.parameters()
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def optimizer_param_names(self) -> dict[int, str]:
+        named = self.masters.named_parameters() if self.masters is not None else dict(self.model.named_parameters())
+        return {id(p): n for n, p in named.items()}
+
+    @property
+    def save_dtype(self) -> torch.dtype:
+        """The dtype checkpoints hold: fp32 when training keeps fp32 masters, else the model's."""
+        return torch.float32 if self.keeps_fp32 else self.dtype
+
+    def save_checkpoint(self, weights: tuple[str, str] | None, optimizer: tuple[str, str] | None,
+                        tokenizer: tuple[str, str, Any] | None, *, async_save: bool, max_shard_size: int) -> dict:
+        from dask_lm.workers import checkpointing
+
+        return checkpointing.save_checkpoint(self, weights=weights, optimizer=optimizer, tokenizer=tokenizer,
+                                             async_save=async_save, max_shard_size=max_shard_size)
+
+    def finalize_async_save(self) -> bool:
+        from dask_lm.workers import checkpointing
+
+        return checkpointing.finalize_async_save(self)
+
     # ----------------------------------------------------------------------------------------- placement
+    def place_for_training(self, *, optimizer: bool) -> None:
+        self._ensure_on_device()
+        if optimizer:
+            self._move_optimizer(self.device)
+
+    def prepare_for_training(self) -> bool:
+        self.place_for_training(optimizer=self.optimizer is not None)
+        return True
+
+    def finish_training(self) -> bool:
+        return True
+
     def prepare_for_lp_inference(self) -> bool:
-        self.model.to(self.device)
+        self._ensure_on_device()
         self.model.eval()
         if self.cfg.offload_optimizer_for_logprob:
             self._move_optimizer("cpu")
         device.empty_cache()
         return True
 
+    def prepare_for_generation(self) -> bool:
+        self._ensure_on_device()
+        self.model.eval()
+        return True
+
+    def finish_generation(self) -> bool:
+        return True
+
+    def invalidate_kv_cache(self) -> bool:
+        return True  # generation keeps no KV cache between calls
+
     def finish_inference(self) -> bool:
         self.model.to("cpu")
         device.empty_cache()
         return True
 
+    def offload_before_refit(self) -> bool:
+        """Optimizer state (and fp32 masters) to host memory: the weights stay, ready to be streamed."""
+        self._move_optimizer("cpu")
+        device.empty_cache()
+        return True
+
     def offload_to_cpu(self) -> bool:
+        """Everything to host memory: weights, optimizer state, masters."""
         self.model.to("cpu")
         self.model.eval()
         self._move_optimizer("cpu")
         device.empty_cache()
         return True
 
-    def _move_optimizer(self, where: str) -> None:
+    offload_after_refit = offload_to_cpu
+
+    def _move_optimizer(self, where: str | torch.device) -> None:
+        if self.masters is not None:
+            self.masters.to(where)
         if self.optimizer is None:
             return
         for state in self.optimizer.state.values():
             for k, v in state.items():
-                if isinstance(v, torch.Tensor):
-                    state[k] = v.to(where)
+                # Adam's scalar `step` stays on the host, where the non-capturable optimizers expect it
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    state[k] = v.to(where, non_blocking=True)
+        device.synchronize()
 
     def _record(self, data: BatchedDataDict, start: float) -> None:
         from dask_lm.workers.state import get_state
@@ -327,6 +429,15 @@ class PolicyWorker:
         context_meter.digest_metric("tokens", tokens, "count")
 
     def shutdown(self) -> None:
+        if self.pending_save is not None:  # never drop staged checkpoint bytes on the floor
+            try:
+                self.finalize_async_save()
+            except Exception:
+                logger.exception("finishing a pending async checkpoint during shutdown failed")
+        if self.masters is not None:
+            self.masters.remove()
+        self.masters = None
+        self.scheduler = None
         self.optimizer = None
         self.reference = None
         self.model = None  # type: ignore[assignment]

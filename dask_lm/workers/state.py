@@ -40,6 +40,7 @@ class DaskLMWorkerState(WorkerPlugin):
         self.world_members: tuple[str, ...] | None = None
         self.world_users: set[str] = set()
         self.groups: dict[str, Any] = {}
+        self.cpu_groups: dict[str, Any] = {}
         self.last_call: dict[str, Any] = {}
 
     def setup(self, worker: Any) -> None:
@@ -47,6 +48,7 @@ class DaskLMWorkerState(WorkerPlugin):
         self.world_members = None
         self.world_users = set()
         self.groups = {}
+        self.cpu_groups = {}
         self.last_call = {"tokens": 0, "seconds": 0.0}
         # numeric gauges become extra columns of the dashboard's Workers table
         worker.metrics["dask_lm_policies"] = lambda w: len(self.policies)
@@ -113,15 +115,21 @@ def join_process_group(state: DaskLMWorkerState, policy_id: str, *, members: tup
     group = dist.new_group(ranks=list(range(len(members))), timeout=timeout, backend=backend)
     state.world_users.add(policy_id)
     state.groups[policy_id] = group
+    if backend != "gloo":
+        # host-side collectives (checkpoint planning, async saves in a background thread) get their own gloo
+        # group, so they never share a communicator with the training collectives running meanwhile
+        state.cpu_groups[policy_id] = dist.new_group(ranks=list(range(len(members))), timeout=timeout,
+                                                     backend="gloo")
     return group
 
 
 def leave_process_group(state: DaskLMWorkerState, policy_id: str) -> None:
     import torch.distributed as dist
 
-    group = state.groups.pop(policy_id, None)
-    if group is not None and dist.is_initialized():
-        dist.destroy_process_group(group)
+    for groups in (state.cpu_groups, state.groups):
+        group = groups.pop(policy_id, None)
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
     state.world_users.discard(policy_id)
     if not state.world_users and dist.is_initialized():
         dist.destroy_process_group()

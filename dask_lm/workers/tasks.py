@@ -60,7 +60,8 @@ def init_policy(_prev: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: i
         ext = resolve_class(extension_fqn, "worker_extension_cls_fqn")
         cls = type(f"{ext.__name__}PolicyWorker", (ext, PolicyWorker), {})
     try:
-        worker = cls(cfg, rank=rank, world_size=len(members), group=group, pad_token_id=pad_token_id, **options)
+        worker = cls(cfg, rank=rank, world_size=len(members), group=group, cpu_group=state.cpu_groups.get(policy_id),
+                     pad_token_id=pad_token_id, **options)
     except BaseException:
         state.shutdown_policy(policy_id)
         raise

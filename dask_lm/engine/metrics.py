@@ -1,0 +1,198 @@
+"""Timers, training FLOPs per model family, and MFU against the device's dense bf16 peak (driver side).
+
+FLOPs follow the Megatron / NeMo RL convention so numbers compare across projects: matrix-multiply FLOPs of the
+model (2 per multiply-add), causal attention counted as half of the full score matrix, training = 3 x forward
+(backward costs twice the forward), summed over the *real* length of every sequence, never the padded one. For a
+sequence of ``s`` tokens and a dense gated-MLP decoder with ``L`` layers, hidden size ``h``, query width
+``q = heads * head_dim``, key/value width ``kv = kv_heads * head_dim``, MLP width ``f`` and vocabulary ``V``:
+
+    forward(s) = 2 s [L (h q + 2 h kv + q h + 3 h f) + h V] + 2 L s^2 q
+
+For Llama and Qwen3 this equals NeMo RL's ``llama`` / ``qwen3`` formulas term by term. NeMo RL's ``qwen2`` formula
+counts the K and V projections as if there were as many KV heads as query heads; ours counts the real GQA widths,
+so Qwen2.5 MFU here is slightly lower (and right).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+__all__ = ["Timer", "FLOPTracker", "flops_per_sequence", "device_peak_tflops", "aggregate_flops_metrics",
+           "_aggregate_megatron_flops_metrics"]
+
+logger = logging.getLogger("dask_lm")
+
+# dense (not 2:4 sparse) bf16 tensor-core peaks, TFLOP/s, from the vendors' datasheets; matched by substring of
+# torch.cuda.get_device_name, most specific first
+_BF16_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2500.0), ("B200", 2250.0), ("B100", 1750.0), ("H200", 989.5), ("H100 PCIe", 756.0),
+    ("H100", 989.5), ("H800", 989.5), ("H20", 148.0), ("GH200", 989.5), ("A100", 312.0), ("A800", 312.0),
+    ("L40S", 362.0), ("L40", 181.0), ("A10G", 70.0), ("A10", 125.0), ("L4", 121.0), ("MI300X", 1307.4),
+    ("MI325X", 1307.4), ("RTX 4090", 165.2), ("RTX 6000 Ada", 364.2), ("V100", 125.0),
+)
+
+# model_type -> how to read the decoder's widths from its config; all are dense decoders with a gated MLP
+_DENSE_GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "granite"}
+
+
+def device_peak_tflops(gpu_name: str | None) -> float | None:
+    """Dense bf16 peak of a GPU by name (``None`` for CPUs and unknown devices)."""
+    if not gpu_name or gpu_name == "cpu":
+        return None
+    for key, peak in _BF16_PEAK_TFLOPS:
+        if key.lower() in gpu_name.lower():
+            return peak
+    return None
+
+
+def _widths(config: Any) -> dict[str, int]:
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in _DENSE_GATED:
+        raise ValueError(f"no FLOPs formula for model_type {model_type!r} (known: {sorted(_DENSE_GATED)})")
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    return {"L": int(cfg.num_hidden_layers), "h": int(cfg.hidden_size), "q": heads * head_dim,
+            "kv": kv_heads * head_dim, "f": int(cfg.intermediate_size), "V": int(cfg.vocab_size)}
+
+
+def flops_per_sequence(config: Any, seq_len: int, *, training: bool = True) -> float:
+    """FLOPs of one sequence of ``seq_len`` real tokens (forward + backward when ``training``)."""
+    w = _widths(config)
+    s = float(seq_len)
+    per_layer = w["h"] * w["q"] + 2 * w["h"] * w["kv"] + w["q"] * w["h"] + 3 * w["h"] * w["f"]
+    forward = 2.0 * s * (w["L"] * per_layer + w["h"] * w["V"]) + 2.0 * w["L"] * s * s * w["q"]
+    return 3.0 * forward if training else forward
+
+
+class FLOPTracker:
+    """Counts training FLOPs of the sequences handed to ``track_batch`` (NeMo RL's ``FLOPTracker`` interface)."""
+
+    def __init__(self, config: Any) -> None:
+        _widths(config)  # raises for unknown families
+        self.config = config
+        self.total_flops = 0.0
+
+    @classmethod
+    def from_config(cls, config: Any) -> FLOPTracker | None:
+        """A tracker for this Hugging Face config, or None (with a log line) for families without a formula."""
+        try:
+            return cls(config)
+        except (ValueError, AttributeError, TypeError) as e:
+            logger.info("FLOPs are not reported: %s", e)
+            return None
+
+    def reset(self) -> None:
+        self.total_flops = 0.0
+
+    def track_batch(self, sequence_lengths: Sequence[int] | Any) -> None:
+        lengths = sequence_lengths.tolist() if hasattr(sequence_lengths, "tolist") else list(sequence_lengths)
+        self.total_flops += sum(flops_per_sequence(self.config, int(n)) for n in lengths)
+
+    def track(self, n_samples: int, seq_len: int) -> None:
+        self.total_flops += n_samples * flops_per_sequence(self.config, seq_len)
+
+
+def aggregate_flops_metrics(results: Sequence[dict[str, Any]], world_size: int,
+                            total_flops: float | None) -> dict[str, Any]:
+    """FLOP figures of one ``train()`` call from the ranks' results: total and per-rank TFLOP/s and MFU.
+
+    The elapsed time is the slowest rank's (a step is done when every rank is); the peak is the sum of each
+    rank's device peak. Figures that cannot be known (CPU devices, unknown GPUs, families without a formula)
+    are None rather than guessed.
+    """
+    out: dict[str, Any] = {"num_ranks": len(results) or world_size, "total_flops": total_flops}
+    elapsed = max((float(r.get("train_elapsed_seconds") or 0.0) for r in results), default=0.0)
+    out["train_elapsed_seconds"] = elapsed
+    peaks = [device_peak_tflops(r.get("gpu_name")) for r in results]
+    out["theoretical_tflops"] = sum(peaks) if peaks and all(p is not None for p in peaks) else None  # type: ignore[arg-type]
+    if total_flops is None or elapsed <= 0:
+        out.update(achieved_tflops=None, achieved_tflops_per_rank=None, mfu=None)
+        return out
+    achieved = total_flops / elapsed / 1e12
+    out["achieved_tflops"] = achieved
+    out["achieved_tflops_per_rank"] = achieved / out["num_ranks"]
+    out["mfu"] = achieved / out["theoretical_tflops"] if out["theoretical_tflops"] else None
+    return out
+
+
+def _aggregate_megatron_flops_metrics(results: Sequence[dict[str, Any]], world_size: int) -> dict[str, Any]:
+    """NeMo RL's aggregation helper: FLOP fields taken from the first result, peak = ranks x device peak."""
+    first = results[0] if results else {}
+    num_ranks = int(first.get("num_ranks") or world_size)
+    peak = device_peak_tflops(first.get("gpu_name"))
+    return {"total_flops": first.get("total_flops"), "num_ranks": num_ranks,
+            "train_elapsed_seconds": first.get("train_elapsed_seconds"),
+            "theoretical_tflops": num_ranks * peak if peak is not None else None}
+
+
+class Timer:
+    """Named wall-clock timers with a list of durations per label (NeMo RL's ``Timer`` interface).
+
+    >>> timer = Timer()
+    >>> with timer.time("policy_training"):
+    ...     pass
+    >>> timer.reduce("policy_training", "count")
+    1
+    """
+
+    _OPS = {"mean": statistics.fmean, "median": statistics.median, "min": min, "max": max, "sum": sum,
+            "count": len, "std": lambda v: statistics.pstdev(v) if len(v) > 1 else 0.0}
+
+    def __init__(self) -> None:
+        self._timers: dict[str, list[float]] = {}
+        self._start: dict[str, float] = {}
+
+    def start(self, label: str) -> None:
+        if label in self._start:
+            raise ValueError(f"timer {label!r} is already running")
+        self._start[label] = time.perf_counter()
+
+    def stop(self, label: str) -> float:
+        if label not in self._start:
+            raise ValueError(f"timer {label!r} was not started")
+        elapsed = time.perf_counter() - self._start.pop(label)
+        self._timers.setdefault(label, []).append(elapsed)
+        return elapsed
+
+    @contextlib.contextmanager
+    def time(self, label: str) -> Iterator[None]:
+        self.start(label)
+        try:
+            yield
+        finally:
+            self.stop(label)
+
+    def get_elapsed(self, label: str) -> list[float]:
+        if label not in self._timers:
+            raise ValueError(f"no timings for {label!r}; known: {sorted(self._timers)}")
+        return list(self._timers[label])
+
+    def get_latest_elapsed(self, label: str) -> float:
+        return self.get_elapsed(label)[-1]
+
+    def reduce(self, label: str, operation: str = "mean") -> float:
+        if operation not in self._OPS:
+            raise ValueError(f"unknown reduction {operation!r}; use one of {sorted(self._OPS)}")
+        return self._OPS[operation](self.get_elapsed(label))
+
+    def get_timing_metrics(self, reduction_op: str | dict[str, str] = "sum") -> dict[str, float | list[float]]:
+        out: dict[str, float | list[float]] = {}
+        for label in self._timers:
+            op = reduction_op.get(label, "sum") if isinstance(reduction_op, dict) else reduction_op
+            out[label] = self.reduce(label, op)
+        return out
+
+    def reset(self, label: str | None = None) -> None:
+        if label is None:
+            self._timers.clear()
+            self._start.clear()
+        else:
+            self._timers.pop(label, None)
+            self._start.pop(label, None)

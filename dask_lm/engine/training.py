@@ -1,0 +1,217 @@
+"""The training half of ``Policy`` (driver side): ``train``, checkpoints and the placement hooks of an RL loop.
+
+Mixed into :class:`dask_lm.Policy`. Every check that can fail on user input runs here, before any rank is
+touched: the loss contract, the keys it needs, shapes, finite values, batch-size arithmetic, pair-keeping for
+preference losses, checkpoint paths. The ranks then run :mod:`dask_lm.workers.trainer` and
+:mod:`dask_lm.workers.checkpointing`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from distributed import span
+
+from dask_lm.engine.batch import BatchedDataDict
+from dask_lm.engine.metrics import FLOPTracker, aggregate_flops_metrics
+from dask_lm.engine.validation import validate_input_batch, validate_train_batch
+from dask_lm.io import checkpoint as ckpt
+from dask_lm.io.arrow import shard_to_wire
+from dask_lm.workers import tasks
+
+if TYPE_CHECKING:
+    from dask_lm.config import PolicyConfig
+    from dask_lm.engine.worker_group import WorkerGroup
+
+__all__ = ["TrainingMixin"]
+
+def _timed(timer: Any, label: str) -> Any:
+    import contextlib
+
+    return timer.time(label) if timer is not None and hasattr(timer, "time") else contextlib.nullcontext()
+
+
+def _checkpoint_options(checkpointing_cfg: Any) -> tuple[bool, int]:
+    """``(async_save, max_shard_size)`` from a NeMo RL checkpointing config (other keys are the trainer's)."""
+    cfg = dict(checkpointing_cfg or {})
+    fmt = cfg.get("model_save_format", "safetensors")
+    if fmt not in (None, "safetensors"):
+        raise ValueError(f"`checkpointing.model_save_format` = {fmt!r}: dask-lm writes Hugging Face safetensors "
+                         "directories (loadable with from_pretrained); set it to 'safetensors'")
+    async_save = bool(cfg.get("async_save", cfg.get("is_async", False)))
+    return async_save, ckpt.parse_size(cfg.get("max_shard_size", "5GB"))
+
+
+class TrainingMixin:
+    cfg: PolicyConfig
+    client: Any
+    tokenizer: Any
+    vocab_size: int | None
+    pad_token_id: int
+    hf_config: Any
+    init_optimizer: bool
+
+    group: WorkerGroup
+    data_parallel_size: int
+
+    # ----------------------------------------------------------------------------------------- train
+    def train(self, data: BatchedDataDict, loss_fn: Any, eval_mode: bool = False, gbs: int | None = None,
+              mbs: int | None = None, timer: Any = None, check_dim_skip_keys: Any = None) -> dict[str, Any]:
+        """One optimizer step per global batch of ``gbs`` rows (``eval_mode``: forward only, nothing changes).
+
+        Returns ``loss`` (float32 [num_global_batches]), ``grad_norm`` (the last step's norm before clipping,
+        None in eval), ``all_mb_metrics`` (metric -> one value per micro-batch and rank) and FLOP figures
+        (``total_flops``, ``achieved_tflops``, ``mfu``, ...; None where they cannot be known).
+        """
+        cfg = self.cfg
+        dp = self.data_parallel_size
+        gbs = int(gbs or cfg.train_global_batch_size)
+        mbs = int(mbs or cfg.train_micro_batch_size)
+        if gbs < 1 or mbs < 1:
+            raise ValueError(f"train: gbs and mbs must be >= 1, got gbs={gbs}, mbs={mbs}")
+        if cfg.reward_model_cfg.enabled:
+            raise ValueError("train: training a reward model (reward_model_cfg.enabled) is not supported yet")
+        if not eval_mode and not self.init_optimizer:
+            raise ValueError("train: this Policy was created with init_optimizer=False; create it with "
+                             "init_optimizer=True to train (eval_mode=True works without one)")
+        data = validate_input_batch(data, what="train", vocab_size=self.vocab_size,
+                                    max_length=cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
+        data = validate_train_batch(data, loss_fn, check_dim_skip_keys=check_dim_skip_keys)
+        rows = data.size
+        if gbs % dp:
+            raise ValueError(f"train: the global batch size {gbs} must be a multiple of the {dp} ranks")
+        if rows % gbs:
+            raise ValueError(f"train: the batch has {rows} rows, not a multiple of the global batch size {gbs}; pass "
+                             "gbs=, or pad the batch with rows whose sample_mask is 0")
+        if getattr(loss_fn, "requires_pairs", False):
+            if cfg.dynamic_batching.enabled or cfg.sequence_packing.enabled:
+                raise ValueError(f"train: {type(loss_fn).__name__} needs (chosen, rejected) rows side by side, which "
+                                 "dynamic batching and sequence packing reorder; set policy.dynamic_batching.enabled "
+                                 "and policy.sequence_packing.enabled to false")
+            if mbs % 2 or (gbs // dp) % 2:
+                raise ValueError(f"train: {type(loss_fn).__name__} takes (chosen, rejected) pairs: the micro-batch "
+                                 f"size ({mbs}) and the rows per rank per step ({gbs // dp}) must be even")
+        num_global_batches = rows // gbs
+        with _timed(timer, "policy_training/sharding_data"):
+            shards, packed = self._train_shards(data, gbs)
+        tracker = FLOPTracker.from_config(self.hf_config) if self.hf_config is not None else None
+        if tracker is not None:
+            for shard in shards:
+                tracker.track_batch(shard["input_lengths"])
+        label = "eval" if eval_mode else "train"
+        with _timed(timer, "policy_training/submit_training_futures"), span(f"dask-lm/{label}"):
+            group = self.group
+            payloads = [self.client.scatter(shard_to_wire(s, packed=packed), workers=[n], hash=False)
+                        for s, n in zip(shards, group.names)]
+            futs = group.submit_all(tasks.call_policy, [(group.policy_id, "train", p) for p in payloads],
+                                    loss_fn, key_name=label, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
+                                    num_global_batches=num_global_batches)
+            results = group.gather(futs, what=label)
+        return self._train_results(results, tracker.total_flops if tracker is not None else None)
+
+    def _train_shards(self, data: BatchedDataDict, gbs: int) -> tuple[list[Any], bool]:
+        cfg = self.cfg
+        dp = self.data_parallel_size
+        if cfg.dynamic_batching.enabled:
+            shards, _order = data.shard_by_batch_size(dp, batch_size=gbs, dynamic_batching_args={
+                "input_key": "input_ids", "input_lengths_key": "input_lengths",
+                "sequence_length_round": cfg.dynamic_batching.sequence_length_round,
+                "max_tokens_per_microbatch": int(cfg.dynamic_batching.train_mb_tokens)})
+            return shards, False
+        if cfg.sequence_packing.enabled:
+            shards, _order = data.shard_by_batch_size(dp, batch_size=gbs, sequence_packing_args={
+                "input_key": "input_ids", "input_lengths_key": "input_lengths",
+                "max_tokens_per_microbatch": int(cfg.sequence_packing.train_mb_tokens),
+                "algorithm": cfg.sequence_packing.algorithm,
+                "sequence_length_pad_multiple": cfg.make_sequence_length_divisible_by,
+                "microbatch_order": cfg.sequence_packing.microbatch_order})
+            return shards, True
+        return data.shard_by_batch_size(dp, batch_size=gbs), False
+
+    def _train_results(self, results: list[dict[str, Any]], total_flops: float | None) -> dict[str, Any]:
+        metrics: dict[str, list[Any]] = {}
+        for r in results:  # rank order, as NeMo RL concatenates them
+            for key, values in r["all_mb_metrics"].items():
+                metrics.setdefault(key, []).extend(values)
+        first = results[0]
+        out: dict[str, Any] = {"loss": first["loss"], "grad_norm": first["grad_norm"],
+                               "grad_norms": first["grad_norms"], "all_mb_metrics": metrics,
+                               "gpu_name": first["gpu_name"], "model_dtype": first["model_dtype"],
+                               "num_tokens": sum(r["num_tokens"] for r in results)}
+        out.update(aggregate_flops_metrics(results, self.data_parallel_size, total_flops))
+        return out
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, weights_path: str | os.PathLike, optimizer_path: str | os.PathLike | None = None,
+                        tokenizer_path: str | os.PathLike | None = None, checkpointing_cfg: Any = None) -> None:
+        """Write ``weights_path`` as a Hugging Face model directory, ``optimizer_path`` as optimizer + scheduler
+        state (torch.distributed.checkpoint) and ``tokenizer_path`` with the tokenizer.
+
+        Each directory is written under a temporary name and renamed into place when complete. With
+        ``checkpointing_cfg={"async_save": True}`` this returns once the state is staged in host memory;
+        :meth:`finalize_async_save` then blocks until every byte is written and the directories appear.
+        """
+        async_save, max_shard = _checkpoint_options(checkpointing_cfg)
+        paths = {"weights_path": weights_path, "optimizer_path": optimizer_path, "tokenizer_path": tokenizer_path}
+        resolved = {k: os.path.abspath(os.fspath(v)) for k, v in paths.items() if v is not None}
+        if "weights_path" not in resolved:
+            raise ValueError("save_checkpoint: `weights_path` is required")
+        if len(set(resolved.values())) != len(resolved):
+            raise ValueError(f"save_checkpoint: the paths must differ, got {resolved}")
+        if "optimizer_path" in resolved and not self.init_optimizer:
+            raise ValueError("save_checkpoint: `optimizer_path` needs an optimizer; this Policy was created with "
+                             "init_optimizer=False")
+        for key, path in resolved.items():
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise ValueError(f"save_checkpoint: `{key}` {path!r} exists and is not a directory")
+        weights = (ckpt.temporary_sibling(resolved["weights_path"]), resolved["weights_path"])
+        optimizer = None
+        if "optimizer_path" in resolved:
+            optimizer = (ckpt.temporary_sibling(resolved["optimizer_path"]), resolved["optimizer_path"])
+        tokenizer = None
+        if "tokenizer_path" in resolved:
+            tokenizer = (ckpt.temporary_sibling(resolved["tokenizer_path"]), resolved["tokenizer_path"], self.tokenizer)
+        with span("dask-lm/save-checkpoint"):
+            futs = self.group.submit_all(tasks.call_policy, None, self.group.policy_id, "save_checkpoint", None,
+                                         weights, optimizer, tokenizer, key_name="save-checkpoint",
+                                         async_save=async_save, max_shard_size=max_shard)
+            self.group.gather(futs, what="save_checkpoint")
+
+    def finalize_async_save(self) -> None:
+        """Block until a pending async ``save_checkpoint`` is fully written and renamed into place."""
+        with span("dask-lm/finalize-checkpoint"):
+            self.group.run_all(tasks.call_policy, self.group.policy_id, "finalize_async_save", None,
+                               what="finalize_async_save", key_name="finalize-checkpoint")
+
+    # ----------------------------------------------------------------------------------------- placement
+    def _on_all(self, method: str) -> Any:
+        return self.group.run_all(tasks.call_policy, self.group.policy_id, method, None, what=method,
+                                  key_name=method.replace("_", "-"))
+
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        """Weights and optimizer state on the devices, ready for ``train``."""
+        self._on_all("prepare_for_training")
+
+    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+        self._on_all("finish_training")
+
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        self._on_all("prepare_for_generation")
+        return True
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        self._on_all("finish_generation")
+        return True
+
+    def invalidate_kv_cache(self, *args: Any, **kwargs: Any) -> bool:
+        self._on_all("invalidate_kv_cache")
+        return True
+
+    def offload_before_refit(self) -> None:
+        """Optimizer state to host memory, freeing device memory for the inference engine's weights."""
+        self._on_all("offload_before_refit")
+
+    def offload_after_refit(self) -> None:
+        """Weights and optimizer state to host memory (the inference engine has the weights now)."""
+        self._on_all("offload_after_refit")

@@ -1,0 +1,195 @@
+"""The worker half of ``Policy.train``: global batches, micro-batches, globally normalised losses, one step each.
+
+Semantics are NeMo RL's (research note section 5), so a GRPO, SFT or DPO loop written for it behaves the same:
+
+* The shard holds ``num_global_batches`` local batches. For each: count the valid sequences and tokens of the
+  *whole* global batch (an all-reduce over ranks), zero the gradients, run every micro-batch forward (and
+  backward unless ``eval_mode``), clip by the total gradient norm, step the optimizer once.
+* Losses divide by those global counts, so summing micro-batches and ranks gives exactly the global-batch mean:
+  the update does not depend on micro-batch size, batching mode or rank count. FSDP averages gradients over
+  ranks, so each micro-batch's loss is multiplied by the rank count before ``backward``.
+* Every rank runs the same number of forwards and backwards (each all-gathers and reduce-scatters parameters):
+  a rank with fewer micro-batches runs dummy ones whose loss is zero but which touch every parameter.
+* The scheduler steps once per ``train()`` call; ``eval_mode`` runs forwards only and changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dask_lm.workers import device
+from dask_lm.workers.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
+from dask_lm.workers.logprobs import next_token_logprobs_train, output_head
+from dask_lm.workers.loss_inputs import loss_inputs_from_hidden
+
+if TYPE_CHECKING:
+    from dask_lm.engine.batch import BatchedDataDict
+    from dask_lm.workers.policy_worker import PolicyWorker
+
+__all__ = ["train"]
+
+
+def _all_reduce(worker: PolicyWorker, values: list[float], op: str = "sum") -> list[float]:
+    if not worker.fsdp:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=worker.device)
+    reduce_op = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
+    torch.distributed.all_reduce(t, op=reduce_op, group=worker.group)
+    return t.tolist()
+
+
+def _valid_counts(batch: BatchedDataDict) -> tuple[float, float]:
+    """This rank's valid sequences and tokens: sum(sample_mask) and sum(token_mask[:, 1:] * sample_mask)."""
+    sample_mask = batch["sample_mask"].to(torch.float64)
+    seqs = float(sample_mask.sum())
+    if "token_mask" in batch:
+        toks = float((batch["token_mask"][:, 1:].to(torch.float64) * sample_mask[:, None]).sum())
+    else:
+        toks = float((batch["input_lengths"].to(torch.float64).clamp(min=1) - 1).mul(sample_mask).sum())
+    return seqs, toks
+
+
+def _micro_batch_data(batch: BatchedDataDict, mb: MicroBatch, width: int) -> BatchedDataDict:
+    """Rows of one micro-batch, per-token tensors cut to the micro-batch's longest row (what the logprobs span)."""
+    data = batch.slice(mb.start, mb.end)
+    full = batch["input_ids"].shape[1]
+    for key, value in list(data.items()):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == full:
+            data[key] = value[:, :width]
+    return data
+
+
+def _to_number(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().item() if value.numel() == 1 else value.detach().cpu().tolist()
+    return value
+
+
+def _grad_norm(worker: PolicyWorker, params: list[torch.Tensor]) -> float:
+    """Total L2 norm of all gradients across ranks, in fp64 from fp32 squares of each rank's shard."""
+    local = torch.zeros((), dtype=torch.float64, device=worker.device)
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        g = g.to_local() if hasattr(g, "to_local") else g
+        local += g.detach().float().pow(2).sum().to(torch.float64)
+    total = _all_reduce(worker, [float(local)])[0]
+    return math.sqrt(total) if math.isfinite(total) else total
+
+
+def _clip_and_step(worker: PolicyWorker) -> tuple[float, bool]:
+    params = worker.trainable_parameters()
+    norm = _grad_norm(worker, params)
+    if not math.isfinite(norm):
+        # stepping on inf / NaN gradients would write NaN into every weight; skip the step (NeMo RL steps anyway)
+        warnings.warn(f"gradient norm is {norm}: skipping this optimizer step", RuntimeWarning, stacklevel=2)
+        worker.optimizer.zero_grad(set_to_none=True)
+        return norm, False
+    max_norm = worker.cfg.max_grad_norm
+    if max_norm is not None:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            grads = [p.grad for p in params if p.grad is not None]
+            torch._foreach_mul_(grads, coef)
+    worker.optimizer.step()
+    if worker.masters is not None:
+        worker.masters.copy_to_model()
+    return norm, True
+
+
+def _run_dummy(worker: PolicyWorker, backward: bool) -> None:
+    """A two-pad-token forward (and backward) whose loss is 0 but reaches every parameter, so the collectives of
+    FSDP pair up with the ranks that still have real micro-batches."""
+    ids = torch.full((1, 2), worker.pad_token_id, dtype=torch.int64, device=worker.device)
+    hidden = final_hidden_states(worker.model, ids)
+    lp = next_token_logprobs_train(hidden, ids, torch.ones_like(ids, dtype=torch.bool), output_head(worker.model),
+                                   chunk_size=None)
+    if backward:
+        (lp.sum() * 0.0).backward()
+
+
+def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], loss_fn: Any, *, eval_mode: bool,
+          gbs: int, mbs: int, num_global_batches: int) -> dict[str, Any]:
+    if not eval_mode:
+        worker.ensure_optimizer()
+    worker.place_for_training(optimizer=not eval_mode)
+    model = worker.model
+    model.train(not eval_mode)
+    dp = worker.world_size
+    packed = bool(meta.get("packed"))
+    local_gbs = gbs // dp
+    losses: list[float] = []
+    metrics: dict[str, list[Any]] = {}
+    norms: list[float] = []
+    device.synchronize()
+    start = time.perf_counter()
+    grad_ctx = torch.no_grad() if eval_mode else torch.enable_grad()
+    try:
+        with grad_ctx:
+            for gb in range(num_global_batches):
+                batch = data.get_batch(gb, None if packed else local_gbs)
+                gvs, gvt = _all_reduce(worker, list(_valid_counts(batch)))
+                global_valid_seqs = torch.tensor(gvs, dtype=torch.float32, device=worker.device)
+                global_valid_toks = torch.tensor(gvt, dtype=torch.float32, device=worker.device)
+                plan = plan_micro_batches(batch.size, mbs=mbs, micro_batch_indices=batch.micro_batch_indices,
+                                          packed=packed)
+                count = int(_all_reduce(worker, [float(len(plan))], op="max")[0])
+                plan = pad_with_dummies(plan, count)
+                if not eval_mode:
+                    worker.optimizer.zero_grad(set_to_none=True)
+                gb_loss = 0.0
+                for mb in plan:
+                    if mb.dummy or mb.end == mb.start:
+                        _run_dummy(worker, backward=not eval_mode)
+                        continue
+                    hidden, info = worker._forward(batch, mb)
+                    width = int(info["lens"].max())
+                    mb_data = _micro_batch_data(batch, mb, width)
+                    mb_data = mb_data.to(worker.device)
+                    inputs = loss_inputs_from_hidden(worker, hidden, info, mb_data, loss_fn)
+                    loss, mb_metrics = loss_fn(mb_data, global_valid_seqs, global_valid_toks, **inputs)
+                    if not eval_mode:
+                        (loss * dp if worker.fsdp else loss).backward()
+                    gb_loss += float(loss.detach())
+                    if float(_to_number(mb_metrics.get("num_valid_samples", 1))) > 0:
+                        _record(metrics, mb_metrics, num_global_batches, worker, gvs, gvt)
+                if not eval_mode:
+                    norm, _stepped = _clip_and_step(worker)
+                    norms.append(norm)
+                losses.append(gb_loss)
+        if not eval_mode:
+            worker.optimizer.zero_grad(set_to_none=True)
+            worker.scheduler.step()
+    finally:
+        model.eval()
+        worker._finish_pass()
+    device.synchronize()
+    elapsed = time.perf_counter() - start
+    total = torch.tensor(_all_reduce(worker, losses) if losses else [], dtype=torch.float32)
+    device.empty_cache()
+    info_dev = device.device_info()
+    return {"loss": total, "grad_norm": torch.tensor([norms[-1]], dtype=torch.float32) if norms else None,
+            "grad_norms": norms, "all_mb_metrics": metrics, "train_elapsed_seconds": elapsed, "rank": worker.rank,
+            "gpu_name": info_dev.get("gpu_name"), "model_dtype": str(worker.dtype).replace("torch.", ""),
+            "num_tokens": int(data["input_lengths"].sum()) if data.size else 0}
+
+
+def _record(metrics: dict[str, list[Any]], mb_metrics: dict[str, Any], num_global_batches: int,
+            worker: PolicyWorker, gvs: float, gvt: float) -> None:
+    """NeMo RL's bookkeeping: every metric but extrema is divided by the number of global batches, so the
+    driver's sum over micro-batches is the mean over optimizer steps; lr and the global counts are added."""
+    for key, value in mb_metrics.items():
+        v = _to_number(value)
+        if isinstance(v, float) and "_min" not in key and "_max" not in key:
+            v = v / num_global_batches
+        metrics.setdefault(key, []).append(v)
+    if worker.optimizer is not None:
+        metrics.setdefault("lr", []).append(float(worker.optimizer.param_groups[0]["lr"]))
+    metrics.setdefault("global_valid_seqs", []).append(gvs)
+    metrics.setdefault("global_valid_toks", []).append(gvt)
