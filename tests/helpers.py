@@ -31,3 +31,55 @@ TEXTS = [
     "Parquet files store columns.",
     "Numbers like 3, 14, 159",
 ]
+
+
+def hf_nll_steps(model_dir: str, batches, *, lr: float, max_grad_norm: float | None, optimizer: str = "sgd",
+                 lr_factors=None):
+    """The reference trainer: one process, plain Hugging Face, fp32. For each global batch (ids, lens, token_mask,
+    sample_mask): the NLL over all its valid tokens, backward, clip by total norm, one optimizer step. Returns
+    (losses, pre-clip grad norms, model)."""
+    import math
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
+    losses, norms = [], []
+    for i, (ids, lens, token_mask, sample_mask) in enumerate(batches):
+        if lr_factors is not None:
+            for g in opt.param_groups:
+                g["lr"] = lr * lr_factors[i]
+        opt.zero_grad()
+        mask = (torch.arange(ids.shape[1])[None, :] < lens[:, None]).long()
+        logits = model(ids, attention_mask=mask).logits.float()
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
+        m = token_mask[:, 1:] * sample_mask[:, None]
+        loss = -(lp * m).sum() / m.sum()
+        loss.backward()
+        norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None))
+        if max_grad_norm is not None and max_grad_norm / (norm + 1e-6) < 1:
+            for p in params:
+                p.grad.mul_(max_grad_norm / (norm + 1e-6))
+        opt.step()
+        losses.append(float(loss.detach()))
+        norms.append(norm)
+    return losses, norms, model
+
+
+def model_logprobs(model, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """get_logprobs' contract from an in-memory HF model."""
+    mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
+    with torch.no_grad():
+        logits = model(input_ids, attention_mask=mask).logits.float()
+    out = torch.zeros(input_ids.shape, dtype=torch.float32)
+    out[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(2, input_ids[:, 1:, None]).squeeze(2)
+    return out * mask
+
+
+def sft_batch(tokenizer, texts, pad_to: int | None = None):
+    """A BatchedDataDict for NLL training: every real token but the first is trained on."""
+    from dask_lm import BatchedDataDict
+
+    ids, lens = make_batch(tokenizer, texts, pad_to)
+    token_mask = (torch.arange(ids.shape[1])[None, :] < lens[:, None]).float()
+    return BatchedDataDict(input_ids=ids, input_lengths=lens, token_mask=token_mask,
+                           sample_mask=torch.ones(ids.shape[0]))

@@ -4,7 +4,9 @@
 >>> install()
 >>> from nemo_rl.distributed.batched_data_dict import BatchedDataDict   # dask_lm's class
 
-Only the modules dask-lm implements are aliased: the batch / sharding layer and the packing algorithms.
+Only the modules dask-lm implements are aliased: the batch / sharding layer, the packing algorithms, and the
+losses with their helpers (under both the flat ``nemo_rl.algorithms.loss_functions`` of earlier releases and
+the ``nemo_rl.algorithms.loss`` package of later ones).
 ``install`` refuses to shadow a real NeMo RL installation unless ``force=True``.
 """
 
@@ -14,6 +16,43 @@ import sys
 import types
 
 __all__ = ["install", "ALIASES"]
+
+
+def _module(name: str, source: object, names: list[str] | tuple[str, ...]) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    for n in names:
+        setattr(mod, n, getattr(source, n))
+    return mod
+
+
+def _loss_modules() -> dict[str, types.ModuleType]:
+    from dask_lm import losses
+    from dask_lm.engine import metrics
+
+    everything = losses.__all__
+    interfaces = ("LossFunction", "LossType", "LossInputType", "MetricNormalizer")
+    helpers = ("masked_mean", "calculate_kl")
+    model_utils = ("get_logprobs_from_logits", "get_next_token_logprobs_from_logits",
+                   "get_distillation_topk_logprobs_from_logits")
+    utils = _module("nemo_rl.algorithms.utils", losses, helpers)
+    dist_utils = _module("nemo_rl.distributed.model_utils", losses, model_utils)
+    # an earlier release spelled it with three l's; its tests import that name
+    dist_utils.get_distilllation_topk_logprobs_from_logits = losses.get_distillation_topk_logprobs_from_logits
+    return {
+        "nemo_rl.algorithms": types.ModuleType("nemo_rl.algorithms"),
+        "nemo_rl.algorithms.utils": utils,
+        "nemo_rl.algorithms.loss_functions": _module("nemo_rl.algorithms.loss_functions", losses, everything),
+        "nemo_rl.algorithms.loss": _module("nemo_rl.algorithms.loss", losses, everything),
+        "nemo_rl.algorithms.loss.interfaces": _module("nemo_rl.algorithms.loss.interfaces", losses, interfaces),
+        "nemo_rl.algorithms.loss.loss_functions": _module("nemo_rl.algorithms.loss.loss_functions", losses,
+                                                          everything),
+        "nemo_rl.algorithms.loss.loss_input": _module("nemo_rl.algorithms.loss.loss_input", losses,
+                                                      ("prepare_loss_input",)),
+        "nemo_rl.distributed.model_utils": dist_utils,
+        "nemo_rl.utils": types.ModuleType("nemo_rl.utils"),
+        "nemo_rl.utils.timer": _module("nemo_rl.utils.timer", metrics, ("Timer",)),
+        "nemo_rl.utils.flops_tracker": _module("nemo_rl.utils.flops_tracker", metrics, ("FLOPTracker",)),
+    }
 
 
 def _modules() -> dict[str, types.ModuleType]:
@@ -32,6 +71,7 @@ def _modules() -> dict[str, types.ModuleType]:
         setattr(pkg, name, getattr(packing, name))
     pkg.algorithms = algorithms  # type: ignore[attr-defined]
     return {
+        **_loss_modules(),
         "nemo_rl": types.ModuleType("nemo_rl"),
         "nemo_rl.distributed": types.ModuleType("nemo_rl.distributed"),
         "nemo_rl.distributed.batched_data_dict": batched,
@@ -41,7 +81,9 @@ def _modules() -> dict[str, types.ModuleType]:
     }
 
 
-ALIASES = ("nemo_rl.distributed.batched_data_dict", "nemo_rl.data.packing", "nemo_rl.data.packing.algorithms")
+ALIASES = ("nemo_rl.distributed.batched_data_dict", "nemo_rl.data.packing", "nemo_rl.data.packing.algorithms",
+           "nemo_rl.algorithms.loss_functions", "nemo_rl.algorithms.loss", "nemo_rl.algorithms.utils",
+           "nemo_rl.distributed.model_utils", "nemo_rl.utils.timer", "nemo_rl.utils.flops_tracker")
 
 
 def install(force: bool = False) -> None:

@@ -75,6 +75,14 @@ class TrainingMixin:
         if not eval_mode and not self.init_optimizer:
             raise ValueError("train: this Policy was created with init_optimizer=False; create it with "
                              "init_optimizer=True to train (eval_mode=True works without one)")
+        if getattr(loss_fn, "requires_pairs", False):
+            if cfg.dynamic_batching.enabled or cfg.sequence_packing.enabled:
+                raise ValueError(f"train: {type(loss_fn).__name__} needs (chosen, rejected) rows side by side, which "
+                                 "dynamic batching and sequence packing reorder; set policy.dynamic_batching.enabled "
+                                 "and policy.sequence_packing.enabled to false")
+            if mbs % 2 or (gbs // dp) % 2:
+                raise ValueError(f"train: {type(loss_fn).__name__} takes (chosen, rejected) pairs: the micro-batch "
+                                 f"size ({mbs}) and the rows per rank per step ({gbs // dp}) must be even")
         data = validate_input_batch(data, what="train", vocab_size=self.vocab_size,
                                     max_length=cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
         data = validate_train_batch(data, loss_fn, check_dim_skip_keys=check_dim_skip_keys)
@@ -84,14 +92,6 @@ class TrainingMixin:
         if rows % gbs:
             raise ValueError(f"train: the batch has {rows} rows, not a multiple of the global batch size {gbs}; pass "
                              "gbs=, or pad the batch with rows whose sample_mask is 0")
-        if getattr(loss_fn, "requires_pairs", False):
-            if cfg.dynamic_batching.enabled or cfg.sequence_packing.enabled:
-                raise ValueError(f"train: {type(loss_fn).__name__} needs (chosen, rejected) rows side by side, which "
-                                 "dynamic batching and sequence packing reorder; set policy.dynamic_batching.enabled "
-                                 "and policy.sequence_packing.enabled to false")
-            if mbs % 2 or (gbs // dp) % 2:
-                raise ValueError(f"train: {type(loss_fn).__name__} takes (chosen, rejected) pairs: the micro-batch "
-                                 f"size ({mbs}) and the rows per rank per step ({gbs // dp}) must be even")
         num_global_batches = rows // gbs
         with _timed(timer, "policy_training/sharding_data"):
             shards, packed = self._train_shards(data, gbs)

@@ -28,7 +28,12 @@ from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 import torch
 
 __all__ = ["LossType", "LossInputType", "MetricNormalizer", "LossFunction", "masked_mean", "calculate_kl",
-           "LossConfig", "BaseLoss"]
+           "LossConfig", "LossConfigError", "BaseLoss"]
+
+
+class LossConfigError(ValueError, AssertionError):
+    """An invalid loss configuration. A ``ValueError`` (bad user input) and an ``AssertionError`` too, because NeMo
+    RL asserts the same conditions and code written against it may catch that."""
 
 
 class LossType(str, enum.Enum):
@@ -132,11 +137,12 @@ class LossConfig(Mapping):
         if unknown:
             hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, names, 1)) else repr(k)
                      for k in unknown]
-            raise ValueError(f"unknown {cls._section} config keys: {', '.join(hints)}; known keys: {sorted(names)}")
+            raise LossConfigError(f"unknown {cls._section} config keys: {', '.join(hints)}; known keys: "
+                                  f"{sorted(names)}")
         try:
             return cls(**dict(cfg))
         except TypeError as e:
-            raise ValueError(f"{cls._section} config: {e}") from None
+            raise LossConfigError(f"{cls._section} config: {e}") from None
 
     def __getitem__(self, key: str) -> Any:
         if key not in self:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from dask_lm.losses.base import BaseLoss, LossConfig, LossInputType, LossType, masked_mean
+from dask_lm.losses.base import BaseLoss, LossConfig, LossConfigError, LossInputType, LossType, masked_mean
 
 __all__ = ["DistillationLossConfig", "DistillationLossFn"]
 
@@ -28,7 +28,7 @@ __all__ = ["DistillationLossConfig", "DistillationLossFn"]
 @dataclasses.dataclass(kw_only=True)
 class DistillationLossConfig(LossConfig):
     _section: ClassVar[str] = "DistillationLossFn"
-    kl_type: str = "forward"
+    kl_type: str = "mixed"
     """'forward', 'reverse' or 'mixed'."""
     mixed_kl_weight: float = 0.5
     """Weight of the forward KL in 'mixed' (the reverse KL gets 1 - weight)."""
@@ -48,9 +48,11 @@ class DistillationLossFn(BaseLoss):
         self.mixed_kl_weight = self.cfg.mixed_kl_weight
         self.zero_outside_topk = self.cfg.zero_outside_topk
         if self.kl_type not in ("forward", "reverse", "mixed"):
-            raise ValueError(f"`kl_type` must be 'forward', 'reverse' or 'mixed', got {self.kl_type!r}")
+            raise LossConfigError(f"Invalid KL type: `kl_type` must be 'forward', 'reverse' or 'mixed', got "
+                                  f"{self.kl_type!r}")
         if not 0.0 <= self.mixed_kl_weight <= 1.0:
-            raise ValueError(f"`mixed_kl_weight` must be in [0, 1], got {self.mixed_kl_weight}")
+            raise LossConfigError(f"Invalid mixed KL weight: `mixed_kl_weight` must be in [0, 1], got "
+                                  f"{self.mixed_kl_weight}")
 
     @property
     def needs_entropy(self) -> bool:

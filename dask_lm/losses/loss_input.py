@@ -107,6 +107,8 @@ def prepare_loss_input(logits: torch.Tensor, data: Any, loss_fn: Any, sampling_p
     if kind == LossInputType.LOGIT:
         return {"logits": logits}, data
     if kind == LossInputType.LOGPROB:
+        if getattr(loss_fn, "use_fused_linear_logprobs", False):  # the "logits" are logprobs already
+            return {"next_token_logprobs": logits.float()[:, : data["input_ids"].shape[1] - 1]}, data
         lp = get_next_token_logprobs_from_logits(data["input_ids"], logits, sampling_params=sampling_params,
                                                  chunk_size=chunk_size)
         _t, top_k, top_p = _sampling(sampling_params)

@@ -25,7 +25,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from dask_lm.losses.base import BaseLoss, LossConfig, LossInputType, LossType, calculate_kl, masked_mean
+from dask_lm.losses.base import (
+    BaseLoss,
+    LossConfig,
+    LossConfigError,
+    LossInputType,
+    LossType,
+    MetricNormalizer,
+    calculate_kl,
+    masked_mean,
+)
 
 __all__ = ["ClippedPGLossConfig", "ClippedPGLossFn"]
 
@@ -60,6 +69,13 @@ class ClippedPGLossConfig(LossConfig):
     use_cispo: bool = False
     positive_example_nll_weight: float = 0.0
     """Weight of an NLL term on rows whose reward is positive (needs a ``rewards`` [B] key)."""
+    seq_logprob_error_in_loss: bool = False
+    """Accepted for NeMo RL compatibility; only false is supported."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise LossConfigError(message)
 
 
 def _nan_to_zero(t: torch.Tensor) -> torch.Tensor:
@@ -71,56 +87,80 @@ class ClippedPGLossFn(BaseLoss):
 
     input_type = LossInputType.LOGPROB
 
-    def __init__(self, cfg: Any = None) -> None:
+    def __init__(self, cfg: Any = None, use_fused_linear_logprobs: bool = False) -> None:
         c = self.cfg = ClippedPGLossConfig.from_any(cfg)
+        self.use_fused_linear_logprobs = use_fused_linear_logprobs
         self.ratio_clip_min = c.ratio_clip_min
         self.ratio_clip_max = c.ratio_clip_max
         self.ratio_clip_c = c.ratio_clip_c
         self.reference_policy_kl_penalty = 0.0 if c.use_kl_in_reward else c.reference_policy_kl_penalty
         self.kl_type = c.reference_policy_kl_type
-        if self.kl_type not in ("k1", "k2", "k3"):
-            raise ValueError(f"`reference_policy_kl_type` must be 'k1', 'k2' or 'k3', got {self.kl_type!r}")
+        _check(self.kl_type in ("k1", "k2", "k3"), f"`reference_policy_kl_type` must be 'k1', 'k2' or 'k3', got "
+               f"{self.kl_type!r}")
+        _check(c.reference_policy_kl_penalty >= 0, "`reference_policy_kl_penalty` must be >= 0")
+        _check(not c.seq_logprob_error_in_loss, "`seq_logprob_error_in_loss` is not supported; set it to false")
         self.loss_type = LossType.TOKEN_LEVEL if c.token_level_loss else LossType.SEQUENCE_LEVEL
-        if c.sequence_level_importance_ratios and c.token_level_loss:
-            raise ValueError("`sequence_level_importance_ratios` (GSPO) needs `token_level_loss: false`")
+        _check(not (c.sequence_level_importance_ratios and c.token_level_loss),
+               "sequence-level importance ratios (GSPO) are mutually exclusive with a token-level loss: set "
+               "`token_level_loss: false` with `sequence_level_importance_ratios: true`")
+        if c.use_cispo:
+            for key in ("disable_ppo_ratio", "force_on_policy_ratio", "sequence_level_importance_ratios"):
+                _check(not getattr(c, key), f"use_cispo is incompatible with {key}; turn one of them off")
+            _check(c.ratio_clip_c is None, "use_cispo is incompatible with dual clipping (ratio_clip_c); set "
+                   "ratio_clip_c=null when use_cispo=True")
+            _check(c.token_level_loss, "use_cispo requires token_level_loss=True (LossType.TOKEN_LEVEL)")
         self.tis_type = c.truncated_importance_sampling_type
         self.tis_max = c.truncated_importance_sampling_ratio
         self.tis_min = c.truncated_importance_sampling_ratio_min
-        if self.tis_max is not None:
-            if not c.use_importance_sampling_correction:
-                raise ValueError("`truncated_importance_sampling_ratio` needs `use_importance_sampling_correction`")
-            if not self.tis_max > 0:
-                raise ValueError(f"`truncated_importance_sampling_ratio` must be > 0, got {self.tis_max}")
-            self.tis_type = self.tis_type or "tis"
-            if self.tis_type not in _TIS_TYPES:
-                raise ValueError(f"`truncated_importance_sampling_type` must be one of {_TIS_TYPES}, got "
-                                 f"{self.tis_type!r}")
-            if self.tis_type == "seq-mask-tis" and c.sequence_level_importance_ratios:
-                raise ValueError("'seq-mask-tis' works on token-level importance ratios; turn "
-                                 "`sequence_level_importance_ratios` off")
+        if self.tis_type is not None or self.tis_max is not None:
+            _check(c.use_importance_sampling_correction, "truncated importance sampling is only supported when "
+                   "use_importance_sampling_correction is True")
+            _check(self.tis_type in _TIS_TYPES, f"truncated_importance_sampling_type must be 'tis', 'icepop', or "
+                   f"'seq-mask-tis', got {self.tis_type!r}")
+            _check(self.tis_max is not None and self.tis_max > 0,
+                   "truncated_importance_sampling_ratio should be positive")
+            if self.tis_min is not None:
+                _check(self.tis_min <= self.tis_max, "truncated_importance_sampling_ratio_min must be <= "
+                       f"truncated_importance_sampling_ratio (got {self.tis_min} > {self.tis_max})")
+            if self.tis_type in ("icepop", "seq-mask-tis"):
+                _check(self.tis_min is not None, f"truncated_importance_sampling_ratio_min should be set when "
+                       f"truncated_importance_sampling_type is {self.tis_type!r}")
+            if self.tis_type == "seq-mask-tis":
+                _check(not c.sequence_level_importance_ratios, "'seq-mask-tis' works on token-level importance "
+                       "ratios; turn `sequence_level_importance_ratios` off")
             self.tis_min = 0.0 if self.tis_min is None else self.tis_min
-            if self.tis_min > self.tis_max:
-                raise ValueError(f"`truncated_importance_sampling_ratio_min` ({self.tis_min}) must be <= "
-                                 f"`truncated_importance_sampling_ratio` ({self.tis_max})")
-        elif self.tis_type is not None or self.tis_min is not None:
-            warnings.warn("`truncated_importance_sampling_type` / `_ratio_min` are ignored without "
-                          "`truncated_importance_sampling_ratio`", stacklevel=2)
-        if self.ratio_clip_c is not None and not self.ratio_clip_c > 1:
-            raise ValueError(f"`ratio_clip_c` (dual clip) must be > 1, got {self.ratio_clip_c}")
-        if c.use_cispo:
-            for key in ("disable_ppo_ratio", "force_on_policy_ratio", "sequence_level_importance_ratios"):
-                if getattr(c, key):
-                    raise ValueError(f"`use_cispo` cannot be combined with `{key}`")
-            if c.ratio_clip_c is not None:
-                raise ValueError("`use_cispo` cannot be combined with `ratio_clip_c` (dual clip)")
+        elif self.tis_min is not None:
+            warnings.warn("`truncated_importance_sampling_ratio_min` is ignored without "
+                          "`truncated_importance_sampling_type`", stacklevel=2)
+        if self.ratio_clip_c is not None:
+            _check(self.ratio_clip_c > 1, f"`ratio_clip_c` (dual clip) must be > 1, got {self.ratio_clip_c}")
         keys = ["token_mask", "sample_mask", "advantages", "generation_logprobs"]
-        if not c.force_on_policy_ratio or c.use_importance_sampling_correction:
+        if not c.force_on_policy_ratio:
             keys.append("prev_logprobs")
         if self.reference_policy_kl_penalty != 0:
             keys.append("reference_policy_logprobs")
         if c.positive_example_nll_weight > 0:
             keys.append("rewards")
         self.required_keys = tuple(keys)
+        self.metric_normalizations = self._metric_normalizations()
+
+    def _metric_normalizations(self) -> dict[str, MetricNormalizer]:
+        """How each metric averages over micro-batches (what a trainer that re-normalises metrics needs)."""
+        c = self.cfg
+        per = MetricNormalizer.TOKENS if self.loss_type == LossType.TOKEN_LEVEL else MetricNormalizer.SEQUENCES
+        out = {"loss": per, "kl_penalty": per}
+        for key in ("probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error", "policy_kl_error",
+                    "js_divergence_error", "approx_entropy"):
+            out[key] = MetricNormalizer.TOKENS
+        out["sampling_importance_ratio"] = (MetricNormalizer.SEQUENCES if c.sequence_level_importance_ratios
+                                            else MetricNormalizer.TOKENS)
+        for key in ("num_valid_samples", "positive_nll_loss", "probs_ratio_min", "probs_ratio_max",
+                    "probs_ratio_clamped_min", "probs_ratio_clamped_max"):
+            out[key] = MetricNormalizer.NONE
+        if self.tis_type is not None:
+            out["is_oob_ratio"] = (MetricNormalizer.SEQUENCES if self.tis_type == "seq-mask-tis"
+                                   else MetricNormalizer.TOKENS)
+        return out
 
     # ----------------------------------------------------------------------------------------------- pieces
     def _reduce(self, x: torch.Tensor, mask: torch.Tensor, token_mask: torch.Tensor, sample_mask: torch.Tensor,
@@ -136,20 +176,20 @@ class ClippedPGLossFn(BaseLoss):
             w = _nan_to_zero(torch.exp(((prev - gen) * mask).sum(-1)).detach())[:, None]
         else:
             w = _nan_to_zero(torch.exp(prev - gen)).detach()
-        if self.tis_max is None:
+        if self.tis_type is None:
             return w, None
         if self.tis_type == "tis":
-            inside = ((w >= self.tis_min) & (w <= self.tis_max)).float().expand_as(mask)
-            oob = 1.0 - masked_mean(inside, mask, global_normalization_factor=gvt).item()
+            outside = ((w > self.tis_max) | (w < self.tis_min)).float().expand_as(mask)
+            oob = masked_mean(outside, mask, global_normalization_factor=gvt).item()
             return w.clamp(min=self.tis_min, max=self.tis_max), oob
         if self.tis_type == "icepop":
             keep = (w >= self.tis_min) & (w <= self.tis_max)
-            oob = 1.0 - masked_mean(keep.float().expand_as(mask), mask, global_normalization_factor=gvt).item()
+            oob = masked_mean((~keep).float().expand_as(mask), mask, global_normalization_factor=gvt).item()
             return torch.where(keep, w, torch.zeros_like(w)), oob
         # seq-mask-tis: a row's geometric-mean ratio decides whether the whole row counts
         geo = torch.exp(masked_mean(_nan_to_zero(prev - gen), token_mask, dim=-1)).detach()
         keep_row = ((geo >= self.tis_min) & (geo <= self.tis_max)).float()
-        oob = 1.0 - masked_mean(keep_row, sample_mask, global_normalization_factor=gvs).item()
+        oob = masked_mean(1.0 - keep_row, sample_mask, global_normalization_factor=gvs).item()
         return w * keep_row[:, None], oob
 
     # ----------------------------------------------------------------------------------------------- loss
@@ -163,9 +203,9 @@ class ClippedPGLossFn(BaseLoss):
         mask = token_mask * sample_mask.unsqueeze(-1)
         adv = data["advantages"][:, 1:].to(dev)
         gen = data["generation_logprobs"][:, 1:].to(dev)
-        prev = data["prev_logprobs"][:, 1:].to(dev) if "prev_logprobs" in data else curr.detach()
-        if c.force_on_policy_ratio:
-            prev = curr.detach()  # the ratio is exactly 1: no separate prev-logprob pass is needed
+        # force_on_policy: the batch was generated by this very policy, so prev is the current logprobs (ratio
+        # exactly 1, gradient kept) and no separate prev-logprob pass is needed; prev_logprobs is never read
+        prev = curr.detach() if c.force_on_policy_ratio else data["prev_logprobs"][:, 1:].to(dev)
         gvs, gvt = global_valid_seqs, global_valid_toks
         beta = self.reference_policy_kl_penalty
 
@@ -219,10 +259,12 @@ class ClippedPGLossFn(BaseLoss):
             sampling_importance_ratio = masked_mean(is_weights, mask, global_normalization_factor=gvt)
 
         positive_nll = torch.zeros((), device=dev)
-        if c.positive_example_nll_weight > 0:
-            positive = (data["rewards"].to(dev) > 0).float() * sample_mask
-            pos_mask = token_mask * positive.unsqueeze(-1)
-            positive_nll = -masked_mean(curr, pos_mask)
+        if c.positive_example_nll_weight > 0 and "rewards" in data:
+            # VAPO: an NLL on the tokens of rows that earned a positive reward, averaged over those tokens
+            correct = mask * (data["rewards"].to(dev) > 0).float().unsqueeze(-1)
+            n = correct.sum()
+            if n > 0:
+                positive_nll = masked_mean(-curr, correct, global_normalization_factor=n)
 
         with torch.no_grad():
             approx_entropy = -masked_mean(torch.exp(curr - gen) * curr, mask, global_normalization_factor=gvt)
@@ -250,8 +292,7 @@ class ClippedPGLossFn(BaseLoss):
             "num_valid_samples": sample_mask.sum().item(),
             "approx_entropy": approx_entropy.item(),
         }
-        if c.positive_example_nll_weight > 0:
-            metrics["positive_nll_loss"] = positive_nll.item()
         if is_oob_ratio is not None:
             metrics["is_oob_ratio"] = is_oob_ratio
+        metrics["positive_nll_loss"] = positive_nll.item()
         return loss, metrics

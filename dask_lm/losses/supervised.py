@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from dask_lm.losses.base import BaseLoss, LossConfig, LossInputType, LossType, masked_mean
+from dask_lm.losses.base import BaseLoss, LossConfig, LossInputType, LossType, MetricNormalizer, masked_mean
 
 __all__ = ["NLLLoss", "NLLLossFn", "DPOLossConfig", "DPOLossFn", "PreferenceLossFn"]
 
@@ -37,8 +37,10 @@ class NLLLoss(BaseLoss):
     input_type = LossInputType.LOGPROB
     required_keys = ("token_mask", "sample_mask")
 
-    def __init__(self, cfg: Any = None, use_linear_ce_fusion: bool = False) -> None:
-        self.use_linear_ce_fusion = use_linear_ce_fusion
+    def __init__(self, cfg: Any = None, use_fused_linear_logprobs: bool = False, **_: Any) -> None:
+        self.use_fused_linear_logprobs = use_fused_linear_logprobs
+        self.metric_normalizations = {"loss": MetricNormalizer.TOKENS, "num_unmasked_tokens": MetricNormalizer.NONE,
+                                      "num_valid_samples": MetricNormalizer.NONE}
 
     def compute(self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
                 next_token_logprobs: torch.Tensor, dpo_loss: bool = False,
@@ -105,14 +107,18 @@ class DPOLossFn(BaseLoss):
     required_keys = ("token_mask", "sample_mask", "reference_policy_logprobs")
     requires_pairs = True
 
-    def __init__(self, cfg: Any = None, use_linear_ce_fusion: bool = False) -> None:
+    def __init__(self, cfg: Any = None, use_fused_linear_logprobs: bool = False, **_: Any) -> None:
         self.cfg = DPOLossConfig.from_any(cfg)
+        self.use_fused_linear_logprobs = use_fused_linear_logprobs
         self.reference_policy_kl_penalty = self.cfg.reference_policy_kl_penalty
         self.preference_loss_weight = self.cfg.preference_loss_weight
         self.sft_loss_weight = self.cfg.sft_loss_weight
         self.preference_average_log_probs = self.cfg.preference_average_log_probs
         self.sft_average_log_probs = self.cfg.sft_average_log_probs
         self.sft_loss = NLLLoss()
+        self.metric_normalizations = {k: MetricNormalizer.SEQUENCES for k in (
+            "loss", "sft_loss", "preference_loss", "accuracy", "rewards_chosen_mean", "rewards_rejected_mean")}
+        self.metric_normalizations["num_valid_samples"] = MetricNormalizer.NONE
 
     def compute(self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
                 next_token_logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
