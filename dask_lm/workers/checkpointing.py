@@ -58,11 +58,8 @@ def _barrier_ok(worker: PolicyWorker, ok: bool) -> bool:
     if worker.world_size == 1:
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    group = worker.cpu_group
-    if group is None:  # the policy group is NCCL: the flag travels on the device
-        flag = flag.to(worker.device)
-        group = worker.group
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    assert worker.cpu_group is not None, "a multi-rank policy has a gloo group for host-side collectives"
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=worker.cpu_group)
     return bool(flag.item())
 
 
@@ -141,7 +138,7 @@ def optimizer_state(worker: PolicyWorker, *, for_load: bool = False) -> dict[str
 def _dcp_kwargs(worker: PolicyWorker) -> dict[str, Any]:
     if worker.world_size == 1:
         return {"no_dist": True}
-    return {"process_group": worker.cpu_group or worker.group}
+    return {"process_group": worker.cpu_group}
 
 
 def save_checkpoint(worker: PolicyWorker, *, weights: tuple[str, str] | None, optimizer: tuple[str, str] | None,

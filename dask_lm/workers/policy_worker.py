@@ -63,17 +63,21 @@ class PolicyWorker:
         self.model = self._build_model(skip_weight_load)
         if cfg.dtensor_cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.masters: MasterWeights | None = None
         if self.fsdp:
             self._apply_fsdp()
+        elif self.keeps_fp32:
+            # fp32 masters copied from the fp32 load (no bf16 rounding), then the model's parameters (not its
+            # buffers: RoPE tables stay fp32, as in a model loaded in bf16) are cast for compute
+            self.masters = MasterWeights(self.model)
+            for p in self.model.parameters():
+                p.data = p.data.to(self.dtype)
         self.model.eval()
         # the reference is the weights as loaded from model_name, taken before any weights_path restore; kept in
         # the compute dtype (what the forward sees), as each rank's own shard in pinned host memory
         self.reference: dict[str, torch.Tensor] | None = None
         if init_reference_model:
             self.reference = {n: device.pin(local_tensor(p).to(self.dtype)) for n, p in self.model.named_parameters()}
-        self.masters: MasterWeights | None = None
-        if self.keeps_fp32 and not self.fsdp:
-            self.masters = MasterWeights(self.model)
         if weights_path:
             self.load_weights(weights_path)
         self.optimizer: torch.optim.Optimizer | None = None
@@ -104,8 +108,9 @@ class PolicyWorker:
         if getattr(hf_config, "pad_token_id", None) is None:
             # sequence-classification heads refuse batches > 1 without a pad id; we pool by length anyway
             hf_config.pad_token_id = self.pad_token_id
-        # FSDP keeps the fp32 masters as its shards (MixedPrecisionPolicy computes in `precision`)
-        dtype = torch.float32 if self.keeps_fp32 and self.fsdp else self.dtype
+        # training in low precision loads fp32: FSDP keeps fp32 shards (MixedPrecisionPolicy computes in
+        # `precision`), a single rank copies them into MasterWeights before casting the model
+        dtype = torch.float32 if self.keeps_fp32 else self.dtype
         kwargs = {"config": hf_config, "dtype": dtype, "attn_implementation": cfg.attn_implementation}
         if skip_weight_load:
             model = auto.from_config(hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation)

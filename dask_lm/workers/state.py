@@ -115,11 +115,9 @@ def join_process_group(state: DaskLMWorkerState, policy_id: str, *, members: tup
     group = dist.new_group(ranks=list(range(len(members))), timeout=timeout, backend=backend)
     state.world_users.add(policy_id)
     state.groups[policy_id] = group
-    if backend != "gloo":
-        # host-side collectives (checkpoint planning, async saves in a background thread) get their own gloo
-        # group, so they never share a communicator with the training collectives running meanwhile
-        state.cpu_groups[policy_id] = dist.new_group(ranks=list(range(len(members))), timeout=timeout,
-                                                     backend="gloo")
+    # host-side collectives (checkpoint agreement, async saves in a background thread) get their own gloo group,
+    # so they never share a communicator with the training collectives that run meanwhile
+    state.cpu_groups[policy_id] = dist.new_group(ranks=list(range(len(members))), timeout=timeout, backend="gloo")
     return group
 
 
