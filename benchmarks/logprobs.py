@@ -15,7 +15,6 @@ Examples
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import tempfile
@@ -25,39 +24,18 @@ from typing import Any, Literal
 import click
 import torch
 
+from common import (  # benchmarks/ is on sys.path when a script in it runs
+    GIB,
+    H200_BF16_DENSE,
+    _worker_peak_bytes,
+    _worker_reset_peak,
+    build_model,
+    make_rows,
+    measured_peak,
+    sync,
+)
+
 Mode = Literal["dynamic", "packed", "plain"]
-GIB = 2**30
-H200_BF16_DENSE = 989.5e12  # datasheet dense bf16 (perf_anchors.md section 6); MFU is also given against it
-
-
-def make_rows(num_rows: int, min_len: int, max_len: int, median_len: int, sigma: float, vocab: int, pad_id: int,
-              seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``input_ids [N, S]`` and ``input_lengths [N]``: lognormal lengths, random ids in [3, vocab)."""
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.exp(torch.randn(num_rows, generator=g) * sigma + math.log(median_len))
-    lens = lens.round().clamp(min_len, max_len).long()
-    ids = torch.randint(3, vocab, (num_rows, int(lens.max())), generator=g)
-    ids[torch.arange(ids.shape[1])[None, :] >= lens[:, None]] = pad_id
-    return ids, lens
-
-
-def build_model(shape: str, root: str, max_len: int) -> str:
-    """A random model directory: ``tiny`` (CPU-sized llama) or ``qwen2.5-0.5b`` (the real shape, for the GPU)."""
-    path = os.path.join(root, shape)
-    if shape == "tiny":
-        from dask_lm.tiny import build_tiny_model
-
-        return build_tiny_model(path, family="llama", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4,
-                                num_kv_heads=2, intermediate_size=512, max_position_embeddings=max(4096, max_len))
-    import transformers
-
-    cfg = transformers.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                   num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                                   max_position_embeddings=max(32768, max_len), pad_token_id=0)
-    torch.manual_seed(0)
-    # HF's default init (std 0.02), not tiny's widened one: 24 layers of std-0.2 weights give extreme logits
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    return path
 
 
 def forward_flops(cfg: Any, lens: torch.Tensor) -> float:
@@ -71,26 +49,6 @@ def forward_flops(cfg: Any, lens: torch.Tensor) -> float:
     t = lens.double()
     # summing 2*L*heads*hd*T over the T positions of a row gives the causal half: 2*L*heads*hd*T^2 per row
     return float((2 * n_matmul * t + 2 * layers * heads * hd * t * t).sum())
-
-
-def measured_peak(device: torch.device) -> tuple[float, str]:
-    """Best matmul FLOP/s on ``device``: bf16 8192^3 on a GPU (as in perf_anchors.md section 0), fp32 2048^3 on CPU."""
-    n, dtype, iters = (8192, torch.bfloat16, 10) if device.type == "cuda" else (2048, torch.float32, 5)
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for i in range(iters + 3):
-        sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        if i >= 3:  # the first calls pick kernels and warm clocks
-            best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best, f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} {n}^3 matmul"
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def hf_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -128,25 +86,6 @@ def run_hf(model_dir: str, dtype: torch.dtype, device: torch.device, ids: torch.
     return out, seconds, peak, computed
 
 
-def _worker_peak_bytes() -> int:
-    """Runs on the worker (via client.run): peak device bytes, or the worker process's peak RSS on CPU."""
-    import resource
-
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _worker_reset_peak() -> int:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
-    return torch.get_num_threads()
-
-
 def run_dask(model_dir: str, precision: str, tokenizer: Any, ids: torch.Tensor, lens: torch.Tensor, *, mode: Mode,
              n_workers: int, mb_tokens: int, hf_batch_size: int, max_len: int) -> tuple[torch.Tensor, float, int, int]:
     """Arm B: ``(logprobs [N, S], seconds, peak bytes (max over workers), torch threads per worker)``."""
@@ -182,7 +121,7 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, ids: torch.Tensor, 
 
 
 @click.command()
-@click.option("--shape", type=click.Choice(["tiny", "qwen2.5-0.5b"]), default="tiny", show_default=True,
+@click.option("--shape", type=click.Choice(["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"]), default="tiny", show_default=True,
               help="Random model to build when --model is not given.")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="An existing Hugging Face model directory (overrides --shape).")

@@ -82,3 +82,110 @@ def test_fp32_on_gpu_matches_cpu_reference_and_topk_and_scores(gpu_client, tiny)
     with dask_lm.Policy(gpu_client, rm_cfg, tok, init_reference_model=False) as rm:
         scores = rm.score(BatchedDataDict(input_ids=ids, input_lengths=lens))["scores"]
     torch.testing.assert_close(scores, want, atol=1e-3, rtol=0)
+
+
+def _sft(tok, texts):
+    from helpers import sft_batch
+
+    return sft_batch(tok, texts)
+
+
+def _hf_bf16_master_step(model_dir, batch, lr, max_norm):
+    """Independent reference on the same GPU: a bf16 compute copy of fp32 master weights, the globally normalised
+    NLL, backward, clip by the total norm, one SGD step on the masters. Returns (loss, norm, logprobs after)."""
+    import math
+
+    master = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
+    compute = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    ids, lens = batch["input_ids"].cuda(), batch["input_lengths"].cuda()
+    mask = (torch.arange(ids.shape[1], device="cuda")[None, :] < lens[:, None])
+    logits = compute(ids, attention_mask=mask.long()).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
+    m = (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]).cuda()
+    loss = -(lp * m).sum() / m.sum()
+    loss.backward()
+    grads = {n: p.grad.float() for n, p in compute.named_parameters() if p.grad is not None}
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    with torch.no_grad():
+        for n, p in master.named_parameters():
+            if n in grads:
+                p -= lr * coef * grads[n]
+        for n, p in compute.named_parameters():
+            p.copy_(dict(master.named_parameters())[n])
+        logits = compute(ids, attention_mask=mask.long()).logits.float()
+    after = torch.zeros(ids.shape, device="cuda")
+    after[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
+    out = float(loss), norm, (after * mask).cpu()
+    del master, compute
+    torch.cuda.empty_cache()
+    return out
+
+
+@pytest.mark.parametrize("n_ranks", [1, 2])
+@pytest.mark.parametrize("mode", ["dynamic", "packed"])
+def test_bf16_train_step_on_cuda_cluster(gpu_client, tiny, n_ranks, mode):
+    """One clipped SGD step in bf16 with fp32 masters, on 1 GPU and on 2 (NCCL, FSDP2 mixed precision), against
+    the same step done by hand in one process on the GPU."""
+    if n_ranks > torch.cuda.device_count():
+        pytest.skip(f"needs {n_ranks} GPUs")
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
+    batch = _sft(tok, TEXTS + TEXTS[:3])
+    cfg = {"model_name": tiny["qwen2"], "precision": "bfloat16", "train_global_batch_size": 8,
+           "train_micro_batch_size": 2, "max_total_sequence_length": 128, "max_grad_norm": 1.0,
+           "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}}}
+    if mode == "dynamic":
+        cfg["dynamic_batching"] = {"enabled": True, "train_mb_tokens": 96, "logprob_mb_tokens": 96,
+                                   "sequence_length_round": 16}
+    else:
+        cfg["sequence_packing"] = {"enabled": True, "train_mb_tokens": 96, "logprob_mb_tokens": 96}
+    with dask_lm.Policy(gpu_client, cfg, tok, workers_per_node=n_ranks) as policy:
+        assert policy.data_parallel_size == n_ranks and all(i["device"] == "cuda" for i in policy.worker_info)
+        out = policy.train(batch, dask_lm.NLLLoss())
+        after = policy.get_logprobs(batch)["logprobs"]
+    loss, norm, expected = _hf_bf16_master_step(tiny["qwen2"], batch, 0.5, 1.0)
+    diff = (after - expected).abs()
+    print(f"train {mode} ranks={n_ranks}: loss {float(out['loss'][0]):.5f} vs {loss:.5f}, grad norm "
+          f"{float(out['grad_norm'][0]):.4f} vs {norm:.4f}, logprobs after max|diff|={diff.max():.4f} "
+          f"mean={diff.mean():.5f}, MFU field {out['mfu']}")
+    assert float(out["loss"][0]) == pytest.approx(loss, rel=1e-2)
+    assert float(out["grad_norm"][0]) == pytest.approx(norm, rel=3e-2)
+    assert diff.max() < 0.15 and diff.mean() < 0.01
+    assert out["theoretical_tflops"] and out["mfu"] is not None and out["total_flops"] > 0
+
+
+def test_offload_frees_and_restores_device_memory(gpu_client, tmp_path):
+    """offload_before_refit moves the optimizer state off the GPUs, offload_to_cpu the weights too, and
+    prepare_for_training brings both back: measured by get_free_memory_bytes (NVML's view of each device)."""
+    from dask_lm.tiny import train_tiny_tokenizer
+
+    tok_dir = train_tiny_tokenizer(str(tmp_path / "tok"))
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
+                                   num_attention_heads=8, num_key_value_heads=8)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(tmp_path / "m")
+    del model
+    tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    batch = _sft(tok, TEXTS * 4)
+    ranks = min(2, torch.cuda.device_count())
+    pcfg = {"model_name": str(tmp_path / "m"), "precision": "bfloat16", "train_global_batch_size": 20,
+            "train_micro_batch_size": 5, "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}}}
+    with dask_lm.Policy(gpu_client, pcfg, tok, init_reference_model=False) as policy:
+        policy.train(batch, dask_lm.NLLLoss())
+        trained = policy.get_free_memory_bytes()
+        policy.offload_before_refit()
+        no_optimizer = policy.get_free_memory_bytes()
+        policy.offload_to_cpu()
+        nothing = policy.get_free_memory_bytes()
+        policy.prepare_for_training()
+        back = policy.get_free_memory_bytes()
+        lp = policy.get_logprobs(batch)["logprobs"]
+    adam = 8 * n_params / ranks  # two fp32 moments per parameter, sharded over the ranks
+    print(f"free GiB per GPU (min over {ranks}): trained {trained / 2**30:.2f}, optimizer offloaded "
+          f"{no_optimizer / 2**30:.2f}, all offloaded {nothing / 2**30:.2f}, back {back / 2**30:.2f}; "
+          f"Adam state {adam / 2**30:.2f} GiB/GPU")
+    assert no_optimizer - trained > 0.8 * adam
+    assert nothing - no_optimizer > 0.8 * 4 * n_params / ranks  # the fp32 weights left too
+    assert trained - back < 0.25 * adam and nothing - back > 0.8 * adam  # all back on the devices
+    assert torch.isfinite(lp).all()

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
