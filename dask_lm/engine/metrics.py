@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["Timer", "FLOPTracker", "flops_per_sequence", "device_peak_tflops", "aggregate_flops_metrics",
+__all__ = ["Timer", "timed", "FLOPTracker", "flops_per_sequence", "device_peak_tflops", "aggregate_flops_metrics",
            "_aggregate_megatron_flops_metrics"]
 
 logger = logging.getLogger("dask_lm")
@@ -130,6 +130,11 @@ def _aggregate_megatron_flops_metrics(results: Sequence[dict[str, Any]], world_s
     return {"total_flops": first.get("total_flops"), "num_ranks": num_ranks,
             "train_elapsed_seconds": first.get("train_elapsed_seconds"),
             "theoretical_tflops": num_ranks * peak if peak is not None else None}
+
+
+def timed(timer: Any, label: str) -> contextlib.AbstractContextManager:
+    """``timer.time(label)`` when the caller passed a timer (NeMo RL's ``timer=`` arguments), else nothing."""
+    return timer.time(label) if timer is not None and hasattr(timer, "time") else contextlib.nullcontext()
 
 
 class Timer:

@@ -22,6 +22,7 @@ from distributed import span
 from dask_lm.config import PolicyConfig
 from dask_lm.engine.batch import BatchedDataDict
 from dask_lm.engine.cluster import as_client
+from dask_lm.engine.metrics import timed
 from dask_lm.engine.training import TrainingMixin
 from dask_lm.engine.validation import validate_input_batch
 from dask_lm.engine.worker_group import WorkerGroup
@@ -33,9 +34,6 @@ __all__ = ["Policy"]
 
 logger = logging.getLogger("dask_lm")
 
-
-def _timed(timer: Any, label: str) -> contextlib.AbstractContextManager:
-    return timer.time(label) if timer is not None and hasattr(timer, "time") else contextlib.nullcontext()
 
 
 def _model_config(model_name: str, overrides: dict | None) -> Any:
@@ -169,9 +167,9 @@ class Policy(TrainingMixin):
         group = self.group
         # the forward needs only these two keys; other per-row data (masks, advantages) stays on the driver
         data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        with _timed(timer, f"{label}/shard_data"):
+        with timed(timer, f"{label}/shard_data"):
             shards, order, packed = self._shard(data, None)
-        with _timed(timer, f"{label}/submit_logprob_futures"), span(f"dask-lm/{label}"):
+        with timed(timer, f"{label}/submit_logprob_futures"), span(f"dask-lm/{label}"):
             payloads = [self.client.scatter(shard_to_wire(s, packed=packed), workers=[n], hash=False)
                         for s, n in zip(shards, group.names)]
             futs = group.submit_all(tasks.call_policy, [(group.policy_id, method, p) for p in payloads],

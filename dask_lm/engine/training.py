@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from distributed import span
 
 from dask_lm.engine.batch import BatchedDataDict
-from dask_lm.engine.metrics import FLOPTracker, aggregate_flops_metrics
+from dask_lm.engine.metrics import FLOPTracker, aggregate_flops_metrics, timed
 from dask_lm.engine.validation import validate_input_batch, validate_train_batch
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.io.arrow import shard_to_wire
@@ -25,11 +25,6 @@ if TYPE_CHECKING:
     from dask_lm.engine.worker_group import WorkerGroup
 
 __all__ = ["TrainingMixin"]
-
-def _timed(timer: Any, label: str) -> Any:
-    import contextlib
-
-    return timer.time(label) if timer is not None and hasattr(timer, "time") else contextlib.nullcontext()
 
 
 def _checkpoint_options(checkpointing_cfg: Any) -> tuple[bool, int]:
@@ -93,14 +88,14 @@ class TrainingMixin:
             raise ValueError(f"train: the batch has {rows} rows, not a multiple of the global batch size {gbs}; pass "
                              "gbs=, or pad the batch with rows whose sample_mask is 0")
         num_global_batches = rows // gbs
-        with _timed(timer, "policy_training/sharding_data"):
+        with timed(timer, "policy_training/sharding_data"):
             shards, packed = self._train_shards(data, gbs)
         tracker = FLOPTracker.from_config(self.hf_config) if self.hf_config is not None else None
         if tracker is not None:
             for shard in shards:
                 tracker.track_batch(shard["input_lengths"])
         label = "eval" if eval_mode else "train"
-        with _timed(timer, "policy_training/submit_training_futures"), span(f"dask-lm/{label}"):
+        with timed(timer, "policy_training/submit_training_futures"), span(f"dask-lm/{label}"):
             group = self.group
             payloads = [self.client.scatter(shard_to_wire(s, packed=packed), workers=[n], hash=False)
                         for s, n in zip(shards, group.names)]
