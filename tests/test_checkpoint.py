@@ -185,3 +185,53 @@ def test_publish_replaces_only_when_complete(tmp_path):
     assert ckpt.parse_size("5GB") == 5 * 10**9 and ckpt.parse_size("2MiB") == 2 * 2**20
     with pytest.raises(ValueError, match="max_shard_size"):
         ckpt.parse_size("lots")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failure_on_one_rank_discards_everything_and_the_policy_saves_again(client, tiny, tok, batches, tmp_path,
+                                                                               async_save):
+    """Rank 0 fails after the weights are gathered (its tokenizer save raises): every rank learns of it, nothing
+    is published, no temporary directory is left, and the next save works."""
+    from types import SimpleNamespace
+
+    first, _ = batches
+    paths = {"weights_path": tmp_path / "w", "optimizer_path": tmp_path / "o", "tokenizer_path": tmp_path / "t"}
+    cfg = {"async_save": async_save}
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as policy:
+        policy.train(first, dask_lm.NLLLoss())
+        real = policy.tokenizer
+        policy.tokenizer = SimpleNamespace(save_pretrained=os.mkdir)  # the directory exists: FileExistsError
+        with pytest.raises(Exception, match="File exists"):
+            policy.save_checkpoint(**paths, checkpointing_cfg=cfg)
+            policy.finalize_async_save()
+        assert os.listdir(tmp_path) == []
+        policy.tokenizer = real
+        policy.save_checkpoint(**paths, checkpointing_cfg=cfg)
+        policy.finalize_async_save()
+    assert sorted(os.listdir(tmp_path)) == ["o", "t", "w"]
+
+
+def test_nested_or_foreign_directories_are_refused(client, tiny, tok, tmp_path):
+    foreign = tmp_path / "results"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as policy:
+        with pytest.raises(ValueError, match="neither inside the other"):
+            policy.save_checkpoint(tmp_path / "o" / "w", optimizer_path=tmp_path / "o")
+        with pytest.raises(ValueError, match="does not look like a checkpoint"):
+            policy.save_checkpoint(foreign)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    assert sorted(os.listdir(tmp_path)) == ["results"]
+
+
+def test_optimizer_saved_before_any_step_restores_the_same_first_step(client, tiny, tok, batches, tmp_path):
+    first, _ = batches
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as policy:
+        policy.save_checkpoint(tmp_path / "w", optimizer_path=tmp_path / "o")
+        expected = policy.train(first, dask_lm.NLLLoss())
+        after = policy.get_logprobs(first)["logprobs"]
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok, weights_path=tmp_path / "w",
+                        optimizer_path=tmp_path / "o") as restored:
+        got = restored.train(first, dask_lm.NLLLoss())
+        torch.testing.assert_close(restored.get_logprobs(first)["logprobs"], after, atol=1e-5, rtol=0)
+    assert float(got["loss"][0]) == pytest.approx(float(expected["loss"][0]), abs=1e-6)

@@ -189,3 +189,24 @@ def test_offload_frees_and_restores_device_memory(gpu_client, tmp_path):
     assert nothing - no_optimizer > 0.8 * 4 * n_params / ranks  # the fp32 weights left too
     assert trained - back < 0.25 * adam and nothing - back > 0.8 * adam  # all back on the devices
     assert torch.isfinite(lp).all()
+
+
+def test_async_checkpoint_on_gpus_round_trips(gpu_client, tiny, tmp_path):
+    """Async save on the GPUs (DCP in a background thread on the gloo group while NCCL training goes on), then a
+    restore on the same ranks reproduces the logprobs and the next step."""
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
+    batch = _sft(tok, TEXTS + TEXTS[:3])
+    cfg = {"model_name": tiny["qwen2"], "precision": "bfloat16", "train_global_batch_size": 8,
+           "train_micro_batch_size": 4, "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-3}}}
+    with dask_lm.Policy(gpu_client, cfg, tok) as policy:
+        policy.train(batch, dask_lm.NLLLoss())
+        saved = policy.get_logprobs(batch)["logprobs"]
+        policy.save_checkpoint(tmp_path / "w", optimizer_path=tmp_path / "o", checkpointing_cfg={"async_save": True})
+        nxt = policy.train(batch, dask_lm.NLLLoss())
+        policy.finalize_async_save()
+    with dask_lm.Policy(gpu_client, cfg, tok, weights_path=tmp_path / "w", optimizer_path=tmp_path / "o") as again:
+        torch.testing.assert_close(again.get_logprobs(batch)["logprobs"], saved, atol=0, rtol=0)
+        got = again.train(batch, dask_lm.NLLLoss())
+    print(f"async checkpoint on {again.data_parallel_size} GPUs: next loss {float(got['loss'][0]):.6f} vs "
+          f"{float(nxt['loss'][0]):.6f}")
+    assert float(got["loss"][0]) == pytest.approx(float(nxt["loss"][0]), rel=1e-6)

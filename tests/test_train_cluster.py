@@ -193,6 +193,13 @@ def test_bad_training_input_fails_before_any_rank_runs(client, tiny, tok, batch)
         short = BatchedDataDict({**batch, "token_mask": batch["token_mask"][:, :5]})
         with pytest.raises(ValueError, match=r"`token_mask` has shape"):
             policy.train(short, dask_lm.NLLLoss())
+        flat = BatchedDataDict({**bad, "advantages": torch.zeros(batch["input_ids"].shape[0])})
+        with pytest.raises(ValueError, match=r"`advantages` must be a tensor \[8, \d+\]"):
+            policy.train(flat, pg)
+        top = torch.zeros(*batch["input_ids"].shape, 4)
+        teacher = BatchedDataDict({**batch, "teacher_topk_logits": top, "teacher_topk_indices": top.long() + 10**6})
+        with pytest.raises(ValueError, match="outside the student's vocabulary"):
+            policy.train(teacher, dask_lm.DistillationLossFn())
         with pytest.raises(ValueError, match="loss_type"):
             policy.train(batch, lambda data, s, t, **kw: (torch.zeros(()), {}))
         after = policy.get_logprobs(batch)["logprobs"]

@@ -74,16 +74,18 @@ def flops_per_sequence(config: Any, seq_len: int, *, training: bool = True) -> f
 class FLOPTracker:
     """Counts training FLOPs of the sequences handed to ``track_batch`` (NeMo RL's ``FLOPTracker`` interface)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, *, training: bool = True) -> None:
         _widths(config)  # raises for unknown families
         self.config = config
+        self.training = training
         self.total_flops = 0.0
 
     @classmethod
-    def from_config(cls, config: Any) -> FLOPTracker | None:
-        """A tracker for this Hugging Face config, or None (with a log line) for families without a formula."""
+    def from_config(cls, config: Any, *, training: bool = True) -> FLOPTracker | None:
+        """A tracker for this Hugging Face config (forward only unless ``training``), or None (with a log line)
+        for families without a formula."""
         try:
-            return cls(config)
+            return cls(config, training=training)
         except (ValueError, AttributeError, TypeError) as e:
             logger.info("FLOPs are not reported: %s", e)
             return None
@@ -93,10 +95,10 @@ class FLOPTracker:
 
     def track_batch(self, sequence_lengths: Sequence[int] | Any) -> None:
         lengths = sequence_lengths.tolist() if hasattr(sequence_lengths, "tolist") else list(sequence_lengths)
-        self.total_flops += sum(flops_per_sequence(self.config, int(n)) for n in lengths)
+        self.total_flops += sum(flops_per_sequence(self.config, int(n), training=self.training) for n in lengths)
 
     def track(self, n_samples: int, seq_len: int) -> None:
-        self.total_flops += n_samples * flops_per_sequence(self.config, seq_len)
+        self.total_flops += n_samples * flops_per_sequence(self.config, seq_len, training=self.training)
 
 
 def aggregate_flops_metrics(results: Sequence[dict[str, Any]], world_size: int,

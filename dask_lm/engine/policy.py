@@ -72,7 +72,9 @@ class Policy(TrainingMixin):
             optimizer_path = os.path.abspath(optimizer_path)
             if not init_optimizer:
                 raise ValueError("`optimizer_path` restores optimizer state, which needs init_optimizer=True")
-            if not os.path.isfile(os.path.join(optimizer_path, ".metadata")):
+            from dask_lm.workers.checkpointing import FRESH_OPTIMIZER
+
+            if not any(os.path.isfile(os.path.join(optimizer_path, f)) for f in (".metadata", FRESH_OPTIMIZER)):
                 raise ValueError(f"`optimizer_path` {optimizer_path!r} is not an optimizer checkpoint written by "
                                  "save_checkpoint (no .metadata file in it)")
         self.init_optimizer = bool(init_optimizer and self.cfg.optimizer is not None)

@@ -8,6 +8,7 @@ preference losses, checkpoint paths. The ranks then run :mod:`dask_lm.workers.tr
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -80,7 +81,7 @@ class TrainingMixin:
                                  f"size ({mbs}) and the rows per rank per step ({gbs // dp}) must be even")
         data = validate_input_batch(data, what="train", vocab_size=self.vocab_size,
                                     max_length=cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
-        data = validate_train_batch(data, loss_fn, check_dim_skip_keys=check_dim_skip_keys)
+        data = validate_train_batch(data, loss_fn, check_dim_skip_keys=check_dim_skip_keys, vocab_size=self.vocab_size)
         rows = data.size
         if gbs % dp:
             raise ValueError(f"train: the global batch size {gbs} must be a multiple of the {dp} ranks")
@@ -90,7 +91,8 @@ class TrainingMixin:
         num_global_batches = rows // gbs
         with timed(timer, "policy_training/sharding_data"):
             shards, packed = self._train_shards(data, gbs)
-        tracker = FLOPTracker.from_config(self.hf_config) if self.hf_config is not None else None
+        tracker = (FLOPTracker.from_config(self.hf_config, training=not eval_mode) if self.hf_config is not None
+                   else None)
         if tracker is not None:
             for shard in shards:
                 tracker.track_batch(shard["input_lengths"])
@@ -152,8 +154,10 @@ class TrainingMixin:
         resolved = {k: os.path.abspath(os.fspath(v)) for k, v in paths.items() if v is not None}
         if "weights_path" not in resolved:
             raise ValueError("save_checkpoint: `weights_path` is required")
-        if len(set(resolved.values())) != len(resolved):
-            raise ValueError(f"save_checkpoint: the paths must differ, got {resolved}")
+        for (ka, a), (kb, b) in itertools.combinations(resolved.items(), 2):
+            if os.path.commonpath([a, b]) in (a, b):
+                raise ValueError(f"save_checkpoint: `{ka}` ({a}) and `{kb}` ({b}) must be separate directories, "
+                                 "neither inside the other (each is replaced as a whole)")
         if "optimizer_path" in resolved and not self.init_optimizer:
             raise ValueError("save_checkpoint: `optimizer_path` needs an optimizer; this Policy was created with "
                              "init_optimizer=False")

@@ -98,8 +98,12 @@ def _check_right_padding(ids: torch.Tensor, lens: torch.Tensor, pad: int, what: 
                          "`input_lengths` giving the count of real tokens")
 
 
+_PER_TOKEN = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
+_PER_ROW = ("sample_mask", "rewards")
+
+
 def validate_train_batch(data: BatchedDataDict, loss_fn: Any, *, check_dim_skip_keys: Any = None,
-                         what: str = "train") -> BatchedDataDict:
+                         vocab_size: int | None = None, what: str = "train") -> BatchedDataDict:
     """Checks for ``Policy.train`` beyond :func:`validate_input_batch` (run that first); returns a new batch.
 
     * the loss follows the ``LossFunction`` protocol and every key it needs is in the data;
@@ -147,15 +151,43 @@ def validate_train_batch(data: BatchedDataDict, loss_fn: Any, *, check_dim_skip_
                 where = "" if v.dim() < 2 or v.shape[1] != s else " (within the rows' lengths)"
                 raise ValueError(f"{what}: `{key}` holds {int(bad.sum())} NaN/inf values{where}; fix the data "
                                  "before training on it")
+    for key in _PER_TOKEN:
+        if key in out and (not isinstance(out[key], torch.Tensor) or tuple(out[key].shape) != (b, s)):
+            got = list(out[key].shape) if isinstance(out[key], torch.Tensor) else type(out[key]).__name__
+            raise ValueError(f"{what}: `{key}` must be a tensor [{b}, {s}] (one value per token, in get_logprobs' "
+                             f"positions), got {got}")
+    for key in _PER_ROW:
+        if key in out and (not isinstance(out[key], torch.Tensor) or tuple(out[key].shape) != (b,)):
+            got = list(out[key].shape) if isinstance(out[key], torch.Tensor) else type(out[key]).__name__
+            raise ValueError(f"{what}: `{key}` must be a tensor [{b}] (one value per row), got {got}")
     if "token_mask" in out:
         tm = out["token_mask"]
-        if not isinstance(tm, torch.Tensor) or tm.shape != (b, s):
-            raise ValueError(f"{what}: `token_mask` must be a tensor [{b}, {s}] (1 where a token is trained on)")
         out["token_mask"] = tm * valid.to(tm.device, tm.dtype)
-    sm = out["sample_mask"]
-    if not isinstance(sm, torch.Tensor) or sm.shape != (b,):
-        raise ValueError(f"{what}: `sample_mask` must be a tensor [{b}] (1 for rows that count, 0 for padding rows)")
+    if kind == LossInputType.DISTILLATION:
+        _check_teacher(out, b, s, valid, vocab_size, what)
     if getattr(loss_fn, "requires_pairs", False) and b % 2:
         raise ValueError(f"{what}: {type(loss_fn).__name__} takes (chosen, rejected) row pairs, but the batch has "
                          f"{b} rows")
     return out
+
+
+def _check_teacher(data: BatchedDataDict, b: int, s: int, valid: torch.Tensor, vocab_size: int | None,
+                   what: str) -> None:
+    """Teacher top-k tensors as ``get_topk_logits`` returns them: same [B, S, k], ids inside the vocabulary."""
+    values, idx = data["teacher_topk_logits"], data["teacher_topk_indices"]
+    for key, t in (("teacher_topk_logits", values), ("teacher_topk_indices", idx)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[:2]) != (b, s) or t.shape[2] < 1:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what}: `{key}` must be a tensor [{b}, {s}, k] with k >= 1 (get_topk_logits' output), "
+                             f"got {got}")
+    if values.shape != idx.shape:
+        raise ValueError(f"{what}: `teacher_topk_logits` {list(values.shape)} and `teacher_topk_indices` "
+                         f"{list(idx.shape)} must have the same shape")
+    if idx.is_floating_point() or idx.dtype == torch.bool:
+        raise ValueError(f"{what}: `teacher_topk_indices` has dtype {idx.dtype}; vocabulary ids must be integers")
+    ids = idx.detach().to("cpu", torch.int64)[valid]
+    limit = vocab_size if vocab_size is not None else None
+    bad = (ids < 0) | (ids >= limit) if limit is not None else ids < 0
+    if bool(bad.any()):
+        raise ValueError(f"{what}: `teacher_topk_indices` holds ids outside the student's vocabulary [0, {limit}) "
+                         "within the rows' lengths; teacher and student must share a tokenizer")

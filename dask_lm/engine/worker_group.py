@@ -116,11 +116,14 @@ class WorkerGroup:
                 # a rank still running after its peer failed sits in a collective: the group cannot be trusted
                 self.broken = (f"workers {stuck} did not finish {what} after a peer failed (stuck in a collective "
                                "until its timeout); shut this Policy down and create it again")
-            rank, fut = failed[0]
-            try:
-                exc = fut.exception(timeout=5)
-            except Exception as e:  # cancelled / lost futures raise here
-                exc = e
+            errors = []
+            for rank, fut in failed + [(r, f) for r, f in enumerate(futures) if f.status in bad and (r, f) not in failed]:
+                try:
+                    errors.append((rank, fut.exception(timeout=5)))
+                except Exception as e:  # cancelled / lost futures raise here
+                    errors.append((rank, e))
+            # report the root cause, not a rank that only learned that a peer failed
+            rank, exc = next(((r, e) for r, e in errors if not isinstance(e, tasks.PeerFailedError)), errors[0])
             if isinstance(exc, ValueError):
                 raise exc
             raise RankFailedError(f"{what} failed on rank {rank} (worker {self.names[rank]!r}): "

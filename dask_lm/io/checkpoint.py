@@ -152,6 +152,7 @@ class BackgroundWriter:
 
     def submit(self, job: Callable[[], Any]) -> Future:
         fut: Future = Future()
+        fut.add_done_callback(self._forget)
         with self._wake:
             self._jobs.append((job, fut))
             self._pending.append(fut)
@@ -173,8 +174,14 @@ class BackgroundWriter:
                 continue
             try:
                 fut.set_result(job())
-            except BaseException as e:  # reported by wait()
-                fut.set_exception(e)
+            except BaseException as e:  # reported by wait() / result(); without the traceback, whose frames
+                fut.set_exception(e.with_traceback(None))  # would keep the staged tensors alive
+            del job
+
+    def _forget(self, fut: Future) -> None:
+        with self._lock:
+            if fut in self._pending and fut.exception() is None:
+                self._pending.remove(fut)
 
     def wait(self, timeout: float | None = None) -> None:
         with self._lock:

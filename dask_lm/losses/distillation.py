@@ -39,7 +39,7 @@ class DistillationLossFn(BaseLoss):
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.DISTILLATION
     input_names = ("student_topk_logprobs", "teacher_topk_logprobs", "H_all")
-    required_keys = ("teacher_topk_logits", "teacher_topk_indices")
+    required_keys = ("teacher_topk_logits", "teacher_topk_indices", "token_mask", "sample_mask")
     log_infinitesimal = -100.0
 
     def __init__(self, cfg: Any = None) -> None:
@@ -83,4 +83,5 @@ class DistillationLossFn(BaseLoss):
             loss = masked_mean(per_token, mask, global_normalization_factor=global_valid_toks)
         else:
             loss = per_token.mean()
-        return loss, {"loss": float(loss.item()), "num_valid_samples": int(data["input_ids"].shape[0])}
+        rows = data["sample_mask"].sum().item() if "sample_mask" in data else data["input_ids"].shape[0]
+        return loss, {"loss": float(loss.item()), "num_valid_samples": rows}

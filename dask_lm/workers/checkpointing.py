@@ -14,6 +14,7 @@ tensors on the host and returns; ``finalize`` waits for the writes, agrees and p
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,12 @@ import torch
 
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.workers import device
-from dask_lm.workers.optim import init_optimizer_state, load_named_optimizer_state, named_optimizer_state
+from dask_lm.workers.optim import (
+    init_optimizer_state,
+    load_named_optimizer_state,
+    named_optimizer_state,
+)
+from dask_lm.workers.tasks import PeerFailedError
 
 if TYPE_CHECKING:
     from dask_lm.workers.policy_worker import PolicyWorker
@@ -31,6 +37,7 @@ __all__ = ["save_checkpoint", "finalize_async_save", "load_optimizer_state", "we
 
 logger = logging.getLogger("dask_lm.worker")
 SCHEDULER_FILE = "scheduler.pt"
+FRESH_OPTIMIZER = "optimizer_without_state.json"
 
 
 def weight_names(model: torch.nn.Module) -> list[str]:
@@ -53,13 +60,21 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full_tensor() if full_tensor is not None else t
 
 
-def _barrier_ok(worker: PolicyWorker, ok: bool) -> bool:
-    """All ranks agree: True only when every rank succeeded (doubles as the barrier before publishing)."""
+def _barrier_ok(worker: PolicyWorker, ok: bool, *, main_group: bool = False) -> bool:
+    """All ranks agree: True only when every rank succeeded (doubles as the barrier before publishing).
+
+    Host-side agreement runs on the policy's gloo group; ``main_group`` uses the training group instead, for the
+    moment when an async DCP save is using the gloo group from its background thread (two threads issuing
+    collectives on one group could pair them up wrongly)."""
     if worker.world_size == 1:
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    assert worker.cpu_group is not None, "a multi-rank policy has a gloo group for host-side collectives"
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=worker.cpu_group)
+    if main_group:
+        flag, group = flag.to(worker.device), worker.group
+    else:
+        assert worker.cpu_group is not None, "a multi-rank policy has a gloo group for host-side collectives"
+        group = worker.cpu_group
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
@@ -141,63 +156,124 @@ def _dcp_kwargs(worker: PolicyWorker) -> dict[str, Any]:
     return {"process_group": worker.cpu_group}
 
 
+def _on_host(state: Any) -> Any:
+    """A host copy of every tensor in a nested state (the staging step of an async save)."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state)
+
+
+def _looks_like_checkpoint(path: str) -> bool:
+    markers = ("config.json", ".metadata", FRESH_OPTIMIZER, SCHEDULER_FILE, "tokenizer_config.json", "tokenizer.json")
+    return not os.listdir(path) or any(os.path.exists(os.path.join(path, m)) for m in markers)
+
+
+def _prepare(worker: PolicyWorker, finals: list[str], tmps: list[str], needs_optimizer: bool) -> None:
+    if needs_optimizer:
+        worker.ensure_optimizer()
+    if worker.rank != 0:
+        return
+    for final in finals:
+        if os.path.isdir(final) and not _looks_like_checkpoint(final):
+            raise ValueError(f"{final!r} exists and does not look like a checkpoint (no config.json, optimizer or "
+                             "tokenizer files); refusing to replace it: pick an empty or new directory")
+    for t in tmps:
+        os.makedirs(t, exist_ok=False)
+
+
 def save_checkpoint(worker: PolicyWorker, *, weights: tuple[str, str] | None, optimizer: tuple[str, str] | None,
                     tokenizer: tuple[str, str, Any] | None, async_save: bool, max_shard_size: int) -> dict[str, Any]:
     """Write the temporary directories; publish them now (sync) or leave that to :func:`finalize_async_save`.
 
-    Every rank runs the same sequence of collectives whatever fails: agree that the directories exist, write
-    (rank 0 keeps gathering even after a failed write), agree on success, then rank 0 publishes or discards.
+    Every rank runs the same collectives in the same order whatever fails, and the ranks agree on success after
+    each phase: (1) the directories exist, (2) the weights are gathered and written (rank 0 keeps gathering even
+    after a failed write) with config and tokenizer, (3) the optimizer state is written (DCP fails on every rank
+    together), (4) rank 0 publishes, or discards everything.
     """
     import torch.distributed.checkpoint as dcp
 
     if worker.pending_save is not None:  # one save at a time: finish the previous one first
         finalize_async_save(worker)
-    pending: dict[str, Any] = {"publish": [], "dcp": None, "writer": None}
-    tmps = [t for t in (weights and weights[0], optimizer and optimizer[0], tokenizer and tokenizer[0]) if t]
-    ok, error = True, None
-    try:
-        if optimizer:
-            worker.ensure_optimizer()
-        if worker.rank == 0:
-            for t in tmps:
-                os.makedirs(t, exist_ok=False)
-    except BaseException as e:
-        ok, error = False, e
-    if not _barrier_ok(worker, ok):
-        if worker.rank == 0:
-            for t in tmps:
-                ckpt.discard(t)
-        raise error or RuntimeError("another rank could not prepare the checkpoint; nothing was written")
-    try:
-        staged: dict[str, Any] | None = {} if async_save else None
+    parts = [p for p in (weights, optimizer, tokenizer and tokenizer[:2]) if p]
+    tmps, finals = [p[0] for p in parts], [p[1] for p in parts]
+    ok, error = _attempt(lambda: _prepare(worker, finals, tmps, optimizer is not None))
+    _agree_or_discard(worker, ok, error, tmps, "prepare the checkpoint directories")
+    worker._ensure_on_device()  # FSDP gathers run on the device the mesh lives on
+    staged: dict[str, Any] | None = {} if async_save else None
+
+    def write_model_files() -> None:
         if weights:
             _write_weights(worker, weights[0], max_shard_size, staged=staged)
             if worker.rank == 0:
                 _write_config(worker, weights[0])
-            pending["publish"].append(weights)
-        if optimizer:
-            state = optimizer_state(worker)
-            if async_save:
-                pending["dcp"] = dcp.async_save(state, checkpoint_id=optimizer[0], **_dcp_kwargs(worker))
-            else:
-                dcp.save(state, checkpoint_id=optimizer[0], **_dcp_kwargs(worker))
-            if worker.rank == 0:  # tiny and rank-independent; after the collective so a failure cannot desync it
-                torch.save(worker.scheduler.state_dict(), os.path.join(optimizer[0], SCHEDULER_FILE))
-            pending["publish"].append(optimizer)
-        if tokenizer:
-            if worker.rank == 0:
-                tokenizer[2].save_pretrained(tokenizer[0])
-            pending["publish"].append(tokenizer[:2])
-        if async_save and worker.rank == 0 and staged:
+        if tokenizer and worker.rank == 0:
+            tokenizer[2].save_pretrained(tokenizer[0])
+
+    ok, error = _attempt(write_model_files)
+    _agree_or_discard(worker, ok, error, tmps, "write the weights")
+    pending: dict[str, Any] = {"publish": parts, "tmps": tmps, "dcp": None, "writer": None}
+    if optimizer:
+        ok, error = _attempt(lambda: _write_optimizer(worker, optimizer[0], pending, async_save, dcp))
+        if async_save:  # a rank whose staging failed must not leave its peers waiting for a finalize
+            ok = _barrier_ok(worker, ok, main_group=True)
+            if not ok:
+                _wait_quietly(pending)
+        _agree_or_discard(worker, ok, error, tmps, "write the optimizer state", agreed=async_save)
+    if async_save:
+        if worker.rank == 0 and staged:
             pending["writer"] = worker.writer.submit(lambda: _write_staged(weights[0], staged))  # type: ignore[index]
-    except BaseException as e:
-        ok, error = False, e
-    if async_save and ok:
-        pending["tmps"] = tmps
         worker.pending_save = pending
         return {"staged": True}
-    _conclude(worker, pending, tmps, ok, error)
+    _publish(worker, pending)
     return {"staged": False}
+
+
+def _attempt(fn: Any) -> tuple[bool, BaseException | None]:
+    try:
+        fn()
+        return True, None
+    except BaseException as e:
+        return False, e
+
+
+def _agree_or_discard(worker: PolicyWorker, ok: bool, error: BaseException | None, tmps: list[str], what: str,
+                      agreed: bool = False) -> None:
+    """All ranks agree that ``what`` succeeded everywhere; otherwise rank 0 deletes every temporary directory and
+    each rank raises (its own error, or one naming the failure elsewhere)."""
+    try:
+        all_ok = ok if agreed else _barrier_ok(worker, ok)
+    except BaseException as e:
+        all_ok, error = False, error or e
+    if all_ok:
+        return
+    if worker.rank == 0:
+        for t in tmps:
+            ckpt.discard(t)
+    raise error or PeerFailedError(f"another rank failed to {what}; the checkpoint was discarded")
+
+
+def _write_optimizer(worker: PolicyWorker, directory: str, pending: dict[str, Any], async_save: bool, dcp: Any) -> None:
+    opt = worker.optimizer
+    assert opt is not None
+    if not opt.state:
+        # no step taken yet: nothing to shard. Saving through DCP would first initialise the live state (Adam at
+        # step 1 with zero moments), silently changing the next real step; record the hyperparameters instead
+        if worker.rank == 0:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            with open(os.path.join(directory, FRESH_OPTIMIZER), "w") as f:
+                json.dump({"param_groups": groups}, f, default=float)
+    else:
+        state = optimizer_state(worker)
+        if async_save and worker.world_size == 1:
+            # DCP's async path insists on a CPU default process group even without one; stage and write it here
+            staged = _on_host(state)
+            pending["dcp"] = worker.writer.submit(lambda: dcp.save(staged, checkpoint_id=directory, no_dist=True))
+        elif async_save:
+            pending["dcp"] = dcp.async_save(state, checkpoint_id=directory, **_dcp_kwargs(worker))
+        else:
+            dcp.save(state, checkpoint_id=directory, **_dcp_kwargs(worker))
+    if worker.rank == 0:  # tiny and rank-independent; after the collective so a failure cannot desync it
+        torch.save(worker.scheduler.state_dict(), os.path.join(directory, SCHEDULER_FILE))
 
 
 def _write_staged(directory: str, staged: dict[str, Any]) -> None:
@@ -207,20 +283,30 @@ def _write_staged(directory: str, staged: dict[str, Any]) -> None:
     ckpt.write_index(directory, shards, total)
 
 
-def _conclude(worker: PolicyWorker, pending: dict[str, Any], tmps: list[str], ok: bool,
-              error: BaseException | None) -> None:
-    agreed = _barrier_ok(worker, ok)
-    if worker.rank == 0:
-        if agreed:
-            for tmp, final in pending["publish"]:
-                ckpt.publish(tmp, final)
-        else:
-            for tmp in tmps:
-                ckpt.discard(tmp)
-    if error is not None:
-        raise error
-    if not agreed:
-        raise RuntimeError("another rank failed while saving the checkpoint; nothing was published")
+def _wait_quietly(pending: dict[str, Any]) -> None:
+    for key in ("dcp", "writer"):
+        fut = pending.get(key)
+        if fut is None:
+            continue
+        try:
+            (fut.result() if hasattr(fut, "result") else fut.upload_completion.result())
+        except BaseException:  # the caller reports the first failure
+            pass
+
+
+def _publish(worker: PolicyWorker, pending: dict[str, Any]) -> None:
+    """Rank 0 renames every directory into place; if one rename fails the rest are discarded."""
+    if worker.rank != 0:
+        return
+    done = 0
+    try:
+        for tmp, final in pending["publish"]:
+            ckpt.publish(tmp, final)
+            done += 1
+    except BaseException:
+        for tmp, _final in pending["publish"][done:]:
+            ckpt.discard(tmp)
+        raise
 
 
 def finalize_async_save(worker: PolicyWorker) -> bool:
@@ -237,7 +323,8 @@ def finalize_async_save(worker: PolicyWorker) -> bool:
             pending["writer"].result()
     except BaseException as e:
         ok, error = False, e
-    _conclude(worker, pending, pending["tmps"], ok, error)
+    _agree_or_discard(worker, ok, error, pending["tmps"], "finish writing the checkpoint")
+    _publish(worker, pending)
     return True
 
 
@@ -245,17 +332,33 @@ def load_optimizer_state(worker: PolicyWorker, path: str) -> None:
     """Restore optimizer and scheduler state saved by :func:`save_checkpoint` (any number of ranks then)."""
     import torch.distributed.checkpoint as dcp
 
-    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, ".metadata")):
-        raise ValueError(f"optimizer_path {path!r} is not an optimizer checkpoint (no DCP .metadata file in it)")
+    fresh = os.path.join(path, FRESH_OPTIMIZER)
+    if not os.path.isdir(path) or not (os.path.exists(os.path.join(path, ".metadata")) or os.path.exists(fresh)):
+        raise ValueError(f"optimizer_path {path!r} is not an optimizer checkpoint written by save_checkpoint")
     worker.ensure_optimizer()
-    state = optimizer_state(worker, for_load=True)
-    dcp.load(state, checkpoint_id=path, **_dcp_kwargs(worker))
-    if worker.fsdp:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        set_optimizer_state_dict(worker.model, worker.optimizer, state["optim"])
+    opt = worker.optimizer
+    assert opt is not None
+    if os.path.exists(fresh):  # saved before the first step: only the hyperparameters
+        with open(fresh) as f:
+            groups = json.load(f)["param_groups"]
+        if len(groups) != len(opt.param_groups):
+            raise ValueError(f"optimizer_path {path!r} has {len(groups)} parameter groups, this optimizer "
+                             f"{len(opt.param_groups)}")
+        for group, saved in zip(opt.param_groups, groups):
+            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
     else:
-        load_named_optimizer_state(worker.optimizer, worker.optimizer_param_names(), state["optim"])
+        state = optimizer_state(worker, for_load=True)
+        try:
+            dcp.load(state, checkpoint_id=path, **_dcp_kwargs(worker))
+        except Exception as e:  # DCP's CheckpointException carries every rank's failure
+            raise ValueError(f"optimizer_path {path!r} does not fit this model and optimizer (saved for another "
+                             f"model, or another optimizer class): {str(e)[:500]}") from e
+        if worker.fsdp:
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            set_optimizer_state_dict(worker.model, opt, state["optim"])
+        else:
+            load_named_optimizer_state(opt, worker.optimizer_param_names(), state["optim"])
     sched_file = os.path.join(path, SCHEDULER_FILE)
     if os.path.exists(sched_file):
         worker.scheduler.load_state_dict(torch.load(sched_file, weights_only=False))

@@ -147,15 +147,17 @@ class PolicyWorker:
             full = auto.from_pretrained(weights_path, dtype=dtype).state_dict()
         except (OSError, ValueError) as e:
             raise ValueError(f"weights_path {weights_path!r} is not a loadable Hugging Face model directory: {e}") from e
+        own = self.model.state_dict()
+        unexpected = [k for k in full if k not in own]
+        if unexpected:
+            raise ValueError(f"weights_path {weights_path!r} holds tensors this model lacks: {unexpected[:5]}; it "
+                             f"was saved from another architecture than `policy.model_name`")
+        self._ensure_on_device()
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
             return
-        own = self.model.state_dict()
-        unexpected = [k for k in full if k not in own]
-        if unexpected:
-            raise ValueError(f"weights_path {weights_path!r} holds tensors this model lacks: {unexpected[:5]}")
         if self.masters is not None:
             with torch.no_grad():
                 for name, master in self.masters.named_parameters().items():
@@ -414,8 +416,8 @@ class PolicyWorker:
             return
         for state in self.optimizer.state.values():
             for k, v in state.items():
-                # Adam's scalar `step` stays on the host, where the non-capturable optimizers expect it
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                # Adam's `step` stays on the host, where the non-capturable optimizers expect it
+                if isinstance(v, torch.Tensor) and k != "step":
                     state[k] = v.to(where, non_blocking=True)
         device.synchronize()
 

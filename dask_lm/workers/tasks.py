@@ -10,7 +10,11 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-__all__ = ["find_free_port", "rank_info", "init_policy", "call_policy", "shutdown_policy"]
+__all__ = ["find_free_port", "rank_info", "init_policy", "call_policy", "shutdown_policy", "PeerFailedError"]
+
+
+class PeerFailedError(RuntimeError):
+    """This rank was fine, but another rank of the same call failed; the driver reports that rank's error."""
 
 
 def find_free_port(_prev: Any = None) -> tuple[str, int]:

@@ -154,8 +154,12 @@ def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], los
                     mb_data = mb_data.to(worker.device)
                     inputs = loss_inputs_from_hidden(worker, hidden, info, mb_data, loss_fn)
                     loss, mb_metrics = loss_fn(mb_data, global_valid_seqs, global_valid_toks, **inputs)
+                    loss = torch.as_tensor(loss, device=worker.device)
                     if not eval_mode:
-                        (loss * dp if worker.fsdp else loss).backward()
+                        # + 0 x the inputs: every parameter gets a gradient on every rank even when a custom loss
+                        # is constant for this micro-batch, so FSDP's reduce-scatters still pair up across ranks
+                        anchor = sum(v.sum() for v in inputs.values() if isinstance(v, torch.Tensor))
+                        ((loss + 0.0 * anchor) * (dp if worker.fsdp else 1)).backward()
                     gb_loss += float(loss.detach())
                     if float(_to_number(mb_metrics.get("num_valid_samples", 1))) > 0:
                         _record(metrics, mb_metrics, num_global_batches, worker, gvs, gvt)
