@@ -207,6 +207,7 @@ def test_async_checkpoint_on_gpus_round_trips(gpu_client, tiny, tmp_path):
     with dask_lm.Policy(gpu_client, cfg, tok, weights_path=tmp_path / "w", optimizer_path=tmp_path / "o") as again:
         torch.testing.assert_close(again.get_logprobs(batch)["logprobs"], saved, atol=0, rtol=0)
         got = again.train(batch, dask_lm.NLLLoss())
-    print(f"async checkpoint on {again.data_parallel_size} GPUs: next loss {float(got['loss'][0]):.6f} vs "
+        ranks = again.data_parallel_size
+    print(f"async checkpoint on {ranks} GPUs: next loss {float(got['loss'][0]):.6f} vs "
           f"{float(nxt['loss'][0]):.6f}")
     assert float(got["loss"][0]) == pytest.approx(float(nxt["loss"][0]), rel=1e-6)
