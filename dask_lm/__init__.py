@@ -10,6 +10,7 @@ from dask_lm.engine.batch import BatchedDataDict, DynamicBatchingArgs, SequenceP
 from dask_lm.engine.cluster import connect
 from dask_lm.engine.packing import PackingAlgorithm, get_packer
 from dask_lm.engine.policy import Policy
+from dask_lm.engine.scoring import ScoreResult, score_parquet
 from dask_lm.engine.sharding import BatchError
 from dask_lm.engine.metrics import FLOPTracker, Timer
 from dask_lm.engine.worker_group import RankFailedError
@@ -58,9 +59,11 @@ __all__ = [
     "Policy",
     "PolicyConfig",
     "RankFailedError",
+    "ScoreResult",
     "SequencePackingArgs",
     "SlicedDataDict",
     "connect",
+    "score_parquet",
     "get_packer",
     "__version__",
 ]

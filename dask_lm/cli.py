@@ -20,9 +20,13 @@ __all__ = ["main"]
 
 def _tiny_model_dir() -> str:
     """A tiny random model + tokenizer, built once under the cache directory (no download)."""
+    import transformers
+
     from dask_lm.tiny import build_tiny_model, train_tiny_tokenizer
 
-    root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dask-lm", "tiny-llama")
+    transformers.utils.logging.disable_progress_bar()
+
+    root = os.path.join(_cache_root(), "tiny-llama")
     if os.path.exists(os.path.join(root, "config.json")):
         return root
     parent = os.path.dirname(root)
@@ -54,6 +58,24 @@ def main(ctx: click.Context, verbose: bool) -> None:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+def _exit_codes(ctx: click.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn``: bad usage or input (``ValueError``) exits 2 with one line, any other failure exits 1."""
+    verbose = ctx.obj["verbose"]
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, FileNotFoundError) as e:
+        if verbose:
+            raise
+        raise _CliError(str(e)) from None
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # a runtime failure: one line, exit 1
+        if verbose:
+            raise
+        click.echo(f"Error: {type(e).__name__}: {e}", err=True)
+        sys.exit(1)
+
+
 @main.command()
 @click.argument("texts", nargs=-1)
 @click.option("--model", "model_dir", default=None, help="Hugging Face model directory (default: a tiny random "
@@ -69,20 +91,127 @@ def main(ctx: click.Context, verbose: bool) -> None:
 def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, scheduler_address: str | None,
              n_workers: int | None, precision: str, topk: int, as_json: bool) -> None:
     """Per-token log-probabilities of TEXTS (default: two sample sentences)."""
-    verbose = ctx.obj["verbose"]
+    _exit_codes(ctx, _run_logprobs, list(texts) or ["The quick brown fox jumps over the lazy dog.",
+                                                    "Dask schedules tasks across the workers of a cluster."],
+                model_dir, scheduler_address, n_workers, precision, topk, as_json)
+
+
+@main.command()
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--model", required=True, help="Hugging Face model directory.")
+@click.option("--output", required=True, help="Output directory (part-NNNNN.parquet, _manifest.json, _SUCCESS).")
+@click.option("--text-column", default=None, help="Score this string column (tokenized as tokenizer(text) does).")
+@click.option("--ids-column", default=None, help="Score this list<int> column of token ids as it is.")
+@click.option("--prompt-column", default=None, help="With --response-column: score only the response tokens.")
+@click.option("--response-column", default=None)
+@click.option("--id-column", default=None, help="Keep only this input column in the output (default: all).")
+@click.option("--topk", type=int, default=0, show_default=True, help="Also write the k most likely tokens.")
+@click.option("--max-length", type=int, default=None, help="Longest row in tokens (longer rows are bad rows).")
+@click.option("--truncate", is_flag=True, help="Cut rows over --max-length instead of failing on them.")
+@click.option("--batch-tokens", type=int, default=16384, show_default=True, help="Padded tokens per micro-batch.")
+@click.option("--precision", type=click.Choice(["auto", "bf16", "fp32", "fp16"]), default="auto", show_default=True,
+              help="auto: bf16 on GPU workers, fp32 on CPU ones.")
+@click.option("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
+@click.option("--scheduler-address", default=None, help="Attach to this scheduler (or scheduler file); default: "
+              "$DASK_SCHEDULER_ADDRESS, else a local cluster.")
+@click.option("--n-workers", type=int, default=None, help="Local cluster size (default: one per GPU, or 2).")
+@click.option("--resume", is_flag=True, help="Finish an interrupted job: skip parts already written.")
+@click.option("--skip-bad-rows", is_flag=True, help="Leave bad rows out (listed in _errors.parquet) instead of "
+              "failing.")
+@click.option("--performance-report", default=None, help="Write Dask's HTML performance report here.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.pass_context
+def score(ctx: click.Context, inputs: tuple[str, ...], model: str, output: str, scheduler_address: str | None,
+          n_workers: int | None, no_progress: bool, **options: Any) -> None:
+    """Per-token logprobs, log-likelihood and perplexity of every row of parquet INPUTS (files, directories,
+    globs)."""
+
+    def run() -> None:
+        import dask_lm
+
+        # the checks run before any cluster starts; score_parquet then connects, and closes what it started
+        result = dask_lm.score_parquet(list(inputs), output, model=model, scheduler_address=scheduler_address,
+                                       n_workers=n_workers, progress=not no_progress, **options)
+        _print_summary(result)
+
+    _exit_codes(ctx, run)
+
+
+@main.command()
+@click.option("--rows", type=int, default=512, show_default=True, help="Rows in the sample dataset.")
+@click.option("--n-workers", type=int, default=None, help="Local cluster size (default: one per GPU, or 2).")
+@click.pass_context
+def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
+    """Build a tiny model and a sample parquet dataset, score it on a local cluster, print a summary."""
+
+    def run() -> None:
+        import dask_lm
+
+        model_dir = _tiny_model_dir()
+        root = os.path.join(_cache_root(), "demo")
+        data = _demo_dataset(os.path.join(root, "data"), rows)
+        output = os.path.join(root, "scores")
+        shutil.rmtree(output, ignore_errors=True)  # the demo's own output from an earlier run
+        click.echo(f"model   {model_dir} (tiny random llama)\ndata    {data} ({rows} rows)")
+        client = dask_lm.connect(n_workers=n_workers)
+        try:
+            click.echo(f"cluster {len(client.scheduler_info(n_workers=-1)['workers'])} workers, dashboard "
+                       f"{client.dashboard_link}")
+            result = dask_lm.score_parquet(data, output, model=model_dir, client=client, text_column="text",
+                                           id_column="id")
+        finally:
+            _close(client)
+        _print_summary(result)
+
+    _exit_codes(ctx, run)
+
+
+def _cache_root() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dask-lm")
+
+
+def _demo_dataset(directory: str, rows: int) -> str:
+    """Sample sentences in two parquet files (several row groups), built once per row count."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if rows < 2:
+        raise ValueError("--rows must be >= 2")
+    target = f"{directory}-{rows}"
+    if os.path.isdir(target):
+        return target
+    words = ("dask cluster worker task graph token model parquet column row score batch gpu rank shard log "
+             "probability language the a of and to in is on with for").split()
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 60))) for _ in range(rows)]
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".demo-", dir=os.path.dirname(target))  # complete before it gets its name
+    half = rows // 2
+    for name, lo, hi in (("a.parquet", 0, half), ("b.parquet", half, rows)):
+        pq.write_table(pa.table({"id": list(range(lo, hi)), "text": texts[lo:hi]}), os.path.join(tmp, name),
+                       row_group_size=64)
     try:
-        _run_logprobs(list(texts) or ["The quick brown fox jumps over the lazy dog.",
-                                      "Dask schedules tasks across the workers of a cluster."],
-                      model_dir, scheduler_address, n_workers, precision, topk, as_json)
-    except (ValueError, FileNotFoundError) as e:
-        if verbose:
-            raise
-        raise _CliError(str(e)) from None
-    except Exception as e:  # a runtime failure: one line, exit 1
-        if verbose:
-            raise
-        click.echo(f"Error: {type(e).__name__}: {e}", err=True)
-        sys.exit(1)
+        os.replace(tmp, target)
+    except OSError:  # built by a concurrent demo
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _close(client: Any) -> None:
+    if getattr(client, "_dask_lm_owns_cluster", False):
+        cluster = client.cluster
+        client.close()
+        cluster.close()
+    else:
+        client.close()
+
+
+def _print_summary(result: Any) -> None:
+    width = max(len(k) for k, _ in result.summary())
+    for key, value in result.summary():
+        click.echo(f"{key:<{width}}  {value}")
 
 
 def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: str | None, n_workers: int | None,
@@ -113,12 +242,7 @@ def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: st
             tk = policy.get_topk_logits(batch, topk) if topk else None
             ranks = policy.data_parallel_size
     finally:
-        if getattr(client, "_dask_lm_owns_cluster", False):
-            cluster = client.cluster
-            client.close()
-            cluster.close()
-        else:
-            client.close()
+        _close(client)
     for b, text in enumerate(texts):
         n = int(lengths[b])
         tokens = tokenizer.convert_ids_to_tokens(ids[b, :n].tolist())

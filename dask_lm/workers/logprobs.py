@@ -128,9 +128,11 @@ def topk_logits(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = 1024,
+    normalize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest temperature-scaled logits at every valid position: float32 ``[B, S, k]`` and int64
-    vocabulary ids ``[B, S, k]``, sorted descending; invalid (padding) positions hold 0 in both."""
+    vocabulary ids ``[B, S, k]``, sorted descending; invalid (padding) positions hold 0 in both. With
+    ``normalize`` the values are logprobs (the logits minus the position's logsumexp)."""
     b, s, _ = hidden.shape
     values = torch.zeros(b, s, k, dtype=torch.float32, device=hidden.device)
     indices = torch.zeros(b, s, k, dtype=torch.int64, device=hidden.device)
@@ -145,7 +147,8 @@ def topk_logits(
         if temperature != 1.0:
             logits = logits / temperature
         top = torch.topk(logits, k, dim=-1)
-        flat_v[start:end], flat_i[start:end] = top.values, top.indices
+        values_ = top.values - torch.logsumexp(logits, dim=-1, keepdim=True) if normalize else top.values
+        flat_v[start:end], flat_i[start:end] = values_, top.indices
         del logits
     values[rows, cols] = flat_v
     indices[rows, cols] = flat_i

@@ -1,0 +1,252 @@
+"""Offline scoring of parquet datasets (score_parquet / `dask-lm score`) against single-process Hugging Face."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+
+import dask_lm
+from dask_lm.cli import main as cli
+
+pytestmark = pytest.mark.cluster
+
+TEXTS = [f"row {i}: " + " ".join(["dask", "tokens", "score", "parquet", "model"][: 1 + i % 5]) * (1 + i % 4)
+         for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return transformers.AutoTokenizer.from_pretrained(tiny["llama"])
+
+
+@pytest.fixture(scope="module")
+def hf(tiny):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32).eval()
+
+
+@pytest.fixture()
+def dataset(tmp_path):
+    """Two files, the first with three row groups: four partitions."""
+    d = tmp_path / "data"
+    d.mkdir()
+    pq.write_table(pa.table({"id": list(range(20)), "text": TEXTS[:20], "lang": ["en"] * 20}), d / "a.parquet",
+                   row_group_size=7)
+    pq.write_table(pa.table({"id": list(range(20, 30)), "text": TEXTS[20:], "lang": ["en"] * 10}), d / "b.parquet")
+    return d
+
+
+def _hf_row(hf, ids, start=1):
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    lsm = torch.log_softmax(logits, -1)
+    lp = torch.zeros(len(ids))
+    lp[1:] = lsm[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    return lp, lsm, float(lp[start:].double().sum()), len(ids) - start
+
+
+def _read(out):
+    parts = sorted(f for f in os.listdir(out) if f.startswith("part-"))
+    return pa.concat_tables([pq.read_table(out / f) for f in parts]), parts
+
+
+def test_text_mode_matches_hf_with_schema_and_topk(client, tiny, tok, hf, dataset, tmp_path):
+    out = tmp_path / "out"
+    res = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=3,
+                                progress=False)
+    table, parts = _read(out)
+    assert parts == [f"part-{i:05d}.parquet" for i in range(4)] and res.parts == 4 and res.rows == 30
+    assert {"_manifest.json", "_SUCCESS"} <= set(os.listdir(out))
+    schema = table.schema
+    assert schema.field("num_tokens").type == pa.int32()
+    assert schema.field("logprobs").type == pa.list_(pa.float32())
+    assert schema.field("sum_logprob").type == pa.float64()
+    assert schema.field("topk_ids").type == pa.list_(pa.list_(pa.int32()))
+    assert schema.field("topk_logprobs").type == pa.list_(pa.list_(pa.float32()))
+    rows = table.to_pylist()
+    assert [r["id"] for r in rows] == list(range(30))  # every row once, input order within and across parts
+    assert all(r["lang"] == "en" for r in rows)  # all input columns kept without --id-column
+    for r in rows:
+        ids = tok(TEXTS[r["id"]])["input_ids"]
+        lp, lsm, total, n = _hf_row(hf, ids)
+        assert r["num_tokens"] == len(ids)
+        torch.testing.assert_close(torch.tensor(r["logprobs"]), lp, atol=1e-4, rtol=0)
+        assert r["sum_logprob"] == pytest.approx(total, abs=1e-3)
+        assert r["mean_logprob"] == pytest.approx(total / n, abs=1e-4)
+        assert r["perplexity"] == pytest.approx(float(torch.exp(torch.tensor(-total / n))), rel=1e-4)
+        top = torch.topk(lsm, 3, dim=-1)
+        assert r["topk_ids"] == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor(r["topk_logprobs"]), top.values, atol=1e-4, rtol=0)
+
+
+def test_ids_and_prompt_response_modes(client, tiny, tok, hf, tmp_path):
+    data = tmp_path / "pr.parquet"
+    prompts, responses = TEXTS[:6], [t.upper()[:20] for t in TEXTS[6:12]]
+    ids_col = [tok(p)["input_ids"] for p in prompts]
+    pq.write_table(pa.table({"key": [f"k{i}" for i in range(6)], "prompt": prompts, "response": responses,
+                             "ids": pa.array(ids_col, pa.list_(pa.int64()))}), data)
+    out_pr, out_ids = tmp_path / "pr", tmp_path / "ids"
+    dask_lm.score_parquet(data, out_pr, model=tiny["llama"], client=client, prompt_column="prompt",
+                          response_column="response", id_column="key", progress=False)
+    dask_lm.score_parquet(data, out_ids, model=tiny["llama"], client=client, ids_column="ids", id_column="key",
+                          progress=False)
+    pr, _ = _read(out_pr)
+    assert pr.column_names[0] == "key" and "prompt" not in pr.column_names
+    for i, r in enumerate(pr.to_pylist()):
+        p = tok(prompts[i])["input_ids"]
+        full = p + tok(responses[i], add_special_tokens=False)["input_ids"]
+        _lp, _lsm, total, n = _hf_row(hf, full, start=len(p))  # only response tokens, given the prompt
+        assert r["num_tokens"] == len(full) and r["sum_logprob"] == pytest.approx(total, abs=1e-3)
+        assert r["mean_logprob"] == pytest.approx(total / n, abs=1e-4)
+    for i, r in enumerate(_read(out_ids)[0].to_pylist()):
+        assert r["sum_logprob"] == pytest.approx(_hf_row(hf, ids_col[i])[2], abs=1e-3)
+
+
+def test_bad_input_exit_2_and_nothing_written(tiny, dataset, tmp_path):
+    runner = CliRunner()
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    no_weights = tmp_path / "empty_model"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    cases = [
+        ([str(tmp_path / "missing.parquet"), "--text-column", "text"], "does not exist"),
+        ([str(tmp_path / "junk.parquet"), "--text-column", "text"], "not a readable parquet file"),
+        ([str(dataset), "--text-column", "body"], "column 'body' is missing"),
+        ([str(dataset), "--text-column", "id"], "a text column must be string"),
+        ([str(dataset), "--ids-column", "text"], "an ids column must be list<int>"),
+        ([str(dataset), "--text-column", "text", "--ids-column", "id"], "exactly one of"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(cli, ["score", *args, "--model", tiny["llama"], "--output", str(out)])
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.output and "Traceback" not in result.output, result.output
+    result = runner.invoke(cli, ["score", str(dataset), "--text-column", "text", "--model", str(no_weights),
+                                 "--output", str(out)])
+    assert result.exit_code == 2 and "has no weights" in result.output
+    assert not out.exists()
+
+
+def test_bad_rows_fail_or_are_skipped(client, tiny, tmp_path):
+    data = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"id": [0, 1, 2, 3], "text": ["fine text", None, "", "also fine"]}), data)
+    with pytest.raises(ValueError, match=r"bad.parquet: row 1, column 'text': expected a string"):
+        dask_lm.score_parquet(data, tmp_path / "o1", model=tiny["llama"], client=client, text_column="text",
+                              progress=False)
+    assert not (tmp_path / "o1" / "_SUCCESS").exists()
+    res = dask_lm.score_parquet(data, tmp_path / "o2", model=tiny["llama"], client=client, text_column="text",
+                                skip_bad_rows=True, max_length=3, progress=False)
+    table, _ = _read(tmp_path / "o2")
+    errors = pq.read_table(tmp_path / "o2" / "_errors.parquet").to_pylist()
+    assert table.column("id").to_pylist() == [] or set(table.column("id").to_pylist()) <= {0, 3}
+    assert {e["row"] for e in errors} >= {1, 2} and res.bad_rows == len(errors)
+    assert any("more than --max-length 3" in e["error"] for e in errors)
+
+
+def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, dataset, tmp_path):
+    out = tmp_path / "out"
+    first = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text",
+                                  progress=False)
+    before = {f: (out / f).read_bytes() for f in os.listdir(out) if f.startswith("part-")}
+    os.remove(out / "part-00002.parquet")
+    os.remove(out / "_SUCCESS")  # as if the job had died before its last part
+    kept = os.stat(out / "part-00000.parquet").st_mtime_ns
+    again = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text",
+                                  resume=True, progress=False)
+    assert again.parts_skipped == 3 and again.rows == 6 and first.rows == 30  # row groups of 7, 7, 6 and 10
+    assert os.stat(out / "part-00000.parquet").st_mtime_ns == kept
+    assert pq.read_table(out / "part-00002.parquet").equals(pq.read_table(pa.BufferReader(before["part-00002.parquet"])))
+    assert (out / "_SUCCESS").exists()
+    with pytest.raises(ValueError, match="--resume refused.*options"):
+        dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=2,
+                              resume=True, progress=False)
+    with pytest.raises(ValueError, match="--resume refused.*model"):
+        dask_lm.score_parquet(dataset, out, model=tiny["llama_tuned"], client=client, text_column="text",
+                              resume=True, progress=False)
+    with pytest.raises(ValueError, match="already holds files"):
+        dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", progress=False)
+
+
+def test_a_killed_worker_costs_a_retry_not_a_row(tiny, tmp_path):
+    """SIGKILL one of two workers mid-job: its partitions run again (elsewhere, or on it after the nanny restarts
+    it) and the output holds every input row exactly once."""
+    d = tmp_path / "data"
+    d.mkdir()
+    n = 240
+    pq.write_table(pa.table({"id": list(range(n)), "text": [TEXTS[i % 30] * 3 for i in range(n)]}),
+                   d / "a.parquet", row_group_size=10)
+    out = tmp_path / "out"
+    client = dask_lm.connect(n_workers=2, cluster="cpu")
+    try:
+        pids = client.run(os.getpid)
+        victim = sorted(pids.values())[0]
+
+        def kill_when_started():
+            deadline = time.time() + 120
+            while time.time() < deadline:
+                if out.exists() and any(f.startswith("part-") for f in os.listdir(out)):
+                    os.kill(victim, signal.SIGKILL)
+                    return
+                time.sleep(0.02)
+
+        killer = threading.Thread(target=kill_when_started)
+        killer.start()
+        res = dask_lm.score_parquet(d, out, model=tiny["llama"], client=client, text_column="text",
+                                    id_column="id", batch_tokens=64, progress=False)
+        killer.join()
+        assert victim not in client.run(os.getpid).values()  # the worker really died (and was replaced)
+    finally:
+        cluster = client.cluster
+        client.close()
+        cluster.close()
+    ids = _read(out)[0].column("id").to_pylist()
+    assert sorted(ids) == list(range(n)) and res.parts == 24
+    assert not [f for f in os.listdir(out) if ".tmp-" in f]
+
+
+def test_cli_attaches_to_a_separately_started_cluster(tiny, dataset, tmp_path):
+    sched_file = tmp_path / "scheduler.json"
+    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                               "--port", "0", "--dashboard-address", ":0", "--scheduler-file", str(sched_file)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        deadline = time.time() + 60
+        while not sched_file.exists():
+            assert time.time() < deadline, "the scheduler did not start"
+            time.sleep(0.2)
+        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
+                                       str(sched_file), "--nthreads", "1", "--nworkers", "1", "--name", "w0"],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        out = tmp_path / "out"
+        result = CliRunner().invoke(cli, ["score", str(dataset), "--model", tiny["llama"], "--text-column", "text",
+                                          "--output", str(out), "--scheduler-address", str(sched_file),
+                                          "--no-progress"])
+        assert result.exit_code == 0, result.output
+        assert "rows" in result.output and json.loads((out / "_SUCCESS").read_text())["rows"] == 30
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+
+
+def test_demo_runs_and_prints_its_summary(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "dask_lm", "demo", "--rows", "96"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for key in ("rows", "tokens/s", "perplexity", "output", "dashboard"):
+        assert key in proc.stdout
+    assert (tmp_path / "dask-lm" / "demo" / "scores" / "_SUCCESS").exists()
