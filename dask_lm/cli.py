@@ -138,6 +138,48 @@ def score(ctx: click.Context, inputs: tuple[str, ...], model: str, output: str, 
 
 
 @main.command()
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--model", required=True, help="Hugging Face model directory to start from.")
+@click.option("--output", required=True, help="Run directory: step_N/ checkpoints, _manifest.json, _SUCCESS.")
+@click.option("--text-column", default=None, help="Train on every token of this string column.")
+@click.option("--prompt-column", default=None, help="With --response-column: train on the response tokens only.")
+@click.option("--response-column", default=None)
+@click.option("--epochs", type=int, default=1, show_default=True)
+@click.option("--max-steps", type=int, default=None, help="Stop after this many optimizer steps.")
+@click.option("--global-batch-size", type=int, default=32, show_default=True, help="Rows per optimizer step.")
+@click.option("--micro-batch-size", type=int, default=4, show_default=True)
+@click.option("--lr", type=float, default=1e-5, show_default=True)
+@click.option("--weight-decay", type=float, default=0.01, show_default=True)
+@click.option("--warmup-steps", type=int, default=0, show_default=True)
+@click.option("--max-length", type=int, default=1024, show_default=True)
+@click.option("--truncate", is_flag=True, help="Cut rows over --max-length instead of failing on them.")
+@click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True)
+@click.option("--save-every", type=int, default=100, show_default=True, help="Checkpoint every N steps.")
+@click.option("--keep", type=int, default=2, show_default=True, help="Checkpoints to keep.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--no-shuffle", is_flag=True, help="Walk the rows in input order.")
+@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in --output.")
+@click.option("--scheduler-address", default=None)
+@click.option("--n-workers", type=int, default=None)
+@click.option("--no-progress", is_flag=True)
+@click.pass_context
+def sft(ctx: click.Context, inputs: tuple[str, ...], no_shuffle: bool, no_progress: bool, **options: Any) -> None:
+    """Supervised fine-tuning (NLL) on parquet INPUTS, with periodic resumable checkpoints."""
+
+    def run() -> None:
+        from dask_lm.engine.sft import sft_parquet
+
+        result = sft_parquet(list(inputs), shuffle=not no_shuffle, progress=not no_progress, **options)
+        first, last = (result.losses[0], result.losses[-1]) if result.losses else (float("nan"), float("nan"))
+        click.echo(f"steps       {result.steps} ({result.epochs_completed} epochs"
+                   f"{f', resumed from step {result.resumed_from}' if result.resumed_from is not None else ''})\n"
+                   f"loss        {first:.4f} -> {last:.4f}\ncheckpoint  {result.checkpoint}\n"
+                   f"seconds     {result.seconds:.1f}")
+
+    _exit_codes(ctx, run)
+
+
+@main.command()
 @click.option("--rows", type=int, default=512, show_default=True, help="Rows in the sample dataset.")
 @click.option("--n-workers", type=int, default=None, help="Local cluster size (default: one per GPU, or 2).")
 @click.pass_context

@@ -1,0 +1,279 @@
+"""Scheduled fine-tuning over a parquet dataset: ``sft_parquet`` (the driver side of ``dask-lm sft``).
+
+NLL training through ``Policy.train``: text rows train on every token; prompt + response rows train on the
+response tokens only. Rows are tokenized on the workers (one Dask task per row group), then walked in a
+deterministic order (a seeded permutation per epoch), ``global_batch_size`` rows per optimizer step; a short last
+batch is padded with rows whose ``sample_mask`` is 0.
+
+Checkpoints: every ``save_every`` steps (and at the end) ``output/step_N/`` appears, holding ``weights/`` (a
+Hugging Face directory), ``optimizer/``, ``tokenizer/`` and ``training_state.json`` (step, epoch, position in the
+epoch, losses). It is written as ``output/.step_N.tmp-<id>/`` and renamed once complete, so ``resume=True`` can
+always take the newest ``step_N`` and continue exactly where it stopped (same data order, same optimizer state).
+``keep`` bounds how many step directories stay. ``_manifest.json`` pins the options; ``_SUCCESS`` ends the job.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dask_lm.io import parquet as pio
+
+__all__ = ["sft_parquet", "SFTResult"]
+
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class SFTResult:
+    output: str
+    steps: int
+    epochs_completed: int
+    losses: list[float]
+    resumed_from: int | None
+    seconds: float
+    checkpoint: str
+
+
+def _tokenize_partition(pdf: Any, text_column: str | None, prompt_column: str | None, response_column: str | None,
+                        tokenizer_dir: str, file: str, first_row: int) -> list[tuple[list[int], int]]:
+    """(token ids, first trained position) per row, on a worker."""
+    import transformers
+
+    tok = _TOKENIZERS.get(tokenizer_dir)
+    if tok is None:
+        tok = _TOKENIZERS[tokenizer_dir] = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    cols = [text_column] if text_column else [prompt_column, response_column]
+    values = {c: pdf[c].tolist() for c in cols}
+    for c in cols:
+        for i, v in enumerate(values[c]):
+            if not isinstance(v, str):
+                raise ValueError(f"{file}: row {first_row + i}, column {c!r}: expected a string, got {v!r}")
+    if text_column:
+        return [(list(ids), 1) for ids in tok(values[text_column])["input_ids"]]
+    prompts = tok(values[prompt_column])["input_ids"]
+    responses = tok(values[response_column], add_special_tokens=False)["input_ids"]
+    return [(list(p) + list(r), max(len(p), 1)) for p, r in zip(prompts, responses)]
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def _batch(rows: list[tuple[list[int], int]], size: int, pad_id: int) -> Any:
+    """A right-padded training batch of ``size`` rows (missing rows are copies with sample_mask 0)."""
+    from dask_lm.engine.batch import BatchedDataDict
+
+    real = len(rows)
+    rows = rows + [rows[0]] * (size - real)
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((size, width), pad_id, dtype=torch.int64)
+    token_mask = torch.zeros(size, width)
+    for b, (toks, start) in enumerate(rows):
+        ids[b, : len(toks)] = torch.tensor(toks)
+        token_mask[b, start: len(toks)] = 1.0  # position t trains log p(token t | tokens < t)
+    lengths = torch.tensor([len(toks) for toks, _ in rows])
+    sample_mask = (torch.arange(size) < real).float()
+    return BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=sample_mask)
+
+
+def _newest_checkpoint(output: str) -> tuple[int, str] | None:
+    steps = [(int(m.group(1)), os.path.join(output, d)) for d in os.listdir(output)
+             if (m := _STEP.match(d)) and os.path.exists(os.path.join(output, d, "training_state.json"))]
+    return max(steps) if steps else None
+
+
+def _order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLike, client: Any = None,
+                text_column: str | None = None, prompt_column: str | None = None,
+                response_column: str | None = None, epochs: int = 1, max_steps: int | None = None,
+                global_batch_size: int = 32, micro_batch_size: int = 4, lr: float = 1e-5,
+                weight_decay: float = 0.01, warmup_steps: int = 0, max_length: int = 1024, truncate: bool = False,
+                precision: str | None = None, save_every: int = 100, keep: int = 2, seed: int = 0,
+                shuffle: bool = True, resume: bool = False, progress: bool = True,
+                scheduler_address: str | None = None, n_workers: int | None = None) -> SFTResult:
+    """Fine-tune ``model`` with NLL on a parquet dataset; see the module docstring. ``ValueError`` on bad input
+    (before any work), a resumable checkpoint every ``save_every`` steps."""
+    import transformers
+
+    import dask_lm
+    from dask_lm.engine.cluster import connect
+    from dask_lm.engine.scoring import _check_mode, _fingerprint, _model_files, _worker_has_gpu
+
+    _check_mode(text_column, None, prompt_column, response_column)
+    for key, value in (("epochs", epochs), ("global_batch_size", global_batch_size),
+                       ("micro_batch_size", micro_batch_size), ("max_length", max_length), ("save_every", save_every),
+                       ("keep", keep)):
+        if value < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+    model = os.path.abspath(os.fspath(model))
+    fingerprint = _fingerprint(model, _model_files(model))
+    output = os.path.abspath(os.fspath(output))
+    inputs = pio.inspect_inputs(pio.resolve_input_files(input), text_column=text_column, ids_column=None,
+                                prompt_column=prompt_column, response_column=response_column, id_column=None)
+    options = {"text_column": text_column, "prompt_column": prompt_column, "response_column": response_column,
+               "epochs": epochs, "global_batch_size": global_batch_size, "lr": lr, "weight_decay": weight_decay,
+               "warmup_steps": warmup_steps, "max_length": max_length, "truncate": truncate, "seed": seed,
+               "shuffle": shuffle}
+    manifest = {"dask_lm_version": dask_lm.__version__, "model": model, "model_fingerprint": fingerprint,
+                "options": options, "inputs": [{"path": f, "size": os.path.getsize(f)} for f in inputs.files]}
+    start = _prepare_sft_output(output, manifest, resume)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
+    owns = client is None
+    client = client or connect(scheduler_address, n_workers=n_workers)
+    try:
+        if precision in (None, "auto"):
+            precision = "bfloat16" if _worker_has_gpu(client) else "float32"
+        precision = {"bf16": "bfloat16", "fp32": "float32"}.get(precision, precision)
+        rows = _tokenize_all(client, inputs, text_column, prompt_column, response_column, model, max_length, truncate)
+        steps_per_epoch = math.ceil(len(rows) / global_batch_size)
+        total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
+        cfg = {"model_name": model, "precision": precision, "train_global_batch_size": global_batch_size,
+               "train_micro_batch_size": micro_batch_size, "max_total_sequence_length": max_length,
+               "logprob_batch_size": micro_batch_size, "max_grad_norm": 1.0,
+               "dynamic_batching": {"enabled": True, "train_mb_tokens": max_length * micro_batch_size,
+                                    "logprob_mb_tokens": max_length * micro_batch_size},
+               "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": lr, "weight_decay": weight_decay}}}
+        if warmup_steps:
+            cfg["scheduler"] = [{"name": "torch.optim.lr_scheduler.LinearLR",
+                                 "kwargs": {"start_factor": 1.0 / (warmup_steps + 1), "end_factor": 1.0,
+                                            "total_iters": warmup_steps}},
+                                {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0,
+                                                                                          "total_iters": 1}},
+                                {"milestones": [warmup_steps]}]
+        state = {"step": 0, "losses": []}
+        paths: dict[str, Any] = {}
+        if start is not None:
+            with open(os.path.join(start[1], "training_state.json")) as f:
+                state = json.load(f)
+            paths = {"weights_path": os.path.join(start[1], "weights"),
+                     "optimizer_path": os.path.join(start[1], "optimizer")}
+        t0 = time.perf_counter()
+        with dask_lm.Policy(client, cfg, tokenizer, init_reference_model=False, **paths) as policy:
+            bar = _bar(total, state["step"], progress)
+            last = state["step"]
+            while state["step"] < total:
+                step = state["step"]
+                epoch, within = divmod(step, steps_per_epoch)
+                order = _order(len(rows), epoch, seed, shuffle)
+                chunk = [rows[i] for i in order[within * global_batch_size:(within + 1) * global_batch_size]]
+                out = policy.train(_batch(chunk, global_batch_size, pad_id), dask_lm.NLLLoss())
+                state["step"] = step + 1
+                state["losses"].append(float(out["loss"][0]))
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix_str(f"loss {state['losses'][-1]:.4f}")
+                if state["step"] % save_every == 0 or state["step"] == total:
+                    _save(policy, output, state, keep)
+                    last = state["step"]
+            if bar is not None:
+                bar.close()
+            if last != state["step"]:  # nothing to train (resumed at the end): make sure a checkpoint exists
+                _save(policy, output, state, keep)
+        seconds = time.perf_counter() - t0
+        result = SFTResult(output=output, steps=state["step"], epochs_completed=state["step"] // steps_per_epoch,
+                           losses=state["losses"], resumed_from=start[0] if start else None, seconds=seconds,
+                           checkpoint=os.path.join(output, f"step_{state['step']}"))
+        pio.write_json_atomic(result.__dict__, os.path.join(output, pio.SUCCESS))
+        return result
+    finally:
+        if owns:
+            cluster = client.cluster
+            client.close()
+            if cluster is not None:
+                cluster.close()
+
+
+def _prepare_sft_output(output: str, manifest: dict[str, Any], resume: bool) -> tuple[int, str] | None:
+    path = os.path.join(output, pio.MANIFEST)
+    existing = os.path.isdir(output) and [f for f in os.listdir(output) if not f.startswith(".")]
+    if existing and not resume:
+        raise ValueError(f"--output {output!r} already holds files; pass --resume to continue that run, or choose "
+                         "a new directory")
+    if existing:
+        if not os.path.exists(path):
+            raise ValueError(f"--resume refused: {output!r} has no {pio.MANIFEST}; it is not a dask-lm sft output")
+        with open(path) as f:
+            old = json.load(f)
+        diffs = [k for k in ("model", "model_fingerprint", "options", "inputs") if old.get(k) != manifest.get(k)]
+        if diffs:
+            raise ValueError(f"--resume refused: {output} was trained with different {', '.join(diffs)} (see "
+                             f"{pio.MANIFEST}); train into a new directory instead")
+        return _newest_checkpoint(output)
+    os.makedirs(output, exist_ok=True)
+    pio.write_json_atomic(manifest, path)
+    return None
+
+
+def _tokenize_all(client: Any, inputs: pio.ScoreInputs, text_column: str | None, prompt_column: str | None,
+                  response_column: str | None, tokenizer_dir: str, max_length: int, truncate: bool
+                  ) -> list[tuple[list[int], int]]:
+    import dask
+
+    from dask_lm.engine.scoring import _partitions
+
+    columns = [c for c in (text_column, prompt_column, response_column) if c]
+    parts = _partitions(inputs, columns)
+    tasks = [dask.delayed(_tokenize_partition, pure=False)(p, text_column, prompt_column, response_column,
+                                                           tokenizer_dir, f, first)
+             for p, (f, _g, first, _n) in zip(parts, inputs.partitions)]
+    rows: list[tuple[list[int], int]] = []
+    for (file, _g, first, _n), part in zip(inputs.partitions, client.gather(client.compute(tasks))):
+        for i, (ids, start) in enumerate(part):
+            if len(ids) < 2:
+                raise ValueError(f"{file}: row {first + i}: {len(ids)} token(s), nothing to train on")
+            if len(ids) > max_length:
+                if not truncate:
+                    raise ValueError(f"{file}: row {first + i}: {len(ids)} tokens, more than --max-length "
+                                     f"{max_length}; pass --truncate or raise --max-length")
+                ids = ids[:max_length]
+            if start >= len(ids):
+                raise ValueError(f"{file}: row {first + i}: no response token within --max-length {max_length}")
+            rows.append((ids, start))
+    if not rows:
+        raise ValueError("the input has no rows")
+    return rows
+
+
+def _save(policy: Any, output: str, state: dict[str, Any], keep: int) -> None:
+    """``output/step_N`` appears only when weights, optimizer, tokenizer and state are all written."""
+    name = f"step_{state['step']}"
+    tmp = os.path.join(output, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        policy.save_checkpoint(os.path.join(tmp, "weights"), optimizer_path=os.path.join(tmp, "optimizer"),
+                               tokenizer_path=os.path.join(tmp, "tokenizer"))
+        pio.write_json_atomic(state, os.path.join(tmp, "training_state.json"))
+        final = os.path.join(output, name)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    steps = sorted((int(m.group(1)), d) for d in os.listdir(output) if (m := _STEP.match(d)))
+    for _n, d in steps[:-keep]:
+        shutil.rmtree(os.path.join(output, d), ignore_errors=True)
+
+
+def _bar(total: int, done: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, unit="step", desc="sft", dynamic_ncols=True)
