@@ -90,6 +90,23 @@ def test_text_mode_matches_hf_with_schema_and_topk(client, tiny, tok, hf, datase
         torch.testing.assert_close(torch.tensor(r["topk_logprobs"]), top.values, atol=1e-4, rtol=0)
 
 
+def test_job_is_a_dask_span_with_its_tokens_and_writes_a_performance_report(client, tiny, dataset, tmp_path):
+    report = tmp_path / "report.html"
+    res = dask_lm.score_parquet(dataset, tmp_path / "out", model=tiny["llama"], client=client, text_column="text",
+                                progress=False, performance_report=str(report))
+    assert report.exists() and report.stat().st_size > 1000
+
+    def span_tokens(dask_scheduler):
+        return sum(v for span in dask_scheduler.extensions["spans"].spans.values()
+                   if span.name and span.name[-1] == "dask-lm/score"
+                   for k, v in span.cumulative_worker_metrics.items() if k[-2:] == ("tokens", "count"))
+
+    deadline = time.time() + 20  # worker metrics reach the scheduler with the heartbeat
+    while time.time() < deadline and client.run_on_scheduler(span_tokens) < res.tokens:
+        time.sleep(0.5)
+    assert client.run_on_scheduler(span_tokens) >= res.tokens > 0
+
+
 def test_ids_and_prompt_response_modes(client, tiny, tok, hf, tmp_path):
     data = tmp_path / "pr.parquet"
     prompts, responses = TEXTS[:6], [t.upper()[:20] for t in TEXTS[6:12]]
