@@ -8,6 +8,8 @@ matches the CPU float32 reference at atol 1e-3 (TF32 stays off for matmuls by de
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers
@@ -211,3 +213,25 @@ def test_async_checkpoint_on_gpus_round_trips(gpu_client, tiny, tmp_path):
     print(f"async checkpoint on {ranks} GPUs: next loss {float(got['loss'][0]):.6f} vs "
           f"{float(nxt['loss'][0]):.6f}")
     assert float(got["loss"][0]) == pytest.approx(float(nxt["loss"][0]), rel=1e-6)
+
+
+def test_score_parquet_on_gpus_matches_hf_bf16(gpu_client, tiny, tmp_path):
+    """score_parquet on the GPU workers (a bf16 replica each) against a same-GPU bf16 HF forward."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
+    texts = TEXTS * 4
+    pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), tmp_path / "d.parquet", row_group_size=5)
+    res = dask_lm.score_parquet(tmp_path / "d.parquet", tmp_path / "out", model=tiny["qwen2"], client=gpu_client,
+                                text_column="text", id_column="id", topk=2, progress=False)
+    table = pa.concat_tables([pq.read_table(tmp_path / "out" / f) for f in sorted(os.listdir(tmp_path / "out"))
+                              if f.startswith("part-")])
+    ids, lens = make_batch(tok, texts)
+    expected = _hf_bf16_logprobs(tiny["qwen2"], ids, lens)
+    worst = 0.0
+    for r in table.to_pylist():
+        n = int(lens[r["id"]])
+        worst = max(worst, float((torch.tensor(r["logprobs"]) - expected[r["id"], :n]).abs().max()))
+    print(f"score_parquet on GPUs: {res.rows} rows, {res.parts} parts, max|diff| vs HF bf16 = {worst:.4f}")
+    assert res.rows == len(texts) and worst < 0.1
