@@ -161,7 +161,7 @@ class Policy(TrainingMixin):
         return data.shard_by_batch_size(dp, allow_uneven_shards=True), None, False
 
     def _run_sharded(self, method: str, data: Any, *, what: str, timer: Any = None, label: str | None = None,
-                     **kwargs: Any) -> tuple[list[dict[str, Any]], Any]:
+                     contiguous: bool = False, **kwargs: Any) -> tuple[list[dict[str, Any]], Any]:
         """Validate, shard, scatter each shard to its rank, run ``method`` on every rank, return rank results."""
         label = label or method
         data = validate_input_batch(data, what=what, vocab_size=self.vocab_size,
@@ -170,7 +170,11 @@ class Policy(TrainingMixin):
         # the forward needs only these two keys; other per-row data (masks, advantages) stays on the driver
         data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
         with timed(timer, f"{label}/shard_data"):
-            shards, order, packed = self._shard(data, None)
+            if contiguous:  # rows stay in order, a contiguous slice per rank (generation decodes whole rows)
+                shards, order, packed = data.shard_by_batch_size(self.data_parallel_size, allow_uneven_shards=True), \
+                    None, False
+            else:
+                shards, order, packed = self._shard(data, None)
         with timed(timer, f"{label}/submit_logprob_futures"), span(f"dask-lm/{label}"):
             payloads = [self.client.scatter(shard_to_wire(s, packed=packed), workers=[n], hash=False)
                         for s, n in zip(shards, group.names)]
@@ -224,6 +228,33 @@ class Policy(TrainingMixin):
                              "`policy.model_name` at a sequence-classification checkpoint")
         results, order = self._run_sharded("score", data, what="score")
         return BatchedDataDict(scores=self._join(results, order, "scores", cat=True))
+
+    def generate(self, data: BatchedDataDict, greedy: bool = False, seed: int | None = None) -> BatchedDataDict:
+        """Continue right-padded prompts with the policy's own weights (KV-cached, batched; ``generation`` config).
+
+        Returns ``output_ids`` [B, S_out] (prompt then generation, right-padded with the pad id), ``logprobs``
+        [B, S_out] (the sampled tokens' logprobs under the generation temperature / top-k / top-p, 0 on prompt
+        and padding), ``generation_lengths``, ``unpadded_sequence_lengths`` and ``truncated`` (hit
+        ``max_new_tokens`` without a stop)."""
+        gen = self.cfg.generation
+        if gen is None or not gen.max_new_tokens or gen.max_new_tokens < 1:
+            raise ValueError("generate() needs `policy.generation.max_new_tokens` (>= 1)")
+        if gen.backend not in ("hf", "dtensor", "megatron"):
+            raise ValueError(f"`policy.generation.backend` = {gen.backend!r}: this Policy generates in its own "
+                             "workers ('hf'); other backends arrive with the SGLang refit")
+        results, _order = self._run_sharded("generate", data, what="generate", contiguous=True, greedy=greedy,
+                                            seed=seed)
+        width = max((r["output_ids"].shape[1] for r in results), default=0)
+        pad = self.pad_token_id
+
+        def cat(key: str, fill: float) -> torch.Tensor:
+            parts = [torch.nn.functional.pad(r[key], (0, width - r[key].shape[1]), value=fill) for r in results]
+            return torch.cat(parts, dim=0)
+
+        return BatchedDataDict(output_ids=cat("output_ids", pad), logprobs=cat("logprobs", 0.0),
+                               generation_lengths=torch.cat([r["generation_lengths"] for r in results]),
+                               unpadded_sequence_lengths=torch.cat([r["unpadded_sequence_lengths"] for r in results]),
+                               truncated=torch.cat([r["truncated"] for r in results]))
 
     # ----------------------------------------------------------------------------------------- generic hooks
     def run_all_workers_single_data(self, method_name: str, *args: Any, run_rank_0_only_axes: Any = None,

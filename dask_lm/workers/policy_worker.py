@@ -312,6 +312,25 @@ class PolicyWorker:
                     local_tensor(p).copy_(current[n], non_blocking=True)
             device.synchronize()
 
+    def generate(self, data: BatchedDataDict, meta: dict[str, Any], greedy: bool = False,
+                 seed: int | None = None) -> dict[str, torch.Tensor]:
+        from dask_lm.workers import generation
+
+        gen = self.cfg.generation
+        assert gen is not None and gen.max_new_tokens, "the driver checks generation.max_new_tokens"
+        tokenizer = None
+        if gen.stop_strings:
+            import transformers
+
+            tokenizer = transformers.AutoTokenizer.from_pretrained(self.cfg.tokenizer.name or self.cfg.model_name)
+        self._ensure_on_device()
+        self.model.eval()
+        start = time.perf_counter()
+        out = generation.generate(self, data["input_ids"], data["input_lengths"], greedy=greedy,
+                                  max_new_tokens=int(gen.max_new_tokens), tokenizer=tokenizer, seed=seed)
+        self._record(data, start)
+        return out
+
     # ----------------------------------------------------------------------------------------- training
     def train(self, data: BatchedDataDict, meta: dict[str, Any], loss_fn: Any, *, eval_mode: bool, gbs: int, mbs: int,
               num_global_batches: int) -> dict[str, Any]:
