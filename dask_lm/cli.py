@@ -242,12 +242,9 @@ def _demo_dataset(directory: str, rows: int) -> str:
 
 
 def _close(client: Any) -> None:
-    if getattr(client, "_dask_lm_owns_cluster", False):
-        cluster = client.cluster
-        client.close()
-        cluster.close()
-    else:
-        client.close()
+    from dask_lm.engine.cluster import close
+
+    close(client)
 
 
 def _print_summary(result: Any) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from distributed import Client
 
-__all__ = ["connect", "count_gpus", "as_client"]
+__all__ = ["connect", "close", "count_gpus", "as_client"]
 
 logger = logging.getLogger("dask_lm")
 
@@ -120,3 +120,11 @@ def as_client(cluster: Any) -> Client:
         return Client(cluster)
     raise ValueError(f"`cluster` must be a distributed.Client, a Dask cluster or a scheduler address, "
                      f"got {type(cluster).__name__}")
+
+
+def close(client: Client) -> None:
+    """Close ``client``, and its cluster too when ``connect`` started that cluster (an attached one stays up)."""
+    cluster = client.cluster if getattr(client, "_dask_lm_owns_cluster", False) else None
+    client.close()
+    if cluster is not None:
+        cluster.close()

@@ -139,26 +139,30 @@ class Policy(TrainingMixin):
     def data_parallel_size(self) -> int:
         return self.group.world_size
 
-    def _shard(self, data: BatchedDataDict, batch_budget: int | None) -> tuple[list[BatchedDataDict], Any, bool]:
-        """DP shards (plain, dynamic or packed) and the permutation that restores input order (or None)."""
+    def _shard(self, data: BatchedDataDict, gbs: int | None = None) -> tuple[list[BatchedDataDict], Any, bool]:
+        """DP shards (plain, dynamic or packed) and the permutation that restores input order (or None).
+
+        Inference (``gbs`` None) takes any batch size (shards may differ by a row) and the logprob token budgets;
+        training splits per global batch of ``gbs`` rows with the training budgets."""
         dp = self.data_parallel_size
         cfg = self.cfg
+        split: dict[str, Any] = ({"allow_uneven_shards": True} if gbs is None else {"batch_size": gbs})
+        budget = "logprob_mb_tokens" if gbs is None else "train_mb_tokens"
         if cfg.dynamic_batching.enabled:
-            # inference accepts any batch size: shards may differ by a row (allow_uneven_shards)
-            shards, order = data.shard_by_batch_size(dp, allow_uneven_shards=True, dynamic_batching_args={
+            shards, order = data.shard_by_batch_size(dp, **split, dynamic_batching_args={
                 "input_key": "input_ids", "input_lengths_key": "input_lengths",
                 "sequence_length_round": cfg.dynamic_batching.sequence_length_round,
-                "max_tokens_per_microbatch": int(batch_budget or cfg.dynamic_batching.logprob_mb_tokens)})
+                "max_tokens_per_microbatch": int(getattr(cfg.dynamic_batching, budget))})
             return shards, order, False
         if cfg.sequence_packing.enabled:
-            shards, order = data.shard_by_batch_size(dp, allow_uneven_shards=True, sequence_packing_args={
+            shards, order = data.shard_by_batch_size(dp, **split, sequence_packing_args={
                 "input_key": "input_ids", "input_lengths_key": "input_lengths",
-                "max_tokens_per_microbatch": int(batch_budget or cfg.sequence_packing.logprob_mb_tokens),
+                "max_tokens_per_microbatch": int(getattr(cfg.sequence_packing, budget)),
                 "algorithm": cfg.sequence_packing.algorithm,
                 "sequence_length_pad_multiple": cfg.make_sequence_length_divisible_by,
                 "microbatch_order": cfg.sequence_packing.microbatch_order})
             return shards, order, True
-        return data.shard_by_batch_size(dp, allow_uneven_shards=True), None, False
+        return data.shard_by_batch_size(dp, **split), None, False
 
     def _run_sharded(self, method: str, data: Any, *, what: str, timer: Any = None, label: str | None = None,
                      contiguous: bool = False, **kwargs: Any) -> tuple[list[dict[str, Any]], Any]:
@@ -174,7 +178,7 @@ class Policy(TrainingMixin):
                 shards, order, packed = data.shard_by_batch_size(self.data_parallel_size, allow_uneven_shards=True), \
                     None, False
             else:
-                shards, order, packed = self._shard(data, None)
+                shards, order, packed = self._shard(data)
         with timed(timer, f"{label}/submit_logprob_futures"), span(f"dask-lm/{label}"):
             payloads = [self.client.scatter(shard_to_wire(s, packed=packed), workers=[n], hash=False)
                         for s, n in zip(shards, group.names)]

@@ -180,7 +180,7 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
     (default: ``connect(scheduler_address, n_workers=n_workers)``, started after the checks and closed here). ``precision`` defaults to bfloat16 on GPU workers and
     float32 on CPU ones. Raises ``ValueError`` for bad usage or input, before anything is written.
     """
-    from dask_lm.engine.cluster import connect
+    from dask_lm.engine.cluster import close, connect
 
     _check_mode(text_column, ids_column, prompt_column, response_column)
     if topk < 0 or (max_length is not None and max_length < 1) or batch_tokens < 1:
@@ -210,10 +210,7 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
         return _run(client, inputs, opts, done, progress, performance_report)
     finally:
         if owns:
-            cluster = client.cluster
-            client.close()
-            if cluster is not None:
-                cluster.close()
+            close(client)
 
 
 def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[int], progress: bool,

@@ -111,7 +111,7 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
     import transformers
 
     import dask_lm
-    from dask_lm.engine.cluster import connect
+    from dask_lm.engine.cluster import close, connect
     from dask_lm.engine.scoring import _check_mode, _fingerprint, _model_files, _worker_has_gpu
 
     _check_mode(text_column, None, prompt_column, response_column)
@@ -193,10 +193,7 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
         return result
     finally:
         if owns:
-            cluster = client.cluster
-            client.close()
-            if cluster is not None:
-                cluster.close()
+            close(client)
 
 
 def _prepare_sft_output(output: str, manifest: dict[str, Any], resume: bool) -> tuple[int, str] | None:

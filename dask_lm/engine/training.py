@@ -90,7 +90,7 @@ class TrainingMixin:
                              "gbs=, or pad the batch with rows whose sample_mask is 0")
         num_global_batches = rows // gbs
         with timed(timer, "policy_training/sharding_data"):
-            shards, packed = self._train_shards(data, gbs)
+            shards, _order, packed = self._shard(data, gbs)  # type: ignore[attr-defined]
         tracker = (FLOPTracker.from_config(self.hf_config, training=not eval_mode) if self.hf_config is not None
                    else None)
         if tracker is not None:
@@ -106,25 +106,6 @@ class TrainingMixin:
                                     num_global_batches=num_global_batches)
             results = group.gather(futs, what=label)
         return self._train_results(results, tracker.total_flops if tracker is not None else None)
-
-    def _train_shards(self, data: BatchedDataDict, gbs: int) -> tuple[list[Any], bool]:
-        cfg = self.cfg
-        dp = self.data_parallel_size
-        if cfg.dynamic_batching.enabled:
-            shards, _order = data.shard_by_batch_size(dp, batch_size=gbs, dynamic_batching_args={
-                "input_key": "input_ids", "input_lengths_key": "input_lengths",
-                "sequence_length_round": cfg.dynamic_batching.sequence_length_round,
-                "max_tokens_per_microbatch": int(cfg.dynamic_batching.train_mb_tokens)})
-            return shards, False
-        if cfg.sequence_packing.enabled:
-            shards, _order = data.shard_by_batch_size(dp, batch_size=gbs, sequence_packing_args={
-                "input_key": "input_ids", "input_lengths_key": "input_lengths",
-                "max_tokens_per_microbatch": int(cfg.sequence_packing.train_mb_tokens),
-                "algorithm": cfg.sequence_packing.algorithm,
-                "sequence_length_pad_multiple": cfg.make_sequence_length_divisible_by,
-                "microbatch_order": cfg.sequence_packing.microbatch_order})
-            return shards, True
-        return data.shard_by_batch_size(dp, batch_size=gbs), False
 
     def _train_results(self, results: list[dict[str, Any]], total_flops: float | None) -> dict[str, Any]:
         metrics: dict[str, list[Any]] = {}
