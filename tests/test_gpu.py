@@ -265,3 +265,116 @@ def test_generate_on_gpus(gpu_client, tiny):
     print(f"generate on {ranks} GPUs: greedy fp32 equals HF generate; bf16 sampled logprobs vs get_logprobs "
           f"max|diff|={diff.max():.4f} mean={diff.sum() / mask.sum():.5f}")
     assert diff.max() < 0.1
+
+
+# ----------------------------------------------------------------------------------------- refit on GPUs
+def _bf16_policy_and_saved(gpu_client, tiny, tmp_path, **kwargs):
+    from safetensors.torch import load_file
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
+    policy = dask_lm.Policy(gpu_client, {"model_name": tiny["qwen2"], "precision": "bfloat16"}, tok,
+                            init_optimizer=False, init_reference_model=False, **kwargs)
+    policy.save_checkpoint(str(tmp_path / "w"))
+    saved = {}
+    for f in sorted((tmp_path / "w").glob("*.safetensors")):
+        saved.update(load_file(str(f)))
+    return policy, saved, tok
+
+
+def _worker_allocated():
+    return int(torch.cuda.memory_allocated()) if torch.cuda.is_initialized() else 0
+
+
+def test_cuda_ipc_http_refit_into_sglang_decoder(gpu_client, tiny, tmp_path):
+    """Each GPU rank feeds its own fake SGLang server (a separate process that sees every GPU) by CUDA IPC handles
+    that SGLang's own patched rebuild opens by GPU UUID; the weights arrive bit-identical, and the exported bucket
+    memory is released afterwards (ipc_collect once the server let go)."""
+    import hashlib
+
+    from sglang_server import start_server
+
+    policy, saved, _ = _bf16_policy_and_saved(gpu_client, tiny, tmp_path)
+    n = policy.data_parallel_size
+    servers = [start_server(tiny["qwen2"]) for _ in range(n)]
+    try:
+        before = gpu_client.run(_worker_allocated)
+        policy.set_rollout_num_gpus_per_engine(1)
+        stats = gpu_client.gather(policy.stream_weights_via_http([s.url for s in servers], 16 * 1024))
+        after = gpu_client.run(_worker_allocated)
+        for server in servers:
+            shas = server.state_dict_sha()
+            for name, t in saved.items():  # the server's fp32 model holds the bf16 values exactly
+                want = hashlib.sha256(t.float().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                assert shas[name] == want, name
+            st = server.state()
+            assert st["sessions_ended"] == 1 and len(st["updates"]) == stats[0]["buckets"] > 2
+    finally:
+        for s in servers:
+            s.stop()
+    print(f"CUDA IPC refit over HTTP: {n} ranks -> {n} servers, {stats[0]['buckets']} buckets; worker allocated "
+          f"bytes before {before} after {after}")
+    assert before == after
+
+
+def test_zmq_ipc_refit_on_gpus_is_bit_identical(gpu_client, tiny, tmp_path):
+    import multiprocessing as mp
+
+    import refit_peers
+
+    policy, saved, _ = _bf16_policy_and_saved(gpu_client, tiny, tmp_path)
+    with policy:
+        info = policy.prepare_refit_info()
+        outs = [tmp_path / f"zmq{r}.pt" for r in range(policy.data_parallel_size)]
+        os.environ["DASK_LM_FORCE_CPU"] = "0"
+        try:
+            procs = [mp.get_context("spawn").Process(target=refit_peers.zmq_peer, args=(a, info, str(o)))
+                     for a, o in zip(policy.get_zmq_addresses(), outs)]
+            for p in procs:
+                p.start()
+        finally:
+            os.environ.pop("DASK_LM_FORCE_CPU")
+        gpu_client.gather(policy.stream_weights_via_ipc_zmq(buffer_size_bytes=32 * 1024))
+        for p in procs:
+            p.join(120)
+            assert p.exitcode == 0
+    for o in outs:
+        got = torch.load(o)["weights"]
+        assert sorted(got) == sorted(saved)
+        assert all(torch.equal(got[k], saved[k]) for k in saved)
+
+
+def test_nccl_broadcast_to_a_second_gpu(gpu_client, tiny, tmp_path):
+    import multiprocessing as mp
+    import socket
+
+    import refit_peers
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    policy, saved, _ = _bf16_policy_and_saved(gpu_client, tiny, tmp_path, workers_per_node=1)
+    with policy:
+        info = policy.prepare_refit_info()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = tmp_path / "nccl.pt"
+        env = {"DASK_LM_FORCE_CPU": "0", "CUDA_VISIBLE_DEVICES": "1"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            proc = mp.get_context("spawn").Process(target=refit_peers.collective_peer,
+                                                   args=("127.0.0.1", port, 2, 1, info, str(out)))
+            proc.start()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
+        gpu_client.gather(policy.init_collective("127.0.0.1", port, 2, train_world_size=1))
+        stats = gpu_client.gather(policy.broadcast_weights_for_collective(buffer_size_bytes=64 * 1024))
+        proc.join(120)
+        assert proc.exitcode == 0
+    got = torch.load(out)[0]["weights"]
+    assert sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k]) for k in saved)
+    print(f"NCCL refit to a second GPU: {stats[0]['buckets']} buckets, {stats[0]['bytes']} bytes")

@@ -23,6 +23,7 @@ from dask_lm.config import PolicyConfig
 from dask_lm.engine.batch import BatchedDataDict
 from dask_lm.engine.cluster import as_client
 from dask_lm.engine.metrics import timed
+from dask_lm.engine.refit import RefitMixin
 from dask_lm.engine.training import TrainingMixin
 from dask_lm.engine.validation import validate_input_batch
 from dask_lm.engine.worker_group import WorkerGroup
@@ -47,7 +48,7 @@ def _model_config(model_name: str, overrides: dict | None) -> Any:
                          f"{e}") from e
 
 
-class Policy(TrainingMixin):
+class Policy(TrainingMixin, RefitMixin):
     """A language-model policy sharded over the workers of a Dask cluster (NeMo RL's ``Policy`` API).
 
     Parameters follow NeMo RL. ``cluster`` is a ``distributed.Client``, a Dask cluster object or a scheduler
@@ -243,9 +244,11 @@ class Policy(TrainingMixin):
         gen = self.cfg.generation
         if gen is None or not gen.max_new_tokens or gen.max_new_tokens < 1:
             raise ValueError("generate() needs `policy.generation.max_new_tokens` (>= 1)")
+        if gen.backend == "sglang":
+            return self._generate_sglang(data, greedy=greedy, seed=seed)
         if gen.backend not in ("hf", "dtensor", "megatron"):
-            raise ValueError(f"`policy.generation.backend` = {gen.backend!r}: this Policy generates in its own "
-                             "workers ('hf'); other backends arrive with the SGLang refit")
+            raise ValueError(f"`policy.generation.backend` = {gen.backend!r}: use 'hf' (the policy's own workers) "
+                             "or 'sglang' (servers listed in `policy.generation.sglang_cfg.server_urls`)")
         results, _order = self._run_sharded("generate", data, what="generate", contiguous=True, greedy=greedy,
                                             seed=seed)
         width = max((r["output_ids"].shape[1] for r in results), default=0)
@@ -259,6 +262,23 @@ class Policy(TrainingMixin):
                                generation_lengths=torch.cat([r["generation_lengths"] for r in results]),
                                unpadded_sequence_lengths=torch.cat([r["unpadded_sequence_lengths"] for r in results]),
                                truncated=torch.cat([r["truncated"] for r in results]))
+
+    def _generate_sglang(self, data: BatchedDataDict, *, greedy: bool, seed: int | None) -> BatchedDataDict:
+        from dask_lm.engine.sglang_generation import SGLangGenerator, sampling_params
+
+        gen = self.cfg.generation
+        sg = dict(gen.sglang_cfg or {})
+        urls = sg.get("server_urls")
+        if not urls or isinstance(urls, str):
+            raise ValueError("`policy.generation.backend: sglang` needs `policy.generation.sglang_cfg.server_urls`: "
+                             "a list of SGLang server URLs (http://host:port)")
+        data = validate_input_batch(data, what="generate", vocab_size=self.vocab_size,
+                                    max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
+        client = SGLangGenerator(list(urls), pad_token_id=self.pad_token_id,
+                                 timeout_s=float(sg.get("timeout_s", 600.0)), retries=int(sg.get("retries", 3)),
+                                 chunk_rows=int(sg.get("rows_per_request", 64)))
+        with span("dask-lm/generate-sglang"):
+            return client.generate(data, sampling_params(gen, greedy=greedy, seed=seed))
 
     # ----------------------------------------------------------------------------------------- generic hooks
     def run_all_workers_single_data(self, method_name: str, *args: Any, run_rank_0_only_axes: Any = None,

@@ -74,6 +74,10 @@ class WorkerGroup:
         if chain and self.broken:
             raise RankFailedError(self.broken)
         prev = self._last[rank] if chain else None
+        if prev is not None and prev.status in ("error", "cancelled", "lost"):
+            # a failed call the user already saw (refit futures are gathered by the caller): it has finished, so
+            # order is kept without it, and chaining on it would fail this call with that old error
+            prev = None
         fut = self.client.submit(fn, prev, *args, workers=[self.names[rank]], allow_other_workers=False,
                                  pure=False, retries=0, key=f"{key_name}-{self.policy_id}-r{rank}-{uuid.uuid4().hex[:6]}",
                                  **kwargs)

@@ -33,7 +33,7 @@ from dask_lm.workers.tasks import PeerFailedError
 if TYPE_CHECKING:
     from dask_lm.workers.policy_worker import PolicyWorker
 
-__all__ = ["save_checkpoint", "finalize_async_save", "load_optimizer_state", "weight_names"]
+__all__ = ["save_checkpoint", "finalize_async_save", "load_optimizer_state", "weight_names", "full_tensor"]
 
 logger = logging.getLogger("dask_lm.worker")
 SCHEDULER_FILE = "scheduler.pt"
@@ -55,7 +55,8 @@ def weight_names(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an all-gather (every rank must call it, in the same order) for an FSDP DTensor."""
     full_tensor = getattr(t, "full_tensor", None)
     return full_tensor() if full_tensor is not None else t
 
@@ -99,7 +100,7 @@ def _write_weights(worker: PolicyWorker, tmp: str, max_shard_size: int, *, stage
         tensors = {}
         for n in shard:
             src = masters[n] if n in masters else state[n]
-            full = _full(src.detach())  # a collective under FSDP: every rank runs it, in this order
+            full = full_tensor(src.detach())  # a collective under FSDP: every rank runs it, in this order
             if writing:
                 tensors[n] = full.to("cpu", dtype=dtypes[n], copy=True)
             del full

@@ -29,6 +29,12 @@ __all__ = [
     "pin",
     "start_profiler",
     "stop_profiler",
+    "device_id",
+    "device_uuid",
+    "index_for_uuid",
+    "ipc_collect",
+    "standalone_group",
+    "close_standalone_group",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,3 +135,63 @@ def start_profiler() -> None:
 def stop_profiler() -> None:
     if is_cuda():
         torch.cuda.profiler.stop()
+
+
+# ----------------------------------------------------------------------------------------- refit helpers
+def device_uuid(index: int = 0) -> str:
+    """The GPU's UUID as ``str(props.uuid)``: the form SGLang's reduction patch writes into CUDA IPC payloads."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_id() -> str:
+    """A stable name for this rank's device: the GPU UUID, or ``cpu-<host>-<pid>`` on a CPU worker."""
+    if is_cuda():
+        return device_uuid(0)
+    return f"cpu-{socket.gethostname()}-{os.getpid()}"
+
+
+def index_for_uuid(device: Any) -> int:
+    """The local CUDA index of a device named by UUID (ints pass through): CUDA_VISIBLE_DEVICES differs between
+    the process that exported an IPC handle and the one that opens it, so indices cannot travel."""
+    if isinstance(device, int):
+        return device
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(i) == str(device):
+            return i
+    raise ValueError(f"CUDA IPC payload names device {device!r}, which this process cannot see "
+                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); the receiver must run on "
+                     "the same node and see that GPU")
+
+
+def ipc_collect() -> None:
+    """Free CUDA blocks that were exported over IPC once every consumer has released them."""
+    if is_cuda():
+        torch.cuda.ipc_collect()
+
+
+def standalone_group(store: Any, rank: int, world_size: int, timeout_s: float) -> Any:
+    """A process group outside ``torch.distributed``'s world (refit to inference processes): NCCL on GPUs, gloo
+    on CPU. Used through its own ``broadcast`` method, never through ``dist.*`` helpers."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if is_cuda():
+        torch.cuda.set_device(0)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def close_standalone_group(group: Any) -> None:
+    """Drop a refit group without waiting for its peers: NCCL's orderly shutdown can wait for a peer that keeps
+    its end open (or is gone), so NCCL communicators are aborted; gloo ones shut down."""
+    import torch.distributed as dist
+
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU-only builds
+    if nccl is not None and isinstance(group, nccl):
+        group.abort()
+    else:
+        group.shutdown()

@@ -93,6 +93,9 @@ class PolicyWorker:
         self.writer = BackgroundWriter()
         self.pending_save: dict[str, Any] | None = None
         self.extension_state: dict[str, Any] = {}
+        self.refit_groups: dict[tuple[int, ...], Any] = {}  # gloo groups of engines fed by several ranks
+        self.refit_collective: tuple[Any, Any] | None = None  # (group, store) of init_collective
+        self.refit_zmq: Any = None  # the REQ socket of stream_weights_via_ipc_zmq
 
     # ----------------------------------------------------------------------------------------- build
     def _build_model(self, skip_weight_load: bool) -> torch.nn.Module:
@@ -428,6 +431,35 @@ class PolicyWorker:
 
     offload_after_refit = offload_to_cpu
 
+    # ----------------------------------------------------------------------------------------- refit
+    def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        from dask_lm.workers import refit
+
+        return refit.refit_info(self)
+
+    def report_device_id(self) -> str:
+        return device.device_id()
+
+    def stream_weights_via_http(self, urls: list[str], **kwargs: Any) -> dict[str, Any]:
+        from dask_lm.workers import refit_http
+
+        return refit_http.stream_via_http(self, urls, **kwargs)
+
+    def stream_weights_via_ipc_zmq(self, **kwargs: Any) -> dict[str, Any]:
+        from dask_lm.workers import refit
+
+        return refit.stream_via_zmq(self, **kwargs)
+
+    def init_collective(self, ip: str, port: int, world_size: int, **kwargs: Any) -> bool:
+        from dask_lm.workers import refit
+
+        return refit.init_collective(self, ip, port, world_size, **kwargs)
+
+    def broadcast_weights_for_collective(self, **kwargs: Any) -> dict[str, Any]:
+        from dask_lm.workers import refit
+
+        return refit.broadcast(self, **kwargs)
+
     def _move_optimizer(self, where: str | torch.device) -> None:
         if self.masters is not None:
             self.masters.to(where)
@@ -460,6 +492,16 @@ class PolicyWorker:
                 self.finalize_async_save()
             except Exception:
                 logger.exception("finishing a pending async checkpoint during shutdown failed")
+        from dask_lm.workers import refit
+
+        refit.close_collective(self)
+        refit.close_zmq(self)
+        if self.refit_groups:
+            import torch.distributed as dist
+
+            for g in self.refit_groups.values():
+                dist.destroy_process_group(g)
+            self.refit_groups.clear()
         if self.masters is not None:
             self.masters.remove()
         self.masters = None

@@ -10,7 +10,8 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-__all__ = ["find_free_port", "rank_info", "init_policy", "call_policy", "shutdown_policy", "PeerFailedError"]
+__all__ = ["find_free_port", "rank_info", "init_policy", "call_policy", "shutdown_policy", "PeerFailedError", "Failed",
+           "call_policy_settled", "unwrap"]
 
 
 class PeerFailedError(RuntimeError):
@@ -100,6 +101,29 @@ def call_policy(_prev: Any, policy_id: str, method: str, payload: Any = None, *a
         data, meta = shard_from_wire(payload)
         return fn(data, meta, *args, **kwargs)
     return fn(*args, **kwargs)
+
+
+class Failed:
+    """A failed call, returned as a value: the next chained call on the rank must not inherit the error."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def call_policy_settled(_prev: Any, *args: Any, **kwargs: Any) -> Any:
+    """``call_policy`` whose failure is a :class:`Failed` value (for futures handed to the caller, see
+    :func:`unwrap`): Dask fails every task that depends on a failed one, and the rank's next call does."""
+    try:
+        return call_policy(_prev, *args, **kwargs)
+    except Exception as e:
+        return Failed(e)
+
+
+def unwrap(result: Any) -> Any:
+    """The caller's view of a settled call: its result, or its error raised again."""
+    if isinstance(result, Failed):
+        raise result.error
+    return result
 
 
 def shutdown_policy(_prev: Any, policy_id: str) -> bool:

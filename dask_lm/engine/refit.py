@@ -1,0 +1,177 @@
+"""The refit half of ``Policy`` (driver side): push the policy's current weights into inference engines.
+
+Mixed into :class:`dask_lm.Policy`. The driver checks every argument, fixes the buffer size and which rank feeds
+which engine, and submits one task per rank; the ranks stream (:mod:`dask_lm.workers.refit`,
+:mod:`dask_lm.workers.refit_http`). The streaming methods return the Dask futures of those tasks, as NeMo RL returns
+Ray object refs: wait on them with ``client.gather(futures)`` (or ``f.result()``) before the next Policy call, the
+way an RL loop waits for its inference side at the same time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from distributed import Future
+
+from dask_lm.workers import tasks
+
+if TYPE_CHECKING:
+    from dask_lm.config import PolicyConfig
+    from dask_lm.engine.worker_group import WorkerGroup
+
+__all__ = ["RefitMixin", "engine_layout", "REFIT_BUFFER_MEMORY_RATIO"]
+
+REFIT_BUFFER_MEMORY_RATIO = 0.3  # of the smallest free device memory, when no size is configured (NeMo RL's default)
+
+
+def engine_layout(world_size: int, num_engines: int, tp: int) -> list[list[int]]:
+    """``layout[e][i]``: the policy rank that produces TP entry ``i`` of engine ``e``.
+
+    Colocated (``world_size == num_engines × tp``): rank ``e·tp + i`` shares a GPU with TP rank ``i`` of engine
+    ``e`` and sends its own bucket from there. Otherwise each engine is fed by one rank (``e mod world_size``),
+    which serializes its bucket once per TP rank, as SGLang's own HTTP adapter does."""
+    if num_engines < 1:
+        raise ValueError("stream_weights_via_http: `rollout_engine_urls` is empty; pass one URL per SGLang server")
+    if world_size == num_engines * tp:
+        return [[e * tp + i for i in range(tp)] for e in range(num_engines)]
+    return [[e % world_size] * tp for e in range(num_engines)]
+
+
+def _check_urls(urls: Any) -> list[str]:
+    if isinstance(urls, str) or not isinstance(urls, (list, tuple)):
+        raise ValueError(f"`rollout_engine_urls` must be a list of server URLs, got {urls!r}")
+    out = []
+    for i, url in enumerate(urls):
+        parsed = urlparse(str(url))
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"`rollout_engine_urls[{i}]` = {url!r} is not an http(s)://host:port URL")
+        out.append(str(url).rstrip("/"))
+    if len(set(out)) != len(out):
+        raise ValueError(f"`rollout_engine_urls` lists a server twice: {out}")
+    return out
+
+
+class RefitMixin:
+    cfg: PolicyConfig
+    client: Any
+    group: WorkerGroup
+    data_parallel_size: int
+
+    _rollout_gpus_per_engine: int | None = None
+    _weight_version: int = 0
+
+    if TYPE_CHECKING:
+        def get_free_memory_bytes(self) -> int: ...  # Policy's
+
+    def _refit_buffer_size(self, buffer_size_bytes: int | None) -> int:
+        if buffer_size_bytes is not None:
+            if isinstance(buffer_size_bytes, bool) or not isinstance(buffer_size_bytes, int) or buffer_size_bytes < 1:
+                raise ValueError(f"`buffer_size_bytes` must be a positive int, got {buffer_size_bytes!r}")
+            return buffer_size_bytes
+        gb = self.cfg.refit_buffer_size_gb
+        if gb is not None:
+            return int(gb * 2**30)
+        return max(1, int(self.get_free_memory_bytes() * REFIT_BUFFER_MEMORY_RATIO))
+
+    def _submit(self, method: str, **kwargs: Any) -> list[Future]:
+        group = self.group
+        with group._submit_lock:
+            return [group.submit_rank(r, tasks.call_policy, group.policy_id, method, None,
+                                      key_name=method.replace("_", "-"), **kwargs) for r in range(group.world_size)]
+
+    def _submit_for_caller(self, method: str, **kwargs: Any) -> list[Future]:
+        """Like ``_submit``, but the futures handed back raise the rank's error while the rank's chain goes on: the
+        caller may see one rank's failure and submit again before the other ranks' tasks have finished."""
+        group = self.group
+        key = method.replace("_", "-")
+        with group._submit_lock:
+            settled = [group.submit_rank(r, tasks.call_policy_settled, group.policy_id, method, None, key_name=key,
+                                         **kwargs) for r in range(group.world_size)]
+        return [self.client.submit(tasks.unwrap, f, key=f"{key}-result-{f.key}", pure=False) for f in settled]
+
+    # ----------------------------------------------------------------------------------------- info
+    def prepare_refit_info(self) -> dict[str, tuple[Any, Any]]:
+        """``{name: (shape, dtype)}`` of every weight a refit sends: Hugging Face names (tied duplicates left out,
+        as ``save_pretrained`` does), full unsharded shapes, floating weights in the policy precision."""
+        return self.group.gather(self._submit("prepare_refit_info"), what="prepare_refit_info")[0]
+
+    def report_device_id(self) -> list[str]:
+        """Each rank's device: its GPU UUID (``cpu-<host>-<pid>`` on CPU workers)."""
+        return self.group.gather(self._submit("report_device_id"), what="report_device_id")
+
+    def get_zmq_addresses(self) -> list[str]:
+        """The socket each rank binds in ``stream_weights_via_ipc_zmq`` (the inference worker on the same device
+        connects a ZMQ REP socket to it; see :func:`dask_lm.refit_receiver.receive_via_zmq`)."""
+        from dask_lm.workers.refit import zmq_address
+
+        return [zmq_address(d) for d in self.report_device_id()]
+
+    # ----------------------------------------------------------------------------------------- SGLang over HTTP
+    def set_rollout_num_gpus_per_engine(self, num_gpus_per_engine: int) -> None:
+        """The tensor-parallel size of each SGLang server (needed before ``stream_weights_via_http``)."""
+        if isinstance(num_gpus_per_engine, bool) or not isinstance(num_gpus_per_engine, int) or num_gpus_per_engine < 1:
+            raise ValueError(f"`num_gpus_per_engine` must be a positive int, got {num_gpus_per_engine!r}")
+        self._rollout_gpus_per_engine = num_gpus_per_engine
+
+    def stream_weights_via_http(self, rollout_engine_urls: list[str], buffer_size_bytes: int | None = None, *,
+                                weight_version: str | None = None, timeout_s: float = 600.0,
+                                transport: str | None = None) -> list[Future]:
+        """Push the current weights into SGLang servers (their weight-update session); one future per rank.
+
+        ``buffer_size_bytes`` caps a bucket (default: ``policy.refit_buffer_size_gb``, else 0.3 × the smallest free
+        device memory). ``weight_version`` defaults to a counter that grows by one per call. ``transport``
+        overrides how buckets travel (``"ipc"``, ``"shm"``, ``"value"``; see :mod:`dask_lm.workers.buckets`)."""
+        urls = _check_urls(rollout_engine_urls)
+        tp = self._rollout_gpus_per_engine
+        if tp is None:
+            raise ValueError("call set_rollout_num_gpus_per_engine(n) (the SGLang servers' TP size) before "
+                             "stream_weights_via_http")
+        if transport not in (None, "ipc", "shm", "value"):
+            raise ValueError(f"`transport` must be 'ipc', 'shm' or 'value', got {transport!r}")
+        layout = engine_layout(self.data_parallel_size, len(urls), tp)
+        size = self._refit_buffer_size(buffer_size_bytes)
+        self._weight_version += 1
+        version = str(weight_version) if weight_version is not None else str(self._weight_version)
+        return self._submit_for_caller("stream_weights_via_http", urls=urls, layout=layout, buffer_size_bytes=size,
+                            weight_version=version, timeout_s=float(timeout_s), transport=transport)
+
+    # ----------------------------------------------------------------------------------------- ZMQ, colocated
+    def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int | None = None, kv_scales: Any = None, *,
+                                   timeout_s: float = 120.0) -> list[Future]:
+        """Every rank streams all weights to the inference worker on its own device, over the ZMQ socket named by
+        ``get_zmq_addresses()``, in two ping-pong buffers of half ``buffer_size_bytes``; one future per rank."""
+        if kv_scales is not None:
+            raise ValueError("`kv_scales` (FP8 KV-cache scales) are not supported by this backend; pass None")
+        size = self._refit_buffer_size(buffer_size_bytes)
+        return self._submit_for_caller("stream_weights_via_ipc_zmq", buffer_size_bytes=size, timeout_s=float(timeout_s))
+
+    # ----------------------------------------------------------------------------------------- collective
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int,
+                        timeout_s: float | None = None) -> list[Future]:
+        """Build the refit process group with ``world_size - train_world_size`` inference ranks (NCCL on GPUs,
+        gloo on CPU). Policy rank 0 hosts its store at ``ip:port``; inference rank ``i`` joins as
+        ``train_world_size + i`` (see :class:`dask_lm.refit_receiver.CollectiveReceiver`). One future per rank; they
+        finish when every member has joined."""
+        if train_world_size != self.data_parallel_size:
+            raise ValueError(f"`train_world_size` = {train_world_size}, but this Policy has "
+                             f"{self.data_parallel_size} ranks")
+        if not isinstance(world_size, int) or world_size <= train_world_size:
+            raise ValueError(f"`world_size` = {world_size!r} must count the {train_world_size} training ranks plus "
+                             "at least one inference rank")
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"`port` must be a TCP port number, got {port!r}")
+        timeout = float(timeout_s if timeout_s is not None else self.cfg.collective_timeout_s)
+        return self._submit_for_caller("init_collective", ip=str(ip), port=port, world_size=world_size,
+                            train_world_size=train_world_size, timeout_s=timeout)
+
+    def broadcast_weights_for_collective(self, kv_scales: Any = None, *, buffer_size_bytes: int | None = None,
+                                         num_buffers: int | None = None) -> list[Future]:
+        """Broadcast all weights from rank 0 to the inference ranks of ``init_collective``'s group, in buckets of
+        ``buffer_size_bytes`` (sent ahead, so receivers need only the refit info); one future per rank."""
+        if kv_scales is not None:
+            raise ValueError("`kv_scales` (FP8 KV-cache scales) are not supported by this backend; pass None")
+        if num_buffers is not None and num_buffers < 1:
+            raise ValueError(f"`num_buffers` must be >= 1, got {num_buffers}")
+        size = self._refit_buffer_size(buffer_size_bytes)
+        return self._submit_for_caller("broadcast_weights_for_collective", buffer_size_bytes=size)

@@ -1,0 +1,136 @@
+"""The inference side of dask-lm's ZMQ and collective refits: run these in the process that serves the model.
+
+SGLang servers need nothing from here (they speak their own protocol, see ``Policy.stream_weights_via_http``).
+A vLLM-style worker extension, a custom server or a test calls:
+
+- :func:`receive_via_zmq` on the socket of the policy rank that shares its device
+  (``Policy.get_zmq_addresses()``), while the policy runs ``stream_weights_via_ipc_zmq``;
+- :class:`CollectiveReceiver` to join ``Policy.init_collective``'s group, then ``receive`` while the policy runs
+  ``broadcast_weights_for_collective``.
+
+Both hand ``on_weights`` a list of ``(name, tensor)`` per bucket. The tensors are views of a buffer that is
+reused (or owned by the policy) after ``on_weights`` returns: copy them into the model there, e.g. with
+``model.load_weights(...)`` or ``param.copy_(tensor)``. Payloads are pickles: accept them only from your own policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dask_lm.workers import buckets as bk
+from dask_lm.workers import device
+from dask_lm.workers.refit import ZMQ_ALIGN
+
+__all__ = ["receive_via_zmq", "CollectiveReceiver"]
+
+OnWeights = Callable[[list[tuple[str, torch.Tensor]]], None]
+RefitInfo = Mapping[str, tuple[Sequence[int], torch.dtype]]
+
+
+def receive_via_zmq(address: str, refit_info: RefitInfo, on_weights: OnWeights, *,
+                    timeout_s: float = 120.0) -> dict[str, Any]:
+    """Serve one ``stream_weights_via_ipc_zmq`` call on ``address`` (connects a REP socket; returns after the
+    ``"complete"`` message). ``refit_info`` is ``Policy.prepare_refit_info()``."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.REP)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    sock.connect(address)
+    start, received, messages = time.perf_counter(), 0, 0
+    try:
+        while True:
+            try:
+                msg = sock.recv_pyobj()
+            except zmq.Again:
+                raise TimeoutError(f"no refit message on {address} within {timeout_s:.0f} s") from None
+            if msg == "complete":
+                sock.send_pyobj("ack")
+                break
+            payload, names, used = msg
+            flat = bk.loads(payload)
+            offset, tensors = 0, []
+            for name in names:
+                shape, dtype = refit_info[name]
+                offset = bk.align_up(offset, ZMQ_ALIGN)
+                size = int(torch.Size(shape).numel()) * dtype.itemsize
+                tensors.append((name, flat[offset:offset + size].view(dtype).reshape(tuple(shape))))
+                offset += size
+            if offset != used:
+                raise ValueError(f"refit message of {used} bytes does not match its {len(names)} tensors "
+                                 f"({offset} bytes): refit info differs from the policy's")
+            on_weights(tensors)
+            device.synchronize()
+            del tensors, flat  # release the producer's buffer before saying so
+            sock.send_pyobj("ack")
+            received, messages = received + used, messages + 1
+    finally:
+        sock.close(linger=0)
+    return {"bytes": received, "messages": messages, "seconds": time.perf_counter() - start}
+
+
+class CollectiveReceiver:
+    """An inference rank of ``Policy.init_collective``'s group (rank ``train_world_size + i``).
+
+    The constructor blocks until every member joined, so create it while the policy's ``init_collective``
+    futures are pending (another thread or process)."""
+
+    def __init__(self, ip: str, port: int, world_size: int, rank: int, refit_info: RefitInfo, *,
+                 timeout_s: float = 600.0) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        if not 0 < rank < world_size:
+            raise ValueError(f"an inference rank must be in [1, {world_size}), got {rank}")
+        self.refit_info = dict(refit_info)
+        self.device = device.local_device()
+        self.store = dist.TCPStore(ip, int(port), world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.group = device.standalone_group(dist.PrefixStore("dask-lm-refit", self.store), rank, world_size,
+                                             timeout_s)
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        self.group.broadcast([t], opts).wait()
+
+    def receive(self, on_weights: OnWeights) -> dict[str, Any]:
+        """Take part in one ``broadcast_weights_for_collective`` call."""
+        import torch.distributed as dist
+
+        header = torch.zeros(5, dtype=torch.int64, device=self.device)
+        self._broadcast(header)
+        buffer_size = int(header[0].item())
+        plan = bk.plan_buckets(self.refit_info, buffer_size)
+        ok = bk.plan_digest(plan) == [int(x) for x in header[1:].tolist()]
+        agreed = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([agreed], opts).wait()
+        if not ok:
+            raise ValueError("this receiver's refit info does not match the policy's (different names, shapes or "
+                             "dtypes): pass Policy.prepare_refit_info() unchanged")
+        if int(agreed.item()) != 1:
+            raise RuntimeError("another member of the refit group planned different buckets; nothing was received")
+        start, total = time.perf_counter(), 0
+        for bucket in plan:
+            flat = torch.empty(bk.bucket_nbytes(bucket), dtype=torch.uint8, device=self.device)
+            self._broadcast(flat)
+            on_weights(bk.unpack(flat, bucket))
+            total += flat.numel()
+        device.synchronize()
+        return {"bytes": total, "buckets": len(plan), "seconds": time.perf_counter() - start}
+
+    def close(self) -> None:
+        try:
+            device.close_standalone_group(self.group)
+        except Exception:  # peers already gone
+            pass

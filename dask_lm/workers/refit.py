@@ -1,0 +1,242 @@
+"""The worker half of weight refit: the policy's weights, full and in the serving dtype, streamed to inference.
+
+Every stream walks the same list (:func:`refit_info`: Hugging Face state-dict names without tied duplicates, full
+shapes, the policy precision) in the same order on every rank, because under FSDP each full tensor is an
+all-gather that all ranks must join. Three routes leave from here:
+
+- SGLang over HTTP (:mod:`dask_lm.workers.refit_http`): CUDA IPC handles of flattened buckets in JSON;
+- ZMQ (:func:`stream_via_zmq`): vLLM-style colocated workers, a REQ socket per rank and two ping-pong buffers;
+- a collective (:func:`init_collective`, :func:`broadcast`): rank 0 broadcasts buckets to inference ranks that
+  joined a process group of their own (NCCL on GPUs, gloo on CPU).
+
+The consumer side of the last two is :mod:`dask_lm.refit_receiver`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dask_lm.workers import buckets as bk
+from dask_lm.workers import device
+from dask_lm.workers.checkpointing import full_tensor, weight_names
+
+if TYPE_CHECKING:
+    from dask_lm.workers.policy_worker import PolicyWorker
+
+__all__ = ["RefitError", "refit_info", "iter_buckets", "zmq_address", "stream_via_zmq", "init_collective",
+           "broadcast"]
+
+logger = logging.getLogger("dask_lm.worker")
+ZMQ_ALIGN = 512
+
+
+class RefitError(RuntimeError):
+    """An inference engine refused or lost a weight update; the message is the engine's own."""
+
+
+def refit_info(worker: PolicyWorker) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """``{name: (full shape, dtype)}`` of what a refit sends: floating weights in the policy precision."""
+    state = worker.model.state_dict()
+    return {n: (torch.Size(state[n].shape), worker.dtype if state[n].is_floating_point() else state[n].dtype)
+            for n in weight_names(worker.model)}
+
+
+def iter_full_weights(worker: PolicyWorker, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor in the serving dtype)`` in refit order. A collective per tensor under FSDP."""
+    worker._ensure_on_device()
+    info = refit_info(worker)
+    state = worker.model.state_dict()
+    for name in names or list(info):
+        full = full_tensor(state[name].detach())
+        yield name, full.to(info[name][1])
+
+
+def iter_buckets(worker: PolicyWorker, plan: list[list[bk.Slot]], *, keep: bool) -> Iterator[torch.Tensor | None]:
+    """Each bucket of ``plan`` packed into a fresh uint8 buffer on the device (None when ``keep`` is False: the
+    rank still joins every all-gather but holds nothing). Fresh buffers, never reused: an engine may still read
+    the previous one after answering (its load is queued on its stream, not finished)."""
+    state = worker.model.state_dict()
+    worker._ensure_on_device()
+    for bucket in plan:
+        flat = torch.empty(bk.bucket_nbytes(bucket), dtype=torch.uint8, device=worker.device) if keep else None
+        for slot in bucket:
+            full = full_tensor(state[slot.name].detach())
+            if flat is not None:
+                bk.write_slot(flat, slot, full.to(slot.dtype))
+            del full
+        device.synchronize()  # the bytes must be in place before a handle to them leaves the process
+        yield flat
+
+
+# ----------------------------------------------------------------------------------------- ZMQ (colocated vLLM)
+def zmq_address(device_id: str) -> str:
+    """The IPC socket a rank binds for ``stream_weights_via_ipc_zmq``; the inference worker on the same device
+    connects to it (NeMo RL's convention: one socket per GPU UUID under /tmp)."""
+    return f"ipc:///tmp/dask-lm-refit-{device_id}.sock"
+
+
+def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: float) -> dict[str, Any]:
+    """Send every weight to the REP peer of this rank's socket, in ping-pong buffers of half the budget.
+
+    Message: ``(payload, names, used_bytes)`` where ``payload`` is the buffer pickled by
+    :func:`dask_lm.workers.buckets.dumps` (a CUDA IPC handle, or a shared-memory file on CPU) and the tensors sit
+    back to back at 512-byte aligned offsets in ``names`` order; then the string ``"complete"``. Each message is
+    answered (any reply) once the peer has loaded it."""
+    import zmq
+
+    address = zmq_address(device.device_id())
+    transport = "ipc" if device.is_cuda() else "shm"
+    info = refit_info(worker)
+    half = bk.align_up(max(buffer_size_bytes // 2, 1), ZMQ_ALIGN)
+    # one socket per rank, kept between calls (a fresh bind makes the peer wait out its reconnect interval);
+    # closed on any error, because a REQ socket that missed an answer cannot send again
+    sock = worker.refit_zmq
+    if sock is None:
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+        worker.refit_zmq = sock
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    start, sent_bytes, messages = time.perf_counter(), 0, 0
+    pending = False
+
+    def ack() -> None:
+        nonlocal pending
+        try:
+            sock.recv_pyobj()
+        except zmq.Again:
+            raise TimeoutError(f"no answer from the inference worker on {address} within {timeout_s:.0f} s: is it "
+                               "running and connected to this socket?") from None
+        pending = False
+
+    def send(buf: torch.Tensor, names: list[str], used: int) -> None:
+        nonlocal pending, sent_bytes, messages
+        device.synchronize()
+        payload = bk.dumps(buf, transport)
+        if pending:
+            ack()  # the peer is done with the other buffer; it may be reused after this
+        try:
+            sock.send_pyobj((payload, names, used))
+        except zmq.Again:
+            raise TimeoutError(f"the inference worker on {address} did not take a message within "
+                               f"{timeout_s:.0f} s") from None
+        pending, sent_bytes, messages = True, sent_bytes + used, messages + 1
+
+    try:
+        buffers = [torch.empty(half, dtype=torch.uint8, device=worker.device) for _ in range(2)]
+        current, used, names = 0, 0, []
+        for name, t in iter_full_weights(worker, list(info)):
+            size = t.numel() * t.element_size()
+            if size > half:  # alone, in a one-off buffer that is acknowledged at once
+                if names:
+                    send(buffers[current], names, used)
+                    current, used, names = 1 - current, 0, []
+                one_off = torch.empty(size, dtype=torch.uint8, device=worker.device)
+                one_off.copy_(t.contiguous().reshape(-1).view(torch.uint8))
+                send(one_off, [name], size)
+                ack()
+                del one_off
+                continue
+            offset = bk.align_up(used, ZMQ_ALIGN)
+            if offset + size > half:
+                send(buffers[current], names, used)
+                current, offset, names = 1 - current, 0, []
+            buffers[current][offset:offset + size].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+            used = offset + size
+            names.append(name)
+            del t
+        if names:
+            send(buffers[current], names, used)
+        if pending:
+            ack()
+        del buffers
+        device.ipc_collect()
+        sock.send_pyobj("complete")
+        ack()
+    except BaseException:
+        close_zmq(worker)
+        raise
+    seconds = time.perf_counter() - start
+    return {"address": address, "bytes": sent_bytes, "messages": messages, "seconds": seconds}
+
+
+def close_zmq(worker: PolicyWorker) -> None:
+    sock, worker.refit_zmq = getattr(worker, "refit_zmq", None), None
+    if sock is not None:
+        sock.close(linger=0)
+
+
+# ----------------------------------------------------------------------------------------- collective broadcast
+def init_collective(worker: PolicyWorker, ip: str, port: int, world_size: int, *, train_world_size: int,
+                    timeout_s: float) -> bool:
+    """Join the refit group: training rank r is group rank r, inference ranks follow from ``train_world_size``.
+    Rank 0 hosts the rendezvous store at ``ip:port``; the call returns once every member has joined."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    assert worker.rank < train_world_size, "the driver checks train_world_size against the policy's ranks"
+    close_collective(worker)
+    store = dist.TCPStore(ip, int(port), world_size, is_master=worker.rank == 0,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=True)
+    group = device.standalone_group(dist.PrefixStore("dask-lm-refit", store), worker.rank, world_size, timeout_s)
+    worker.refit_collective = (group, store)
+    return True
+
+
+def close_collective(worker: PolicyWorker) -> None:
+    existing = getattr(worker, "refit_collective", None)
+    worker.refit_collective = None
+    if existing is not None:
+        group, _store = existing
+        try:
+            device.close_standalone_group(group)
+        except Exception:  # an old group whose peers are gone; dropping it is all that is left to do
+            logger.debug("closing the previous refit group", exc_info=True)
+
+
+def broadcast(worker: PolicyWorker, *, buffer_size_bytes: int) -> dict[str, Any]:
+    """Broadcast every bucket from training rank 0 over the refit group.
+
+    First a header goes out: the buffer size and a digest of the plan. Receivers plan the same buckets from their
+    refit info and that size, and every member reports in an all-reduce whether its digest matched, so a receiver
+    with other refit info fails loudly instead of loading shifted bytes."""
+    import torch.distributed as dist
+
+    if getattr(worker, "refit_collective", None) is None:
+        raise ValueError("broadcast_weights_for_collective() needs init_collective() first")
+    group, _store = worker.refit_collective
+    plan = bk.plan_buckets(refit_info(worker), buffer_size_bytes)
+    header = torch.tensor([buffer_size_bytes, *bk.plan_digest(plan)], dtype=torch.int64, device=worker.device)
+    _broadcast(group, header)
+    agreed = torch.ones(1, dtype=torch.int64, device=worker.device)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([agreed], opts).wait()
+    if int(agreed.item()) != 1:
+        raise RefitError("an inference rank planned different refit buckets from the same header: its refit info "
+                         "differs from prepare_refit_info() of this policy")
+    start, total = time.perf_counter(), 0
+    for bucket, flat in zip(plan, iter_buckets(worker, plan, keep=worker.rank == 0)):
+        if flat is None:  # every member of a broadcast needs a buffer of the right size
+            flat = torch.empty(bk.bucket_nbytes(bucket), dtype=torch.uint8, device=worker.device)
+        _broadcast(group, flat)
+        total += flat.numel()
+        del flat
+    device.synchronize()
+    return {"bytes": total, "buckets": len(plan), "seconds": time.perf_counter() - start}
+
+
+def _broadcast(group: Any, t: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    group.broadcast([t], opts).wait()

@@ -1,0 +1,159 @@
+"""Weight refit by ZMQ and by a collective broadcast: what a receiver process gets is bit-identical to the weights
+the policy writes with save_checkpoint (read back from disk), after a training step."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import dask_lm
+from dask_lm.workers import buckets as bk
+from helpers import TEXTS, sft_batch
+
+pytestmark = pytest.mark.cluster
+
+
+def _cfg(model_dir):
+    return {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 4,
+            "train_micro_batch_size": 2, "max_total_sequence_length": 128,
+            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}}
+
+
+def _saved_weights(path):
+    import glob
+
+    out = {}
+    for f in sorted(glob.glob(f"{path}/*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(client, tiny, tmp_path_factory):
+    """A 2-rank policy after one AdamW step, and its weights as written to disk."""
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
+    policy = dask_lm.Policy(client, _cfg(tiny["llama"]), tok)
+    policy.train(sft_batch(tok, TEXTS[:4]), dask_lm.NLLLoss())
+    path = tmp_path_factory.mktemp("refit") / "weights"
+    policy.save_checkpoint(str(path))
+    yield policy, _saved_weights(path)
+    policy.shutdown()
+
+
+def _spawn(target, *args):
+    proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def _check_identical(got, saved):
+    assert sorted(got) == sorted(saved)
+    for name, t in saved.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name], t), f"{name} differs"
+
+
+def test_refit_info_names_shapes_dtypes(trained, tiny):
+    policy, saved = trained
+    info = policy.prepare_refit_info()
+    assert list(info) == list(saved) or sorted(info) == sorted(saved)
+    for name, (shape, dtype) in info.items():
+        assert tuple(shape) == tuple(saved[name].shape) and dtype == torch.float32
+
+
+def test_zmq_stream_is_bit_identical(trained, tmp_path):
+    import refit_peers
+
+    policy, saved = trained
+    info = policy.prepare_refit_info()
+    addresses = policy.get_zmq_addresses()
+    assert len(set(addresses)) == 2
+    outs = [tmp_path / f"zmq{r}.pt" for r in range(2)]
+    procs = [_spawn(refit_peers.zmq_peer, a, info, str(o)) for a, o in zip(addresses, outs)]
+    # 64 KiB: ping-pong halves of 32 KiB, several messages, and the 96 KiB embedding alone in a one-off buffer
+    stats = policy.client.gather(policy.stream_weights_via_ipc_zmq(buffer_size_bytes=64 * 1024))
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for o, s in zip(outs, stats):
+        res = torch.load(o)
+        _check_identical(res["weights"], saved)
+        assert res["stats"]["messages"] == s["messages"] > 3
+        assert ["model.embed_tokens.weight"] in res["messages"]
+
+
+def test_zmq_without_receiver_times_out(trained):
+    policy, _ = trained
+    with pytest.raises(TimeoutError, match="inference worker on"):
+        policy.client.gather(policy.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20, timeout_s=1.0))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_collective_broadcast_is_bit_identical(trained, tmp_path):
+    import refit_peers
+
+    policy, saved = trained
+    info = policy.prepare_refit_info()
+    port = _free_port()
+    outs = [tmp_path / "peer2.pt", tmp_path / "peer3.pt"]
+    procs = [_spawn(refit_peers.collective_peer, "127.0.0.1", port, 4, 2 + i, info, str(outs[i]), 2)
+             for i in range(2)]
+    policy.client.gather(policy.init_collective("127.0.0.1", port, 4, train_world_size=2))
+    first = policy.client.gather(policy.broadcast_weights_for_collective(buffer_size_bytes=48 * 1024))
+    assert first[0]["buckets"] > 3
+    # a second call with another buffer size: the receivers learn it from the header
+    policy.client.gather(policy.broadcast_weights_for_collective(buffer_size_bytes=1 << 20))
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for o in outs:
+        results = torch.load(o)
+        assert len(results) == 2
+        for res in results:
+            _check_identical(res["weights"], saved)
+        assert len(results[0]["messages"]) == first[0]["buckets"] and len(results[1]["messages"]) == 1
+
+
+def test_collective_receiver_with_other_refit_info_fails_loudly(trained, tmp_path):
+    import refit_peers
+
+    policy, _ = trained
+    info = dict(policy.prepare_refit_info())
+    name = next(iter(info))
+    info[name] = (info[name][0], torch.bfloat16)  # a receiver that expects another dtype
+    port = _free_port()
+    proc = _spawn(refit_peers.collective_peer, "127.0.0.1", port, 3, 2, info, str(tmp_path / "bad.pt"))
+    policy.client.gather(policy.init_collective("127.0.0.1", port, 3, train_world_size=2))
+    with pytest.raises(Exception, match="planned different refit buckets"):
+        policy.client.gather(policy.broadcast_weights_for_collective(buffer_size_bytes=1 << 20))
+    proc.join(60)
+    assert "does not match the policy's" in torch.load(tmp_path / "bad.pt")[0]["error"]
+
+
+def test_plan_aligns_every_tensor_and_isolates_oversized_ones():
+    info = {"a": ((3,), torch.bfloat16), "b": ((5,), torch.float32), "big": ((4096,), torch.float32),
+            "c": ((7,), torch.int64)}
+    plan = bk.plan_buckets(info, 2048)
+    assert [[s.name for s in b] for b in plan] == [["a", "b"], ["big"], ["c"]]
+    for b in plan:
+        for s in b:
+            shape, dtype = info[s.name]
+            assert s.start % bk.ALIGN == 0 and s.nbytes == torch.Size(shape).numel() * dtype.itemsize
+    flat = torch.zeros(bk.bucket_nbytes(plan[0]), dtype=torch.uint8)
+    values = {"a": torch.tensor([1.5, -2, 3], dtype=torch.bfloat16), "b": torch.arange(5, dtype=torch.float32)}
+    for s in plan[0]:
+        bk.write_slot(flat, s, values[s.name])
+    for name, t in bk.unpack(flat, plan[0]):
+        assert torch.equal(t, values[name])
+    with pytest.raises(ValueError, match="positive"):
+        bk.plan_buckets(info, 0)
