@@ -78,10 +78,11 @@ class CollectiveReceiver:
     """An inference rank of ``Policy.init_collective``'s group (rank ``train_world_size + i``).
 
     The constructor blocks until every member joined, so create it while the policy's ``init_collective``
-    futures are pending (another thread or process)."""
+    futures are pending (another thread or process). Buffers live on ``cuda:<device_index>`` (default: the
+    current CUDA device), or on the CPU without GPUs."""
 
     def __init__(self, ip: str, port: int, world_size: int, rank: int, refit_info: RefitInfo, *,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, device_index: int | None = None) -> None:
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -89,7 +90,7 @@ class CollectiveReceiver:
         if not 0 < rank < world_size:
             raise ValueError(f"an inference rank must be in [1, {world_size}), got {rank}")
         self.refit_info = dict(refit_info)
-        self.device = device.local_device()
+        self.device = device.refit_device(device_index)  # the engine's current GPU unless told otherwise
         self.store = dist.TCPStore(ip, int(port), world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         self.group = device.standalone_group(dist.PrefixStore("dask-lm-refit", self.store), rank, world_size,
                                              timeout_s)

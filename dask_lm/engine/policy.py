@@ -278,7 +278,7 @@ class Policy(TrainingMixin, RefitMixin):
                                  timeout_s=float(sg.get("timeout_s", 600.0)), retries=int(sg.get("retries", 3)),
                                  chunk_rows=int(sg.get("rows_per_request", 64)))
         with span("dask-lm/generate-sglang"):
-            return client.generate(data, sampling_params(gen, greedy=greedy, seed=seed))
+            return client.generate(data, sampling_params(gen, greedy=greedy), seed=seed)
 
     # ----------------------------------------------------------------------------------------- generic hooks
     def run_all_workers_single_data(self, method_name: str, *args: Any, run_rank_0_only_axes: Any = None,

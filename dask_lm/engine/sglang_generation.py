@@ -19,12 +19,12 @@ import torch
 
 from dask_lm.engine.batch import BatchedDataDict
 
-__all__ = ["SGLangGenerator", "sampling_params"]
+__all__ = ["SGLangGenerator", "sampling_params", "per_row"]
 
 CONNECT_TIMEOUT_S = 10.0
 
 
-def sampling_params(gen: Any, *, greedy: bool, seed: int | None) -> dict[str, Any]:
+def sampling_params(gen: Any, *, greedy: bool) -> dict[str, Any]:
     """SGLang ``sampling_params`` from a dask-lm ``generation`` config."""
     params: dict[str, Any] = {"max_new_tokens": int(gen.max_new_tokens)}
     if greedy:
@@ -37,9 +37,15 @@ def sampling_params(gen: Any, *, greedy: bool, seed: int | None) -> dict[str, An
         params["stop_token_ids"] = [int(t) for t in gen.stop_token_ids]
     if gen.stop_strings:
         params["stop"] = list(gen.stop_strings)
-    if seed is not None and not greedy:
-        params["sampling_seed"] = int(seed)
     return params
+
+
+def per_row(params: dict[str, Any], rows: list[int], seed: int | None) -> dict[str, Any] | list[dict[str, Any]]:
+    """One ``sampling_params`` for a chunk, or one per row with its own seed (``seed + row``): SGLang's seeded
+    sampler hashes only the seed and the position, so equal prompts with one seed would get equal samples."""
+    if seed is None or params.get("top_k") == 1:
+        return params
+    return [dict(params, sampling_seed=int(seed) + r) for r in rows]
 
 
 class SGLangGenerator:
@@ -76,7 +82,7 @@ class SGLangGenerator:
                               f"{type(last).__name__}: {last}. Is it running, and is "
                               "`policy.generation.sglang_cfg.server_urls` right?")
 
-    def generate(self, data: BatchedDataDict, params: dict[str, Any]) -> BatchedDataDict:
+    def generate(self, data: BatchedDataDict, params: dict[str, Any], seed: int | None = None) -> BatchedDataDict:
         ids, lengths = data["input_ids"], data["input_lengths"]
         prompts = [ids[i, :int(lengths[i])].tolist() for i in range(ids.shape[0])]
         chunks = [list(range(s, min(s + self.chunk_rows, len(prompts)))) for s in range(0, len(prompts),
@@ -84,7 +90,8 @@ class SGLangGenerator:
 
         def run(c: int) -> list[dict[str, Any]]:
             rows = chunks[c]
-            body = {"input_ids": [prompts[i] for i in rows], "sampling_params": params, "return_logprob": True}
+            body = {"input_ids": [prompts[i] for i in rows], "sampling_params": per_row(params, rows, seed),
+                    "return_logprob": True}
             out = self._post(self.urls[c % len(self.urls)], body)
             if not isinstance(out, list) or len(out) != len(rows):
                 raise RuntimeError(f"SGLang server {self.urls[c % len(self.urls)]} answered /generate with "

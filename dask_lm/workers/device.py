@@ -33,6 +33,7 @@ __all__ = [
     "device_uuid",
     "index_for_uuid",
     "ipc_collect",
+    "refit_device",
     "standalone_group",
     "close_standalone_group",
 ]
@@ -169,16 +170,24 @@ def ipc_collect() -> None:
         torch.cuda.ipc_collect()
 
 
+def refit_device(index: int | None = None) -> torch.device:
+    """The device a refit receiver works on: ``cuda:<index>`` (default: the process's current CUDA device, which
+    an inference engine has already chosen), or the CPU."""
+    if is_cuda():
+        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+    return torch.device("cpu")
+
+
 def standalone_group(store: Any, rank: int, world_size: int, timeout_s: float) -> Any:
     """A process group outside ``torch.distributed``'s world (refit to inference processes): NCCL on GPUs, gloo
-    on CPU. Used through its own ``broadcast`` method, never through ``dist.*`` helpers."""
+    on CPU. Used through its own ``broadcast`` method, never through ``dist.*`` helpers; NCCL runs on the device
+    of the tensors it is given."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
     if is_cuda():
-        torch.cuda.set_device(0)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)

@@ -60,9 +60,11 @@ def iter_buckets(worker: PolicyWorker, plan: list[list[bk.Slot]], *, keep: bool)
     """Each bucket of ``plan`` packed into a fresh uint8 buffer on the device (None when ``keep`` is False: the
     rank still joins every all-gather but holds nothing). Fresh buffers, never reused: an engine may still read
     the previous one after answering (its load is queued on its stream, not finished)."""
+    worker._ensure_on_device()  # first: state_dict() of a model parked on the host would hold the host tensors
     state = worker.model.state_dict()
-    worker._ensure_on_device()
+    flat = None
     for bucket in plan:
+        flat = None  # the previous bucket goes before the next is allocated (one bucket of memory, not two)
         flat = torch.empty(bk.bucket_nbytes(bucket), dtype=torch.uint8, device=worker.device) if keep else None
         for slot in bucket:
             full = full_tensor(state[slot.name].detach())

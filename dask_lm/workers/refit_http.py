@@ -36,17 +36,17 @@ CONNECT_TIMEOUT_S = 10.0
 
 
 def transport_for(url: str) -> str:
-    """How a bucket reaches ``url``'s server from this process: CUDA IPC on a GPU; on CPU, shared memory when the
-    server runs on this host, else the bytes themselves."""
-    if device.is_cuda():
-        return "ipc"
+    """How a bucket reaches ``url``'s server from this process: a server on another host gets the bytes themselves;
+    one on this host a CUDA IPC handle (GPU workers) or a shared-memory file (CPU workers)."""
     host = urlparse(url).hostname or ""
     local = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
     try:
         local.add(socket.gethostbyname(socket.gethostname()))
     except OSError:
         pass
-    return "shm" if host in local or host.startswith("127.") else "value"
+    if not (host in local or host.startswith("127.")):
+        return "value"
+    return "ipc" if device.is_cuda() else "shm"
 
 
 class _Server:
@@ -66,6 +66,10 @@ class _Server:
 
         try:
             resp = self.http.request(method, self.url + route, json=body, timeout=self.timeout)
+        except requests.Timeout:
+            raise RefitError(f"SGLang server {self.url} did not answer {method} {route} within {self.timeout[1]:.0f} s "
+                             "(a weight update waits for running requests: pause generation first, or raise "
+                             "timeout_s)") from None
         except requests.RequestException as e:
             raise RefitError(f"SGLang server {self.url} did not answer {method} {route}: {type(e).__name__}: {e}. "
                              "Is it running, and is the URL right?") from None
@@ -118,10 +122,12 @@ class _Server:
             status, payload = self.call("GET", "/flush_cache")
             if status == 200:
                 return
+            if status != 400:  # 400 is "busy, ask again"; anything else will not get better by asking
+                break
             if attempt < retries:
                 time.sleep(interval_s)
-        raise RefitError(f"SGLang server {self.url} did not flush its cache after {retries + 1} tries "
-                         f"({self.message(payload)}); the new weights are loaded but cached prefixes are stale")
+        raise RefitError(f"SGLang server {self.url} did not flush its cache (HTTP {status}: {self.message(payload)}); "
+                         "the new weights are loaded but cached prefixes are stale")
 
     def abandon(self) -> None:
         """End an open session after a failure, so the server takes the next refit."""
@@ -131,32 +137,39 @@ class _Server:
             pass
 
 
-def _agree(worker: PolicyWorker, error: str | None) -> None:
+def _agree(worker: PolicyWorker, group: Any, error: str | None) -> None:
     """Every rank learns whether any rank failed, and the first failure's message; all raise it together."""
     errors = [error]
     if worker.world_size > 1:
         import torch.distributed as dist
 
         errors = [None] * worker.world_size
-        dist.all_gather_object(errors, error, group=worker.cpu_group)
+        dist.all_gather_object(errors, error, group=group)
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise RefitError(first)
 
 
-def _engine_groups(worker: PolicyWorker, layout: list[list[int]]) -> dict[tuple[int, ...], Any]:
-    """A gloo group per engine fed by several ranks (created once; every rank creates every group, in order)."""
+def _refit_groups(worker: PolicyWorker, layout: list[list[int]]) -> dict[Any, Any]:
+    """Gloo groups of their own (created once; every rank creates every group, in the same order): ``"all"`` for
+    the agreements, so they never pair with an async checkpoint's collectives on the policy's gloo group, and one
+    per engine fed by several ranks, for gathering its entries."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     cache = worker.refit_groups
+    timeout = timedelta(seconds=worker.cfg.collective_timeout_s)
+    if "all" not in cache:
+        cache["all"] = dist.new_group(ranks=list(range(worker.world_size)), backend="gloo", timeout=timeout)
     for feeders in layout:
         members = tuple(sorted(set(feeders)))
         if len(members) > 1 and members not in cache:
-            cache[members] = dist.new_group(ranks=list(members), backend="gloo")
+            cache[members] = dist.new_group(ranks=list(members), backend="gloo", timeout=timeout)
     return cache
 
 
-def _collect(rank: int, feeders: list[int], mine: list[str], groups: dict[tuple[int, ...], Any]) -> list[str] | None:
+def _collect(rank: int, feeders: list[int], mine: list[str], groups: dict[Any, Any]) -> list[str] | None:
     """The engine's entries in TP order on its source rank (gathered from the other feeders), None elsewhere."""
     import torch.distributed as dist
 
@@ -170,6 +183,8 @@ def _collect(rank: int, feeders: list[int], mine: list[str], groups: dict[tuple[
     if gathered is None:
         return None
     by_rank = dict(zip(members, gathered))
+    if any(len(by_rank[r]) != feeders.count(r) for r in members):
+        return []  # a feeder failed to serialize: its error reaches every rank at the next agreement
     taken = dict.fromkeys(members, 0)
     entries = []
     for r in feeders:
@@ -178,49 +193,67 @@ def _collect(rank: int, feeders: list[int], mine: list[str], groups: dict[tuple[
     return entries
 
 
+def _attempt(fn: Any) -> str | None:
+    """Run ``fn``; a failure becomes a message for the agreement, so every rank stops at the same point."""
+    try:
+        fn()
+        return None
+    except RefitError as e:
+        return str(e)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def stream_via_http(worker: PolicyWorker, urls: list[str], *, layout: list[list[int]], buffer_size_bytes: int,
                     weight_version: str, timeout_s: float, flush_retries: int = 60, flush_interval_s: float = 1.0,
                     transport: str | None = None) -> dict[str, Any]:
+    if transport == "ipc" and not device.is_cuda():
+        raise ValueError("transport='ipc' (CUDA IPC handles) needs GPU workers; use 'shm' or 'value' on CPU")
     rank = worker.rank
-    groups = _engine_groups(worker, layout) if worker.world_size > 1 else {}
+    groups = _refit_groups(worker, layout) if worker.world_size > 1 else {}
+    agree_group = groups.get("all")
     servers = {e: _Server(url, timeout_s) for e, url in enumerate(urls) if layout[e][0] == rank}
     feeds = {e: [i for i, r in enumerate(feeders) if r == rank] for e, feeders in enumerate(layout)}
     transports = {e: transport or transport_for(urls[e]) for e in range(len(urls))}
     plan = bk.plan_buckets(refit_info(worker), buffer_size_bytes)
     start, sent = time.perf_counter(), 0
 
-    def attempt(fn: Any) -> str | None:
-        try:
-            fn()
-            return None
-        except RefitError as e:
-            return str(e)
-
-    error = attempt(lambda: [s.begin() for s in servers.values()])
+    error = _attempt(lambda: [s.begin() for s in servers.values()])
     try:
-        _agree(worker, error)
+        _agree(worker, agree_group, error)
         for b, (bucket, flat) in enumerate(zip(plan, iter_buckets(worker, plan, keep=any(feeds.values())))):
             what = (f"bucket {b + 1}/{len(plan)} ({len(bucket)} tensors from {bucket[0].name}, "
-                    f"{bk.bucket_nbytes(bucket) / 2**20:.1f} MiB)")
+                    f"{bk.bucket_nbytes(bucket) / 2**20:.1f} MiB; earlier buckets are already loaded)")
             error = None
+            host_copy = None
             for e, feeders in enumerate(layout):
-                # one fresh serialization per TP entry: each is opened (and released) by exactly one server rank
-                mine = [bk.dumps_b64(bk.sglang_bucket(flat, bucket), transports[e]) for _ in feeds[e]]
+                # one fresh serialization per TP entry, each opened (and released) by exactly one server rank; every
+                # engine gets its entries even after another refused, so no export is left unconsumed
+                mine: list[str] = []
+                if feeds[e]:
+                    src = flat
+                    if transports[e] == "value":  # the bytes travel inside the pickle: from host memory
+                        host_copy = flat.cpu() if host_copy is None else host_copy
+                        src = host_copy
+                    err = _attempt(lambda: mine.extend(bk.dumps_b64(bk.sglang_bucket(src, bucket), transports[e])
+                                                       for _ in feeds[e]))
+                    error = error or err
                 entries = _collect(rank, feeders, mine, groups)
-                if entries is not None and e in servers and error is None:
-                    error = attempt(lambda: servers[e].update(entries, weight_version, what))
+                if entries is not None and e in servers and len(entries) == len(feeders):
+                    err = _attempt(lambda: servers[e].update(entries, weight_version, what))
+                    error = error or err
                     sent += bk.bucket_nbytes(bucket) * len(entries)
-            _agree(worker, error)  # nobody frees this bucket before every engine has answered for it
-            del flat
+            _agree(worker, agree_group, error)  # nobody frees this bucket before every engine has answered for it
+            del flat, host_copy
             device.ipc_collect()
-        error = attempt(lambda: [(s.end(), s.flush(flush_retries, flush_interval_s)) for s in servers.values()])
-        _agree(worker, error)
+        error = _attempt(lambda: [(s.end(), s.flush(flush_retries, flush_interval_s)) for s in servers.values()])
+        _agree(worker, agree_group, error)
     except BaseException:
         for s in servers.values():
             s.abandon()
         raise
     finally:
-        gc.collect()
+        gc.collect()  # then exported blocks the servers have released can go back to the allocator
         device.ipc_collect()
     return {"engines": [s.url for s in servers.values()], "buckets": len(plan), "bytes": sent,
             "seconds": time.perf_counter() - start}

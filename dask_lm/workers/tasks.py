@@ -107,7 +107,8 @@ class Failed:
     """A failed call, returned as a value: the next chained call on the rank must not inherit the error."""
 
     def __init__(self, error: BaseException) -> None:
-        self.error = error
+        # without its traceback: the frames would keep the failed call's buffers (refit buckets) alive
+        self.error = error.with_traceback(None)
 
 
 def call_policy_settled(_prev: Any, *args: Any, **kwargs: Any) -> Any:
