@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import weakref
 from typing import Any
 
@@ -22,6 +23,7 @@ from distributed import span
 from dask_lm.config import PolicyConfig
 from dask_lm.engine.batch import BatchedDataDict
 from dask_lm.engine.cluster import as_client
+from dask_lm.engine.events import log_call
 from dask_lm.engine.metrics import timed
 from dask_lm.engine.refit import RefitMixin
 from dask_lm.engine.training import TrainingMixin
@@ -169,6 +171,7 @@ class Policy(TrainingMixin, RefitMixin):
                      contiguous: bool = False, **kwargs: Any) -> tuple[list[dict[str, Any]], Any]:
         """Validate, shard, scatter each shard to its rank, run ``method`` on every rank, return rank results."""
         label = label or method
+        start = time.perf_counter()
         data = validate_input_batch(data, what=what, vocab_size=self.vocab_size,
                                     max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
         group = self.group
@@ -186,6 +189,8 @@ class Policy(TrainingMixin, RefitMixin):
             futs = group.submit_all(tasks.call_policy, [(group.policy_id, method, p) for p in payloads],
                                     key_name=label.replace("_", "-"), **kwargs)
             results = group.gather(futs, what=what)
+        log_call(self.client, group.policy_id, label, start=start, tokens=int(data["input_lengths"].sum()),
+                 rows=int(data["input_lengths"].shape[0]), ranks=group.world_size)
         return results, order
 
     @staticmethod
@@ -364,6 +369,12 @@ class Policy(TrainingMixin, RefitMixin):
             return "Policy(<not started>)"
         return (f"Policy(model={self.cfg.model_name!r}, ranks={self._group.world_size}, "
                 f"workers={self._group.names}, precision={self.cfg.precision})")
+
+    def _repr_html_(self) -> str:
+        """The notebook view: model, precision, and a row per rank with its worker, device and live gauges."""
+        from dask_lm.engine.reprs import policy_html
+
+        return policy_html(self)
 
 
 def _profiler(_prev: Any, start: bool) -> bool:

@@ -52,8 +52,9 @@ class ScoreResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def _repr_html_(self) -> str:
-        rows = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in self.summary())
-        return f"<table><caption>dask-lm scoring job</caption>{rows}</table>"
+        from dask_lm.engine.reprs import table
+
+        return table("dask-lm scoring job", None, self.summary())
 
     def summary(self) -> list[tuple[str, str]]:
         return [("rows", f"{self.rows:,}"), ("tokens", f"{self.tokens:,}"),

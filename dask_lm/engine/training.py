@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from distributed import span
 
 from dask_lm.engine.batch import BatchedDataDict
+from dask_lm.engine.events import log_call
 from dask_lm.engine.metrics import FLOPTracker, aggregate_flops_metrics, timed
 from dask_lm.engine.validation import validate_input_batch, validate_train_batch
 from dask_lm.io import checkpoint as ckpt
@@ -79,6 +81,7 @@ class TrainingMixin:
             if mbs % 2 or (gbs // dp) % 2:
                 raise ValueError(f"train: {type(loss_fn).__name__} takes (chosen, rejected) pairs: the micro-batch "
                                  f"size ({mbs}) and the rows per rank per step ({gbs // dp}) must be even")
+        start = time.perf_counter()
         data = validate_input_batch(data, what="train", vocab_size=self.vocab_size,
                                     max_length=cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
         data = validate_train_batch(data, loss_fn, check_dim_skip_keys=check_dim_skip_keys, vocab_size=self.vocab_size)
@@ -105,7 +108,13 @@ class TrainingMixin:
                                     loss_fn, key_name=label, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
                                     num_global_batches=num_global_batches)
             results = group.gather(futs, what=label)
-        return self._train_results(results, tracker.total_flops if tracker is not None else None)
+        out = self._train_results(results, tracker.total_flops if tracker is not None else None)
+        lr = out["all_mb_metrics"].get("lr")
+        log_call(self.client, group.policy_id, label, start=start, tokens=out["num_tokens"], rows=int(data.size),
+                 global_batches=num_global_batches, loss=out["loss"],
+                 grad_norm=None if out["grad_norm"] is None else float(out["grad_norm"]),
+                 lr=lr[-1] if lr else None, mfu=out.get("mfu"))
+        return out
 
     def _train_results(self, results: list[dict[str, Any]], total_flops: float | None) -> dict[str, Any]:
         metrics: dict[str, list[Any]] = {}

@@ -54,6 +54,7 @@ class DaskLMWorkerState(WorkerPlugin):
         worker.metrics["dask_lm_policies"] = lambda w: len(self.policies)
         worker.metrics["dask_lm_tokens_per_s"] = lambda w: (
             self.last_call["tokens"] / self.last_call["seconds"] if self.last_call["seconds"] else 0.0)
+        worker.metrics["dask_lm_device_mem_gib"] = lambda w: _device_memory_gib(self)
 
     def teardown(self, worker: Any) -> None:
         for policy_id in list(self.policies):
@@ -73,6 +74,16 @@ class DaskLMWorkerState(WorkerPlugin):
 
         device.empty_cache()
         return True
+
+
+def _device_memory_gib(state: DaskLMWorkerState) -> float:
+    """Memory this worker's ranks hold on their device (GPU memory allocated, or the process RSS on CPU), for the
+    Workers table; 0 while no Policy is loaded, so the heartbeat never starts CUDA by itself."""
+    if not state.policies:
+        return 0.0
+    from dask_lm.workers import device
+
+    return device.memory_in_use_bytes() / 2**30
 
 
 def get_state() -> DaskLMWorkerState:
