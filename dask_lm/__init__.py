@@ -10,6 +10,7 @@ from dask_lm.engine.batch import BatchedDataDict, DynamicBatchingArgs, SequenceP
 from dask_lm.engine.cluster import connect
 from dask_lm.engine.packing import PackingAlgorithm, get_packer
 from dask_lm.engine.policy import Policy
+from dask_lm.engine.progress import set_progress
 from dask_lm.engine.scoring import ScoreResult, score_parquet
 from dask_lm.engine.sharding import BatchError
 from dask_lm.engine.metrics import FLOPTracker, Timer
@@ -66,6 +67,7 @@ __all__ = [
     "SlicedDataDict",
     "connect",
     "score_parquet",
+    "set_progress",
     "get_packer",
     "__version__",
 ]

@@ -70,6 +70,26 @@ def test_each_call_is_an_event_and_a_span_with_its_tokens(client, policy):
     assert train["tokens"] == out["num_tokens"] and train["lr"] == pytest.approx(1e-3)
 
 
+def test_training_over_several_global_batches_reports_progress(client, policy):
+    data = sft_batch(policy.tok, TEXTS[:4] * 2)  # 8 rows, gbs 4: two global batches in one call
+
+    def progress_events():
+        return [e for _, e in client.get_events("dask-lm-progress")]
+
+    before = len(progress_events())
+    policy.train(data, dask_lm.NLLLoss())
+    _wait_for(lambda: len(progress_events()) - before >= 2, "two progress events")
+    new = progress_events()[before:]
+    assert [e["done"] for e in new] == [1, 2] and len({e["id"] for e in new}) == 1  # rank 0 only, one call
+    dask_lm.set_progress(False)
+    try:
+        policy.train(data, dask_lm.NLLLoss())
+        time.sleep(1.5)  # worker events travel with the batched stream
+        assert len(progress_events()) == before + 2  # quiet: nothing reported
+    finally:
+        dask_lm.set_progress(True)
+
+
 def test_workers_table_gauges_and_policy_repr(client, policy):
     ids, lens = make_batch(policy.tok, TEXTS)
     policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))

@@ -21,6 +21,7 @@ import torch
 from distributed import span
 
 from dask_lm.config import PolicyConfig
+from dask_lm.engine import progress
 from dask_lm.engine.batch import BatchedDataDict
 from dask_lm.engine.cluster import as_client
 from dask_lm.engine.events import log_call
@@ -104,7 +105,8 @@ class Policy(TrainingMixin, RefitMixin):
                                           options=options)
                         for r in range(group.world_size)]
             try:
-                self.worker_info = group.gather(futs, what="loading the model")
+                with progress.bar(self.client, len(futs), "loading the model", "rank") as (_id, load_bar):
+                    self.worker_info = group.gather(futs, what="loading the model", progress=load_bar)
             except BaseException:
                 _shutdown_quietly(group)  # ranks that did load free their model and process group
                 raise

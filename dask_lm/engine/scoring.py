@@ -279,7 +279,9 @@ def _mean_perplexity(output: str, parts: int) -> float:
 
 
 def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
+    from dask_lm.engine.progress import progress_enabled
+
+    if not (enabled and progress_enabled()):
         return None
     from tqdm.auto import tqdm
 

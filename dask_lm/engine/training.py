@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from distributed import span
 
 from dask_lm.engine.batch import BatchedDataDict
+from dask_lm.engine import progress
 from dask_lm.engine.events import log_call
 from dask_lm.engine.metrics import FLOPTracker, aggregate_flops_metrics, timed
 from dask_lm.engine.validation import validate_input_batch, validate_train_batch
@@ -100,13 +101,16 @@ class TrainingMixin:
             for shard in shards:
                 tracker.track_batch(shard["input_lengths"])
         label = "eval" if eval_mode else "train"
-        with timed(timer, "policy_training/submit_training_futures"), span(f"dask-lm/{label}"):
+        # a bar only when there is something to follow: RL loops call train() once per step with one global batch
+        show = num_global_batches if num_global_batches > 1 else 0
+        with timed(timer, "policy_training/submit_training_futures"), span(f"dask-lm/{label}"), \
+                progress.bar(self.client, show, label, "global batch") as (progress_id, _bar):
             group = self.group
             payloads = [self.client.scatter(shard_to_wire(s, packed=packed), workers=[n], hash=False)
                         for s, n in zip(shards, group.names)]
             futs = group.submit_all(tasks.call_policy, [(group.policy_id, "train", p) for p in payloads],
                                     loss_fn, key_name=label, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
-                                    num_global_batches=num_global_batches)
+                                    num_global_batches=num_global_batches, progress_id=progress_id)
             results = group.gather(futs, what=label)
         out = self._train_results(results, tracker.total_flops if tracker is not None else None)
         lr = out["all_mb_metrics"].get("lr")

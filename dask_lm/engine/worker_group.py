@@ -92,12 +92,16 @@ class WorkerGroup:
             return [self.submit_rank(r, fn, *((per_rank_args[r] if per_rank_args else ()) + common),
                                      key_name=key_name, **kwargs) for r in range(self.world_size)]
 
-    def gather(self, futures: Sequence[Future], *, what: str, timeout: float | None = None) -> list[Any]:
-        """Results of one SPMD call; a failure names the rank and worker and keeps the root cause."""
+    def gather(self, futures: Sequence[Future], *, what: str, timeout: float | None = None,
+               progress: Any = None) -> list[Any]:
+        """Results of one SPMD call; a failure names the rank and worker and keeps the root cause. ``progress``
+        (a tqdm bar, or None) moves by one per finished rank."""
         # stop at the first failure: its peers may sit in a collective until the collective timeout
         for fut in as_completed(list(futures), timeout=timeout):
             if fut.status != "finished":
                 break
+            if progress is not None:
+                progress.update(1)
         bad = ("error", "cancelled", "lost")
         failed = [(r, f) for r, f in enumerate(futures) if f.status in bad]
         if not failed and any(f.status != "finished" for f in futures):

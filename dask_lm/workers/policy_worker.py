@@ -336,12 +336,12 @@ class PolicyWorker:
 
     # ----------------------------------------------------------------------------------------- training
     def train(self, data: BatchedDataDict, meta: dict[str, Any], loss_fn: Any, *, eval_mode: bool, gbs: int, mbs: int,
-              num_global_batches: int) -> dict[str, Any]:
+              num_global_batches: int, progress_id: str | None = None) -> dict[str, Any]:
         from dask_lm.workers import trainer
 
         start = time.perf_counter()
         out = trainer.train(self, data, meta, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
-                            num_global_batches=num_global_batches)
+                            num_global_batches=num_global_batches, progress_id=progress_id)
         self._record(data, start)
         return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-__all__ = ["find_free_port", "rank_info", "init_policy", "call_policy", "shutdown_policy", "PeerFailedError", "Failed",
+__all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "call_policy", "shutdown_policy", "PeerFailedError", "Failed",
            "call_policy_settled", "unwrap"]
 
 
@@ -26,6 +26,18 @@ def find_free_port(_prev: Any = None) -> tuple[str, int]:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return host, int(s.getsockname()[1])
+
+
+def report_progress(progress_id: str | None, done: int) -> None:
+    """Move the driver's progress bar for call ``progress_id`` to ``done`` (a Dask event; see engine/progress.py)."""
+    if progress_id is None:
+        return
+    from distributed import get_worker
+
+    try:
+        get_worker().log_event("dask-lm-progress", {"id": progress_id, "done": int(done)})
+    except ValueError:  # not on a worker (direct calls in tests)
+        pass
 
 
 def rank_info(_prev: Any = None) -> dict[str, Any]:

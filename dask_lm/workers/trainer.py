@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dask_lm.workers import device
+from dask_lm.workers.tasks import report_progress
 from dask_lm.workers.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
 from dask_lm.workers.logprobs import next_token_logprobs_train, output_head
 from dask_lm.workers.loss_inputs import loss_inputs_from_hidden
@@ -115,7 +116,7 @@ def _run_dummy(worker: PolicyWorker, backward: bool) -> None:
 
 
 def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], loss_fn: Any, *, eval_mode: bool,
-          gbs: int, mbs: int, num_global_batches: int) -> dict[str, Any]:
+          gbs: int, mbs: int, num_global_batches: int, progress_id: str | None = None) -> dict[str, Any]:
     if not eval_mode:
         worker.ensure_optimizer()
     worker.place_for_training(optimizer=not eval_mode)
@@ -167,6 +168,8 @@ def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], los
                     norm, _stepped = _clip_and_step(worker)
                     norms.append(norm)
                 losses.append(gb_loss)
+                if worker.rank == 0:
+                    report_progress(progress_id, gb + 1)
         if not eval_mode:
             worker.optimizer.zero_grad(set_to_none=True)
             worker.scheduler.step()
