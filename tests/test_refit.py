@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import time
 
 import pytest
 import torch
@@ -87,6 +88,12 @@ def test_zmq_stream_is_bit_identical(trained, tmp_path):
         _check_identical(res["weights"], saved)
         assert res["stats"]["messages"] == s["messages"] > 3
         assert ["model.embed_tokens.weight"] in res["messages"]
+    # the driver's progress bar followed rank 0's bytes up to the whole model
+    total = sum(t.numel() * t.element_size() for t in saved.values())
+    deadline = time.time() + 30
+    while time.time() < deadline and policy.client.get_events("dask-lm-progress")[-1][1]["done"] != total:
+        time.sleep(0.2)
+    assert policy.client.get_events("dask-lm-progress")[-1][1]["done"] == total
 
 
 def test_zmq_without_receiver_times_out(trained):

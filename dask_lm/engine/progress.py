@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["TOPIC", "set_progress", "progress_enabled", "bar"]
+__all__ = ["TOPIC", "set_progress", "progress_enabled", "bar", "open_bar", "close_bar"]
 
 TOPIC = "dask-lm-progress"
 _enabled: bool = True
@@ -44,13 +44,10 @@ def _on_event(event: Any) -> None:
             b.update(int(msg["done"]) - b.n)
 
 
-@contextlib.contextmanager
-def bar(client: Any, total: int, desc: str, unit: str) -> Iterator[tuple[str | None, Any]]:
-    """``(progress id, tqdm bar)`` for one call, or ``(None, None)`` when progress is off. Ranks report with the
-    id; the driver may also ``update`` the bar itself."""
+def open_bar(client: Any, total: int, desc: str, unit: str, **tqdm_kwargs: Any) -> tuple[str | None, Any]:
+    """``(progress id, tqdm bar)``, or ``(None, None)`` when progress is off; close it with :func:`close_bar`."""
     if not progress_enabled() or total < 1:
-        yield None, None
-        return
+        return None, None
     from tqdm.auto import tqdm
 
     if client not in _subscribed:
@@ -60,12 +57,24 @@ def bar(client: Any, total: int, desc: str, unit: str) -> Iterator[tuple[str | N
         except Exception:  # an old scheduler without topics: the bar still shows start and end
             pass
     progress_id = uuid.uuid4().hex
-    b = tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)
+    b = tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True, **tqdm_kwargs)
     with _lock:
         _bars[progress_id] = b
+    return progress_id, b
+
+
+def close_bar(progress_id: str | None) -> None:
+    with _lock:
+        b = _bars.pop(progress_id, None) if progress_id else None
+    if b is not None:
+        b.close()
+
+
+@contextlib.contextmanager
+def bar(client: Any, total: int, desc: str, unit: str) -> Iterator[tuple[str | None, Any]]:
+    """A bar for the duration of one call (see :func:`open_bar`)."""
+    progress_id, b = open_bar(client, total, desc, unit)
     try:
         yield progress_id, b
     finally:
-        with _lock:
-            _bars.pop(progress_id, None)
-        b.close()
+        close_bar(progress_id)

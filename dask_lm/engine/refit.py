@@ -9,11 +9,13 @@ way an RL loop waits for its inference side at the same time.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from distributed import Future
 
+from dask_lm.engine import progress
 from dask_lm.workers import tasks
 
 if TYPE_CHECKING:
@@ -60,6 +62,7 @@ class RefitMixin:
 
     _rollout_gpus_per_engine: int | None = None
     _weight_version: int = 0
+    _refit_total_bytes: int | None = None
 
     if TYPE_CHECKING:
         def get_free_memory_bytes(self) -> int: ...  # Policy's
@@ -80,15 +83,45 @@ class RefitMixin:
             return [group.submit_rank(r, tasks.call_policy, group.policy_id, method, None,
                                       key_name=method.replace("_", "-"), **kwargs) for r in range(group.world_size)]
 
-    def _submit_for_caller(self, method: str, **kwargs: Any) -> list[Future]:
+    def _submit_for_caller(self, method: str, *, show_progress: bool = True, **kwargs: Any) -> list[Future]:
         """Like ``_submit``, but the futures handed back raise the rank's error while the rank's chain goes on: the
-        caller may see one rank's failure and submit again before the other ranks' tasks have finished."""
+        caller may see one rank's failure and submit again before the other ranks' tasks have finished. A progress
+        bar over the bytes sent (rank 0 reports them) lives until every future is done."""
         group = self.group
         key = method.replace("_", "-")
+        progress_id = None
+        if show_progress:
+            progress_id, _bar = progress.open_bar(self.client, self._refit_bytes(), "refit", "B", unit_scale=True)
+            kwargs["progress_id"] = progress_id
         with group._submit_lock:
             settled = [group.submit_rank(r, tasks.call_policy_settled, group.policy_id, method, None, key_name=key,
                                          **kwargs) for r in range(group.world_size)]
-        return [self.client.submit(tasks.unwrap, f, key=f"{key}-result-{f.key}", pure=False) for f in settled]
+        futures = [self.client.submit(tasks.unwrap, f, key=f"{key}-result-{f.key}", pure=False) for f in settled]
+        if progress_id is not None:
+            pending = [len(futures)]
+            lock = threading.Lock()
+
+            def one_done(_fut: Future) -> None:
+                with lock:
+                    pending[0] -= 1
+                    last = pending[0] == 0
+                if last:
+                    progress.close_bar(progress_id)
+
+            for f in futures:
+                f.add_done_callback(one_done)
+        return futures
+
+    def _refit_bytes(self) -> int:
+        """Bytes one refit sends (for the progress bar); learned once, since the weights' shapes do not change."""
+        if not progress.progress_enabled():
+            return 0
+        if self._refit_total_bytes is None:
+            import torch
+
+            self._refit_total_bytes = sum(torch.Size(shape).numel() * dtype.itemsize
+                                          for shape, dtype in self.prepare_refit_info().values())
+        return self._refit_total_bytes
 
     # ----------------------------------------------------------------------------------------- info
     def prepare_refit_info(self) -> dict[str, tuple[Any, Any]]:
@@ -162,7 +195,7 @@ class RefitMixin:
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"`port` must be a TCP port number, got {port!r}")
         timeout = float(timeout_s if timeout_s is not None else self.cfg.collective_timeout_s)
-        return self._submit_for_caller("init_collective", ip=str(ip), port=port, world_size=world_size,
+        return self._submit_for_caller("init_collective", show_progress=False, ip=str(ip), port=port, world_size=world_size,
                             train_world_size=train_world_size, timeout_s=timeout)
 
     def broadcast_weights_for_collective(self, kv_scales: Any = None, *, buffer_size_bytes: int | None = None,

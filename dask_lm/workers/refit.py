@@ -24,6 +24,7 @@ import torch
 from dask_lm.workers import buckets as bk
 from dask_lm.workers import device
 from dask_lm.workers.checkpointing import full_tensor, weight_names
+from dask_lm.workers.tasks import report_progress
 
 if TYPE_CHECKING:
     from dask_lm.workers.policy_worker import PolicyWorker
@@ -82,7 +83,8 @@ def zmq_address(device_id: str) -> str:
     return f"ipc:///tmp/dask-lm-refit-{device_id}.sock"
 
 
-def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: float) -> dict[str, Any]:
+def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: float,
+                   progress_id: str | None = None) -> dict[str, Any]:
     """Send every weight to the REP peer of this rank's socket, in ping-pong buffers of half the budget.
 
     Message: ``(payload, names, used_bytes)`` where ``payload`` is the buffer pickled by
@@ -106,6 +108,7 @@ def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: f
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     start, sent_bytes, messages = time.perf_counter(), 0, 0
+    tensor_bytes = 0  # tensor bytes already sent (alignment gaps left out), for the driver's progress bar
     pending = False
 
     def ack() -> None:
@@ -118,7 +121,7 @@ def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: f
         pending = False
 
     def send(buf: torch.Tensor, names: list[str], used: int) -> None:
-        nonlocal pending, sent_bytes, messages
+        nonlocal pending, sent_bytes, messages, tensor_bytes
         device.synchronize()
         payload = bk.dumps(buf, transport)
         if pending:
@@ -129,6 +132,9 @@ def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: f
             raise TimeoutError(f"the inference worker on {address} did not take a message within "
                                f"{timeout_s:.0f} s") from None
         pending, sent_bytes, messages = True, sent_bytes + used, messages + 1
+        tensor_bytes += sum(info[n][0].numel() * info[n][1].itemsize for n in names)
+        if worker.rank == 0:
+            report_progress(progress_id, tensor_bytes)
 
     try:
         buffers = [torch.empty(half, dtype=torch.uint8, device=worker.device) for _ in range(2)]
@@ -203,7 +209,7 @@ def close_collective(worker: PolicyWorker) -> None:
             logger.debug("closing the previous refit group", exc_info=True)
 
 
-def broadcast(worker: PolicyWorker, *, buffer_size_bytes: int) -> dict[str, Any]:
+def broadcast(worker: PolicyWorker, *, buffer_size_bytes: int, progress_id: str | None = None) -> dict[str, Any]:
     """Broadcast every bucket from training rank 0 over the refit group.
 
     First a header goes out: the buffer size and a digest of the plan. Receivers plan the same buckets from their
@@ -224,12 +230,15 @@ def broadcast(worker: PolicyWorker, *, buffer_size_bytes: int) -> dict[str, Any]
     if int(agreed.item()) != 1:
         raise RefitError("an inference rank planned different refit buckets from the same header: its refit info "
                          "differs from prepare_refit_info() of this policy")
-    start, total = time.perf_counter(), 0
+    start, total, sent_tensors = time.perf_counter(), 0, 0
     for bucket, flat in zip(plan, iter_buckets(worker, plan, keep=worker.rank == 0)):
         if flat is None:  # every member of a broadcast needs a buffer of the right size
             flat = torch.empty(bk.bucket_nbytes(bucket), dtype=torch.uint8, device=worker.device)
         _broadcast(group, flat)
         total += flat.numel()
+        sent_tensors += sum(s.nbytes for s in bucket)
+        if worker.rank == 0:
+            report_progress(progress_id, sent_tensors)
         del flat
     device.synchronize()
     return {"bytes": total, "buckets": len(plan), "seconds": time.perf_counter() - start}

@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 from dask_lm.workers import buckets as bk
 from dask_lm.workers import device
 from dask_lm.workers.refit import RefitError, iter_buckets, refit_info
+from dask_lm.workers.tasks import report_progress
 
 if TYPE_CHECKING:
     from dask_lm.workers.policy_worker import PolicyWorker
@@ -193,6 +194,15 @@ def _collect(rank: int, feeders: list[int], mine: list[str], groups: dict[Any, A
     return entries
 
 
+def _cumulative_tensor_bytes(plan: list[list[bk.Slot]]) -> list[int]:
+    """Tensor bytes sent after each bucket (alignment gaps left out), for the driver's progress bar."""
+    out, total = [], 0
+    for bucket in plan:
+        total += sum(s.nbytes for s in bucket)
+        out.append(total)
+    return out
+
+
 def _attempt(fn: Any) -> str | None:
     """Run ``fn``; a failure becomes a message for the agreement, so every rank stops at the same point."""
     try:
@@ -206,7 +216,7 @@ def _attempt(fn: Any) -> str | None:
 
 def stream_via_http(worker: PolicyWorker, urls: list[str], *, layout: list[list[int]], buffer_size_bytes: int,
                     weight_version: str, timeout_s: float, flush_retries: int = 60, flush_interval_s: float = 1.0,
-                    transport: str | None = None) -> dict[str, Any]:
+                    transport: str | None = None, progress_id: str | None = None) -> dict[str, Any]:
     if transport == "ipc" and not device.is_cuda():
         raise ValueError("transport='ipc' (CUDA IPC handles) needs GPU workers; use 'shm' or 'value' on CPU")
     rank = worker.rank
@@ -216,6 +226,7 @@ def stream_via_http(worker: PolicyWorker, urls: list[str], *, layout: list[list[
     feeds = {e: [i for i, r in enumerate(feeders) if r == rank] for e, feeders in enumerate(layout)}
     transports = {e: transport or transport_for(urls[e]) for e in range(len(urls))}
     plan = bk.plan_buckets(refit_info(worker), buffer_size_bytes)
+    bucket_ends = _cumulative_tensor_bytes(plan)
     start, sent = time.perf_counter(), 0
 
     error = _attempt(lambda: [s.begin() for s in servers.values()])
@@ -244,6 +255,8 @@ def stream_via_http(worker: PolicyWorker, urls: list[str], *, layout: list[list[
                     error = error or err
                     sent += bk.bucket_nbytes(bucket) * len(entries)
             _agree(worker, agree_group, error)  # nobody frees this bucket before every engine has answered for it
+            if rank == 0:
+                report_progress(progress_id, bucket_ends[b])
             del flat, host_copy
             device.ipc_collect()
         error = _attempt(lambda: [(s.end(), s.flush(flush_retries, flush_interval_s)) for s in servers.values()])
