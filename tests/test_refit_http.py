@@ -82,7 +82,7 @@ def test_refit_after_train_serves_the_policys_weights(policy, tiny, tok, tmp_pat
         assert all(u["bucket_bytes"] <= BUFFER for u in st["updates"] if len(u["names"]) > 1)
         assert st["flushes"] == 1
         sent = [n for u in st["updates"] for n in u["names"]]
-        assert sorted(sent) == sorted(policy.prepare_refit_info()) and len(sent) == len(set(sent))
+        assert sorted(sent) == sorted(saved) and len(sent) == len(set(sent))  # every checkpointed weight, once
         # a second refit after another step: a new weight version, a new session
         _train_step(policy, tok, TEXTS[1:5])
         _refit(policy, [server.url], 1)

@@ -64,8 +64,9 @@ class RefitMixin:
     _weight_version: int = 0
     _refit_total_bytes: int | None = None
 
-    if TYPE_CHECKING:
-        def get_free_memory_bytes(self) -> int: ...  # Policy's
+    if TYPE_CHECKING:  # Policy's
+        def get_free_memory_bytes(self) -> int: ...
+        def _call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
 
     def _refit_buffer_size(self, buffer_size_bytes: int | None) -> int:
         if buffer_size_bytes is not None:
@@ -77,14 +78,8 @@ class RefitMixin:
             return int(gb * 2**30)
         return max(1, int(self.get_free_memory_bytes() * REFIT_BUFFER_MEMORY_RATIO))
 
-    def _submit(self, method: str, **kwargs: Any) -> list[Future]:
-        group = self.group
-        with group._submit_lock:
-            return [group.submit_rank(r, tasks.call_policy, group.policy_id, method, None,
-                                      key_name=method.replace("_", "-"), **kwargs) for r in range(group.world_size)]
-
     def _submit_for_caller(self, method: str, *, show_progress: bool = True, **kwargs: Any) -> list[Future]:
-        """Like ``_submit``, but the futures handed back raise the rank's error while the rank's chain goes on: the
+        """One task per rank, whose futures handed back raise the rank's error while the rank's chain goes on: the
         caller may see one rank's failure and submit again before the other ranks' tasks have finished. A progress
         bar over the bytes sent (rank 0 reports them) lives until every future is done."""
         group = self.group
@@ -127,11 +122,11 @@ class RefitMixin:
     def prepare_refit_info(self) -> dict[str, tuple[Any, Any]]:
         """``{name: (shape, dtype)}`` of every weight a refit sends: Hugging Face names (tied duplicates left out,
         as ``save_pretrained`` does), full unsharded shapes, floating weights in the policy precision."""
-        return self.group.gather(self._submit("prepare_refit_info"), what="prepare_refit_info")[0]
+        return self._call_all("prepare_refit_info")[0]
 
     def report_device_id(self) -> list[str]:
         """Each rank's device: its GPU UUID (``cpu-<host>-<pid>`` on CPU workers)."""
-        return self.group.gather(self._submit("report_device_id"), what="report_device_id")
+        return self._call_all("report_device_id")
 
     def get_zmq_addresses(self) -> list[str]:
         """The socket each rank binds in ``stream_weights_via_ipc_zmq`` (the inference worker on the same device
