@@ -14,7 +14,7 @@ from dask_lm.engine.progress import set_progress
 from dask_lm.engine.scoring import ScoreResult, score_parquet
 from dask_lm.engine.sharding import BatchError
 from dask_lm.engine.metrics import FLOPTracker, Timer
-from dask_lm.engine.worker_group import RankFailedError
+from dask_lm.engine.worker_group import RankFailedError, WorkerLostError
 from dask_lm.workers.refit import RefitError
 from dask_lm.losses import (
     ClippedPGLossConfig,
@@ -61,6 +61,7 @@ __all__ = [
     "Policy",
     "PolicyConfig",
     "RankFailedError",
+    "WorkerLostError",
     "RefitError",
     "ScoreResult",
     "SequencePackingArgs",

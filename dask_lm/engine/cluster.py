@@ -43,7 +43,7 @@ def _scheduler_file(address: str) -> bool:
 
 
 def connect(address: str | None = None, *, n_workers: int | None = None, cluster: ClusterKind = "auto",
-            memory_limit: str | float | None = "auto", dashboard_address: str = ":0",
+            memory_limit: str | float | None = "auto", host: str = "127.0.0.1", dashboard_address: str | None = None,
             **cluster_kwargs: Any) -> Client:
     """A ``distributed.Client`` for dask-lm work.
 
@@ -57,6 +57,13 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
     cluster:
         ``"auto"`` starts ``dask_cuda.LocalCUDACluster`` when GPUs are present, else a CPU ``LocalCluster``;
         ``"cuda"`` / ``"cpu"`` force one.
+    host:
+        For a local cluster: the interface every listener binds to — scheduler, workers, nannies, the dashboard,
+        and the ranks' torch.distributed store and collectives. Loopback by default, so nothing on the network
+        can reach a local cluster (Dask's own protocol unpickles what it receives); pass another address only
+        behind a firewall or with Dask's TLS security (``security=...``).
+    dashboard_address:
+        Where the dashboard listens (default: a free port on ``host``).
 
     Examples
     --------
@@ -76,6 +83,8 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
     use_cuda = cluster == "cuda" or (cluster == "auto" and gpus > 0)
     if n_workers is not None and n_workers < 1:
         raise ValueError(f"`n_workers` must be >= 1, got {n_workers}")
+    if dashboard_address is None:
+        dashboard_address = f"[{host}]:0" if ":" in host else f"{host}:0"
     if use_cuda:
         if gpus == 0:
             raise ValueError("cluster='cuda' but no GPU is visible on this machine; use cluster='cpu'")
@@ -92,11 +101,11 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
         # model weights and pinned buffers are unmanaged memory: Dask's pause / terminate thresholds would
         # stall an SPMD group or kill a rank mid-collective, so GPU workers get no host memory limit
         lc = LocalCUDACluster(CUDA_VISIBLE_DEVICES=visible, threads_per_worker=1, memory_limit=0,
-                              dashboard_address=dashboard_address, host="127.0.0.1", **cluster_kwargs)
+                              dashboard_address=dashboard_address, host=host, **cluster_kwargs)
     else:
         from distributed import LocalCluster
 
-        lc = LocalCluster(n_workers=n_workers or 2, threads_per_worker=1, processes=True, host="127.0.0.1",
+        lc = LocalCluster(n_workers=n_workers or 2, threads_per_worker=1, processes=True, host=host,
                           dashboard_address=dashboard_address, memory_limit=memory_limit, **cluster_kwargs)
     client = Client(lc)
     client._dask_lm_owns_cluster = True  # type: ignore[attr-defined]

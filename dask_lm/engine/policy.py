@@ -18,7 +18,7 @@ import weakref
 from typing import Any
 
 import torch
-from distributed import span
+from distributed import span, wait
 
 from dask_lm.config import PolicyConfig
 from dask_lm.engine import progress
@@ -100,7 +100,8 @@ class Policy(TrainingMixin, RefitMixin):
             master = group.rendezvous()
             with group._submit_lock:
                 futs = [group.submit_rank(r, tasks.init_policy, group.policy_id, self.cfg.to_dict(),
-                                          key_name="load-model", rank=r, members=members, master=master,
+                                          key_name="load-model", rank=r, members=members,
+                                          member_ids=tuple(group.ids), master=master,
                                           pad_token_id=self.pad_token_id, extension_fqn=worker_extension_cls_fqn,
                                           options=options)
                         for r in range(group.world_size)]
@@ -186,8 +187,7 @@ class Policy(TrainingMixin, RefitMixin):
             else:
                 shards, order, packed = self._shard(data)
         with timed(timer, f"{label}/submit_logprob_futures"), span(f"dask-lm/{label}"):
-            payloads = [self.client.scatter(shard_to_wire(s, packed=packed), workers=[n], hash=False)
-                        for s, n in zip(shards, group.names)]
+            payloads = group.scatter([shard_to_wire(s, packed=packed) for s in shards], what=what)
             futs = group.submit_all(tasks.call_policy, [(group.policy_id, method, p) for p in payloads],
                                     key_name=label.replace("_", "-"), **kwargs)
             results = group.gather(futs, what=what)
@@ -386,17 +386,40 @@ def _profiler(_prev: Any, start: bool) -> bool:
     return True
 
 
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
 def _shutdown_quietly(group: WorkerGroup, raise_errors: bool = False) -> bool:
+    """Free the Policy on every rank that still holds it. A rank whose worker is gone holds nothing (it is skipped
+    with a warning); a rank stuck in a collective frees the Policy when that collective times out, or when the
+    lease released here tells it the driver let go."""
     try:
         if group.client.status not in ("running", "connecting"):
             return False
+        lost = set(group.lost_ranks())
+        if lost:
+            logger.warning("policy %s: workers %s are gone (their share of the Policy went with them); shutting down "
+                           "the other ranks", group.policy_id, [group.names[r] for r in sorted(lost)])
         # not chained: a failed earlier call must not stop the clean-up (one task thread per worker keeps order)
         futs = [group.submit_rank(r, tasks.shutdown_policy, group.policy_id, key_name="shutdown", chain=False)
-                for r in range(group.world_size)]
-        group.gather(futs, what="shutdown", timeout=120)
-        return True
+                for r in range(group.world_size) if r not in lost]
+        try:
+            wait(futs, timeout=SHUTDOWN_TIMEOUT_S)
+        except TimeoutError:
+            pass
+        busy = [f for f in futs if f.status == "pending"]
+        if busy:
+            logger.warning("policy %s: %d rank(s) did not shut down within %.0f s (busy in a call, e.g. a collective "
+                           "waiting for a lost peer); they free the Policy when that call ends", group.policy_id,
+                           len(busy), SHUTDOWN_TIMEOUT_S)
+        failed = [f for f in futs if f.status == "error"]
+        if failed and raise_errors:
+            group.gather(failed, what="shutdown")
+        return not (lost or busy or failed)
     except Exception:
         if raise_errors:
             raise
         logger.warning("shutting down policy %s failed", group.policy_id, exc_info=True)
         return False
+    finally:
+        group.release_lease()

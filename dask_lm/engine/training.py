@@ -106,8 +106,7 @@ class TrainingMixin:
         with timed(timer, "policy_training/submit_training_futures"), span(f"dask-lm/{label}"), \
                 progress.bar(self.client, show, label, "global batch") as (progress_id, _bar):
             group = self.group
-            payloads = [self.client.scatter(shard_to_wire(s, packed=packed), workers=[n], hash=False)
-                        for s, n in zip(shards, group.names)]
+            payloads = group.scatter([shard_to_wire(s, packed=packed) for s in shards], what=label)
             futs = group.submit_all(tasks.call_policy, [(group.policy_id, "train", p) for p in payloads],
                                     loss_fn, key_name=label, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
                                     num_global_batches=num_global_batches, progress_id=progress_id)

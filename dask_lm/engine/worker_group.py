@@ -4,10 +4,14 @@ Rank r is the worker whose *name* sorts r-th (names survive a nanny restart; add
 is one task per rank, submitted together under a lock, each pinned to its worker (``allow_other_workers=False``)
 and chained to that rank's previous SPMD task so every rank runs collectives in the same order. Tasks never
 retry: one rank cannot redo a collective alone, so a lost rank fails the call with an error naming it.
+
+The group holds the Policy's lease (:mod:`dask_lm.workers.lease`): while this driver lives, the scheduler keeps a
+key that the ranks check; when the driver dies, the ranks free the Policy by themselves.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -15,14 +19,20 @@ from typing import Any
 
 from distributed import Client, Future, Lock, as_completed, wait
 
-from dask_lm.workers import tasks
+from dask_lm.workers import lease, tasks
 from dask_lm.workers.state import DaskLMWorkerState
 
-__all__ = ["WorkerGroup", "RankFailedError"]
+__all__ = ["WorkerGroup", "RankFailedError", "WorkerLostError"]
+
+logger = logging.getLogger("dask_lm")
 
 
 class RankFailedError(RuntimeError):
     """A rank's task failed or its worker died; the group must be re-created."""
+
+
+class WorkerLostError(RankFailedError):
+    """A rank's worker died or restarted: its shard of the model is gone, so this Policy cannot run again."""
 
 
 def _scheduler_info(client: Client) -> dict[str, Any]:
@@ -31,6 +41,10 @@ def _scheduler_info(client: Client) -> dict[str, Any]:
         return client.scheduler_info(n_workers=-1)
     except TypeError:
         return client.scheduler_info()
+
+
+def _incarnation(address: str, info: dict[str, Any]) -> str:
+    return f"{address}|{info.get('local_directory', '')}"
 
 
 def _name_key(name: Any) -> tuple[int, Any]:
@@ -57,22 +71,73 @@ class WorkerGroup:
             names = list(workers)
         self.names: list[Any] = names
         self.hosts: list[str] = [info["workers"][by_name[n]]["host"] for n in names]
+        # a restarted worker keeps its name (and Dask id, which is the name) but not its address and scratch
+        # directory together: that pair tells whether a rank is still the process that holds its shard
+        self.ids: list[str] = [_incarnation(by_name[n], info["workers"][by_name[n]]) for n in names]
         self.policy_id = f"{name_prefix}-{uuid.uuid4().hex[:8]}"
         self._last: list[Future | None] = [None] * len(names)
         self._submit_lock = threading.Lock()
         self.settle_timeout_s = 10.0
-        self.broken: str | None = None
+        self.broken: RankFailedError | None = None
         client.register_plugin(DaskLMWorkerState(), name="dask-lm")
+        # taken before any rank loads: a rank that sees no lease frees the policy
+        self.lease: Future | None = client.submit(lease.lease_token, self.policy_id, pure=False,
+                                                  key=lease.lease_key(self.policy_id))
+
+    def release_lease(self) -> None:
+        fut, self.lease = self.lease, None
+        if fut is not None:
+            try:
+                fut.release()
+            except Exception:  # a closed client has released it already
+                pass
+
+    def lost_ranks(self) -> list[int]:
+        """Ranks whose worker is gone or was restarted since the group was made (a fresh scheduler query)."""
+        try:
+            workers = _scheduler_info(self.client)["workers"]
+        except Exception:  # the scheduler itself is unreachable: every rank is as good as lost
+            return list(range(self.world_size))
+        alive = {(w["name"], _incarnation(a, w)) for a, w in workers.items()}
+        return [r for r, (n, i) in enumerate(zip(self.names, self.ids)) if (n, i) not in alive]
+
+    def _lost_error(self, lost: list[int], what: str) -> WorkerLostError:
+        workers = ", ".join(f"{self.names[r]!r} (rank {r} of {self.world_size})" for r in lost)
+        noun = "worker" if len(lost) == 1 else "workers"
+        return WorkerLostError(f"{noun} {workers} died or restarted during {what}; this Policy's state there is "
+                               "gone: create a new Policy (and reload the last checkpoint)")
+
+    def fail_if_lost(self, what: str, cause: BaseException | None = None) -> None:
+        """Raise (and remember) :class:`WorkerLostError` when a rank's worker is gone."""
+        lost = self.lost_ranks()
+        if lost:
+            if not isinstance(self.broken, WorkerLostError):  # the first call that saw the loss names it
+                self.broken = self._lost_error(lost, what)
+            raise type(self.broken)(str(self.broken)) from cause
 
     @property
     def world_size(self) -> int:
         return len(self.names)
 
+    def raise_if_broken(self) -> None:
+        if self.broken is not None:
+            # the same error class and text on every later call, whatever the call
+            raise type(self.broken)(str(self.broken))
+
+    def scatter(self, payloads: Sequence[Any], *, what: str) -> list[Future]:
+        """``payloads[r]`` onto rank r's worker (one per rank), ahead of the call that reads it."""
+        self.raise_if_broken()
+        try:
+            return [self.client.scatter(p, workers=[n], hash=False) for p, n in zip(payloads, self.names)]
+        except Exception as e:  # a rank's worker left between calls: say so, not "missing port number"
+            self.fail_if_lost(what, e)
+            raise
+
     def submit_rank(self, rank: int, fn: Callable[..., Any], /, *args: Any, key_name: str = "call",
                     chain: bool = True, **kwargs: Any) -> Future:
         """One pinned task on ``rank`` (chained after that rank's previous SPMD task when ``chain``)."""
-        if chain and self.broken:
-            raise RankFailedError(self.broken)
+        if chain:
+            self.raise_if_broken()
         prev = self._last[rank] if chain else None
         if prev is not None and prev.status in ("error", "cancelled", "lost"):
             # a failed call the user already saw (refit futures are gathered by the caller): it has finished, so
@@ -119,11 +184,15 @@ class WorkerGroup:
             for r, last in enumerate(self._last):
                 if last is not None and last.status in bad:
                     self._last[r] = None
+            # a dead worker explains every other symptom (closed comms, peers failing their collective, a restarted
+            # worker without the policy): say that, once, the same way on every later call
+            self.fail_if_lost(what)
             stuck = [self.names[r] for r, f in enumerate(futures) if f.status == "pending"]
             if stuck:
                 # a rank still running after its peer failed sits in a collective: the group cannot be trusted
-                self.broken = (f"workers {stuck} did not finish {what} after a peer failed (stuck in a collective "
-                               "until its timeout); shut this Policy down and create it again")
+                self.broken = RankFailedError(
+                    f"workers {stuck} did not finish {what} after a peer failed (stuck in a collective until its "
+                    "timeout); shut this Policy down and create it again")
             errors = []
             for rank, fut in failed + [(r, f) for r, f in enumerate(futures) if f.status in bad and (r, f) not in failed]:
                 try:
@@ -136,7 +205,14 @@ class WorkerGroup:
                 raise exc
             raise RankFailedError(f"{what} failed on rank {rank} (worker {self.names[rank]!r}): "
                                   f"{type(exc).__name__}: {exc}") from exc
-        return self.client.gather(list(futures))
+        results = self.client.gather(list(futures))
+        # a finished call needs no successor chained on it (the next call is submitted after this one ended), and a
+        # held future of a finished task is one the scheduler recomputes when its worker dies — a model load or a
+        # train step re-run on a restarted worker. So the chain lets go of what it gathered.
+        for r, last in enumerate(self._last):
+            if last is not None and any(last is f for f in futures):
+                self._last[r] = None
+        return results
 
     def run_all(self, fn: Callable[..., Any], /, *args: Any, what: str, key_name: str = "call",
                 **kwargs: Any) -> list[Any]:

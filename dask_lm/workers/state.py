@@ -8,13 +8,16 @@ Policy notices that a rank lost its model.
 torch.distributed allows one default process group per process. dask-lm initialises it once per worker over
 the ranks of the first multi-rank Policy and gives every Policy its own sub-group (its own communicator), so a
 policy and a reward model on the same workers run collectives side by side without pairing up by mistake.
-The default group is torn down when the last Policy on the worker shuts down.
+The default group is torn down when the last Policy on the worker shuts down, or when the driver of the last one
+dies (see :mod:`dask_lm.workers.lease`). The world group remembers the Dask *ids* of its members (a restarted
+worker keeps its name but gets a new id), so a group that spans a restarted worker is never joined again.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -38,18 +41,42 @@ class DaskLMWorkerState(WorkerPlugin):
     def __init__(self) -> None:
         self.policies: dict[str, PolicyWorker] = {}
         self.world_members: tuple[str, ...] | None = None
+        self.world_ids: tuple[str, ...] | None = None
         self.world_users: set[str] = set()
         self.groups: dict[str, Any] = {}
         self.cpu_groups: dict[str, Any] = {}
         self.last_call: dict[str, Any] = {}
+        # the task thread (loads, calls, shutdowns) and the lease check (a worker thread) both tear policies down
+        self.lock = threading.RLock()
+        self._reaper: Any = None
+
+    # the plugin travels to the workers pickled, as a fresh, empty instance (locks and callbacks do not pickle)
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, _state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
 
     def setup(self, worker: Any) -> None:
+        from tornado.ioloop import PeriodicCallback
+
+        from dask_lm.workers import lease
+
         self.policies = {}
         self.world_members = None
+        self.world_ids = None
         self.world_users = set()
         self.groups = {}
         self.cpu_groups = {}
         self.last_call = {"tokens": 0, "seconds": 0.0}
+        self.lock = threading.RLock()
+
+        async def check_leases() -> None:
+            if self.policies:
+                await lease.reap(worker, self)
+
+        self._reaper = PeriodicCallback(check_leases, lease.check_interval_s() * 1000)
+        self._reaper.start()
         # numeric gauges become extra columns of the dashboard's Workers table
         worker.metrics["dask_lm_policies"] = lambda w: len(self.policies)
         worker.metrics["dask_lm_tokens_per_s"] = lambda w: (
@@ -57,6 +84,8 @@ class DaskLMWorkerState(WorkerPlugin):
         worker.metrics["dask_lm_device_mem_gib"] = lambda w: _device_memory_gib(self)
 
     def teardown(self, worker: Any) -> None:
+        if self._reaper is not None:
+            self._reaper.stop()
         for policy_id in list(self.policies):
             try:
                 self.shutdown_policy(policy_id)
@@ -64,11 +93,14 @@ class DaskLMWorkerState(WorkerPlugin):
                 logger.exception("shutting down policy %s", policy_id)
 
     def shutdown_policy(self, policy_id: str) -> bool:
-        pw = self.policies.pop(policy_id, None)
-        if pw is not None:
-            pw.shutdown()
-            del pw
-        leave_process_group(self, policy_id)
+        with self.lock:
+            pw = self.policies.pop(policy_id, None)
+            try:
+                if pw is not None:
+                    pw.shutdown()
+                    del pw
+            finally:
+                leave_process_group(self, policy_id)
         gc.collect()
         from dask_lm.workers import device
 
@@ -99,24 +131,40 @@ def get_state() -> DaskLMWorkerState:
     return plugin  # type: ignore[return-value]
 
 
-def join_process_group(state: DaskLMWorkerState, policy_id: str, *, members: tuple[str, ...], rank: int,
-                       master_addr: str, master_port: int, backend: str, timeout_s: float) -> Any:
+def join_process_group(state: DaskLMWorkerState, policy_id: str, *, members: tuple[str, ...],
+                       member_ids: tuple[str, ...], rank: int, master_addr: str, master_port: int, backend: str,
+                       timeout_s: float) -> Any:
     """Initialise the world group on first use, then make a sub-group for ``policy_id`` over all members.
 
     Every member calls this in the same order (the driver holds a cluster-wide lock while it creates a
-    Policy), which ``new_group`` requires.
+    Policy), which ``new_group`` requires. ``member_ids`` are the members' Dask worker ids: a world group made
+    with a worker that has since restarted is stale (its peer is gone) and is rebuilt, or refused while a live
+    Policy still uses it.
     """
     import torch
     import torch.distributed as dist
 
+    from dask_lm.workers import rendezvous
+
     timeout = timedelta(seconds=timeout_s)
+    if dist.is_initialized() and state.world_members == members and state.world_ids != member_ids:
+        if state.world_users:
+            raise RuntimeError(
+                f"this worker's process group spans workers {list(members)} as they were before one of them "
+                f"restarted, and policies {sorted(state.world_users)} still use it; shut those Policies down (their "
+                "ranks are lost) and create this one again")
+        dist.destroy_process_group()
+        state.world_members = state.world_ids = None
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", 0)
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                world_size=len(members), timeout=timeout, **kwargs)
+        rendezvous.pin_interfaces(rendezvous.worker_host())
+        store = rendezvous.create_store(master_addr, master_port, len(members), is_master=rank == 0,
+                                        timeout_s=timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=len(members), timeout=timeout, **kwargs)
         state.world_members = members
+        state.world_ids = member_ids
     elif state.world_members != members:
         raise RuntimeError(
             f"this worker is already in a process group over workers {list(state.world_members or ())} "
@@ -142,4 +190,4 @@ def leave_process_group(state: DaskLMWorkerState, policy_id: str) -> None:
     state.world_users.discard(policy_id)
     if not state.world_users and dist.is_initialized():
         dist.destroy_process_group()
-        state.world_members = None
+        state.world_members = state.world_ids = None

@@ -7,7 +7,6 @@ keeps two all-gathers from pairing up across different calls.
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 __all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "call_policy", "shutdown_policy", "PeerFailedError", "Failed",
@@ -19,13 +18,12 @@ class PeerFailedError(RuntimeError):
 
 
 def find_free_port(_prev: Any = None) -> tuple[str, int]:
-    """A TCP port free on this worker's host, for the torch.distributed rendezvous."""
-    from distributed import get_worker
+    """A TCP port free on this worker's address, for the torch.distributed rendezvous (rank 0 hosts the store
+    there, on that address only)."""
+    from dask_lm.workers import rendezvous
 
-    host = get_worker().address.split("://")[-1].rsplit(":", 1)[0]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return host, int(s.getsockname()[1])
+    host = rendezvous.worker_host()
+    return host, rendezvous.find_free_port(host)
 
 
 def report_progress(progress_id: str | None, done: int) -> None:
@@ -49,15 +47,33 @@ def rank_info(_prev: Any = None) -> dict[str, Any]:
 
 
 def init_policy(_prev: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: int, members: tuple[str, ...],
-                master: tuple[str, int] | None, pad_token_id: int, extension_fqn: str | None,
-                options: dict[str, Any]) -> dict[str, Any]:
-    """Join the process group (when there is more than one rank), then build this rank's PolicyWorker."""
-    from dask_lm.config import PolicyConfig
-    from dask_lm.workers import device
-    from dask_lm.workers.policy_worker import PolicyWorker, resolve_class
-    from dask_lm.workers.state import get_state, join_process_group
+                member_ids: tuple[str, ...], master: tuple[str, int] | None, pad_token_id: int,
+                extension_fqn: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """Free policies whose driver died, join the process group (when there is more than one rank), then build
+    this rank's PolicyWorker."""
+    from dask_lm.workers.state import get_state
 
     state = get_state()
+    with state.lock:
+        return _init_policy(state, policy_id, cfg_dict, rank=rank, members=members, member_ids=member_ids,
+                            master=master, pad_token_id=pad_token_id, extension_fqn=extension_fqn, options=options)
+
+
+def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: int, members: tuple[str, ...],
+                 member_ids: tuple[str, ...], master: tuple[str, int] | None, pad_token_id: int,
+                 extension_fqn: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    from dask_lm.config import PolicyConfig
+    from dask_lm.workers import device, lease
+    from dask_lm.workers.policy_worker import PolicyWorker, resolve_class
+    from dask_lm.workers.state import join_process_group
+
+    me = _incarnation()
+    if me != member_ids[rank]:
+        # this task outlived the worker it was meant for (a restart under the same name): a model loaded here would
+        # wait on a process group whose other ranks moved on
+        raise RuntimeError(f"rank {rank} was planned on a worker that has since restarted ({member_ids[rank]}, now "
+                           f"{me}); create the Policy again")
+    lease.reap_now(state)
     if policy_id in state.policies:  # a retried init on the same worker; should not happen with retries=0
         state.shutdown_policy(policy_id)
     cfg = PolicyConfig.from_dict(cfg_dict)
@@ -69,7 +85,8 @@ def init_policy(_prev: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: i
     group = None
     if len(members) > 1:
         assert master is not None
-        group = join_process_group(state, policy_id, members=members, rank=rank, master_addr=master[0],
+        group = join_process_group(state, policy_id, members=members, member_ids=member_ids, rank=rank,
+                                   master_addr=master[0],
                                    master_port=master[1], backend=device.collective_backend(),
                                    timeout_s=cfg.collective_timeout_s)
     cls: type = PolicyWorker
@@ -88,6 +105,14 @@ def init_policy(_prev: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: i
     info["model_dtype"] = str(worker.dtype).replace("torch.", "")
     info["num_parameters"] = sum(p.numel() for p in worker.model.parameters())  # DTensor numel is global
     return info
+
+
+def _incarnation() -> str:
+    """This worker process as the driver's WorkerGroup names it (address and scratch directory)."""
+    from distributed import get_worker
+
+    worker = get_worker()
+    return f"{worker.address}|{worker.local_directory}"
 
 
 def _policy(policy_id: str) -> Any:
