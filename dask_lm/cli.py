@@ -106,8 +106,11 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
 @click.option("--response-column", default=None)
 @click.option("--id-column", default=None, help="Keep only this input column in the output (default: all).")
 @click.option("--topk", type=int, default=0, show_default=True, help="Also write the k most likely tokens.")
-@click.option("--max-length", type=int, default=None, help="Longest row in tokens (longer rows are bad rows).")
-@click.option("--truncate", is_flag=True, help="Cut rows over --max-length instead of failing on them.")
+@click.option("--max-length", type=int, default=None, help="Longest row in tokens (default and upper bound: the "
+              "model's max_position_embeddings); longer rows are bad rows.")
+@click.option("--truncate", is_flag=True, help="Keep the last --max-length tokens of a longer row (cuts the context "
+              "side; a response is kept whole) instead of failing on it; such rows have truncated=true.")
+@click.option("--allow-nonfinite", is_flag=True, help="Keep NaN/inf logprobs instead of failing the job on them.")
 @click.option("--batch-tokens", type=int, default=16384, show_default=True, help="Padded tokens per micro-batch.")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32", "fp16"]), default="auto", show_default=True,
               help="auto: bf16 on GPU workers, fp32 on CPU ones.")

@@ -69,7 +69,8 @@ def test_text_mode_matches_hf_with_schema_and_topk(client, tiny, tok, hf, datase
     assert parts == [f"part-{i:05d}.parquet" for i in range(4)] and res.parts == 4 and res.rows == 30
     assert {"_manifest.json", "_SUCCESS"} <= set(os.listdir(out))
     schema = table.schema
-    assert schema.field("num_tokens").type == pa.int32()
+    assert schema.field("num_tokens").type == pa.int32() and schema.field("num_scored").type == pa.int32()
+    assert schema.field("truncated").type == pa.bool_()
     assert schema.field("logprobs").type == pa.list_(pa.float32())
     assert schema.field("sum_logprob").type == pa.float64()
     assert schema.field("topk_ids").type == pa.list_(pa.list_(pa.int32()))
@@ -80,7 +81,7 @@ def test_text_mode_matches_hf_with_schema_and_topk(client, tiny, tok, hf, datase
     for r in rows:
         ids = tok(TEXTS[r["id"]])["input_ids"]
         lp, lsm, total, n = _hf_row(hf, ids)
-        assert r["num_tokens"] == len(ids)
+        assert r["num_tokens"] == len(ids) and r["num_scored"] == n and not r["truncated"]
         torch.testing.assert_close(torch.tensor(r["logprobs"]), lp, atol=1e-4, rtol=0)
         assert r["sum_logprob"] == pytest.approx(total, abs=1e-3)
         assert r["mean_logprob"] == pytest.approx(total / n, abs=1e-4)
@@ -155,20 +156,26 @@ def test_bad_input_exit_2_and_nothing_written(tiny, dataset, tmp_path):
     assert not out.exists()
 
 
-def test_bad_rows_fail_or_are_skipped(client, tiny, tmp_path):
+def test_bad_rows_fail_or_are_skipped(client, tiny, tok, tmp_path):
     data = tmp_path / "bad.parquet"
-    pq.write_table(pa.table({"id": [0, 1, 2, 3], "text": ["fine text", None, "", "also fine"]}), data)
-    with pytest.raises(ValueError, match=r"bad.parquet: row 1, column 'text': expected a string"):
+    texts = ["fine text", None, "", "also fine", "ok"]
+    pq.write_table(pa.table({"id": [0, 1, 2, 3, 4], "text": texts}), data)
+    with pytest.raises(ValueError, match=r"bad.parquet: row 1, column 'text': expected a string, got null"):
         dask_lm.score_parquet(data, tmp_path / "o1", model=tiny["llama"], client=client, text_column="text",
                               progress=False)
     assert not (tmp_path / "o1" / "_SUCCESS").exists()
-    res = dask_lm.score_parquet(data, tmp_path / "o2", model=tiny["llama"], client=client, text_column="text",
-                                skip_bad_rows=True, max_length=3, progress=False)
+    with pytest.warns(UserWarning, match="nothing to score"):
+        res = dask_lm.score_parquet(data, tmp_path / "o2", model=tiny["llama"], client=client, text_column="text",
+                                    skip_bad_rows=True, max_length=3, progress=False)
     table, _ = _read(tmp_path / "o2")
     errors = pq.read_table(tmp_path / "o2" / "_errors.parquet").to_pylist()
-    assert table.column("id").to_pylist() == [] or set(table.column("id").to_pylist()) <= {0, 3}
-    assert {e["row"] for e in errors} >= {1, 2} and res.bad_rows == len(errors)
-    assert any("more than --max-length 3" in e["error"] for e in errors)
+    long_rows = {i for i, t in enumerate(texts) if t is not None and len(tok(t)["input_ids"]) > 3}
+    assert {e["row"] for e in errors} == {1} | long_rows and res.bad_rows == len(errors)
+    assert all("more than --max-length 3" in e["error"] for e in errors if e["row"] != 1)
+    # the empty text is not a bad row: it is written, flagged by num_scored 0 and null sums
+    assert sorted(table.column("id").to_pylist()) == sorted(set(range(5)) - {1} - long_rows)
+    (empty,) = [r for r in table.to_pylist() if r["id"] == 2]
+    assert empty["num_scored"] == 0 and empty["num_tokens"] == 0 and empty["sum_logprob"] is None
 
 
 def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, dataset, tmp_path):

@@ -1,35 +1,39 @@
 """Offline scoring of parquet datasets: ``score_parquet`` (the driver side of ``dask-lm score``).
 
-The job: read a parquet dataset with ``dd.read_parquet(..., dtype_backend="pyarrow")`` (one partition per row
-group), score each partition on whichever worker is free (:func:`dask_lm.workers.scorer.score_partition`, a
+The job: read a parquet dataset one row group per Dask task (Arrow-backed pandas, each read naming its file and
+row group when a page is damaged), score each partition on whichever worker is free (:func:`dask_lm.workers.scorer.score_partition`, a
 model replica per worker), and write ``part-NNNNN.parquet`` per partition, each atomically. ``_manifest.json``
-(written first) pins the model (path and a fingerprint of its files), the options, the input files and the
-dask-lm version; ``_SUCCESS`` (written last) marks a complete output. ``resume=True`` skips the parts already
-there and refuses an output whose manifest does not match.
+(written first) pins the model and input files by content (path, size, SHA-256 of every file that determines
+results: :mod:`dask_lm.io.fingerprint`), the options and the dask-lm version; ``_SUCCESS`` (written last) marks a
+complete output. ``resume=True`` skips the parts already there and refuses, naming each difference, an output
+whose pins differ; on a complete output it returns at once, without a cluster. A job holds a lock on its output
+directory (:mod:`dask_lm.io.jobdir`), so two jobs never write one output.
 
-Everything that can be checked without reading rows is checked before any work starts: the input files exist and
-are parquet with the needed columns and types, the model directory holds a config and weights, the output is new
-(or resumable). A bad row found while scoring fails the job with a message naming file, row and column, unless
+Everything that can be checked without reading rows is checked before any cluster starts: the input files exist
+and are parquet with the needed columns and types, the model's config and weight files are intact
+(:mod:`dask_lm.io.modelcheck`) and ``--topk`` fits its vocabulary, the output is new (or resumable) and lies
+outside the inputs. A bad row found while scoring fails the job with a message naming file, row and column, unless
 ``skip_bad_rows`` (then it is listed in ``_errors.parquet``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from dask_lm.io import fingerprint, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 from dask_lm.workers.scorer import ScoreOptions, release_scorers, score_partition
+from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
 
 __all__ = ["score_parquet", "ScoreResult"]
 
 logger = logging.getLogger("dask_lm")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 @dataclass
@@ -46,6 +50,10 @@ class ScoreResult:
     seconds: float
     perplexity: float
     dashboard: str | None = None
+    empty_rows: int = 0
+    """Rows with no token to score (null sums, ``num_scored`` 0), over every part."""
+    truncated_rows: int = 0
+    """Rows cut to the position limit by ``truncate``, over every part."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -60,33 +68,8 @@ class ScoreResult:
         return [("rows", f"{self.rows:,}"), ("tokens", f"{self.tokens:,}"),
                 ("tokens/s", f"{self.tokens_per_s:,.0f}"), ("perplexity", f"{self.perplexity:.3f}"),
                 ("parts", f"{self.parts} ({self.parts_skipped} already done)"), ("bad rows", str(self.bad_rows)),
+                ("empty rows", str(self.empty_rows)), ("truncated rows", str(self.truncated_rows)),
                 ("output", self.output), ("dashboard", self.dashboard or "-")]
-
-
-def _model_files(model: str) -> list[str]:
-    if not os.path.isdir(model):
-        raise ValueError(f"--model {model!r} is not a directory")
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise ValueError(f"--model {model!r} has no config.json: not a Hugging Face model directory")
-    weights = sorted(f for f in os.listdir(model) if f.endswith(_WEIGHT_SUFFIXES) and not f.startswith("."))
-    if not weights:
-        raise ValueError(f"--model {model!r} has no weights (*.safetensors or pytorch_model*.bin)")
-    return ["config.json", *weights]
-
-
-def _fingerprint(model: str, files: list[str]) -> str:
-    """sha256 over each model file's name, size, and first and last MiB: cheap, and changes with the weights."""
-    h = hashlib.sha256()
-    for name in files:
-        path = os.path.join(model, name)
-        size = os.path.getsize(path)
-        h.update(f"{name}:{size}".encode())
-        with open(path, "rb") as f:
-            h.update(f.read(2**20))
-            if size > 2**21:
-                f.seek(-(2**20), os.SEEK_END)
-                h.update(f.read())
-    return h.hexdigest()
 
 
 def _check_mode(text_column: str | None, ids_column: str | None, prompt_column: str | None,
@@ -100,63 +83,80 @@ def _check_mode(text_column: str | None, ids_column: str | None, prompt_column: 
         raise ValueError("--prompt-column and --response-column go together")
 
 
-def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, fingerprint: str) -> dict[str, Any]:
+def _precision_name(precision: str | None) -> str | None:
+    """The torch dtype name of ``--precision``; ``None`` for auto (decided by the workers' devices)."""
+    if precision in (None, "auto"):
+        return None
+    name = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(precision, precision)
+    if name not in ("bfloat16", "float32", "float16"):
+        raise ValueError(f"--precision must be bf16, fp32 or fp16, got {precision!r}")
+    return name
+
+
+def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, pins: dict[str, Any]) -> dict[str, Any]:
     from dask_lm import __version__
 
+    # left out: where the output goes, the model (pinned by content below), and options that change no written
+    # value: micro-batch sizes, and allow_nonfinite (a job refused for NaN may be resumed keeping them; parts written
+    # before hold only finite values)
     options = {k: v for k, v in asdict(opts).items() if k not in ("output", "model", "tokenizer", "batch_tokens",
-                                                                   "chunk_size")}
-    return {"dask_lm_version": __version__, "model": opts.model, "model_fingerprint": fingerprint,
-            "tokenizer": opts.tokenizer, "options": options,
-            "inputs": [{"path": f, "size": os.path.getsize(f)} for f in inputs.files],
-            "partitions": len(inputs.partitions)}
+                                                                   "chunk_size", "allow_nonfinite")}
+    return {"format": jobdir.FORMAT, "dask_lm_version": __version__, "model": opts.model,
+            "tokenizer": opts.tokenizer, "options": options, "partitions": len(inputs.partitions), **pins}
 
 
-def _prepare_output(output: str, manifest: dict[str, Any], resume: bool) -> list[int]:
-    """Create (or check, for resume) the output directory; the part indices already complete."""
-    import json
-
-    path = os.path.join(output, pio.MANIFEST)
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise ValueError(f"--output {output!r} exists and is not a directory")
-    existing = os.path.isdir(output) and [f for f in os.listdir(output) if not f.startswith(".")]
-    if existing and not resume:
+def _existing_manifest(output: str, resume: bool) -> dict[str, Any] | None:
+    """The manifest of the job to resume, or ``None`` for a new output; refuses an output that is neither."""
+    if not any(not f.startswith(".") for f in os.listdir(output)):
+        return None
+    if not resume:
         raise ValueError(f"--output {output!r} already holds files; pass --resume to finish an interrupted job, or "
                          "choose a new directory")
-    if resume and os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-        diffs = [k for k in ("model", "model_fingerprint", "tokenizer", "options", "inputs", "partitions")
-                 if old.get(k) != manifest.get(k)]
-        if diffs:
-            raise ValueError(f"--resume refused: {output} was written with different {', '.join(diffs)} "
-                             f"(see {pio.MANIFEST}); score into a new directory instead")
-    elif existing:
+    old = jobdir.read_manifest(output)
+    if old is None:
         raise ValueError(f"--resume refused: {output!r} has files but no {pio.MANIFEST}; it is not a dask-lm "
                          "scoring output")
+    return old
+
+
+def _prepare_output(output: str, manifest: dict[str, Any], old: dict[str, Any] | None) -> list[int]:
+    """Pin a new output (or check a resumed one against its pins); the part indices already complete. Runs under
+    the output's lock, so temporary files found here are a killed job's debris."""
+    if old is None:
+        pio.write_json_atomic(manifest, os.path.join(output, pio.MANIFEST))
+    else:  # the old manifest stays: it describes the parts already written
+        jobdir.check_resume(old, manifest, output=output, what="scored")
     os.makedirs(pio.errors_dir(output), exist_ok=True)
-    pio.write_json_atomic(manifest, path)
-    if os.path.exists(os.path.join(output, pio.SUCCESS)):
-        return list(range(manifest["partitions"]))
+    pio.remove_debris(output)
     return [i for i in range(manifest["partitions"]) if os.path.exists(os.path.join(output, pio.part_name(i)))]
 
 
-def _partitions(inputs: pio.ScoreInputs, columns: list[str] | None) -> list[Any]:
-    """One delayed pandas frame per row group, read by ``dd.read_parquet`` with Arrow-backed dtypes."""
+def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
+    """``--resume`` of a complete output: nothing to score and no cluster to start; the summary is ``_SUCCESS``'s."""
+    parts = int(manifest["partitions"])
+    try:
+        with open(os.path.join(output, pio.SUCCESS)) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        summary = None
+    summary = summary if isinstance(summary, dict) else {}
+    perplexity = summary.get("perplexity")
+    if not isinstance(perplexity, (int, float)):
+        perplexity = _mean_perplexity(output, parts)
+    return ScoreResult(output=output, rows=0, tokens=0, parts=parts, parts_skipped=parts,
+                       bad_rows=int(summary.get("bad_rows") or 0), seconds=0.0, perplexity=float(perplexity),
+                       empty_rows=int(summary.get("empty_rows") or 0),
+                       truncated_rows=int(summary.get("truncated_rows") or 0))
+
+
+def _located_partitions(inputs: pio.ScoreInputs, columns: list[str] | None) -> list[Any]:
+    """One delayed read per planned row group whose failure names file and row group
+    (:func:`dask_lm.io.parquet.read_partition`): ``dd.read_parquet``'s reader raises a corrupt page's error with
+    neither, and inside its task nothing downstream can turn the error into bad rows for ``--skip-bad-rows``."""
     import dask
-    import dask.dataframe as dd
 
-    ddf = dd.read_parquet(inputs.files, dtype_backend="pyarrow", split_row_groups=True, columns=columns)
-    if ddf.npartitions == len(inputs.partitions):
-        return ddf.to_delayed()
-    # a reader that grouped row groups differently: read exactly the planned row groups ourselves
-    return [dask.delayed(_read_row_group)(f, g, columns) for f, g, _start, _n in inputs.partitions]
-
-
-def _read_row_group(file: str, group: int, columns: list[str] | None) -> Any:
-    import pandas as pd
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(file).read_row_group(group, columns=columns).to_pandas(types_mapper=pd.ArrowDtype)
+    return [dask.delayed(pio.read_partition, pure=False)(f, g, start, n, columns)
+            for f, g, start, n in inputs.partitions]
 
 
 def _worker_has_gpu(client: Any) -> bool:
@@ -171,51 +171,74 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
                   response_column: str | None = None, id_column: str | None = None, topk: int = 0,
                   max_length: int | None = None, truncate: bool = False, batch_tokens: int = 16384,
                   precision: str | None = None, resume: bool = False, progress: bool = True,
-                  skip_bad_rows: bool = False, tokenizer: str | os.PathLike | None = None,
+                  skip_bad_rows: bool = False, allow_nonfinite: bool = False,
+                  tokenizer: str | os.PathLike | None = None,
                   performance_report: str | None = None, n_workers: int | None = None,
                   scheduler_address: str | None = None) -> ScoreResult:
     """Score every row of a parquet dataset with ``model``; see the module docstring for the output.
 
     ``input`` is a parquet file, a directory of them, a glob, or a list. Exactly one of ``text_column``,
     ``ids_column`` or ``prompt_column`` + ``response_column`` says what to score. ``client`` is a Dask client
-    (default: ``connect(scheduler_address, n_workers=n_workers)``, started after the checks and closed here). ``precision`` defaults to bfloat16 on GPU workers and
-    float32 on CPU ones. Raises ``ValueError`` for bad usage or input, before anything is written.
+    (default: ``connect(scheduler_address, n_workers=n_workers)``, started after the checks and closed here).
+    ``precision`` defaults to bfloat16 on GPU workers and float32 on CPU ones. Raises ``ValueError`` for bad usage
+    or input (damaged model files, a changed input on ``resume``, an output another job holds), before anything is
+    written and before a cluster starts.
     """
     from dask_lm.engine.cluster import close, connect
 
     _check_mode(text_column, ids_column, prompt_column, response_column)
     if topk < 0 or (max_length is not None and max_length < 1) or batch_tokens < 1:
         raise ValueError("--topk must be >= 0, --max-length >= 1 and --batch-tokens >= 1")
+    fixed_precision = _precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
     model = os.path.abspath(os.fspath(model))
-    files = _model_files(model)
+    info = modelcheck.check_model(model)
+    if info.vocab_size is not None and topk > info.vocab_size:
+        raise ValueError(f"--topk {topk} is larger than the model's vocabulary ({info.vocab_size} tokens, vocab_size "
+                         f"in {os.path.join(model, modelcheck.CONFIG)}); pass --topk {info.vocab_size} or less")
     tokenizer = os.path.abspath(os.fspath(tokenizer)) if tokenizer else model
-    if not ids_column and not any(os.path.exists(os.path.join(tokenizer, f))
-                                  for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ValueError(f"{tokenizer!r} has no tokenizer files; pass --tokenizer, or score token ids with --ids-column")
+    if not ids_column:
+        if not any(os.path.exists(os.path.join(tokenizer, f))
+                   for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            raise ValueError(f"{tokenizer!r} has no tokenizer files; pass --tokenizer, or score token ids with "
+                             "--ids-column")
+        modelcheck.check_tokenizer(tokenizer)
     output = os.path.abspath(os.fspath(output))
-    inputs = pio.inspect_inputs(pio.resolve_input_files(input), text_column=text_column, ids_column=ids_column,
+    files = pio.resolve_input_files(input)
+    jobdir.check_output_location(output, input, files)
+    inputs = pio.inspect_inputs(files, text_column=text_column, ids_column=ids_column,
                                 prompt_column=prompt_column, response_column=response_column, id_column=id_column)
-    owns = client is None
-    client = client or connect(scheduler_address, n_workers=n_workers)
-    try:
-        if precision in (None, "auto"):
-            precision = "bfloat16" if _worker_has_gpu(client) else "float32"
-        precision = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(precision, precision)
-        if precision not in ("bfloat16", "float32", "float16"):
-            raise ValueError(f"--precision must be bf16, fp32 or fp16, got {precision!r}")
-        opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=precision, output=output,
-                            text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                            response_column=response_column, id_column=id_column, topk=topk, max_length=max_length,
-                            truncate=truncate, batch_tokens=batch_tokens, skip_bad_rows=skip_bad_rows)
-        done = _prepare_output(output, _manifest(opts, inputs, _fingerprint(model, files)), resume)
-        return _run(client, inputs, opts, done, progress, performance_report)
-    finally:
-        if owns:
-            close(client)
+    separate_tokenizer = tokenizer if tokenizer != model else None  # else its files are among the model's
+    pins = fingerprint.job_pins(model, info.files, inputs.files, tokenizer=separate_tokenizer,
+                                tokenizer_files=modelcheck.tokenizer_files(tokenizer) if separate_tokenizer else ())
+    opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=fixed_precision or "auto", output=output,
+                        text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
+                        response_column=response_column, id_column=id_column, topk=topk, max_length=max_length,
+                        truncate=truncate, batch_tokens=batch_tokens, skip_bad_rows=skip_bad_rows,
+                        allow_nonfinite=allow_nonfinite)
+    with jobdir.locked_output(output):
+        old = _existing_manifest(output, resume)
+        if old is not None:
+            # everything but an automatic precision is compared before a cluster starts
+            jobdir.check_resume(old, _manifest(opts, inputs, pins), output=output, what="scored",
+                                ignore=("precision",) if fixed_precision is None else ())
+            if os.path.exists(os.path.join(output, pio.SUCCESS)):
+                return _finished(output, old)
+        owns = client is None
+        client = client or connect(scheduler_address, n_workers=n_workers)
+        try:
+            if fixed_precision is None:
+                opts = replace(opts, precision="bfloat16" if _worker_has_gpu(client) else "float32")
+            done = _prepare_output(output, _manifest(opts, inputs, pins), old)
+            return _run(client, inputs, opts, done, progress, performance_report)
+        finally:
+            if owns:
+                close(client)
 
 
 def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[int], progress: bool,
          performance_report: str | None) -> ScoreResult:
+    import warnings
+
     import dask
     from distributed import as_completed, span
     from distributed import performance_report as perf_report
@@ -225,7 +248,7 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
         columns = sorted({c for c in (opts.id_column, opts.text_column, opts.ids_column, opts.prompt_column,
                                       opts.response_column) if c})
     todo = [i for i in range(len(inputs.partitions)) if i not in set(done)]
-    parts = _partitions(inputs, columns)
+    parts = _located_partitions(inputs, columns)
     report = perf_report(filename=performance_report) if performance_report else contextlib.nullcontext()
     t0 = time.perf_counter()
     rows = tokens = bad = 0
@@ -235,6 +258,8 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
         tasks = [dask.delayed(score_partition, pure=False)(parts[i], i, inputs.partitions[i][0],
                                                            inputs.partitions[i][2], inputs.partitions[i][3], opts)
                  for i in todo]
+        # the workers' dask-lm plugin frees replicas that stay idle, e.g. those of a job whose driver died
+        client.register_plugin(DaskLMWorkerState(), name=PLUGIN_NAME)
         futures = client.compute(tasks)
         try:
             for fut in as_completed(futures):
@@ -255,27 +280,42 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
     seconds = time.perf_counter() - t0
     pio.remove_debris(opts.output)
     bad_total = pio.merge_errors(opts.output)
+    perplexity, flagged = _output_totals(opts.output, len(inputs.partitions))
     result = ScoreResult(output=opts.output, rows=rows, tokens=tokens, parts=len(inputs.partitions),
-                         parts_skipped=len(done), bad_rows=bad_total, seconds=seconds,
-                         perplexity=_mean_perplexity(opts.output, len(inputs.partitions)),
-                         dashboard=getattr(client, "dashboard_link", None))
-    pio.write_json_atomic({k: v for k, v in asdict(result).items()}, os.path.join(opts.output, pio.SUCCESS))
+                         parts_skipped=len(done), bad_rows=bad_total, seconds=seconds, perplexity=perplexity,
+                         dashboard=getattr(client, "dashboard_link", None), **flagged)
+    if flagged["empty_rows"]:
+        warnings.warn(f"{flagged['empty_rows']} rows had nothing to score (an empty text, response or id list, or a "
+                      "single token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null",
+                      UserWarning, stacklevel=3)
+    # the counts cover every part, like bad_rows (resumed parts included)
+    pio.write_json_atomic(asdict(result), os.path.join(opts.output, pio.SUCCESS))
     return result
 
 
 def _mean_perplexity(output: str, parts: int) -> float:
-    """The mean of the per-row perplexities over every part (resumed parts included; rows without a scored
-    token, whose perplexity is NaN, left out)."""
+    """The mean of the per-row perplexities over every part (resumed parts included); rows with nothing scored,
+    whose perplexity is null, are left out. A NaN / inf perplexity (kept with ``allow_nonfinite``) is not: the mean
+    then says so too."""
+    return _output_totals(output, parts)[0]
+
+
+def _output_totals(output: str, parts: int) -> tuple[float, dict[str, int]]:
+    """:func:`_mean_perplexity`, and the counts of flagged rows over every part, read in the same pass:
+    ``empty_rows`` (nothing scored) and ``truncated_rows``."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    total, count = 0.0, 0
+    total, count, empty, truncated = 0.0, 0, 0, 0
     for i in range(parts):
-        ppl = pq.read_table(os.path.join(output, pio.part_name(i)), columns=["perplexity"])["perplexity"]
-        ppl = ppl.filter(pc.invert(pc.is_nan(ppl)))
-        total += float(pc.sum(ppl).as_py() or 0.0)
-        count += len(ppl)
-    return total / count if count else float("nan")
+        t = pq.read_table(os.path.join(output, pio.part_name(i)), columns=["perplexity", "truncated"])
+        ppl = t["perplexity"]
+        total += float(pc.sum(ppl).as_py() or 0.0)  # sum and count skip nulls
+        count += len(ppl) - ppl.null_count
+        empty += ppl.null_count
+        truncated += int(pc.sum(t["truncated"]).as_py() or 0)
+    mean = total / count if count else float("nan")
+    return mean, {"empty_rows": empty, "truncated_rows": truncated}
 
 
 def _progress(total: int, enabled: bool) -> Any:

@@ -9,7 +9,14 @@ Checkpoints: every ``save_every`` steps (and at the end) ``output/step_N/`` appe
 Hugging Face directory), ``optimizer/``, ``tokenizer/`` and ``training_state.json`` (step, epoch, position in the
 epoch, losses). It is written as ``output/.step_N.tmp-<id>/`` and renamed once complete, so ``resume=True`` can
 always take the newest ``step_N`` and continue exactly where it stopped (same data order, same optimizer state).
-``keep`` bounds how many step directories stay. ``_manifest.json`` pins the options; ``_SUCCESS`` ends the job.
+``keep`` bounds how many step directories stay. ``_manifest.json`` pins the options and, by content (SHA-256 of
+every file: :mod:`dask_lm.io.fingerprint`), the model and input files; ``resume=True`` refuses a run where any of
+them changed, naming what did. ``_SUCCESS`` ends the job.
+
+A job holds a lock on its output directory for its whole life (:mod:`dask_lm.io.jobdir`): a second job on the same
+output is refused, and the ``.step_N.tmp-<id>/`` directories that a killed job left (a model and optimizer state
+each) are deleted when the next job on that output starts. The model files are checked
+(:mod:`dask_lm.io.modelcheck`) and an input without rows is refused before any cluster starts.
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ from typing import Any
 
 import torch
 
+from dask_lm.io import fingerprint, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 
 __all__ = ["sft_parquet", "SFTResult"]
 
 _STEP = re.compile(r"^step_(\d+)$")
+_STALE_STEP = r"\.step_\d+\.tmp-[0-9A-Za-z]+"  # what _save writes before its rename
 
 
 @dataclass
@@ -48,6 +57,9 @@ def _tokenize_partition(pdf: Any, text_column: str | None, prompt_column: str | 
                         tokenizer_dir: str, file: str, first_row: int) -> list[tuple[list[int], int]]:
     """(token ids, first trained position) per row, on a worker."""
     import transformers
+
+    if isinstance(pdf, pio.UnreadableRowGroup):  # a damaged page: nothing of the row group can be trained on
+        raise ValueError(pdf.message())
 
     tok = _TOKENIZERS.get(tokenizer_dir)
     if tok is None:
@@ -107,12 +119,12 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
                 shuffle: bool = True, resume: bool = False, progress: bool = True,
                 scheduler_address: str | None = None, n_workers: int | None = None) -> SFTResult:
     """Fine-tune ``model`` with NLL on a parquet dataset; see the module docstring. ``ValueError`` on bad input
-    (before any work), a resumable checkpoint every ``save_every`` steps."""
+    (before any cluster starts), a resumable checkpoint every ``save_every`` steps."""
     import transformers
 
     import dask_lm
     from dask_lm.engine.cluster import close, connect
-    from dask_lm.engine.scoring import _check_mode, _fingerprint, _model_files, _worker_has_gpu
+    from dask_lm.engine.scoring import _check_mode, _worker_has_gpu
 
     _check_mode(text_column, None, prompt_column, response_column)
     for key, value in (("epochs", epochs), ("global_batch_size", global_batch_size),
@@ -121,99 +133,113 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
         if value < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
     model = os.path.abspath(os.fspath(model))
-    fingerprint = _fingerprint(model, _model_files(model))
+    info = modelcheck.check_model(model)
+    modelcheck.check_tokenizer(model)
     output = os.path.abspath(os.fspath(output))
-    inputs = pio.inspect_inputs(pio.resolve_input_files(input), text_column=text_column, ids_column=None,
-                                prompt_column=prompt_column, response_column=response_column, id_column=None)
+    files = pio.resolve_input_files(input)
+    jobdir.check_output_location(output, input, files)
+    inputs = pio.inspect_inputs(files, text_column=text_column, ids_column=None, prompt_column=prompt_column,
+                                response_column=response_column, id_column=None)
+    if inputs.num_rows == 0:
+        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        raise ValueError(f"the input has no rows: {shown} hold{'s' if len(files) == 1 else ''} 0 rows, nothing to "
+                         "train on; check the input path")
     options = {"text_column": text_column, "prompt_column": prompt_column, "response_column": response_column,
                "epochs": epochs, "global_batch_size": global_batch_size, "lr": lr, "weight_decay": weight_decay,
                "warmup_steps": warmup_steps, "max_length": max_length, "truncate": truncate, "seed": seed,
                "shuffle": shuffle}
-    manifest = {"dask_lm_version": dask_lm.__version__, "model": model, "model_fingerprint": fingerprint,
-                "options": options, "inputs": [{"path": f, "size": os.path.getsize(f)} for f in inputs.files]}
-    start = _prepare_sft_output(output, manifest, resume)
+    manifest = {"format": jobdir.FORMAT, "dask_lm_version": dask_lm.__version__, "model": model, "options": options,
+                **fingerprint.job_pins(model, info.files, inputs.files)}
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
-    owns = client is None
-    client = client or connect(scheduler_address, n_workers=n_workers)
-    try:
-        if precision in (None, "auto"):
-            precision = "bfloat16" if _worker_has_gpu(client) else "float32"
-        precision = {"bf16": "bfloat16", "fp32": "float32"}.get(precision, precision)
-        rows = _tokenize_all(client, inputs, text_column, prompt_column, response_column, model, max_length, truncate)
-        steps_per_epoch = math.ceil(len(rows) / global_batch_size)
-        total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
-        cfg = {"model_name": model, "precision": precision, "train_global_batch_size": global_batch_size,
-               "train_micro_batch_size": micro_batch_size, "max_total_sequence_length": max_length,
-               "logprob_batch_size": micro_batch_size, "max_grad_norm": 1.0,
-               "dynamic_batching": {"enabled": True, "train_mb_tokens": max_length * micro_batch_size,
-                                    "logprob_mb_tokens": max_length * micro_batch_size},
-               "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": lr, "weight_decay": weight_decay}}}
-        if warmup_steps:
-            cfg["scheduler"] = [{"name": "torch.optim.lr_scheduler.LinearLR",
-                                 "kwargs": {"start_factor": 1.0 / (warmup_steps + 1), "end_factor": 1.0,
-                                            "total_iters": warmup_steps}},
-                                {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0,
-                                                                                          "total_iters": 1}},
-                                {"milestones": [warmup_steps]}]
-        state = {"step": 0, "losses": []}
-        paths: dict[str, Any] = {}
-        if start is not None:
-            with open(os.path.join(start[1], "training_state.json")) as f:
-                state = json.load(f)
-            paths = {"weights_path": os.path.join(start[1], "weights"),
-                     "optimizer_path": os.path.join(start[1], "optimizer")}
-        t0 = time.perf_counter()
-        with dask_lm.Policy(client, cfg, tokenizer, init_reference_model=False, **paths) as policy:
-            bar = _bar(total, state["step"], progress)
-            last = state["step"]
-            while state["step"] < total:
-                step = state["step"]
-                epoch, within = divmod(step, steps_per_epoch)
-                order = _order(len(rows), epoch, seed, shuffle)
-                chunk = [rows[i] for i in order[within * global_batch_size:(within + 1) * global_batch_size]]
-                out = policy.train(_batch(chunk, global_batch_size, pad_id), dask_lm.NLLLoss())
-                state["step"] = step + 1
-                state["losses"].append(float(out["loss"][0]))
+    with jobdir.locked_output(output):
+        start = _prepare_sft_output(output, manifest, resume)
+        jobdir.remove_stale(output, _STALE_STEP)  # under the lock: no live job is writing them
+        owns = client is None
+        client = client or connect(scheduler_address, n_workers=n_workers)
+        try:
+            if precision in (None, "auto"):
+                precision = "bfloat16" if _worker_has_gpu(client) else "float32"
+            precision = {"bf16": "bfloat16", "fp32": "float32"}.get(precision, precision)
+            rows = _tokenize_all(client, inputs, text_column, prompt_column, response_column, model, max_length,
+                                 truncate)
+            steps_per_epoch = math.ceil(len(rows) / global_batch_size)
+            total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
+            cfg = _policy_config(model, precision, global_batch_size, micro_batch_size, max_length, lr, weight_decay,
+                                 warmup_steps)
+            state = {"step": 0, "losses": []}
+            paths: dict[str, Any] = {}
+            if start is not None:
+                with open(os.path.join(start[1], "training_state.json")) as f:
+                    state = json.load(f)
+                paths = {"weights_path": os.path.join(start[1], "weights"),
+                         "optimizer_path": os.path.join(start[1], "optimizer")}
+            t0 = time.perf_counter()
+            with dask_lm.Policy(client, cfg, tokenizer, init_reference_model=False, **paths) as policy:
+                bar = _bar(total, state["step"], progress)
+                last = state["step"]
+                while state["step"] < total:
+                    step = state["step"]
+                    epoch, within = divmod(step, steps_per_epoch)
+                    order = _order(len(rows), epoch, seed, shuffle)
+                    chunk = [rows[i] for i in order[within * global_batch_size:(within + 1) * global_batch_size]]
+                    out = policy.train(_batch(chunk, global_batch_size, pad_id), dask_lm.NLLLoss())
+                    state["step"] = step + 1
+                    state["losses"].append(float(out["loss"][0]))
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(f"loss {state['losses'][-1]:.4f}")
+                    if state["step"] % save_every == 0 or state["step"] == total:
+                        _save(policy, output, state, keep)
+                        last = state["step"]
                 if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix_str(f"loss {state['losses'][-1]:.4f}")
-                if state["step"] % save_every == 0 or state["step"] == total:
+                    bar.close()
+                if last != state["step"]:  # nothing to train (resumed at the end): make sure a checkpoint exists
                     _save(policy, output, state, keep)
-                    last = state["step"]
-            if bar is not None:
-                bar.close()
-            if last != state["step"]:  # nothing to train (resumed at the end): make sure a checkpoint exists
-                _save(policy, output, state, keep)
-        seconds = time.perf_counter() - t0
-        result = SFTResult(output=output, steps=state["step"], epochs_completed=state["step"] // steps_per_epoch,
-                           losses=state["losses"], resumed_from=start[0] if start else None, seconds=seconds,
-                           checkpoint=os.path.join(output, f"step_{state['step']}"))
-        pio.write_json_atomic(result.__dict__, os.path.join(output, pio.SUCCESS))
-        return result
-    finally:
-        if owns:
-            close(client)
+            seconds = time.perf_counter() - t0
+            result = SFTResult(output=output, steps=state["step"], epochs_completed=state["step"] // steps_per_epoch,
+                               losses=state["losses"], resumed_from=start[0] if start else None, seconds=seconds,
+                               checkpoint=os.path.join(output, f"step_{state['step']}"))
+            pio.write_json_atomic(result.__dict__, os.path.join(output, pio.SUCCESS))
+            return result
+        finally:
+            if owns:
+                close(client)
+
+
+def _policy_config(model: str, precision: str, global_batch_size: int, micro_batch_size: int, max_length: int,
+                   lr: float, weight_decay: float, warmup_steps: int) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "model_name": model, "precision": precision, "train_global_batch_size": global_batch_size,
+        "train_micro_batch_size": micro_batch_size, "max_total_sequence_length": max_length,
+        "logprob_batch_size": micro_batch_size, "max_grad_norm": 1.0,
+        "dynamic_batching": {"enabled": True, "train_mb_tokens": max_length * micro_batch_size,
+                             "logprob_mb_tokens": max_length * micro_batch_size},
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": lr, "weight_decay": weight_decay}}}
+    if warmup_steps:
+        cfg["scheduler"] = [{"name": "torch.optim.lr_scheduler.LinearLR",
+                             "kwargs": {"start_factor": 1.0 / (warmup_steps + 1), "end_factor": 1.0,
+                                        "total_iters": warmup_steps}},
+                            {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0,
+                                                                                      "total_iters": 1}},
+                            {"milestones": [warmup_steps]}]
+    return cfg
 
 
 def _prepare_sft_output(output: str, manifest: dict[str, Any], resume: bool) -> tuple[int, str] | None:
-    path = os.path.join(output, pio.MANIFEST)
-    existing = os.path.isdir(output) and [f for f in os.listdir(output) if not f.startswith(".")]
+    """Pin a new run, or check a resumed one against its pins and return its newest checkpoint (under the lock)."""
+    existing = [f for f in os.listdir(output) if not f.startswith(".")]
     if existing and not resume:
         raise ValueError(f"--output {output!r} already holds files; pass --resume to continue that run, or choose "
                          "a new directory")
     if existing:
-        if not os.path.exists(path):
+        old = jobdir.read_manifest(output)
+        if old is None:
             raise ValueError(f"--resume refused: {output!r} has no {pio.MANIFEST}; it is not a dask-lm sft output")
-        with open(path) as f:
-            old = json.load(f)
-        diffs = [k for k in ("model", "model_fingerprint", "options", "inputs") if old.get(k) != manifest.get(k)]
-        if diffs:
-            raise ValueError(f"--resume refused: {output} was trained with different {', '.join(diffs)} (see "
-                             f"{pio.MANIFEST}); train into a new directory instead")
+        jobdir.check_resume(old, manifest, output=output, what="trained",
+                            flags={"shuffle": "shuffle (off with --no-shuffle)"})
         return _newest_checkpoint(output)
-    os.makedirs(output, exist_ok=True)
-    pio.write_json_atomic(manifest, path)
+    pio.write_json_atomic(manifest, os.path.join(output, pio.MANIFEST))
     return None
 
 
@@ -222,10 +248,10 @@ def _tokenize_all(client: Any, inputs: pio.ScoreInputs, text_column: str | None,
                   ) -> list[tuple[list[int], int]]:
     import dask
 
-    from dask_lm.engine.scoring import _partitions
+    from dask_lm.engine.scoring import _located_partitions
 
     columns = [c for c in (text_column, prompt_column, response_column) if c]
-    parts = _partitions(inputs, columns)
+    parts = _located_partitions(inputs, columns)
     tasks = [dask.delayed(_tokenize_partition, pure=False)(p, text_column, prompt_column, response_column,
                                                            tokenizer_dir, f, first)
              for p, (f, _g, first, _n) in zip(parts, inputs.partitions)]

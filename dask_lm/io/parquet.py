@@ -17,7 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 __all__ = ["ScoreInputs", "resolve_input_files", "inspect_inputs", "part_name", "write_part", "write_json_atomic",
-           "output_schema_columns", "errors_dir", "merge_errors", "remove_debris", "MANIFEST", "SUCCESS", "ERRORS"]
+           "output_schema_columns", "UnreadableRowGroup", "read_partition", "errors_table", "errors_dir",
+           "merge_errors", "remove_debris", "MANIFEST", "SUCCESS", "ERRORS"]
 
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS"
@@ -37,7 +38,11 @@ class ScoreInputs:
 
 
 def resolve_input_files(input: str | os.PathLike | list) -> list[str]:
-    """A parquet file, a directory of them (recursively), a glob, or a list of those: sorted absolute paths."""
+    """A parquet file, a directory of them (recursively), a glob, or a list of those: sorted absolute paths.
+
+    Inside a directory, files and directories whose names start with ``_`` or ``.`` are skipped at every depth, as
+    Dask and Spark skip them: they hold metadata (``_SUCCESS``, ``_delta_log/``), temporaries (``_temporary/``,
+    ``.part.tmp-*``) or a job's own bookkeeping (``_errors/``), never rows."""
     items = input if isinstance(input, (list, tuple)) else [input]
     files: list[str] = []
     for item in items:
@@ -48,8 +53,7 @@ def resolve_input_files(input: str | os.PathLike | list) -> list[str]:
                 raise ValueError(f"input {path!r} matches no file")
             files.extend(m for m in matched if os.path.isfile(m))
         elif os.path.isdir(path):
-            found = sorted(os.path.join(root, f) for root, _dirs, names in os.walk(path) for f in names
-                           if f.endswith((".parquet", ".parq", ".pq")) and not f.startswith(("_", ".")))
+            found = sorted(_walk_parquet(path))
             if not found:
                 raise ValueError(f"input directory {path!r} holds no .parquet files")
             files.extend(found)
@@ -58,6 +62,15 @@ def resolve_input_files(input: str | os.PathLike | list) -> list[str]:
         else:
             raise ValueError(f"input {path!r} does not exist")
     return [os.path.abspath(f) for f in files]
+
+
+def _walk_parquet(directory: str) -> list[str]:
+    found = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]  # pruned in place: os.walk never enters them
+        found += [os.path.join(root, f) for f in names
+                  if f.endswith((".parquet", ".parq", ".pq")) and not f.startswith(("_", "."))]
+    return found
 
 
 def _column_type(schema: pa.Schema, name: str, file: str) -> pa.DataType:
@@ -101,8 +114,7 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
             raise ValueError(f"{first}: column {ids_column!r} has type {t}; an ids column must be list<int>")
     if id_column is not None:
         _column_type(out.schema, id_column, first)
-    for reserved in ("num_tokens", "logprobs", "sum_logprob", "mean_logprob", "perplexity", "topk_ids",
-                     "topk_logprobs"):
+    for reserved in [name for name, _type in output_schema_columns(1)]:
         if id_column is None and reserved in out.schema.names:
             raise ValueError(f"{first}: input column {reserved!r} would collide with the output column of the same "
                              "name; pass --id-column to keep only an id column")
@@ -110,11 +122,62 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
 
 
 def output_schema_columns(topk: int) -> list[tuple[str, pa.DataType]]:
-    cols = [("num_tokens", pa.int32()), ("logprobs", pa.list_(pa.float32())), ("sum_logprob", pa.float64()),
-            ("mean_logprob", pa.float64()), ("perplexity", pa.float64())]
+    """The columns scoring appends to the input's, in order. ``num_tokens`` and ``logprobs`` describe the row as
+    the model saw it (after ``--truncate``); ``num_scored`` counts the tokens in the sums, and where it is 0 the
+    sums, mean and perplexity are null: an empty response scores no token, which is not a log-likelihood of 0."""
+    cols = [("num_tokens", pa.int32()), ("num_scored", pa.int32()), ("truncated", pa.bool_()),
+            ("logprobs", pa.list_(pa.float32())), ("sum_logprob", pa.float64()), ("mean_logprob", pa.float64()),
+            ("perplexity", pa.float64())]
     if topk:
         cols += [("topk_ids", pa.list_(pa.list_(pa.int32()))), ("topk_logprobs", pa.list_(pa.list_(pa.float32())))]
     return cols
+
+
+@dataclass
+class UnreadableRowGroup:
+    """A row group whose pages cannot be decoded (the footer could): stands in for its rows, all of them bad."""
+
+    file: str
+    group: int
+    first_row: int
+    num_rows: int
+    error: str
+    schema: pa.Schema
+    """The columns that were asked for, from the footer, so that an empty part keeps the output schema."""
+
+    def message(self) -> str:
+        last = self.first_row + self.num_rows - 1
+        return (f"{self.file}: row group {self.group} (rows {self.first_row}-{last}) cannot be read: {self.error}; "
+                "the file is damaged: re-create it")
+
+
+def read_partition(file: str, group: int, first_row: int, num_rows: int, columns: list[str] | None) -> Any:
+    """Row group ``group`` of ``file`` as a pandas frame of Arrow-backed columns, or an :class:`UnreadableRowGroup`
+    when its pages are corrupt.
+
+    Reading here rather than in ``dd.read_parquet``'s task gives the error a location (a corrupt page raises
+    "Couldn't deserialize thrift" with no file or row group), lets ``--skip-bad-rows`` list the row group's rows
+    instead of failing the job, and verifies page checksums where the writer stored them, so a flipped byte in a
+    value is found rather than scored. A file that is gone or whose footer broke since the checks is not a bad
+    row: that raises."""
+    import pandas as pd
+
+    f = pq.ParquetFile(file, page_checksum_verification=True)
+    try:
+        table = f.read_row_group(group, columns=columns)
+    except (OSError, pa.ArrowException) as e:
+        schema = f.schema_arrow
+        if columns is not None:
+            schema = pa.schema([schema.field(c) for c in columns])
+        return UnreadableRowGroup(file, group, first_row, num_rows, " ".join(str(e).split()), schema)
+    return table.to_pandas(types_mapper=pd.ArrowDtype)
+
+
+def errors_table(index: int, file: str, rows: list[int], errors: list[str]) -> pa.Table:
+    """The bad rows of part ``index``: one row each (``part``, ``file``, ``row`` in its file, ``error``)."""
+    return pa.table({"part": pa.array([index] * len(rows), pa.int32()), "file": pa.array([file] * len(rows),
+                                                                                       pa.string()),
+                     "row": pa.array(rows, pa.int64()), "error": pa.array(errors, pa.string())})
 
 
 def part_name(index: int) -> str:

@@ -11,6 +11,10 @@ Workers check the leases of the policies they hold every ``DASK_LM_LEASE_CHECK_S
 event loop, and once more, synchronously, before a new Policy loads (so a new Policy never waits on ranks that
 belong to a dead one). An orphaned policy is torn down: model and optimizer freed, its process groups destroyed,
 and the world group with them once no policy uses it.
+
+Scoring jobs hold no process group, only a model replica per worker: a replica that no partition has used for
+``DASK_LM_REPLICA_IDLE_S`` seconds (default 120) is freed by the same check, so a scoring job whose driver died
+gives its device memory back too.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dask_lm.workers.state import DaskLMWorkerState
 
-__all__ = ["lease_key", "lease_token", "check_interval_s", "orphaned_policies", "reap", "reap_now"]
+__all__ = ["lease_key", "lease_token", "check_interval_s", "orphaned_policies", "reap", "reap_now",
+           "release_idle_scorers"]
 
 logger = logging.getLogger("dask_lm.worker")
 LEASE_PREFIX = "dask-lm-lease-"
@@ -92,3 +97,14 @@ def reap_now(state: DaskLMWorkerState) -> list[str]:
         logger.warning("policy %s lost its driver: freeing it before a new Policy loads", policy_id)
         state.shutdown_policy(policy_id)
     return dead
+
+
+async def release_idle_scorers(worker: Any) -> int:
+    """Free scoring replicas left idle (a finished job frees its own; a dead driver's job cannot)."""
+    import asyncio
+    import sys
+
+    scorer = sys.modules.get("dask_lm.workers.scorer")  # never imported: no replica to free, and no torch import
+    if scorer is None or any(str(ts.key).startswith("score_partition") for ts in worker.state.executing):
+        return 0
+    return await asyncio.to_thread(scorer.release_idle, float(os.environ.get("DASK_LM_REPLICA_IDLE_S", "120")))

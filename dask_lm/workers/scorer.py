@@ -6,8 +6,10 @@ the scheduler hands it. Partitions therefore balance across GPUs by themselves, 
 is simply recomputed elsewhere; its part file is written under a temporary name and renamed, so a retry replaces
 it and every row appears exactly once.
 
-Inside a partition, rows are sorted longest first and cut into micro-batches of at most ``batch_tokens`` padded
-tokens; logprobs and top-k come from the chunked head of :mod:`dask_lm.workers.logprobs`.
+Inside a partition, rows are read and checked by :mod:`dask_lm.workers.rows`, sorted longest first and cut into
+micro-batches of at most ``batch_tokens`` padded tokens; logprobs and top-k come from the chunked head of
+:mod:`dask_lm.workers.logprobs`. A part whose logprobs are not all finite is not written (NaN weights or an fp16
+overflow would otherwise pass as scores) unless ``allow_nonfinite``.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import torch
 from dask_lm.workers import device
 from dask_lm.workers.forward import final_hidden_states
 from dask_lm.workers.logprobs import next_token_logprobs, output_head, topk_logits
+from dask_lm.workers.rows import BadRowError, prepare_rows
 
-__all__ = ["ScoreOptions", "BadRowError", "score_partition", "release_scorers"]
+__all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "score_partition", "release_scorers"]
 
 
-class BadRowError(ValueError):
-    """A row that cannot be scored (wrong type, empty, too long); the message names file, row and column."""
+class NonFiniteError(RuntimeError):
+    """The model produced NaN / inf logprobs: a runtime failure (exit 1), not bad input."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class ScoreOptions:
     truncate: bool = False
     batch_tokens: int = 16384
     skip_bad_rows: bool = False
+    allow_nonfinite: bool = False
     chunk_size: int = 1024
 
 
@@ -68,6 +72,9 @@ class _Replica:
         pad = next((v for v in candidates if isinstance(v, int)), 0)
         self.pad_id = int(pad)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        positions = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
+        self.max_positions = int(positions) if positions else None  # None: the model has no position limit
         self.lock = threading.Lock()  # a worker with several threads runs one forward at a time per replica
 
 
@@ -81,7 +88,25 @@ def _replica(opts: ScoreOptions) -> _Replica:
         rep = _LOCAL.get(key)
         if rep is None:
             rep = _LOCAL[key] = _Replica(opts.model, opts.tokenizer, opts.precision)
+        rep.last_used = time.monotonic()
         return rep
+
+
+def release_idle(max_idle_s: float) -> int:
+    """Free replicas no partition has used for ``max_idle_s`` (the worker's lease check calls this). A job frees
+    its replicas when it ends; a job whose driver died cannot, and its model must not hold the device for good."""
+    now = time.monotonic()
+    with _LOCAL_LOCK:
+        idle = [k for k, rep in _LOCAL.items()
+                if now - getattr(rep, "last_used", now) > max_idle_s and not rep.lock.locked()]
+        for k in idle:
+            del _LOCAL[k]
+    if idle:
+        import gc
+
+        gc.collect()
+        device.empty_cache()
+    return len(idle)
 
 
 def release_scorers() -> int:
@@ -94,63 +119,6 @@ def release_scorers() -> int:
     gc.collect()
     device.empty_cache()
     return n
-
-
-def _bad(file: str, row: int, column: str, why: str) -> str:
-    return f"{file}: row {row}, column {column!r}: {why}"
-
-
-def _tokenize(pdf: Any, rep: _Replica, opts: ScoreOptions, file: str, first_row: int
-              ) -> tuple[list[list[int] | None], list[int], list[str | None]]:
-    """Token ids, the first scored position, and an error (or None) for every row."""
-    n = len(pdf)
-    ids: list[list[int] | None] = [None] * n
-    start: list[int] = [1] * n
-    errors: list[str | None] = [None] * n
-    if opts.ids_column is not None:
-        col = opts.ids_column
-        for i, value in enumerate(pdf[col].tolist()):
-            if value is None or (isinstance(value, float) and math.isnan(value)):
-                errors[i] = _bad(file, first_row + i, col, "null token list")
-            else:
-                ids[i] = [int(t) for t in value]
-    else:
-        cols = [opts.text_column] if opts.text_column else [opts.prompt_column, opts.response_column]
-        values = {c: pdf[c].tolist() for c in cols}
-        ok_rows = []
-        for i in range(n):
-            bad = next((c for c in cols if not isinstance(values[c][i], str)), None)
-            if bad is not None:
-                errors[i] = _bad(file, first_row + i, bad, f"expected a string, got {values[bad][i]!r}")
-            else:
-                ok_rows.append(i)
-        if opts.text_column:
-            enc = rep.tokenizer([values[opts.text_column][i] for i in ok_rows])["input_ids"] if ok_rows else []
-            for i, toks in zip(ok_rows, enc):
-                ids[i] = list(toks)
-        else:
-            prompts = rep.tokenizer([values[opts.prompt_column][i] for i in ok_rows])["input_ids"] if ok_rows else []
-            responses = (rep.tokenizer([values[opts.response_column][i] for i in ok_rows],
-                                       add_special_tokens=False)["input_ids"] if ok_rows else [])
-            for i, p, r in zip(ok_rows, prompts, responses):
-                ids[i] = list(p) + list(r)
-                start[i] = max(len(p), 1)  # only response tokens count, each given everything before it
-    col = opts.ids_column or opts.text_column or opts.response_column
-    for i, toks in enumerate(ids):
-        if toks is None:
-            continue
-        if not toks:
-            errors[i] = _bad(file, first_row + i, col, "no tokens (empty text or token list)")
-        elif opts.max_length is not None and len(toks) > opts.max_length:
-            if opts.truncate:
-                ids[i] = toks[: opts.max_length]
-            else:
-                errors[i] = _bad(file, first_row + i, col, f"{len(toks)} tokens, more than --max-length "
-                                 f"{opts.max_length}; pass --truncate or raise --max-length")
-        elif min(toks) < 0 or max(toks) >= rep.vocab_size:
-            errors[i] = _bad(file, first_row + i, col, f"token id outside the model's vocabulary [0, "
-                             f"{rep.vocab_size})")
-    return ids, start, errors
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -166,12 +134,17 @@ def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions) -> tuple[list, list | None]:
-    """Per-row logprobs (position 0 = 0) and, with topk, per-position (ids, logprobs) lists."""
+def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions) -> tuple[list, list | None, list[bool]]:
+    """Per-row logprobs (position 0 = 0), with topk per-position (ids, logprobs), and whether every value of the
+    row is finite. A row without tokens gets empty results without a forward."""
     head = output_head(rep.model)
-    lps: list[Any] = [None] * len(ids)
-    tops: list[Any] | None = [None] * len(ids) if opts.topk else None
-    for batch in _micro_batches([len(t) for t in ids], opts.batch_tokens):
+    lps: list[Any] = [torch.zeros(0)] * len(ids)
+    empty_top = (torch.zeros(0, opts.topk, dtype=torch.int32), torch.zeros(0, opts.topk))
+    tops: list[Any] | None = [empty_top] * len(ids) if opts.topk else None
+    finite = [True] * len(ids)
+    rows = [i for i in range(len(ids)) if ids[i]]
+    for part in _micro_batches([len(ids[i]) for i in rows], opts.batch_tokens):
+        batch = [rows[j] for j in part]
         width = len(ids[batch[0]])
         x = torch.full((len(batch), width), rep.pad_id, dtype=torch.int64)
         for r, i in enumerate(batch):
@@ -181,71 +154,120 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions) -> tupl
         valid = torch.arange(width, device=rep.device)[None, :] < lens.to(rep.device)[:, None]
         hidden = final_hidden_states(rep.model, x)
         lp = next_token_logprobs(hidden, x, valid, head, chunk_size=opts.chunk_size).cpu()
+        ok = torch.isfinite(lp).all(1)  # padding positions hold 0
         if tops is not None:
             values, indices = topk_logits(hidden, valid, head, opts.topk, chunk_size=opts.chunk_size, normalize=True)
             values, indices = values.cpu(), indices.cpu().to(torch.int32)
+            ok &= torch.isfinite(values.masked_fill(~valid.cpu()[:, :, None], 0.0)).flatten(1).all(1)
         for r, i in enumerate(batch):
             n = int(lens[r])
             lps[i] = lp[r, :n]
+            finite[i] = bool(ok[r])
             if tops is not None:
                 tops[i] = (indices[r, :n], values[r, :n])
-    return lps, tops
+    return lps, tops, finite
+
+
+def _row_sums(lp: torch.Tensor, start: int) -> tuple[int, float | None, float | None, float | None]:
+    """(num_scored, sum, mean, perplexity) over positions ``start:``; nulls when no token is scored.
+
+    A row with nothing to score (an empty response, a one-token text, an empty id list) is kept and flagged rather
+    than made a bad row: it is well-formed data, and dropping it would leave a hole in the output that an id join
+    cannot explain. lm-evaluation-harness reports such a continuation as log-likelihood 0.0, i.e. probability 1;
+    a null sum with ``num_scored`` 0 says instead that there was nothing to score, and keeps the row apart from a
+    real 0.0 in every aggregate (pandas and Arrow skip nulls)."""
+    scored = lp[start:]
+    n = int(scored.numel())
+    if n == 0:
+        return 0, None, None, None
+    total = float(scored.double().sum())
+    mean = total / n
+    try:
+        ppl = math.exp(-mean)
+    except OverflowError:  # a mean logprob below about -709: the perplexity is beyond float64
+        ppl = math.inf
+    return n, total, mean, ppl
 
 
 def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_rows: int | None,
                     opts: ScoreOptions) -> dict[str, Any]:
-    """Score one input partition and write ``part-<index>.parquet`` (and its bad rows) atomically."""
+    """Score one input partition and write ``part-<index>.parquet`` (and its bad rows) atomically.
+
+    ``pdf`` is a pandas frame of Arrow-backed columns, or a :class:`~dask_lm.io.parquet.UnreadableRowGroup` when
+    its row group could not be decoded: then every row of it is a bad row."""
     import pyarrow as pa
 
     from dask_lm.io import parquet as pio
 
     t0 = time.perf_counter()
+    if isinstance(pdf, pio.UnreadableRowGroup):
+        return _unreadable(pdf, index, opts, t0)
     if expected_rows is not None and len(pdf) != expected_rows:
         raise RuntimeError(f"partition {index} of {file} has {len(pdf)} rows, its row group {expected_rows}: the "
                            "reader split the dataset differently than planned")
     rep = _replica(opts)
     with rep.lock:
-        ids, start, errors = _tokenize(pdf, rep, opts, file, first_row)
-        bad = [i for i, e in enumerate(errors) if e is not None]
+        rows = prepare_rows(pdf, opts, tokenizer=rep.tokenizer, vocab_size=rep.vocab_size,
+                            max_positions=rep.max_positions, file=file, first_row=first_row)
+        bad = [i for i, e in enumerate(rows.errors) if e is not None]
         if bad and not opts.skip_bad_rows:
             more = f" (and {len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
-            raise BadRowError(f"{errors[bad[0]]}{more}; fix the data or pass --skip-bad-rows")
-        keep = [i for i in range(len(pdf)) if errors[i] is None]
-        lps, tops = _score_rows(rep, [ids[i] for i in keep], opts)  # type: ignore[misc]
+            raise BadRowError(f"{rows.errors[bad[0]]}{more}; fix the data or pass --skip-bad-rows")
+        keep = [i for i in range(len(pdf)) if rows.errors[i] is None]
+        lps, tops, finite = _score_rows(rep, [rows.ids[i] for i in keep], opts)  # type: ignore[misc]
+    nonfinite = [first_row + keep[j] for j, ok in enumerate(finite) if not ok]
+    if nonfinite and not opts.allow_nonfinite:
+        # raised before anything is written: no part under its final name, so the job ends without _SUCCESS
+        raise NonFiniteError(f"the model produced non-finite logprobs (NaN/inf) on {len(nonfinite)} of {len(keep)} "
+                             f"rows of {file} (first: row {nonfinite[0]}): its weights may hold NaN/inf, or the "
+                             "precision overflows (try --precision fp32); pass --allow-nonfinite to keep them")
     source = pdf.iloc[keep]
     if opts.id_column is not None:
         source = source[[opts.id_column]]
     table = pa.Table.from_pandas(source.reset_index(drop=True), preserve_index=False)
-    sums, means, ppls, counts, tokens = [], [], [], [], 0
-    for j, i in enumerate(keep):
-        lp = lps[j]
-        scored = lp[start[i]:]
-        total = float(scored.double().sum())
-        n_scored = int(scored.numel())
-        mean = total / n_scored if n_scored else float("nan")
-        sums.append(total)
-        means.append(mean)
-        ppls.append(math.exp(-mean) if n_scored else float("nan"))
-        counts.append(len(ids[i]))  # type: ignore[arg-type]
-        tokens += len(ids[i])  # type: ignore[arg-type]
-    table = table.append_column("num_tokens", pa.array(counts, pa.int32()))
-    table = table.append_column("logprobs", pa.array([lp.tolist() for lp in lps], pa.list_(pa.float32())))
-    table = table.append_column("sum_logprob", pa.array(sums, pa.float64()))
-    table = table.append_column("mean_logprob", pa.array(means, pa.float64()))
-    table = table.append_column("perplexity", pa.array(ppls, pa.float64()))
+    sums = [_row_sums(lps[j], rows.start[i]) for j, i in enumerate(keep)]
+    counts = [len(rows.ids[i]) for i in keep]  # type: ignore[arg-type]
+    values: dict[str, Any] = {
+        "num_tokens": counts, "num_scored": [s[0] for s in sums], "truncated": [rows.truncated[i] for i in keep],
+        "logprobs": [lp.tolist() for lp in lps], "sum_logprob": [s[1] for s in sums],
+        "mean_logprob": [s[2] for s in sums], "perplexity": [s[3] for s in sums]}
     if tops is not None:
-        table = table.append_column("topk_ids", pa.array([t[0].tolist() for t in tops],
-                                                         pa.list_(pa.list_(pa.int32()))))
-        table = table.append_column("topk_logprobs", pa.array([t[1].tolist() for t in tops],
-                                                              pa.list_(pa.list_(pa.float32()))))
+        values["topk_ids"] = [t[0].tolist() for t in tops]
+        values["topk_logprobs"] = [t[1].tolist() for t in tops]
+    for name, type_ in pio.output_schema_columns(opts.topk):
+        table = table.append_column(name, pa.array(values[name], type_))
     pio.write_part(table, opts.output, pio.part_name(index))
     if bad:
-        err = pa.table({"part": pa.array([index] * len(bad), pa.int32()), "file": [file] * len(bad),
-                        "row": pa.array([first_row + i for i in bad], pa.int64()),
-                        "error": [errors[i] for i in bad]})
+        err = pio.errors_table(index, file, [first_row + i for i in bad], [rows.errors[i] for i in bad])
         pio.write_part(err, pio.errors_dir(opts.output), pio.part_name(index))
-    seconds = time.perf_counter() - t0
+    tokens = sum(counts)
     from distributed.metrics import context_meter
 
     context_meter.digest_metric("tokens", tokens, "count")  # summed per span on the dashboard
-    return {"part": index, "rows": len(keep), "tokens": tokens, "bad_rows": len(bad), "seconds": seconds}
+    return {"part": index, "rows": len(keep), "tokens": tokens, "bad_rows": len(bad),
+            "empty_rows": sum(1 for s in sums if s[0] == 0), "truncated_rows": sum(values["truncated"]),
+            "nonfinite_rows": len(nonfinite), "seconds": time.perf_counter() - t0}
+
+
+def _unreadable(group: Any, index: int, opts: ScoreOptions, t0: float) -> dict[str, Any]:
+    """A row group that cannot be decoded: a bad-row error, or with ``skip_bad_rows`` an empty part (the output
+    schema, no rows) and one ``_errors.parquet`` entry per row of the group, so that rows written plus rows listed
+    still add up to the input."""
+    import pyarrow as pa
+
+    from dask_lm.io import parquet as pio
+
+    if not opts.skip_bad_rows:
+        raise BadRowError(f"{group.message()}, or pass --skip-bad-rows to leave its rows out")
+    schema = group.schema
+    if opts.id_column is not None:
+        schema = pa.schema([schema.field(opts.id_column)])
+    table = schema.empty_table()
+    for name, type_ in pio.output_schema_columns(opts.topk):
+        table = table.append_column(name, pa.array([], type_))
+    pio.write_part(table, opts.output, pio.part_name(index))
+    rows = list(range(group.first_row, group.first_row + group.num_rows))
+    pio.write_part(pio.errors_table(index, group.file, rows, [group.message()] * len(rows)),
+                   pio.errors_dir(opts.output), pio.part_name(index))
+    return {"part": index, "rows": 0, "tokens": 0, "bad_rows": len(rows), "empty_rows": 0, "truncated_rows": 0,
+            "nonfinite_rows": 0, "seconds": time.perf_counter() - t0}

@@ -74,6 +74,7 @@ class DaskLMWorkerState(WorkerPlugin):
         async def check_leases() -> None:
             if self.policies:
                 await lease.reap(worker, self)
+            await lease.release_idle_scorers(worker)
 
         self._reaper = PeriodicCallback(check_leases, lease.check_interval_s() * 1000)
         self._reaper.start()

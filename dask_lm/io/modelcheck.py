@@ -1,0 +1,223 @@
+"""Model directories checked on the driver, before any cluster starts: a damaged model is bad input (exit 2).
+
+Without these checks a corrupt ``config.json`` or a truncated weight file was found by the workers, after the
+cluster had started and the output had been created, and reported as a runtime failure (exit 1) in the words of
+whichever library tripped over it. Here every file that ``from_pretrained`` will read is checked from its
+metadata alone (no tensor is loaded, nothing is unpickled), and an error names the file and what is wrong:
+
+- ``config.json`` parses as a JSON object, and ``transformers.AutoConfig`` accepts it;
+- the weights ``from_pretrained`` would pick exist, in its order: ``model.safetensors``, then
+  ``model.safetensors.index.json`` (whose shards must all exist), then ``pytorch_model.bin`` and its index;
+- every safetensors file has a readable header: an 8-byte little-endian length, a JSON object, every tensor's
+  ``data_offsets`` inside the data and of the size its dtype and shape say, and the file exactly
+  ``8 + header length + largest end offset`` bytes long (a truncated download fails that last test);
+- a ``.bin`` file is a zip archive with its central directory (``torch.save``'s format, which a truncated copy
+  loses) or a pickle stream by its magic bytes;
+- tokenizer JSON files, when the job tokenizes, parse as JSON.
+
+:func:`model_files` lists what determines results (config, the weights that load, their index, tokenizer files):
+the files :mod:`dask_lm.io.fingerprint` pins in a job's manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zipfile
+from dataclasses import dataclass, field
+
+__all__ = ["ModelInfo", "check_model", "check_safetensors", "check_tokenizer", "tokenizer_files", "TOKENIZER_FILES"]
+
+CONFIG = "config.json"
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
+                   "chat_template.json")
+_MAX_HEADER = 100_000_000  # the safetensors format's own limit on the header length
+# bytes per element; sub-byte and exotic dtypes are left out of the size check rather than guessed
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the driver knows about a model directory once it has been checked."""
+
+    path: str
+    files: list[str] = field(default_factory=list)
+    """Names (relative to ``path``) of every file that determines results: config, weights, index, tokenizer."""
+    vocab_size: int | None = None
+    """The vocabulary size from the config (``get_text_config()`` for composite models), when it states one."""
+
+
+def check_model(model: str) -> ModelInfo:
+    """Check a Hugging Face model directory as ``from_pretrained`` will read it; ``ValueError`` names the file."""
+    if not os.path.isdir(model):
+        raise ValueError(f"--model {model!r} is not a directory")
+    config_path = os.path.join(model, CONFIG)
+    if not os.path.isfile(config_path):
+        raise ValueError(f"--model {model!r} has no config.json: not a Hugging Face model directory")
+    _read_json(config_path, "a model config")
+    weights = _weight_files(model)
+    vocab_size = _auto_config_vocab(model, config_path)
+    headers = {}  # safetensors file -> its tensor names: each header is read once
+    for name in weights:
+        if name.endswith(".safetensors"):
+            headers[name] = check_safetensors(os.path.join(model, name))
+        elif not name.endswith(".index.json"):
+            _check_pickle_container(os.path.join(model, name))
+    for name in weights:
+        if name.endswith(".index.json"):
+            _check_index(model, name, headers)
+    files = sorted({CONFIG, *weights, *tokenizer_files(model)})
+    return ModelInfo(path=model, files=files, vocab_size=vocab_size)
+
+
+def tokenizer_files(directory: str) -> list[str]:
+    """The tokenizer files present in ``directory`` (names from :data:`TOKENIZER_FILES`)."""
+    return [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, f))]
+
+
+def check_tokenizer(directory: str) -> None:
+    """The tokenizer's JSON files parse (a garbled ``tokenizer.json`` otherwise fails on every worker)."""
+    for name in tokenizer_files(directory):
+        if name.endswith(".json"):
+            _read_json(os.path.join(directory, name), "a tokenizer file")
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); it should be {what}: restore it (re-download the "
+                         "model, or save it again with save_pretrained)") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object; it should be {what}: restore it "
+                         "(re-download the model, or save it again with save_pretrained)")
+    return obj
+
+
+def _auto_config_vocab(model: str, config_path: str) -> int | None:
+    import transformers
+
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(model)
+    except Exception as e:  # transformers raises ValueError, KeyError, OSError, ... for a config it cannot use
+        raise ValueError(f"{config_path} is not a config transformers can load ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]})") from None
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    vocab = getattr(text, "vocab_size", None)
+    return int(vocab) if isinstance(vocab, int) and vocab > 0 else None
+
+
+def _weight_files(model: str) -> list[str]:
+    """The weights ``from_pretrained`` loads, in its order of preference (plus the index that names them)."""
+    if os.path.isfile(os.path.join(model, SAFETENSORS)):
+        return [SAFETENSORS]
+    for index in (SAFETENSORS_INDEX, BIN_INDEX):
+        if os.path.isfile(os.path.join(model, index)):
+            return [index, *sorted(set(_index_map(model, index).values()))]
+    if os.path.isfile(os.path.join(model, BIN)):
+        return [BIN]
+    raise ValueError(f"--model {model!r} has no weights (*.safetensors or pytorch_model*.bin): from_pretrained "
+                     f"loads {SAFETENSORS}, {SAFETENSORS_INDEX} with its shards, or {BIN}")
+
+
+def _index_map(model: str, index: str) -> dict[str, str]:
+    path = os.path.join(model, index)
+    weight_map = _read_json(path, "a weight index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{path} has no \"weight_map\" of tensor names to file names; restore it (re-download the "
+                         "model, or save it again with save_pretrained)")
+    for name in sorted(set(weight_map.values())):
+        if os.path.basename(name) != name or not os.path.isfile(os.path.join(model, name)):
+            raise ValueError(f"{path} names the weight file {name!r}, which is not in {model}: the download is "
+                             "incomplete; fetch the missing shard(s)")
+    return weight_map
+
+
+def _check_index(model: str, index: str, headers: dict[str, list[str]]) -> None:
+    """Every tensor the index places in a safetensors shard is in that shard's header."""
+    by_file: dict[str, set[str]] = {}
+    for tensor, name in _index_map(model, index).items():
+        by_file.setdefault(name, set()).add(tensor)
+    for name, tensors in sorted(by_file.items()):
+        if name not in headers:
+            continue
+        missing = sorted(tensors - set(headers[name]))
+        if missing:
+            raise ValueError(f"{os.path.join(model, index)} places {len(missing)} tensor(s) in {name} that it does "
+                             f"not hold (first: {missing[0]!r}): the index and the shards come from different "
+                             "saves; fetch them again together")
+
+
+def check_safetensors(path: str) -> list[str]:
+    """Check a safetensors file's header against its size; returns its tensor names."""
+    st = os.stat(path)
+    fix = "re-download the model, or save it again with save_pretrained"
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path} is {len(head)} bytes long: too short for a safetensors file; {fix}")
+        (length,) = struct.unpack("<Q", head)
+        if length > _MAX_HEADER:
+            raise ValueError(f"{path} is not a safetensors file: its first 8 bytes give a header of {length:,} bytes "
+                             f"(more than the format's {_MAX_HEADER:,}); {fix}")
+        if 8 + length > st.st_size:
+            raise ValueError(f"{path} is truncated: its header alone needs {8 + length:,} bytes but the file has "
+                             f"{st.st_size:,}; {fix}")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a safetensors file: its header is not JSON ({e}); {fix}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file: its header is not a JSON object; {fix}")
+    data = st.st_size - 8 - length
+    end = 0
+    names = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets in the header; {fix}")
+        if offsets[1] > data:
+            raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte {offsets[1]:,} of the data but the "
+                             f"file holds {data:,} bytes of data; {fix}")
+        shape, width = info.get("shape"), _DTYPE_BYTES.get(info.get("dtype"))
+        if width and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape) \
+                and offsets[1] - offsets[0] != math.prod(shape) * width:
+            raise ValueError(f"{path}: tensor {name!r} ({info.get('dtype')} {shape}) should take "
+                             f"{math.prod(shape) * width:,} bytes but its data_offsets give "
+                             f"{offsets[1] - offsets[0]:,}; {fix}")
+        end = max(end, offsets[1])
+        names.append(name)
+    if st.st_size != 8 + length + end:
+        raise ValueError(f"{path} is {st.st_size:,} bytes but its header describes {8 + length + end:,} "
+                         f"(8 + a {length:,}-byte header + {end:,} bytes of tensors): the file is damaged; {fix}")
+    return names
+
+
+def _check_pickle_container(path: str) -> None:
+    """``torch.save`` writes a zip archive (its central directory sits at the end, so a truncated copy has none);
+    older files are a bare pickle stream. Judged by magic bytes only: the file is never unpickled."""
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic == b"PK":
+        if zipfile.is_zipfile(path):
+            return
+        raise ValueError(f"{path} is a damaged zip archive (no central directory: truncated?); re-download the "
+                         "model, or save it again with save_pretrained")
+    if len(magic) == 2 and magic[0] == 0x80 and 2 <= magic[1] <= 5:
+        return
+    raise ValueError(f"{path} is neither a torch.save zip archive nor a pickle stream (it starts with "
+                     f"{magic!r}); re-download the model, or save it again with save_pretrained")

@@ -1,0 +1,230 @@
+"""The rows of one scoring partition, made ready for the model: every value read with its location, tokenized,
+checked against the vocabulary and the model's position limit, and truncated on the context side when asked.
+
+Nothing here runs the model. A row that cannot be scored faithfully gets an error naming file, row (its index in
+the file), column, what is wrong and the fix; the caller either fails the job with the first one
+(:class:`BadRowError`, exit 2 from the CLI) or, with ``--skip-bad-rows``, lists them in ``_errors.parquet``.
+
+Values are taken from the partition's Arrow arrays rather than through pandas: a string column holding bytes that
+are not UTF-8 (parquet does not check) would otherwise raise ``UnicodeDecodeError`` for the whole partition, and a
+null inside a list would come back as ``pd.NA`` / NaN rather than something a row check can name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BadRowError", "PreparedRows", "position_limit", "prepare_rows"]
+
+
+class BadRowError(ValueError):
+    """A row (or row group) that cannot be scored; the message names file, row and column and the fix."""
+
+
+@dataclass
+class PreparedRows:
+    """Per input row: the token ids given to the model (``None`` for a bad row), the first scored position, whether
+    tokens were cut off the front, and the error that makes it a bad row (``None`` for a good one)."""
+
+    ids: list[list[int] | None]
+    start: list[int]
+    truncated: list[bool]
+    errors: list[str | None]
+
+
+def position_limit(max_positions: int | None, max_length: int | None) -> tuple[int | None, str]:
+    """The longest row given to the model, and what sets it (for messages): ``--max-length`` when it is the
+    smaller, else the model's ``max_position_embeddings``. Rotary models run past that number without an error but
+    were never trained there, and learned-position models fail with an index error that names no row: either way a
+    longer row is a bad row, not a silently wrong score."""
+    if max_length is not None and (max_positions is None or max_length <= max_positions):
+        return max_length, f"--max-length {max_length}"
+    if max_positions is not None:
+        return max_positions, f"the model's {max_positions} positions (max_position_embeddings in its config.json)"
+    return None, ""
+
+
+def _bad(file: str, row: int, column: str | tuple[str, str], why: str) -> str:
+    where = f"column {column!r}" if isinstance(column, str) else f"columns {column[0]!r} + {column[1]!r}"
+    return f"{file}: row {row}, {where}: {why}"
+
+
+def _arrow_values(series: Any) -> tuple[Any, list[Any]] | None:
+    """(Arrow type, Python values) of an Arrow-backed column, strings as ``bytes`` so that decoding is per row;
+    ``None`` for a column pandas holds as Python objects."""
+    import pyarrow as pa
+
+    if not hasattr(series.array, "__arrow_array__"):
+        return None
+    arr = series.array.__arrow_array__()
+    t = arr.type
+    if pa.types.is_string(t):
+        arr = arr.cast(pa.binary())  # a view of the same buffers: no UTF-8 check, so a bad row cannot fail them all
+    elif pa.types.is_large_string(t):
+        arr = arr.cast(pa.large_binary())
+    elif pa.types.is_string_view(t):
+        arr = arr.cast(pa.binary_view())
+    return t, arr.to_pylist()
+
+
+def _texts(pdf: Any, column: str, file: str, first_row: int, errors: list[str | None]) -> list[str | None]:
+    """The column's strings; a null, a non-string or bytes that are not UTF-8 mark the row bad (first error wins)."""
+    got = _arrow_values(pdf[column])
+    values = got[1] if got is not None else pdf[column].tolist()
+    out: list[str | None] = [None] * len(values)
+    for i, v in enumerate(values):
+        why = None
+        if isinstance(v, str):
+            out[i] = v
+        elif isinstance(v, bytes) and got is not None:
+            try:
+                out[i] = v.decode("utf-8")
+            except UnicodeDecodeError as e:
+                why = (f"expected a string, got bytes that are not valid UTF-8 (byte {e.start}, "
+                       f"{v[e.start:e.start + 4]!r}: {e.reason}); re-encode the text as UTF-8")
+        elif v is None or _is_na(v):
+            why = "expected a string, got null"
+        else:
+            why = f"expected a string, got {type(v).__name__} {_short(v)}"
+        if why is not None and errors[i] is None:
+            errors[i] = _bad(file, first_row + i, column, why)
+    return out
+
+
+def _token_lists(pdf: Any, column: str, file: str, first_row: int, errors: list[str | None]
+                 ) -> list[list[int] | None]:
+    """The column's token-id lists; a null list, a null or non-integer id, or a non-list marks the row bad."""
+    import pyarrow as pa
+
+    got = _arrow_values(pdf[column])
+    # an Arrow list<int> holds Python ints or None: one C-level scan per row finds a null; anything else (a
+    # pandas object column) is checked value by value
+    ints = got is not None and pa.types.is_integer(getattr(got[0], "value_type", pa.null()))
+    values = got[1] if got is not None else pdf[column].tolist()
+    out: list[list[int] | None] = [None] * len(values)
+    for i, v in enumerate(values):
+        why = None
+        if v is None or _is_na(v):
+            why = "expected a list of token ids, got null"
+        elif isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+            why = f"expected a list of token ids, got {type(v).__name__} {_short(v)}"
+        elif ints:
+            if None in v:
+                why = f"null token id at position {v.index(None)} (of {len(v)})"
+            else:
+                out[i] = v
+        else:
+            toks = list(v)
+            k = next((k for k, t in enumerate(toks) if t is None or _is_na(t) or not _is_int(t)), None)
+            if k is None:
+                out[i] = [int(t) for t in toks]
+            elif toks[k] is None or _is_na(toks[k]):
+                why = f"null token id at position {k} (of {len(toks)})"
+            else:
+                why = f"token id {_short(toks[k])} at position {k} is not an integer"
+        if why is not None:
+            errors[i] = _bad(file, first_row + i, column, why)
+    return out
+
+
+def _is_na(v: Any) -> bool:
+    """A missing scalar as pandas spells it (NaN, ``pd.NA``, ``NaT``); never true for a list or an array."""
+    import pandas as pd
+
+    if v is pd.NA or v is pd.NaT:
+        return True
+    try:
+        return bool(v != v)  # NaN; a list compares unequal only to a different list, an array raises
+    except (TypeError, ValueError):
+        return False
+
+
+def _is_int(v: Any) -> bool:
+    import numbers
+
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def prepare_rows(pdf: Any, opts: Any, *, tokenizer: Any, vocab_size: int, max_positions: int | None, file: str,
+                 first_row: int) -> PreparedRows:
+    """Read, tokenize and check every row of ``pdf`` (rows ``first_row ...`` of ``file``) for ``opts``
+    (a :class:`~dask_lm.workers.scorer.ScoreOptions`)."""
+    n = len(pdf)
+    errors: list[str | None] = [None] * n
+    start = [1] * n
+    ids: list[list[int] | None]
+    prompt_len: list[int] | None = None
+    if opts.ids_column is not None:
+        ids = _token_lists(pdf, opts.ids_column, file, first_row, errors)
+    elif opts.text_column is not None:
+        texts = _texts(pdf, opts.text_column, file, first_row, errors)
+        ok = [i for i in range(n) if errors[i] is None]
+        enc = tokenizer([texts[i] for i in ok])["input_ids"] if ok else []
+        ids = [None] * n
+        for i, toks in zip(ok, enc):
+            ids[i] = list(toks)
+    else:
+        prompts = _texts(pdf, opts.prompt_column, file, first_row, errors)
+        responses = _texts(pdf, opts.response_column, file, first_row, errors)
+        ok = [i for i in range(n) if errors[i] is None]
+        p_enc = tokenizer([prompts[i] for i in ok])["input_ids"] if ok else []
+        r_enc = tokenizer([responses[i] for i in ok], add_special_tokens=False)["input_ids"] if ok else []
+        ids, prompt_len = [None] * n, [0] * n
+        for i, p, r in zip(ok, p_enc, r_enc):
+            ids[i] = list(p) + list(r)
+            prompt_len[i] = len(p)
+            start[i] = max(len(p), 1)  # only response tokens count, each given everything before it
+    column = opts.ids_column or opts.text_column or opts.response_column
+    limit, limit_why = position_limit(max_positions, opts.max_length)
+    truncated = [False] * n
+    for i, toks in enumerate(ids):
+        if toks is None or errors[i] is not None:
+            ids[i] = None
+            continue
+        if toks and (min(toks) < 0 or max(toks) >= vocab_size):
+            k, t = next((k, t) for k, t in enumerate(toks) if t < 0 or t >= vocab_size)
+            errors[i] = _bad(file, first_row + i, column, f"token id {t} at position {k} is outside the model's "
+                             f"vocabulary [0, {vocab_size}); were the ids made with another tokenizer?")
+        elif limit is not None and len(toks) > limit:
+            why = _cut(toks, limit, limit_why, opts.truncate, prompt_len[i] if prompt_len is not None else None)
+            if isinstance(why, str):
+                where = column if prompt_len is None else (opts.prompt_column, opts.response_column)
+                errors[i] = _bad(file, first_row + i, where, why)
+            else:
+                ids[i], start[i] = why
+                truncated[i] = True
+        if errors[i] is not None:
+            ids[i] = None
+    return PreparedRows(ids=ids, start=start, truncated=truncated, errors=errors)
+
+
+def _cut(toks: list[int], limit: int, limit_why: str, truncate: bool, prompt_len: int | None
+         ) -> str | tuple[list[int], int]:
+    """A row longer than ``limit``: with ``truncate`` its last ``limit`` tokens and first scored position, else
+    (or when truncation cannot keep it faithful) the reason it is a bad row.
+
+    Cutting keeps the end, as lm-evaluation-harness does for a context that does not fit: the tokens that are
+    scored stay, and only the context they are conditioned on gets shorter. A response that does not fit with at
+    least one context token before it cannot be scored whole, so it is a bad row rather than a shorter answer."""
+    n = len(toks)
+    if prompt_len is None:
+        if not truncate:
+            return (f"{n} tokens, more than {limit_why}; pass --truncate to keep the last {limit} tokens (or "
+                    "--max-length N to choose where to cut)")
+        return toks[n - limit:], 1
+    response = n - prompt_len
+    if response >= limit:
+        return (f"the response alone is {response} tokens, and scoring it needs it plus at least one context token "
+                f"within {limit_why}; --truncate cannot keep it whole: shorten the response or use a model with "
+                "more positions")
+    if not truncate:
+        return (f"prompt + response are {n} tokens, more than {limit_why}; pass --truncate to drop the first "
+                f"{n - limit} prompt tokens (the response is kept whole)")
+    drop = n - limit
+    return toks[drop:], prompt_len - drop
