@@ -10,11 +10,14 @@ A vLLM-style worker extension, a custom server or a test calls:
 
 Both hand ``on_weights`` a list of ``(name, tensor)`` per bucket. The tensors are views of a buffer that is
 reused (or owned by the policy) after ``on_weights`` returns: copy them into the model there, e.g. with
-``model.load_weights(...)`` or ``param.copy_(tensor)``. Payloads are pickles: accept them only from your own policy.
+``model.load_weights(...)`` or ``param.copy_(tensor)``. Nothing received is unpickled (ZMQ messages are msgpack
+headers and raw bytes, :mod:`dask_lm.workers.wire`), and the policy's socket sits in a directory only its user can
+enter: run the receiver as that user, on the same host.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -22,8 +25,7 @@ from typing import Any
 import torch
 
 from dask_lm.workers import buckets as bk
-from dask_lm.workers import device
-from dask_lm.workers.refit import ZMQ_ALIGN
+from dask_lm.workers import device, wire
 
 __all__ = ["receive_via_zmq", "CollectiveReceiver"]
 
@@ -34,7 +36,10 @@ RefitInfo = Mapping[str, tuple[Sequence[int], torch.dtype]]
 def receive_via_zmq(address: str, refit_info: RefitInfo, on_weights: OnWeights, *,
                     timeout_s: float = 120.0) -> dict[str, Any]:
     """Serve one ``stream_weights_via_ipc_zmq`` call on ``address`` (connects a REP socket; returns after the
-    ``"complete"`` message). ``refit_info`` is ``Policy.prepare_refit_info()``."""
+    ``complete`` message). ``refit_info`` is ``Policy.prepare_refit_info()``.
+
+    Messages are data only (:mod:`dask_lm.workers.wire`): a message that is not a valid dask-lm refit message for
+    this refit info is answered with a rejection (so the policy fails at once) and raises ``ValueError`` here."""
     import zmq
 
     sock = zmq.Context.instance().socket(zmq.REP)
@@ -43,35 +48,66 @@ def receive_via_zmq(address: str, refit_info: RefitInfo, on_weights: OnWeights, 
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     sock.connect(address)
     start, received, messages = time.perf_counter(), 0, 0
+    seen: set[str] = set()
     try:
         while True:
             try:
-                msg = sock.recv_pyobj()
+                frames = sock.recv_multipart(copy=False)
             except zmq.Again:
                 raise TimeoutError(f"no refit message on {address} within {timeout_s:.0f} s") from None
-            if msg == "complete":
-                sock.send_pyobj("ack")
-                break
-            payload, names, used = msg
-            flat = bk.loads(payload)
-            offset, tensors = 0, []
-            for name in names:
-                shape, dtype = refit_info[name]
-                offset = bk.align_up(offset, ZMQ_ALIGN)
-                size = int(torch.Size(shape).numel()) * dtype.itemsize
-                tensors.append((name, flat[offset:offset + size].view(dtype).reshape(tuple(shape))))
-                offset += size
-            if offset != used:
-                raise ValueError(f"refit message of {used} bytes does not match its {len(names)} tensors "
-                                 f"({offset} bytes): refit info differs from the policy's")
-            on_weights(tensors)
-            device.synchronize()
-            del tensors, flat  # release the producer's buffer before saying so
-            sock.send_pyobj("ack")
+            try:
+                used, tensors = _read(frames, refit_info, seen)
+                if tensors is None:  # the `complete` message
+                    sock.send(wire.ACK)
+                    break
+                on_weights(tensors)
+                device.synchronize()
+            except Exception as e:  # tell the policy at once instead of leaving it to its timeout
+                try:
+                    sock.send_multipart(wire.reject_frames(f"{type(e).__name__}: {e}"), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                if isinstance(e, ValueError):
+                    raise ValueError(f"refit message {messages + 1} on {address}: {e}") from None
+                raise
             received, messages = received + used, messages + 1
+            del tensors, frames  # release the producer's buffer before saying so
+            sock.send(wire.ACK)
     finally:
         sock.close(linger=0)
     return {"bytes": received, "messages": messages, "seconds": time.perf_counter() - start}
+
+
+def _read(frames: list[Any], refit_info: RefitInfo,
+          seen: set[str]) -> tuple[int, list[tuple[str, torch.Tensor]] | None]:
+    """``(bytes, [(name, view of the buffer)])`` of a weights message, ``(0, None)`` for ``complete``; every part
+    checked first (``ValueError`` naming what is wrong)."""
+    header = wire.decode_header(frames[0].bytes)
+    kind, transport = header["kind"], header.get("transport")
+    expected_frames = 2 if transport == "bytes" else 1
+    if len(frames) != expected_frames:
+        raise ValueError(f"a {kind!r} refit message{f' ({transport})' if transport else ''} should have "
+                         f"{expected_frames} frame(s), got {len(frames)}")
+    if kind == "complete":
+        missing = [n for n in refit_info if n not in seen]
+        if missing:
+            raise ValueError(f"the policy finished with {len(missing)} of {len(refit_info)} weights not sent "
+                             f"({missing[:3]}...): the refit info differs from the policy's")
+        return 0, None
+    slots = wire.layout(header["names"], header["used"], refit_info, seen)
+    used = header["used"]
+    if transport == "bytes":
+        data = frames[1].buffer
+        if len(data) != used:
+            raise ValueError(f"a refit message announces {used} bytes and carries {len(data)}")
+        flat = torch.frombuffer(data, dtype=torch.uint8) if used else torch.empty(0, dtype=torch.uint8)
+    else:
+        flat = wire.open_cuda(header["ipc"])
+        if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < used:
+            raise ValueError(f"the CUDA IPC buffer of a refit message is {flat.dtype} {tuple(flat.shape)}, not a flat "
+                             f"uint8 buffer of at least {used} bytes")
+    return used, [(name, flat[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape))
+                  for name, start, shape, dtype in slots]
 
 
 class CollectiveReceiver:

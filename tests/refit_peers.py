@@ -50,6 +50,19 @@ def collective_peer(ip: str, port: int, world_size: int, rank: int, refit_info: 
     receiver.close()
 
 
+def cuda_ipc_exporter(conn) -> None:
+    """Export a CUDA buffer (int32 0..4095 as 16 KiB of uint8) as a wire header over ``conn``; keep it alive
+    until the other end answers."""
+    import torch
+
+    from dask_lm.workers import wire
+
+    t = torch.arange(4096, dtype=torch.int32, device="cuda").view(torch.uint8)
+    torch.cuda.synchronize()
+    conn.send_bytes(wire.encode_weights(["w"], t.numel(), transport="ipc", ipc=wire.encode_cuda(t)))
+    conn.recv_bytes()
+
+
 def sglang_cuda_payload_check(out_path: str) -> None:
     """In a process of its own (SGLang's torch patch is process-wide): build our CUDA IPC payload without a GPU,
     with torch's reduce_tensor answering as it does for a CUDA tensor (15 arguments, device index 0) and a fixed

@@ -235,3 +235,142 @@ def test_optimizer_saved_before_any_step_restores_the_same_first_step(client, ti
         got = restored.train(first, dask_lm.NLLLoss())
         torch.testing.assert_close(restored.get_logprobs(first)["logprobs"], after, atol=1e-5, rtol=0)
     assert float(got["loss"][0]) == pytest.approx(float(expected["loss"][0]), abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------- tampered checkpoints
+class _WritesMarker:
+    """A pickle that creates a file when unpickled: proof that a process deserialised it."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture(scope="module")
+def saved(client, tiny, tok, batches, tmp_path_factory):
+    """Weights and optimizer state of a policy after one step, as save_checkpoint wrote them."""
+    root = tmp_path_factory.mktemp("saved")
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as policy:
+        policy.train(batches[0], dask_lm.NLLLoss())
+        policy.save_checkpoint(root / "w", optimizer_path=root / "o")
+    return root / "w", root / "o"
+
+
+def _tampered_copy(saved, tmp_path):
+    import shutil
+
+    o = tmp_path / "o"
+    shutil.copytree(saved[1], o)
+    return saved[0], o
+
+
+def _restore(client, tiny, tok, w, o):
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok, weights_path=w, optimizer_path=o):
+        pass
+
+
+def test_tampered_scheduler_state_is_refused_not_run(client, tiny, tok, saved, tmp_path):
+    import re
+
+    w, o = _tampered_copy(saved, tmp_path)
+    marker = tmp_path / "pwned"
+    torch.save({"last_epoch": _WritesMarker(marker)}, o / "scheduler.pt")
+    with pytest.raises(ValueError, match=re.escape(str(o / "scheduler.pt"))) as err:
+        _restore(client, tiny, tok, w, o)
+    assert "plain data" in str(err.value)
+    assert not marker.exists()
+
+
+def test_tampered_dcp_metadata_is_refused_not_run(client, tiny, tok, saved, tmp_path):
+    """DCP's .metadata is a plain pickle (torch reads it with pickle.load): one that names anything beyond DCP's
+    metadata classes is refused before torch reads it."""
+    import pickle
+    import re
+
+    w, o = _tampered_copy(saved, tmp_path)
+    marker = tmp_path / "pwned"
+    with open(o / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # the test's own, untampered file
+    metadata.planner_data["extra"] = _WritesMarker(marker)
+    with open(o / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(ValueError, match=re.escape(str(o / ".metadata"))) as err:
+        _restore(client, tiny, tok, w, o)
+    assert "refers to io.open" in str(err.value)
+    assert not marker.exists()
+
+
+def test_tampered_optimizer_item_is_refused_not_run(client, tiny, tok, saved, tmp_path):
+    """Non-tensor optimizer state (lr, betas, ...) is a torch.save blob inside a .distcp file, which DCP's own
+    planner loads with weights_only=False: one holding code is refused."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    w, o = saved[0], tmp_path / "o"
+    marker = tmp_path / "pwned"
+    dcp_to_torch_save(saved[1], tmp_path / "plain.pt")
+    state = torch.load(tmp_path / "plain.pt", weights_only=False)  # the test's own, untampered file
+    state["optim"]["param_groups"][0]["lr"] = _WritesMarker(marker)
+    dcp.save(state, checkpoint_id=o, no_dist=True)  # the same items, the lr one tampered
+    (o / "scheduler.pt").write_bytes((saved[1] / "scheduler.pt").read_bytes())
+    assert not marker.exists()
+    with pytest.raises(ValueError, match=r"item 'optim\.param_groups\.0\.lr' does not hold plain data") as err:
+        _restore(client, tiny, tok, w, o)
+    assert str(o) in str(err.value)
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------------------- write errors
+def test_a_dcp_write_error_becomes_one_line_naming_the_path(tmp_path):
+    """DCP wraps a rank's failure into a message that is a whole traceback; the error users see is one line: the
+    checkpoint path, the operating system's reason, the fix."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    class FailsToSerialise:
+        def __reduce__(self):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    path = tmp_path / "o"
+    with pytest.raises(BaseException) as raw:
+        dcp.save({"t": torch.zeros(3), "x": FailsToSerialise()}, checkpoint_id=path, no_dist=True)
+    assert "\n" in str(raw.value)  # what DCP raises: a traceback as its message
+    err = ckpt.write_error(raw.value, str(path))
+    assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+    assert str(err) == (f"could not write the checkpoint {path}: No space left on device; free space on that "
+                        "filesystem (or raise the quota) or save to another directory, then save again")
+    # what is not a filesystem error stays as it was (a peer lost in a collective, a user's mistake)
+    for other in (RuntimeError("Connection closed by peer"), ValueError("bad key")):
+        assert ckpt.write_error(other, str(path)) is other
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 256 KiB tmpfs: any checkpoint of the tiny model fills it (mounting needs root; skipped otherwise)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_async_save_to_a_full_disk_fails_with_one_clear_line(client, tiny, tok, batches, full_disk):
+    first, _ = batches
+    w, o = full_disk / "w", full_disk / "o"
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as policy:
+        policy.train(first, dask_lm.NLLLoss())
+        with pytest.raises(Exception) as err:
+            policy.save_checkpoint(w, optimizer_path=o, checkpointing_cfg={"async_save": True})
+            policy.finalize_async_save()
+    message = str(err.value)
+    assert "\n" not in message, message
+    assert "No space left on device" in message and "free space on that filesystem" in message
+    assert str(w) in message or str(o) in message
+    assert os.listdir(full_disk) == []  # nothing published, nothing left under a temporary name

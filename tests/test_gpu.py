@@ -318,6 +318,7 @@ def test_cuda_ipc_http_refit_into_sglang_decoder(gpu_client, tiny, tmp_path):
 
 def test_zmq_ipc_refit_on_gpus_is_bit_identical(gpu_client, tiny, tmp_path):
     import multiprocessing as mp
+    import stat
 
     import refit_peers
 
@@ -325,22 +326,54 @@ def test_zmq_ipc_refit_on_gpus_is_bit_identical(gpu_client, tiny, tmp_path):
     with policy:
         info = policy.prepare_refit_info()
         outs = [tmp_path / f"zmq{r}.pt" for r in range(policy.data_parallel_size)]
+        addresses = policy.get_zmq_addresses()
+        sockets = [a.removeprefix("ipc://") for a in addresses]
+        for path in sockets:  # each rank's socket in a directory of its own that only this user can enter
+            assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         os.environ["DASK_LM_FORCE_CPU"] = "0"
         try:
             procs = [mp.get_context("spawn").Process(target=refit_peers.zmq_peer, args=(a, info, str(o)))
-                     for a, o in zip(policy.get_zmq_addresses(), outs)]
+                     for a, o in zip(addresses, outs)]
             for p in procs:
                 p.start()
         finally:
             os.environ.pop("DASK_LM_FORCE_CPU")
-        gpu_client.gather(policy.stream_weights_via_ipc_zmq(buffer_size_bytes=32 * 1024))
+        stats = gpu_client.gather(policy.stream_weights_via_ipc_zmq(buffer_size_bytes=32 * 1024))
         for p in procs:
             p.join(120)
             assert p.exitcode == 0
+    assert not any(os.path.exists(os.path.dirname(path)) for path in sockets)  # removed at shutdown
     for o in outs:
         got = torch.load(o)["weights"]
         assert sorted(got) == sorted(saved)
         assert all(torch.equal(got[k], saved[k]) for k in saved)
+    print(f"CUDA IPC refit over ZMQ (msgpack headers): {len(outs)} ranks, {stats[0]['messages']} messages")
+
+
+def test_cuda_ipc_handle_travels_as_plain_data(tmp_path):
+    """A process exports a CUDA buffer as a wire header (msgpack: ints, bytes, a GPU UUID, a dtype name); this
+    process opens it with classes of its own choosing and reads the producer's bytes."""
+    import multiprocessing as mp
+
+    import refit_peers
+    from dask_lm.workers import wire
+
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=refit_peers.cuda_ipc_exporter, args=(child,))
+    proc.start()
+    try:
+        header = wire.decode_header(parent.recv_bytes())
+        assert isinstance(header["ipc"]["device"], str) and header["ipc"]["device"].startswith("GPU-")
+        flat = wire.open_cuda(header["ipc"])
+        assert flat.is_cuda and flat.dtype == torch.uint8 and flat.numel() == header["used"]
+        assert torch.equal(flat.view(torch.int32).cpu(), torch.arange(4096, dtype=torch.int32))
+        del flat
+        torch.cuda.synchronize()
+    finally:
+        parent.send_bytes(wire.ACK)
+        proc.join(60)
+    assert proc.exitcode == 0
 
 
 def test_nccl_broadcast_to_a_second_gpu(gpu_client, tiny, tmp_path):

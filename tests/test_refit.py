@@ -1,9 +1,11 @@
 """Weight refit by ZMQ and by a collective broadcast: what a receiver process gets is bit-identical to the weights
-the policy writes with save_checkpoint (read back from disk), after a training step."""
+the policy writes with save_checkpoint (read back from disk), after a training step. Whatever reaches a rank's socket
+is never unpickled, the socket is private to the worker's user, and the rendezvous store listens on one address."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import time
 
@@ -102,6 +104,93 @@ def test_zmq_without_receiver_times_out(trained):
         policy.client.gather(policy.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20, timeout_s=1.0))
 
 
+class _WritesMarker:
+    """A pickle that creates a file when unpickled: proof that a process deserialised it."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _run_in_thread(fn, *args):
+    import threading
+
+    out = []
+
+    def run():
+        try:
+            out.append(fn(*args))
+        except Exception as e:  # the test reads it back
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def _pickle_answering_peer(address, answer):
+    """A peer on the policy rank's socket that answers the first message with ``answer`` (raw bytes)."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.REP)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)
+    sock.connect(address)
+    try:
+        sock.recv_multipart()
+        sock.send(answer)
+    finally:
+        sock.close(linger=0)
+
+
+def test_a_pickled_answer_on_the_policy_socket_is_never_read(trained, tmp_path):
+    """Whatever answers on a rank's socket with a pickle (one that would create a file when unpickled): the stream
+    fails with an error naming the socket, and no file appears (the worker never deserialised it)."""
+    import pickle
+
+    policy, _ = trained
+    marker = tmp_path / "pwned"
+    addresses = policy.get_zmq_addresses()
+    peers = [_run_in_thread(_pickle_answering_peer, a, pickle.dumps(_WritesMarker(marker))) for a in addresses]
+    with pytest.raises(Exception, match="answered refit message 1 with something other than a dask-lm refit reply"
+                       ) as err:
+        policy.client.gather(policy.stream_weights_via_ipc_zmq(buffer_size_bytes=64 * 1024, timeout_s=30))
+    assert any(a in str(err.value) for a in addresses)
+    for t, _ in peers:
+        t.join(60)
+    assert not marker.exists()
+
+
+def test_zmq_socket_is_private_to_the_user_and_removed_at_shutdown(client, tiny):
+    """The rank's socket sits in a directory of its own (0700) and is itself 0600 while weights stream; shutdown
+    removes both."""
+    import stat
+
+    from dask_lm.refit_receiver import receive_via_zmq
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
+    seen = []
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok, workers_per_node=1, init_optimizer=False) as policy:
+        [address] = policy.get_zmq_addresses()
+        path = address.removeprefix("ipc://")
+        directory = os.path.dirname(path)
+
+        def on_weights(_named):
+            d, f = os.stat(directory), os.stat(path)
+            seen.append((stat.S_IMODE(d.st_mode), d.st_uid, stat.S_ISSOCK(f.st_mode), stat.S_IMODE(f.st_mode)))
+
+        info = policy.prepare_refit_info()
+        t, out = _run_in_thread(lambda: receive_via_zmq(address, info, on_weights, timeout_s=60))
+        policy.client.gather(policy.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20, timeout_s=60))
+        t.join(60)
+        assert out and not isinstance(out[0], Exception), out
+        assert out[0]["messages"] == len(seen) > 0
+        assert set(seen) == {(0o700, os.getuid(), True, 0o600)}
+    assert not os.path.exists(path) and not os.path.exists(directory)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,6 +220,33 @@ def test_collective_broadcast_is_bit_identical(trained, tmp_path):
         for res in results:
             _check_identical(res["weights"], saved)
         assert len(results[0]["messages"]) == first[0]["buckets"] and len(results[1]["messages"]) == 1
+
+
+def test_collective_store_listens_only_on_the_given_address(trained, tmp_path):
+    """Rank 0's rendezvous store accepts connections on the ``ip`` it was given, not on every interface."""
+    import psutil
+
+    import refit_peers
+
+    policy, _ = trained
+    port = _free_port()
+    proc = _spawn(refit_peers.collective_peer, "127.0.0.1", port, 3, 2, policy.prepare_refit_info(),
+                  str(tmp_path / "peer.pt"), 0)
+    policy.client.gather(policy.init_collective("127.0.0.1", port, 3, train_world_size=2))
+    listening = {c.laddr.ip for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    proc.join(60)
+    assert listening == {"127.0.0.1"}
+
+
+def test_collective_store_port_in_use_is_a_clear_error():
+    from dask_lm.workers.refit import _listen_on
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        with pytest.raises(ValueError, match=r"cannot listen on 127\.0\.0\.1:\d+ \(Address already in use\)"):
+            _listen_on("127.0.0.1", taken.getsockname()[1])
 
 
 def test_collective_receiver_with_other_refit_info_fails_loudly(trained, tmp_path):

@@ -129,11 +129,16 @@ class RefitMixin:
         return self._call_all("report_device_id")
 
     def get_zmq_addresses(self) -> list[str]:
-        """The socket each rank binds in ``stream_weights_via_ipc_zmq`` (the inference worker on the same device
-        connects a ZMQ REP socket to it; see :func:`dask_lm.refit_receiver.receive_via_zmq`)."""
-        from dask_lm.workers.refit import zmq_address
+        """The socket each rank binds for ``stream_weights_via_ipc_zmq`` (the inference worker on the same device
+        connects a ZMQ REP socket to it; see :func:`dask_lm.refit_receiver.receive_via_zmq`).
 
-        return [zmq_address(d) for d in self.report_device_id()]
+        Each is an ``ipc://`` path in a directory private to the worker's user (mode 0700; the socket 0600), made
+        by the rank on the first call and removed at ``shutdown()``: the inference worker must run as the same user
+        on the same host. Asked of the ranks, since only they know the directory; the same until shutdown."""
+        from dask_lm.workers.zmq_endpoint import address_on_rank
+
+        return self.group.run_all(address_on_rank, self.group.policy_id, what="get_zmq_addresses",
+                                  key_name="zmq-address")
 
     # ----------------------------------------------------------------------------------------- SGLang over HTTP
     def set_rollout_num_gpus_per_engine(self, num_gpus_per_engine: int) -> None:

@@ -16,20 +16,23 @@ Nothing here touches CUDA: tensors arrive on the CPU.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 __all__ = ["temporary_sibling", "publish", "discard", "parse_size", "plan_shards", "write_shard", "write_index",
-           "fsync_tree", "BackgroundWriter", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
+           "fsync_tree", "BackgroundWriter", "CheckpointWriteError", "write_error", "writing", "WEIGHTS_NAME",
+           "WEIGHTS_INDEX_NAME"]
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -134,6 +137,99 @@ def write_index(directory: str, shards: list[list[str]], total_size: int) -> Non
     weight_map = {name: shard_file_name(i, len(shards)) for i, names in enumerate(shards) for name in names}
     with open(os.path.join(directory, WEIGHTS_INDEX_NAME), "w") as f:
         json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------------------- write errors
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written. One line: the path, the operating system's reason, the fix; ``errno``
+    is set when the reason is known."""
+
+    def __str__(self) -> str:
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
+
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's io::Error (safetensors) ends its message
+_FULL_BYTES = 1 << 20  # less free than this after a failed write: the filesystem ran full
+_FILE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOENT,
+                errno.ENOTDIR, errno.EISDIR, errno.EIO, errno.EFBIG, errno.ENAMETOOLONG}
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what it wraps: DCP's CheckpointException failures (one per rank), then causes and contexts."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            todo.extend(f[0] for f in failures.values() if isinstance(f, tuple) and isinstance(f[0], BaseException))
+        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+
+
+def _errno(e: BaseException) -> int | None:
+    if isinstance(e, OSError) and e.errno:
+        return e.errno
+    m = _RUST_OS_ERROR.search(str(e))
+    return int(m.group(1)) if m else None
+
+
+def _free_bytes(path: str) -> int | None:
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def write_error(exc: BaseException, path: str) -> BaseException:
+    """``exc``, raised while writing the checkpoint ``path``, as one clear line (a :class:`CheckpointWriteError`).
+
+    The writers bury the reason: DCP wraps every rank's traceback into its message, safetensors ends with
+    ``(os error 28)``, and torch's zip writer reports a full disk as ``unexpected pos``. The operating system's
+    error is found along the chain; failing that, a filesystem with (almost) no space left after the failure
+    means it ran full. Anything else passes unchanged (a user's ``ValueError``, a lost peer in a collective),
+    except DCP's wrapper, which becomes its first failure's last line."""
+    if isinstance(exc, (ValueError, CheckpointWriteError)) or not isinstance(exc, Exception) and \
+            not hasattr(exc, "failures"):
+        return exc  # user errors, and KeyboardInterrupt / SystemExit
+    causes = list(_causes(exc))
+    code = next((c for c in map(_errno, causes) if c), None)
+    left = ""
+    if code is None:
+        free = _free_bytes(path)
+        if free is not None and free < _FULL_BYTES:
+            code, left = errno.ENOSPC, f" ({free} bytes free there)"
+    if code not in _FILE_ERRNOS and not any(hasattr(c, "failures") for c in causes):
+        return exc  # not a filesystem error (a lost peer in a collective, say), and already readable
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space on that filesystem (or raise the quota) or save to another directory, then save again"
+        reason = f"{os.strerror(code)}{left}"
+    elif code is not None:
+        reason, fix = os.strerror(code), "check that the directory exists and is writable, then save again"
+    else:  # DCP's wrapper around something other than an OS error: the innermost exception's last line
+        root = causes[-1]
+        lines = str(root).strip().splitlines()
+        reason = f"{type(root).__name__}: {lines[-1] if lines else ''}"
+        fix = "check the disk and the directory, then save again"
+    return CheckpointWriteError(code, f"could not write the checkpoint {path}: {reason}; {fix}")
+
+
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[None]:
+    """Re-raise a failure inside as :func:`write_error` for ``path``."""
+    try:
+        yield
+    except BaseException as e:
+        err = write_error(e, path)
+        if err is e:
+            raise
+        raise err from (None if hasattr(e, "failures") else e)  # DCP's wrapper only repeats the traceback
 
 
 class BackgroundWriter:

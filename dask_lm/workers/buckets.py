@@ -7,7 +7,7 @@ as ``flat[start:end].view(dtype).reshape(shape)``, accepts mixed dtypes). The pr
 same plan from the refit info (``{name: (shape, dtype)}``, in order) and the buffer size, so only the bytes and
 the names have to travel.
 
-A bucket crosses a process boundary in one of three ways (``transport``):
+A bucket crosses to an SGLang server in one of three ways (``transport``):
 
 - ``"ipc"``: a CUDA tensor pickled with torch's reductions, which export a CUDA IPC handle. The device is written
   as the GPU's UUID instead of the producer's local index, as SGLang's ``monkey_patch_torch_reductions`` expects,
@@ -19,7 +19,8 @@ A bucket crosses a process boundary in one of three ways (``transport``):
 
 Every pickle produced here references only torch's own rebuild functions and builtins, so SGLang's restricted
 unpickler accepts it; SGLang's bucket metadata is sent as ``types.SimpleNamespace`` for the same reason (the
-server only reads its attributes).
+server only reads its attributes). These pickles are for SGLang alone (its HTTP weight-update protocol): dask-lm
+never unpickles anything a peer sends; its own ZMQ refit speaks the data-only :mod:`dask_lm.workers.wire`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 
 __all__ = ["ALIGN", "Slot", "plan_buckets", "bucket_nbytes", "write_slot", "align_up", "unpack", "sglang_bucket",
-           "dumps", "dumps_b64", "loads", "plan_digest"]
+           "dumps", "dumps_b64", "plan_digest"]
 
 ALIGN = 512
 TRANSPORTS = ("ipc", "shm", "value")
@@ -182,27 +183,3 @@ def dumps(obj: Any, transport: str) -> bytes:
 def dumps_b64(obj: Any, transport: str) -> str:
     """What SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` produces: base64 of a pickle."""
     return base64.b64encode(dumps(obj, transport)).decode("ascii")
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.multiprocessing.reductions" and name == "rebuild_cuda_tensor":
-            return _rebuild_cuda_by_uuid
-        return super().find_class(module, name)
-
-
-def _rebuild_cuda_by_uuid(*args: Any) -> torch.Tensor:
-    from torch.multiprocessing import reductions
-
-    from dask_lm.workers import device
-
-    args = list(args)
-    args[6] = device.index_for_uuid(args[6])
-    return reductions.rebuild_cuda_tensor(*args)
-
-
-def loads(data: bytes | str) -> Any:
-    """Read a payload made by :func:`dumps` (base64 text or raw bytes) in another process."""
-    if isinstance(data, str):
-        data = base64.b64decode(data, validate=True)
-    return _Unpickler(io.BytesIO(data)).load()

@@ -14,6 +14,7 @@ tensors on the host and returns; ``finalize`` waits for the writes, agrees and p
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dask_lm.io import checkpoint as ckpt
+from dask_lm.io import safe_load
 from dask_lm.workers import device
 from dask_lm.workers.optim import (
     init_optimizer_state,
@@ -204,17 +206,20 @@ def save_checkpoint(worker: PolicyWorker, *, weights: tuple[str, str] | None, op
 
     def write_model_files() -> None:
         if weights:
-            _write_weights(worker, weights[0], max_shard_size, staged=staged)
-            if worker.rank == 0:
-                _write_config(worker, weights[0])
+            with ckpt.writing(weights[1]):
+                _write_weights(worker, weights[0], max_shard_size, staged=staged)
+                if worker.rank == 0:
+                    _write_config(worker, weights[0])
         if tokenizer and worker.rank == 0:
-            tokenizer[2].save_pretrained(tokenizer[0])
+            with ckpt.writing(tokenizer[1]):
+                tokenizer[2].save_pretrained(tokenizer[0])
 
     ok, error = _attempt(write_model_files)
     _agree_or_discard(worker, ok, error, tmps, "write the weights")
-    pending: dict[str, Any] = {"publish": parts, "tmps": tmps, "dcp": None, "writer": None}
+    pending: dict[str, Any] = {"publish": parts, "tmps": tmps, "dcp": None, "writer": None,
+                               "dcp_path": optimizer and optimizer[1], "writer_path": weights and weights[1]}
     if optimizer:
-        ok, error = _attempt(lambda: _write_optimizer(worker, optimizer[0], pending, async_save, dcp))
+        ok, error = _attempt(lambda: _write_optimizer(worker, optimizer, pending, async_save, dcp))
         if async_save:  # a rank whose staging failed must not leave its peers waiting for a finalize
             ok = _barrier_ok(worker, ok, main_group=True)
             if not ok:
@@ -253,7 +258,14 @@ def _agree_or_discard(worker: PolicyWorker, ok: bool, error: BaseException | Non
     raise error or PeerFailedError(f"another rank failed to {what}; the checkpoint was discarded")
 
 
-def _write_optimizer(worker: PolicyWorker, directory: str, pending: dict[str, Any], async_save: bool, dcp: Any) -> None:
+def _write_optimizer(worker: PolicyWorker, paths: tuple[str, str], pending: dict[str, Any], async_save: bool,
+                     dcp: Any) -> None:
+    with ckpt.writing(paths[1]):
+        _write_optimizer_files(worker, paths[0], pending, async_save, dcp)
+
+
+def _write_optimizer_files(worker: PolicyWorker, directory: str, pending: dict[str, Any], async_save: bool,
+                           dcp: Any) -> None:
     opt = worker.optimizer
     assert opt is not None
     if not opt.state:
@@ -274,7 +286,22 @@ def _write_optimizer(worker: PolicyWorker, directory: str, pending: dict[str, An
         else:
             dcp.save(state, checkpoint_id=directory, **_dcp_kwargs(worker))
     if worker.rank == 0:  # tiny and rank-independent; after the collective so a failure cannot desync it
-        torch.save(worker.scheduler.state_dict(), os.path.join(directory, SCHEDULER_FILE))
+        _save_scheduler(worker, os.path.join(directory, SCHEDULER_FILE))
+
+
+def _save_scheduler(worker: PolicyWorker, path: str) -> None:
+    """The LR scheduler's state, checked to load back as plain data (:func:`safe_load.load_plain`): a state that
+    would need code to load fails the save now, not the restore later."""
+    buf = io.BytesIO()
+    torch.save(worker.scheduler.state_dict(), buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:
+        raise ValueError(f"the LR scheduler {type(worker.scheduler).__name__} keeps state that is not plain data "
+                         f"({safe_load.one_line(e)}); checkpoints load without running code, so use a scheduler "
+                         "whose state_dict() holds only numbers, strings, lists, dicts and tensors") from None
+    with open(path, "wb") as f:
+        f.write(buf.getbuffer())
 
 
 def _write_staged(directory: str, staged: dict[str, Any]) -> None:
@@ -319,9 +346,11 @@ def finalize_async_save(worker: PolicyWorker) -> bool:
     try:
         if pending["dcp"] is not None:
             fut = pending["dcp"]
-            (fut.result() if hasattr(fut, "result") else fut.upload_completion.result())
+            with ckpt.writing(pending["dcp_path"]):
+                (fut.result() if hasattr(fut, "result") else fut.upload_completion.result())
         if pending["writer"] is not None:
-            pending["writer"].result()
+            with ckpt.writing(pending["writer_path"]):
+                pending["writer"].result()
     except BaseException as e:
         ok, error = False, e
     _agree_or_discard(worker, ok, error, pending["tmps"], "finish writing the checkpoint")
@@ -330,9 +359,8 @@ def finalize_async_save(worker: PolicyWorker) -> bool:
 
 
 def load_optimizer_state(worker: PolicyWorker, path: str) -> None:
-    """Restore optimizer and scheduler state saved by :func:`save_checkpoint` (any number of ranks then)."""
-    import torch.distributed.checkpoint as dcp
-
+    """Restore optimizer and scheduler state saved by :func:`save_checkpoint` (any number of ranks then). Every
+    pickled file is read as data only (:mod:`dask_lm.io.safe_load`): a tampered one is refused, never run."""
     fresh = os.path.join(path, FRESH_OPTIMIZER)
     if not os.path.isdir(path) or not (os.path.exists(os.path.join(path, ".metadata")) or os.path.exists(fresh)):
         raise ValueError(f"optimizer_path {path!r} is not an optimizer checkpoint written by save_checkpoint")
@@ -348,12 +376,16 @@ def load_optimizer_state(worker: PolicyWorker, path: str) -> None:
         for group, saved in zip(opt.param_groups, groups):
             group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
     else:
+        from torch.distributed.checkpoint.api import CheckpointException
+
         state = optimizer_state(worker, for_load=True)
         try:
-            dcp.load(state, checkpoint_id=path, **_dcp_kwargs(worker))
-        except Exception as e:  # DCP's CheckpointException carries every rank's failure
+            safe_load.dcp_load(state, path, **_dcp_kwargs(worker))
+        except safe_load.UnsafeCheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps every rank's
             raise ValueError(f"optimizer_path {path!r} does not fit this model and optimizer (saved for another "
-                             f"model, or another optimizer class): {str(e)[:500]}") from e
+                             f"model, or another optimizer class): {_root_line(e)}") from None
         if worker.fsdp:
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -362,5 +394,13 @@ def load_optimizer_state(worker: PolicyWorker, path: str) -> None:
             load_named_optimizer_state(opt, worker.optimizer_param_names(), state["optim"])
     sched_file = os.path.join(path, SCHEDULER_FILE)
     if os.path.exists(sched_file):
-        worker.scheduler.load_state_dict(torch.load(sched_file, weights_only=False))
+        worker.scheduler.load_state_dict(safe_load.load_plain(sched_file, "LR scheduler state"))
     device.empty_cache()
+
+
+def _root_line(e: BaseException) -> str:
+    """One line for DCP's CheckpointException (whose message is every rank's traceback): the first failure."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        e = next(iter(failures.values()))[0]
+    return safe_load.one_line(e)[:500]

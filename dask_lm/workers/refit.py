@@ -5,7 +5,8 @@ shapes, the policy precision) in the same order on every rank, because under FSD
 all-gather that all ranks must join. Three routes leave from here:
 
 - SGLang over HTTP (:mod:`dask_lm.workers.refit_http`): CUDA IPC handles of flattened buckets in JSON;
-- ZMQ (:func:`stream_via_zmq`): vLLM-style colocated workers, a REQ socket per rank and two ping-pong buffers;
+- ZMQ (:func:`stream_via_zmq`): vLLM-style colocated workers, a REQ socket per rank in a private directory
+  (:mod:`dask_lm.workers.zmq_endpoint`), data-only messages (:mod:`dask_lm.workers.wire`), two ping-pong buffers;
 - a collective (:func:`init_collective`, :func:`broadcast`): rank 0 broadcasts buckets to inference ranks that
   joined a process group of their own (NCCL on GPUs, gloo on CPU).
 
@@ -22,18 +23,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dask_lm.workers import buckets as bk
-from dask_lm.workers import device
+from dask_lm.workers import device, wire, zmq_endpoint
 from dask_lm.workers.checkpointing import full_tensor, weight_names
 from dask_lm.workers.tasks import report_progress
 
 if TYPE_CHECKING:
     from dask_lm.workers.policy_worker import PolicyWorker
 
-__all__ = ["RefitError", "refit_info", "iter_buckets", "zmq_address", "stream_via_zmq", "init_collective",
+__all__ = ["RefitError", "refit_info", "iter_buckets", "stream_via_zmq", "close_zmq", "init_collective",
            "broadcast"]
 
 logger = logging.getLogger("dask_lm.worker")
-ZMQ_ALIGN = 512
+ZMQ_ALIGN = wire.ALIGN
 
 
 class RefitError(RuntimeError):
@@ -77,61 +78,60 @@ def iter_buckets(worker: PolicyWorker, plan: list[list[bk.Slot]], *, keep: bool)
 
 
 # ----------------------------------------------------------------------------------------- ZMQ (colocated vLLM)
-def zmq_address(device_id: str) -> str:
-    """The IPC socket a rank binds for ``stream_weights_via_ipc_zmq``; the inference worker on the same device
-    connects to it (NeMo RL's convention: one socket per GPU UUID under /tmp)."""
-    return f"ipc:///tmp/dask-lm-refit-{device_id}.sock"
-
-
 def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: float,
                    progress_id: str | None = None) -> dict[str, Any]:
     """Send every weight to the REP peer of this rank's socket, in ping-pong buffers of half the budget.
 
-    Message: ``(payload, names, used_bytes)`` where ``payload`` is the buffer pickled by
-    :func:`dask_lm.workers.buckets.dumps` (a CUDA IPC handle, or a shared-memory file on CPU) and the tensors sit
-    back to back at 512-byte aligned offsets in ``names`` order; then the string ``"complete"``. Each message is
-    answered (any reply) once the peer has loaded it."""
+    Messages follow :mod:`dask_lm.workers.wire` (data only): a msgpack header naming the tensors of one buffer,
+    which sit back to back at 512-byte aligned offsets, and the buffer itself (a CUDA IPC handle in the header on
+    GPUs, the bytes as a second frame on CPU); then a ``complete`` header. The peer answers each message with a
+    fixed ACK once it has loaded it; any other answer fails the call, unread."""
     import zmq
 
-    address = zmq_address(device.device_id())
-    transport = "ipc" if device.is_cuda() else "shm"
+    ep = zmq_endpoint.bind(worker)
+    sock, address = ep.sock, ep.address
+    transport = "ipc" if device.is_cuda() else "bytes"
     info = refit_info(worker)
     half = bk.align_up(max(buffer_size_bytes // 2, 1), ZMQ_ALIGN)
-    # one socket per rank, kept between calls (a fresh bind makes the peer wait out its reconnect interval);
-    # closed on any error, because a REQ socket that missed an answer cannot send again
-    sock = worker.refit_zmq
-    if sock is None:
-        sock = zmq.Context.instance().socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(address)
-        worker.refit_zmq = sock
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     start, sent_bytes, messages = time.perf_counter(), 0, 0
     tensor_bytes = 0  # tensor bytes already sent (alignment gaps left out), for the driver's progress bar
-    pending = False
+    pending, last = False, ""  # `last`: the message the next answer is for, to name it in errors
 
     def ack() -> None:
         nonlocal pending
         try:
-            sock.recv_pyobj()
+            frames = sock.recv_multipart()
         except zmq.Again:
             raise TimeoutError(f"no answer from the inference worker on {address} within {timeout_s:.0f} s: is it "
                                "running and connected to this socket?") from None
         pending = False
+        try:
+            reason = wire.read_reply(frames)
+        except ValueError as e:
+            raise RefitError(f"the peer on {address} answered {last} with something other than a dask-lm refit "
+                             f"reply, which was not read: {e}. Is receive_via_zmq of the same dask-lm version "
+                             "connected to this socket?") from None
+        if reason is not None:
+            raise RefitError(f"the inference worker on {address} rejected {last}: {reason}")
 
     def send(buf: torch.Tensor, names: list[str], used: int) -> None:
-        nonlocal pending, sent_bytes, messages, tensor_bytes
+        nonlocal pending, last, sent_bytes, messages, tensor_bytes
         device.synchronize()
-        payload = bk.dumps(buf, transport)
+        if transport == "ipc":
+            frames: list[Any] = [wire.encode_weights(names, used, transport="ipc", ipc=wire.encode_cuda(buf))]
+        else:  # the bytes themselves, without a copy: the buffer is not touched again before the peer answers
+            frames = [wire.encode_weights(names, used, transport="bytes"), memoryview(buf[:used].numpy())]
         if pending:
             ack()  # the peer is done with the other buffer; it may be reused after this
         try:
-            sock.send_pyobj((payload, names, used))
+            sock.send_multipart(frames, copy=False)
         except zmq.Again:
             raise TimeoutError(f"the inference worker on {address} did not take a message within "
                                f"{timeout_s:.0f} s") from None
         pending, sent_bytes, messages = True, sent_bytes + used, messages + 1
+        last = f"refit message {messages}"
         tensor_bytes += sum(info[n][0].numel() * info[n][1].itemsize for n in names)
         if worker.rank == 0:
             report_progress(progress_id, tensor_bytes)
@@ -165,19 +165,23 @@ def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: f
             ack()
         del buffers
         device.ipc_collect()
-        sock.send_pyobj("complete")
+        last = "the final 'complete' message"
+        try:
+            sock.send(wire.encode_complete())
+        except zmq.Again:
+            raise TimeoutError(f"the inference worker on {address} did not take the last message within "
+                               f"{timeout_s:.0f} s") from None
         ack()
     except BaseException:
-        close_zmq(worker)
+        zmq_endpoint.close_socket(worker)  # a REQ socket that missed an answer cannot send again
         raise
     seconds = time.perf_counter() - start
     return {"address": address, "bytes": sent_bytes, "messages": messages, "seconds": seconds}
 
 
 def close_zmq(worker: PolicyWorker) -> None:
-    sock, worker.refit_zmq = getattr(worker, "refit_zmq", None), None
-    if sock is not None:
-        sock.close(linger=0)
+    """Close this rank's refit socket and remove its private directory (policy shutdown)."""
+    zmq_endpoint.close(worker)
 
 
 # ----------------------------------------------------------------------------------------- collective broadcast
@@ -191,11 +195,34 @@ def init_collective(worker: PolicyWorker, ip: str, port: int, world_size: int, *
 
     assert worker.rank < train_world_size, "the driver checks train_world_size against the policy's ranks"
     close_collective(worker)
+    # TCPStore's own listening socket takes every interface; rank 0 hands it one bound to `ip` alone
+    listen = {"master_listen_fd": _listen_on(ip, int(port))} if worker.rank == 0 else {}
     store = dist.TCPStore(ip, int(port), world_size, is_master=worker.rank == 0,
-                          timeout=timedelta(seconds=timeout_s), wait_for_workers=True)
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=True, **listen)
     group = device.standalone_group(dist.PrefixStore("dask-lm-refit", store), worker.rank, world_size, timeout_s)
     worker.refit_collective = (group, store)
     return True
+
+
+def _listen_on(ip: str, port: int) -> int:
+    """The file descriptor of a TCP socket listening on ``ip:port`` only (the store takes ownership)."""
+    import socket
+
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(ip, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"init_collective: `ip` {ip!r} does not resolve on policy rank 0 ({e.strerror}); pass the "
+                         "address of the host of policy rank 0") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"init_collective: policy rank 0 cannot listen on {ip}:{port} ({e.strerror}): pass an "
+                         "address of its host and a free port") from None
+    return sock.detach()
 
 
 def close_collective(worker: PolicyWorker) -> None:
