@@ -411,3 +411,21 @@ def test_nccl_broadcast_to_a_second_gpu(gpu_client, tiny, tmp_path):
     got = torch.load(out)[0]["weights"]
     assert sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k]) for k in saved)
     print(f"NCCL refit to a second GPU: {stats[0]['buckets']} buckets, {stats[0]['bytes']} bytes")
+
+
+def test_every_listener_of_a_cuda_cluster_and_nccl_policy_is_on_loopback(gpu_client, tiny):
+    """The driver (scheduler, dashboard, nannies) and every worker (Dask, rank 0's store, NCCL's bootstrap) listen
+    on loopback only while a Policy over every GPU is loaded."""
+    import ipaddress
+
+    import psutil
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
+    ids, lens = make_batch(tok, TEXTS[:2])
+    with dask_lm.Policy(gpu_client, {"model_name": tiny["qwen2"], "precision": "bfloat16"}, tok) as policy:
+        policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))
+        pids = [os.getpid(), *gpu_client.run(os.getpid).values()]
+        found = {pid: [c.laddr for c in psutil.Process(pid).net_connections(kind="inet")
+                       if c.status == psutil.CONN_LISTEN] for pid in pids}
+    exposed = {pid: [a for a in addrs if not ipaddress.ip_address(a.ip).is_loopback] for pid, addrs in found.items()}
+    assert not any(exposed.values()), exposed
