@@ -403,6 +403,10 @@ def _shutdown_quietly(group: WorkerGroup, raise_errors: bool = False) -> bool:
         # not chained: a failed earlier call must not stop the clean-up (one task thread per worker keeps order)
         futs = [group.submit_rank(r, tasks.shutdown_policy, group.policy_id, key_name="shutdown", chain=False)
                 for r in range(group.world_size) if r not in lost]
+        if group.client.asynchronous:
+            # a finalizer run by the garbage collector on the client's own event loop cannot block on it: the
+            # released lease frees the ranks (see dask_lm.workers.lease)
+            return False
         try:
             wait(futs, timeout=SHUTDOWN_TIMEOUT_S)
         except TimeoutError:
