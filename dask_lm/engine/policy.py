@@ -394,7 +394,9 @@ def _shutdown_quietly(group: WorkerGroup, raise_errors: bool = False) -> bool:
     with a warning); a rank stuck in a collective frees the Policy when that collective times out, or when the
     lease released here tells it the driver let go."""
     try:
-        if group.client.status not in ("running", "connecting"):
+        if group.client.status not in ("running", "connecting") or group.client.asynchronous:
+            # a closed client, or a finalizer run by the garbage collector on the client's own event loop (which
+            # must not block on it): the lease released below frees the ranks (see dask_lm.workers.lease)
             return False
         lost = set(group.lost_ranks())
         if lost:
@@ -403,10 +405,6 @@ def _shutdown_quietly(group: WorkerGroup, raise_errors: bool = False) -> bool:
         # not chained: a failed earlier call must not stop the clean-up (one task thread per worker keeps order)
         futs = [group.submit_rank(r, tasks.shutdown_policy, group.policy_id, key_name="shutdown", chain=False)
                 for r in range(group.world_size) if r not in lost]
-        if group.client.asynchronous:
-            # a finalizer run by the garbage collector on the client's own event loop cannot block on it: the
-            # released lease frees the ranks (see dask_lm.workers.lease)
-            return False
         try:
             wait(futs, timeout=SHUTDOWN_TIMEOUT_S)
         except TimeoutError:
