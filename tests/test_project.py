@@ -46,7 +46,7 @@ def _pyproject_deps() -> dict[str, str]:
 
 def test_environment_yml_matches_pyproject():
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
-    conda_names = {"torch": "pytorch"}  # conda-forge spells a few packages differently
+    conda_names = {"torch": "pytorch", "msgpack": "msgpack-python"}  # conda-forge spells a few differently
     listed = {re.split(r"[<>=! ]", d, maxsplit=1)[0].lower() for d in env["dependencies"] if isinstance(d, str)}
     pip = [x for d in env["dependencies"] if isinstance(d, dict) for x in d.get("pip", [])]
     assert any(p.startswith("-e .") for p in pip), "environment.yml must install dask-lm itself"
