@@ -323,7 +323,7 @@ def test_tampered_optimizer_item_is_refused_not_run(client, tiny, tok, saved, tm
 
 
 # ----------------------------------------------------------------------------------------- write errors
-def test_a_dcp_write_error_becomes_one_line_naming_the_path(tmp_path):
+def test_a_dcp_write_error_becomes_one_line_naming_the_path(tmp_path, monkeypatch):
     """DCP wraps a rank's failure into a message that is a whole traceback; the error users see is one line: the
     checkpoint path, the operating system's reason, the fix."""
     import errno
@@ -345,6 +345,10 @@ def test_a_dcp_write_error_becomes_one_line_naming_the_path(tmp_path):
     # what is not a filesystem error stays as it was (a peer lost in a collective, a user's mistake)
     for other in (RuntimeError("Connection closed by peer"), ValueError("bad key")):
         assert ckpt.write_error(other, str(path)) is other
+        # however full the disk: a lost peer is not a full disk
+        monkeypatch.setattr(ckpt, "_free_bytes", lambda _p: 0)
+        assert ckpt.write_error(other, str(path)) is other
+        monkeypatch.undo()
 
 
 @pytest.fixture

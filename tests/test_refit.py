@@ -235,18 +235,22 @@ def test_collective_store_listens_only_on_the_given_address(trained, tmp_path):
     policy.client.gather(policy.init_collective("127.0.0.1", port, 3, train_world_size=2))
     listening = {c.laddr.ip for c in psutil.net_connections(kind="inet")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    # and every other listener of the ranks (Dask's, the gloo pairs of the policy's and the refit's groups)
+    ranks = {c.laddr.ip for pid in policy.client.run(os.getpid).values()
+             for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
     proc.join(60)
     assert listening == {"127.0.0.1"}
+    assert ranks == {"127.0.0.1"}, ranks
 
 
 def test_collective_store_port_in_use_is_a_clear_error():
-    from dask_lm.workers.refit import _listen_on
+    from dask_lm.workers.rendezvous import listen_fd
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         with pytest.raises(ValueError, match=r"cannot listen on 127\.0\.0\.1:\d+ \(Address already in use\)"):
-            _listen_on("127.0.0.1", taken.getsockname()[1])
+            listen_fd("127.0.0.1", taken.getsockname()[1], what="init_collective")
 
 
 def test_collective_receiver_with_other_refit_info_fails_loudly(trained, tmp_path):

@@ -270,3 +270,22 @@ def test_values_of_a_pandas_object_column_are_checked_one_by_one():
         "f.parquet: row 104, column 'ids': token id 1.5 at position 0 is not an integer",
         None, None]
     assert rows.ids[5] == [] and rows.ids[6] == [4, 5, 6, 7] and rows.truncated == [False] * 6 + [True]
+
+
+def test_merge_errors_keeps_what_an_interrupted_merge_wrote(tmp_path):
+    """A job killed after merging its bad rows but before _SUCCESS: the resumed job's merge keeps them (and a
+    part redone since replaces its own rows), so _errors.parquet and the count agree with the input."""
+    from dask_lm.io import parquet as pio
+
+    out = tmp_path / "out"
+    os.makedirs(pio.errors_dir(str(out)))
+    pq.write_table(pio.errors_table(0, "a.parquet", [3, 4], ["bad", "bad"]), out / pio.ERRORS)
+    assert pio.merge_errors(str(out)) == 2  # nothing new: the merged file stands
+    os.makedirs(pio.errors_dir(str(out)))
+    pq.write_table(pio.errors_table(1, "a.parquet", [12], ["bad"]), os.path.join(pio.errors_dir(str(out)),
+                                                                                   pio.part_name(1)))
+    pq.write_table(pio.errors_table(0, "a.parquet", [4], ["bad"]), os.path.join(pio.errors_dir(str(out)),
+                                                                                  pio.part_name(0)))
+    assert pio.merge_errors(str(out)) == 2
+    merged = pq.read_table(out / pio.ERRORS)
+    assert sorted(zip(merged.column("part").to_pylist(), merged.column("row").to_pylist())) == [(0, 4), (1, 12)]

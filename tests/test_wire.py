@@ -75,6 +75,8 @@ def test_encode_cuda_names_the_gpu_by_uuid(monkeypatch):
     ({"requires_grad": True}, "autograd"),
     ({"storage_size_bytes": True}, "non-negative int"),
     ({"size": [2, 2], "stride": [1]}, "differ in length"),
+    ({"ref_counter_offset": 10_000}, "outside torch's reference counter"),
+    ({"storage_offset_bytes": 1 << 41}, "past any device's memory"),
 ])
 def test_cuda_handle_fields_are_checked(change, match):
     h = {**wire.cuda_handle(_torch_cuda_args(), FAKE_UUID), **change}

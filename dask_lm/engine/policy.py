@@ -403,8 +403,8 @@ def _shutdown_quietly(group: WorkerGroup, raise_errors: bool = False) -> bool:
             logger.warning("policy %s: workers %s are gone (their share of the Policy went with them); shutting down "
                            "the other ranks", group.policy_id, [group.names[r] for r in sorted(lost)])
         # not chained: a failed earlier call must not stop the clean-up (one task thread per worker keeps order)
-        futs = [group.submit_rank(r, tasks.shutdown_policy, group.policy_id, key_name="shutdown", chain=False)
-                for r in range(group.world_size) if r not in lost]
+        futs = [group.submit_rank(r, tasks.shutdown_policy, group.policy_id, key_name="shutdown", chain=False,
+                                  orphaned=bool(lost)) for r in range(group.world_size) if r not in lost]
         try:
             wait(futs, timeout=SHUTDOWN_TIMEOUT_S)
         except TimeoutError:

@@ -147,7 +147,7 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
     options = {"text_column": text_column, "prompt_column": prompt_column, "response_column": response_column,
                "epochs": epochs, "global_batch_size": global_batch_size, "lr": lr, "weight_decay": weight_decay,
                "warmup_steps": warmup_steps, "max_length": max_length, "truncate": truncate, "seed": seed,
-               "shuffle": shuffle}
+               "shuffle": shuffle, "precision": _PRECISIONS.get(precision or "auto", precision)}
     manifest = {"format": jobdir.FORMAT, "dask_lm_version": dask_lm.__version__, "model": model, "options": options,
                 **fingerprint.job_pins(model, info.files, inputs.files)}
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
@@ -160,7 +160,8 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
         try:
             if precision in (None, "auto"):
                 precision = "bfloat16" if _worker_has_gpu(client) else "float32"
-            precision = {"bf16": "bfloat16", "fp32": "float32"}.get(precision, precision)
+            precision = _PRECISIONS.get(precision, precision)
+            _pin_precision(output, manifest, precision)
             rows = _tokenize_all(client, inputs, text_column, prompt_column, response_column, model, max_length,
                                  truncate)
             steps_per_epoch = math.ceil(len(rows) / global_batch_size)
@@ -226,6 +227,24 @@ def _policy_config(model: str, precision: str, global_batch_size: int, micro_bat
     return cfg
 
 
+_PRECISIONS = {"bf16": "bfloat16", "fp32": "float32", "auto": None}
+
+
+def _pin_precision(output: str, manifest: dict[str, Any], precision: str) -> None:
+    """Record the precision the run trains in (an automatic one is known only once the cluster is up), or refuse a
+    resume that would continue a run in another precision (bf16 on GPUs resumed on CPUs in fp32, say)."""
+    path = os.path.join(output, pio.MANIFEST)
+    pinned = jobdir.read_manifest(output) or manifest
+    was = pinned["options"].get("precision")
+    if was is None:
+        pinned["options"]["precision"] = precision
+        pio.write_json_atomic(pinned, path)
+    elif was != precision:
+        raise ValueError(f"--resume refused: {output} was trained in {was}, and these workers would train in "
+                         f"{precision} (--precision was {was}, now {precision}); resume on workers like the first "
+                         f"run's or pass --precision {was}, or write into a new --output")
+
+
 def _prepare_sft_output(output: str, manifest: dict[str, Any], resume: bool) -> tuple[int, str] | None:
     """Pin a new run, or check a resumed one against its pins and return its newest checkpoint (under the lock)."""
     existing = [f for f in os.listdir(output) if not f.startswith(".")]
@@ -236,8 +255,10 @@ def _prepare_sft_output(output: str, manifest: dict[str, Any], resume: bool) -> 
         old = jobdir.read_manifest(output)
         if old is None:
             raise ValueError(f"--resume refused: {output!r} has no {pio.MANIFEST}; it is not a dask-lm sft output")
+        # an automatic precision is known only once the cluster is up: _pin_precision compares it then
         jobdir.check_resume(old, manifest, output=output, what="trained",
-                            flags={"shuffle": "shuffle (off with --no-shuffle)"})
+                            flags={"shuffle": "shuffle (off with --no-shuffle)"},
+                            ignore=("precision",) if manifest["options"]["precision"] is None else ())
         return _newest_checkpoint(output)
     pio.write_json_atomic(manifest, os.path.join(output, pio.MANIFEST))
     return None

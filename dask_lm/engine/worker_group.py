@@ -120,6 +120,12 @@ class WorkerGroup:
         return len(self.names)
 
     def raise_if_broken(self) -> None:
+        if self.broken is None and self.lease is not None and self.lease.status == "cancelled":
+            # Dask cancels every future of a client that lost its scheduler connection, the lease among them; the
+            # ranks then free the Policy (as they would for a dead driver)
+            self.broken = RankFailedError(
+                "this driver lost its connection to the scheduler, which cancelled its futures and this Policy's "
+                "lease; the workers have freed the Policy: create a new one (and reload the last checkpoint)")
         if self.broken is not None:
             # the same error class and text on every later call, whatever the call
             raise type(self.broken)(str(self.broken))

@@ -200,18 +200,24 @@ def write_error(exc: BaseException, path: str) -> BaseException:
         return exc  # user errors, and KeyboardInterrupt / SystemExit
     causes = list(_causes(exc))
     code = next((c for c in map(_errno, causes) if c), None)
+    wrapped = any(hasattr(c, "failures") for c in causes)  # DCP's wrapper: a traceback as its message
     left = ""
-    if code is None:
+    # only a failure that looks like a write (an OSError without errno, torch's zip writer, DCP) is blamed on a
+    # full disk; a lost peer in the gather before the write is not, however little space is left
+    if code is None and (wrapped or any(isinstance(c, OSError) or "unexpected pos" in str(c) for c in causes)):
         free = _free_bytes(path)
         if free is not None and free < _FULL_BYTES:
             code, left = errno.ENOSPC, f" ({free} bytes free there)"
-    if code not in _FILE_ERRNOS and not any(hasattr(c, "failures") for c in causes):
+    if code not in _FILE_ERRNOS and not wrapped:
         return exc  # not a filesystem error (a lost peer in a collective, say), and already readable
     if code in (errno.ENOSPC, errno.EDQUOT):
         fix = "free space on that filesystem (or raise the quota) or save to another directory, then save again"
         reason = f"{os.strerror(code)}{left}"
-    elif code is not None:
+    elif code in _FILE_ERRNOS:
         reason, fix = os.strerror(code), "check that the directory exists and is writable, then save again"
+    elif code is not None:  # inside DCP's wrapper, e.g. a connection reset by a rank that went away
+        reason = os.strerror(code)
+        fix = "a rank or the network failed during the save; check the workers, then save again"
     else:  # DCP's wrapper around something other than an OS error: the innermost exception's last line
         root = causes[-1]
         lines = str(root).strip().splitlines()

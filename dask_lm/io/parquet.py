@@ -223,15 +223,24 @@ def errors_dir(output: str) -> str:
 
 
 def merge_errors(output: str) -> int:
-    """Gather the per-part bad-row files into ``_errors.parquet`` (atomically); returns the number of bad rows."""
+    """Gather the per-part bad-row files into ``_errors.parquet`` (atomically), keeping what an earlier, interrupted
+    merge already put there (a resumed job); returns the number of bad rows in it."""
     import shutil
+
+    import pyarrow.compute as pc
 
     d = errors_dir(output)
     parts = sorted(f for f in os.listdir(d) if f.endswith(".parquet")) if os.path.isdir(d) else []
-    if not parts:
+    merged = os.path.join(output, ERRORS)
+    tables = [pq.read_table(os.path.join(d, f)) for f in parts]
+    if os.path.exists(merged):
+        old = pq.read_table(merged)
+        redone = pa.array(sorted({int(p) for t in tables for p in t.column("part").to_pylist()}), pa.int32())
+        tables.insert(0, old.filter(pc.invert(pc.is_in(old.column("part"), value_set=redone))))
+    if not parts:  # nothing new: what is merged already stands
         shutil.rmtree(d, ignore_errors=True)
-        return 0
-    table = pa.concat_tables([pq.read_table(os.path.join(d, f)) for f in parts])
+        return tables[0].num_rows if tables else 0
+    table = pa.concat_tables(tables)
     write_part(table, output, ERRORS)
     shutil.rmtree(d, ignore_errors=True)
     return table.num_rows

@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import shutil
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -355,6 +356,20 @@ def finalize_async_save(worker: PolicyWorker) -> bool:
         ok, error = False, e
     _agree_or_discard(worker, ok, error, pending["tmps"], "finish writing the checkpoint")
     _publish(worker, pending)
+    return True
+
+
+def abandon_async_save(worker: PolicyWorker) -> bool:
+    """Drop a pending async save without a collective (its driver is gone, or a peer rank is): nothing is published,
+    and this rank's temporary directories go. Finishing it would need every rank to agree, and a rank that is gone
+    never answers; a checkpoint nobody asked to finish is not worth a worker blocked until the collective timeout."""
+    pending, worker.pending_save = worker.pending_save, None
+    if pending is None:
+        return False
+    logger.warning("abandoning an unfinished async checkpoint (its Policy lost its driver or a rank); nothing of it "
+                   "is published")
+    for tmp in pending["tmps"]:
+        shutil.rmtree(tmp, ignore_errors=True)
     return True
 
 

@@ -78,7 +78,7 @@ async def reap(worker: Any, state: DaskLMWorkerState) -> list[str]:
         logger.warning("policy %s lost its driver (lease %s is gone): freeing its model and process groups",
                        policy_id, lease_key(policy_id))
         # off the event loop: freeing a model and destroying process groups can take a while
-        await asyncio.to_thread(state.shutdown_policy, policy_id)
+        await asyncio.to_thread(state.shutdown_policy, policy_id, True)
         done.append(policy_id)
     return done
 
@@ -95,7 +95,7 @@ def reap_now(state: DaskLMWorkerState) -> list[str]:
     dead = sync(worker.loop, orphaned_policies, worker, list(state.policies))
     for policy_id in dead:
         logger.warning("policy %s lost its driver: freeing it before a new Policy loads", policy_id)
-        state.shutdown_policy(policy_id)
+        state.shutdown_policy(policy_id, orphaned=True)
     return dead
 
 

@@ -486,8 +486,14 @@ class PolicyWorker:
 
         context_meter.digest_metric("tokens", tokens, "count")
 
-    def shutdown(self) -> None:
-        if self.pending_save is not None:  # never drop staged checkpoint bytes on the floor
+    def shutdown(self, orphaned: bool = False) -> None:
+        """Free everything. ``orphaned``: the driver or a peer rank is gone, so nothing here may wait on a
+        collective (a pending async save is abandoned instead of finished)."""
+        if self.pending_save is not None and orphaned:
+            from dask_lm.workers import checkpointing
+
+            checkpointing.abandon_async_save(self)
+        elif self.pending_save is not None:  # never drop staged checkpoint bytes on the floor
             try:
                 self.finalize_async_save()
             except Exception:

@@ -189,40 +189,19 @@ def init_collective(worker: PolicyWorker, ip: str, port: int, world_size: int, *
                     timeout_s: float) -> bool:
     """Join the refit group: training rank r is group rank r, inference ranks follow from ``train_world_size``.
     Rank 0 hosts the rendezvous store at ``ip:port``; the call returns once every member has joined."""
-    from datetime import timedelta
-
     import torch.distributed as dist
+
+    from dask_lm.workers import rendezvous
 
     assert worker.rank < train_world_size, "the driver checks train_world_size against the policy's ranks"
     close_collective(worker)
-    # TCPStore's own listening socket takes every interface; rank 0 hands it one bound to `ip` alone
-    listen = {"master_listen_fd": _listen_on(ip, int(port))} if worker.rank == 0 else {}
-    store = dist.TCPStore(ip, int(port), world_size, is_master=worker.rank == 0,
-                          timeout=timedelta(seconds=timeout_s), wait_for_workers=True, **listen)
+    # gloo's / NCCL's own sockets on the interface of `ip` when this host has it (rank 0), else on the worker's own
+    rendezvous.pin_interfaces(ip if rendezvous.interface_for(ip) else rendezvous.worker_host())
+    store = rendezvous.create_store(ip, int(port), world_size, is_master=worker.rank == 0, timeout_s=timeout_s,
+                                    wait_for_workers=True, what="init_collective (policy rank 0)")
     group = device.standalone_group(dist.PrefixStore("dask-lm-refit", store), worker.rank, world_size, timeout_s)
     worker.refit_collective = (group, store)
     return True
-
-
-def _listen_on(ip: str, port: int) -> int:
-    """The file descriptor of a TCP socket listening on ``ip:port`` only (the store takes ownership)."""
-    import socket
-
-    try:
-        family, _, _, _, addr = socket.getaddrinfo(ip, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as e:
-        raise ValueError(f"init_collective: `ip` {ip!r} does not resolve on policy rank 0 ({e.strerror}); pass the "
-                         "address of the host of policy rank 0") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(128)
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"init_collective: policy rank 0 cannot listen on {ip}:{port} ({e.strerror}): pass an "
-                         "address of its host and a free port") from None
-    return sock.detach()
 
 
 def close_collective(worker: PolicyWorker) -> None:

@@ -20,7 +20,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["worker_host", "find_free_port", "interface_for", "pin_interfaces", "create_store"]
+__all__ = ["worker_host", "find_free_port", "interface_for", "pin_interfaces", "listen_fd", "create_store"]
 
 logger = logging.getLogger("dask_lm.worker")
 
@@ -71,21 +71,36 @@ def pin_interfaces(host: str) -> None:
         os.environ.setdefault(var, iface)
 
 
-def create_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float) -> Any:
-    """A ``TCPStore`` at ``host:port``; the master listens on ``host`` only (a socket bound here, not by torch)."""
+def listen_fd(host: str, port: int, *, what: str) -> int:
+    """The file descriptor of a TCP socket listening on ``host:port`` only (whoever takes it owns it); ``what``
+    names the call in the error."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"{what}: {host!r} does not resolve on this worker ({e.strerror}); pass an address of "
+                         "its host") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"{what}: cannot listen on {host}:{port} ({e.strerror}): pass an address of this host "
+                         "and a free port") from None
+    return sock.detach()
+
+
+def create_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float,
+                 wait_for_workers: bool = False, what: str = "the process group rendezvous") -> Any:
+    """A ``TCPStore`` at ``host:port``; the master listens on ``host`` only (a socket bound here, not by torch,
+    whose own listener takes every interface)."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
     if not is_master:
         return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
-    sock = socket.socket(_family(host), socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, int(port)))
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
+    fd = listen_fd(host, int(port), what=what)
     # the store owns the descriptor from here on and closes it with itself
-    return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=sock.detach())
+    return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=wait_for_workers, master_listen_fd=fd)

@@ -64,8 +64,12 @@ class _Replica:
             model_dir, dtype=device.torch_dtype(precision)).to(self.device).eval()
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-        except (OSError, ValueError):  # token-id input needs no tokenizer
+            self.tokenizer_error: str | None = None
+        except (OSError, ValueError, ImportError) as e:  # token-id input needs no tokenizer; text input says why
             self.tokenizer = None
+            self.tokenizer_error = (f"the tokenizer in {tokenizer_dir} cannot be loaded on this worker: "
+                                    f"{' '.join(str(e).split())}; install what it needs (e.g. sentencepiece) on the "
+                                    "workers, or pass --tokenizer")
         cfg = self.model.config
         candidates = (getattr(self.tokenizer, "pad_token_id", None), getattr(self.tokenizer, "eos_token_id", None),
                       getattr(cfg, "pad_token_id", None), getattr(cfg, "eos_token_id", None))
@@ -207,6 +211,8 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
                            "reader split the dataset differently than planned")
     rep = _replica(opts)
     with rep.lock:
+        if rep.tokenizer is None and not opts.ids_column:
+            raise ValueError(rep.tokenizer_error)
         rows = prepare_rows(pdf, opts, tokenizer=rep.tokenizer, vocab_size=rep.vocab_size,
                             max_positions=rep.max_positions, file=file, first_row=first_row)
         bad = [i for i, e in enumerate(rows.errors) if e is not None]
@@ -236,10 +242,11 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
         values["topk_logprobs"] = [t[1].tolist() for t in tops]
     for name, type_ in pio.output_schema_columns(opts.topk):
         table = table.append_column(name, pa.array(values[name], type_))
-    pio.write_part(table, opts.output, pio.part_name(index))
+    # the bad rows first: a part file under its final name is what --resume skips, so it must come last
     if bad:
         err = pio.errors_table(index, file, [first_row + i for i in bad], [rows.errors[i] for i in bad])
         pio.write_part(err, pio.errors_dir(opts.output), pio.part_name(index))
+    pio.write_part(table, opts.output, pio.part_name(index))
     tokens = sum(counts)
     from distributed.metrics import context_meter
 
@@ -265,9 +272,9 @@ def _unreadable(group: Any, index: int, opts: ScoreOptions, t0: float) -> dict[s
     table = schema.empty_table()
     for name, type_ in pio.output_schema_columns(opts.topk):
         table = table.append_column(name, pa.array([], type_))
-    pio.write_part(table, opts.output, pio.part_name(index))
     rows = list(range(group.first_row, group.first_row + group.num_rows))
     pio.write_part(pio.errors_table(index, group.file, rows, [group.message()] * len(rows)),
                    pio.errors_dir(opts.output), pio.part_name(index))
+    pio.write_part(table, opts.output, pio.part_name(index))  # last: it marks the part done
     return {"part": index, "rows": 0, "tokens": 0, "bad_rows": len(rows), "empty_rows": 0, "truncated_rows": 0,
             "nonfinite_rows": 0, "seconds": time.perf_counter() - t0}

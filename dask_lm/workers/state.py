@@ -93,12 +93,13 @@ class DaskLMWorkerState(WorkerPlugin):
             except Exception:  # teardown must not raise into the worker's close path
                 logger.exception("shutting down policy %s", policy_id)
 
-    def shutdown_policy(self, policy_id: str) -> bool:
+    def shutdown_policy(self, policy_id: str, orphaned: bool = False) -> bool:
+        """Free ``policy_id`` here; ``orphaned`` (its driver or a peer is gone): without any collective."""
         with self.lock:
             pw = self.policies.pop(policy_id, None)
             try:
                 if pw is not None:
-                    pw.shutdown()
+                    pw.shutdown(orphaned=orphaned)
                     del pw
             finally:
                 leave_process_group(self, policy_id)
@@ -148,6 +149,11 @@ def join_process_group(state: DaskLMWorkerState, policy_id: str, *, members: tup
     from dask_lm.workers import rendezvous
 
     timeout = timedelta(seconds=timeout_s)
+    if dist.is_initialized() and not state.world_users:
+        # left over by a join that failed half-way (the last user's shutdown destroys it otherwise): its peers may
+        # have rebuilt theirs, so it is never reused
+        dist.destroy_process_group()
+        state.world_members = state.world_ids = None
     if dist.is_initialized() and state.world_members == members and state.world_ids != member_ids:
         if state.world_users:
             raise RuntimeError(

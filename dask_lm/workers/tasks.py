@@ -82,6 +82,10 @@ def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: 
         import os
 
         os.environ.update({str(k): str(v) for k, v in env.items()})
+    cls: type = PolicyWorker
+    if extension_fqn:  # before the join: a bad name must not leave a process group behind
+        ext = resolve_class(extension_fqn, "worker_extension_cls_fqn")
+        cls = type(f"{ext.__name__}PolicyWorker", (ext, PolicyWorker), {})
     group = None
     if len(members) > 1:
         assert master is not None
@@ -89,10 +93,6 @@ def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: 
                                    master_addr=master[0],
                                    master_port=master[1], backend=device.collective_backend(),
                                    timeout_s=cfg.collective_timeout_s)
-    cls: type = PolicyWorker
-    if extension_fqn:
-        ext = resolve_class(extension_fqn, "worker_extension_cls_fqn")
-        cls = type(f"{ext.__name__}PolicyWorker", (ext, PolicyWorker), {})
     try:
         worker = cls(cfg, rank=rank, world_size=len(members), group=group, cpu_group=state.cpu_groups.get(policy_id),
                      pad_token_id=pad_token_id, **options)
@@ -164,11 +164,12 @@ def unwrap(result: Any) -> Any:
     return result
 
 
-def shutdown_policy(_prev: Any, policy_id: str) -> bool:
+def shutdown_policy(_prev: Any, policy_id: str, orphaned: bool = False) -> bool:
+    """``orphaned``: a peer rank is gone, so the shutdown must not wait on a collective."""
     from dask_lm.workers.state import get_state
 
     try:
         state = get_state()
     except RuntimeError:
         return False
-    return state.shutdown_policy(policy_id)
+    return state.shutdown_policy(policy_id, orphaned=orphaned)

@@ -188,6 +188,10 @@ def _check_bytes(h: dict[str, Any], key: str) -> bytes:
     return v
 
 
+_REF_COUNTER_ENTRIES = 10_000
+_MAX_STORAGE_BYTES = 1 << 40  # 1 TiB: more than any GPU holds
+
+
 def cuda_rebuild_args(h: dict[str, Any], device_index: int) -> tuple[Any, ...]:
     """The arguments for torch's ``rebuild_cuda_tensor`` from a handle made by :func:`cuda_handle`, with classes
     chosen here (``torch.Tensor``, ``torch.UntypedStorage``) and ``device_index`` for the UUID. Checks every field,
@@ -218,6 +222,14 @@ def cuda_rebuild_args(h: dict[str, Any], device_index: int) -> tuple[Any, ...]:
                          "reference counter")
     if h["storage_size_bytes"] == 0:
         raise ValueError("`ipc.storage_size_bytes` is 0: a refit buffer is never empty")
+    # torch decrements the int64 at ``ref_counter_offset`` of the counter file it maps, unchecked: an offset past
+    # the file would write outside it (torch/csrc/CudaIPCTypes.h: CUDA_IPC_REF_COUNTER_FILE_SIZE entries)
+    if h["ref_counter_offset"] >= _REF_COUNTER_ENTRIES:
+        raise ValueError(f"`ipc.ref_counter_offset` {h['ref_counter_offset']} is outside torch's reference counter "
+                         f"file ({_REF_COUNTER_ENTRIES} entries)")
+    if h["storage_offset_bytes"] + h["storage_size_bytes"] > _MAX_STORAGE_BYTES:
+        raise ValueError(f"the CUDA IPC storage ends at byte {h['storage_offset_bytes'] + h['storage_size_bytes']}, "
+                         "past any device's memory")
     # the furthest element the view reaches must lie inside the storage the handle maps
     end = h["tensor_offset"] + sum((d - 1) * s for d, s in zip(size, stride)) + 1 if all(size) else 0
     if end * dtype.itemsize > h["storage_size_bytes"]:
