@@ -58,6 +58,10 @@ def test_bf16_logprobs_on_cuda_cluster(gpu_client, tiny, mode):
         out = policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))["logprobs"]
         ref = policy.get_reference_policy_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))
         assert policy.get_free_memory_bytes() > 0
+        # packed bf16 rows run through flash varlen attention (no [T, T] mask) on these GPUs
+        uses_varlen = gpu_client.run(lambda dask_worker: [
+            pw.varlen for pw in dask_worker.plugins["dask-lm"].policies.values()])
+        assert all(v == [True] for v in uses_varlen.values()), uses_varlen
     expected = _hf_bf16_logprobs(tiny["qwen2"], ids, lens)
     diff = (out - expected).abs()
     print(f"{mode}: ranks={len(infos)} max|diff|={diff.max():.4f} mean|diff|={diff.mean():.5f}")

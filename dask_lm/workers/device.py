@@ -53,6 +53,14 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+def flash_attention_capable(dtype: torch.dtype) -> bool:
+    """A GPU of compute capability 8.0+ (Ampere, Hopper) computing in half precision: what flash-attention
+    kernels such as ``torch.nn.attention.varlen.varlen_attn`` need."""
+    if not is_cuda() or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return torch.cuda.get_device_capability(0)[0] >= 8
+
+
 def collective_backend() -> str:
     return "nccl" if is_cuda() else "gloo"
 

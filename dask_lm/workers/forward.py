@@ -6,7 +6,8 @@ the end never changes an earlier position, so no attention mask is needed (NeMo 
 Packed micro-batches concatenate the real tokens of several rows into one ``[1, T]`` row. Hugging Face models do
 not notice packing from restarted ``position_ids`` alone (the second sequence would attend to the first), so we
 pass a block-diagonal causal mask ``[1, 1, T, T]``: boolean for ``sdpa``, additive float for ``eager`` (the
-only form eager accepts). The dense mask costs O(T^2); a varlen kernel is the GPU follow-up.
+only form eager accepts). The dense mask costs O(T^2): on GPUs packed rows run through a varlen kernel instead
+(:mod:`dask_lm.workers.varlen`).
 """
 
 from __future__ import annotations
@@ -102,10 +103,11 @@ def unpack_positions(cu_seqlens: torch.Tensor, lengths: torch.Tensor, width: int
 
 
 def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                        attention_mask: torch.Tensor | None = None, **attention_kwargs: Any) -> torch.Tensor:
     """Run the whole model (so FSDP's root hooks gather and free parameters as usual) and return the decoder's
     last hidden state ``[B, S, H]``. ``logits_to_keep=1`` keeps the model's own vocabulary projection down to
-    one position; callers project the positions they need in chunks."""
+    one position; callers project the positions they need in chunks. ``attention_kwargs`` reach the attention
+    functions (the packed sequence boundaries of :mod:`dask_lm.workers.varlen`)."""
     captured: dict[str, torch.Tensor] = {}
 
     def grab(_module: Any, _args: Any, output: Any) -> None:
@@ -118,6 +120,7 @@ def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, *, posi
             kwargs["position_ids"] = position_ids
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
+        kwargs.update(attention_kwargs)
         if _accepts_logits_to_keep(model):
             kwargs["logits_to_keep"] = 1
         model(**kwargs)

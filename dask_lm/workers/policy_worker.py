@@ -16,7 +16,7 @@ import torch
 
 from dask_lm.config import PolicyConfig
 from dask_lm.engine.batch import BatchedDataDict
-from dask_lm.workers import device
+from dask_lm.workers import device, varlen
 from dask_lm.workers.forward import (
     MicroBatch,
     block_causal_mask,
@@ -73,6 +73,8 @@ class PolicyWorker:
             for p in self.model.parameters():
                 p.data = p.data.to(self.dtype)
         self.model.eval()
+        # packed micro-batches through flash varlen attention instead of a dense [T, T] mask, where the GPU can
+        self.varlen = cfg.attn_implementation == "sdpa" and varlen.available(self.dtype)
         # the reference is the weights as loaded from model_name, taken before any weights_path restore; kept in
         # the compute dtype (what the forward sees), as each rank's own shard in pinned host memory
         self.reference: dict[str, torch.Tensor] | None = None
@@ -196,9 +198,14 @@ class PolicyWorker:
         lens = data["input_lengths"][mb.start:mb.end].to(self.device, torch.int64, non_blocking=True)
         if mb.packed:
             pids, pos, cu = pack(ids, lens)
-            additive = None if self.cfg.attn_implementation == "sdpa" else self.dtype
-            mask = block_causal_mask(cu, pids.shape[1], additive_dtype=additive)
-            hidden = final_hidden_states(self.model, pids, position_ids=pos, attention_mask=mask)
+            if self.varlen:
+                with varlen.packed_attention(self.model):
+                    hidden = final_hidden_states(self.model, pids, position_ids=pos,
+                                                 **varlen.packed_kwargs(cu, lens))
+            else:
+                additive = None if self.cfg.attn_implementation == "sdpa" else self.dtype
+                mask = block_causal_mask(cu, pids.shape[1], additive_dtype=additive)
+                hidden = final_hidden_states(self.model, pids, position_ids=pos, attention_mask=mask)
             return hidden, {"ids": pids, "lens": lens, "cu": cu, "valid": torch.ones_like(pids, dtype=torch.bool),
                             "targets_valid": pos > 0}
         width = int(lens.max())

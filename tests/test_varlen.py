@@ -1,0 +1,57 @@
+"""The varlen path for packed micro-batches, on the CPU: Hugging Face must hand our registered attention function
+the packed sequence boundaries, build no [T, T] mask, and leave the model's own implementation in place after.
+The flash kernel itself needs a GPU (tests/test_gpu.py); here a per-sequence SDPA stands in for it, so what is
+checked is the plumbing around the kernel against an unpacked Hugging Face forward of each row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from dask_lm.workers import varlen
+from dask_lm.workers.forward import final_hidden_states, pack
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, enable_gqa=False, window_size=(-1, -1)):
+    """What varlen_attn computes, one sequence at a time: causal SDPA over [cu[i], cu[i+1])."""
+    assert window_size == (-1, 0), "packed rows need causal attention"
+    out = torch.empty_like(q)
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))  # [heads, len, dim]
+        out[s:e] = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=enable_gqa).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_packed_forward_through_the_registered_varlen_function_matches_unpacked_rows(tiny, family, monkeypatch):
+    monkeypatch.setattr(varlen, "_varlen_attn", lambda: _reference_varlen)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny[family], dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    lengths = torch.tensor([7, 1, 12, 4])
+    ids = torch.randint(3, 300, (4, 12))
+    pids, pos, cu = pack(ids, lengths)
+    calls = []
+    original = varlen._attention
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("cu_seq_lens_q"))
+        assert args[4] is None  # attention_mask: no [T, T] tensor was built
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(varlen, "_attention", counting)
+    varlen._REGISTERED = False  # register the counting wrapper
+    with torch.no_grad(), varlen.packed_attention(model):
+        packed = final_hidden_states(model, pids, position_ids=pos, **varlen.packed_kwargs(cu, lengths))
+    assert model.config._attn_implementation == "sdpa"  # restored for plain forwards and generation
+    assert len(calls) == model.config.num_hidden_layers and all(torch.equal(c, cu) for c in calls)
+    with torch.no_grad():
+        for b, n in enumerate(lengths.tolist()):
+            alone = final_hidden_states(model, ids[b:b + 1, :n])
+            torch.testing.assert_close(packed[0, int(cu[b]):int(cu[b]) + n], alone[0], atol=1e-5, rtol=1e-5)
+    varlen._REGISTERED = False
+
+
+def test_varlen_is_not_used_on_the_cpu():
+    assert not varlen.available(torch.bfloat16) and not varlen.available(torch.float32)
