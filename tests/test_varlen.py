@@ -55,3 +55,27 @@ def test_packed_forward_through_the_registered_varlen_function_matches_unpacked_
 
 def test_varlen_is_not_used_on_the_cpu():
     assert not varlen.available(torch.bfloat16) and not varlen.available(torch.float32)
+
+
+def test_a_kernel_without_a_gqa_switch_gets_repeated_key_value_heads(tiny, monkeypatch):
+    """torch 2.11's varlen_attn has neither ``enable_gqa`` nor ``window_size``: key/value heads are repeated and
+    causality is asked for with ``is_causal``."""
+    def old_kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, scale=None):
+        assert is_causal and k.shape[1] == q.shape[1]
+        return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+
+    monkeypatch.setattr(varlen, "_varlen_attn", lambda: old_kernel)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny["qwen2"], dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # the tiny qwen2 uses GQA
+    lengths = torch.tensor([5, 9])
+    ids = torch.randint(3, 300, (2, 9))
+    pids, pos, cu = pack(ids, lengths)
+    varlen._REGISTERED = False
+    with torch.no_grad(), varlen.packed_attention(model):
+        packed = final_hidden_states(model, pids, position_ids=pos, **varlen.packed_kwargs(cu, lengths))
+    with torch.no_grad():
+        for b, n in enumerate(lengths.tolist()):
+            alone = final_hidden_states(model, ids[b:b + 1, :n])
+            torch.testing.assert_close(packed[0, int(cu[b]):int(cu[b]) + n], alone[0], atol=1e-5, rtol=1e-5)
+    varlen._REGISTERED = False

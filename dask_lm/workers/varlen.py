@@ -55,8 +55,11 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     fn = _varlen_attn()
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, head_dim]
     extra: dict[str, Any] = dict(_causal_kwargs(fn))
-    if k.shape[1] != q.shape[1]:
-        extra["enable_gqa"] = True
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: fewer key/value heads than query heads
+        if "enable_gqa" in inspect.signature(fn).parameters:
+            extra["enable_gqa"] = True
+        else:  # torch 2.11's kernel has no GQA switch: give every query head its key/value head
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     max_len = int(kwargs["max_length_q"])
     out = fn(q, k.contiguous(), v.contiguous(), cu, cu, max_len, max_len, scale=scaling, **extra)
     return out[None], None  # [1, T, heads, head_dim], as Hugging Face's attention functions return
