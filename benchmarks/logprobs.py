@@ -27,6 +27,7 @@ import torch
 from common import (  # benchmarks/ is on sys.path when a script in it runs
     GIB,
     H200_BF16_DENSE,
+    SHAPE_CHOICES,
     _worker_peak_bytes,
     _worker_reset_peak,
     build_model,
@@ -121,7 +122,7 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, ids: torch.Tensor, 
 
 
 @click.command()
-@click.option("--shape", type=click.Choice(["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"]), default="tiny", show_default=True,
+@click.option("--shape", type=click.Choice(SHAPE_CHOICES), default="tiny", show_default=True,
               help="Random model to build when --model is not given.")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="An existing Hugging Face model directory (overrides --shape).")

@@ -30,17 +30,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import GIB, SHAPES  # noqa: E402
 
-SHAPES_7B = dict(SHAPES, **{"qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                                                 num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                                                 tie_word_embeddings=False)})
-
 
 def _config_dir(shape: str, root: str) -> str:
     """A model directory with only config.json: the policy builds random weights (skip_weight_load)."""
     import transformers
 
     path = os.path.join(root, shape)
-    transformers.Qwen2Config(**SHAPES_7B[shape], pad_token_id=0).save_pretrained(path)
+    transformers.Qwen2Config(**SHAPES[shape], pad_token_id=0).save_pretrained(path)
     return path
 
 

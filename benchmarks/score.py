@@ -27,7 +27,7 @@ from typing import Any
 import click
 import torch
 
-from common import build_model, make_rows, sync
+from common import SHAPE_CHOICES, build_model, make_rows, sync
 
 
 def write_dataset(root: str, ids: torch.Tensor, lens: torch.Tensor, files: int, row_group: int) -> str:
@@ -77,7 +77,7 @@ def run_hf(model_dir: str, data: str, out: str, dtype: torch.dtype, device: torc
 
 
 @click.command()
-@click.option("--shape", type=click.Choice(["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"]), default="tiny", show_default=True)
+@click.option("--shape", type=click.Choice(SHAPE_CHOICES), default="tiny", show_default=True)
 @click.option("--num-rows", type=int, default=None, help="[default: 256 CPU, 4096 GPU]")
 @click.option("--files", type=int, default=4, show_default=True)
 @click.option("--row-group", type=int, default=None, help="Rows per row group = per partition [default: 32 CPU, 256 GPU].")

@@ -31,7 +31,17 @@ from typing import Any
 import click
 import torch
 
-from common import GIB, H200_BF16_DENSE, _worker_peak_bytes, _worker_reset_peak, build_model, make_rows, measured_peak, sync
+from common import (  # benchmarks/ is on sys.path when a script in it runs
+    GIB,
+    H200_BF16_DENSE,
+    SHAPE_CHOICES,
+    _worker_peak_bytes,
+    _worker_reset_peak,
+    build_model,
+    make_rows,
+    measured_peak,
+    sync,
+)
 
 
 def run_hf(model_dir: str, precision: str, device: torch.device, steps: list[tuple[torch.Tensor, torch.Tensor]],
@@ -120,7 +130,7 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, steps: list[tuple[t
 
 
 @click.command()
-@click.option("--shape", type=click.Choice(["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"]), default="tiny", show_default=True)
+@click.option("--shape", type=click.Choice(SHAPE_CHOICES), default="tiny", show_default=True)
 @click.option("--precision", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
 @click.option("--mode", type=click.Choice(["dynamic", "packed"]), default="dynamic", show_default=True)
 @click.option("--rows-per-step", type=int, default=None, help="Global batch [default: 16 CPU, 128 GPU].")

@@ -118,7 +118,9 @@ class PolicyWorker:
         dtype = torch.float32 if self.keeps_fp32 else self.dtype
         kwargs = {"config": hf_config, "dtype": dtype, "attn_implementation": cfg.attn_implementation}
         if skip_weight_load:
-            model = auto.from_config(hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation)
+            # random weights made where they live: seconds on a GPU, where a CPU init of a 7B model takes minutes
+            with self.device:
+                model = auto.from_config(hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation)
         else:
             model = auto.from_pretrained(cfg.model_name, **kwargs)
         return model.to(self.device)
