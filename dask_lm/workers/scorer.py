@@ -177,9 +177,9 @@ def _row_sums(lp: torch.Tensor, start: int) -> tuple[int, float | None, float | 
 
     A row with nothing to score (an empty response, a one-token text, an empty id list) is kept and flagged rather
     than made a bad row: it is well-formed data, and dropping it would leave a hole in the output that an id join
-    cannot explain. lm-evaluation-harness reports such a continuation as log-likelihood 0.0, i.e. probability 1;
-    a null sum with ``num_scored`` 0 says instead that there was nothing to score, and keeps the row apart from a
-    real 0.0 in every aggregate (pandas and Arrow skip nulls)."""
+    cannot explain. A sum over no tokens would be 0.0, i.e. probability 1; a null sum with ``num_scored`` 0 says
+    instead that there was nothing to score, and keeps the row apart from a real 0.0 in every aggregate (pandas
+    and Arrow skip nulls)."""
     scored = lp[start:]
     n = int(scored.numel())
     if n == 0:
