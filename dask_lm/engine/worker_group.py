@@ -44,7 +44,7 @@ def _scheduler_info(client: Client) -> dict[str, Any]:
 
 
 def _incarnation(address: str, info: dict[str, Any]) -> str:
-    return f"{address}|{info.get('local_directory', '')}"
+    return lease.incarnation(address, info.get("local_directory", ""))
 
 
 def _name_key(name: Any) -> tuple[int, Any]:

@@ -27,11 +27,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dask_lm.workers.state import DaskLMWorkerState
 
-__all__ = ["lease_key", "lease_token", "check_interval_s", "orphaned_policies", "reap", "reap_now",
+__all__ = ["incarnation", "lease_key", "lease_token", "check_interval_s", "orphaned_policies", "reap", "reap_now",
            "release_idle_scorers"]
 
 logger = logging.getLogger("dask_lm.worker")
 LEASE_PREFIX = "dask-lm-lease-"
+
+
+def incarnation(address: str, local_directory: str) -> str:
+    """One worker *process*: a nanny restart keeps the name (and Dask's id, which is the name) but never both the
+    address and the scratch directory. The driver reads these from the scheduler, the worker from itself."""
+    return f"{address}|{local_directory}"
 
 
 def lease_key(policy_id: str) -> str:

@@ -108,11 +108,13 @@ def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: 
 
 
 def _incarnation() -> str:
-    """This worker process as the driver's WorkerGroup names it (address and scratch directory)."""
+    """This worker process as the driver's WorkerGroup names it."""
     from distributed import get_worker
 
+    from dask_lm.workers.lease import incarnation
+
     worker = get_worker()
-    return f"{worker.address}|{worker.local_directory}"
+    return incarnation(worker.address, worker.local_directory)
 
 
 def _policy(policy_id: str) -> Any:

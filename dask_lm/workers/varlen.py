@@ -20,6 +20,7 @@ generation): :func:`packed_attention` switches the implementation for one forwar
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -38,12 +39,13 @@ def _varlen_attn() -> Any:
     return varlen_attn
 
 
-def _causal_kwargs(fn: Any) -> dict[str, Any]:
-    """Causal masking in the installed torch's spelling: ``window_size=(-1, 0)`` (2.12+) or ``is_causal=True``."""
+@functools.cache
+def _kernel_options(fn: Any) -> tuple[dict[str, Any], bool]:
+    """How the installed torch's kernel spells causal masking (``window_size=(-1, 0)`` from 2.12, ``is_causal``
+    before) and whether it takes ``enable_gqa``; read once per kernel, not in every layer's call."""
     params = inspect.signature(fn).parameters
-    if "window_size" in params:
-        return {"window_size": (-1, 0)}
-    return {"is_causal": True}
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return causal, "enable_gqa" in params
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -54,9 +56,10 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     assert query.shape[0] == 1, "a packed micro-batch is one row"
     fn = _varlen_attn()
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, head_dim]
-    extra: dict[str, Any] = dict(_causal_kwargs(fn))
+    causal, takes_gqa = _kernel_options(fn)
+    extra: dict[str, Any] = dict(causal)
     if k.shape[1] != q.shape[1]:  # grouped-query attention: fewer key/value heads than query heads
-        if "enable_gqa" in inspect.signature(fn).parameters:
+        if takes_gqa:
             extra["enable_gqa"] = True
         else:  # torch 2.11's kernel has no GQA switch: give every query head its key/value head
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
