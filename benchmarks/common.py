@@ -98,3 +98,10 @@ def _worker_reset_peak() -> int:
     return torch.get_num_threads()
 
 
+
+
+def _worker_last_call_seconds(dask_worker) -> float:  # noqa: ANN001 (client.run passes the Worker)
+    """Runs on the worker: seconds the rank spent inside its last Policy call (its compute, without the driver)."""
+    from dask_lm.workers.state import PLUGIN_NAME
+
+    return float(dask_worker.plugins[PLUGIN_NAME].last_call["seconds"])

@@ -117,13 +117,18 @@ def main(shape: str, num_rows: int | None, files: int, row_group: int | None, mi
         try:
             # cold: the first job on fresh workers pays imports, CUDA initialisation and the model load; warm: the
             # same job again on the same workers (the replicas are reloaded, the processes are warm)
-            seconds = []
+            seconds, startup = [], {}
             for run in ("cold", "warm"):
                 t0 = time.perf_counter()
                 res = dask_lm.score_parquet(data, os.path.join(root, f"out-{run}"), model=model_dir, client=client,
                                             ids_column="ids", id_column="id", batch_tokens=batch_tokens,
                                             progress=False)
                 seconds.append(time.perf_counter() - t0)
+                startup[run] = {"total": seconds[-1], "prepare": res.prepare_seconds,
+                                "model_load": res.model_load_seconds, "compile": res.compile_seconds,
+                                "scoring_after_startup": seconds[-1] - res.prepare_seconds - res.model_load_seconds
+                                - res.compile_seconds}
+                print(f"{run}: " + ", ".join(f"{k} {v:.2f}s" for k, v in startup[run].items()), flush=True)
             sec_b, sec_warm = seconds
         finally:
             cluster = client.cluster
@@ -149,7 +154,7 @@ def main(shape: str, num_rows: int | None, files: int, row_group: int | None, mi
         "dask_lm_rows_per_s": num_rows / sec_b, "hf_rows_per_s": num_rows / sec_a,
         "dask_lm_tok_per_s": useful / sec_b, "hf_tok_per_s": useful / sec_a, "ratio": sec_a / sec_b,
         "dask_lm_warm_seconds": sec_warm, "dask_lm_warm_tok_per_s": useful / sec_warm, "ratio_warm": sec_a / sec_warm,
-        "max_rel_sum_logprob_diff": diff,
+        "max_rel_sum_logprob_diff": diff, "startup": startup,
     }
     print(f"\n{'arm':<24}{'seconds':>9}{'rows/s':>10}{'tok/s':>12}")
     print(f"{'plain HF loop (1 device)':<24}{sec_a:>9.2f}{num_rows / sec_a:>10.1f}{useful / sec_a:>12.0f}")

@@ -42,11 +42,13 @@ def _hf_bf16_logprobs(model_dir, ids, lens):
     return out * (torch.arange(ids.shape[1])[None, :] < lens[:, None])
 
 
-@pytest.mark.parametrize("mode", ["plain", "dynamic", "packed"])
+@pytest.mark.parametrize("mode", ["plain", "dynamic", "packed", "auto"])
 def test_bf16_logprobs_on_cuda_cluster(gpu_client, tiny, mode):
     tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
     ids, lens = make_batch(tok, TEXTS * 3)
     cfg = {"model_name": tiny["qwen2"], "precision": "bfloat16", "logprob_batch_size": 4}
+    if mode == "plain":
+        cfg["inference_packing"] = False
     if mode == "dynamic":
         cfg["dynamic_batching"] = {"enabled": True, "logprob_mb_tokens": 128, "sequence_length_round": 16}
     if mode == "packed":
@@ -58,15 +60,51 @@ def test_bf16_logprobs_on_cuda_cluster(gpu_client, tiny, mode):
         out = policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))["logprobs"]
         ref = policy.get_reference_policy_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))
         assert policy.get_free_memory_bytes() > 0
-        # packed bf16 rows run through flash varlen attention (no [T, T] mask) on these GPUs
-        uses_varlen = gpu_client.run(lambda dask_worker: [
-            pw.varlen for pw in dask_worker.plugins["dask-lm"].policies.values()])
-        assert all(v == [True] for v in uses_varlen.values()), uses_varlen
+        # no batching configured: GPU workers pack by themselves (policy.inference_packing auto)
+        packed = policy._shard(BatchedDataDict(input_ids=ids, input_lengths=lens), auto_pack=True)[2]
+        assert packed == (mode in ("packed", "auto")), (mode, packed)
+        # packed bf16 rows run through flash varlen attention (no [T, T] mask) on these GPUs; ranks holding the
+        # whole model run compiled layers (fused.py), FSDP-sharded ranks stay eager unless asked
+        flags = gpu_client.run(lambda dask_worker: [
+            (pw.varlen, pw.compile) for pw in dask_worker.plugins["dask-lm"].policies.values()])
+        assert all(f == [(True, len(infos) == 1)] for f in flags.values()), flags
     expected = _hf_bf16_logprobs(tiny["qwen2"], ids, lens)
     diff = (out - expected).abs()
-    print(f"{mode}: ranks={len(infos)} max|diff|={diff.max():.4f} mean|diff|={diff.mean():.5f}")
+    # against float32 (CPU): the engine's bf16 error must not exceed the plain bf16 forward's by more than noise
+    exact, _ = hf_logprobs(tiny["qwen2"], ids, lens)
+    ours, theirs = (out - exact).abs(), (expected - exact).abs()
+    print(f"{mode}: ranks={len(infos)} max|diff|={diff.max():.4f} mean|diff|={diff.mean():.5f}; vs fp32 "
+          f"mean {ours.mean():.5f} (HF bf16 {theirs.mean():.5f}) max {ours.max():.4f} (HF bf16 {theirs.max():.4f})")
     assert diff.max() < 0.1 and diff.mean() < 0.01
+    assert ours.mean() <= 1.25 * theirs.mean() + 1e-4
     assert torch.equal(ref["reference_logprobs"], out)
+
+
+def test_fused_output_head_against_float64():
+    """bf16 hidden states and weights: the fp32-output matmul + compiled logsumexp equals a float64 head to 1e-4
+    (the bf16-rounded logits of a plain head are off by up to ~4e-3), with temperature, and for top-k."""
+    from dask_lm.workers import fused
+    from dask_lm.workers.logprobs import OutputHead, next_token_logprobs, topk_logits
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, s, h, v = 3, 300, 64, 5000
+    hidden = torch.randn(b, s, h, device="cuda", generator=g).to(torch.bfloat16)
+    weight = (torch.randn(v, h, device="cuda", generator=g) * 0.3).to(torch.bfloat16)
+    ids = torch.randint(0, v, (b, s), device="cuda", generator=g)
+    lens = torch.tensor([300, 17, 120], device="cuda")
+    valid = torch.arange(s, device="cuda")[None, :] < lens[:, None]
+    head = OutputHead(weight, fp32_out=True)
+    for temperature in (1.0, 0.7):
+        got = next_token_logprobs(hidden, ids, valid, head, temperature=temperature, chunk_size=128)
+        logits = (hidden.double() @ weight.double().t()) / temperature
+        want = torch.zeros(b, s, dtype=torch.float64, device="cuda")
+        want[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
+        want = want * valid
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
+    assert "pick_minus_lse" in fused._COMPILED and not fused._BROKEN
+    vals, idx = topk_logits(hidden, valid, head, 5, chunk_size=128, normalize=True)
+    want_v = torch.log_softmax(hidden.double() @ weight.double().t(), -1).topk(5, -1).values
+    torch.testing.assert_close(vals.double(), want_v * valid[..., None], atol=1e-4, rtol=0)
 
 
 def test_fp32_on_gpu_matches_cpu_reference_and_topk_and_scores(gpu_client, tiny):
@@ -237,8 +275,10 @@ def test_score_parquet_on_gpus_matches_hf_bf16(gpu_client, tiny, tmp_path):
     for r in table.to_pylist():
         n = int(lens[r["id"]])
         worst = max(worst, float((torch.tensor(r["logprobs"]) - expected[r["id"], :n]).abs().max()))
-    print(f"score_parquet on GPUs: {res.rows} rows, {res.parts} parts, max|diff| vs HF bf16 = {worst:.4f}")
+    print(f"score_parquet on GPUs: {res.rows} rows, {res.parts} parts, max|diff| vs HF bf16 = {worst:.4f}; "
+          f"load {res.model_load_seconds:.1f}s, compile {res.compile_seconds:.1f}s")
     assert res.rows == len(texts) and worst < 0.1
+    assert res.compile_seconds > 0  # the replicas packed their rows through compiled layers
 
 
 def test_generate_on_gpus(gpu_client, tiny):

@@ -47,6 +47,26 @@ def test_logprobs_match_hf(client, tiny, tok, family, mode, n_ranks):
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
 
 
+def test_inference_packs_by_itself_where_configured(client, tiny, tok):
+    """policy.inference_packing: auto packs only on GPU workers (not here); true packs calls that name no
+    micro_batch_size, and the values stay the unpacked reference's."""
+    ids, lens = make_batch(tok, TEXTS)
+    batch = BatchedDataDict(input_ids=ids, input_lengths=lens)
+    expected, _ = hf_logprobs(tiny["llama"], ids, lens)
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok, workers_per_node=1) as policy:
+        assert policy._shard(batch, auto_pack=True)[2] is False  # CPU workers: rows per micro-batch
+    with dask_lm.Policy(client, _cfg(tiny["llama"], inference_packing=True, inference_mb_tokens=16), tok) as policy:
+        shards, _order, packed = policy._shard(batch, auto_pack=True)
+        assert packed and shards[0].micro_batch_indices
+        # the budget is never below max_total_sequence_length, so every row fits a micro-batch
+        assert policy._auto_packing() == 128
+        assert policy._shard(batch, auto_pack=False)[2] is False
+        out = policy.get_logprobs(batch)["logprobs"]
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+        ref = policy.get_reference_policy_logprobs(batch, micro_batch_size=1)["reference_logprobs"]
+        torch.testing.assert_close(ref, expected, atol=1e-4, rtol=0)
+
+
 def test_topk_reference_temperature_and_odd_batches(client, tiny, tok):
     """One policy, several calls: top-k vs logits.topk, reference = base weights, temperature, odd batch sizes."""
     ids, lens = make_batch(tok, TEXTS)

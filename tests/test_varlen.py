@@ -43,7 +43,7 @@ def test_packed_forward_through_the_registered_varlen_function_matches_unpacked_
     monkeypatch.setattr(varlen, "_attention", counting)
     varlen._REGISTERED = False  # register the counting wrapper
     with torch.no_grad(), varlen.packed_attention(model):
-        packed = final_hidden_states(model, pids, position_ids=pos, **varlen.packed_kwargs(cu, lengths))
+        packed = final_hidden_states(model, pids, position_ids=pos, **varlen.packed_kwargs(cu, int(lengths.max())))
     assert model.config._attn_implementation == "sdpa"  # restored for plain forwards and generation
     assert len(calls) == model.config.num_hidden_layers and all(torch.equal(c, cu) for c in calls)
     with torch.no_grad():
@@ -73,7 +73,7 @@ def test_a_kernel_without_a_gqa_switch_gets_repeated_key_value_heads(tiny, monke
     pids, pos, cu = pack(ids, lengths)
     varlen._REGISTERED = False
     with torch.no_grad(), varlen.packed_attention(model):
-        packed = final_hidden_states(model, pids, position_ids=pos, **varlen.packed_kwargs(cu, lengths))
+        packed = final_hidden_states(model, pids, position_ids=pos, **varlen.packed_kwargs(cu, int(lengths.max())))
     with torch.no_grad():
         for b, n in enumerate(lengths.tolist()):
             alone = final_hidden_states(model, ids[b:b + 1, :n])

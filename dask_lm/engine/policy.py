@@ -145,11 +145,23 @@ class Policy(TrainingMixin, RefitMixin):
     def data_parallel_size(self) -> int:
         return self.group.world_size
 
-    def _shard(self, data: BatchedDataDict, gbs: int | None = None) -> tuple[list[BatchedDataDict], Any, bool]:
+    def _auto_packing(self) -> int | None:
+        """The token budget when inference packs rows by itself (``policy.inference_packing``), else None."""
+        cfg = self.cfg
+        on = cfg.inference_packing
+        if on is None:
+            on = bool(self.worker_info) and all(i.get("device") == "cuda" for i in self.worker_info)
+        if not on:
+            return None
+        return max(cfg.inference_mb_tokens or 32768, cfg.max_total_sequence_length)
+
+    def _shard(self, data: BatchedDataDict, gbs: int | None = None,
+               auto_pack: bool = False) -> tuple[list[BatchedDataDict], Any, bool]:
         """DP shards (plain, dynamic or packed) and the permutation that restores input order (or None).
 
         Inference (``gbs`` None) takes any batch size (shards may differ by a row) and the logprob token budgets;
-        training splits per global batch of ``gbs`` rows with the training budgets."""
+        training splits per global batch of ``gbs`` rows with the training budgets. ``auto_pack``: an inference
+        call that may pack by itself when no batching mode is configured (:meth:`_auto_packing`)."""
         dp = self.data_parallel_size
         cfg = self.cfg
         split: dict[str, Any] = ({"allow_uneven_shards": True} if gbs is None else {"batch_size": gbs})
@@ -166,6 +178,13 @@ class Policy(TrainingMixin, RefitMixin):
                 "max_tokens_per_microbatch": int(getattr(cfg.sequence_packing, budget)),
                 "algorithm": cfg.sequence_packing.algorithm,
                 "sequence_length_pad_multiple": cfg.make_sequence_length_divisible_by,
+                "microbatch_order": cfg.sequence_packing.microbatch_order})
+            return shards, order, True
+        budget = self._auto_packing() if auto_pack and gbs is None else None
+        if budget is not None:
+            shards, order = data.shard_by_batch_size(dp, **split, sequence_packing_args={
+                "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": budget,
+                "algorithm": cfg.sequence_packing.algorithm, "sequence_length_pad_multiple": 1,
                 "microbatch_order": cfg.sequence_packing.microbatch_order})
             return shards, order, True
         return data.shard_by_batch_size(dp, **split), None, False
@@ -185,7 +204,8 @@ class Policy(TrainingMixin, RefitMixin):
                 shards, order, packed = data.shard_by_batch_size(self.data_parallel_size, allow_uneven_shards=True), \
                     None, False
             else:
-                shards, order, packed = self._shard(data)
+                # rows per micro-batch were asked for when the call names a micro_batch_size: no packing then
+                shards, order, packed = self._shard(data, auto_pack=kwargs.get("micro_batch_size") is None)
         with timed(timer, f"{label}/submit_logprob_futures"), span(f"dask-lm/{label}"):
             payloads = group.scatter([shard_to_wire(s, packed=packed) for s in shards], what=what)
             futs = group.submit_all(tasks.call_policy, [(group.policy_id, method, p) for p in payloads],

@@ -54,6 +54,12 @@ class ScoreResult:
     """Rows with no token to score (null sums, ``num_scored`` 0), over every part."""
     truncated_rows: int = 0
     """Rows cut to the position limit by ``truncate``, over every part."""
+    prepare_seconds: float = 0.0
+    """The driver's checks before any work: model, tokenizer and input checks, content fingerprints."""
+    model_load_seconds: float = 0.0
+    """The longest model load of a worker in this run (imports, CUDA initialisation, weights to the device)."""
+    compile_seconds: float = 0.0
+    """The longest compilation of a worker's inference forward in this run (GPU workers; 0 elsewhere)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -186,6 +192,7 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
     """
     from dask_lm.engine.cluster import close, connect
 
+    started = time.perf_counter()
     _check_mode(text_column, ids_column, prompt_column, response_column)
     if topk < 0 or (max_length is not None and max_length < 1) or batch_tokens < 1:
         raise ValueError("--topk must be >= 0, --max-length >= 1 and --batch-tokens >= 1")
@@ -215,6 +222,7 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
                         response_column=response_column, id_column=id_column, topk=topk, max_length=max_length,
                         truncate=truncate, batch_tokens=batch_tokens, skip_bad_rows=skip_bad_rows,
                         allow_nonfinite=allow_nonfinite)
+    prepare_seconds = time.perf_counter() - started
     with jobdir.locked_output(output):
         old = _existing_manifest(output, resume)
         if old is not None:
@@ -229,14 +237,14 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
             if fixed_precision is None:
                 opts = replace(opts, precision="bfloat16" if _worker_has_gpu(client) else "float32")
             done = _prepare_output(output, _manifest(opts, inputs, pins), old)
-            return _run(client, inputs, opts, done, progress, performance_report)
+            return _run(client, inputs, opts, done, progress, performance_report, prepare_seconds)
         finally:
             if owns:
                 close(client)
 
 
 def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[int], progress: bool,
-         performance_report: str | None) -> ScoreResult:
+         performance_report: str | None, prepare_seconds: float = 0.0) -> ScoreResult:
     import warnings
 
     import dask
@@ -252,6 +260,7 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
     report = perf_report(filename=performance_report) if performance_report else contextlib.nullcontext()
     t0 = time.perf_counter()
     rows = tokens = bad = 0
+    load = compile_s = 0.0
     total_rows = sum(inputs.partitions[i][3] for i in todo)
     bar = _progress(total_rows, progress)
     with report, span("dask-lm/score"):
@@ -267,6 +276,8 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
                 rows += stats["rows"]
                 tokens += stats["tokens"]
                 bad += stats["bad_rows"]
+                load = max(load, stats.get("load_seconds", 0.0))
+                compile_s = max(compile_s, stats.get("compile_seconds", 0.0))
                 if bar is not None:
                     bar.update(stats["rows"] + stats["bad_rows"])
                     bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s")
@@ -283,7 +294,8 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
     perplexity, flagged = _output_totals(opts.output, len(inputs.partitions))
     result = ScoreResult(output=opts.output, rows=rows, tokens=tokens, parts=len(inputs.partitions),
                          parts_skipped=len(done), bad_rows=bad_total, seconds=seconds, perplexity=perplexity,
-                         dashboard=getattr(client, "dashboard_link", None), **flagged)
+                         dashboard=getattr(client, "dashboard_link", None), prepare_seconds=prepare_seconds,
+                         model_load_seconds=load, compile_seconds=compile_s, **flagged)
     if flagged["empty_rows"]:
         warnings.warn(f"{flagged['empty_rows']} rows had nothing to score (an empty text, response or id list, or a "
                       "single token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null",

@@ -16,6 +16,9 @@ import torch
 
 __all__ = [
     "is_cuda",
+    "flash_attention_capable",
+    "fp32_logits_capable",
+    "compile_capable",
     "local_device",
     "collective_backend",
     "torch_dtype",
@@ -27,6 +30,8 @@ __all__ = [
     "reset_peak_memory",
     "device_info",
     "pin",
+    "upload",
+    "record_event",
     "start_profiler",
     "stop_profiler",
     "device_id",
@@ -59,6 +64,24 @@ def flash_attention_capable(dtype: torch.dtype) -> bool:
     if not is_cuda() or dtype not in (torch.bfloat16, torch.float16):
         return False
     return torch.cuda.get_device_capability(0)[0] >= 8
+
+
+def fp32_logits_capable(dtype: torch.dtype) -> bool:
+    """Whether a half-precision matmul can write float32 output directly here (``torch.mm(..., out_dtype=)``,
+    CUDA only): the output head's logits then skip the bf16 rounding and the separate upcast pass."""
+    return is_cuda() and dtype in (torch.bfloat16, torch.float16)
+
+
+def compile_capable() -> bool:
+    """Whether ``torch.compile`` (Inductor, Triton kernels) runs the inference forward here: a GPU with Triton.
+    The CPU path stays eager, so CI checks the exact reference arithmetic. ``DASK_LM_COMPILE=0`` turns it off."""
+    if os.environ.get("DASK_LM_COMPILE", "1") == "0" or not is_cuda():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def collective_backend() -> str:
@@ -134,6 +157,28 @@ def pin(t: torch.Tensor) -> torch.Tensor:
     """A host copy of ``t``: page-locked on GPU machines so copies back to the device can be asynchronous."""
     host = t.detach().to("cpu", copy=True)
     return host.pin_memory() if is_cuda() else host
+
+
+def upload(t: torch.Tensor, where: torch.device) -> torch.Tensor:
+    """``t`` (on the host) on ``where`` without making the host wait: through page-locked memory on a GPU, so the
+    copy queues behind the work already launched instead of stalling the next launches."""
+    if where.type == "cuda":
+        return t.pin_memory().to(where, non_blocking=True)
+    return t.to(where)
+
+
+class _Done:
+    def synchronize(self) -> None:
+        pass
+
+
+def record_event() -> Any:
+    """A marker after the work queued so far; ``.synchronize()`` waits for it (at once on the CPU)."""
+    if is_cuda():
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    return _Done()
 
 
 def start_profiler() -> None:

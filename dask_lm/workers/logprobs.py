@@ -16,21 +16,35 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dask_lm.workers import device, fused
+
 __all__ = ["OutputHead", "output_head", "next_token_logprobs", "next_token_logprobs_train", "topk_logits",
            "apply_top_k_top_p"]
 
 
 @dataclass
 class OutputHead:
-    """``hidden [N, H] -> float32 logits [N, V]`` for one model, with the model family's logit transforms."""
+    """``hidden [N, H] -> float32 logits [N, V]`` for one model, with the model family's logit transforms.
+
+    With ``fp32_out`` (half-precision weights on a GPU, see :func:`dask_lm.workers.device.fp32_logits_capable`)
+    an inference matmul writes float32 logits directly instead of rounding them to bf16 and upcasting: one pass
+    over ``[N, V]`` instead of three, and the bf16 rounding error of the logits (up to 4e-3 nats) is gone. When
+    autograd records the head (training), it stays ``F.linear``: the training path is unchanged."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     scale: float = 1.0
     softcap: float | None = None
+    fp32_out: bool = False
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight, self.bias).float()
+        records_graph = torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad)
+        if self.fp32_out and hidden.dim() == 2 and hidden.dtype == self.weight.dtype and not records_graph:
+            logits = torch.mm(hidden, self.weight.t(), out_dtype=torch.float32)
+            if self.bias is not None:
+                logits += self.bias.float()
+        else:
+            logits = F.linear(hidden, self.weight, self.bias).float()
         if self.scale != 1.0:
             logits = logits * self.scale
         if self.softcap is not None:
@@ -50,7 +64,9 @@ def output_head(model: torch.nn.Module) -> OutputHead:
     if getattr(text_cfg, "logits_scaling", None) is not None:  # Granite divides
         scale = 1.0 / float(text_cfg.logits_scaling)
     softcap = getattr(text_cfg, "final_logit_softcapping", None)
-    return OutputHead(head.weight, getattr(head, "bias", None), scale, softcap)
+    weight = head.weight
+    return OutputHead(weight, getattr(head, "bias", None), scale, softcap,
+                      fp32_out=weight.is_cuda and device.fp32_logits_capable(weight.dtype))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
@@ -84,17 +100,20 @@ def next_token_logprobs(
     chunk_size: int | None = 1024,
     top_k: int | None = None,
     top_p: float = 1.0,
+    index: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """float32 ``[B, S]``: position i >= 1 holds log p(input_ids[:, i] | input_ids[:, :i]); position 0 and
     every position where ``valid`` is false hold 0.
 
     ``hidden`` is ``[B, S, H]`` (final hidden states, after the last norm); ``valid`` is ``[B, S]`` bool.
+    ``index``, when the caller knows it, is ``valid[:, 1:].nonzero(as_tuple=True)`` (worked out on the host:
+    ``nonzero`` on a device tensor makes the host wait for the GPU).
     """
     b, s = input_ids.shape
     out = torch.zeros(b, s, dtype=torch.float32, device=hidden.device)
     if s < 2:
         return out
-    rows, cols = valid[:, 1:].nonzero(as_tuple=True)  # cols index the predicting position
+    rows, cols = index if index is not None else valid[:, 1:].nonzero(as_tuple=True)  # cols: predicting position
     if rows.numel() == 0:
         return out
     h = hidden[rows, cols]  # [N, H]
@@ -103,12 +122,14 @@ def next_token_logprobs(
     filtering = (top_k is not None and top_k > 0) or top_p < 1.0
     for start, end in _chunks(rows.numel(), chunk_size):
         logits = head(h[start:end])
-        if temperature != 1.0:
-            logits = logits / temperature
         if filtering:
+            if temperature != 1.0:
+                logits = logits / temperature
             logits = apply_top_k_top_p(logits, top_k, top_p)
-        picked = logits.gather(1, targets[start:end, None]).squeeze(1)
-        values[start:end] = picked - torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, targets[start:end, None]).squeeze(1)
+            values[start:end] = picked - torch.logsumexp(logits, dim=-1)
+        else:  # one fused pass over the chunk's logits on a GPU (fused.py)
+            values[start:end] = fused.pick_minus_logsumexp(logits, targets[start:end], temperature)
         del logits
     if filtering:
         bad = ~torch.isfinite(values)
@@ -129,14 +150,16 @@ def topk_logits(
     temperature: float = 1.0,
     chunk_size: int | None = 1024,
     normalize: bool = False,
+    index: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest temperature-scaled logits at every valid position: float32 ``[B, S, k]`` and int64
     vocabulary ids ``[B, S, k]``, sorted descending; invalid (padding) positions hold 0 in both. With
-    ``normalize`` the values are logprobs (the logits minus the position's logsumexp)."""
+    ``normalize`` the values are logprobs (the logits minus the position's logsumexp). ``index``: the host's
+    ``valid.nonzero(as_tuple=True)``, as in :func:`next_token_logprobs`."""
     b, s, _ = hidden.shape
     values = torch.zeros(b, s, k, dtype=torch.float32, device=hidden.device)
     indices = torch.zeros(b, s, k, dtype=torch.int64, device=hidden.device)
-    rows, cols = valid.nonzero(as_tuple=True)
+    rows, cols = index if index is not None else valid.nonzero(as_tuple=True)
     if rows.numel() == 0:
         return values, indices
     h = hidden[rows, cols]
@@ -147,7 +170,7 @@ def topk_logits(
         if temperature != 1.0:
             logits = logits / temperature
         top = torch.topk(logits, k, dim=-1)
-        values_ = top.values - torch.logsumexp(logits, dim=-1, keepdim=True) if normalize else top.values
+        values_ = top.values - fused.logsumexp(logits)[:, None] if normalize else top.values
         flat_v[start:end], flat_i[start:end] = values_, top.indices
         del logits
     values[rows, cols] = flat_v

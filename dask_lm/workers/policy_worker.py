@@ -16,16 +16,9 @@ import torch
 
 from dask_lm.config import PolicyConfig
 from dask_lm.engine.batch import BatchedDataDict
-from dask_lm.workers import device, varlen
-from dask_lm.workers.forward import (
-    MicroBatch,
-    block_causal_mask,
-    final_hidden_states,
-    pack,
-    pad_with_dummies,
-    plan_micro_batches,
-    unpack_positions,
-)
+from dask_lm.workers import device, fused, varlen
+from dask_lm.workers.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
+from dask_lm.workers.inference import forward_rows, run_pass
 from dask_lm.io.checkpoint import BackgroundWriter
 from dask_lm.workers.logprobs import next_token_logprobs, output_head, topk_logits
 from dask_lm.workers.optim import MasterWeights, build_optimizer, build_scheduler, resolve_class
@@ -75,6 +68,11 @@ class PolicyWorker:
         self.model.eval()
         # packed micro-batches through flash varlen attention instead of a dense [T, T] mask, where the GPU can
         self.varlen = cfg.attn_implementation == "sdpa" and varlen.available(self.dtype)
+        # compiled decoder layers and head reductions for the inference forwards on a GPU (fused.py)
+        self.compile = (cfg.inference_compile is not False and fused.enabled()
+                        and not (cfg.inference_compile is None and self.fsdp))
+        if self.compile:
+            fused.compile_decoder_layers(self.model)
         # the reference is the weights as loaded from model_name, taken before any weights_path restore; kept in
         # the compute dtype (what the forward sees), as each rank's own shard in pinned host memory
         self.reference: dict[str, torch.Tensor] | None = None
@@ -191,38 +189,31 @@ class PolicyWorker:
             plan = pad_with_dummies(plan, int(count.item()))
         return plan
 
-    def _forward(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Hidden states of one micro-batch plus how to map them back: ``(hidden, info)``."""
+    def _forward(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Hidden states of one micro-batch plus how to map them back: ``(hidden, info)``. The layout (lengths,
+        packed offsets, scored positions) is worked out on the host and uploaded, so nothing here waits for the
+        GPU (see :mod:`dask_lm.workers.inference`)."""
         if mb.end == mb.start:  # a dummy on a rank with no rows: one pad token keeps the collectives in step
             ids = torch.full((1, 1), self.pad_token_id, dtype=torch.int64, device=self.device)
             return final_hidden_states(self.model, ids), {}
-        ids = data["input_ids"][mb.start:mb.end].to(self.device, torch.int64, non_blocking=True)
-        lens = data["input_lengths"][mb.start:mb.end].to(self.device, torch.int64, non_blocking=True)
-        if mb.packed:
-            pids, pos, cu = pack(ids, lens)
-            if self.varlen:
-                with varlen.packed_attention(self.model):
-                    hidden = final_hidden_states(self.model, pids, position_ids=pos,
-                                                 **varlen.packed_kwargs(cu, lens))
-            else:
-                additive = None if self.cfg.attn_implementation == "sdpa" else self.dtype
-                mask = block_causal_mask(cu, pids.shape[1], additive_dtype=additive)
-                hidden = final_hidden_states(self.model, pids, position_ids=pos, attention_mask=mask)
-            return hidden, {"ids": pids, "lens": lens, "cu": cu, "valid": torch.ones_like(pids, dtype=torch.bool),
-                            "targets_valid": pos > 0}
-        width = int(lens.max())
-        ids = ids[:, :width]
-        valid = torch.arange(width, device=self.device)[None, :] < lens[:, None]
-        hidden = final_hidden_states(self.model, ids)
-        return hidden, {"ids": ids, "lens": lens, "valid": valid, "targets_valid": valid}
+        additive = None if self.cfg.attn_implementation == "sdpa" else self.dtype
+        return forward_rows(self.model, data["input_ids"][mb.start:mb.end], data["input_lengths"][mb.start:mb.end],
+                            packed=mb.packed, varlen_ok=self.varlen, where=self.device, mask_dtype=additive)
 
-    def _scatter(self, out: torch.Tensor, mb: MicroBatch, values: torch.Tensor, info: dict[str, torch.Tensor]) -> None:
-        """Write a micro-batch's ``[b, L, ...]`` (or packed ``[1, T, ...]``) result into the shard output."""
-        if mb.packed:
-            rows, cols = unpack_positions(info["cu"], info["lens"], out.shape[1])
-            out[mb.start + rows.cpu(), cols.cpu()] = values[0].to("cpu")
-        else:
-            out[mb.start:mb.end, : values.shape[1]] = values.to("cpu")
+    def _inference_forward(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:meth:`_forward` for logprobs / top-k / scores: through the compiled layers when ``self.compile``. A
+        compilation that fails (no C compiler, an op Inductor cannot lower) turns compilation off for this rank
+        with a warning and runs the micro-batch eagerly; errors of the forward itself propagate."""
+        if self.compile:
+            try:
+                with fused.inference(True):
+                    return self._forward(data, mb)
+            except fused.compile_errors() as e:
+                logger.warning("compiling the decoder failed (%s: %s); this rank runs eagerly from now on",
+                               type(e).__name__, e)
+                self.compile = False
+        with fused.inference(False):
+            return self._forward(data, mb)
 
     def _finish_pass(self) -> None:
         if self.fsdp:
@@ -235,21 +226,16 @@ class PolicyWorker:
         gen = self.cfg.generation
         top_k = None if reference or gen is None else gen.top_k
         top_p = 1.0 if reference or gen is None else gen.top_p
+        out = torch.zeros(data.size, data["input_ids"].shape[1], dtype=torch.float32)
+
+        def compute(hidden: torch.Tensor, info: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+            return (next_token_logprobs(hidden, info["ids"], info["targets_valid"], output_head(self.model),
+                                        temperature=self.temperature, chunk_size=self.cfg.logprob_chunk_size,
+                                        top_k=top_k, top_p=top_p, index=info["scored"]),)
+
+        start = time.perf_counter()
         with self._reference_weights() if reference else contextlib.nullcontext():
-            width = data["input_ids"].shape[1]
-            out = torch.zeros(data.size, width, dtype=torch.float32)
-            start = time.perf_counter()
-            try:
-                for mb in self._plan(data, meta, micro_batch_size):
-                    hidden, info = self._forward(data, mb)
-                    if mb.dummy or not info:
-                        continue
-                    lp = next_token_logprobs(hidden, info["ids"], info["targets_valid"], output_head(self.model),
-                                             temperature=self.temperature, chunk_size=self.cfg.logprob_chunk_size,
-                                             top_k=top_k, top_p=top_p)
-                    self._scatter(out, mb, lp, info)
-            finally:
-                self._finish_pass()
+            run_pass(self, data, meta, micro_batch_size, compute, (out,))
         self._record(data, start)
         return {"reference_logprobs" if reference else "logprobs": out}
 
@@ -259,18 +245,13 @@ class PolicyWorker:
         width = data["input_ids"].shape[1]
         values = torch.zeros(data.size, width, k, dtype=torch.float32)
         indices = torch.zeros(data.size, width, k, dtype=torch.int64)
+
+        def compute(hidden: torch.Tensor, info: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+            return topk_logits(hidden, info["valid"], output_head(self.model), k, temperature=self.temperature,
+                               chunk_size=self.cfg.logprob_chunk_size, index=info["valid_index"])
+
         start = time.perf_counter()
-        try:
-            for mb in self._plan(data, meta, micro_batch_size):
-                hidden, info = self._forward(data, mb)
-                if mb.dummy or not info:
-                    continue
-                v, i = topk_logits(hidden, info["valid"], output_head(self.model), k, temperature=self.temperature,
-                                   chunk_size=self.cfg.logprob_chunk_size)
-                self._scatter(values, mb, v, info)
-                self._scatter(indices, mb, i, info)
-        finally:
-            self._finish_pass()
+        run_pass(self, data, meta, micro_batch_size, compute, (values, indices))
         self._record(data, start)
         return {"topk_logits": values, "topk_indices": indices}
 
@@ -282,20 +263,16 @@ class PolicyWorker:
         head = getattr(self.model, "score", None)
         assert head is not None, f"{type(self.model).__name__} has no `score` head"
         scores = torch.zeros(data.size, dtype=torch.float32)
+
+        def compute(hidden: torch.Tensor, info: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+            if "cu" in info:  # packed: each row's last token sits just before the next row's offset
+                last = hidden[0, info["cu"][1:].to(torch.int64) - 1]
+            else:
+                last = hidden[torch.arange(hidden.shape[0], device=hidden.device), info["lens"] - 1]
+            return (head(last).float().squeeze(-1),)
+
         start = time.perf_counter()
-        try:
-            for mb in self._plan(data, meta, None):
-                hidden, info = self._forward(data, mb)
-                if mb.dummy or not info:
-                    continue
-                if mb.packed:
-                    last = hidden[0, info["cu"][1:].to(torch.int64) - 1]
-                else:
-                    rows = torch.arange(hidden.shape[0], device=hidden.device)
-                    last = hidden[rows, info["lens"] - 1]
-                scores[mb.start:mb.end] = head(last).float().squeeze(-1).cpu()
-        finally:
-            self._finish_pass()
+        run_pass(self, data, meta, None, compute, (scores,), per_row=True)
         self._record(data, start)
         return {"scores": scores}
 

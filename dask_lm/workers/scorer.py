@@ -7,8 +7,9 @@ is simply recomputed elsewhere; its part file is written under a temporary name 
 it and every row appears exactly once.
 
 Inside a partition, rows are read and checked by :mod:`dask_lm.workers.rows`, sorted longest first and cut into
-micro-batches of at most ``batch_tokens`` padded tokens; logprobs and top-k come from the chunked head of
-:mod:`dask_lm.workers.logprobs`. A part whose logprobs are not all finite is not written (NaN weights or an fp16
+micro-batches of at most ``batch_tokens`` tokens: on a GPU they are packed (real tokens only, varlen attention,
+compiled decoder layers, as in a Policy's inference pass), elsewhere padded to the longest row; logprobs and top-k
+come from the chunked head of :mod:`dask_lm.workers.logprobs`. A part whose logprobs are not all finite is not written (NaN weights or an fp16
 overflow would otherwise pass as scores) unless ``allow_nonfinite``.
 """
 
@@ -22,8 +23,8 @@ from typing import Any
 
 import torch
 
-from dask_lm.workers import device
-from dask_lm.workers.forward import final_hidden_states
+from dask_lm.workers import device, fused, varlen
+from dask_lm.workers.inference import forward_rows
 from dask_lm.workers.logprobs import next_token_logprobs, output_head, topk_logits
 from dask_lm.workers.rows import BadRowError, prepare_rows
 
@@ -56,12 +57,17 @@ class ScoreOptions:
 
 class _Replica:
     def __init__(self, model_dir: str, tokenizer_dir: str, precision: str) -> None:
+        t0 = time.perf_counter()
         import transformers
 
         transformers.utils.logging.disable_progress_bar()  # one bar per worker would garble the job's own bar
         self.device = device.local_device()
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=device.torch_dtype(precision)).to(self.device).eval()
+        dtype = device.torch_dtype(precision)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        # the fast path of a Policy's inference pass: packed rows through varlen attention, compiled layers
+        self.varlen = varlen.available(dtype) and self.model.config._attn_implementation == "sdpa"
+        self.packed = self.varlen  # packing pays only with the varlen kernel (a dense [T, T] mask costs more)
+        self.compiled = fused.compile_decoder_layers(self.model) > 0
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
             self.tokenizer_error: str | None = None
@@ -80,6 +86,23 @@ class _Replica:
         positions = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
         self.max_positions = int(positions) if positions else None  # None: the model has no position limit
         self.lock = threading.Lock()  # a worker with several threads runs one forward at a time per replica
+        # what a job's cold start is made of (ScoreResult reports the longest over the workers): imports, CUDA
+        # initialisation and the weights' load; then the compilation, paid here on two short rows so that no
+        # partition's timing carries it
+        self.load_seconds = time.perf_counter() - t0
+        self.compile_seconds = 0.0
+        self.fresh = True  # the first partition of this replica reports the two timings
+        if self.compiled:
+            t0 = time.perf_counter()
+            with torch.no_grad(), fused.inference(True):
+                rows = torch.arange(3, 3 + 98).remainder(self.vocab_size).reshape(1, 98)
+                x = torch.cat([rows[:, :61], rows[:, 61:].new_full((1, 24), self.pad_id)], 1).repeat(2, 1)
+                x[1, 37:] = self.pad_id
+                hidden, info = forward_rows(self.model, x, torch.tensor([61, 37]), packed=self.packed,
+                                            varlen_ok=self.varlen, where=self.device)
+                next_token_logprobs(hidden, info["ids"], info["targets_valid"], output_head(self.model),
+                                    index=info["scored"]).cpu()
+            self.compile_seconds = time.perf_counter() - t0
 
 
 _LOCAL: dict[tuple, _Replica] = {}
@@ -125,15 +148,25 @@ def release_scorers() -> int:
     return n
 
 
-def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Row indices, longest first, in batches of at most ``budget`` padded tokens (a longer row goes alone)."""
+def _micro_batches(lengths: list[int], budget: int, *, packed: bool = False) -> list[list[int]]:
+    """Row indices, longest first, in batches of at most ``budget`` tokens: real tokens when ``packed``, else
+    padded to the batch's longest row (a longer row goes alone)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
+    used = 0
     for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+        if not batches:
+            fits = False
+        elif packed:
+            fits = used + lengths[i] <= budget
+        else:  # rows come longest first: the batch's first row sets the padded width
+            fits = (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget
+        if fits:
             batches[-1].append(i)
+            used += lengths[i]
         else:
             batches.append([i])
+            used = lengths[i]
     return batches
 
 
@@ -147,28 +180,32 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions) -> tupl
     tops: list[Any] | None = [empty_top] * len(ids) if opts.topk else None
     finite = [True] * len(ids)
     rows = [i for i in range(len(ids)) if ids[i]]
-    for part in _micro_batches([len(ids[i]) for i in rows], opts.batch_tokens):
+    for part in _micro_batches([len(ids[i]) for i in rows], opts.batch_tokens, packed=rep.packed):
         batch = [rows[j] for j in part]
         width = len(ids[batch[0]])
         x = torch.full((len(batch), width), rep.pad_id, dtype=torch.int64)
         for r, i in enumerate(batch):
             x[r, : len(ids[i])] = torch.tensor(ids[i], dtype=torch.int64)
         lens = torch.tensor([len(ids[i]) for i in batch])
-        x = x.to(rep.device, non_blocking=True)
-        valid = torch.arange(width, device=rep.device)[None, :] < lens.to(rep.device)[:, None]
-        hidden = final_hidden_states(rep.model, x)
-        lp = next_token_logprobs(hidden, x, valid, head, chunk_size=opts.chunk_size).cpu()
-        ok = torch.isfinite(lp).all(1)  # padding positions hold 0
-        if tops is not None:
-            values, indices = topk_logits(hidden, valid, head, opts.topk, chunk_size=opts.chunk_size, normalize=True)
-            values, indices = values.cpu(), indices.cpu().to(torch.int32)
-            ok &= torch.isfinite(values.masked_fill(~valid.cpu()[:, :, None], 0.0)).flatten(1).all(1)
+        with fused.inference(rep.compiled):
+            hidden, info = forward_rows(rep.model, x, lens, packed=rep.packed, varlen_ok=rep.varlen, where=rep.device)
+            lp = next_token_logprobs(hidden, info["ids"], info["targets_valid"], head, chunk_size=opts.chunk_size,
+                                     index=info["scored"]).cpu()
+            if tops is not None:
+                values, indices = topk_logits(hidden, info["valid"], head, opts.topk, chunk_size=opts.chunk_size,
+                                              normalize=True, index=info["valid_index"])
+                values, indices = values.cpu(), indices.cpu().to(torch.int32)
+        # each row's slice of the result: [1, T] packed (rows back to back) or [b, L] padded
+        starts = info["layout"].cu.tolist() if rep.packed else [0] * len(batch)
         for r, i in enumerate(batch):
             n = int(lens[r])
-            lps[i] = lp[r, :n]
-            finite[i] = bool(ok[r])
+            row, col = (0, starts[r]) if rep.packed else (r, 0)
+            lps[i] = lp[row, col:col + n]
+            ok = bool(torch.isfinite(lps[i]).all())
             if tops is not None:
-                tops[i] = (indices[r, :n], values[r, :n])
+                tops[i] = (indices[row, col:col + n], values[row, col:col + n])
+                ok = ok and bool(torch.isfinite(tops[i][1]).all())
+            finite[i] = ok
     return lps, tops, finite
 
 
@@ -211,6 +248,8 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
                            "reader split the dataset differently than planned")
     rep = _replica(opts)
     with rep.lock:
+        startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds} if rep.fresh else {}
+        rep.fresh = False
         if rep.tokenizer is None and not opts.ids_column:
             raise ValueError(rep.tokenizer_error)
         rows = prepare_rows(pdf, opts, tokenizer=rep.tokenizer, vocab_size=rep.vocab_size,
@@ -253,7 +292,7 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
     context_meter.digest_metric("tokens", tokens, "count")  # summed per span on the dashboard
     return {"part": index, "rows": len(keep), "tokens": tokens, "bad_rows": len(bad),
             "empty_rows": sum(1 for s in sums if s[0] == 0), "truncated_rows": sum(values["truncated"]),
-            "nonfinite_rows": len(nonfinite), "seconds": time.perf_counter() - t0}
+            "nonfinite_rows": len(nonfinite), "seconds": time.perf_counter() - t0, **startup}
 
 
 def _unreadable(group: Any, index: int, opts: ScoreOptions, t0: float) -> dict[str, Any]:

@@ -31,6 +31,9 @@ __all__ = ["NAME", "available", "packed_attention", "packed_kwargs"]
 
 NAME = "dask_lm_varlen"
 _REGISTERED = False
+# the kernel's options, read at registration: a plain global that torch.compile can trace through (it would
+# break the graph on inspect.signature inside every layer)
+_OPTIONS: dict[Any, tuple[dict[str, Any], bool]] = {}
 
 
 def _varlen_attn() -> Any:
@@ -56,7 +59,10 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     assert query.shape[0] == 1, "a packed micro-batch is one row"
     fn = _varlen_attn()
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, head_dim]
-    causal, takes_gqa = _kernel_options(fn)
+    options = _OPTIONS.get(fn)
+    if options is None:  # a kernel swapped in after registration (tests)
+        options = _OPTIONS[fn] = _kernel_options(fn)
+    causal, takes_gqa = options
     extra: dict[str, Any] = dict(causal)
     if k.shape[1] != q.shape[1]:  # grouped-query attention: fewer key/value heads than query heads
         if takes_gqa:
@@ -76,6 +82,8 @@ def _register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
+    fn = _varlen_attn()
+    _OPTIONS[fn] = _kernel_options(fn)
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -101,9 +109,9 @@ def available(dtype: torch.dtype) -> bool:
     return True
 
 
-def packed_kwargs(cu_seqlens: torch.Tensor, lengths: torch.Tensor) -> dict[str, Any]:
-    """The keyword arguments a packed forward passes down to the attention function (flash-attention names)."""
-    max_len = int(lengths.max())
+def packed_kwargs(cu_seqlens: torch.Tensor, max_len: int) -> dict[str, Any]:
+    """The keyword arguments a packed forward passes down to the attention function (flash-attention names);
+    ``max_len`` (the longest sequence) comes from the host, so reading it does not wait for the GPU."""
     return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len,
             "max_length_k": max_len}
 

@@ -1,0 +1,126 @@
+"""Compiled kernels for the inference forward on GPUs: the output head's logsumexp and the decoder layers.
+
+Where the time went before (``benchmarks/profile_forward.py``, one H200, random Qwen2.5-0.5B in bf16, packed
+32k-token micro-batches, share of the wall time): decoder 55%, output head 39% (logsumexp 22%, fp32 upcast 9%,
+lm_head matmul 8%), GPU idle 6%. The head spent four times its matmul on memory passes over ``[n, V]`` logits:
+write bf16, read it and write float32, read that twice for the max and the sum of exponentials. The decoder of a
+small model is bound by its elementwise kernels (RMSNorm in float32, rotary embeddings, SiLU, residual adds),
+each a separate pass over the activations.
+
+Two changes, both PyTorch's own machinery (no hand-written kernels, nothing patched into model code):
+
+- **Head**: the matmul writes float32 logits directly (``torch.mm(..., out_dtype=torch.float32)``: the bf16
+  products accumulate in fp32 as before, the result is no longer rounded to bf16), and one compiled reduction
+  reads them once for the target's logit and the logsumexp. 2.4x faster than the eager head on the H200, and its
+  error against a float64 head drops from 4e-3 to 3e-6 (the bf16 rounding of the logits is gone).
+- **Decoder**: every decoder layer is compiled (``nn.Module.compile``, regional: all layers share one graph) with
+  dynamic shapes, so long-tailed lengths do not recompile. Inductor fuses the elementwise chains; 37% less decoder
+  time at 0.5B, 28% at 1.5B.
+
+Compiled code runs only where it pays and was measured: the inference forwards (logprobs, top-k, scores) on a GPU.
+Training and generation run the same layers eagerly (:func:`inference` switches the compiler's stance for the
+inference loop; the process default is ``force_eager`` once layers are compiled). The CPU path never compiles, so
+CI checks the exact eager arithmetic. ``DASK_LM_COMPILE=0`` turns all of it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from dask_lm.workers import device
+
+__all__ = ["enabled", "compile_errors", "pick_minus_logsumexp", "logsumexp", "compile_decoder_layers", "inference"]
+
+logger = logging.getLogger(__name__)
+_LOCK = threading.Lock()
+_COMPILED: dict[str, Callable[..., Any]] = {}
+_BROKEN: set[str] = set()
+
+
+def enabled() -> bool:
+    return device.compile_capable()
+
+
+def _pick_minus_lse(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
+def _lse(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.logsumexp(logits, dim=-1)
+
+
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed compilation raises (a missing compiler, an unsupported op), as opposed to a runtime error."""
+    errors: list[type[BaseException]] = [torch._dynamo.exc.TorchDynamoException]
+    inductor_error = getattr(getattr(torch, "_inductor", None), "exc", None)
+    if inductor_error is not None and hasattr(inductor_error, "InductorError"):
+        errors.append(inductor_error.InductorError)
+    return tuple(errors)
+
+
+def _run(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``fn(*args)`` compiled on a GPU (once per process, dynamic shapes), eager elsewhere or if compiling fails."""
+    if not enabled() or name in _BROKEN or not args[0].is_cuda:
+        return fn(*args)
+    with _LOCK:
+        compiled = _COMPILED.get(name)
+        if compiled is None:
+            compiled = _COMPILED[name] = torch.compile(fn, dynamic=True)
+    try:
+        return compiled(*args)  # under the caller's stance: eager when the policy turned compilation off
+    except compile_errors() as e:
+        _BROKEN.add(name)
+        logger.warning("torch.compile failed for %s (%s: %s); running it eagerly", name, type(e).__name__, e)
+        return fn(*args)
+
+
+def pick_minus_logsumexp(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log_softmax(logits / temperature)[i, targets[i]]`` for float32 ``[n, V]`` logits: float32 ``[n]``.
+    One fused pass over the logits on a GPU (no ``[n, V]`` temporaries); the plain expression on the CPU."""
+    # a slice of a longer targets tensor would make the compiled code guard on the base's length (duck sizing)
+    # and recompile when the chunking changes; an own copy of a chunk's targets costs nothing
+    return _run("pick_minus_lse", _pick_minus_lse, logits, targets.clone() if targets._base is not None else targets,
+                float(temperature))
+
+
+def logsumexp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``logsumexp(logits / temperature, -1)``, fused on a GPU like :func:`pick_minus_logsumexp`."""
+    return _run("lse", _lse, logits, float(temperature))
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """Compile the decoder layers of ``model`` for :func:`inference` forwards; the number compiled (0 when the
+    model has no ``layers`` list or compiling is off here). The process's compiler stance becomes ``force_eager``,
+    so every forward outside :func:`inference` (training, generation) keeps running the eager layers."""
+    from dask_lm.workers.forward import decoder_of
+
+    if not enabled():
+        return 0
+    layers = getattr(decoder_of(model), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        return 0
+    for layer in layers:
+        layer.compile(dynamic=True)
+    torch.compiler.set_stance("force_eager")
+    return len(layers)
+
+
+@contextlib.contextmanager
+def inference(compiled: bool) -> Iterator[None]:
+    """Inside, compiled code (decoder layers, head reductions) runs when ``compiled``, and eagerly otherwise;
+    the process's stance is restored after."""
+    if not enabled():
+        yield
+        return
+    with torch.compiler.set_stance("default" if compiled else "force_eager"):
+        yield

@@ -1,0 +1,158 @@
+"""The shared inference loop (workers/inference.py) and the fused head's CPU path, against plain references."""
+
+from __future__ import annotations
+
+import torch
+
+from dask_lm.workers import fused
+from dask_lm.workers.forward import MicroBatch
+from dask_lm.workers.inference import host_layout, run_pass
+
+
+def _rows(lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (len(lengths), width), generator=g)
+    lens = torch.tensor(lengths)
+    ids[torch.arange(width)[None, :] >= lens[:, None]] = 0
+    return ids, lens
+
+
+def test_host_layout_packed_matches_a_loop():
+    ids, lens = _rows([5, 1, 3], 6)
+    lay = host_layout(ids, lens, packed=True)
+    flat, pos, scored = [], [], []
+    for b, n in enumerate(lens.tolist()):
+        start = len(flat)
+        flat += ids[b, :n].tolist()
+        pos += list(range(n))
+        scored += [start + p for p in range(n - 1)]  # position p predicts p + 1 of the same row
+    assert lay.packed_ids.tolist() == [flat] and lay.position_ids.tolist() == [pos]
+    assert lay.cu.tolist() == [0, 5, 6, 9] and lay.cu.dtype == torch.int32 and lay.width == 5
+    assert lay.scored[1].tolist() == scored and lay.scored[0].tolist() == [0] * len(scored)
+    assert lay.valid[1].tolist() == list(range(9))
+
+
+def test_host_layout_padded_matches_the_valid_mask():
+    ids, lens = _rows([2, 4, 1], 7)
+    lay = host_layout(ids, lens, packed=False)
+    assert lay.width == 4 and lay.cu is None
+    valid = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    assert [t.tolist() for t in lay.valid] == [t.tolist() for t in valid.nonzero(as_tuple=True)]
+    assert [t.tolist() for t in lay.scored] == [t.tolist() for t in valid[:, 1:].nonzero(as_tuple=True)]
+
+
+class _FakeWorker:
+    """Just enough of PolicyWorker for run_pass: a plan, a 'forward' returning each token's id as its hidden
+    state, and a record of the pass ending."""
+
+    compile = False
+
+    def __init__(self, plan: list[MicroBatch]) -> None:
+        self.plan, self.finished = plan, 0
+
+    def _plan(self, data, meta, mbs):
+        return self.plan
+
+    def _inference_forward(self, data, mb):
+        if mb.end == mb.start:
+            return torch.zeros(1, 1), {}
+        lay = host_layout(data["input_ids"][mb.start:mb.end], data["input_lengths"][mb.start:mb.end],
+                          packed=mb.packed)
+        hidden = (lay.packed_ids if mb.packed else data["input_ids"][mb.start:mb.end, :lay.width]).float()
+        return hidden, {"layout": lay}
+
+    def _finish_pass(self):
+        self.finished += 1
+
+
+def test_run_pass_writes_every_token_and_row_where_it_belongs():
+    ids, lens = _rows([5, 1, 3, 6, 2], 8)
+    data = {"input_ids": ids, "input_lengths": lens}
+    plan = [MicroBatch(0, 2, packed=True), MicroBatch(2, 4), MicroBatch(4, 5, packed=True),
+            MicroBatch(0, 1, packed=True, dummy=True)]
+    worker = _FakeWorker(plan)
+    per_token = torch.full((5, 8), -1.0)
+    doubled = torch.full((5, 8, 2), -1.0)
+    run_pass(worker, data, {}, None, lambda h, info: (h, torch.stack([h, 2 * h], -1)), (per_token, doubled))
+    valid = torch.arange(8)[None, :] < lens[:, None]
+    # every real token got its own id back, padding kept the output's fill value (padded micro-batches write
+    # their [b, L] block up to the longest row of the micro-batch; row 2 is padded to 6)
+    assert torch.equal(per_token[valid], ids[valid].float())
+    assert torch.equal(doubled[valid], torch.stack([ids[valid].float(), 2 * ids[valid].float()], -1))
+    assert per_token[0, 5:].eq(-1).all() and per_token[4, 2:].eq(-1).all() and per_token[3, 6:].eq(-1).all()
+    assert worker.finished == 1
+    scores = torch.zeros(5)
+    run_pass(_FakeWorker(plan[:3]), data, {}, None,
+             lambda h, info: (torch.as_tensor(info["layout"].lens, dtype=torch.float32),), (scores,), per_row=True)
+    assert scores.tolist() == lens.float().tolist()
+
+
+def test_run_pass_ends_the_pass_when_a_micro_batch_fails():
+    ids, lens = _rows([3, 2], 4)
+    worker = _FakeWorker([MicroBatch(0, 1), MicroBatch(1, 2)])
+
+    def boom(h, info):
+        raise RuntimeError("head failed")
+
+    try:
+        run_pass(worker, {"input_ids": ids, "input_lengths": lens}, {}, None, boom, (torch.zeros(2, 4),))
+    except RuntimeError as e:
+        assert "head failed" in str(e)
+    else:
+        raise AssertionError("the error was swallowed")
+    assert worker.finished == 1  # FSDP ranks reshard even after a failure
+
+
+def test_fused_head_reductions_on_the_cpu_are_the_plain_expressions():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, 50, generator=g) * 4
+    targets = torch.randint(0, 50, (20,), generator=g)[3:10]  # a view, as the chunked head passes
+    for t in (1.0, 0.6):
+        want = torch.log_softmax(logits / t, -1).gather(1, targets[:, None])[:, 0]
+        torch.testing.assert_close(fused.pick_minus_logsumexp(logits, targets, t), want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(fused.logsumexp(logits, t), torch.logsumexp(logits / t, -1), atol=1e-5, rtol=0)
+    assert not fused._COMPILED  # the CPU never compiles
+
+
+def test_scorer_packed_micro_batches_equal_padded_ones_and_hf(tiny):
+    """The scorer packs rows on GPUs; its packed path (here through the exact block mask) gives the padded path's
+    logprobs and top-k, which equal a plain Hugging Face forward, row by row."""
+    from dask_lm.workers import scorer
+
+    opts = scorer.ScoreOptions(model=tiny["llama"], tokenizer=tiny["llama"], precision="float32", output="-",
+                               topk=3, batch_tokens=40, chunk_size=7)
+    rep = scorer._Replica(opts.model, opts.tokenizer, opts.precision)
+    assert not rep.packed and not rep.compiled  # the CPU pads and stays eager
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (9, 1, 17, 4, 0, 12)]
+    padded = scorer._score_rows(rep, ids, opts)
+    rep.packed = True
+    packed = scorer._score_rows(rep, ids, opts)
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32).eval()
+    for i, row in enumerate(ids):
+        for lps, tops, finite in (padded, packed):
+            assert finite[i] and lps[i].shape == (len(row),)
+            if not row:
+                continue
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([row])).logits[0].float(), -1)
+            want = torch.zeros(len(row))
+            want[1:] = logp[:-1].gather(1, torch.tensor(row[1:])[:, None])[:, 0]
+            torch.testing.assert_close(lps[i], want, atol=1e-4, rtol=0)
+            top = logp.topk(3, -1)
+            torch.testing.assert_close(tops[i][1], top.values, atol=1e-4, rtol=0)
+            assert tops[i][0].tolist() == top.indices.tolist()
+
+
+def test_scorer_micro_batches_respect_the_budget():
+    from dask_lm.workers.scorer import _micro_batches
+
+    lengths = [5, 30, 12, 7, 41, 3]
+    for packed in (False, True):
+        batches = _micro_batches(lengths, 40, packed=packed)
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+        for b in batches:
+            cost = sum(lengths[i] for i in b) if packed else len(b) * max(lengths[i] for i in b)
+            assert cost <= 40 or len(b) == 1
