@@ -53,10 +53,11 @@ class ScoreOptions:
     skip_bad_rows: bool = False
     allow_nonfinite: bool = False
     chunk_size: int = 1024
+    compile: bool = True
 
 
 class _Replica:
-    def __init__(self, model_dir: str, tokenizer_dir: str, precision: str) -> None:
+    def __init__(self, model_dir: str, tokenizer_dir: str, precision: str, *, compile: bool = True) -> None:
         t0 = time.perf_counter()
         import transformers
 
@@ -67,7 +68,7 @@ class _Replica:
         # the fast path of a Policy's inference pass: packed rows through varlen attention, compiled layers
         self.varlen = varlen.available(dtype) and self.model.config._attn_implementation == "sdpa"
         self.packed = self.varlen  # packing pays only with the varlen kernel (a dense [T, T] mask costs more)
-        self.compiled = fused.compile_decoder_layers(self.model) > 0
+        self.compiled = compile and fused.compile_decoder_layers(self.model) > 0
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
             self.tokenizer_error: str | None = None
@@ -110,11 +111,11 @@ _LOCAL_LOCK = threading.Lock()
 
 
 def _replica(opts: ScoreOptions) -> _Replica:
-    key = (opts.model, opts.tokenizer, opts.precision)
+    key = (opts.model, opts.tokenizer, opts.precision, opts.compile)
     with _LOCAL_LOCK:
         rep = _LOCAL.get(key)
         if rep is None:
-            rep = _LOCAL[key] = _Replica(opts.model, opts.tokenizer, opts.precision)
+            rep = _LOCAL[key] = _Replica(opts.model, opts.tokenizer, opts.precision, compile=opts.compile)
         rep.last_used = time.monotonic()
         return rep
 
