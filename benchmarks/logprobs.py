@@ -219,7 +219,8 @@ def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows
     res: dict[str, Any] = {
         "model": given_dir or f"random {shape}", "shape": None if given_dir else shape,
         "precision": precision, "device": str(device), "torch_threads": torch.get_num_threads(), "mode": mode,
-        "n_workers": n_workers, "compile": compile_, "rows": num_rows, "useful_tokens": useful, "hf_computed_tokens": computed_a,
+        "n_workers": n_workers, "compile": compile_, "rows": num_rows, "useful_tokens": useful,
+        "hf_computed_tokens": computed_a,
         "hf_batch_size": hf_batch_size, "mb_tokens": mb_tokens, "forward_tflop": flops / 1e12,
         "hf_seconds": sec_a, "dask_lm_seconds": sec_b, "hf_tok_per_s": tps_a, "dask_lm_tok_per_s": tps_b,
         "ratio_dask_lm_over_hf": tps_b / tps_a, "engine_cost_hf_over_dask_lm": tps_a / tps_b,

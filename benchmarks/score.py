@@ -88,9 +88,11 @@ def run_hf(model_dir: str, data: str, out: str, dtype: torch.dtype, device: torc
 @click.option("--batch-tokens", type=int, default=None, help="dask-lm token budget [default: 4096 CPU, 32768 GPU].")
 @click.option("--hf-batch-size", type=int, default=16, show_default=True)
 @click.option("--n-workers", type=int, default=None, help="[default: one per GPU, or 2 CPU workers]")
+@click.option("--compile/--no-compile", "compile_", default=True, show_default=True,
+              help="score_parquet(compile=...): compiled forward on GPU workers.")
 def main(shape: str, num_rows: int | None, files: int, row_group: int | None, min_len: int, max_len: int,
          median_len: int | None, sigma: float, batch_tokens: int | None, hf_batch_size: int,
-         n_workers: int | None) -> None:
+         n_workers: int | None, compile_: bool) -> None:
     import pyarrow.parquet as pq
     import transformers
 
@@ -122,7 +124,7 @@ def main(shape: str, num_rows: int | None, files: int, row_group: int | None, mi
                 t0 = time.perf_counter()
                 res = dask_lm.score_parquet(data, os.path.join(root, f"out-{run}"), model=model_dir, client=client,
                                             ids_column="ids", id_column="id", batch_tokens=batch_tokens,
-                                            progress=False)
+                                            progress=False, compile=compile_)
                 seconds.append(time.perf_counter() - t0)
                 startup[run] = {"total": seconds[-1], "prepare": res.prepare_seconds,
                                 "model_load": res.model_load_seconds, "compile": res.compile_seconds,
@@ -149,7 +151,8 @@ def main(shape: str, num_rows: int | None, files: int, row_group: int | None, mi
     diff = max(abs(got[i] - s) / max(1.0, abs(s)) for i, s in enumerate(sums))
     out: dict[str, Any] = {
         "shape": shape, "precision": precision, "rows": num_rows, "tokens": useful, "files": files,
-        "row_group": row_group, "partitions": res.parts, "workers": workers, "batch_tokens": batch_tokens,
+        "row_group": row_group, "compile": compile_, "partitions": res.parts, "workers": workers,
+        "batch_tokens": batch_tokens,
         "hf_batch_size": hf_batch_size, "dask_lm_seconds": sec_b, "hf_seconds": sec_a,
         "dask_lm_rows_per_s": num_rows / sec_b, "hf_rows_per_s": num_rows / sec_a,
         "dask_lm_tok_per_s": useful / sec_b, "hf_tok_per_s": useful / sec_a, "ratio": sec_a / sec_b,

@@ -188,9 +188,9 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
     (default: ``connect(scheduler_address, n_workers=n_workers)``, started after the checks and closed here).
     ``precision`` defaults to bfloat16 on GPU workers and float32 on CPU ones. On GPU workers rows are packed and,
     with ``compile`` (default), the forward is compiled once per worker process (5-10 s, reported as
-    ``ScoreResult.compile_seconds``; worth it for long jobs, not for a few thousand rows on fresh workers). Raises ``ValueError`` for bad usage
-    or input (damaged model files, a changed input on ``resume``, an output another job holds), before anything is
-    written and before a cluster starts.
+    ``ScoreResult.compile_seconds``; worth it for long jobs, not for a few thousand rows on fresh workers).
+    Raises ``ValueError`` for bad usage or input (damaged model files, a changed input on ``resume``, an output
+    another job holds), before anything is written and before a cluster starts.
     """
     from dask_lm.engine.cluster import close, connect
 

@@ -9,8 +9,8 @@ it and every row appears exactly once.
 Inside a partition, rows are read and checked by :mod:`dask_lm.workers.rows`, sorted longest first and cut into
 micro-batches of at most ``batch_tokens`` tokens: on a GPU they are packed (real tokens only, varlen attention,
 compiled decoder layers, as in a Policy's inference pass), elsewhere padded to the longest row; logprobs and top-k
-come from the chunked head of :mod:`dask_lm.workers.logprobs`. A part whose logprobs are not all finite is not written (NaN weights or an fp16
-overflow would otherwise pass as scores) unless ``allow_nonfinite``.
+come from the chunked head of :mod:`dask_lm.workers.logprobs`. A part whose logprobs are not all finite is not
+written (NaN weights or an fp16 overflow would otherwise pass as scores) unless ``allow_nonfinite``.
 """
 
 from __future__ import annotations
