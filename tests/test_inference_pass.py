@@ -156,3 +156,54 @@ def test_scorer_micro_batches_respect_the_budget():
         for b in batches:
             cost = sum(lengths[i] for i in b) if packed else len(b) * max(lengths[i] for i in b)
             assert cost <= 40 or len(b) == 1
+
+
+def test_a_failed_compilation_falls_back_to_eager_once(monkeypatch, caplog):
+    """No C compiler, an op Inductor cannot lower: the head warns once and computes eagerly, with the same values."""
+    calls = []
+
+    def fake_compile(fn, **kwargs):
+        def broken(*args):
+            calls.append(1)
+            raise torch._dynamo.exc.TorchDynamoException("no C compiler found")
+        return broken
+
+    monkeypatch.setattr(fused, "_compilable", lambda t: True)
+    monkeypatch.setattr(fused.torch, "compile", fake_compile)
+    monkeypatch.setattr(fused, "_COMPILED", {})
+    monkeypatch.setattr(fused, "_BROKEN", set())
+    logits, targets = torch.randn(4, 30), torch.tensor([1, 5, 29, 0])
+    want = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+    for _ in range(2):
+        torch.testing.assert_close(fused.pick_minus_logsumexp(logits, targets), want, atol=1e-5, rtol=0)
+    assert len(calls) == 1 and "pick_minus_lse" in fused._BROKEN
+    assert "running it eagerly" in caplog.text
+
+
+def test_a_failed_decoder_compilation_turns_compilation_off_for_the_rank(caplog):
+    from dask_lm.workers.policy_worker import PolicyWorker
+
+    class Rank:
+        compile = True
+        calls = 0
+
+        def _forward(self, data, mb):
+            self.calls += 1
+            if self.calls == 1:
+                raise torch._dynamo.exc.TorchDynamoException("Inductor cannot lower this op")
+            return "hidden", {"info": 1}
+
+    rank = Rank()
+    assert PolicyWorker._inference_forward(rank, None, None) == ("hidden", {"info": 1})
+    assert rank.compile is False and rank.calls == 2 and "runs eagerly from now on" in caplog.text
+
+    class Broken(Rank):
+        def _forward(self, data, mb):
+            raise ValueError("a real error of the forward")
+
+    try:
+        PolicyWorker._inference_forward(Broken(), None, None)
+    except ValueError as e:
+        assert "real error" in str(e)
+    else:
+        raise AssertionError("a forward error was swallowed")

@@ -68,9 +68,13 @@ def compile_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def _compilable(t: torch.Tensor) -> bool:
+    return enabled() and t.is_cuda
+
+
 def _run(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
     """``fn(*args)`` compiled on a GPU (once per process, dynamic shapes), eager elsewhere or if compiling fails."""
-    if not enabled() or name in _BROKEN or not args[0].is_cuda:
+    if name in _BROKEN or not _compilable(args[0]):
         return fn(*args)
     with _LOCK:
         compiled = _COMPILED.get(name)
