@@ -156,7 +156,7 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, ids: torch.Tensor, 
 @click.option("--mb-tokens", type=int, default=None, help="dask-lm token budget [default: 8192 CPU, 32768 GPU].")
 @click.option("--n-workers", type=int, default=1, show_default=True)
 @click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-              help="policy.inference_compile: auto = compiled on GPU ranks holding the whole model.")
+              help="policy.inference_compile: auto = compiled on GPU ranks.")
 def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows: int | None, min_len: int,
          max_len: int, median_len: int, sigma: float, seed: int, hf_batch_size: int, mb_tokens: int | None,
          n_workers: int, compile_: str) -> None:

@@ -330,9 +330,9 @@ class PolicyConfig(_Section):
     0.98 / 1 / 1.02 / 1.02x the speed for Qwen2.5-0.5B), and never less than ``max_total_sequence_length``."""
     inference_compile: bool | None = None
     """Compile the decoder layers and the output head's reductions (``torch.compile``, dynamic shapes) for the
-    logprob / top-k / score forwards on GPU workers; training and generation stay eager. null (auto): on for GPU
-    ranks that hold the whole model, off on FSDP-sharded ranks (not yet measured there); the CPU never compiles.
-    false: off; true: also on sharded ranks."""
+    logprob / top-k / score forwards; training and generation stay eager. null (auto): on GPU ranks (FSDP-sharded
+    ones included), off on the CPU. false: off; true: also on the CPU (Inductor's C++ backend, which takes tens of
+    seconds to compile)."""
     collective_timeout_s: float = 600.0
     """torch.distributed timeout: a lost rank becomes an error after this long, never a hang."""
 

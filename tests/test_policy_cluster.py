@@ -67,6 +67,24 @@ def test_inference_packs_by_itself_where_configured(client, tiny, tok):
         torch.testing.assert_close(ref, expected, atol=1e-4, rtol=0)
 
 
+def test_compiled_inference_on_fsdp_ranks_matches_hf(client, tiny, tok):
+    """inference_compile: true compiles the decoder layers of both FSDP ranks (Inductor's C++ backend here: on GPUs
+    the same per-layer compilation is the default), runs the logprob and top-k passes through them (FSDP's
+    all-gather hooks around each compiled layer) and keeps the values of the eager reference."""
+    ids, lens = make_batch(tok, TEXTS)
+    batch = BatchedDataDict(input_ids=ids, input_lengths=lens)
+    expected, logits = hf_logprobs(tiny["llama"], ids, lens)
+    with dask_lm.Policy(client, _cfg(tiny["llama"], "dynamic", inference_compile=True), tok) as policy:
+        assert policy.data_parallel_size == 2
+        flags = client.run(lambda dask_worker: [pw.compile for pw in dask_worker.plugins["dask-lm"].policies.values()])
+        assert all(f == [True] for f in flags.values()), flags
+        out = policy.get_logprobs(batch)["logprobs"]
+        tk = policy.get_topk_logits(batch, k=3)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+    valid = (torch.arange(ids.shape[1])[None, :] < lens[:, None])[..., None]
+    torch.testing.assert_close(tk["topk_logits"] * valid, logits.topk(3, -1).values * valid, atol=1e-4, rtol=0)
+
+
 def test_topk_reference_temperature_and_odd_batches(client, tiny, tok):
     """One policy, several calls: top-k vs logits.topk, reference = base weights, temperature, odd batch sizes."""
     ids, lens = make_batch(tok, TEXTS)

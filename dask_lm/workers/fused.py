@@ -19,14 +19,17 @@ Two changes, both PyTorch's own machinery (no hand-written kernels, nothing patc
 
 Compiled code runs only where it pays and was measured: the inference forwards (logprobs, top-k, scores) on a GPU.
 Training and generation run the same layers eagerly (:func:`inference` switches the compiler's stance for the
-inference loop; the process default is ``force_eager`` once layers are compiled). The CPU path never compiles, so
-CI checks the exact eager arithmetic. ``DASK_LM_COMPILE=0`` turns all of it off.
+inference loop; the process default is ``force_eager`` once layers are compiled). On FSDP-sharded ranks FSDP's
+all-gather hooks run eagerly around each compiled layer (the usual per-block compilation). The CPU path does not
+compile unless a policy asks for it (``inference_compile: true``, one test does), so CI checks the exact eager
+arithmetic. ``DASK_LM_COMPILE=0`` turns all of it off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,6 +44,7 @@ logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 _COMPILED: dict[str, Callable[..., Any]] = {}
 _BROKEN: set[str] = set()
+_LAYERS_COMPILED = False  # some model's layers were compiled in this process (the stance is then force_eager)
 
 
 def enabled() -> bool:
@@ -102,13 +106,16 @@ def logsumexp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return _run("lse", _lse, logits, float(temperature))
 
 
-def compile_decoder_layers(model: torch.nn.Module) -> int:
+def compile_decoder_layers(model: torch.nn.Module, *, anywhere: bool = False) -> int:
     """Compile the decoder layers of ``model`` for :func:`inference` forwards; the number compiled (0 when the
     model has no ``layers`` list or compiling is off here). The process's compiler stance becomes ``force_eager``,
-    so every forward outside :func:`inference` (training, generation) keeps running the eager layers."""
+    so every forward outside :func:`inference` (training, generation) keeps running the eager layers.
+    ``anywhere``: also on the CPU (Inductor's C++ backend), when a policy asks for it explicitly
+    (``inference_compile: true``); ``DASK_LM_COMPILE=0`` still wins."""
+    global _LAYERS_COMPILED
     from dask_lm.workers.forward import decoder_of
 
-    if not enabled():
+    if not (enabled() or (anywhere and os.environ.get("DASK_LM_COMPILE", "1") != "0")):
         return 0
     layers = getattr(decoder_of(model), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
@@ -116,6 +123,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     for layer in layers:
         layer.compile(dynamic=True)
     torch.compiler.set_stance("force_eager")
+    _LAYERS_COMPILED = True
     return len(layers)
 
 
@@ -123,7 +131,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
 def inference(compiled: bool) -> Iterator[None]:
     """Inside, compiled code (decoder layers, head reductions) runs when ``compiled``, and eagerly otherwise;
     the process's stance is restored after."""
-    if not enabled():
+    if not (enabled() or _LAYERS_COMPILED):  # nothing was or will be compiled in this process
         yield
         return
     with torch.compiler.set_stance("default" if compiled else "force_eager"):

@@ -69,10 +69,11 @@ class PolicyWorker:
         # packed micro-batches through flash varlen attention instead of a dense [T, T] mask, where the GPU can
         self.varlen = cfg.attn_implementation == "sdpa" and varlen.available(self.dtype)
         # compiled decoder layers and head reductions for the inference forwards on a GPU (fused.py)
-        self.compile = (cfg.inference_compile is not False and fused.enabled()
-                        and not (cfg.inference_compile is None and self.fsdp))
+        want = cfg.inference_compile
+        self.compile = want is True or (want is None and fused.enabled())
         if self.compile:
-            fused.compile_decoder_layers(self.model)
+            # true also compiles on the CPU (Inductor's C++ backend: slow to compile, used by the tests)
+            self.compile = fused.compile_decoder_layers(self.model, anywhere=want is True) > 0 or fused.enabled()
         # the reference is the weights as loaded from model_name, taken before any weights_path restore; kept in
         # the compute dtype (what the forward sees), as each rank's own shard in pinned host memory
         self.reference: dict[str, torch.Tensor] | None = None
