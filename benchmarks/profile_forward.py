@@ -160,10 +160,11 @@ def print_phases(res: dict[str, float], title: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- head variants
 def head_variants(worker: Any, shard: Any, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    from dask_lm.workers import fused
     from dask_lm.workers.logprobs import next_token_logprobs, output_head
 
     mb = worker._plan(shard, meta, None)[0]
-    with torch.no_grad(), torch.compiler.set_stance("default"):
+    with torch.no_grad(), fused.inference(worker.compile):
         hidden, info = worker._forward(shard, mb)
         valid = info["targets_valid"]
         rows, cols = valid[:, 1:].nonzero(as_tuple=True)

@@ -321,10 +321,11 @@ class PolicyConfig(_Section):
     """Attention kernel of the Hugging Face model; packing builds a block-diagonal mask that both accept."""
     inference_packing: bool | None = None
     """How logprob / top-k / score calls cut micro-batches when neither ``dynamic_batching`` nor
-    ``sequence_packing`` is enabled and the call passes no ``micro_batch_size``. null (auto): on GPU workers, rows
-    are packed into micro-batches of ``inference_mb_tokens`` tokens (varlen attention, no padding: the fastest
-    mode measured, see the README's benchmarks); on CPU workers, ``logprob_batch_size`` rows per micro-batch. true:
-    pack on every device; false: rows per micro-batch everywhere."""
+    ``sequence_packing`` is enabled and the call passes no ``micro_batch_size``. null (auto): on GPU workers that
+    run the varlen attention kernel (bf16 / fp16, sdpa, Ampere or newer), rows are packed into micro-batches of
+    ``inference_mb_tokens`` tokens (no padding: the fastest mode measured, see the README's benchmarks);
+    elsewhere ``logprob_batch_size`` rows per micro-batch. true: pack on every device; false: rows per micro-batch
+    everywhere."""
     inference_mb_tokens: int | None = None
     """Token budget of those packed micro-batches; null: 32768 (on an H200, 16k / 32k / 64k / 128k tokens ran at
     0.98 / 1 / 1.02 / 1.02x the speed for Qwen2.5-0.5B), and never less than ``max_total_sequence_length``."""

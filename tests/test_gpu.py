@@ -113,6 +113,8 @@ def test_fp32_on_gpu_matches_cpu_reference_and_topk_and_scores(gpu_client, tiny)
     expected, logits = hf_logprobs(tiny["llama"], ids, lens)
     cfg = {"model_name": tiny["llama"], "precision": "float32", "logprob_batch_size": 2}
     with dask_lm.Policy(gpu_client, cfg, tok) as policy:
+        # float32 has no flash varlen kernel: no packing by default (a dense [T, T] mask would cost more)
+        assert policy._shard(BatchedDataDict(input_ids=ids, input_lengths=lens), auto_pack=True)[2] is False
         out = policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))["logprobs"]
         tk = policy.get_topk_logits(BatchedDataDict(input_ids=ids, input_lengths=lens), k=3)
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=0)

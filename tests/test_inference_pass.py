@@ -207,3 +207,36 @@ def test_a_failed_decoder_compilation_turns_compilation_off_for_the_rank(caplog)
         assert "real error" in str(e)
     else:
         raise AssertionError("a forward error was swallowed")
+
+
+def test_compiled_layers_run_only_inside_inference_and_only_in_that_thread(tiny, monkeypatch):
+    """The per-thread switch: training / generation (outside ``inference``) and other threads run the eager layers."""
+    import threading
+
+    import transformers
+
+    calls = []
+
+    def fake_compile(fn, **kwargs):
+        def compiled(*args, **kw):
+            calls.append(threading.current_thread().name)
+            return fn(*args, **kw)
+        return compiled
+
+    monkeypatch.setattr(fused.torch, "compile", fake_compile)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32).eval()
+    n = fused.compile_decoder_layers(model, anywhere=True)
+    assert n == model.config.num_hidden_layers
+    ids = torch.randint(3, 100, (2, 9))
+    with torch.no_grad():
+        eager = model(ids).logits
+        assert calls == []  # outside inference: eager
+        with fused.inference(True):
+            inside = model(ids).logits
+            other = threading.Thread(target=lambda: model(ids), name="trainer")
+            other.start()
+            other.join()
+            with fused.inference(False):
+                model(ids)
+        assert calls == ["MainThread"] * n  # once per layer, in this thread only, not in the nested eager block
+    torch.testing.assert_close(inside, eager)

@@ -76,10 +76,18 @@ def test_compiled_inference_on_fsdp_ranks_matches_hf(client, tiny, tok):
     expected, logits = hf_logprobs(tiny["llama"], ids, lens)
     with dask_lm.Policy(client, _cfg(tiny["llama"], "dynamic", inference_compile=True), tok) as policy:
         assert policy.data_parallel_size == 2
-        flags = client.run(lambda dask_worker: [pw.compile for pw in dask_worker.plugins["dask-lm"].policies.values()])
-        assert all(f == [True] for f in flags.values()), flags
         out = policy.get_logprobs(batch)["logprobs"]
         tk = policy.get_topk_logits(batch, k=3)
+
+        def compiled_state(dask_worker):
+            from torch._dynamo.utils import counters
+
+            flags = [pw.compile for pw in dask_worker.plugins["dask-lm"].policies.values()]
+            return flags, counters["stats"]["unique_graphs"]
+
+        # still compiled after the passes (no silent fallback to eager), and graphs were really built
+        states = client.run(compiled_state)
+        assert all(flags == [True] and graphs > 0 for flags, graphs in states.values()), states
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
     valid = (torch.arange(ids.shape[1])[None, :] < lens[:, None])[..., None]
     torch.testing.assert_close(tk["topk_logits"] * valid, logits.topk(3, -1).values * valid, atol=1e-4, rtol=0)

@@ -150,7 +150,10 @@ class Policy(TrainingMixin, RefitMixin):
         cfg = self.cfg
         on = cfg.inference_packing
         if on is None:
-            on = bool(self.worker_info) and all(i.get("device") == "cuda" for i in self.worker_info)
+            # GPU ranks with the varlen kernel: without it (float32, eager attention, pre-Ampere GPUs) a packed
+            # micro-batch needs a dense [T, T] mask, slower than padded rows
+            on = bool(self.worker_info) and all(i.get("device") == "cuda" and i.get("varlen")
+                                                for i in self.worker_info)
         if not on:
             return None
         return max(cfg.inference_mb_tokens or 32768, cfg.max_total_sequence_length)

@@ -81,8 +81,9 @@ def pack(input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, 
 def block_causal_mask(cu_seqlens: torch.Tensor, total: int, *, additive_dtype: torch.dtype | None) -> torch.Tensor:
     """``[1, 1, T, T]`` mask letting position q see k when both sit in the same sequence and k <= q."""
     dev = cu_seqlens.device
+    # output_size: without it repeat_interleave reads the total back from the device (a host sync)
     seq_id = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=dev),
-                                     (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64))
+                                     (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64), output_size=total)
     idx = torch.arange(total, device=dev)
     allowed = (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])
     if additive_dtype is None:

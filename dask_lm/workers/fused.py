@@ -18,16 +18,18 @@ Two changes, both PyTorch's own machinery (no hand-written kernels, nothing patc
   time at 0.5B, 28% at 1.5B.
 
 Compiled code runs only where it pays and was measured: the inference forwards (logprobs, top-k, scores) on a GPU.
-Training and generation run the same layers eagerly (:func:`inference` switches the compiler's stance for the
-inference loop; the process default is ``force_eager`` once layers are compiled). On FSDP-sharded ranks FSDP's
-all-gather hooks run eagerly around each compiled layer (the usual per-block compilation). The CPU path does not
-compile unless a policy asks for it (``inference_compile: true``, one test does), so CI checks the exact eager
-arithmetic. ``DASK_LM_COMPILE=0`` turns all of it off.
+Training and generation run the same layers eagerly: each compiled layer dispatches, per call, on a per-thread
+switch that only :func:`inference` turns on (a thread-local flag, not the compiler's process-wide stance, which
+two worker threads could leave in the wrong state, and which would also switch off other code's compilation).
+On FSDP-sharded ranks FSDP's all-gather hooks run eagerly around each compiled layer (the usual per-block
+compilation). The CPU path does not compile unless a policy asks for it (``inference_compile: true``, one test
+does), so CI checks the exact eager arithmetic. ``DASK_LM_COMPILE=0`` turns all of it off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -44,7 +46,15 @@ logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 _COMPILED: dict[str, Callable[..., Any]] = {}
 _BROKEN: set[str] = set()
-_LAYERS_COMPILED = False  # some model's layers were compiled in this process (the stance is then force_eager)
+
+
+class _Switch(threading.local):
+    """Per thread: None outside :func:`inference` (compiled head where capable, eager layers), else its argument."""
+
+    compiled: bool | None = None
+
+
+_SWITCH = _Switch()
 
 
 def enabled() -> bool:
@@ -73,7 +83,7 @@ def compile_errors() -> tuple[type[BaseException], ...]:
 
 
 def _compilable(t: torch.Tensor) -> bool:
-    return enabled() and t.is_cuda
+    return _SWITCH.compiled is not False and enabled() and t.is_cuda
 
 
 def _run(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
@@ -85,7 +95,7 @@ def _run(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor
         if compiled is None:
             compiled = _COMPILED[name] = torch.compile(fn, dynamic=True)
     try:
-        return compiled(*args)  # under the caller's stance: eager when the policy turned compilation off
+        return compiled(*args)
     except compile_errors() as e:
         _BROKEN.add(name)
         logger.warning("torch.compile failed for %s (%s: %s); running it eagerly", name, type(e).__name__, e)
@@ -108,11 +118,13 @@ def logsumexp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 
 def compile_decoder_layers(model: torch.nn.Module, *, anywhere: bool = False) -> int:
     """Compile the decoder layers of ``model`` for :func:`inference` forwards; the number compiled (0 when the
-    model has no ``layers`` list or compiling is off here). The process's compiler stance becomes ``force_eager``,
-    so every forward outside :func:`inference` (training, generation) keeps running the eager layers.
-    ``anywhere``: also on the CPU (Inductor's C++ backend), when a policy asks for it explicitly
-    (``inference_compile: true``); ``DASK_LM_COMPILE=0`` still wins."""
-    global _LAYERS_COMPILED
+    model has no ``layers`` list or compiling is off here). Outside :func:`inference` (training, generation) the
+    layers keep running eagerly. ``anywhere``: also on the CPU (Inductor's C++ backend), when a policy asks for it
+    explicitly (``inference_compile: true``); ``DASK_LM_COMPILE=0`` still wins.
+
+    What ``nn.Module.compile`` does (``_compiled_call_impl = torch.compile(_call_impl)``: regional compilation,
+    one graph shared by every layer, module hooks such as FSDP's inside the call) with one difference: the call
+    goes to the compiled code only while this thread is inside ``inference(True)``."""
     from dask_lm.workers.forward import decoder_of
 
     if not (enabled() or (anywhere and os.environ.get("DASK_LM_COMPILE", "1") != "0")):
@@ -121,18 +133,21 @@ def compile_decoder_layers(model: torch.nn.Module, *, anywhere: bool = False) ->
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
         return 0
     for layer in layers:
-        layer.compile(dynamic=True)
-    torch.compiler.set_stance("force_eager")
-    _LAYERS_COMPILED = True
+        compiled = torch.compile(layer._call_impl, dynamic=True)
+        layer._compiled_call_impl = functools.partial(_dispatch, compiled, layer._call_impl)
     return len(layers)
+
+
+def _dispatch(compiled: Callable[..., Any], eager: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return compiled(*args, **kwargs) if _SWITCH.compiled else eager(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def inference(compiled: bool) -> Iterator[None]:
-    """Inside, compiled code (decoder layers, head reductions) runs when ``compiled``, and eagerly otherwise;
-    the process's stance is restored after."""
-    if not (enabled() or _LAYERS_COMPILED):  # nothing was or will be compiled in this process
+    """Inside (this thread only), compiled layers and head reductions run when ``compiled``, eagerly otherwise."""
+    before = _SWITCH.compiled
+    _SWITCH.compiled = bool(compiled)
+    try:
         yield
-        return
-    with torch.compiler.set_stance("default" if compiled else "force_eager"):
-        yield
+    finally:
+        _SWITCH.compiled = before

@@ -15,6 +15,7 @@ written (NaN weights or an fp16 overflow would otherwise pass as scores) unless 
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -29,6 +30,8 @@ from dask_lm.workers.logprobs import next_token_logprobs, output_head, topk_logi
 from dask_lm.workers.rows import BadRowError, prepare_rows
 
 __all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "score_partition", "release_scorers"]
+
+logger = logging.getLogger("dask_lm.worker")
 
 
 class NonFiniteError(RuntimeError):
@@ -95,15 +98,25 @@ class _Replica:
         self.fresh = True  # the first partition of this replica reports the two timings
         if self.compiled:
             t0 = time.perf_counter()
-            with torch.no_grad(), fused.inference(True):
-                rows = torch.arange(3, 3 + 98).remainder(self.vocab_size).reshape(1, 98)
-                x = torch.cat([rows[:, :61], rows[:, 61:].new_full((1, 24), self.pad_id)], 1).repeat(2, 1)
-                x[1, 37:] = self.pad_id
-                hidden, info = forward_rows(self.model, x, torch.tensor([61, 37]), packed=self.packed,
-                                            varlen_ok=self.varlen, where=self.device)
-                next_token_logprobs(hidden, info["ids"], info["targets_valid"], output_head(self.model),
-                                    index=info["scored"]).cpu()
+            try:
+                self._warm_up()
+            except fused.compile_errors() as e:
+                self.compiled = False
+                logger.warning("compiling the scoring forward failed (%s: %s); this replica runs eagerly",
+                               type(e).__name__, e)
             self.compile_seconds = time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _warm_up(self) -> None:
+        """Two short rows through the compiled forward and head (no longer than the model's positions allow)."""
+        n1, n2 = (min(n, self.max_positions or n) for n in (61, 37))
+        x = (torch.arange(2 * n1).reshape(2, n1) % max(self.vocab_size - 3, 1) + 3).clamp(max=self.vocab_size - 1)
+        x[1, n2:] = self.pad_id
+        with fused.inference(True):
+            hidden, info = forward_rows(self.model, x, torch.tensor([n1, n2]), packed=self.packed,
+                                        varlen_ok=self.varlen, where=self.device)
+            next_token_logprobs(hidden, info["ids"], info["targets_valid"], output_head(self.model),
+                                index=info["scored"]).cpu()
 
 
 _LOCAL: dict[tuple, _Replica] = {}
@@ -188,8 +201,16 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions) -> tupl
         for r, i in enumerate(batch):
             x[r, : len(ids[i])] = torch.tensor(ids[i], dtype=torch.int64)
         lens = torch.tensor([len(ids[i]) for i in batch])
-        with fused.inference(rep.compiled):
+        try:
+            with fused.inference(rep.compiled):
+                hidden, info = forward_rows(rep.model, x, lens, packed=rep.packed, varlen_ok=rep.varlen,
+                                            where=rep.device)
+        except fused.compile_errors() as e:  # a recompilation for new shapes failed: this replica goes eager
+            rep.compiled = False
+            logger.warning("compiling the scoring forward failed (%s: %s); this replica runs eagerly",
+                           type(e).__name__, e)
             hidden, info = forward_rows(rep.model, x, lens, packed=rep.packed, varlen_ok=rep.varlen, where=rep.device)
+        with fused.inference(rep.compiled):
             lp = next_token_logprobs(hidden, info["ids"], info["targets_valid"], head, chunk_size=opts.chunk_size,
                                      index=info["scored"]).cpu()
             if tops is not None:

@@ -104,6 +104,9 @@ def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: 
     info["rank"] = rank
     info["model_dtype"] = str(worker.dtype).replace("torch.", "")
     info["num_parameters"] = sum(p.numel() for p in worker.model.parameters())  # DTensor numel is global
+    # packed micro-batches pay only through the varlen kernel: the driver packs by itself only where every rank has it
+    info["varlen"] = bool(worker.varlen)
+    info["compiled"] = bool(worker.compile)
     return info
 
 
