@@ -114,48 +114,36 @@ def main(shape: str, num_rows: int | None, files: int, row_group: int | None, mi
         data = write_dataset(root, ids, lens, files, row_group)
         useful = int(lens.sum())
         print(f"random {shape} ({precision}); {num_rows} rows in {files} files, {useful} tokens", flush=True)
-        client = dask_lm.connect(n_workers=n_workers)
-        workers = len(client.scheduler_info(n_workers=-1)["workers"])
-        threads = min(client.run(torch.get_num_threads).values())
-        try:
-            # cold: the first job on fresh workers pays imports, CUDA initialisation and the model load; warm: the
-            # same job again on the same workers (the replicas are reloaded, the processes are warm)
-            seconds, startup = [], {}
-            for run in ("cold", "warm"):
-                t0 = time.perf_counter()
-                res = dask_lm.score_parquet(data, os.path.join(root, f"out-{run}"), model=model_dir, client=client,
-                                            ids_column="ids", id_column="id", batch_tokens=batch_tokens,
-                                            progress=False, compile=compile_)
-                seconds.append(time.perf_counter() - t0)
-                startup[run] = {"total": seconds[-1], "prepare": res.prepare_seconds,
-                                "model_load": res.model_load_seconds, "compile": res.compile_seconds,
-                                "scoring_after_startup": seconds[-1] - res.prepare_seconds - res.model_load_seconds
-                                - res.compile_seconds}
-                print(f"{run}: " + ", ".join(f"{k} {v:.2f}s" for k, v in startup[run].items()), flush=True)
-            sec_b, sec_warm = seconds
-        finally:
-            cluster = client.cluster
-            client.close()
-            cluster.close()
-        print(f"dask-lm score ({workers} workers): cold {sec_b:.2f}s, warm {sec_warm:.2f}s", flush=True)
-        if again:
-            # fresh worker processes again, on a machine that has run the job once: imports and the model load are
-            # paid again, the compilation mostly comes from Inductor's on-disk cache (what a user's second job sees)
+        def job(client: Any, run: str) -> Any:
+            t0 = time.perf_counter()
+            res = dask_lm.score_parquet(data, os.path.join(root, f"out-{run}"), model=model_dir, client=client,
+                                        ids_column="ids", id_column="id", batch_tokens=batch_tokens, progress=False,
+                                        compile=compile_)
+            total = time.perf_counter() - t0
+            startup[run] = {"total": total, "prepare": res.prepare_seconds, "model_load": res.model_load_seconds,
+                            "compile": res.compile_seconds, "scoring_after_startup": total - res.prepare_seconds
+                            - res.model_load_seconds - res.compile_seconds}
+            print(f"{run}: " + ", ".join(f"{k} {v:.2f}s" for k, v in startup[run].items()), flush=True)
+            return res
+
+        startup: dict[str, dict[str, float]] = {}
+        # cold: the first job on fresh workers pays imports, CUDA initialisation, the model load and the compilation;
+        # warm: the same job again on the same workers (the replicas are reloaded, the processes are warm);
+        # cold_again (--again): fresh worker processes on a machine that has run the job once, so the compilation
+        # mostly comes from Inductor's on-disk cache (what a user's second job sees)
+        for runs in [("cold", "warm")] + ([("cold_again",)] if again else []):
             client = dask_lm.connect(n_workers=n_workers)
             try:
-                t0 = time.perf_counter()
-                res = dask_lm.score_parquet(data, os.path.join(root, "out-again"), model=model_dir, client=client,
-                                            ids_column="ids", id_column="id", batch_tokens=batch_tokens,
-                                            progress=False, compile=compile_)
-                total = time.perf_counter() - t0
-                startup["cold_again"] = {"total": total, "prepare": res.prepare_seconds,
-                                         "model_load": res.model_load_seconds, "compile": res.compile_seconds}
-                print("cold again (new workers, compile cache on disk): "
-                      + ", ".join(f"{k} {v:.2f}s" for k, v in startup["cold_again"].items()), flush=True)
+                workers = len(client.scheduler_info(n_workers=-1)["workers"])
+                threads = min(client.run(torch.get_num_threads).values())
+                for run in runs:
+                    res = job(client, run)
             finally:
                 cluster = client.cluster
                 client.close()
                 cluster.close()
+        sec_b, sec_warm = startup["cold"]["total"], startup["warm"]["total"]
+        print(f"dask-lm score ({workers} workers): cold {sec_b:.2f}s, warm {sec_warm:.2f}s", flush=True)
         got = {}
         for f in sorted(os.listdir(os.path.join(root, "out-cold"))):
             if f.startswith("part-"):

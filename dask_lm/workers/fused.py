@@ -40,7 +40,8 @@ import torch
 
 from dask_lm.workers import device
 
-__all__ = ["enabled", "compile_errors", "pick_minus_logsumexp", "logsumexp", "compile_decoder_layers", "inference"]
+__all__ = ["enabled", "compile_errors", "pick_minus_logsumexp", "logsumexp", "compile_decoder_layers", "inference",
+           "call"]
 
 logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -140,6 +141,20 @@ def compile_decoder_layers(model: torch.nn.Module, *, anywhere: bool = False) ->
 
 def _dispatch(compiled: Callable[..., Any], eager: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return compiled(*args, **kwargs) if _SWITCH.compiled else eager(*args, **kwargs)
+
+
+def call(compiled: bool, fn: Callable[[], Any], what: str) -> tuple[Any, bool]:
+    """``fn()`` inside :func:`inference`; a compilation that fails (no C compiler, an op Inductor cannot lower)
+    is logged and ``fn`` runs again eagerly. Returns ``(result, whether compiled code stays on)``; errors of ``fn``
+    itself propagate."""
+    if compiled:
+        try:
+            with inference(True):
+                return fn(), True
+        except compile_errors() as e:
+            logger.warning("compiling %s failed (%s: %s); it runs eagerly from now on", what, type(e).__name__, e)
+    with inference(False):
+        return fn(), False
 
 
 @contextlib.contextmanager

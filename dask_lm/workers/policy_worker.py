@@ -205,16 +205,8 @@ class PolicyWorker:
         """:meth:`_forward` for logprobs / top-k / scores: through the compiled layers when ``self.compile``. A
         compilation that fails (no C compiler, an op Inductor cannot lower) turns compilation off for this rank
         with a warning and runs the micro-batch eagerly; errors of the forward itself propagate."""
-        if self.compile:
-            try:
-                with fused.inference(True):
-                    return self._forward(data, mb)
-            except fused.compile_errors() as e:
-                logger.warning("compiling the decoder failed (%s: %s); this rank runs eagerly from now on",
-                               type(e).__name__, e)
-                self.compile = False
-        with fused.inference(False):
-            return self._forward(data, mb)
+        out, self.compile = fused.call(self.compile, lambda: self._forward(data, mb), "this rank's decoder")
+        return out
 
     def _finish_pass(self) -> None:
         if self.fsdp:

@@ -15,7 +15,6 @@ written (NaN weights or an fp16 overflow would otherwise pass as scores) unless 
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -30,8 +29,6 @@ from dask_lm.workers.logprobs import next_token_logprobs, output_head, topk_logi
 from dask_lm.workers.rows import BadRowError, prepare_rows
 
 __all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "score_partition", "release_scorers"]
-
-logger = logging.getLogger("dask_lm.worker")
 
 
 class NonFiniteError(RuntimeError):
@@ -98,25 +95,19 @@ class _Replica:
         self.fresh = True  # the first partition of this replica reports the two timings
         if self.compiled:
             t0 = time.perf_counter()
-            try:
-                self._warm_up()
-            except fused.compile_errors() as e:
-                self.compiled = False
-                logger.warning("compiling the scoring forward failed (%s: %s); this replica runs eagerly",
-                               type(e).__name__, e)
+            _, self.compiled = fused.call(True, self._warm_up, "the scoring forward")
             self.compile_seconds = time.perf_counter() - t0
 
     @torch.no_grad()
     def _warm_up(self) -> None:
-        """Two short rows through the compiled forward and head (no longer than the model's positions allow)."""
+        """Two short rows through the forward and head (no longer than the model's positions allow)."""
         n1, n2 = (min(n, self.max_positions or n) for n in (61, 37))
         x = (torch.arange(2 * n1).reshape(2, n1) % max(self.vocab_size - 3, 1) + 3).clamp(max=self.vocab_size - 1)
         x[1, n2:] = self.pad_id
-        with fused.inference(True):
-            hidden, info = forward_rows(self.model, x, torch.tensor([n1, n2]), packed=self.packed,
-                                        varlen_ok=self.varlen, where=self.device)
-            next_token_logprobs(hidden, info["ids"], info["targets_valid"], output_head(self.model),
-                                index=info["scored"]).cpu()
+        hidden, info = forward_rows(self.model, x, torch.tensor([n1, n2]), packed=self.packed,
+                                    varlen_ok=self.varlen, where=self.device)
+        next_token_logprobs(hidden, info["ids"], info["targets_valid"], output_head(self.model),
+                            index=info["scored"]).cpu()
 
 
 _LOCAL: dict[tuple, _Replica] = {}
@@ -201,15 +192,9 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions) -> tupl
         for r, i in enumerate(batch):
             x[r, : len(ids[i])] = torch.tensor(ids[i], dtype=torch.int64)
         lens = torch.tensor([len(ids[i]) for i in batch])
-        try:
-            with fused.inference(rep.compiled):
-                hidden, info = forward_rows(rep.model, x, lens, packed=rep.packed, varlen_ok=rep.varlen,
-                                            where=rep.device)
-        except fused.compile_errors() as e:  # a recompilation for new shapes failed: this replica goes eager
-            rep.compiled = False
-            logger.warning("compiling the scoring forward failed (%s: %s); this replica runs eagerly",
-                           type(e).__name__, e)
-            hidden, info = forward_rows(rep.model, x, lens, packed=rep.packed, varlen_ok=rep.varlen, where=rep.device)
+        (hidden, info), rep.compiled = fused.call(
+            rep.compiled, lambda: forward_rows(rep.model, x, lens, packed=rep.packed, varlen_ok=rep.varlen,
+                                               where=rep.device), "the scoring forward")
         with fused.inference(rep.compiled):
             lp = next_token_logprobs(hidden, info["ids"], info["targets_valid"], head, chunk_size=opts.chunk_size,
                                      index=info["scored"]).cpu()
