@@ -127,10 +127,10 @@ class Policy(TrainingMixin, RefitMixin):
             return None
         if workers_per_node < 1:
             raise ValueError(f"`workers_per_node` must be >= 1, got {workers_per_node}")
-        from dask_lm.engine.worker_group import _name_key, _scheduler_info
+        from dask_lm.engine.worker_group import _live_workers, _name_key
 
         per_host: dict[str, list[Any]] = {}
-        for w in _scheduler_info(self.client)["workers"].values():
+        for w in _live_workers(self.client)["workers"].values():
             per_host.setdefault(w["host"], []).append(w["name"])
         return sorted((n for names in per_host.values() for n in sorted(names, key=_name_key)[:workers_per_node]),
                       key=_name_key)

@@ -43,6 +43,16 @@ def _scheduler_info(client: Client) -> dict[str, Any]:
         return client.scheduler_info()
 
 
+def _live_workers(client: Client, timeout_s: float = 120.0) -> dict[str, Any]:
+    """The scheduler's workers, waiting up to ``timeout_s`` for one when there are none at the moment (a cluster
+    still starting, or whose workers are being restarted by their nannies)."""
+    info = _scheduler_info(client)
+    if not info["workers"]:
+        client.wait_for_workers(1, timeout=timeout_s)
+        info = _scheduler_info(client)
+    return info
+
+
 def _incarnation(address: str, info: dict[str, Any]) -> str:
     return lease.incarnation(address, info.get("local_directory", ""))
 
@@ -57,10 +67,7 @@ class WorkerGroup:
     def __init__(self, client: Client, *, workers: Sequence[Any] | None = None, name_prefix: str = "lm_policy",
                  wait_timeout_s: float = 120.0) -> None:
         self.client = client
-        info = _scheduler_info(client)
-        if not info["workers"]:
-            client.wait_for_workers(1, timeout=wait_timeout_s)
-            info = _scheduler_info(client)
+        info = _live_workers(client, wait_timeout_s)
         by_name = {w["name"]: addr for addr, w in info["workers"].items()}
         if workers is None:
             names = sorted(by_name, key=_name_key)
@@ -69,6 +76,8 @@ class WorkerGroup:
             if missing:
                 raise ValueError(f"workers {missing} are not in the cluster (it has {sorted(by_name, key=_name_key)})")
             names = list(workers)
+        if not names:
+            raise ValueError("no workers to run the policy on: pass workers that are in the cluster")
         self.names: list[Any] = names
         self.hosts: list[str] = [info["workers"][by_name[n]]["host"] for n in names]
         # a restarted worker keeps its name (and Dask id, which is the name) but not its address and scratch
