@@ -88,12 +88,13 @@ def run_hf(model_dir: str, data: str, out: str, dtype: torch.dtype, device: torc
 @click.option("--batch-tokens", type=int, default=None, help="dask-lm token budget [default: 4096 CPU, 32768 GPU].")
 @click.option("--hf-batch-size", type=int, default=16, show_default=True)
 @click.option("--n-workers", type=int, default=None, help="[default: one per GPU, or 2 CPU workers]")
-@click.option("--compile/--no-compile", "compile_", default=True, show_default=True,
-              help="score_parquet(compile=...): compiled forward on GPU workers.")
+@click.option("--compile/--no-compile", "compile_", default=None,
+              help="score_parquet(compile=...): compiled forward on GPU workers [default: score_parquet's choice, "
+              "by the job's size].")
 @click.option("--again", is_flag=True, help="Also run the job on a second fresh cluster (on-disk compile cache warm).")
 def main(shape: str, num_rows: int | None, files: int, row_group: int | None, min_len: int, max_len: int,
          median_len: int | None, sigma: float, batch_tokens: int | None, hf_batch_size: int,
-         n_workers: int | None, compile_: bool, again: bool) -> None:
+         n_workers: int | None, compile_: bool | None, again: bool) -> None:
     import pyarrow.parquet as pq
     import transformers
 
@@ -123,7 +124,10 @@ def main(shape: str, num_rows: int | None, files: int, row_group: int | None, mi
             startup[run] = {"total": total, "prepare": res.prepare_seconds, "model_load": res.model_load_seconds,
                             "compile": res.compile_seconds, "scoring_after_startup": total - res.prepare_seconds
                             - res.model_load_seconds - res.compile_seconds}
-            print(f"{run}: " + ", ".join(f"{k} {v:.2f}s" for k, v in startup[run].items()), flush=True)
+            startup[run]["worker_phases"] = dict(res.phase_seconds)
+            print(f"{run}: " + ", ".join(f"{k} {v:.2f}s" for k, v in startup[run].items() if isinstance(v, float))
+                  + "; worker time per phase: " + ", ".join(f"{k} {v:.2f}s" for k, v in res.phase_seconds.items()),
+                  flush=True)
             return res
 
         startup: dict[str, dict[str, float]] = {}

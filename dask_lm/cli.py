@@ -113,9 +113,9 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
 @click.option("--allow-nonfinite", is_flag=True, help="Keep NaN/inf logprobs instead of failing the job on them.")
 @click.option("--batch-tokens", type=int, default=16384, show_default=True,
               help="Tokens per micro-batch (real tokens where GPU workers pack rows, padded ones elsewhere).")
-@click.option("--compile/--no-compile", "compile_", default=True, show_default=True,
+@click.option("--compile/--no-compile", "compile_", default=None,
               help="Compile the forward on GPU workers (torch.compile): faster scoring after a one-time compilation "
-              "of 5-10 s per worker process; --no-compile for short jobs on fresh workers.")
+              "of 5-10 s per worker process. Default: only for jobs of about 8M tokens or more per worker.")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32", "fp16"]), default="auto", show_default=True,
               help="auto: bf16 on GPU workers, fp32 on CPU ones.")
 @click.option("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
@@ -129,7 +129,7 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.pass_context
 def score(ctx: click.Context, inputs: tuple[str, ...], model: str, output: str, scheduler_address: str | None,
-          n_workers: int | None, no_progress: bool, compile_: bool, **options: Any) -> None:
+          n_workers: int | None, no_progress: bool, compile_: bool | None, **options: Any) -> None:
     """Per-token logprobs, log-likelihood and perplexity of every row of parquet INPUTS (files, directories,
     globs)."""
 

@@ -159,10 +159,13 @@ def _hf_bf16_master_step(model_dir, batch, lr, max_norm):
                 p -= lr * coef * grads[n]
         for n, p in compute.named_parameters():
             p.copy_(dict(master.named_parameters())[n])
-        logits = compute(ids, attention_mask=mask.long()).logits.float()
-    after = torch.zeros(ids.shape, device="cuda")
-    after[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
-    out = float(loss), norm, (after * mask).cpu()
+        afters = []
+        for model in (compute, master):  # HF's own bf16 forward, and the fp32 one the two bf16 forwards aim at
+            logits = model(ids, attention_mask=mask.long()).logits.float()
+            after = torch.zeros(ids.shape, device="cuda")
+            after[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
+            afters.append((after * mask).cpu())
+    out = float(loss), norm, afters[0], afters[1]
     del master, compute
     torch.cuda.empty_cache()
     return out
@@ -189,14 +192,17 @@ def test_bf16_train_step_on_cuda_cluster(gpu_client, tiny, n_ranks, mode):
         assert policy.data_parallel_size == n_ranks and all(i["device"] == "cuda" for i in policy.worker_info)
         out = policy.train(batch, dask_lm.NLLLoss())
         after = policy.get_logprobs(batch)["logprobs"]
-    loss, norm, expected = _hf_bf16_master_step(tiny["qwen2"], batch, 0.5, 1.0)
-    diff = (after - expected).abs()
+    loss, norm, hf_bf16, fp32 = _hf_bf16_master_step(tiny["qwen2"], batch, 0.5, 1.0)
+    # After the step both bf16 forwards (ours: compiled layers, packed varlen rows, fp32-output head; HF's: eager,
+    # padded, bf16 logits) are held to the fp32 forward of the reference's updated masters, ours no further from it
+    # than HF's own bf16 forward is (plus what the two steps' bf16 gradients may differ by)
+    diff, hf_diff = (after - fp32).abs(), (hf_bf16 - fp32).abs()
     print(f"train {mode} ranks={n_ranks}: loss {float(out['loss'][0]):.5f} vs {loss:.5f}, grad norm "
-          f"{float(out['grad_norm'][0]):.4f} vs {norm:.4f}, logprobs after max|diff|={diff.max():.4f} "
-          f"mean={diff.mean():.5f}, MFU field {out['mfu']}")
+          f"{float(out['grad_norm'][0]):.4f} vs {norm:.4f}, logprobs after vs fp32 max|diff|={diff.max():.4f} "
+          f"mean={diff.mean():.5f} (HF bf16: {hf_diff.max():.4f} / {hf_diff.mean():.5f}), MFU field {out['mfu']}")
     assert float(out["loss"][0]) == pytest.approx(loss, rel=1e-2)
     assert float(out["grad_norm"][0]) == pytest.approx(norm, rel=3e-2)
-    assert diff.max() < 0.15 and diff.mean() < 0.01
+    assert diff.max() < 0.15 and diff.mean() < 1.5 * hf_diff.mean() + 2e-3
     assert out["theoretical_tflops"] and out["mfu"] is not None and out["total_flops"] > 0
 
 
@@ -232,7 +238,8 @@ def test_offload_frees_and_restores_device_memory(gpu_client, tmp_path):
           f"{no_optimizer / 2**30:.2f}, all offloaded {nothing / 2**30:.2f}, back {back / 2**30:.2f}; "
           f"Adam state {adam / 2**30:.2f} GiB/GPU")
     assert no_optimizer - trained > 0.8 * adam
-    assert nothing - no_optimizer > 0.8 * 4 * n_params / ranks  # the fp32 weights left too
+    # then the weights left: at least their bf16 copy (the fp32 masters went with the optimizer state above)
+    assert nothing - no_optimizer > 0.8 * 2 * n_params / ranks
     assert trained - back < 0.25 * adam and nothing - back > 0.8 * adam  # all back on the devices
     assert torch.isfinite(lp).all()
 
@@ -268,7 +275,8 @@ def test_score_parquet_on_gpus_matches_hf_bf16(gpu_client, tiny, tmp_path):
     texts = TEXTS * 4
     pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), tmp_path / "d.parquet", row_group_size=5)
     res = dask_lm.score_parquet(tmp_path / "d.parquet", tmp_path / "out", model=tiny["qwen2"], client=gpu_client,
-                                text_column="text", id_column="id", topk=2, progress=False)
+                                text_column="text", id_column="id", topk=2, progress=False,
+                                compile=True)  # a job this short would not compile by default
     table = pa.concat_tables([pq.read_table(tmp_path / "out" / f) for f in sorted(os.listdir(tmp_path / "out"))
                               if f.startswith("part-")])
     ids, lens = make_batch(tok, texts)

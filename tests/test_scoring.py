@@ -68,6 +68,9 @@ def test_text_mode_matches_hf_with_schema_and_topk(client, tiny, tok, hf, datase
     table, parts = _read(out)
     assert parts == [f"part-{i:05d}.parquet" for i in range(4)] and res.parts == 4 and res.rows == 30
     assert {"_manifest.json", "_SUCCESS"} <= set(os.listdir(out))
+    # worker time per phase, summed over the parts: each phase ran, and all of it fits in the job's worker time
+    assert set(res.phase_seconds) == {"rows", "model", "output"} and min(res.phase_seconds.values()) > 0
+    assert sum(res.phase_seconds.values()) <= res.seconds * len(client.scheduler_info(n_workers=-1)["workers"])
     schema = table.schema
     assert schema.field("num_tokens").type == pa.int32() and schema.field("num_scored").type == pa.int32()
     assert schema.field("truncated").type == pa.bool_()

@@ -289,3 +289,29 @@ def test_merge_errors_keeps_what_an_interrupted_merge_wrote(tmp_path):
     assert pio.merge_errors(str(out)) == 2
     merged = pq.read_table(out / pio.ERRORS)
     assert sorted(zip(merged.column("part").to_pylist(), merged.column("row").to_pylist())) == [(0, 4), (1, 12)]
+
+
+def test_compiling_is_chosen_by_the_tokens_the_footers_promise_per_worker(tmp_path, monkeypatch):
+    """score_parquet(compile=None) compiles only where the job is long enough to pay: its size comes from the
+    footers' uncompressed column sizes (no read), per worker; other columns do not count."""
+    from dask_lm.engine import scoring
+    from dask_lm.io import parquet as pio
+
+    g = torch.Generator().manual_seed(0)  # distinct values: the footers count bytes after dictionary encoding
+    texts = ["".join(chr(97 + int(c)) for c in torch.randint(0, 26, (400,), generator=g)) for _ in range(50)]
+    ids = torch.randint(0, 2**40, (50, 100), generator=g).tolist()  # 5,000 int64 ids
+    pq.write_table(pa.table({"text": texts, "ids": pa.array(ids, pa.list_(pa.int64())), "other": texts}),
+                   tmp_path / "d.parquet", row_group_size=10)
+    files = [str(tmp_path / "d.parquet")]
+    text = pio.inspect_inputs(files, text_column="text", ids_column=None, prompt_column=None, response_column=None,
+                              id_column=None)
+    by_ids = pio.inspect_inputs(files, text_column=None, ids_column="ids", prompt_column=None, response_column=None,
+                                id_column=None)
+    meta = pq.ParquetFile(files[0]).metadata
+    want = sum(meta.row_group(g).column(0).total_uncompressed_size for g in range(meta.num_row_groups))
+    # the text column's 20,000 characters (about 5,000 tokens), not "other"'s
+    assert text.scored_bytes == want and 20_000 <= want < 26_000  # (plus lengths and page headers)
+    assert 40_000 <= by_ids.scored_bytes < 50_000  # 8 bytes per id
+    monkeypatch.setattr(scoring, "COMPILE_MIN_TOKENS_PER_WORKER", 4_000)
+    assert scoring.worth_compiling(text, None, 1) and not scoring.worth_compiling(text, None, 2)
+    assert scoring.worth_compiling(by_ids, "ids", 1) and not scoring.worth_compiling(by_ids, "ids", 2)

@@ -79,3 +79,40 @@ def test_a_kernel_without_a_gqa_switch_gets_repeated_key_value_heads(tiny, monke
             alone = final_hidden_states(model, ids[b:b + 1, :n])
             torch.testing.assert_close(packed[0, int(cu[b]):int(cu[b]) + n], alone[0], atol=1e-5, rtol=1e-5)
     varlen._REGISTERED = False
+
+
+def test_packed_forwards_in_two_threads_take_turns(tiny, monkeypatch):
+    """The implementation switch is model state: a second thread's packed forward waits for the first to end
+    instead of having ``sdpa`` restored under its remaining layers (which would attend across sequences)."""
+    import threading
+
+    monkeypatch.setattr(varlen, "_varlen_attn", lambda: _reference_varlen)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    entered, go = threading.Event(), threading.Event()
+    order = []
+
+    def first():
+        with varlen.packed_attention(model):
+            order.append("first in")
+            entered.set()
+            go.wait(30)
+            order.append("first out")
+
+    def second():
+        entered.wait(30)
+        with varlen.packed_attention(model):
+            order.append("second in")
+            assert model.config._attn_implementation == varlen.NAME
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    entered.wait(30)
+    threads[1].join(0.3)  # the second is blocked while the first holds the switch
+    assert threads[1].is_alive()
+    go.set()
+    for t in threads:
+        t.join(30)
+    assert order == ["first in", "first out", "second in"]
+    assert model.config._attn_implementation == "sdpa"

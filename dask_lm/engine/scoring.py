@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dask_lm.io import fingerprint, jobdir, modelcheck
@@ -60,6 +60,10 @@ class ScoreResult:
     """The longest model load of a worker in this run (imports, CUDA initialisation, weights to the device)."""
     compile_seconds: float = 0.0
     """The longest compilation of a worker's inference forward in this run (GPU workers; 0 elsewhere)."""
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    """Worker time per phase, summed over the partitions of this run: ``rows`` (checking and tokenizing),
+    ``model`` (forwards, heads, results to the host), ``output`` (building and writing the part files). The rest of
+    ``seconds`` is reading, scheduling and startup."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -177,7 +181,7 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
                   response_column: str | None = None, id_column: str | None = None, topk: int = 0,
                   max_length: int | None = None, truncate: bool = False, batch_tokens: int = 16384,
                   precision: str | None = None, resume: bool = False, progress: bool = True,
-                  skip_bad_rows: bool = False, allow_nonfinite: bool = False, compile: bool = True,
+                  skip_bad_rows: bool = False, allow_nonfinite: bool = False, compile: bool | None = None,
                   tokenizer: str | os.PathLike | None = None,
                   performance_report: str | None = None, n_workers: int | None = None,
                   scheduler_address: str | None = None) -> ScoreResult:
@@ -187,8 +191,9 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
     ``ids_column`` or ``prompt_column`` + ``response_column`` says what to score. ``client`` is a Dask client
     (default: ``connect(scheduler_address, n_workers=n_workers)``, started after the checks and closed here).
     ``precision`` defaults to bfloat16 on GPU workers and float32 on CPU ones. On GPU workers rows are packed and,
-    with ``compile`` (default), the forward is compiled once per worker process (5-10 s, reported as
-    ``ScoreResult.compile_seconds``; worth it for long jobs, not for a few thousand rows on fresh workers).
+    with ``compile`` the forward is compiled once per worker process (5-10 s, reported as
+    ``ScoreResult.compile_seconds``); by default (``None``) only where the job is long enough for that to pay
+    (:func:`worth_compiling`).
     Raises ``ValueError`` for bad usage or input (damaged model files, a changed input on ``resume``, an output
     another job holds), before anything is written and before a cluster starts.
     """
@@ -223,7 +228,7 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
                         text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
                         response_column=response_column, id_column=id_column, topk=topk, max_length=max_length,
                         truncate=truncate, batch_tokens=batch_tokens, skip_bad_rows=skip_bad_rows,
-                        allow_nonfinite=allow_nonfinite, compile=compile)
+                        allow_nonfinite=allow_nonfinite, compile=bool(compile))
     prepare_seconds = time.perf_counter() - started
     with jobdir.locked_output(output):
         old = _existing_manifest(output, resume)
@@ -238,11 +243,30 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
         try:
             if fixed_precision is None:
                 opts = replace(opts, precision="bfloat16" if _worker_has_gpu(client) else "float32")
+            if compile is None:
+                workers = len(client.scheduler_info(n_workers=-1)["workers"])
+                opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers))
             done = _prepare_output(output, _manifest(opts, inputs, pins), old)
             return _run(client, inputs, opts, done, progress, performance_report, prepare_seconds)
         finally:
             if owns:
                 close(client)
+
+
+# Compiling the decoder layers costs a fresh worker 6.6 s and saves 2.1 s per 1.6M tokens at 0.5B on an H200
+# (benchmarks/score.py --shape qwen2.5-0.5b, with and without --compile: model time 5.2 s against 7.3 s); less for
+# larger models, whose forwards are less launch-bound. It pays from about 5M tokens per worker: compile from 8M.
+COMPILE_MIN_TOKENS_PER_WORKER = 8_000_000
+
+
+def worth_compiling(inputs: pio.ScoreInputs, ids_column: str | None, workers: int) -> bool:
+    """Whether a job is long enough for compiling each worker's forward to pay: its tokens, estimated from the
+    footers' uncompressed column sizes (4 bytes of text per token, or the ids column's integer width), per worker,
+    against :data:`COMPILE_MIN_TOKENS_PER_WORKER`."""
+    per_token = 4
+    if ids_column is not None and inputs.schema is not None:
+        per_token = inputs.schema.field(ids_column).type.value_type.bit_width // 8
+    return inputs.scored_bytes / per_token / max(workers, 1) >= COMPILE_MIN_TOKENS_PER_WORKER
 
 
 def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[int], progress: bool,
@@ -263,6 +287,7 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
     t0 = time.perf_counter()
     rows = tokens = bad = 0
     load = compile_s = 0.0
+    phases: dict[str, float] = {}
     total_rows = sum(inputs.partitions[i][3] for i in todo)
     bar = _progress(total_rows, progress)
     with report, span("dask-lm/score"):
@@ -280,6 +305,8 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
                 bad += stats["bad_rows"]
                 load = max(load, stats.get("load_seconds", 0.0))
                 compile_s = max(compile_s, stats.get("compile_seconds", 0.0))
+                for k, v in stats.get("phases", {}).items():
+                    phases[k] = phases.get(k, 0.0) + v
                 if bar is not None:
                     bar.update(stats["rows"] + stats["bad_rows"])
                     bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s")
@@ -297,7 +324,8 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
     result = ScoreResult(output=opts.output, rows=rows, tokens=tokens, parts=len(inputs.partitions),
                          parts_skipped=len(done), bad_rows=bad_total, seconds=seconds, perplexity=perplexity,
                          dashboard=getattr(client, "dashboard_link", None), prepare_seconds=prepare_seconds,
-                         model_load_seconds=load, compile_seconds=compile_s, **flagged)
+                         model_load_seconds=load, compile_seconds=compile_s, phase_seconds=phases,
+                         **flagged)
     if flagged["empty_rows"]:
         warnings.warn(f"{flagged['empty_rows']} rows had nothing to score (an empty text, response or id list, or a "
                       "single token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null",

@@ -35,6 +35,9 @@ class ScoreInputs:
     """(file, row group, first row of the group in its file, rows)."""
     schema: pa.Schema | None = None
     num_rows: int = 0
+    scored_bytes: int = 0
+    """Uncompressed bytes of the scored columns (text, ids, prompt + response) over every row group, from the
+    footers: a size estimate that costs no read (used to decide whether compiling the forward pays)."""
 
 
 def resolve_input_files(input: str | os.PathLike | list) -> list[str]:
@@ -96,10 +99,13 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
             raise ValueError(f"{file} has schema {schema} but {files[0]} has {out.schema}; every input file needs "
                              "the same columns and types")
         start = 0
+        scored = {c for c in (text_column, ids_column, prompt_column, response_column) if c}
         for g in range(meta.num_row_groups):
-            n = meta.metadata.row_group(g).num_rows
-            out.partitions.append((file, g, start, n))
-            start += n
+            group = meta.metadata.row_group(g)
+            out.partitions.append((file, g, start, group.num_rows))
+            start += group.num_rows
+            out.scored_bytes += sum(group.column(j).total_uncompressed_size for j in range(group.num_columns)
+                                    if group.column(j).path_in_schema.split(".")[0] in scored)
         out.num_rows += meta.metadata.num_rows
     assert out.schema is not None
     first = files[0]

@@ -259,14 +259,17 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
         rep.fresh = False
         if rep.tokenizer is None and not opts.ids_column:
             raise ValueError(rep.tokenizer_error)
+        t_rows = time.perf_counter()
         rows = prepare_rows(pdf, opts, tokenizer=rep.tokenizer, vocab_size=rep.vocab_size,
                             max_positions=rep.max_positions, file=file, first_row=first_row)
+        t_model = time.perf_counter()
         bad = [i for i, e in enumerate(rows.errors) if e is not None]
         if bad and not opts.skip_bad_rows:
             more = f" (and {len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
             raise BadRowError(f"{rows.errors[bad[0]]}{more}; fix the data or pass --skip-bad-rows")
         keep = [i for i in range(len(pdf)) if rows.errors[i] is None]
         lps, tops, finite = _score_rows(rep, [rows.ids[i] for i in keep], opts)  # type: ignore[misc]
+    t_write = time.perf_counter()
     nonfinite = [first_row + keep[j] for j, ok in enumerate(finite) if not ok]
     if nonfinite and not opts.allow_nonfinite:
         # raised before anything is written: no part under its final name, so the job ends without _SUCCESS
@@ -299,7 +302,10 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
     context_meter.digest_metric("tokens", tokens, "count")  # summed per span on the dashboard
     return {"part": index, "rows": len(keep), "tokens": tokens, "bad_rows": len(bad),
             "empty_rows": sum(1 for s in sums if s[0] == 0), "truncated_rows": sum(values["truncated"]),
-            "nonfinite_rows": len(nonfinite), "seconds": time.perf_counter() - t0, **startup}
+            "nonfinite_rows": len(nonfinite), "seconds": time.perf_counter() - t0, **startup,
+            # where a partition's time goes (ScoreResult.phase_seconds sums them over the job): reading and checking
+            # the rows, the model (forwards, heads, results to the host), building and writing the output
+            "phases": {"rows": t_model - t_rows, "model": t_write - t_model, "output": time.perf_counter() - t_write}}
 
 
 def _unreadable(group: Any, index: int, opts: ScoreOptions, t0: float) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,17 +119,34 @@ def packed_kwargs(cu_seqlens: torch.Tensor, max_len: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def packed_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run the forwards inside under ``dask_lm_varlen``, then restore the model's own implementation."""
+    """Run the forwards inside under ``dask_lm_varlen``, then restore the model's own implementation.
+
+    The implementation is a field of the model's config, shared by every thread: two threads' packed forwards on
+    one model therefore take turns (a per-model lock). Without it the first to finish would restore ``sdpa`` under
+    the other's remaining layers, which would then attend across the packed sequences: wrong values, no error. A
+    plain forward running meanwhile in another thread fails loudly instead (the kernel asserts its boundaries)."""
     _register()
-    configs = _configs(model)
-    before = [c._attn_implementation for c in configs]
-    try:
-        for c in configs:
-            c._attn_implementation = NAME
-        yield
-    finally:
-        for c, impl in zip(configs, before):
-            c._attn_implementation = impl
+    with _model_lock(model):
+        configs = _configs(model)
+        before = [c._attn_implementation for c in configs]
+        try:
+            for c in configs:
+                c._attn_implementation = NAME
+            yield
+        finally:
+            for c, impl in zip(configs, before):
+                c._attn_implementation = impl
+
+
+_LOCKS_LOCK = threading.Lock()
+
+
+def _model_lock(model: torch.nn.Module) -> threading.RLock:
+    with _LOCKS_LOCK:
+        lock = model.__dict__.get("_dask_lm_packed_lock")
+        if lock is None:
+            lock = model.__dict__["_dask_lm_packed_lock"] = threading.RLock()
+        return lock
 
 
 def _configs(model: torch.nn.Module) -> list[Any]:
