@@ -21,6 +21,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.profiler import record_function
 
 from dask_lm.workers import device
 from dask_lm.workers.tasks import report_progress
@@ -86,7 +87,8 @@ def _grad_norm(worker: PolicyWorker, params: list[torch.Tensor]) -> float:
 
 def _clip_and_step(worker: PolicyWorker) -> tuple[float, bool]:
     params = worker.trainable_parameters()
-    norm = _grad_norm(worker, params)
+    with record_function("dask_lm.train.grad_norm"):
+        norm = _grad_norm(worker, params)
     if not math.isfinite(norm):
         # stepping on inf / NaN gradients would write NaN into every weight; skip the step (NeMo RL steps anyway)
         warnings.warn(f"gradient norm is {norm}: skipping this optimizer step", RuntimeWarning, stacklevel=2)
@@ -98,9 +100,11 @@ def _clip_and_step(worker: PolicyWorker) -> tuple[float, bool]:
         if coef < 1.0:
             grads = [p.grad for p in params if p.grad is not None]
             torch._foreach_mul_(grads, coef)
-    worker.optimizer.step()
+    with record_function("dask_lm.train.optimizer"):
+        worker.optimizer.step()
     if worker.masters is not None:
-        worker.masters.copy_to_model()
+        with record_function("dask_lm.train.masters_to_model"):
+            worker.masters.copy_to_model()
     return norm, True
 
 
@@ -149,23 +153,29 @@ def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], los
                     if mb.dummy or mb.end == mb.start:
                         _run_dummy(worker, backward=not eval_mode)
                         continue
-                    hidden, info = worker._forward(batch, mb)
-                    width = int(info["lens"].max())
-                    mb_data = _micro_batch_data(batch, mb, width)
-                    mb_data = mb_data.to(worker.device)
-                    inputs = loss_inputs_from_hidden(worker, hidden, info, mb_data, loss_fn)
-                    loss, mb_metrics = loss_fn(mb_data, global_valid_seqs, global_valid_toks, **inputs)
-                    loss = torch.as_tensor(loss, device=worker.device)
+                    # the record_function ranges name the phases in a torch.profiler trace
+                    # (benchmarks/profile_train.py); backward kernels run on autograd's own thread
+                    with record_function("dask_lm.train.forward"):
+                        hidden, info = worker._forward(batch, mb)
+                    with record_function("dask_lm.train.head_and_loss"):
+                        width = int(info["lens"].max())
+                        mb_data = _micro_batch_data(batch, mb, width)
+                        mb_data = mb_data.to(worker.device)
+                        inputs = loss_inputs_from_hidden(worker, hidden, info, mb_data, loss_fn)
+                        loss, mb_metrics = loss_fn(mb_data, global_valid_seqs, global_valid_toks, **inputs)
+                        loss = torch.as_tensor(loss, device=worker.device)
                     if not eval_mode:
                         # + 0 x the inputs: every parameter gets a gradient on every rank even when a custom loss
                         # is constant for this micro-batch, so FSDP's reduce-scatters still pair up across ranks
-                        anchor = sum(v.sum() for v in inputs.values() if isinstance(v, torch.Tensor))
-                        ((loss + 0.0 * anchor) * (dp if worker.fsdp else 1)).backward()
+                        with record_function("dask_lm.train.backward"):
+                            anchor = sum(v.sum() for v in inputs.values() if isinstance(v, torch.Tensor))
+                            ((loss + 0.0 * anchor) * (dp if worker.fsdp else 1)).backward()
                     gb_loss += float(loss.detach())
                     if float(_to_number(mb_metrics.get("num_valid_samples", 1))) > 0:
                         _record(metrics, mb_metrics, num_global_batches, worker, gvs, gvt)
                 if not eval_mode:
-                    norm, _stepped = _clip_and_step(worker)
+                    with record_function("dask_lm.train.step"):
+                        norm, _stepped = _clip_and_step(worker)
                     norms.append(norm)
                 losses.append(gb_loss)
                 if worker.rank == 0:

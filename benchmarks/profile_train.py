@@ -1,0 +1,164 @@
+"""Where the time of a training step goes: dask-lm's worker path profiled in one process, without Dask.
+
+A benchmark, not a test. It builds a random model of ``--shape`` on the GPU (bf16 compute, fp32 masters, AdamW:
+``benchmarks/train.py``'s recipe), cuts ``--rows`` long-tailed rows into the micro-batches the driver would
+(``--mode`` dynamic or packed, ``--mb-tokens``), then:
+
+1. times ``PolicyWorker.train`` (one optimizer step over all rows) a few times: tokens/s and MFU per step;
+2. profiles one step with ``torch.profiler`` and prints each phase's kernel time and share of the wall time:
+   the decoder forward, the head and loss, the backward (split into the decoder / head kernels and the fp32 master
+   gradient accumulation), the gradient norm and clipping, the optimizer, the copy of the masters into the model,
+   and the GPU's idle time (Python, launches and host syncs between kernels). The phases are the
+   ``dask_lm.train.*`` ranges of ``dask_lm/workers/trainer.py``.
+
+Examples
+--------
+    python benchmarks/profile_train.py --shape qwen2.5-0.5b
+    python benchmarks/profile_train.py --shape qwen2.5-1.5b --mode packed
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+import click
+import torch
+
+from common import GIB, H200_BF16_DENSE, SHAPES, make_rows, measured_peak, sync  # benchmarks/ is on sys.path
+
+
+def _worker(shape: str, root: str, mode: str, mb_tokens: int) -> Any:
+    import transformers
+
+    from dask_lm.config import PolicyConfig
+    from dask_lm.workers.policy_worker import PolicyWorker
+
+    path = os.path.join(root, shape)
+    transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, pad_token_id=0).save_pretrained(path)
+    batching = ({"sequence_packing": {"enabled": True, "train_mb_tokens": mb_tokens}} if mode == "packed" else
+                {"dynamic_batching": {"enabled": True, "train_mb_tokens": mb_tokens, "sequence_length_round": 64}})
+    cfg = PolicyConfig.from_dict({"model_name": path, "precision": "bfloat16", "max_total_sequence_length": 4096,
+                                  "train_global_batch_size": 1, "train_micro_batch_size": 1, "max_grad_norm": 1.0,
+                                  "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}}, **batching})
+    torch.manual_seed(0)
+    return cfg, PolicyWorker(cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=True,
+                             init_reference_model=False, skip_weight_load=True)
+
+
+def _shard(cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str, mb_tokens: int) -> tuple[Any, dict]:
+    from dask_lm import BatchedDataDict
+
+    mask = (torch.arange(ids.shape[1])[None, :] < lens[:, None]).float()
+    data = BatchedDataDict(input_ids=ids, input_lengths=lens, token_mask=mask, sample_mask=torch.ones(len(lens)))
+    args: dict[str, Any] = {"input_key": "input_ids", "input_lengths_key": "input_lengths",
+                            "max_tokens_per_microbatch": mb_tokens}
+    if mode == "packed":
+        args.update(algorithm=cfg.sequence_packing.algorithm, sequence_length_pad_multiple=1,
+                    microbatch_order=cfg.sequence_packing.microbatch_order)
+        shards, _ = data.shard_by_batch_size(1, batch_size=len(lens), sequence_packing_args=args)
+    else:
+        args["sequence_length_round"] = 64
+        shards, _ = data.shard_by_batch_size(1, batch_size=len(lens), dynamic_batching_args=args)
+    shard = shards[0]
+    return shard, {"micro_batch_indices": shard.micro_batch_indices, "packed": mode == "packed"}
+
+
+def _category(ev: Any) -> str:
+    """A kernel's phase: the innermost ``dask_lm.train.*`` range around its launch; kernels launched by autograd's
+    thread are the backward (the fp32 master accumulation hook apart)."""
+    chain = []
+    p = ev
+    while p is not None:
+        chain.append(p.name)
+        p = p.cpu_parent
+    if any("AccumulateGrad" in n for n in chain) or any("_accumulate" in n for n in chain):
+        return "backward: grads into fp32 masters"
+    if any(n.startswith("autograd::engine::evaluate_function") for n in chain):
+        return "backward"
+    phase = next((n for n in chain if n.startswith("dask_lm.train.")), None)
+    return phase[len("dask_lm.train."):] if phase else "outside the step"
+
+
+def profile_step(step: Any) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(torch.device("cuda"))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        sync(torch.device("cuda"))
+        wall = time.perf_counter() - t0
+    sums: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        for k in getattr(ev, "kernels", []):
+            sums[_category(ev)] += k.duration / 1e6
+    res = dict(sums)
+    res["GPU idle (launch / Python / host sync)"] = max(wall - sum(sums.values()), 0.0)
+    res["_wall"] = wall
+    return res
+
+
+@click.command()
+@click.option("--shape", type=click.Choice(list(SHAPES)), default="qwen2.5-0.5b", show_default=True)
+@click.option("--mode", type=click.Choice(["dynamic", "packed"]), default="dynamic", show_default=True)
+@click.option("--rows", type=int, default=128, show_default=True, help="Rows per optimizer step.")
+@click.option("--median-len", type=int, default=512, show_default=True)
+@click.option("--max-len", type=int, default=2048, show_default=True)
+@click.option("--mb-tokens", type=int, default=16384, show_default=True)
+@click.option("--steps", type=int, default=3, show_default=True, help="Timed steps (after a warm-up step).")
+def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tokens: int, steps: int) -> None:
+    from dask_lm.engine.metrics import flops_per_sequence
+    from dask_lm.losses import NLLLoss
+
+    dev = torch.device("cuda")
+    peak, peak_how = measured_peak(dev)
+    with tempfile.TemporaryDirectory(prefix="dask-lm-prof-") as root:
+        cfg, worker = _worker(shape, root, mode, mb_tokens)
+        hf_cfg = worker.model.config
+        ids, lens = make_rows(rows, 16, max_len, median_len, 0.8, hf_cfg.vocab_size, 0, seed=0)
+        shard, meta = _shard(cfg, ids, lens, mode, mb_tokens)
+        loss = NLLLoss()
+
+        def step() -> dict[str, Any]:
+            return worker.train(shard, meta, loss, eval_mode=False, gbs=rows, mbs=rows, num_global_batches=1)
+
+        step()  # warm-up: optimizer state, allocator, kernels
+        times = []
+        for _ in range(steps):
+            sync(dev)
+            t0 = time.perf_counter()
+            step()
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        peak_mem = torch.cuda.max_memory_allocated() / GIB
+        res = profile_step(step)
+    tokens = int(lens.sum())
+    flops = sum(flops_per_sequence(hf_cfg, int(n), training=True) for n in lens)
+    best = min(times)
+    mfu = flops / best / H200_BF16_DENSE
+    n_mb = len(meta["micro_batch_indices"][0])
+    print(f"\n{shape} {mode}: {rows} rows, {tokens} tokens, {n_mb} micro-batches of <= {mb_tokens} tokens; step "
+          f"{best * 1e3:.0f} ms (best of {steps}), {tokens / best:,.0f} tok/s, MFU {mfu:.1%} of 989.5 TFLOP/s "
+          f"({flops / best / peak:.1%} of the measured {peak / 1e12:.0f}, {peak_how}); peak {peak_mem:.1f} GiB")
+    wall = res["_wall"]
+    print(f"profiled step: {wall * 1e3:.1f} ms wall")
+    print(f"{'phase':<44}{'ms':>10}{'share':>9}")
+    for k, v in sorted(((k, v) for k, v in res.items() if not k.startswith("_")), key=lambda kv: -kv[1]):
+        print(f"{k:<44}{v * 1e3:>10.1f}{v / wall:>9.1%}")
+    print(json.dumps({"shape": shape, "mode": mode, "rows": rows, "tokens": tokens, "micro_batches": n_mb,
+                      "step_seconds": times, "tok_per_s": tokens / best, "mfu": mfu, "peak_gib": peak_mem,
+                      "phases_ms": {k: v * 1e3 for k, v in res.items() if not k.startswith("_")},
+                      "profiled_wall_ms": wall * 1e3}))
+
+
+if __name__ == "__main__":
+    main()
