@@ -164,7 +164,7 @@ def head_variants(worker: Any, shard: Any, meta: dict[str, Any]) -> list[dict[st
     from dask_lm.workers.logprobs import next_token_logprobs, output_head
 
     mb = worker._plan(shard, meta, None)[0]
-    with torch.no_grad(), fused.inference(worker.compile):
+    with torch.no_grad(), fused.use_compiled(worker.compile):
         hidden, info = worker._forward(shard, mb)
         valid = info["targets_valid"]
         rows, cols = valid[:, 1:].nonzero(as_tuple=True)
@@ -277,12 +277,12 @@ def decoder_variants(worker: Any, shard: Any, meta: dict[str, Any]) -> list[dict
     results = []
     tokens = int(shard["input_lengths"][mb.start:mb.end].sum())
     with torch.no_grad():
-        with fused.inference(False):
+        with fused.use_compiled(False):
             ref = worker._forward(shard, mb)[0].float()
 
         def record(name: str, compiled: bool, first: float) -> None:
             def run() -> torch.Tensor:
-                with fused.inference(compiled):
+                with fused.use_compiled(compiled):
                     return worker._forward(shard, mb)[0]
             t, out = _timed(run)
             e = float((out.float() - ref).abs().max())
@@ -296,7 +296,7 @@ def decoder_variants(worker: Any, shard: Any, meta: dict[str, Any]) -> list[dict
             record("torch.compile per layer", True, 0.0)
             for other in (plan[-1], plan[len(plan) // 2]):
                 t0 = time.perf_counter()
-                with fused.inference(True):
+                with fused.use_compiled(True):
                     worker._forward(shard, other)
                 sync(torch.device("cuda"))
                 print(f"  decoder compiled, another length ({int(shard['input_lengths'][other.start:other.end].sum())} "

@@ -32,7 +32,7 @@ import torch
 from common import GIB, H200_BF16_DENSE, SHAPES, make_rows, measured_peak, sync  # benchmarks/ is on sys.path
 
 
-def _worker(shape: str, root: str, mode: str, mb_tokens: int) -> Any:
+def _worker(shape: str, root: str, mode: str, mb_tokens: int, compile_: bool | None) -> Any:
     import transformers
 
     from dask_lm.config import PolicyConfig
@@ -44,7 +44,8 @@ def _worker(shape: str, root: str, mode: str, mb_tokens: int) -> Any:
                 {"dynamic_batching": {"enabled": True, "train_mb_tokens": mb_tokens, "sequence_length_round": 64}})
     cfg = PolicyConfig.from_dict({"model_name": path, "precision": "bfloat16", "max_total_sequence_length": 4096,
                                   "train_global_batch_size": 1, "train_micro_batch_size": 1, "max_grad_norm": 1.0,
-                                  "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}}, **batching})
+                                  "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}},
+                                  "train_compile": compile_, **batching})
     torch.manual_seed(0)
     return cfg, PolicyWorker(cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=True,
                              init_reference_model=False, skip_weight_load=True)
@@ -113,14 +114,17 @@ def profile_step(step: Any) -> dict[str, float]:
 @click.option("--max-len", type=int, default=2048, show_default=True)
 @click.option("--mb-tokens", type=int, default=16384, show_default=True)
 @click.option("--steps", type=int, default=3, show_default=True, help="Timed steps (after a warm-up step).")
-def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tokens: int, steps: int) -> None:
+@click.option("--compile/--no-compile", "compile_", default=None,
+              help="policy.train_compile [default: its auto setting, compiled layers on a GPU].")
+def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tokens: int, steps: int,
+         compile_: bool | None) -> None:
     from dask_lm.engine.metrics import flops_per_sequence
     from dask_lm.losses import NLLLoss
 
     dev = torch.device("cuda")
     peak, peak_how = measured_peak(dev)
     with tempfile.TemporaryDirectory(prefix="dask-lm-prof-") as root:
-        cfg, worker = _worker(shape, root, mode, mb_tokens)
+        cfg, worker = _worker(shape, root, mode, mb_tokens, compile_)
         hf_cfg = worker.model.config
         ids, lens = make_rows(rows, 16, max_len, median_len, 0.8, hf_cfg.vocab_size, 0, seed=0)
         shard, meta = _shard(cfg, ids, lens, mode, mb_tokens)
@@ -146,7 +150,8 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
     best = min(times)
     mfu = flops / best / H200_BF16_DENSE
     n_mb = len(meta["micro_batch_indices"][0])
-    print(f"\n{shape} {mode}: {rows} rows, {tokens} tokens, {n_mb} micro-batches of <= {mb_tokens} tokens; step "
+    print(f"\n{shape} {mode}, {'compiled' if worker.train_compile else 'eager'} layers, optimizer "
+          f"{'fused' if worker.optimizer.defaults.get('fused') else 'foreach'}: {rows} rows, {tokens} tokens, {n_mb} micro-batches of <= {mb_tokens} tokens; step "
           f"{best * 1e3:.0f} ms (best of {steps}), {tokens / best:,.0f} tok/s, MFU {mfu:.1%} of 989.5 TFLOP/s "
           f"({flops / best / peak:.1%} of the measured {peak / 1e12:.0f}, {peak_how}); peak {peak_mem:.1f} GiB")
     wall = res["_wall"]
@@ -154,7 +159,7 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
     print(f"{'phase':<44}{'ms':>10}{'share':>9}")
     for k, v in sorted(((k, v) for k, v in res.items() if not k.startswith("_")), key=lambda kv: -kv[1]):
         print(f"{k:<44}{v * 1e3:>10.1f}{v / wall:>9.1%}")
-    print(json.dumps({"shape": shape, "mode": mode, "rows": rows, "tokens": tokens, "micro_batches": n_mb,
+    print(json.dumps({"shape": shape, "mode": mode, "compiled": worker.train_compile, "rows": rows, "tokens": tokens, "micro_batches": n_mb,
                       "step_seconds": times, "tok_per_s": tokens / best, "mfu": mfu, "peak_gib": peak_mem,
                       "phases_ms": {k: v * 1e3 for k, v in res.items() if not k.startswith("_")},
                       "profiled_wall_ms": wall * 1e3}))

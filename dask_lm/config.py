@@ -334,6 +334,10 @@ class PolicyConfig(_Section):
     logprob / top-k / score forwards; training and generation stay eager. null (auto): on GPU ranks (FSDP-sharded
     ones included), off on the CPU. false: off; true: also on the CPU (Inductor's C++ backend, which takes tens of
     seconds to compile)."""
+    train_compile: bool | None = None
+    """Compile the decoder layers for training forwards (``torch.compile``, dynamic shapes; AOTAutograd compiles
+    their backward with them). null (auto): on GPU ranks (FSDP-sharded ones included: FSDP's hooks run eagerly
+    around each compiled layer), off on the CPU. false: off; true: also on the CPU (Inductor's C++ backend)."""
     collective_timeout_s: float = 600.0
     """torch.distributed timeout: a lost rank becomes an error after this long, never a hang."""
 

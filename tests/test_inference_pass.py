@@ -231,12 +231,12 @@ def test_compiled_layers_run_only_inside_inference_and_only_in_that_thread(tiny,
     with torch.no_grad():
         eager = model(ids).logits
         assert calls == []  # outside inference: eager
-        with fused.inference(True):
+        with fused.use_compiled(True):
             inside = model(ids).logits
             other = threading.Thread(target=lambda: model(ids), name="trainer")
             other.start()
             other.join()
-            with fused.inference(False):
+            with fused.use_compiled(False):
                 model(ids)
         assert calls == ["MainThread"] * n  # once per layer, in this thread only, not in the nested eager block
     torch.testing.assert_close(inside, eager)

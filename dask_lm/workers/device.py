@@ -84,6 +84,11 @@ def compile_capable() -> bool:
     return True
 
 
+def fused_optimizer_capable(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused (single-kernel) optimizer step can run on ``params``: floating tensors on a GPU."""
+    return bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+
+
 def collective_backend() -> str:
     return "nccl" if is_cuda() else "gloo"
 

@@ -1,4 +1,4 @@
-"""Compiled kernels for the inference forward on GPUs: the output head's logsumexp and the decoder layers.
+"""Compiled kernels on GPUs: the inference head's logsumexp, and the decoder layers (inference and training).
 
 Where the time went before (``benchmarks/profile_forward.py``, one H200, random Qwen2.5-0.5B in bf16, packed
 32k-token micro-batches, share of the wall time): decoder 55%, output head 39% (logsumexp 22%, fp32 upcast 9%,
@@ -17,13 +17,14 @@ Two changes, both PyTorch's own machinery (no hand-written kernels, nothing patc
   dynamic shapes, so long-tailed lengths do not recompile. Inductor fuses the elementwise chains; 37% less decoder
   time at 0.5B, 28% at 1.5B.
 
-Compiled code runs only where it pays and was measured: the inference forwards (logprobs, top-k, scores) on a GPU.
-Training and generation run the same layers eagerly: each compiled layer dispatches, per call, on a per-thread
-switch that only :func:`inference` turns on (a thread-local flag, not the compiler's process-wide stance, which
-two worker threads could leave in the wrong state, and which would also switch off other code's compilation).
+Compiled code runs only where it is asked for: the inference forwards (logprobs, top-k, scores) and the training
+forwards (their backward is compiled with them, through AOTAutograd) on a GPU. Generation runs the same layers
+eagerly: each compiled layer dispatches, per call, on a per-thread switch that only :func:`use_compiled` turns on
+(a thread-local flag, not the compiler's process-wide stance, which two worker threads could leave in the wrong
+state, and which would also switch off other code's compilation).
 On FSDP-sharded ranks FSDP's all-gather hooks run eagerly around each compiled layer (the usual per-block
-compilation). The CPU path does not compile unless a policy asks for it (``inference_compile: true``, one test
-does), so CI checks the exact eager arithmetic. ``DASK_LM_COMPILE=0`` turns all of it off.
+compilation). The CPU path does not compile unless a policy asks for it (``inference_compile: true`` /
+``train_compile: true``, as two tests do), so CI checks the exact eager arithmetic. ``DASK_LM_COMPILE=0`` turns all of it off.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 
 from dask_lm.workers import device
 
-__all__ = ["enabled", "compile_errors", "pick_minus_logsumexp", "logsumexp", "compile_decoder_layers", "inference",
+__all__ = ["enabled", "compile_errors", "pick_minus_logsumexp", "logsumexp", "compile_decoder_layers", "use_compiled",
            "call"]
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ _BROKEN: set[str] = set()
 
 
 class _Switch(threading.local):
-    """Per thread: None outside :func:`inference` (compiled head where capable, eager layers), else its argument."""
+    """Per thread: None outside :func:`use_compiled` (compiled head where capable, eager layers), else its
+    argument."""
 
     compiled: bool | None = None
 
@@ -118,14 +120,15 @@ def logsumexp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 
 
 def compile_decoder_layers(model: torch.nn.Module, *, anywhere: bool = False) -> int:
-    """Compile the decoder layers of ``model`` for :func:`inference` forwards; the number compiled (0 when the
-    model has no ``layers`` list or compiling is off here). Outside :func:`inference` (training, generation) the
-    layers keep running eagerly. ``anywhere``: also on the CPU (Inductor's C++ backend), when a policy asks for it
-    explicitly (``inference_compile: true``); ``DASK_LM_COMPILE=0`` still wins.
+    """Compile the decoder layers of ``model`` for forwards inside :func:`use_compiled`; the number compiled (0 when
+    the model has no ``layers`` list or compiling is off here). Outside it (generation, or where a config turns
+    compiling off) the layers keep running eagerly. ``anywhere``: also on the CPU (Inductor's C++ backend), when a
+    policy asks for it explicitly (``inference_compile`` / ``train_compile: true``); ``DASK_LM_COMPILE=0`` still
+    wins.
 
     What ``nn.Module.compile`` does (``_compiled_call_impl = torch.compile(_call_impl)``: regional compilation,
     one graph shared by every layer, module hooks such as FSDP's inside the call) with one difference: the call
-    goes to the compiled code only while this thread is inside ``inference(True)``."""
+    goes to the compiled code only while this thread is inside ``use_compiled(True)``."""
     from dask_lm.workers.forward import decoder_of
 
     if not (enabled() or (anywhere and os.environ.get("DASK_LM_COMPILE", "1") != "0")):
@@ -144,21 +147,21 @@ def _dispatch(compiled: Callable[..., Any], eager: Callable[..., Any], *args: An
 
 
 def call(compiled: bool, fn: Callable[[], Any], what: str) -> tuple[Any, bool]:
-    """``fn()`` inside :func:`inference`; a compilation that fails (no C compiler, an op Inductor cannot lower)
+    """``fn()`` inside :func:`use_compiled`; a compilation that fails (no C compiler, an op Inductor cannot lower)
     is logged and ``fn`` runs again eagerly. Returns ``(result, whether compiled code stays on)``; errors of ``fn``
     itself propagate."""
     if compiled:
         try:
-            with inference(True):
+            with use_compiled(True):
                 return fn(), True
         except compile_errors() as e:
             logger.warning("compiling %s failed (%s: %s); it runs eagerly from now on", what, type(e).__name__, e)
-    with inference(False):
+    with use_compiled(False):
         return fn(), False
 
 
 @contextlib.contextmanager
-def inference(compiled: bool) -> Iterator[None]:
+def use_compiled(compiled: bool) -> Iterator[None]:
     """Inside (this thread only), compiled layers and head reductions run when ``compiled``, eagerly otherwise."""
     before = _SWITCH.compiled
     _SWITCH.compiled = bool(compiled)

@@ -127,7 +127,7 @@ def run_pass(worker: Any, data: Any, meta: dict[str, Any], micro_batch_size: int
                 hidden, info = worker._inference_forward(data, mb)
             if mb.dummy or not info:
                 continue
-            with record_function("dask_lm.head"), fused.inference(worker.compile):
+            with record_function("dask_lm.head"), fused.use_compiled(worker.compile):
                 values = compute(hidden, info)
             with record_function("dask_lm.to_host"):
                 host = tuple(v.to("cpu", non_blocking=True) for v in values)

@@ -127,7 +127,7 @@ def _logit_inputs(worker: PolicyWorker, hidden: torch.Tensor, info: dict[str, to
 def loss_inputs_from_hidden(worker: PolicyWorker, hidden: torch.Tensor, info: dict[str, torch.Tensor], data: Any,
                             loss_fn: Any) -> dict[str, Any]:
     """The keyword inputs ``loss_fn`` expects for this micro-batch (may add keys to ``data``, as NeMo RL does)."""
-    width = int(info["lens"].max())
+    width = info["layout"].width if "layout" in info else int(info["lens"].max())  # host-side: no GPU wait
     kind = input_type_of(loss_fn)
     if kind == LossInputType.LOGPROB:
         return _logprob_inputs(worker, hidden, info, data, loss_fn, width)

@@ -69,11 +69,15 @@ class PolicyWorker:
         # packed micro-batches through flash varlen attention instead of a dense [T, T] mask, where the GPU can
         self.varlen = cfg.attn_implementation == "sdpa" and varlen.available(self.dtype)
         # compiled decoder layers and head reductions for the inference forwards on a GPU (fused.py)
-        want = cfg.inference_compile
+        # and for training forwards (their backward compiled with them); each a per-call switch on the same layers
+        want, want_train = cfg.inference_compile, cfg.train_compile
         self.compile = want is True or (want is None and fused.enabled())
-        if self.compile:
+        self.train_compile = want_train is True or (want_train is None and fused.enabled())
+        if self.compile or self.train_compile:
             # true also compiles on the CPU (Inductor's C++ backend: slow to compile, used by the tests)
-            self.compile = fused.compile_decoder_layers(self.model, anywhere=want is True) > 0 or fused.enabled()
+            layers = fused.compile_decoder_layers(self.model, anywhere=True in (want, want_train)) > 0
+            self.compile = self.compile and (layers or fused.enabled())
+            self.train_compile = self.train_compile and layers
         # the reference is the weights as loaded from model_name, taken before any weights_path restore; kept in
         # the compute dtype (what the forward sees), as each rank's own shard in pinned host memory
         self.reference: dict[str, torch.Tensor] | None = None

@@ -195,7 +195,7 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions) -> tupl
         (hidden, info), rep.compiled = fused.call(
             rep.compiled, lambda: forward_rows(rep.model, x, lens, packed=rep.packed, varlen_ok=rep.varlen,
                                                where=rep.device), "the scoring forward")
-        with fused.inference(rep.compiled):
+        with fused.use_compiled(rep.compiled):
             lp = next_token_logprobs(hidden, info["ids"], info["targets_valid"], head, chunk_size=opts.chunk_size,
                                      index=info["scored"]).cpu()
             if tops is not None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.profiler import record_function
 
-from dask_lm.workers import device
+from dask_lm.workers import device, fused
 from dask_lm.workers.tasks import report_progress
 from dask_lm.workers.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
 from dask_lm.workers.logprobs import next_token_logprobs_train, output_head
@@ -64,6 +64,25 @@ def _micro_batch_data(batch: BatchedDataDict, mb: MicroBatch, width: int) -> Bat
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == full:
             data[key] = value[:, :width]
     return data
+
+
+def _backward(loss: torch.Tensor) -> None:
+    """``loss.backward()``. The compiled layers' backward is generated at its first call; a failure there cannot fall
+    back the way the forward does (gradients may be half accumulated), so it says how to turn compiling off."""
+    try:
+        loss.backward()
+    except fused.compile_errors() as e:
+        raise RuntimeError(f"compiling the training backward failed ({type(e).__name__}: {e}); set "
+                           "policy.train_compile: false (or DASK_LM_COMPILE=0) to train eagerly") from e
+
+
+def _upload(batch: BatchedDataDict, where: torch.device) -> BatchedDataDict:
+    """A copy of ``batch`` whose tensors are on ``where`` (the host's stay as they are for the forward's layout)."""
+    out = batch.slice(0, batch.size)
+    for key, value in list(out.items()):
+        if isinstance(value, torch.Tensor):
+            out[key] = device.upload(value, where)
+    return out
 
 
 def _to_number(value: Any) -> Any:
@@ -148,7 +167,11 @@ def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], los
                 plan = pad_with_dummies(plan, count)
                 if not eval_mode:
                     worker.optimizer.zero_grad(set_to_none=True)
-                gb_loss = 0.0
+                # the rows' tensors go to the device once per global batch, through page-locked memory: a pageable
+                # copy per micro-batch would make the host wait for the GPU to drain before every micro-batch
+                on_device = _upload(batch, worker.device)
+                gb_loss = torch.zeros((), dtype=torch.float64, device=worker.device)
+                pending: list[dict[str, Any]] = []
                 for mb in plan:
                     if mb.dummy or mb.end == mb.start:
                         _run_dummy(worker, backward=not eval_mode)
@@ -156,11 +179,11 @@ def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], los
                     # the record_function ranges name the phases in a torch.profiler trace
                     # (benchmarks/profile_train.py); backward kernels run on autograd's own thread
                     with record_function("dask_lm.train.forward"):
-                        hidden, info = worker._forward(batch, mb)
+                        (hidden, info), worker.train_compile = fused.call(
+                            worker.train_compile, lambda: worker._forward(batch, mb), "this rank's training forward")
                     with record_function("dask_lm.train.head_and_loss"):
-                        width = int(info["lens"].max())
-                        mb_data = _micro_batch_data(batch, mb, width)
-                        mb_data = mb_data.to(worker.device)
+                        width = info["layout"].width  # the longest row, known on the host (no wait on the GPU)
+                        mb_data = _micro_batch_data(on_device, mb, width)
                         inputs = loss_inputs_from_hidden(worker, hidden, info, mb_data, loss_fn)
                         loss, mb_metrics = loss_fn(mb_data, global_valid_seqs, global_valid_toks, **inputs)
                         loss = torch.as_tensor(loss, device=worker.device)
@@ -169,15 +192,18 @@ def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], los
                         # is constant for this micro-batch, so FSDP's reduce-scatters still pair up across ranks
                         with record_function("dask_lm.train.backward"):
                             anchor = sum(v.sum() for v in inputs.values() if isinstance(v, torch.Tensor))
-                            ((loss + 0.0 * anchor) * (dp if worker.fsdp else 1)).backward()
-                    gb_loss += float(loss.detach())
-                    if float(_to_number(mb_metrics.get("num_valid_samples", 1))) > 0:
-                        _record(metrics, mb_metrics, num_global_batches, worker, gvs, gvt)
+                            _backward((loss + 0.0 * anchor) * (dp if worker.fsdp else 1))
+                    gb_loss += loss.detach().double().sum()
+                    pending.append(mb_metrics)
                 if not eval_mode:
                     with record_function("dask_lm.train.step"):
                         norm, _stepped = _clip_and_step(worker)
                     norms.append(norm)
-                losses.append(gb_loss)
+                # read back once per global batch, after the step is queued, not once per micro-batch
+                for mb_metrics in pending:
+                    if float(_to_number(mb_metrics.get("num_valid_samples", 1))) > 0:
+                        _record(metrics, mb_metrics, num_global_batches, worker, gvs, gvt)
+                losses.append(float(gb_loss))
                 if worker.rank == 0:
                     report_progress(progress_id, gb + 1)
         if not eval_mode:
