@@ -337,7 +337,8 @@ class PolicyConfig(_Section):
     train_compile: bool | None = None
     """Compile the decoder layers for training forwards (``torch.compile``, dynamic shapes; AOTAutograd compiles
     their backward with them). null (auto): on GPU ranks (FSDP-sharded ones included: FSDP's hooks run eagerly
-    around each compiled layer), off on the CPU. false: off; true: also on the CPU (Inductor's C++ backend)."""
+    around each compiled layer), off on the CPU and with ``dtensor_cfg.activation_checkpointing``. false: off;
+    true: also on the CPU (Inductor's C++ backend)."""
     collective_timeout_s: float = 600.0
     """torch.distributed timeout: a lost rank becomes an error after this long, never a hang."""
 
@@ -360,6 +361,10 @@ class PolicyConfig(_Section):
             raise ValueError(f"`{p}.inference_mb_tokens` must be >= 1 or null, got {self.inference_mb_tokens}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"`{p}.collective_timeout_s` must be > 0, got {self.collective_timeout_s}")
+        if self.train_compile is True and self.dtensor_cfg.activation_checkpointing:
+            raise ValueError(f"`{p}.train_compile` true and `{p}.dtensor_cfg.activation_checkpointing` true do not "
+                             "combine (the recomputation would run the layers eagerly): set train_compile to null or "
+                             "false to checkpoint activations")
         if self.dynamic_batching.enabled and self.sequence_packing.enabled:
             raise ValueError(f"`{p}.dynamic_batching.enabled` and `{p}.sequence_packing.enabled` cannot both be "
                              "true: pick one way to cut micro-batches")

@@ -28,6 +28,9 @@ def test_defaults_and_derived_values():
     ({"model_name": "m", "dynamic_batching": {"enabled": True}, "sequence_packing": {"enabled": True}},
      "policy.dynamic_batching.enabled"),
     ({"model_name": "m", "megatron_cfg": {"enabled": True}}, "policy.megatron_cfg.enabled"),
+    ({"model_name": "m", "train_compile": True, "dtensor_cfg": {"activation_checkpointing": True}},
+     "policy.train_compile"),
+    ({"model_name": "m", "train_compile": "yes"}, "policy.train_compile"),
 ])
 def test_errors_name_the_key(data, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):

@@ -191,3 +191,20 @@ def test_chunked_training_inputs_equal_full_logits(tiny, packed, loss_name):
     assert float(loss) == pytest.approx(float(ref_loss), abs=1e-5)
     for name, grad in grads(loss).items():
         torch.testing.assert_close(grad, ref_grads[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_metrics_are_numbers_for_callers_and_tensors_inside_the_trainer():
+    """A loss called by user code returns Python numbers (NeMo RL's convention); inside the trainer's
+    ``deferred_metrics`` the same values stay tensors (read back once per step instead of a host sync each)."""
+    from dask_lm.losses.base import deferred_metrics
+
+    lp = -torch.rand(2, 5)
+    data = dask_lm.BatchedDataDict(token_mask=torch.ones(2, 6), sample_mask=torch.ones(2))
+    loss, numbers = dask_lm.NLLLoss()(data, torch.tensor(2.0), torch.tensor(10.0), next_token_logprobs=lp)
+    with deferred_metrics():
+        _, tensors = dask_lm.NLLLoss()(data, torch.tensor(2.0), torch.tensor(10.0), next_token_logprobs=lp)
+    assert all(isinstance(v, float) for v in numbers.values())
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in tensors.values())
+    assert {k: float(v) for k, v in tensors.items()} == numbers
+    assert numbers["loss"] == pytest.approx(float(-(lp.sum() / 10.0)))
+    assert numbers["num_unmasked_tokens"] == 10.0 and numbers["num_valid_samples"] == 2.0

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import contextlib
 import enum
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-__all__ = ["LossType", "LossInputType", "MetricNormalizer", "LossFunction", "masked_mean", "calculate_kl",
+__all__ = ["LossType", "LossInputType", "MetricNormalizer", "LossFunction", "masked_mean", "metric",
+           "deferred_metrics", "calculate_kl",
            "LossConfig", "LossConfigError", "BaseLoss"]
 
 
@@ -64,6 +67,32 @@ class LossFunction(Protocol):
 
     def __call__(self, data: Any, global_valid_seqs: torch.Tensor, global_valid_toks: torch.Tensor,
                  **inputs: Any) -> tuple[torch.Tensor, dict[str, Any]]: ...
+
+
+_DEFERRED = threading.local()
+
+
+def metric(value: Any) -> Any:
+    """A metric of a loss's return: a Python number, as NeMo RL's losses return (``.item()``), except inside
+    :func:`deferred_metrics`, where a 0-dim tensor stays a detached tensor. Reading a GPU tensor back makes the host
+    wait for every kernel queued before it: the trainer reads all of a step's metrics once, after the step."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    if value.dim() != 0 or getattr(_DEFERRED, "on", False):
+        return value
+    return value.item()
+
+
+@contextlib.contextmanager
+def deferred_metrics() -> Iterator[None]:
+    """Inside (this thread), :func:`metric` keeps tensors; the caller converts them (the trainer does, per step)."""
+    before = getattr(_DEFERRED, "on", False)
+    _DEFERRED.on = True
+    try:
+        yield
+    finally:
+        _DEFERRED.on = before
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None,

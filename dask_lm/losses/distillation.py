@@ -20,7 +20,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from dask_lm.losses.base import BaseLoss, LossConfig, LossConfigError, LossInputType, LossType, masked_mean
+from dask_lm.losses.base import (
+    BaseLoss,
+    LossConfig,
+    LossConfigError,
+    LossInputType,
+    LossType,
+    masked_mean,
+    metric,
+)
 
 __all__ = ["DistillationLossConfig", "DistillationLossFn"]
 
@@ -83,5 +91,5 @@ class DistillationLossFn(BaseLoss):
             loss = masked_mean(per_token, mask, global_normalization_factor=global_valid_toks)
         else:
             loss = per_token.mean()
-        rows = data["sample_mask"].sum().item() if "sample_mask" in data else data["input_ids"].shape[0]
-        return loss, {"loss": float(loss.item()), "num_valid_samples": rows}
+        rows = metric(data["sample_mask"].sum()) if "sample_mask" in data else data["input_ids"].shape[0]
+        return loss, {"loss": metric(loss), "num_valid_samples": rows}

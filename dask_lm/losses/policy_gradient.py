@@ -34,6 +34,7 @@ from dask_lm.losses.base import (
     MetricNormalizer,
     calculate_kl,
     masked_mean,
+    metric,
 )
 
 __all__ = ["ClippedPGLossConfig", "ClippedPGLossFn"]
@@ -180,16 +181,16 @@ class ClippedPGLossFn(BaseLoss):
             return w, None
         if self.tis_type == "tis":
             outside = ((w > self.tis_max) | (w < self.tis_min)).float().expand_as(mask)
-            oob = masked_mean(outside, mask, global_normalization_factor=gvt).item()
+            oob = metric(masked_mean(outside, mask, global_normalization_factor=gvt))
             return w.clamp(min=self.tis_min, max=self.tis_max), oob
         if self.tis_type == "icepop":
             keep = (w >= self.tis_min) & (w <= self.tis_max)
-            oob = masked_mean((~keep).float().expand_as(mask), mask, global_normalization_factor=gvt).item()
+            oob = metric(masked_mean((~keep).float().expand_as(mask), mask, global_normalization_factor=gvt))
             return torch.where(keep, w, torch.zeros_like(w)), oob
         # seq-mask-tis: a row's geometric-mean ratio decides whether the whole row counts
         geo = torch.exp(masked_mean(_nan_to_zero(prev - gen), token_mask, dim=-1)).detach()
         keep_row = ((geo >= self.tis_min) & (geo <= self.tis_max)).float()
-        oob = masked_mean(1.0 - keep_row, sample_mask, global_normalization_factor=gvs).item()
+        oob = metric(masked_mean(1.0 - keep_row, sample_mask, global_normalization_factor=gvs))
         return w * keep_row[:, None], oob
 
     # ----------------------------------------------------------------------------------------------- loss
@@ -273,26 +274,26 @@ class ClippedPGLossFn(BaseLoss):
         valid = mask.bool()
         if bool(valid.any()):
             r, rc = ratios.detach()[valid], ratios_clamped.detach()[valid]
-            extrema = {"probs_ratio_min": r.min().item(), "probs_ratio_max": r.max().item(),
-                       "probs_ratio_clamped_min": rc.min().item(), "probs_ratio_clamped_max": rc.max().item()}
+            extrema = {"probs_ratio_min": metric(r.min()), "probs_ratio_max": metric(r.max()),
+                       "probs_ratio_clamped_min": metric(rc.min()), "probs_ratio_clamped_max": metric(rc.max())}
         else:
             extrema = {"probs_ratio_min": float("inf"), "probs_ratio_max": float("-inf"),
                        "probs_ratio_clamped_min": float("inf"), "probs_ratio_clamped_max": float("-inf")}
         metrics: dict[str, Any] = {
-            "loss": loss.item(),
-            "probs_ratio": masked_mean(ratios.detach(), mask, global_normalization_factor=gvt).item(),
-            "probs_ratio_clamped": masked_mean(ratios_clamped.detach(), mask, global_normalization_factor=gvt).item(),
+            "loss": metric(loss),
+            "probs_ratio": metric(masked_mean(ratios.detach(), mask, global_normalization_factor=gvt)),
+            "probs_ratio_clamped": metric(masked_mean(ratios_clamped.detach(), mask, global_normalization_factor=gvt)),
             **extrema,
-            "kl_penalty": kl.item() / beta if beta != 0 else 0.0,
-            "token_mult_prob_error": token_mult_prob_error.item(),
-            "gen_kl_error": gen_kl_error.item(),
-            "policy_kl_error": policy_kl_error.item(),
-            "js_divergence_error": js_divergence_error.item(),
-            "sampling_importance_ratio": sampling_importance_ratio.item(),
-            "num_valid_samples": sample_mask.sum().item(),
-            "approx_entropy": approx_entropy.item(),
+            "kl_penalty": metric(kl) / beta if beta != 0 else 0.0,
+            "token_mult_prob_error": metric(token_mult_prob_error),
+            "gen_kl_error": metric(gen_kl_error),
+            "policy_kl_error": metric(policy_kl_error),
+            "js_divergence_error": metric(js_divergence_error),
+            "sampling_importance_ratio": metric(sampling_importance_ratio),
+            "num_valid_samples": metric(sample_mask.sum()),
+            "approx_entropy": metric(approx_entropy),
         }
         if is_oob_ratio is not None:
             metrics["is_oob_ratio"] = is_oob_ratio
-        metrics["positive_nll_loss"] = positive_nll.item()
+        metrics["positive_nll_loss"] = metric(positive_nll)
         return loss, metrics

@@ -17,13 +17,17 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from dask_lm.losses.base import BaseLoss, LossConfig, LossInputType, LossType, MetricNormalizer, masked_mean
+from dask_lm.losses.base import (
+    BaseLoss,
+    LossConfig,
+    LossInputType,
+    LossType,
+    MetricNormalizer,
+    masked_mean,
+    metric,
+)
 
 __all__ = ["NLLLoss", "NLLLossFn", "DPOLossConfig", "DPOLossFn", "PreferenceLossFn"]
-
-
-def _item(t: torch.Tensor) -> Any:
-    return t.item() if t.dim() == 0 else t
 
 
 class NLLLoss(BaseLoss):
@@ -55,8 +59,8 @@ class NLLLoss(BaseLoss):
                 loss = loss / mask.sum(-1).clamp(min=1)
         else:
             loss = -masked_mean(lp, mask, global_normalization_factor=global_valid_toks)
-        return loss, {"loss": _item(loss.detach()), "num_unmasked_tokens": mask.sum().item(),
-                      "num_valid_samples": sample_mask.sum().item()}
+        return loss, {"loss": metric(loss), "num_unmasked_tokens": metric(mask.sum()),
+                      "num_valid_samples": metric(sample_mask.sum())}
 
 
 NLLLossFn = NLLLoss  # NeMo RL's later name
@@ -140,9 +144,9 @@ class DPOLossFn(BaseLoss):
         pref, accuracy, chosen, rejected = _preference(rewards, sample_mask, global_valid_seqs,
                                                        self.reference_policy_kl_penalty)
         loss = self.sft_loss_weight * sft + self.preference_loss_weight * pref
-        return loss, {"loss": loss.item(), "sft_loss": sft.item(), "preference_loss": pref.item(),
-                      "accuracy": accuracy.item(), "rewards_chosen_mean": chosen.item(),
-                      "rewards_rejected_mean": rejected.item(), "num_valid_samples": (sample_mask.sum() / 2).item()}
+        return loss, {"loss": metric(loss), "sft_loss": metric(sft), "preference_loss": metric(pref),
+                      "accuracy": metric(accuracy), "rewards_chosen_mean": metric(chosen),
+                      "rewards_rejected_mean": metric(rejected), "num_valid_samples": metric(sample_mask.sum() / 2)}
 
 
 class PreferenceLossFn(BaseLoss):
@@ -163,5 +167,5 @@ class PreferenceLossFn(BaseLoss):
         _check_pairs(rewards.shape[0])
         sample_mask = data["sample_mask"].to(rewards.device)
         loss, accuracy, chosen, rejected = _preference(rewards, sample_mask, global_valid_seqs, 1.0)
-        return loss, {"loss": loss.item(), "accuracy": accuracy.item(), "rewards_chosen_mean": chosen.item(),
-                      "rewards_rejected_mean": rejected.item(), "num_valid_samples": (sample_mask.sum() / 2).item()}
+        return loss, {"loss": metric(loss), "accuracy": metric(accuracy), "rewards_chosen_mean": metric(chosen),
+                      "rewards_rejected_mean": metric(rejected), "num_valid_samples": metric(sample_mask.sum() / 2)}

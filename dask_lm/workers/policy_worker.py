@@ -73,6 +73,10 @@ class PolicyWorker:
         want, want_train = cfg.inference_compile, cfg.train_compile
         self.compile = want is True or (want is None and fused.enabled())
         self.train_compile = want_train is True or (want_train is None and fused.enabled())
+        if cfg.dtensor_cfg.activation_checkpointing:
+            # the recomputation runs in autograd's thread, outside this thread's compiled-layer switch: it would
+            # recompute eagerly what the compiled forward saved differently (the config refuses `true` with it)
+            self.train_compile = False
         if self.compile or self.train_compile:
             # true also compiles on the CPU (Inductor's C++ backend: slow to compile, used by the tests)
             layers = fused.compile_decoder_layers(self.model, anywhere=True in (want, want_train)) > 0

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.profiler import record_function
 
+from dask_lm.losses.base import deferred_metrics
 from dask_lm.workers import device, fused
 from dask_lm.workers.tasks import report_progress
 from dask_lm.workers.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
@@ -185,7 +186,8 @@ def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], los
                         width = info["layout"].width  # the longest row, known on the host (no wait on the GPU)
                         mb_data = _micro_batch_data(on_device, mb, width)
                         inputs = loss_inputs_from_hidden(worker, hidden, info, mb_data, loss_fn)
-                        loss, mb_metrics = loss_fn(mb_data, global_valid_seqs, global_valid_toks, **inputs)
+                        with deferred_metrics():  # tensors, read back after the step, not one sync each
+                            loss, mb_metrics = loss_fn(mb_data, global_valid_seqs, global_valid_toks, **inputs)
                         loss = torch.as_tensor(loss, device=worker.device)
                     if not eval_mode:
                         # + 0 x the inputs: every parameter gets a gradient on every rank even when a custom loss
