@@ -185,6 +185,11 @@ class DTensorConfig(_Section):
     dp_replicate_size: int = 1
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
+    reshard_after_forward: bool | None = None
+    """dask-lm's: whether FSDP2 frees each block's gathered parameters after its forward (``fully_shard``'s
+    ``reshard_after_forward``). false keeps them from a block's forward to its backward, which saves one all-gather
+    per block per micro-batch at the cost of a full copy of the weights (compute dtype) per GPU. null (auto): false
+    on GPU ranks where that copy takes at most an eighth of the device's memory, else true."""
     cpu_offload: bool = False
     custom_parallel_plan: str | None = None
     defer_fsdp_grad_sync: bool = False

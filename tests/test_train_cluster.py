@@ -72,6 +72,21 @@ def test_sgd_step_matches_single_process_hf(client, tiny, tok, batch, family, mo
     assert set(m) >= {"loss", "num_unmasked_tokens", "lr", "global_valid_seqs", "global_valid_toks"}
 
 
+def test_fsdp_blocks_kept_gathered_from_forward_to_backward_give_the_same_step(client, tiny, tok, batch):
+    """dtensor_cfg.reshard_after_forward false (auto on GPUs where the weights fit): one all-gather per block per
+    micro-batch instead of two, and the same step and logprobs after it as one process."""
+    losses, norms, ref_model = _ref(tiny["llama"], batch, lr=0.5, max_grad_norm=1.0)
+    cfg = _cfg(tiny["llama"], "dynamic", dtensor_cfg={"reshard_after_forward": False})
+    with dask_lm.Policy(client, cfg, tok, workers_per_node=2) as policy:
+        assert [i["reshard_after_forward"] for i in policy.worker_info] == [False, False]
+        out = policy.train(batch, dask_lm.NLLLoss())
+        after = policy.get_logprobs(batch)["logprobs"]
+    assert abs(float(out["loss"][0]) - losses[0]) < 1e-5
+    assert abs(float(out["grad_norm"][0]) - norms[0]) < 1e-5 * norms[0]
+    torch.testing.assert_close(after, model_logprobs(ref_model, batch["input_ids"], batch["input_lengths"]),
+                               atol=1e-4, rtol=0)
+
+
 def test_adamw_with_scheduler_over_several_global_batches(client, tiny, tok):
     """Two global batches per call = two optimizer steps; the LinearLR scheduler steps once per train() call."""
     first, second = sft_batch(tok, CORPUS[:4], pad_to=40), sft_batch(tok, CORPUS[4:], pad_to=40)

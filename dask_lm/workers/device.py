@@ -120,6 +120,13 @@ def free_memory_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def total_memory_bytes() -> int | None:
+    """The GPU's memory, or None on the CPU (where there is no device memory to budget)."""
+    if is_cuda():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return None
+
+
 def memory_in_use_bytes() -> int:
     if is_cuda():
         return int(torch.cuda.memory_allocated(0))

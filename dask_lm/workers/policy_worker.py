@@ -143,9 +143,20 @@ class PolicyWorker:
         block_names = set(getattr(self.model, "_no_split_modules", None) or [])
         blocks = [m for m in self.model.modules() if type(m).__name__ in block_names]
         assert blocks, f"{type(self.model).__name__} declares no _no_split_modules to shard by"
+        self.reshard_after_forward = self._reshard_after_forward()
         for block in blocks:
-            fully_shard(block, **kwargs)
+            fully_shard(block, reshard_after_forward=self.reshard_after_forward, **kwargs)
         fully_shard(self.model, **kwargs)
+
+    def _reshard_after_forward(self) -> bool:
+        """``dtensor_cfg.reshard_after_forward``, or where it is null: keep the blocks gathered between forward and
+        backward when a full copy of the weights in the compute dtype fits in an eighth of the device."""
+        want = self.cfg.dtensor_cfg.reshard_after_forward
+        if want is not None:
+            return want
+        unsharded = sum(p.numel() for p in self.model.parameters()) * torch.finfo(self.dtype).bits // 8
+        capacity = device.total_memory_bytes()
+        return capacity is None or unsharded > capacity // 8
 
     def load_weights(self, weights_path: str) -> None:
         """Load a Hugging Face model directory (``save_pretrained`` / ``save_checkpoint`` output) into this rank.
@@ -218,8 +229,13 @@ class PolicyWorker:
 
     def _finish_pass(self) -> None:
         if self.fsdp:
-            # the root FSDP group stays gathered after forward (embeddings / lm_head); free it between calls
-            self.model.reshard()
+            # the root FSDP group stays gathered after forward (embeddings / lm_head), and the blocks too where
+            # they keep their parameters until a backward (reshard_after_forward false): free them between calls
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     @torch.no_grad()
     def get_logprobs(self, data: BatchedDataDict, meta: dict[str, Any], micro_batch_size: int | None = None,

@@ -107,6 +107,8 @@ def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: 
     # packed micro-batches pay only through the varlen kernel: the driver packs by itself only where every rank has it
     info["varlen"] = bool(worker.varlen)
     info["compiled"] = bool(worker.compile)
+    info["train_compiled"] = bool(worker.train_compile)
+    info["reshard_after_forward"] = getattr(worker, "reshard_after_forward", None)  # None: no FSDP (one rank)
     return info
 
 
