@@ -181,7 +181,10 @@ def sft(ctx: click.Context, inputs: tuple[str, ...], no_shuffle: bool, no_progre
         click.echo(f"steps       {result.steps} ({result.epochs_completed} epochs"
                    f"{f', resumed from step {result.resumed_from}' if result.resumed_from is not None else ''})\n"
                    f"loss        {first:.4f} -> {last:.4f}\ncheckpoint  {result.checkpoint}\n"
-                   f"seconds     {result.seconds:.1f}")
+                   f"seconds     {result.seconds:.1f} (training {result.train_seconds:.1f}, checkpoints "
+                   f"{result.checkpoint_seconds:.1f})\n"
+                   f"tokens      {result.tokens} ({result.tokens / max(result.train_seconds, 1e-9):,.0f} per "
+                   "second of training)")
 
     _exit_codes(ctx, run)
 

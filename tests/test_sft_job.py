@@ -42,6 +42,10 @@ def test_interrupted_then_resumed_equals_one_run(client, tiny, data, tmp_path):
     """Stop after 4 of 9 steps, resume: the losses and the final weights equal one uninterrupted run."""
     whole = _run(data, tmp_path / "whole", tiny, client)
     assert whole.steps == 9 and whole.losses[-1] < whole.losses[0]
+    # three epochs of every row's tokens (the padding rows of a short last batch are not counted)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
+    assert whole.tokens == 3 * sum(len(ids) for ids in tok(CORPUS)["input_ids"])
+    assert 0 < whole.checkpoint_seconds < whole.seconds and 0 < whole.train_seconds < whole.seconds
     part = _run(data, tmp_path / "part", tiny, client, max_steps=4)
     assert part.steps == 4
     resumed = _run(data, tmp_path / "part", tiny, client, resume=True)

@@ -51,6 +51,12 @@ class SFTResult:
     resumed_from: int | None
     seconds: float
     checkpoint: str
+    tokens: int = 0
+    """Real tokens of the rows trained on by this run (prompt tokens included: the forward runs over them)."""
+    train_seconds: float = 0.0
+    """Of ``seconds``, the time inside ``Policy.train`` (the rest: model load, tokenizing, checkpoints)."""
+    checkpoint_seconds: float = 0.0
+    """Of ``seconds``, the time spent writing checkpoints."""
 
 
 def _tokenize_partition(pdf: Any, text_column: str | None, prompt_column: str | None, response_column: str | None,
@@ -176,6 +182,7 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
                 paths = {"weights_path": os.path.join(start[1], "weights"),
                          "optimizer_path": os.path.join(start[1], "optimizer")}
             t0 = time.perf_counter()
+            tokens, train_s, save_s = 0, 0.0, 0.0
             with dask_lm.Policy(client, cfg, tokenizer, init_reference_model=False, **paths) as policy:
                 bar = _bar(total, state["step"], progress)
                 last = state["step"]
@@ -184,14 +191,19 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
                     epoch, within = divmod(step, steps_per_epoch)
                     order = _order(len(rows), epoch, seed, shuffle)
                     chunk = [rows[i] for i in order[within * global_batch_size:(within + 1) * global_batch_size]]
+                    t_step = time.perf_counter()
                     out = policy.train(_batch(chunk, global_batch_size, pad_id), dask_lm.NLLLoss())
+                    train_s += time.perf_counter() - t_step
+                    tokens += sum(len(ids) for ids, _first in chunk)
                     state["step"] = step + 1
                     state["losses"].append(float(out["loss"][0]))
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix_str(f"loss {state['losses'][-1]:.4f}")
                     if state["step"] % save_every == 0 or state["step"] == total:
+                        t_save = time.perf_counter()
                         _save(policy, output, state, keep)
+                        save_s += time.perf_counter() - t_save
                         last = state["step"]
                 if bar is not None:
                     bar.close()
@@ -200,7 +212,8 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
             seconds = time.perf_counter() - t0
             result = SFTResult(output=output, steps=state["step"], epochs_completed=state["step"] // steps_per_epoch,
                                losses=state["losses"], resumed_from=start[0] if start else None, seconds=seconds,
-                               checkpoint=os.path.join(output, f"step_{state['step']}"))
+                               checkpoint=os.path.join(output, f"step_{state['step']}"), tokens=tokens,
+                               train_seconds=train_s, checkpoint_seconds=save_s)
             pio.write_json_atomic(result.__dict__, os.path.join(output, pio.SUCCESS))
             return result
         finally:
