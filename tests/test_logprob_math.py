@@ -58,3 +58,29 @@ def test_packed_forward_equals_unpacked(tiny, attn):
     out = torch.zeros(3, 7)
     out[rows, cols] = packed[0]
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1024])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_logprobs_values_and_gradients_equal_autograd(chunk, with_bias):
+    """The training head's own backward (closed-form softmax gradient, logits recomputed per chunk) against
+    autograd through ``log_softmax(linear(h) * scale)``, in float64: values and the gradients of h, W and b for
+    an arbitrary per-token incoming gradient (zeros included, as masked tokens give)."""
+    from dask_lm.workers.linear_logprob import linear_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    n, hdim, vocab = 7, 5, 11
+    h = torch.randn(n, hdim, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, hdim, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(vocab, generator=g, dtype=torch.float64, requires_grad=True) if with_bias else None
+    t = torch.randint(0, vocab, (n,), generator=g)
+    upstream = torch.randn(n, generator=g, dtype=torch.float64)
+    upstream[2] = 0.0
+    scale = 0.7
+    want = torch.log_softmax(torch.nn.functional.linear(h, w, b) * scale, -1).gather(1, t[:, None])[:, 0]
+    want_grads = torch.autograd.grad(want, [h, w] + ([b] if with_bias else []), upstream)
+    got = linear_logprobs(h, w, b, t, scale=scale, chunk_size=chunk)
+    got_grads = torch.autograd.grad(got, [h, w] + ([b] if with_bias else []), upstream.float())
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=0)  # the values are float32
+    for a, e in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-6)

@@ -206,25 +206,38 @@ def next_token_logprobs_train(
     top_k: int | None = None,
     top_p: float = 1.0,
     unfiltered: bool = False,
+    index: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`next_token_logprobs` with gradients, still memory-flat: each chunk of logits is recomputed in the
-    backward pass (``torch.utils.checkpoint``) instead of being kept, so training never holds a ``[N, V]``
-    float32 tensor for more than one chunk. With ``unfiltered`` it also returns the logprobs without top-k /
-    top-p filtering (what a KL penalty needs), from the same logits."""
+    """:func:`next_token_logprobs` with gradients, still memory-flat: training never holds a ``[N, V]`` float32
+    tensor for more than one chunk. The plain head (no top-k / top-p filtering, no soft-capping) goes through
+    :func:`dask_lm.workers.linear_logprob.linear_logprobs`, whose backward recomputes only each chunk's logits;
+    the others recompute each chunk's forward in the backward pass (``torch.utils.checkpoint``). With
+    ``unfiltered`` it also returns the logprobs without top-k / top-p filtering (what a KL penalty needs), from the
+    same logits. ``index``, when the caller knows it, is ``valid[:, 1:].nonzero(as_tuple=True)`` (worked out on
+    the host: ``nonzero`` on a device tensor makes the host wait for the GPU)."""
     from torch.utils.checkpoint import checkpoint
 
+    from dask_lm.workers.linear_logprob import linear_logprobs
+
     b, s = input_ids.shape
-    rows, cols = valid[:, 1:].nonzero(as_tuple=True)
+    rows, cols = index if index is not None else valid[:, 1:].nonzero(as_tuple=True)
     h = hidden[rows, cols]
     targets = input_ids[rows, cols + 1]
     n_out = 2 if unfiltered else 1
     pieces: list[tuple[torch.Tensor, ...]] = []
-    for start, end in _chunks(rows.numel(), chunk_size):
-        args = (h[start:end], targets[start:end], head, temperature, top_k, top_p, unfiltered)
-        if chunk_size and torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(*args))
+    filtering = (top_k is not None and top_k > 0) or top_p < 1.0
+    if (isinstance(head, OutputHead) and head.softcap is None and not filtering and chunk_size
+            and torch.is_grad_enabled() and rows.numel()):
+        lp = linear_logprobs(h, head.weight, head.bias, targets, scale=head.scale / temperature,
+                             chunk_size=chunk_size)
+        pieces.append((lp, lp) if unfiltered else (lp,))
+    else:
+        for start, end in _chunks(rows.numel(), chunk_size):
+            args = (h[start:end], targets[start:end], head, temperature, top_k, top_p, unfiltered)
+            if chunk_size and torch.is_grad_enabled():
+                pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            else:
+                pieces.append(_chunk_logprobs(*args))
     outs = []
     for j in range(n_out):
         values = torch.cat([p[j] for p in pieces]) if pieces else hidden.new_zeros(0, dtype=torch.float32)

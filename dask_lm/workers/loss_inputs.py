@@ -50,7 +50,7 @@ def _logprob_inputs(worker: PolicyWorker, hidden: torch.Tensor, info: dict[str, 
     unfiltered = filtering and bool(getattr(loss_fn, "reference_policy_kl_penalty", 0))
     res = next_token_logprobs_train(hidden, info["ids"], info["targets_valid"], output_head(worker.model),
                                     temperature=worker.temperature, chunk_size=worker.cfg.logprob_chunk_size,
-                                    top_k=top_k, top_p=top_p, unfiltered=unfiltered)
+                                    top_k=top_k, top_p=top_p, unfiltered=unfiltered, index=info.get("scored"))
     outs = list(res) if unfiltered else [res]
     if "cu" in info:
         outs = [_to_rows(o[..., None], info, info["lens"].numel(), width)[..., 0] for o in outs]

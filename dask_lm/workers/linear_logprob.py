@@ -1,0 +1,107 @@
+"""The training head: next-token logprobs through the output projection, with a backward written for it.
+
+Autograd's way (what ``torch.utils.checkpoint`` over chunks of the head did here before) keeps the head's memory
+flat, but pays for it: in the backward every chunk reruns its whole forward (the ``[c, V]`` matmul, the float32
+upcast, the logsumexp, the gather) and then autograd's backward of ``log_softmax`` + ``gather`` + ``float`` +
+``linear``, several ``[c, V]`` temporaries in all. The gradient of ``lp = z[t] - logsumexp(z)`` is closed-form,
+``d lp / d z = onehot(t) - softmax(z)``, so this function saves what makes the backward cheap instead:
+
+- forward, per chunk of rows: float32 logits (``torch.mm(..., out_dtype=float32)`` for half-precision weights on a
+  GPU, so they are never rounded to bf16), their logsumexp and the target's logit; it keeps only the logsumexp
+  (4 bytes a row) besides the inputs it already holds;
+- backward, per chunk: the logits again (one matmul), ``softmax = exp(z - lse)`` in place, the closed-form gradient
+  scaled by the incoming one, then the two matmuls for the hidden states and the weight. The weight's gradient
+  accumulates over the chunks in float32 when the weight is half precision (autograd summed the chunks' bf16
+  gradients in bf16).
+
+Unlike a fused linear-cross-entropy kernel that computes the gradients in the forward (liger-kernel's, which then
+only scales them by a scalar), the gradient here comes from the loss: any per-token weighting (policy-gradient
+advantages, importance ratios, masks) is exact. Used for the unfiltered head (no top-k / top-p, no soft-capping);
+the other cases keep the checkpointed autograd path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dask_lm.workers import device
+
+__all__ = ["linear_logprobs"]
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """float32 ``[c, V]``: ``(h @ W.T + b) * scale``, without a half-precision rounding where the device can."""
+    if h.dtype != torch.float32 and device.fp32_logits_capable(h.dtype) and h.is_cuda:
+        z = torch.mm(h, weight.t(), out_dtype=torch.float32)
+    else:
+        z = torch.mm(h, weight.t()).float()
+    if bias is not None:
+        z += bias.float()
+    if scale != 1.0:
+        z *= scale
+    return z
+
+
+class _LinearLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                scale: float, chunk: int) -> torch.Tensor:
+        n = h.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=h.device)
+        lse = torch.empty(n, dtype=torch.float32, device=h.device)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            z = _logits(h[s:e], weight, bias, scale)
+            lse[s:e] = torch.logsumexp(z, dim=-1)
+            out[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
+            del z
+        ctx.save_for_backward(h, weight, bias, targets, lse)
+        ctx.scale, ctx.chunk = scale, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        scale, chunk = ctx.scale, ctx.chunk
+        n = h.shape[0]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(h) if need_h else None
+        half = weight.dtype != torch.float32
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        g = grad_out.float()
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            z = _logits(h[s:e], weight, bias, scale)
+            # d out / d z = onehot(t) - softmax(z); times the incoming gradient, times the scale (chain rule)
+            z.sub_(lse[s:e, None]).exp_()
+            z.mul_(-g[s:e, None])
+            z.scatter_add_(1, targets[s:e, None], g[s:e, None])
+            if scale != 1.0:
+                z.mul_(scale)
+            if need_b:
+                grad_b += z.sum(0)
+            dz = z.to(weight.dtype) if half else z
+            del z
+            if need_h:
+                grad_h[s:e] = torch.mm(dz, weight)
+            if need_w:
+                if half and device.fp32_logits_capable(weight.dtype) and weight.is_cuda:
+                    grad_w += torch.mm(dz.t(), h[s:e], out_dtype=torch.float32)
+                else:
+                    grad_w += torch.mm(dz.t(), h[s:e]).float()
+        if grad_w is not None and half:
+            grad_w = grad_w.to(weight.dtype)
+        if grad_b is not None and bias is not None:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def linear_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                    *, scale: float = 1.0, chunk_size: int | None = 1024) -> torch.Tensor:
+    """float32 ``[N]``: ``log_softmax((h @ W.T + b) * scale)[i, targets[i]]`` with gradients for ``h``, ``W`` and
+    ``b``, computed ``chunk_size`` rows at a time (``None``: all at once) without keeping any ``[N, V]`` tensor."""
+    chunk = max(1, min(chunk_size or h.shape[0], h.shape[0])) if h.shape[0] else 1
+    return _LinearLogprob.apply(h, weight, bias, targets, float(scale), chunk)
