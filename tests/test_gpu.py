@@ -107,6 +107,28 @@ def test_fused_output_head_against_float64():
     torch.testing.assert_close(vals.double(), want_v * valid[..., None], atol=1e-4, rtol=0)
 
 
+def test_training_head_gradients_in_bf16_against_float64():
+    """The training head's own backward on a GPU in bf16 (fp32-output matmuls, fp32 weight-gradient accumulation
+    over chunks) against autograd in float64 on the same bf16 values: values to 1e-4, gradients to bf16 rounding."""
+    from dask_lm.workers.linear_logprob import linear_logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, h, v = 700, 64, 5000
+    hid = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, device="cuda", generator=g) * 0.3).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    up = torch.randn(n, device="cuda", generator=g)
+    got = linear_logprobs(hid, w, None, t, scale=1 / 0.7, chunk_size=128)
+    gh, gw = torch.autograd.grad(got, [hid, w], up)
+    h64, w64 = hid.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = torch.log_softmax(h64 @ w64.t() / 0.7, -1).gather(1, t[:, None])[:, 0]
+    wh, ww = torch.autograd.grad(want, [h64, w64], up.double())
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
+    assert gh.dtype == gw.dtype == torch.bfloat16
+    torch.testing.assert_close(gh.double(), wh, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(gw.double(), ww, atol=2e-2, rtol=2e-2)
+
+
 def test_fp32_on_gpu_matches_cpu_reference_and_topk_and_scores(gpu_client, tiny):
     tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
     ids, lens = make_batch(tok, TEXTS)
