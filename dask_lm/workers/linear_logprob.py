@@ -14,10 +14,12 @@ upcast, the logsumexp, the gather) and then autograd's backward of ``log_softmax
   accumulates over the chunks in float32 when the weight is half precision (autograd summed the chunks' bf16
   gradients in bf16).
 
-Unlike a fused linear-cross-entropy kernel that computes the gradients in the forward (liger-kernel's, which then
-only scales them by a scalar), the gradient here comes from the loss: any per-token weighting (policy-gradient
-advantages, importance ratios, masks) is exact. Used for the unfiltered head (no top-k / top-p, no soft-capping);
-the other cases keep the checkpointed autograd path.
+The gradient comes from the loss, so any per-token weighting (policy-gradient advantages, importance ratios,
+masks) is exact. liger-kernel's fused linear cross-entropy computes its gradients in the forward for a mean / sum
+reduction (then scales them by the scalar upstream gradient); with ``reduction="none"`` (0.8.5) it defers them to
+the backward and folds the per-token upstream gradient in, as this function does, with a Triton kernel for the
+softmax gradient. It has not been measured against this one yet. Used for the unfiltered head (no top-k / top-p,
+no soft-capping); the other cases keep the checkpointed autograd path.
 """
 
 from __future__ import annotations
