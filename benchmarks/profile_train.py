@@ -9,7 +9,8 @@ A benchmark, not a test. It builds a random model of ``--shape`` on the GPU (bf1
    the decoder forward, the head and loss, the backward (split into the decoder / head kernels and the fp32 master
    gradient accumulation), the gradient norm and clipping, the optimizer, the copy of the masters into the model,
    and the GPU's idle time (Python, launches and host syncs between kernels). The phases are the
-   ``dask_lm.train.*`` ranges of ``dask_lm/workers/trainer.py``.
+   ``dask_lm.train.*`` ranges of ``dask_lm/workers/trainer.py``;
+3. with ``--head-variants``, times the training head's implementations on one micro-batch (:func:`head_variants`).
 
 Examples
 --------
@@ -106,6 +107,85 @@ def profile_step(step: Any) -> dict[str, float]:
     return res
 
 
+def head_variants(worker: Any, n: int, chunk: int) -> list[dict[str, Any]]:
+    """The training head alone on ``n`` tokens (bf16 hidden states, the model's lm_head, a random per-token upstream
+    gradient as a policy-gradient loss gives): forward + backward time, peak memory above the inputs, and the
+    error of the values and of the hidden states' gradient on the first 1024 rows against float64.
+
+    * ``checkpointed autograd``: each chunk's forward reruns in the backward (the path before linear_logprob.py);
+    * ``linear_logprobs``: dask-lm's closed-form backward (workers/linear_logprob.py);
+    * ``liger fused linear CE``: liger-kernel's ``LigerFusedLinearCrossEntropyFunction`` with ``reduction="none"``
+      (gradients deferred to the backward, the per-token upstream gradient folded in), when it is installed."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dask_lm.workers.linear_logprob import linear_logprobs
+
+    weight = worker.model.get_output_embeddings().weight
+    dev = weight.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    hidden = (torch.randn(n, weight.shape[1], device=dev, generator=g)).to(weight.dtype)
+    targets = torch.randint(0, weight.shape[0], (n,), device=dev, generator=g)
+    upstream = torch.randn(n, device=dev, generator=g)
+
+    def chunk_lp(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        z = torch.nn.functional.linear(h, weight).float()
+        return z.gather(1, t[:, None]).squeeze(1) - torch.logsumexp(z, -1)
+
+    def checkpointed(h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([checkpoint(chunk_lp, h[s:s + chunk], targets[s:s + chunk], use_reentrant=False)
+                          for s in range(0, n, chunk)])
+
+    variants = {"checkpointed autograd": checkpointed,
+                "linear_logprobs": lambda h: linear_logprobs(h, weight, None, targets, chunk_size=chunk)}
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        def liger(h: torch.Tensor) -> torch.Tensor:
+            out = LigerFusedLinearCrossEntropyFunction.apply(h, weight, targets, None, None, -100, 0.0, 0.0, "none",
+                                                              None, False, torch.float32)
+            return -(out[0] if isinstance(out, tuple) else out)
+
+        variants["liger fused linear CE (reduction none)"] = liger
+    except ImportError:
+        pass
+    k = min(1024, n)
+    h64 = hidden[:k].double().requires_grad_()
+    ref = torch.log_softmax(h64 @ weight.double().t(), -1).gather(1, targets[:k, None]).squeeze(1)
+    (ref_gh,) = torch.autograd.grad(ref, [h64], upstream[:k].double())
+    del ref
+    rows = []
+    for name, fn in variants.items():
+        h = hidden.detach().requires_grad_()
+        weight.grad = None
+        try:
+            out = fn(h)
+            out.backward(upstream)
+        except Exception as e:  # noqa: BLE001 - a variant that cannot run here is reported, not fatal
+            rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:200]})
+            continue
+        sync(dev)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        times = []
+        for _ in range(5):
+            h = hidden.detach().requires_grad_()
+            weight.grad = None
+            sync(dev)
+            t0 = time.perf_counter()
+            out = fn(h)
+            out.backward(upstream)
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+        rows.append({"variant": name, "ms": min(times) * 1e3,
+                     "peak_gib_above": (torch.cuda.max_memory_allocated() - base) / GIB,
+                     "value_err": float((out[:k].double() - torch.log_softmax(
+                         hidden[:k].double() @ weight.double().t(), -1).gather(1, targets[:k, None]).squeeze(1)
+                                         ).abs().max()),
+                     "grad_h_err": float((h.grad[:k].double() - ref_gh).abs().max())})
+        weight.grad = None
+    return rows
+
+
 @click.command()
 @click.option("--shape", type=click.Choice(list(SHAPES)), default="qwen2.5-0.5b", show_default=True)
 @click.option("--mode", type=click.Choice(["dynamic", "packed"]), default="dynamic", show_default=True)
@@ -116,8 +196,10 @@ def profile_step(step: Any) -> dict[str, float]:
 @click.option("--steps", type=int, default=3, show_default=True, help="Timed steps (after a warm-up step).")
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="policy.train_compile [default: its auto setting, compiled layers on a GPU].")
+@click.option("--head-variants", "head_variants_", is_flag=True, help="Also time the training head's implementations on one "
+              "micro-batch of --mb-tokens tokens (head_variants).")
 def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tokens: int, steps: int,
-         compile_: bool | None) -> None:
+         compile_: bool | None, head_variants_: bool) -> None:
     from dask_lm.engine.metrics import flops_per_sequence
     from dask_lm.losses import NLLLoss
 
@@ -145,6 +227,7 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
         step()
         peak_mem = torch.cuda.max_memory_allocated() / GIB
         res = profile_step(step)
+        variants = head_variants(worker, mb_tokens, cfg.logprob_chunk_size or 1024) if head_variants_ else []
     tokens = int(lens.sum())
     flops = sum(flops_per_sequence(hf_cfg, int(n), training=True) for n in lens)
     best = min(times)
@@ -159,7 +242,17 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
     print(f"{'phase':<44}{'ms':>10}{'share':>9}")
     for k, v in sorted(((k, v) for k, v in res.items() if not k.startswith("_")), key=lambda kv: -kv[1]):
         print(f"{k:<44}{v * 1e3:>10.1f}{v / wall:>9.1%}")
-    print(json.dumps({"shape": shape, "mode": mode, "compiled": worker.train_compile, "rows": rows, "tokens": tokens, "micro_batches": n_mb,
+    if variants:
+        print(f"\ntraining head alone, {mb_tokens} tokens, forward + backward (errors on 1024 rows vs float64):")
+        print(f"{'variant':<42}{'ms':>9}{'GiB above':>11}{'value err':>12}{'grad h err':>12}")
+        for v in variants:
+            if "error" in v:
+                print(f"{v['variant']:<42} failed: {v['error']}")
+            else:
+                print(f"{v['variant']:<42}{v['ms']:>9.1f}{v['peak_gib_above']:>11.2f}{v['value_err']:>12.2e}"
+                      f"{v['grad_h_err']:>12.2e}")
+    print(json.dumps({"shape": shape, "mode": mode, "compiled": worker.train_compile, "rows": rows,
+                      "head_variants": variants, "tokens": tokens, "micro_batches": n_mb,
                       "step_seconds": times, "tok_per_s": tokens / best, "mfu": mfu, "peak_gib": peak_mem,
                       "phases_ms": {k: v * 1e3 for k, v in res.items() if not k.startswith("_")},
                       "profiled_wall_ms": wall * 1e3}))
