@@ -108,8 +108,9 @@ def test_fused_output_head_against_float64():
 
 
 def test_training_head_gradients_in_bf16_against_float64():
-    """The training head's own backward on a GPU in bf16 (fp32-output matmuls, fp32 weight-gradient accumulation
-    over chunks) against autograd in float64 on the same bf16 values: values to 1e-4, gradients to bf16 rounding."""
+    """The training head's own backward on a GPU in bf16 (fp32-output matmuls, the weight's gradient accumulated in
+    place over the chunks) against autograd in float64 on the same bf16 values: values to 1e-4, gradients to bf16
+    rounding."""
     from dask_lm.workers.linear_logprob import linear_logprobs
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -208,3 +208,32 @@ def test_metrics_are_numbers_for_callers_and_tensors_inside_the_trainer():
     assert {k: float(v) for k, v in tensors.items()} == numbers
     assert numbers["loss"] == pytest.approx(float(-(lp.sum() / 10.0)))
     assert numbers["num_unmasked_tokens"] == 10.0 and numbers["num_valid_samples"] == 2.0
+
+
+def test_metric_values_keep_their_python_type_and_one_element_tensors_become_numbers():
+    """Counts from integer masks stay ints when the trainer reads them back (only float metrics are averaged over
+    global batches), and a one-element tensor is a number for callers, as ``.item()`` gave before."""
+    from dask_lm.losses.base import metric
+    from dask_lm.workers.trainer import _to_number
+
+    assert _to_number(torch.tensor(3)) == 3 and isinstance(_to_number(torch.tensor(3)), int)
+    assert isinstance(_to_number(torch.tensor(2.5)), float) and _to_number(torch.tensor([1.0, 2.0])) == [1.0, 2.0]
+    assert metric(torch.tensor([2.0])) == 2.0 and isinstance(metric(torch.tensor([2.0])), float)
+
+
+def test_the_fused_optimizer_step_is_chosen_only_where_the_config_leaves_it_open(monkeypatch):
+    from dask_lm.config import PolicyConfig
+    from dask_lm.workers import device, optim
+
+    monkeypatch.setattr(device, "fused_optimizer_capable", lambda params: True)  # as on a GPU
+    params = [torch.nn.Parameter(torch.zeros(3))]
+
+    def built(name, **kwargs):
+        cfg = PolicyConfig.from_dict({"model_name": "m", "optimizer": {"name": name, "kwargs": kwargs}})
+        return optim.build_optimizer(params, cfg).defaults
+
+    assert built("torch.optim.AdamW", lr=1e-3)["fused"] is True
+    assert built("torch.optim.SGD", lr=1e-3)["fused"] is True
+    assert not built("torch.optim.AdamW", lr=1e-3, foreach=True).get("fused")  # the config chose
+    assert not built("torch.optim.Adam", lr=1e-3, differentiable=True).get("fused")
+    assert "fused" not in built("torch.optim.Adagrad", lr=1e-3) or not built("torch.optim.Adagrad", lr=1e-3)["fused"]

@@ -116,3 +116,38 @@ def test_packed_forwards_in_two_threads_take_turns(tiny, monkeypatch):
         t.join(30)
     assert order == ["first in", "first out", "second in"]
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_packed_training_with_activation_checkpointing_recomputes_through_varlen(tiny, monkeypatch):
+    """Activation checkpointing recomputes each layer in the backward, where Hugging Face looks the attention
+    implementation up again: the packed step must give the gradients of the same step without checkpointing
+    (under sdpa, the recomputed layers would attend across the packed sequences)."""
+    import dask_lm
+    from dask_lm.config import PolicyConfig
+    from dask_lm.workers.policy_worker import PolicyWorker
+    from helpers import TEXTS, sft_batch
+
+    monkeypatch.setattr(varlen, "_varlen_attn", lambda: _reference_varlen)
+    monkeypatch.setattr(varlen, "available", lambda dtype: True)
+    monkeypatch.setattr(varlen, "_REGISTERED", False)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
+    batch = sft_batch(tok, TEXTS[:4])
+    shards, _ = batch.shard_by_batch_size(1, batch_size=4, sequence_packing_args={
+        "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": 64,
+        "algorithm": "modified_first_fit_decreasing", "sequence_length_pad_multiple": 1, "microbatch_order": "packer"})
+    meta = {"micro_batch_indices": shards[0].micro_batch_indices, "packed": True}
+    weights = []
+    for checkpointing in (False, True):
+        cfg = PolicyConfig.from_dict({
+            "model_name": tiny["llama"], "precision": "float32", "train_global_batch_size": 4,
+            "train_micro_batch_size": 2, "sequence_packing": {"enabled": True, "train_mb_tokens": 64},
+            "dtensor_cfg": {"activation_checkpointing": checkpointing},
+            "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}}})
+        worker = PolicyWorker(cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=True,
+                              init_reference_model=False)
+        assert worker.varlen and worker.model.is_gradient_checkpointing == checkpointing
+        worker.train(shards[0], meta, dask_lm.NLLLoss(), eval_mode=False, gbs=4, mbs=2, num_global_batches=1)
+        weights.append({n: p.detach().clone() for n, p in worker.model.named_parameters()})
+        assert worker.model.config._attn_implementation == "sdpa"  # restored after the step
+    for name, w in weights[0].items():
+        torch.testing.assert_close(weights[1][name], w, atol=1e-5, rtol=1e-5, msg=name)

@@ -198,6 +198,7 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
     another job holds), before anything is written and before a cluster starts.
     """
     from dask_lm.engine.cluster import close, connect
+    from dask_lm.engine.worker_group import _scheduler_info
 
     started = time.perf_counter()
     _check_mode(text_column, ids_column, prompt_column, response_column)
@@ -244,7 +245,7 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
             if fixed_precision is None:
                 opts = replace(opts, precision="bfloat16" if _worker_has_gpu(client) else "float32")
             if compile is None:
-                workers = len(client.scheduler_info(n_workers=-1)["workers"])
+                workers = len(_scheduler_info(client)["workers"])
                 opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers))
             done = _prepare_output(output, _manifest(opts, inputs, pins), old)
             return _run(client, inputs, opts, done, progress, performance_report, prepare_seconds)

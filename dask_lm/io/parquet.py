@@ -105,7 +105,8 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
             out.partitions.append((file, g, start, group.num_rows))
             start += group.num_rows
             out.scored_bytes += sum(group.column(j).total_uncompressed_size for j in range(group.num_columns)
-                                    if group.column(j).path_in_schema.split(".")[0] in scored)
+                                    if any(group.column(j).path_in_schema == c
+                                           or group.column(j).path_in_schema.startswith(c + ".") for c in scored))
         out.num_rows += meta.metadata.num_rows
     assert out.schema is not None
     first = files[0]

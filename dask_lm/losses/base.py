@@ -74,12 +74,12 @@ _DEFERRED = threading.local()
 
 def metric(value: Any) -> Any:
     """A metric of a loss's return: a Python number, as NeMo RL's losses return (``.item()``), except inside
-    :func:`deferred_metrics`, where a 0-dim tensor stays a detached tensor. Reading a GPU tensor back makes the host
+    :func:`deferred_metrics`, where a one-element tensor stays a detached tensor. Reading a GPU tensor back makes the host
     wait for every kernel queued before it: the trainer reads all of a step's metrics once, after the step."""
     if not isinstance(value, torch.Tensor):
         return value
     value = value.detach()
-    if value.dim() != 0 or getattr(_DEFERRED, "on", False):
+    if value.numel() != 1 or getattr(_DEFERRED, "on", False):  # .item() takes any one-element tensor
         return value
     return value.item()
 

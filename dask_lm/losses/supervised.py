@@ -59,7 +59,8 @@ class NLLLoss(BaseLoss):
                 loss = loss / mask.sum(-1).clamp(min=1)
         else:
             loss = -masked_mean(lp, mask, global_normalization_factor=global_valid_toks)
-        return loss, {"loss": metric(loss), "num_unmasked_tokens": metric(mask.sum()),
+        # with dpo_loss the loss is per sample: its metric stays that tensor, as before
+        return loss, {"loss": metric(loss) if loss.dim() == 0 else loss.detach(), "num_unmasked_tokens": metric(mask.sum()),
                       "num_valid_samples": metric(sample_mask.sum())}
 
 

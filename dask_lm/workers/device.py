@@ -8,6 +8,8 @@ hooks. dask-cuda gives every worker a rotated ``CUDA_VISIBLE_DEVICES``, so a wor
 
 from __future__ import annotations
 
+import functools
+
 import os
 import socket
 from typing import Any
@@ -68,8 +70,18 @@ def flash_attention_capable(dtype: torch.dtype) -> bool:
 
 def fp32_logits_capable(dtype: torch.dtype) -> bool:
     """Whether a half-precision matmul can write float32 output directly here (``torch.mm(..., out_dtype=)``,
-    CUDA only): the output head's logits then skip the bf16 rounding and the separate upcast pass."""
-    return is_cuda() and dtype in (torch.bfloat16, torch.float16)
+    CUDA only, torch >= 2.8): the output head's logits then skip the bf16 rounding and the separate upcast pass."""
+    return is_cuda() and dtype in (torch.bfloat16, torch.float16) and _mm_out_dtype(dtype)
+
+
+@functools.cache
+def _mm_out_dtype(dtype: torch.dtype) -> bool:
+    """One tiny matmul with ``out_dtype``: older torch has no such argument (TypeError) or no kernel for it."""
+    try:
+        x = torch.ones(2, 2, dtype=dtype, device="cuda")
+        return torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def compile_capable() -> bool:

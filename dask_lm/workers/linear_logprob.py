@@ -10,9 +10,8 @@ upcast, the logsumexp, the gather) and then autograd's backward of ``log_softmax
   GPU, so they are never rounded to bf16), their logsumexp and the target's logit; it keeps only the logsumexp
   (4 bytes a row) besides the inputs it already holds;
 - backward, per chunk: the logits again (one matmul), ``softmax = exp(z - lse)`` in place, the closed-form gradient
-  scaled by the incoming one, then the two matmuls for the hidden states and the weight. The weight's gradient
-  accumulates over the chunks in float32 when the weight is half precision (autograd summed the chunks' bf16
-  gradients in bf16).
+  scaled by the incoming one, then the two matmuls for the hidden states and the weight (whose gradient
+  accumulates over the chunks in place, in the weight's dtype, as autograd's did).
 
 The gradient comes from the loss, so any per-token weighting (policy-gradient advantages, importance ratios,
 masks) is exact. liger-kernel's fused linear cross-entropy computes its gradients in the forward for a mean / sum
@@ -70,8 +69,10 @@ class _LinearLogprob(torch.autograd.Function):
         n = h.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(h) if need_h else None
-        half = weight.dtype != torch.float32
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # the weight's gradient accumulates over the chunks in place, in its own dtype (addmm: each chunk's
+        # product is added in float32 inside the GEMM, then rounded once), as autograd summed the chunks before;
+        # a float32 accumulator would hold two more [V, H] copies on the rank (2.2 GB each at a 7B vocabulary)
+        grad_w = torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         g = grad_out.float()
         for s in range(0, n, chunk):
@@ -85,17 +86,12 @@ class _LinearLogprob(torch.autograd.Function):
                 z.mul_(scale)
             if need_b:
                 grad_b += z.sum(0)
-            dz = z.to(weight.dtype) if half else z
+            dz = z.to(weight.dtype) if weight.dtype != torch.float32 else z
             del z
             if need_h:
                 grad_h[s:e] = torch.mm(dz, weight)
             if need_w:
-                if half and device.fp32_logits_capable(weight.dtype) and weight.is_cuda:
-                    grad_w += torch.mm(dz.t(), h[s:e], out_dtype=torch.float32)
-                else:
-                    grad_w += torch.mm(dz.t(), h[s:e]).float()
-        if grad_w is not None and half:
-            grad_w = grad_w.to(weight.dtype)
+                grad_w.addmm_(dz.t(), h[s:e])
         if grad_b is not None and bias is not None:
             grad_b = grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None

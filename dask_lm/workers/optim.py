@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from dask_lm.workers import device
-
 __all__ = ["resolve_class", "check_optim_config", "build_optimizer", "build_scheduler", "MasterWeights",
            "named_optimizer_state", "load_named_optimizer_state", "init_optimizer_state"]
 
@@ -105,23 +103,19 @@ def build_optimizer(params: Iterable[torch.Tensor], cfg: Any) -> torch.optim.Opt
     kwargs = dict(opt_cfg.kwargs)
     if isinstance(kwargs.get("betas"), list):  # YAML gives lists; Adam-family optimizers expect a tuple
         kwargs["betas"] = tuple(kwargs["betas"])
+    from dask_lm.workers import device  # here, not at the top: the driver imports this module for its checks
+
     params = list(params)
     # torch's Adam / AdamW / SGD default to their multi-tensor (foreach) step on a GPU; the fused one does the
-    # whole update in one kernel per group. Chosen only where the config leaves the implementation open.
-    if ("fused" in _accepted(cls) and "fused" not in kwargs and "foreach" not in kwargs
-            and device.fused_optimizer_capable(params)):
+    # whole update in one kernel per group. Chosen only for those three (others' fused support varies by torch
+    # version) and only where the config leaves the implementation open.
+    if (cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) and not kwargs.get("differentiable")
+            and "fused" not in kwargs and "foreach" not in kwargs and device.fused_optimizer_capable(params)):
         kwargs["fused"] = True
     try:
         return cls(params, **kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"`policy.optimizer.kwargs` do not fit {opt_cfg.name}: {e}") from e
-
-
-def _accepted(cls: type) -> set[str]:
-    try:
-        return set(inspect.signature(cls).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.lr_scheduler.LRScheduler:

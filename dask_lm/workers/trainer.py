@@ -15,6 +15,7 @@ Semantics are NeMo RL's (research note section 5), so a GRPO, SFT or DPO loop wr
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -24,7 +25,7 @@ import torch
 from torch.profiler import record_function
 
 from dask_lm.losses.base import deferred_metrics
-from dask_lm.workers import device, fused
+from dask_lm.workers import device, fused, varlen
 from dask_lm.workers.tasks import report_progress
 from dask_lm.workers.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
 from dask_lm.workers.logprobs import next_token_logprobs_train, output_head
@@ -67,6 +68,22 @@ def _micro_batch_data(batch: BatchedDataDict, mb: MicroBatch, width: int) -> Bat
     return data
 
 
+def _forward(worker: PolicyWorker, batch: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The micro-batch's forward, through the compiled layers when ``train_compile``. A single rank whose
+    compilation fails falls back to eager with a warning; an FSDP rank cannot (re-running the forward would issue
+    its all-gathers twice and desynchronise the group's collectives), so it fails with the fix instead."""
+    if not (worker.train_compile and worker.fsdp):
+        out, worker.train_compile = fused.call(worker.train_compile, lambda: worker._forward(batch, mb),
+                                               "this rank's training forward")
+        return out
+    try:
+        with fused.use_compiled(True):
+            return worker._forward(batch, mb)
+    except fused.compile_errors() as e:
+        raise RuntimeError(f"compiling the training forward failed on rank {worker.rank} ({type(e).__name__}: "
+                           f"{e}); set policy.train_compile: false (or DASK_LM_COMPILE=0) to train eagerly") from e
+
+
 def _backward(loss: torch.Tensor) -> None:
     """``loss.backward()``. The compiled layers' backward is generated at its first call; a failure there cannot fall
     back the way the forward does (gradients may be half accumulated), so it says how to turn compiling off."""
@@ -77,18 +94,20 @@ def _backward(loss: torch.Tensor) -> None:
                            "policy.train_compile: false (or DASK_LM_COMPILE=0) to train eagerly") from e
 
 
-def _upload(batch: BatchedDataDict, where: torch.device) -> BatchedDataDict:
-    """A copy of ``batch`` whose tensors are on ``where`` (the host's stay as they are for the forward's layout)."""
-    out = batch.slice(0, batch.size)
-    for key, value in list(out.items()):
+def _upload(data: BatchedDataDict, where: torch.device) -> BatchedDataDict:
+    """``data`` with its tensors on ``where``, copied without making the host wait (:func:`device.upload`)."""
+    for key, value in list(data.items()):
         if isinstance(value, torch.Tensor):
-            out[key] = device.upload(value, where)
-    return out
+            data[key] = device.upload(value.contiguous(), where)
+    return data
 
 
 def _to_number(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.detach().float().item() if value.numel() == 1 else value.detach().cpu().tolist()
+        if value.numel() != 1:
+            return value.detach().cpu().tolist()
+        # a count from integer masks stays an int (_record divides only floats by the number of global batches)
+        return value.detach().item() if not value.is_floating_point() else value.detach().float().item()
     return value
 
 
@@ -148,6 +167,7 @@ def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], los
     model.train(not eval_mode)
     dp = worker.world_size
     packed = bool(meta.get("packed"))
+    checkpointing = worker.cfg.dtensor_cfg.activation_checkpointing
     local_gbs = gbs // dp
     losses: list[float] = []
     metrics: dict[str, list[Any]] = {}
@@ -168,9 +188,6 @@ def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], los
                 plan = pad_with_dummies(plan, count)
                 if not eval_mode:
                     worker.optimizer.zero_grad(set_to_none=True)
-                # the rows' tensors go to the device once per global batch, through page-locked memory: a pageable
-                # copy per micro-batch would make the host wait for the GPU to drain before every micro-batch
-                on_device = _upload(batch, worker.device)
                 gb_loss = torch.zeros((), dtype=torch.float64, device=worker.device)
                 pending: list[dict[str, Any]] = []
                 for mb in plan:
@@ -180,11 +197,13 @@ def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], los
                     # the record_function ranges name the phases in a torch.profiler trace
                     # (benchmarks/profile_train.py); backward kernels run on autograd's own thread
                     with record_function("dask_lm.train.forward"):
-                        (hidden, info), worker.train_compile = fused.call(
-                            worker.train_compile, lambda: worker._forward(batch, mb), "this rank's training forward")
+                        hidden, info = _forward(worker, batch, mb)
                     with record_function("dask_lm.train.head_and_loss"):
                         width = info["layout"].width  # the longest row, known on the host (no wait on the GPU)
-                        mb_data = _micro_batch_data(on_device, mb, width)
+                        # through page-locked memory: a pageable copy would make the host wait for the GPU to
+                        # drain before every micro-batch; cut to the micro-batch's rows and width first, so that
+                        # large per-token inputs (a teacher's top-k) are never on the device whole
+                        mb_data = _upload(_micro_batch_data(batch, mb, width), worker.device)
                         inputs = loss_inputs_from_hidden(worker, hidden, info, mb_data, loss_fn)
                         with deferred_metrics():  # tensors, read back after the step, not one sync each
                             loss, mb_metrics = loss_fn(mb_data, global_valid_seqs, global_valid_toks, **inputs)
@@ -192,7 +211,12 @@ def train(worker: PolicyWorker, data: BatchedDataDict, meta: dict[str, Any], los
                     if not eval_mode:
                         # + 0 x the inputs: every parameter gets a gradient on every rank even when a custom loss
                         # is constant for this micro-batch, so FSDP's reduce-scatters still pair up across ranks
-                        with record_function("dask_lm.train.backward"):
+                        # activation checkpointing recomputes each layer in the backward, where Hugging Face looks
+                        # the attention implementation up again: a packed row must still find the varlen kernel
+                        # there (under sdpa it would attend across its sequences)
+                        recompute_packed = mb.packed and worker.varlen and checkpointing
+                        with record_function("dask_lm.train.backward"), (
+                                varlen.packed_attention(model) if recompute_packed else contextlib.nullcontext()):
                             anchor = sum(v.sum() for v in inputs.values() if isinstance(v, torch.Tensor))
                             _backward((loss + 0.0 * anchor) * (dp if worker.fsdp else 1))
                     gb_loss += loss.detach().double().sum()
