@@ -140,13 +140,14 @@ def profile_phases(worker: Any, shard: Any, meta: dict[str, Any], n_mb: int, top
     return res
 
 
-def _kernel_sums(prof: Any) -> dict[str, float]:
+def _kernel_sums(prof: Any, category: Callable[[Any], str] = _category) -> dict[str, float]:
+    """Kernel seconds per phase: each CPU event's kernels go to ``category(event)``."""
     sums: dict[str, float] = defaultdict(float)
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CPU:
             continue
         for k in getattr(ev, "kernels", []):
-            sums[_category(ev)] += k.duration / 1e6
+            sums[category(ev)] += k.duration / 1e6
     return sums
 
 

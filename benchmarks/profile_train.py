@@ -24,13 +24,13 @@ import json
 import os
 import tempfile
 import time
-from collections import defaultdict
 from typing import Any
 
 import click
 import torch
 
 from common import GIB, H200_BF16_DENSE, SHAPES, make_rows, measured_peak, sync  # benchmarks/ is on sys.path
+from profile_forward import _kernel_sums
 
 
 def _worker(shape: str, root: str, mode: str, mb_tokens: int, compile_: bool | None) -> Any:
@@ -95,12 +95,7 @@ def profile_step(step: Any) -> dict[str, float]:
         step()
         sync(torch.device("cuda"))
         wall = time.perf_counter() - t0
-    sums: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        for k in getattr(ev, "kernels", []):
-            sums[_category(ev)] += k.duration / 1e6
+    sums = _kernel_sums(prof, _category)
     res = dict(sums)
     res["GPU idle (launch / Python / host sync)"] = max(wall - sum(sums.values()), 0.0)
     res["_wall"] = wall
