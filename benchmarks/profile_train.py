@@ -21,6 +21,7 @@ Examples
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 import os
 import tempfile
 import time
@@ -86,7 +87,39 @@ def _category(ev: Any) -> str:
     return phase[len("dask_lm.train."):] if phase else "outside the step"
 
 
-def profile_step(step: Any) -> dict[str, float]:
+def idle_gaps(trace_path: str, min_us: float = 200.0, top: int = 12) -> list[tuple[str, float, int]]:
+    """Where the GPU waits: the gaps of at least ``min_us`` between kernels of the exported chrome trace, each
+    charged to the innermost host operation (CPU op, CUDA runtime call or ``record_function`` range) running at
+    its midpoint. Returns ``(host op, total ms, gaps)`` for the ``top`` largest totals."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation",
+                                                                         "cuda_driver")]
+    gaps, end = [], kernels[0][1] if kernels else 0.0
+    for a, b in kernels[1:]:
+        if a - end >= min_us:
+            gaps.append((end, a))
+        end = max(end, b)
+    # one sweep over the host events in start order keeps the ones open at each gap's midpoint
+    host.sort(key=lambda e: e["ts"])
+    charged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    active: list[dict] = []
+    i = 0
+    for a, b in gaps:
+        mid = (a + b) / 2
+        while i < len(host) and host[i]["ts"] <= mid:
+            active.append(host[i])
+            i += 1
+        active = [e for e in active if e["ts"] + e["dur"] >= mid]
+        name = min(active, key=lambda e: e["dur"])["name"] if active else "(no host op: Python)"
+        charged[name][0] += (b - a) / 1e3
+        charged[name][1] += 1
+    return sorted(((k, v[0], int(v[1])) for k, v in charged.items()), key=lambda r: -r[1])[:top]
+
+
+def profile_step(step: Any, trace: str | None = None) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     sync(torch.device("cuda"))
@@ -99,6 +132,9 @@ def profile_step(step: Any) -> dict[str, float]:
     res = dict(sums)
     res["GPU idle (launch / Python / host sync)"] = max(wall - sum(sums.values()), 0.0)
     res["_wall"] = wall
+    if trace:
+        prof.export_chrome_trace(trace)
+        res["_gaps"] = idle_gaps(trace)  # type: ignore[assignment]
     return res
 
 
@@ -131,7 +167,9 @@ def head_variants(worker: Any, n: int, chunk: int) -> list[dict[str, Any]]:
                           for s in range(0, n, chunk)])
 
     variants = {"checkpointed autograd": checkpointed,
-                "linear_logprobs": lambda h: linear_logprobs(h, weight, None, targets, chunk_size=chunk)}
+                "linear_logprobs": lambda h: linear_logprobs(h, weight, None, targets, chunk_size=chunk),
+                f"linear_logprobs, chunk {4 * chunk}": lambda h: linear_logprobs(h, weight, None, targets,
+                                                                                 chunk_size=4 * chunk)}
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
@@ -191,10 +229,12 @@ def head_variants(worker: Any, n: int, chunk: int) -> list[dict[str, Any]]:
 @click.option("--steps", type=int, default=3, show_default=True, help="Timed steps (after a warm-up step).")
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="policy.train_compile [default: its auto setting, compiled layers on a GPU].")
+@click.option("--trace", type=click.Path(dir_okay=False), default=None,
+              help="Write the profiled step's chrome trace here and print where the GPU's idle gaps go.")
 @click.option("--head-variants", "head_variants_", is_flag=True, help="Also time the training head's implementations on one "
               "micro-batch of --mb-tokens tokens (head_variants).")
 def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tokens: int, steps: int,
-         compile_: bool | None, head_variants_: bool) -> None:
+         compile_: bool | None, head_variants_: bool, trace: str | None) -> None:
     from dask_lm.engine.metrics import flops_per_sequence
     from dask_lm.losses import NLLLoss
 
@@ -221,7 +261,7 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
         torch.cuda.reset_peak_memory_stats()
         step()
         peak_mem = torch.cuda.max_memory_allocated() / GIB
-        res = profile_step(step)
+        res = profile_step(step, trace)
         variants = head_variants(worker, mb_tokens, cfg.logprob_chunk_size or 1024) if head_variants_ else []
     tokens = int(lens.sum())
     flops = sum(flops_per_sequence(hf_cfg, int(n), training=True) for n in lens)
@@ -237,6 +277,10 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
     print(f"{'phase':<44}{'ms':>10}{'share':>9}")
     for k, v in sorted(((k, v) for k, v in res.items() if not k.startswith("_")), key=lambda kv: -kv[1]):
         print(f"{k:<44}{v * 1e3:>10.1f}{v / wall:>9.1%}")
+    if res.get("_gaps"):
+        print(f"\nGPU idle gaps >= 0.2 ms, by the host operation at their midpoint (trace: {trace}):")
+        for name, ms, n in res["_gaps"]:
+            print(f"{name[:60]:<62}{ms:>9.1f} ms{n:>6} gaps")
     if variants:
         print(f"\ntraining head alone, {mb_tokens} tokens, forward + backward (errors on 1024 rows vs float64):")
         print(f"{'variant':<42}{'ms':>9}{'GiB above':>11}{'value err':>12}{'grad h err':>12}")

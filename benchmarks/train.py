@@ -200,6 +200,12 @@ def main(shape: str, precision: str, mode: str, rows_per_step: int | None, steps
           f"{res['dask_lm_mfu_measured']:>22.1%}")
     print(f"dask-lm / HF = {tps_b / tps_a:.2f}x; MFU per GPU against measured {peak_what} = {peak_flops / 1e12:.1f} "
           f"TFLOP/s; losses HF {[round(x, 4) for x in losses_a]} vs dask-lm {[round(x, 4) for x in b['losses']]}")
+    # Policy.train's own timer per step: a step that compiled (the first one does, and Inductor may compile once
+    # more when a micro-batch falls on the other side of one of its size guards) shows as an outlier here
+    steps_s = [c["train_elapsed_seconds"] for c in b["per_call"]]
+    print("dask-lm per timed step (train() timer): " + ", ".join(
+        f"{t:.2f}s" + (f" {c['mfu']:.1%} MFU" if c.get("mfu") is not None else "")
+        for t, c in zip(steps_s, b["per_call"])))
     print(json.dumps(res))
 
 

@@ -160,38 +160,44 @@ def _sft(tok, texts):
 
 
 def _hf_bf16_master_step(model_dir, batch, lr, max_norm):
-    """Independent reference on the same GPU: a bf16 compute copy of fp32 master weights, the globally normalised
-    NLL, backward, clip by the total norm, one SGD step on the masters. Returns (loss, norm, logprobs after)."""
+    """Independent references on the same GPU, from the same weights: (1) a bf16 compute copy of fp32 master
+    weights, the globally normalised NLL, backward, clip by the total norm, one SGD step on the masters (HF's
+    eager bf16 arithmetic throughout); (2) the same step entirely in fp32, the truth both bf16 steps aim at.
+    Returns (bf16 loss, bf16 grad norm, logprobs after the bf16 step, logprobs after the fp32 step)."""
     import math
 
-    master = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
-    compute = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     ids, lens = batch["input_ids"].cuda(), batch["input_lengths"].cuda()
     mask = (torch.arange(ids.shape[1], device="cuda")[None, :] < lens[:, None])
-    logits = compute(ids, attention_mask=mask.long()).logits.float()
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
     m = (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]).cuda()
-    loss = -(lp * m).sum() / m.sum()
-    loss.backward()
-    grads = {n: p.grad.float() for n, p in compute.named_parameters() if p.grad is not None}
-    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
-    coef = min(1.0, max_norm / (norm + 1e-6))
-    with torch.no_grad():
-        for n, p in master.named_parameters():
-            if n in grads:
-                p -= lr * coef * grads[n]
-        for n, p in compute.named_parameters():
-            p.copy_(dict(master.named_parameters())[n])
-        afters = []
-        for model in (compute, master):  # HF's own bf16 forward, and the fp32 one the two bf16 forwards aim at
-            logits = model(ids, attention_mask=mask.long()).logits.float()
+
+    def logprobs(model):
+        logits = model(ids, attention_mask=mask.long()).logits.float()
+        return torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
+
+    def step(compute_dtype):
+        master = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
+        compute = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=compute_dtype).cuda()
+        loss = -(logprobs(compute) * m).sum() / m.sum()
+        loss.backward()
+        grads = {n: p.grad.float() for n, p in compute.named_parameters() if p.grad is not None}
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        with torch.no_grad():
+            masters = dict(master.named_parameters())
+            for n, p in compute.named_parameters():
+                if n in grads:
+                    masters[n] -= lr * coef * grads[n]
+                p.copy_(masters[n])
             after = torch.zeros(ids.shape, device="cuda")
-            after[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
-            afters.append((after * mask).cpu())
-    out = float(loss), norm, afters[0], afters[1]
-    del master, compute
-    torch.cuda.empty_cache()
-    return out
+            after[:, 1:] = logprobs(compute)
+        out = float(loss.detach()), norm, (after * mask).cpu()
+        del master, compute
+        torch.cuda.empty_cache()
+        return out
+
+    loss, norm, bf16_after = step(torch.bfloat16)
+    _, _, fp32_after = step(torch.float32)
+    return loss, norm, bf16_after, fp32_after
 
 
 @pytest.mark.parametrize("n_ranks", [1, 2])
@@ -216,16 +222,17 @@ def test_bf16_train_step_on_cuda_cluster(gpu_client, tiny, n_ranks, mode):
         out = policy.train(batch, dask_lm.NLLLoss())
         after = policy.get_logprobs(batch)["logprobs"]
     loss, norm, hf_bf16, fp32 = _hf_bf16_master_step(tiny["qwen2"], batch, 0.5, 1.0)
-    # After the step both bf16 forwards (ours: compiled layers, packed varlen rows, fp32-output head; HF's: eager,
-    # padded, bf16 logits) are held to the fp32 forward of the reference's updated masters, ours no further from it
-    # than HF's own bf16 forward is (plus what the two steps' bf16 gradients may differ by)
+    # Both bf16 arms (ours: compiled layers, packed varlen rows, fp32-output head with its closed-form backward;
+    # HF's: eager, padded, bf16 logits) are held to the same step done in fp32: the step (lr 0.5, so it amplifies
+    # bf16 gradient rounding) and the forward after it both count, and ours must stay as close as HF's own
     diff, hf_diff = (after - fp32).abs(), (hf_bf16 - fp32).abs()
     print(f"train {mode} ranks={n_ranks}: loss {float(out['loss'][0]):.5f} vs {loss:.5f}, grad norm "
-          f"{float(out['grad_norm'][0]):.4f} vs {norm:.4f}, logprobs after vs fp32 max|diff|={diff.max():.4f} "
+          f"{float(out['grad_norm'][0]):.4f} vs {norm:.4f}, logprobs after vs the fp32 step max|diff|={diff.max():.4f} "
           f"mean={diff.mean():.5f} (HF bf16: {hf_diff.max():.4f} / {hf_diff.mean():.5f}), MFU field {out['mfu']}")
     assert float(out["loss"][0]) == pytest.approx(loss, rel=1e-2)
     assert float(out["grad_norm"][0]) == pytest.approx(norm, rel=3e-2)
-    assert diff.max() < 0.15 and diff.mean() < 1.5 * hf_diff.mean() + 2e-3
+    assert diff.max() < max(0.15, 1.5 * hf_diff.max()) and diff.mean() < 1.5 * hf_diff.mean() + 2e-3, (
+        f"max {diff.max():.4f} mean {diff.mean():.5f} vs HF bf16 max {hf_diff.max():.4f} mean {hf_diff.mean():.5f}")
     assert out["theoretical_tflops"] and out["mfu"] is not None and out["total_flops"] > 0
 
 

@@ -13,7 +13,7 @@ import dask_lm
 from dask_lm.config import PolicyConfig
 from dask_lm.losses import calculate_kl, masked_mean, prepare_loss_input
 from dask_lm.losses.base import LossConfigError
-from dask_lm.workers.forward import final_hidden_states, pack
+from dask_lm.workers.inference import forward_rows
 from dask_lm.workers.loss_inputs import loss_inputs_from_hidden
 
 
@@ -174,17 +174,8 @@ def test_chunked_training_inputs_equal_full_logits(tiny, packed, loss_name):
     ref_loss, _ = loss_fn(ref_data, gvs, gvt, **inputs)
     ref_grads = grads(ref_loss)
     # the training path
-    if packed:
-        pids, pos, cu = pack(ids, lens)
-        from dask_lm.workers.forward import block_causal_mask
-
-        hidden = final_hidden_states(model, pids, position_ids=pos,
-                                     attention_mask=block_causal_mask(cu, pids.shape[1], additive_dtype=None))
-        info = {"ids": pids, "lens": lens, "cu": cu, "valid": torch.ones_like(pids, dtype=torch.bool),
-                "targets_valid": pos > 0}
-    else:
-        hidden = final_hidden_states(model, ids)
-        info = {"ids": ids, "lens": lens, "valid": valid, "targets_valid": valid}
+    # the rows through the worker's own forward (its host layout; block-diagonal mask when packed)
+    hidden, info = forward_rows(model, ids, lens, packed=packed, varlen_ok=False, where=ids.device)
     mb_data = dict(data)
     ours, mb_data = loss_inputs_from_hidden(worker, hidden, info, mb_data, loss_fn), mb_data
     loss, _ = loss_fn(mb_data, gvs, gvt, **ours)

@@ -1,4 +1,5 @@
-"""Compiled kernels on GPUs: the inference head's logsumexp, and the decoder layers (inference and training).
+"""Compiled kernels on GPUs: the heads' logsumexp and softmax-gradient passes, and the decoder layers (inference and
+training).
 
 Where the time went before (``benchmarks/profile_forward.py``, one H200, random Qwen2.5-0.5B in bf16, packed
 32k-token micro-batches, share of the wall time): decoder 55%, output head 39% (logsumexp 22%, fp32 upcast 9%,
@@ -41,8 +42,8 @@ import torch
 
 from dask_lm.workers import device
 
-__all__ = ["enabled", "compile_errors", "pick_minus_logsumexp", "logsumexp", "compile_decoder_layers", "use_compiled",
-           "call"]
+__all__ = ["enabled", "compile_errors", "pick_minus_logsumexp", "logsumexp", "pick_and_logsumexp", "logprob_grad",
+           "compile_decoder_layers", "use_compiled", "call"]
 
 logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -76,6 +77,18 @@ def _lse(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1)
 
 
+def _pick_and_lse(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lse = torch.logsumexp(logits, dim=-1)
+    return logits.gather(1, targets[:, None]).squeeze(1) - lse, lse
+
+
+def _logprob_grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor, scale: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    # d lp / d z = onehot(t) - softmax(z), times the incoming gradient and the logits' scale (chain rule)
+    onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
+    return ((onehot.to(logits.dtype) - torch.exp(logits - lse[:, None])) * (grad * scale)[:, None]).to(dtype)
+
+
 def compile_errors() -> tuple[type[BaseException], ...]:
     """What a failed compilation raises (a missing compiler, an unsupported op), as opposed to a runtime error."""
     errors: list[type[BaseException]] = [torch._dynamo.exc.TorchDynamoException]
@@ -105,18 +118,37 @@ def _run(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor
         return fn(*args)
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    # a slice of a longer tensor would make the compiled code guard on the base's length (duck sizing) and
+    # recompile when the chunking changes; an own copy of a chunk's [n] vector costs nothing
+    return t.clone() if t._base is not None else t
+
+
 def pick_minus_logsumexp(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``log_softmax(logits / temperature)[i, targets[i]]`` for float32 ``[n, V]`` logits: float32 ``[n]``.
     One fused pass over the logits on a GPU (no ``[n, V]`` temporaries); the plain expression on the CPU."""
-    # a slice of a longer targets tensor would make the compiled code guard on the base's length (duck sizing)
-    # and recompile when the chunking changes; an own copy of a chunk's targets costs nothing
-    return _run("pick_minus_lse", _pick_minus_lse, logits, targets.clone() if targets._base is not None else targets,
-                float(temperature))
+    return _run("pick_minus_lse", _pick_minus_lse, logits, _own(targets), float(temperature))
 
 
 def logsumexp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``logsumexp(logits / temperature, -1)``, fused on a GPU like :func:`pick_minus_logsumexp`."""
     return _run("lse", _lse, logits, float(temperature))
+
+
+def pick_and_logsumexp(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_softmax(logits)[i, targets[i]], logsumexp(logits, -1))`` for float32 ``[n, V]`` logits, in one pass
+    over them on a GPU (the training head's forward, :mod:`dask_lm.workers.linear_logprob`)."""
+    return _run("pick_and_lse", _pick_and_lse, logits, _own(targets))  # type: ignore[return-value]
+
+
+def logprob_grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor, *,
+                 scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The gradient of ``lp[i] = log_softmax(z)[i, targets[i]]``, ``z = scale * x``, with respect to ``x``, from the
+    float32 scaled logits ``z [n, V]``, their ``lse`` and the incoming ``grad [n]``:
+    ``(onehot(t) - exp(z - lse)) * grad * scale`` in ``dtype``. On a GPU one compiled pass reads the logits once
+    and writes the result once in the weight's dtype, where the eager chain made five ``[n, V]`` float32 passes
+    (the training head's backward, :mod:`dask_lm.workers.linear_logprob`)."""
+    return _run("logprob_grad", _logprob_grad, logits, _own(lse), _own(grad), _own(targets), float(scale), dtype)
 
 
 def compile_decoder_layers(model: torch.nn.Module, *, anywhere: bool = False) -> int:

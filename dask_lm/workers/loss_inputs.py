@@ -13,6 +13,7 @@ import torch
 
 from dask_lm.losses.base import LossInputType
 from dask_lm.losses.loss_input import input_type_of
+from dask_lm.workers import device
 from dask_lm.workers.forward import unpack_positions
 from dask_lm.workers.logprobs import _chunks, next_token_logprobs_train, output_head
 
@@ -22,22 +23,30 @@ if TYPE_CHECKING:
 __all__ = ["loss_inputs_from_hidden"]
 
 
-def _positions(info: dict[str, torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every real token of the micro-batch: its (row, column) and its index into the flattened hidden states."""
-    lens = info["lens"]
-    if "cu" in info:
-        rows, cols = unpack_positions(info["cu"], lens, width)
-        flat = torch.arange(rows.numel(), device=rows.device)
-        return rows, cols, flat
-    valid = info["valid"]
-    rows, cols = valid.nonzero(as_tuple=True)
-    return rows, cols, rows * valid.shape[1] + cols
+def _positions(info: dict[str, Any], width: int, *, predicting: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every real token of the micro-batch (``predicting``: except each row's last, which predicts nothing in the
+    row): its (row, column) and its index into the flattened hidden states. Worked out from the host layout and
+    uploaded: ``nonzero`` / boolean indexing / ``repeat_interleave`` on device tensors would make the host wait
+    for the GPU once per micro-batch (seen as idle gaps in ``benchmarks/profile_train.py --trace``)."""
+    lay = info["layout"]
+    if lay.cu is not None:
+        rows, cols = unpack_positions(lay.cu, lay.lens, width)
+        flat = torch.arange(rows.numel())
+    else:
+        rows, cols = lay.valid
+        flat = rows * lay.width + cols
+    if predicting:
+        keep = cols < lay.lens[rows] - 1
+        rows, cols, flat = rows[keep], cols[keep], flat[keep]
+    where = info["lens"].device
+    return device.upload(rows, where), device.upload(cols, where), device.upload(flat, where)
 
 
-def _to_rows(values: torch.Tensor, info: dict[str, torch.Tensor], rows_count: int, width: int) -> torch.Tensor:
+def _to_rows(values: torch.Tensor, info: dict[str, Any], width: int) -> torch.Tensor:
     """A packed ``[1, T, ...]`` result as ``[rows, width, ...]`` (zeros past each row's length)."""
-    rows, cols = unpack_positions(info["cu"], info["lens"], width)
-    out = values.new_zeros((rows_count, width, *values.shape[2:]))
+    rows, cols, _ = _positions(info, width)
+    out = values.new_zeros((info["layout"].lens.numel(), width, *values.shape[2:]))
     return out.index_put((rows, cols), values[0])
 
 
@@ -53,7 +62,7 @@ def _logprob_inputs(worker: PolicyWorker, hidden: torch.Tensor, info: dict[str, 
                                     top_k=top_k, top_p=top_p, unfiltered=unfiltered, index=info.get("scored"))
     outs = list(res) if unfiltered else [res]
     if "cu" in info:
-        outs = [_to_rows(o[..., None], info, info["lens"].numel(), width)[..., 0] for o in outs]
+        outs = [_to_rows(o[..., None], info, width)[..., 0] for o in outs]
     else:
         outs = [o[:, :width] for o in outs]
     if unfiltered:
@@ -81,10 +90,8 @@ def _distillation_inputs(worker: PolicyWorker, hidden: torch.Tensor, info: dict[
                          loss_fn: Any, width: int) -> dict[str, Any]:
     from torch.utils.checkpoint import checkpoint
 
-    rows, cols, flat = _positions(info, width)
+    rows, cols, flat = _positions(info, width, predicting=True)
     lens = info["lens"]
-    predicting = cols < (lens[rows] - 1)  # the last token of a row predicts nothing in the row
-    rows, cols, flat = rows[predicting], cols[predicting], flat[predicting]
     h = hidden.reshape(-1, hidden.shape[-1])[flat]
     idx = data["teacher_topk_indices"][rows, cols].to(torch.int64)
     teacher = data["teacher_topk_logits"][rows, cols]
@@ -120,14 +127,14 @@ def _logit_inputs(worker: PolicyWorker, hidden: torch.Tensor, info: dict[str, to
     if worker.temperature != 1.0:
         logits = logits / worker.temperature
     if "cu" in info:
-        logits = _to_rows(logits, info, info["lens"].numel(), width)
+        logits = _to_rows(logits, info, width)
     return {"logits": logits[:, :width]}
 
 
 def loss_inputs_from_hidden(worker: PolicyWorker, hidden: torch.Tensor, info: dict[str, torch.Tensor], data: Any,
                             loss_fn: Any) -> dict[str, Any]:
     """The keyword inputs ``loss_fn`` expects for this micro-batch (may add keys to ``data``, as NeMo RL does)."""
-    width = info["layout"].width if "layout" in info else int(info["lens"].max())  # host-side: no GPU wait
+    width = info["layout"].width  # the host's: no GPU wait
     kind = input_type_of(loss_fn)
     if kind == LossInputType.LOGPROB:
         return _logprob_inputs(worker, hidden, info, data, loss_fn, width)
