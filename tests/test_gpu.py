@@ -130,6 +130,33 @@ def test_training_head_gradients_in_bf16_against_float64():
     torch.testing.assert_close(gw.double(), ww, atol=2e-2, rtol=2e-2)
 
 
+def test_compiled_training_layers_do_not_recompile_across_token_counts():
+    """Compiled decoder layers trained on micro-batches of 2k tokens, then 8k and 1k: one graph for all of them.
+    Inductor's mix-order reduction heuristic (RMSNorm's backward) guarded on the first token count
+    (``nrow * hidden >= 5 * 2**20``: 5120 tokens at hidden 1024) and recompiled every layer past it; the compile
+    options in ``workers/fused.py`` switch that guard off."""
+    from torch._dynamo.utils import counters
+
+    from dask_lm.workers import fused
+
+    torch._dynamo.reset()
+    cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16)
+    assert fused.compile_decoder_layers(model) == 2
+    before = None
+    for n in (2048, 8192, 1024):
+        ids = torch.randint(0, 512, (1, n), device="cuda")
+        with fused.use_compiled(True):
+            hidden = model.model(input_ids=ids).last_hidden_state
+        hidden.float().square().mean().backward()
+        torch.cuda.synchronize()
+        if before is None:
+            before = counters["stats"]["unique_graphs"]
+            assert before > 0  # the layers really were compiled
+    assert counters["stats"]["unique_graphs"] == before, "a later token count recompiled the layers"
+
+
 def test_fp32_on_gpu_matches_cpu_reference_and_topk_and_scores(gpu_client, tiny):
     tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
     ids, lens = make_batch(tok, TEXTS)

@@ -61,6 +61,21 @@ class _Switch(threading.local):
 _SWITCH = _Switch()
 
 
+def _options() -> dict[str, Any]:
+    """Inductor options for every compile here. Inductor's mix-order reduction (RMSNorm's backward: the weight's
+    gradient sums over tokens while the input's sums over the hidden size, fused into one kernel) is chosen by a
+    size heuristic that, under dynamic shapes, becomes a guard on the token count of the first micro-batch a
+    process compiles for (``nrow * hidden >= 5 * 2**20`` and ``nrow >= 4096``: 5851 tokens at Qwen2.5-0.5B). A
+    later micro-batch on the other side of it recompiled every layer (seconds, mid-training; stop 21's
+    ``benchmarks/train.py``). Non-strict mode skips those size checks (the fusion is made for any size), so one
+    graph serves every micro-batch. Set only where this torch has the option (elsewhere the guard stays)."""
+    import torch._inductor.config as inductor_config
+
+    if hasattr(getattr(inductor_config, "triton", None), "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    return {}
+
+
 def enabled() -> bool:
     return device.compile_capable()
 
@@ -109,7 +124,7 @@ def _run(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor
     with _LOCK:
         compiled = _COMPILED.get(name)
         if compiled is None:
-            compiled = _COMPILED[name] = torch.compile(fn, dynamic=True)
+            compiled = _COMPILED[name] = torch.compile(fn, dynamic=True, options=_options())
     try:
         return compiled(*args)
     except compile_errors() as e:
@@ -169,7 +184,7 @@ def compile_decoder_layers(model: torch.nn.Module, *, anywhere: bool = False) ->
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
         return 0
     for layer in layers:
-        compiled = torch.compile(layer._call_impl, dynamic=True)
+        compiled = torch.compile(layer._call_impl, dynamic=True, options=_options())
         layer._compiled_call_impl = functools.partial(_dispatch, compiled, layer._call_impl)
     return len(layers)
 
