@@ -78,8 +78,9 @@ def _exit_codes(ctx: click.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 @main.command()
 @click.argument("texts", nargs=-1)
-@click.option("--model", "model_dir", default=None, help="Hugging Face model directory (default: a tiny random "
-              "model built on the spot).")
+@click.option("--model", "model_dir", default=None, help="Hugging Face model directory or Hub id, e.g. "
+              "Qwen/Qwen2.5-0.5B (default: a tiny random model built on the spot).")
+@click.option("--revision", default=None, help="Branch, tag or commit of a Hub --model (default: its main branch).")
 @click.option("--scheduler-address", default=None, help="Attach to this scheduler (or scheduler file) instead "
               "of starting a local cluster.")
 @click.option("--n-workers", type=int, default=None, help="Local cluster size (default: one per GPU, or 2).")
@@ -88,17 +89,19 @@ def _exit_codes(ctx: click.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
 @click.option("--topk", type=int, default=0, help="Also show the k most likely tokens at each position.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per text instead of a table.")
 @click.pass_context
-def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, scheduler_address: str | None,
-             n_workers: int | None, precision: str, topk: int, as_json: bool) -> None:
+def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, revision: str | None,
+             scheduler_address: str | None, n_workers: int | None, precision: str, topk: int, as_json: bool) -> None:
     """Per-token log-probabilities of TEXTS (default: two sample sentences)."""
     _exit_codes(ctx, _run_logprobs, list(texts) or ["The quick brown fox jumps over the lazy dog.",
                                                     "Dask schedules tasks across the workers of a cluster."],
-                model_dir, scheduler_address, n_workers, precision, topk, as_json)
+                model_dir, scheduler_address, n_workers, precision, topk, as_json, revision)
 
 
 @main.command()
 @click.argument("inputs", nargs=-1, required=True)
-@click.option("--model", required=True, help="Hugging Face model directory.")
+@click.option("--model", required=True, help="Hugging Face model directory or Hub id (e.g. Qwen/Qwen2.5-0.5B; "
+              "downloaded once into the Hugging Face cache, HF_HUB_OFFLINE=1: the cache only).")
+@click.option("--revision", default=None, help="Branch, tag or commit of a Hub --model (default: its main branch).")
 @click.option("--output", required=True, help="Output directory (part-NNNNN.parquet, _manifest.json, _SUCCESS).")
 @click.option("--text-column", default=None, help="Score this string column (tokenized as tokenizer(text) does).")
 @click.option("--ids-column", default=None, help="Score this list<int> column of token ids as it is.")
@@ -118,7 +121,7 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
               "of 5-10 s per worker process. Default: only for jobs of about 8M tokens or more per worker.")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32", "fp16"]), default="auto", show_default=True,
               help="auto: bf16 on GPU workers, fp32 on CPU ones.")
-@click.option("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
+@click.option("--tokenizer", default=None, help="Tokenizer directory or Hub id (default: the model's).")
 @click.option("--scheduler-address", default=None, help="Attach to this scheduler (or scheduler file); default: "
               "$DASK_SCHEDULER_ADDRESS, else a local cluster.")
 @click.option("--n-workers", type=int, default=None, help="Local cluster size (default: one per GPU, or 2).")
@@ -146,7 +149,8 @@ def score(ctx: click.Context, inputs: tuple[str, ...], model: str, output: str, 
 
 @main.command()
 @click.argument("inputs", nargs=-1, required=True)
-@click.option("--model", required=True, help="Hugging Face model directory to start from.")
+@click.option("--model", required=True, help="Hugging Face model directory or Hub id to start from.")
+@click.option("--revision", default=None, help="Branch, tag or commit of a Hub --model (default: its main branch).")
 @click.option("--output", required=True, help="Run directory: step_N/ checkpoints, _manifest.json, _SUCCESS.")
 @click.option("--text-column", default=None, help="Train on every token of this string column.")
 @click.option("--prompt-column", default=None, help="With --response-column: train on the response tokens only.")
@@ -264,15 +268,16 @@ def _print_summary(result: Any) -> None:
 
 
 def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: str | None, n_workers: int | None,
-                  precision: str, topk: int, as_json: bool) -> None:
+                  precision: str, topk: int, as_json: bool, revision: str | None) -> None:
     import transformers
 
     import dask_lm
     from dask_lm.engine.cluster import count_gpus
 
-    if model_dir is not None and not os.path.isdir(model_dir):
-        raise ValueError(f"--model {model_dir!r} is not a directory")
-    model_dir = model_dir or _tiny_model_dir()
+    from dask_lm.io.hub import resolve_model
+
+    # a Hub id becomes its local snapshot (downloaded once, on this machine); the workers load that directory
+    model_dir = resolve_model(model_dir, revision=revision).path if model_dir is not None else _tiny_model_dir()
     if precision == "auto":
         precision = "bfloat16" if count_gpus() and not scheduler_address else "float32"
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)

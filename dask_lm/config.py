@@ -290,7 +290,9 @@ class PolicyConfig(_Section):
     """The policy configuration, key for key NeMo RL's ``PolicyConfig`` (plus a few dask-lm keys at the end)."""
 
     model_name: str
-    """Hugging Face model directory (or hub id when the workers can reach a hub)."""
+    """Hugging Face model directory, or a Hub id (``Qwen/Qwen2.5-0.5B``): the driver resolves it once into its
+    local snapshot in the Hugging Face cache (downloading what is missing; ``HF_HUB_OFFLINE=1``: the cache only)
+    and the workers load that directory (:mod:`dask_lm.io.hub`)."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     train_global_batch_size: int = 32
     train_micro_batch_size: int = 4
@@ -322,6 +324,8 @@ class PolicyConfig(_Section):
     pretrained_checkpoint: str | None = None
     is_vlm: bool = False
     # dask-lm keys
+    model_revision: str | None = None
+    """Branch, tag or commit of a Hub ``model_name`` (null: the repository's default branch)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel of the Hugging Face model; packing builds a block-diagonal mask that both accept."""
     inference_packing: bool | None = None

@@ -11,6 +11,7 @@ Example
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -30,6 +31,8 @@ from dask_lm.engine.refit import RefitMixin
 from dask_lm.engine.training import TrainingMixin
 from dask_lm.engine.validation import validate_input_batch
 from dask_lm.engine.worker_group import WorkerGroup
+from dask_lm.io import hub
+from dask_lm.io.hub import ModelSource
 from dask_lm.io.arrow import shard_to_wire
 from dask_lm.workers import tasks
 from dask_lm.workers.optim import check_optim_config
@@ -38,6 +41,22 @@ __all__ = ["Policy"]
 
 logger = logging.getLogger("dask_lm")
 
+
+
+def _resolve_names(cfg: PolicyConfig) -> tuple[PolicyConfig, ModelSource]:
+    """``cfg`` with a Hub ``model_name`` (and a Hub tokenizer name) replaced by local snapshot directories, resolved
+    here on the driver once, so every worker loads the same commit (:mod:`dask_lm.io.hub`). A copy: the caller's
+    config object keeps the names it was given."""
+    source = hub.resolve_model(cfg.model_name, revision=cfg.model_revision, what="`policy.model_name`")
+    tok = cfg.tokenizer.name
+    if tok == cfg.model_name:
+        tok = source.path
+    elif tok is not None and not os.path.exists(tok) and hub.looks_like_hub_id(tok):
+        tok = hub.resolve_model(tok, what="`policy.tokenizer.name`").path
+    if source.path == cfg.model_name and tok == cfg.tokenizer.name:
+        return cfg, source
+    return dataclasses.replace(cfg, model_name=source.path,
+                               tokenizer=dataclasses.replace(cfg.tokenizer, name=tok)), source
 
 
 def _model_config(model_name: str, overrides: dict | None) -> Any:
@@ -65,7 +84,7 @@ class Policy(TrainingMixin, RefitMixin):
                  init_reference_model: bool = True, processor: Any = None,
                  worker_extension_cls_fqn: str | None = None, skip_weight_load: bool = False) -> None:
         self._group: WorkerGroup | None = None
-        self.cfg = PolicyConfig.from_dict(config)
+        self.cfg, self.model_source = _resolve_names(PolicyConfig.from_dict(config))
         if processor is not None:
             raise ValueError("`processor` (multimodal inputs) is not supported yet; pass processor=None")
         if weights_path is not None:

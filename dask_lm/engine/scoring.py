@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dask_lm.io import fingerprint, jobdir, modelcheck
+from dask_lm.io import fingerprint, hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 from dask_lm.workers.scorer import ScoreOptions, release_scorers, score_partition
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
@@ -182,7 +182,7 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
                   max_length: int | None = None, truncate: bool = False, batch_tokens: int = 16384,
                   precision: str | None = None, resume: bool = False, progress: bool = True,
                   skip_bad_rows: bool = False, allow_nonfinite: bool = False, compile: bool | None = None,
-                  tokenizer: str | os.PathLike | None = None,
+                  tokenizer: str | os.PathLike | None = None, revision: str | None = None,
                   performance_report: str | None = None, n_workers: int | None = None,
                   scheduler_address: str | None = None) -> ScoreResult:
     """Score every row of a parquet dataset with ``model``; see the module docstring for the output.
@@ -205,12 +205,13 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
     if topk < 0 or (max_length is not None and max_length < 1) or batch_tokens < 1:
         raise ValueError("--topk must be >= 0, --max-length >= 1 and --batch-tokens >= 1")
     fixed_precision = _precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
-    model = os.path.abspath(os.fspath(model))
+    source = hub.resolve_model(model, revision=revision)  # a Hub id becomes its cache snapshot, here, once
+    model = source.path
     info = modelcheck.check_model(model)
     if info.vocab_size is not None and topk > info.vocab_size:
         raise ValueError(f"--topk {topk} is larger than the model's vocabulary ({info.vocab_size} tokens, vocab_size "
                          f"in {os.path.join(model, modelcheck.CONFIG)}); pass --topk {info.vocab_size} or less")
-    tokenizer = os.path.abspath(os.fspath(tokenizer)) if tokenizer else model
+    tokenizer = hub.resolve_model(tokenizer, what="--tokenizer").path if tokenizer else model
     if not ids_column:
         if not any(os.path.exists(os.path.join(tokenizer, f))
                    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
@@ -225,6 +226,7 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
     separate_tokenizer = tokenizer if tokenizer != model else None  # else its files are among the model's
     pins = fingerprint.job_pins(model, info.files, inputs.files, tokenizer=separate_tokenizer,
                                 tokenizer_files=modelcheck.tokenizer_files(tokenizer) if separate_tokenizer else ())
+    pins["model_source"] = source.record()  # how the model was named (Hub id, revision, commit); not compared
     opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=fixed_precision or "auto", output=output,
                         text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
                         response_column=response_column, id_column=id_column, topk=topk, max_length=max_length,

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from dask_lm.io import fingerprint, jobdir, modelcheck
+from dask_lm.io import fingerprint, hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 
 __all__ = ["sft_parquet", "SFTResult"]
@@ -123,7 +123,8 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
                 weight_decay: float = 0.01, warmup_steps: int = 0, max_length: int = 1024, truncate: bool = False,
                 precision: str | None = None, save_every: int = 100, keep: int = 2, seed: int = 0,
                 shuffle: bool = True, resume: bool = False, progress: bool = True,
-                scheduler_address: str | None = None, n_workers: int | None = None) -> SFTResult:
+                scheduler_address: str | None = None, n_workers: int | None = None,
+                revision: str | None = None) -> SFTResult:
     """Fine-tune ``model`` with NLL on a parquet dataset; see the module docstring. ``ValueError`` on bad input
     (before any cluster starts), a resumable checkpoint every ``save_every`` steps."""
     import transformers
@@ -138,7 +139,8 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
                        ("keep", keep)):
         if value < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
-    model = os.path.abspath(os.fspath(model))
+    source = hub.resolve_model(model, revision=revision)  # a Hub id becomes its cache snapshot, here, once
+    model = source.path
     info = modelcheck.check_model(model)
     modelcheck.check_tokenizer(model)
     output = os.path.abspath(os.fspath(output))
@@ -155,7 +157,7 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
                "warmup_steps": warmup_steps, "max_length": max_length, "truncate": truncate, "seed": seed,
                "shuffle": shuffle, "precision": _PRECISIONS.get(precision or "auto", precision)}
     manifest = {"format": jobdir.FORMAT, "dask_lm_version": dask_lm.__version__, "model": model, "options": options,
-                **fingerprint.job_pins(model, info.files, inputs.files)}
+                **fingerprint.job_pins(model, info.files, inputs.files), "model_source": source.record()}
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
     with jobdir.locked_output(output):
