@@ -15,6 +15,8 @@ from typing import Any
 
 import click
 
+from dask_lm import __version__  # the package imports its heavy modules lazily: --help stays fast
+
 __all__ = ["main"]
 
 
@@ -47,6 +49,7 @@ class _CliError(click.ClickException):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="dask-lm", message="%(prog)s %(version)s")
 @click.option("--verbose", "-v", is_flag=True, help="Show Dask's logs and full tracebacks.")
 @click.pass_context
 def main(ctx: click.Context, verbose: bool) -> None:

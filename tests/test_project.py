@@ -46,7 +46,8 @@ def _pyproject_deps() -> dict[str, str]:
 
 def test_environment_yml_matches_pyproject():
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
-    conda_names = {"torch": "pytorch", "msgpack": "msgpack-python"}  # conda-forge spells a few differently
+    # conda-forge spells a few differently
+    conda_names = {"torch": "pytorch", "msgpack": "msgpack-python", "huggingface-hub": "huggingface_hub"}
     listed = {re.split(r"[<>=! ]", d, maxsplit=1)[0].lower() for d in env["dependencies"] if isinstance(d, str)}
     pip = [x for d in env["dependencies"] if isinstance(d, dict) for x in d.get("pip", [])]
     assert any(p.startswith("-e .") for p in pip), "environment.yml must install dask-lm itself"
@@ -65,3 +66,29 @@ def test_public_names():
     for name in dask_lm.__all__:
         assert hasattr(dask_lm, name), name
     assert {"Policy", "PolicyConfig", "BatchedDataDict", "connect"} <= set(dask_lm.__all__)
+
+
+def test_the_package_and_the_command_import_no_heavy_module():
+    """``import dask_lm`` and the ``dask-lm`` entry point load neither torch, transformers nor distributed (the
+    public names import on first use), so ``dask-lm --help`` / ``--version`` answer at once; a public name still
+    resolves to its class."""
+    code = """
+import sys
+import dask_lm, dask_lm.cli
+heavy = sorted(m for m in ("torch", "transformers", "distributed", "dask", "pyarrow") if m in sys.modules)
+assert not heavy, heavy
+from dask_lm import Policy, NLLLoss
+assert Policy.__module__ == "dask_lm.engine.policy" and NLLLoss.__module__ == "dask_lm.losses.supervised"
+assert "torch" in sys.modules
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+    version = subprocess.run([sys.executable, "-m", "dask_lm", "--version"], capture_output=True, text=True,
+                             timeout=60)
+    import dask_lm
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert version.returncode == 0 and version.stdout.strip() == f"dask-lm {dask_lm.__version__}"
+    assert dask_lm.__version__ == pyproject
