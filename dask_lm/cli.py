@@ -59,6 +59,7 @@ def main(ctx: click.Context, verbose: bool) -> None:
         for name in ("distributed", "transformers"):
             logging.getLogger(name).setLevel(logging.ERROR)
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("DASK_LM_QUIET_WORKERS", "1")  # a local cluster's workers: no tracebacks of their own
 
 
 def _exit_codes(ctx: click.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -128,7 +129,10 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
 @click.option("--scheduler-address", default=None, help="Attach to this scheduler (or scheduler file); default: "
               "$DASK_SCHEDULER_ADDRESS, else a local cluster.")
 @click.option("--n-workers", type=int, default=None, help="Local cluster size (default: one per GPU, or 2).")
-@click.option("--resume", is_flag=True, help="Finish an interrupted job: skip parts already written.")
+@click.option("--resume", is_flag=True, help="Finish the job in --output with the options its _manifest.json pins: "
+              "parts already written are kept (a finished job returns at once). May add --skip-bad-rows.")
+@click.option("--overwrite", is_flag=True, help="Delete the earlier job's files in --output and score again with "
+              "these options (files dask-lm did not write are never deleted).")
 @click.option("--skip-bad-rows", is_flag=True, help="Leave bad rows out (listed in _errors.parquet) instead of "
               "failing.")
 @click.option("--performance-report", default=None, help="Write Dask's HTML performance report here.")
@@ -172,7 +176,10 @@ def score(ctx: click.Context, inputs: tuple[str, ...], model: str, output: str, 
 @click.option("--keep", type=int, default=2, show_default=True, help="Checkpoints to keep.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--no-shuffle", is_flag=True, help="Walk the rows in input order.")
-@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in --output.")
+@click.option("--resume", is_flag=True, help="Continue the run in --output from its newest complete checkpoint (a "
+              "run that reached its last step returns at once).")
+@click.option("--overwrite", is_flag=True, help="Delete the earlier run's checkpoints in --output and train again "
+              "(files dask-lm did not write are never deleted).")
 @click.option("--scheduler-address", default=None)
 @click.option("--n-workers", type=int, default=None)
 @click.option("--no-progress", is_flag=True)
@@ -184,6 +191,10 @@ def sft(ctx: click.Context, inputs: tuple[str, ...], no_shuffle: bool, no_progre
         from dask_lm.engine.sft import sft_parquet
 
         result = sft_parquet(list(inputs), shuffle=not no_shuffle, progress=not no_progress, **options)
+        if result.already_complete:
+            click.echo(f"already complete: the run in {result.output} reached step {result.steps}; nothing was "
+                       f"run (pass --overwrite to train again)\ncheckpoint  {result.checkpoint}")
+            return
         first, last = (result.losses[0], result.losses[-1]) if result.losses else (float("nan"), float("nan"))
         click.echo(f"steps       {result.steps} ({result.epochs_completed} epochs"
                    f"{f', resumed from step {result.resumed_from}' if result.resumed_from is not None else ''})\n"

@@ -13,6 +13,7 @@ import base64
 import binascii
 import hashlib
 import json
+import inspect
 import os
 import queue
 import socket
@@ -219,6 +220,8 @@ class FakeSGLang:
         finish: dict[str, Any] = {"type": "length", "length": max_new}
         text: str | None = None  # set when a stop string cut the text
         keep = None  # tokens whose decode is the text (None = all)
+        # transformers 5.2x renamed the forward's past_key_values to cache (the old name warns on every call)
+        cache_key = "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
         with torch.no_grad():
             out = self.model(input_ids=torch.tensor([prompt]), use_cache=True)
             prompt_lp = torch.log_softmax(out.logits[0].float(), -1)  # input logprobs: raw logits, no temperature
@@ -237,8 +240,8 @@ class FakeSGLang:
                     finish, keep = {"type": "stop", "matched": tok}, len(out_ids) - 1
                     break
                 if len(out_ids) < max_new:
-                    out = self.model(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values,
-                                     use_cache=True)
+                    out = self.model(input_ids=torch.tensor([[tok]]), use_cache=True,
+                                     **{cache_key: out[cache_key]})
         if text is None:
             text = self.tokenizer.decode(out_ids[:keep], skip_special_tokens=skip_special)
         meta: dict[str, Any] = {"id": rid or uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(prompt),

@@ -201,7 +201,7 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
     with pytest.raises(ValueError, match="--resume refused.*model"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama_tuned"], client=client, text_column="text",
                               resume=True, progress=False)
-    with pytest.raises(ValueError, match="already holds files"):
+    with pytest.raises(ValueError, match="holds a finished dask-lm scoring job.*--resume.*--overwrite"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", progress=False)
 
 

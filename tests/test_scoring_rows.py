@@ -184,6 +184,13 @@ def test_rows_with_nothing_to_score_have_null_sums_and_are_counted(client, tiny,
                                               for t in (" score", "", " parquet", "")]
     assert got[1]["sum_logprob"] is None and got[3]["perplexity"] is None and got[0]["sum_logprob"] is not None
     assert json.loads((tmp_path / "pr" / "_SUCCESS").read_text())["empty_rows"] == 2
+    # prompt_tokens marks where the response starts: the prompt's own tokens, and the sums cover what follows
+    prompts = ["dask tokens", "score", "model", "x"]
+    assert [r["prompt_tokens"] for r in got] == [len(tok(p)["input_ids"]) for p in prompts]
+    assert all(r["num_tokens"] == r["prompt_tokens"] + r["num_scored"] for r in got)
+    assert got[0]["sum_logprob"] == pytest.approx(sum(got[0]["logprobs"][got[0]["prompt_tokens"]:]), abs=1e-5)
+    # in text mode the first token is the context: one prompt token (none for an empty text)
+    assert [r["prompt_tokens"] for r in _read(tmp_path / "t")] == [1, 1, 0, 1]
 
 
 def _invalid_utf8_strings(values):

@@ -74,7 +74,7 @@ def test_cli_prompt_response_and_bad_input(client, tiny, data, tmp_path):
     assert "steps       2" in result.output and (out / "step_2" / "weights" / "config.json").exists()
     again = runner.invoke(cli, ["sft", str(data), "--model", tiny["llama"], "--output", str(out), "--text-column",
                                 "text", "--scheduler-address", client.scheduler.address])
-    assert again.exit_code == 2 and "already holds files" in again.output
+    assert again.exit_code == 2 and "holds a finished dask-lm sft run" in again.output, again.output
     bad = runner.invoke(cli, ["sft", str(data), "--model", tiny["llama"], "--output", str(tmp_path / "x"),
                               "--text-column", "nope"])
     assert bad.exit_code == 2 and "column 'nope' is missing" in bad.output

@@ -129,7 +129,8 @@ def test_finished_resume_returns_at_once_without_a_cluster(scored, tiny, tmp_pat
     copy = _copy_output(out, tmp_path)
     before = {f: (copy / f).stat().st_mtime_ns for f in os.listdir(copy) if not f.startswith(".")}
     result = _score(data, copy, tiny["llama"], resume=True)
-    assert result.parts == result.parts_skipped == done["parts"] and result.rows == 0
+    assert result.parts == result.parts_skipped == done["parts"] and result.already_complete
+    assert (result.rows, result.tokens) == (done["rows"], done["tokens"])  # the finished job's, as _SUCCESS says
     assert result.perplexity == pytest.approx(done["perplexity"])
     assert {f: (copy / f).stat().st_mtime_ns for f in before} == before  # nothing rewritten
     assert not no_cluster

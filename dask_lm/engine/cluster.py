@@ -57,6 +57,9 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
     cluster:
         ``"auto"`` starts ``dask_cuda.LocalCUDACluster`` when GPUs are present, else a CPU ``LocalCluster``;
         ``"cuda"`` / ``"cpu"`` force one.
+    cluster_kwargs:
+        Passed to the local cluster (``LocalCluster`` / ``LocalCUDACluster``). With ``DASK_LM_QUIET_WORKERS=1``
+        (what the ``dask-lm`` command sets without ``--verbose``) its workers log only critical records.
     host:
         For a local cluster: the interface every listener binds to — scheduler, workers, nannies, the dashboard,
         and the ranks' torch.distributed store and collectives. Loopback by default, so nothing on the network
@@ -85,6 +88,10 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
         raise ValueError(f"`n_workers` must be >= 1, got {n_workers}")
     if dashboard_address is None:
         dashboard_address = f"[{host}]:0" if ":" in host else f"{host}:0"
+    if os.environ.get("DASK_LM_QUIET_WORKERS") == "1":
+        # the CLI without --verbose: a failed task's error reaches the driver, which prints it as one line; the
+        # workers' own "Compute Failed" record with its traceback would come first and bury it
+        cluster_kwargs.setdefault("silence_logs", logging.CRITICAL)
     if use_cuda:
         if gpus == 0:
             raise ValueError("cluster='cuda' but no GPU is visible on this machine; use cluster='cpu'")

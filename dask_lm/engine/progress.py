@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["TOPIC", "set_progress", "progress_enabled", "bar", "open_bar", "close_bar"]
+__all__ = ["TOPIC", "set_progress", "progress_enabled", "bar", "open_bar", "close_bar", "JobBar"]
 
 TOPIC = "dask-lm-progress"
 _enabled: bool = True
@@ -78,3 +78,55 @@ def bar(client: Any, total: int, desc: str, unit: str) -> Iterator[tuple[str | N
         yield progress_id, b
     finally:
         close_bar(progress_id)
+
+
+class JobBar:
+    """A job's bar in two phases, so that neither the wait nor the rate misleads.
+
+    Until the first unit of work is done it says what the job waits for (``waiting``, e.g. "loading the model on
+    2 workers") and how long it has waited, with no count and no ETA: an ETA from a rate that includes model loads
+    would promise minutes for a job of seconds. At the first :meth:`update` it becomes a counting bar whose rate
+    (and so its ETA) leaves that first unit out: tqdm's ``initial`` is not counted in the rate."""
+
+    def __init__(self, total: int, desc: str, unit: str, waiting: str, enabled: bool = True) -> None:
+        self.total, self.desc, self.unit, self.n = total, desc, unit, 0
+        self._bar: Any = None
+        self._wait: Any = None
+        if enabled and progress_enabled() and total > 0:
+            from tqdm.auto import tqdm
+
+            self._tqdm = tqdm
+            self._wait = tqdm(total=None, desc=f"{desc}: {waiting}", bar_format="{desc} ({elapsed})",
+                              dynamic_ncols=True)
+
+    def wait(self, waiting: str, total: int | None = None) -> None:
+        """Say what the job waits for now (before the first update); ``total`` corrects the count to come."""
+        if total is not None:
+            self.total = total
+        if self._wait is not None:
+            self._wait.set_description_str(f"{self.desc}: {waiting}")
+
+    def write(self, line: str) -> None:
+        """A line above the bar (the dashboard's address while the job runs); nothing when the bar is off."""
+        if self._wait is not None or self._bar is not None:
+            import sys
+
+            self._tqdm.write(line, file=sys.stderr)  # with the bar, off stdout (which a script may parse)
+
+    def update(self, n: int, postfix: str | None = None) -> None:
+        self.n += n
+        if self._wait is not None:
+            self._wait.close()
+            self._wait = None
+            self._bar = self._tqdm(total=self.total, initial=self.n, desc=self.desc, unit=self.unit,
+                                   dynamic_ncols=True)
+        elif self._bar is not None:
+            self._bar.update(n)
+        if self._bar is not None and postfix:
+            self._bar.set_postfix_str(postfix)
+
+    def close(self) -> None:
+        for b in (self._wait, self._bar):
+            if b is not None:
+                b.close()
+        self._wait = self._bar = None

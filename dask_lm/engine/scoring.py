@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from dask_lm.engine.progress import JobBar
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 from dask_lm.workers.scorer import ScoreOptions, release_scorers, score_partition
@@ -38,8 +39,11 @@ logger = logging.getLogger("dask_lm")
 
 @dataclass
 class ScoreResult:
-    """What a scoring job did; ``perplexity`` is the mean of the rows' perplexities (rows scored in this run only
-    for ``rows`` / ``tokens`` / ``seconds``; every part of the output for ``perplexity``)."""
+    """What a scoring job did: ``rows`` / ``tokens`` / ``seconds`` count this run only (a resumed job's earlier
+    parts are in ``parts_skipped``; an ``already_complete`` one reports the finished job's rows and tokens and 0
+    seconds); ``perplexity``, ``corpus_perplexity`` and the row counts below cover every part
+    of the output. ``tokens_per_s`` is over ``scoring_seconds``: the model loads and compilations are reported
+    apart, not averaged into the rate."""
 
     output: str
     rows: int
@@ -48,7 +52,9 @@ class ScoreResult:
     parts_skipped: int
     bad_rows: int
     seconds: float
+    """Wall time of this run on the cluster: model loads, compilation, scoring and writing."""
     perplexity: float
+    """The mean of the rows' perplexities (rows with nothing scored left out)."""
     dashboard: str | None = None
     empty_rows: int = 0
     """Rows with no token to score (null sums, ``num_scored`` 0), over every part."""
@@ -60,6 +66,16 @@ class ScoreResult:
     """The longest model load of a worker in this run (imports, CUDA initialisation, weights to the device)."""
     compile_seconds: float = 0.0
     """The longest compilation of a worker's inference forward in this run (GPU workers; 0 elsewhere)."""
+    corpus_perplexity: float = float("nan")
+    """``exp(-sum of every scored logprob / number of scored tokens)`` over the whole output: the dataset's
+    perplexity as evaluation reports it (long rows weigh more than in ``perplexity``)."""
+    scored_tokens: int = 0
+    """Tokens in the sums (``num_scored``) over the whole output."""
+    scoring_seconds: float = 0.0
+    """``seconds`` less the slowest worker's model load and compilation (which start every worker's first
+    partition): the time rows were being scored and written."""
+    already_complete: bool = False
+    """A ``resume`` of a finished output: nothing ran; the totals are the finished job's."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
     """Worker time per phase, summed over the partitions of this run: ``rows`` (checking and tokenizing),
     ``model`` (forwards, heads, results to the host), ``output`` (building and writing the part files). The rest of
@@ -67,7 +83,9 @@ class ScoreResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
+        """Tokens scored in this run per second of scoring (``scoring_seconds``)."""
+        seconds = self.scoring_seconds or self.seconds
+        return self.tokens / seconds if seconds else 0.0
 
     def _repr_html_(self) -> str:
         from dask_lm.engine.reprs import table
@@ -75,8 +93,17 @@ class ScoreResult:
         return table("dask-lm scoring job", None, self.summary())
 
     def summary(self) -> list[tuple[str, str]]:
-        return [("rows", f"{self.rows:,}"), ("tokens", f"{self.tokens:,}"),
-                ("tokens/s", f"{self.tokens_per_s:,.0f}"), ("perplexity", f"{self.perplexity:.3f}"),
+        if self.already_complete:
+            speed = [("status", "already complete: nothing was run (pass --overwrite to score again)")]
+        else:
+            speed = [("tokens/s", f"{self.tokens_per_s:,.0f} (over {self.scoring_seconds:.1f} s of scoring)"),
+                     ("seconds", f"{self.seconds:.1f} (model load {self.model_load_seconds:.1f}, compile "
+                                 f"{self.compile_seconds:.1f}, scoring {self.scoring_seconds:.1f}; checks before "
+                                 f"{self.prepare_seconds:.1f})")]
+        return [("rows", f"{self.rows:,}"), ("tokens", f"{self.tokens:,}"), *speed,
+                ("perplexity", f"{self.corpus_perplexity:.3f} (corpus: exp of minus the mean scored logprob; "
+                               f"mean of rows {self.perplexity:.3f})"),
+                ("scored tokens", f"{self.scored_tokens:,}"),
                 ("parts", f"{self.parts} ({self.parts_skipped} already done)"), ("bad rows", str(self.bad_rows)),
                 ("empty rows", str(self.empty_rows)), ("truncated rows", str(self.truncated_rows)),
                 ("output", self.output), ("dashboard", self.dashboard or "-")]
@@ -115,18 +142,33 @@ def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, pins: dict[str, Any])
             "tokenizer": opts.tokenizer, "options": options, "partitions": len(inputs.partitions), **pins}
 
 
-def _existing_manifest(output: str, resume: bool) -> dict[str, Any] | None:
-    """The manifest of the job to resume, or ``None`` for a new output; refuses an output that is neither."""
-    if not any(not f.startswith(".") for f in os.listdir(output)):
+# the job's own entries of an output besides _manifest.json and _SUCCESS (what --overwrite may delete)
+_OWNED = r"part-\d{5}\.parquet|_errors\.parquet|_errors"
+_RESUME_HINT = " (add --skip-bad-rows to leave out the bad rows that stopped it)"
+
+
+def _existing_manifest(output: str, resume: bool, overwrite: bool) -> dict[str, Any] | None:
+    """Under the output's lock: the manifest of the job to resume, or ``None`` for a new output (an overwritten one
+    is emptied of the earlier job's files here). Refuses what :func:`jobdir.refuse_occupied` refuses."""
+    state = jobdir.output_state(output, _OWNED)
+    jobdir.refuse_occupied(output, state, job="scoring job", resume=resume, overwrite=overwrite,
+                           resume_hint=_RESUME_HINT)
+    if state.kind == "new":
         return None
-    if not resume:
-        raise ValueError(f"--output {output!r} already holds files; pass --resume to finish an interrupted job, or "
-                         "choose a new directory")
-    old = jobdir.read_manifest(output)
-    if old is None:
-        raise ValueError(f"--resume refused: {output!r} has files but no {pio.MANIFEST}; it is not a dask-lm "
-                         "scoring output")
-    return old
+    if overwrite:
+        jobdir.clear_output(output, _OWNED)
+        return None
+    return jobdir.read_manifest(output)
+
+
+def _resume_ignores(old: dict[str, Any], skip_bad_rows: bool, auto_precision: bool) -> tuple[str, ...]:
+    """Options a resume need not repeat: an automatic precision (compared once the workers are known), and
+    ``--skip-bad-rows`` added to a job that stopped at a bad row: the parts written before hold every row of their
+    row groups, which is what skipping would have written for them too."""
+    ignore = ("precision",) if auto_precision else ()
+    if skip_bad_rows and not (old.get("options") or {}).get("skip_bad_rows"):
+        ignore += ("skip_bad_rows",)
+    return ignore
 
 
 def _prepare_output(output: str, manifest: dict[str, Any], old: dict[str, Any] | None) -> list[int]:
@@ -135,7 +177,11 @@ def _prepare_output(output: str, manifest: dict[str, Any], old: dict[str, Any] |
     if old is None:
         pio.write_json_atomic(manifest, os.path.join(output, pio.MANIFEST))
     else:  # the old manifest stays: it describes the parts already written
-        jobdir.check_resume(old, manifest, output=output, what="scored")
+        ignore = _resume_ignores(old, bool(manifest["options"].get("skip_bad_rows")), False)
+        jobdir.check_resume(old, manifest, output=output, what="scored", ignore=ignore)
+        if "skip_bad_rows" in ignore:  # from now on the output may leave rows out: its manifest says so
+            old = {**old, "options": {**old["options"], "skip_bad_rows": True}}
+            pio.write_json_atomic(old, os.path.join(output, pio.MANIFEST))
     os.makedirs(pio.errors_dir(output), exist_ok=True)
     pio.remove_debris(output)
     return [i for i in range(manifest["partitions"]) if os.path.exists(os.path.join(output, pio.part_name(i)))]
@@ -150,13 +196,10 @@ def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
     except (OSError, ValueError):
         summary = None
     summary = summary if isinstance(summary, dict) else {}
-    perplexity = summary.get("perplexity")
-    if not isinstance(perplexity, (int, float)):
-        perplexity = _mean_perplexity(output, parts)
-    return ScoreResult(output=output, rows=0, tokens=0, parts=parts, parts_skipped=parts,
-                       bad_rows=int(summary.get("bad_rows") or 0), seconds=0.0, perplexity=float(perplexity),
-                       empty_rows=int(summary.get("empty_rows") or 0),
-                       truncated_rows=int(summary.get("truncated_rows") or 0))
+    totals = _output_totals(output, parts)  # from the parts themselves: they are what the output holds
+    return ScoreResult(output=output, rows=int(summary.get("rows") or 0), tokens=int(summary.get("tokens") or 0),
+                       parts=parts, parts_skipped=parts, bad_rows=int(summary.get("bad_rows") or 0), seconds=0.0,
+                       already_complete=True, **totals)
 
 
 def _located_partitions(inputs: pio.ScoreInputs, columns: list[str] | None) -> list[Any]:
@@ -183,7 +226,7 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
                   precision: str | None = None, resume: bool = False, progress: bool = True,
                   skip_bad_rows: bool = False, allow_nonfinite: bool = False, compile: bool | None = None,
                   tokenizer: str | os.PathLike | None = None, revision: str | None = None,
-                  performance_report: str | None = None, n_workers: int | None = None,
+                  overwrite: bool = False, performance_report: str | None = None, n_workers: int | None = None,
                   scheduler_address: str | None = None) -> ScoreResult:
     """Score every row of a parquet dataset with ``model``; see the module docstring for the output.
 
@@ -194,6 +237,9 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
     with ``compile`` the forward is compiled once per worker process (5-10 s, reported as
     ``ScoreResult.compile_seconds``); by default (``None``) only where the job is long enough for that to pay
     (:func:`worth_compiling`).
+    An output that already holds a job is refused unless ``resume`` (finish it with the same pins; a finished one
+    returns its summary at once, without a cluster) or ``overwrite`` (delete that job's files and score again);
+    files dask-lm did not write are never deleted.
     Raises ``ValueError`` for bad usage or input (damaged model files, a changed input on ``resume``, an output
     another job holds), before anything is written and before a cluster starts.
     """
@@ -205,6 +251,13 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
     if topk < 0 or (max_length is not None and max_length < 1) or batch_tokens < 1:
         raise ValueError("--topk must be >= 0, --max-length >= 1 and --batch-tokens >= 1")
     fixed_precision = _precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
+    output = os.path.abspath(os.fspath(output))
+    files = pio.resolve_input_files(input)
+    jobdir.check_output_location(output, input, files)
+    # what the output folder allows needs only its listing: refused before the model is looked at (and again under
+    # the lock below)
+    jobdir.refuse_occupied(output, jobdir.output_state(output, _OWNED), job="scoring job", resume=resume,
+                           overwrite=overwrite, resume_hint=_RESUME_HINT)
     source = hub.resolve_model(model, revision=revision)  # a Hub id becomes its cache snapshot, here, once
     model = source.path
     info = modelcheck.check_model(model)
@@ -218,9 +271,6 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
             raise ValueError(f"{tokenizer!r} has no tokenizer files; pass --tokenizer, or score token ids with "
                              "--ids-column")
         modelcheck.check_tokenizer(tokenizer)
-    output = os.path.abspath(os.fspath(output))
-    files = pio.resolve_input_files(input)
-    jobdir.check_output_location(output, input, files)
     inputs = pio.inspect_inputs(files, text_column=text_column, ids_column=ids_column,
                                 prompt_column=prompt_column, response_column=response_column, id_column=id_column)
     separate_tokenizer = tokenizer if tokenizer != model else None  # else its files are among the model's
@@ -234,24 +284,34 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
                         allow_nonfinite=allow_nonfinite, compile=bool(compile))
     prepare_seconds = time.perf_counter() - started
     with jobdir.locked_output(output):
-        old = _existing_manifest(output, resume)
+        old = _existing_manifest(output, resume, overwrite)
         if old is not None:
             # everything but an automatic precision is compared before a cluster starts
             jobdir.check_resume(old, _manifest(opts, inputs, pins), output=output, what="scored",
-                                ignore=("precision",) if fixed_precision is None else ())
+                                ignore=_resume_ignores(old, skip_bad_rows, fixed_precision is None))
             if os.path.exists(os.path.join(output, pio.SUCCESS)):
                 return _finished(output, old)
         owns = client is None
-        client = client or connect(scheduler_address, n_workers=n_workers)
+        bar = JobBar(inputs.num_rows, "scoring", "row", "starting a local cluster" if owns and not (
+            scheduler_address or os.environ.get("DASK_SCHEDULER_ADDRESS")) else "connecting to the cluster",
+            enabled=progress)
         try:
+            client = client or connect(scheduler_address, n_workers=n_workers)
+        except BaseException:
+            bar.close()
+            raise
+        try:
+            if getattr(client, "dashboard_link", None):
+                bar.write(f"dask-lm: watch the job on the Dask dashboard at {client.dashboard_link}")
             if fixed_precision is None:
                 opts = replace(opts, precision="bfloat16" if _worker_has_gpu(client) else "float32")
             if compile is None:
                 workers = len(_scheduler_info(client)["workers"])
                 opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers))
             done = _prepare_output(output, _manifest(opts, inputs, pins), old)
-            return _run(client, inputs, opts, done, progress, performance_report, prepare_seconds)
+            return _run(client, inputs, opts, done, bar, performance_report, prepare_seconds)
         finally:
+            bar.close()
             if owns:
                 close(client)
 
@@ -272,13 +332,15 @@ def worth_compiling(inputs: pio.ScoreInputs, ids_column: str | None, workers: in
     return inputs.scored_bytes / per_token / max(workers, 1) >= COMPILE_MIN_TOKENS_PER_WORKER
 
 
-def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[int], progress: bool,
+def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[int], bar: JobBar,
          performance_report: str | None, prepare_seconds: float = 0.0) -> ScoreResult:
     import warnings
 
     import dask
     from distributed import as_completed, span
     from distributed import performance_report as perf_report
+
+    from dask_lm.engine.worker_group import _scheduler_info
 
     columns = None
     if opts.id_column is not None:
@@ -292,7 +354,8 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
     load = compile_s = 0.0
     phases: dict[str, float] = {}
     total_rows = sum(inputs.partitions[i][3] for i in todo)
-    bar = _progress(total_rows, progress)
+    workers = len(_scheduler_info(client)["workers"])
+    bar.wait(f"loading the model on {workers} worker{'s' * (workers != 1)}", total=total_rows)
     with report, span("dask-lm/score"):
         tasks = [dask.delayed(score_partition, pure=False)(parts[i], i, inputs.partitions[i][0],
                                                            inputs.partitions[i][2], inputs.partitions[i][3], opts)
@@ -310,27 +373,26 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
                 compile_s = max(compile_s, stats.get("compile_seconds", 0.0))
                 for k, v in stats.get("phases", {}).items():
                     phases[k] = phases.get(k, 0.0) + v
-                if bar is not None:
-                    bar.update(stats["rows"] + stats["bad_rows"])
-                    bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s")
+                scoring = time.perf_counter() - t0 - load - compile_s
+                bar.update(stats["rows"] + stats["bad_rows"],
+                           f"{tokens / scoring:,.0f} tok/s" if scoring > 0.5 else None)
         except BaseException:
             client.cancel(futures)
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
         client.run(release_scorers)
     seconds = time.perf_counter() - t0
     pio.remove_debris(opts.output)
     bad_total = pio.merge_errors(opts.output)
-    perplexity, flagged = _output_totals(opts.output, len(inputs.partitions))
+    totals = _output_totals(opts.output, len(inputs.partitions))
     result = ScoreResult(output=opts.output, rows=rows, tokens=tokens, parts=len(inputs.partitions),
-                         parts_skipped=len(done), bad_rows=bad_total, seconds=seconds, perplexity=perplexity,
+                         parts_skipped=len(done), bad_rows=bad_total, seconds=seconds,
+                         scoring_seconds=max(seconds - load - compile_s, 0.0),
                          dashboard=getattr(client, "dashboard_link", None), prepare_seconds=prepare_seconds,
-                         model_load_seconds=load, compile_seconds=compile_s, phase_seconds=phases,
-                         **flagged)
-    if flagged["empty_rows"]:
-        warnings.warn(f"{flagged['empty_rows']} rows had nothing to score (an empty text, response or id list, or a "
+                         model_load_seconds=load, compile_seconds=compile_s, phase_seconds=phases, **totals)
+    if result.empty_rows:
+        warnings.warn(f"{result.empty_rows} rows had nothing to score (an empty text, response or id list, or a "
                       "single token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null",
                       UserWarning, stacklevel=3)
     # the counts cover every part, like bad_rows (resumed parts included)
@@ -338,36 +400,31 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
     return result
 
 
-def _mean_perplexity(output: str, parts: int) -> float:
-    """The mean of the per-row perplexities over every part (resumed parts included); rows with nothing scored,
-    whose perplexity is null, are left out. A NaN / inf perplexity (kept with ``allow_nonfinite``) is not: the mean
-    then says so too."""
-    return _output_totals(output, parts)[0]
+def _output_totals(output: str, parts: int) -> dict[str, Any]:
+    """Totals over every part of the output (resumed parts included), read from the part files:
 
+    - ``perplexity``: the mean of the rows' perplexities; rows with nothing scored (null perplexity) are left out,
+      a NaN / inf one (kept with ``allow_nonfinite``) is not, so the mean says so too;
+    - ``corpus_perplexity`` and ``scored_tokens``: ``exp(-sum(sum_logprob) / sum(num_scored))``;
+    - ``empty_rows`` (nothing scored) and ``truncated_rows``."""
+    import math
 
-def _output_totals(output: str, parts: int) -> tuple[float, dict[str, int]]:
-    """:func:`_mean_perplexity`, and the counts of flagged rows over every part, read in the same pass:
-    ``empty_rows`` (nothing scored) and ``truncated_rows``."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    total, count, empty, truncated = 0.0, 0, 0, 0
+    total, count, empty, truncated, logprob, scored = 0.0, 0, 0, 0, 0.0, 0
     for i in range(parts):
-        t = pq.read_table(os.path.join(output, pio.part_name(i)), columns=["perplexity", "truncated"])
+        t = pq.read_table(os.path.join(output, pio.part_name(i)),
+                          columns=["perplexity", "truncated", "sum_logprob", "num_scored"])
         ppl = t["perplexity"]
         total += float(pc.sum(ppl).as_py() or 0.0)  # sum and count skip nulls
         count += len(ppl) - ppl.null_count
         empty += ppl.null_count
         truncated += int(pc.sum(t["truncated"]).as_py() or 0)
+        logprob += float(pc.sum(t["sum_logprob"]).as_py() or 0.0)
+        scored += int(pc.sum(t["num_scored"]).as_py() or 0)
     mean = total / count if count else float("nan")
-    return mean, {"empty_rows": empty, "truncated_rows": truncated}
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    from dask_lm.engine.progress import progress_enabled
-
-    if not (enabled and progress_enabled()):
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="row", desc="scoring", dynamic_ncols=True)
+    nll = -logprob / scored if scored else float("nan")
+    corpus = math.exp(nll) if nll < 709 else float("inf") if nll >= 709 else float("nan")  # exp overflows past 709
+    return {"perplexity": mean, "corpus_perplexity": corpus, "scored_tokens": scored, "empty_rows": empty,
+            "truncated_rows": truncated}

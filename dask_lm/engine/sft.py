@@ -21,6 +21,7 @@ each) are deleted when the next job on that output starts. The model files are c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -40,6 +41,7 @@ __all__ = ["sft_parquet", "SFTResult"]
 
 _STEP = re.compile(r"^step_(\d+)$")
 _STALE_STEP = r"\.step_\d+\.tmp-[0-9A-Za-z]+"  # what _save writes before its rename
+_OWNED = r"step_\d+"  # a run's own entries besides _manifest.json and _SUCCESS (what --overwrite may delete)
 
 
 @dataclass
@@ -57,6 +59,23 @@ class SFTResult:
     """Of ``seconds``, the time inside ``Policy.train`` (the rest: model load, tokenizing, checkpoints)."""
     checkpoint_seconds: float = 0.0
     """Of ``seconds``, the time spent writing checkpoints."""
+    already_complete: bool = False
+    """A ``resume`` of a run that had reached its last step: nothing ran; the rest is the finished run's."""
+
+
+def _finished(output: str, newest: tuple[int, str]) -> SFTResult:
+    """``resume`` of a run that reached its last step: its ``_SUCCESS`` summary, no cluster, no file touched."""
+    with open(os.path.join(newest[1], "training_state.json")) as f:
+        state = json.load(f)
+    try:
+        with open(os.path.join(output, pio.SUCCESS)) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        summary = {}
+    summary = summary if isinstance(summary, dict) else {}
+    return SFTResult(output=output, steps=int(state["step"]), epochs_completed=int(summary.get("epochs_completed", 0)),
+                     losses=list(state.get("losses", [])), resumed_from=newest[0], seconds=0.0,
+                     checkpoint=newest[1], already_complete=True)
 
 
 def _tokenize_partition(pdf: Any, text_column: str | None, prompt_column: str | None, response_column: str | None,
@@ -124,9 +143,11 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
                 precision: str | None = None, save_every: int = 100, keep: int = 2, seed: int = 0,
                 shuffle: bool = True, resume: bool = False, progress: bool = True,
                 scheduler_address: str | None = None, n_workers: int | None = None,
-                revision: str | None = None) -> SFTResult:
+                revision: str | None = None, overwrite: bool = False) -> SFTResult:
     """Fine-tune ``model`` with NLL on a parquet dataset; see the module docstring. ``ValueError`` on bad input
-    (before any cluster starts), a resumable checkpoint every ``save_every`` steps."""
+    (before any cluster starts), a resumable checkpoint every ``save_every`` steps. An output holding a run is
+    refused unless ``resume`` (continue it; one that already reached its last step returns at once, without a
+    cluster) or ``overwrite`` (delete that run's checkpoints and train again)."""
     import transformers
 
     import dask_lm
@@ -139,13 +160,17 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
                        ("keep", keep)):
         if value < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+    output = os.path.abspath(os.fspath(output))
+    files = pio.resolve_input_files(input)
+    jobdir.check_output_location(output, input, files)
+    # what the output folder allows needs only its listing: refused before the model is looked at (again under
+    # the lock below)
+    jobdir.refuse_occupied(output, jobdir.output_state(output, _OWNED), job="sft run", resume=resume,
+                           overwrite=overwrite)
     source = hub.resolve_model(model, revision=revision)  # a Hub id becomes its cache snapshot, here, once
     model = source.path
     info = modelcheck.check_model(model)
     modelcheck.check_tokenizer(model)
-    output = os.path.abspath(os.fspath(output))
-    files = pio.resolve_input_files(input)
-    jobdir.check_output_location(output, input, files)
     inputs = pio.inspect_inputs(files, text_column=text_column, ids_column=None, prompt_column=prompt_column,
                                 response_column=response_column, id_column=None)
     if inputs.num_rows == 0:
@@ -160,9 +185,16 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
                 **fingerprint.job_pins(model, info.files, inputs.files), "model_source": source.record()}
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
+    # every row trains (a bad one fails the run), so the run's length is known from the footers' row counts
+    planned = math.ceil(inputs.num_rows / global_batch_size) * epochs
+    planned = planned if max_steps is None else min(max_steps, planned)
     with jobdir.locked_output(output):
-        start = _prepare_sft_output(output, manifest, resume)
+        start = _prepare_sft_output(output, manifest, resume, overwrite)
         jobdir.remove_stale(output, _STALE_STEP)  # under the lock: no live job is writing them
+        if start is not None and start[0] >= planned and os.path.exists(os.path.join(output, pio.SUCCESS)):
+            return _finished(output, start)
+        with contextlib.suppress(FileNotFoundError):  # the run goes on: it is no longer finished
+            os.remove(os.path.join(output, pio.SUCCESS))
         owns = client is None
         client = client or connect(scheduler_address, n_workers=n_workers)
         try:
@@ -260,16 +292,16 @@ def _pin_precision(output: str, manifest: dict[str, Any], precision: str) -> Non
                          f"run's or pass --precision {was}, or write into a new --output")
 
 
-def _prepare_sft_output(output: str, manifest: dict[str, Any], resume: bool) -> tuple[int, str] | None:
+def _prepare_sft_output(output: str, manifest: dict[str, Any], resume: bool, overwrite: bool
+                        ) -> tuple[int, str] | None:
     """Pin a new run, or check a resumed one against its pins and return its newest checkpoint (under the lock)."""
-    existing = [f for f in os.listdir(output) if not f.startswith(".")]
-    if existing and not resume:
-        raise ValueError(f"--output {output!r} already holds files; pass --resume to continue that run, or choose "
-                         "a new directory")
-    if existing:
+    state = jobdir.output_state(output, _OWNED)
+    jobdir.refuse_occupied(output, state, job="sft run", resume=resume, overwrite=overwrite)
+    if state.kind != "new" and overwrite:
+        jobdir.clear_output(output, _OWNED)
+    elif state.kind != "new":
         old = jobdir.read_manifest(output)
-        if old is None:
-            raise ValueError(f"--resume refused: {output!r} has no {pio.MANIFEST}; it is not a dask-lm sft output")
+        assert old is not None  # output_state calls an output without one foreign
         # an automatic precision is known only once the cluster is up: _pin_precision compares it then
         jobdir.check_resume(old, manifest, output=output, what="trained",
                             flags={"shuffle": "shuffle (off with --no-shuffle)"},

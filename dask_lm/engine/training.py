@@ -135,8 +135,10 @@ class TrainingMixin:
     # ----------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, weights_path: str | os.PathLike, optimizer_path: str | os.PathLike | None = None,
                         tokenizer_path: str | os.PathLike | None = None, checkpointing_cfg: Any = None) -> None:
-        """Write ``weights_path`` as a Hugging Face model directory, ``optimizer_path`` as optimizer + scheduler
-        state (torch.distributed.checkpoint) and ``tokenizer_path`` with the tokenizer.
+        """Write ``weights_path`` as a Hugging Face model directory (weights, config, generation config and the
+        policy's tokenizer: it loads with both ``AutoModelForCausalLM`` and ``AutoTokenizer``), ``optimizer_path``
+        as optimizer + scheduler state (torch.distributed.checkpoint) and ``tokenizer_path`` with the tokenizer
+        alone (NeMo RL's layout).
 
         Each directory is written under a temporary name and renamed into place when complete. With
         ``checkpointing_cfg={"async_save": True}`` this returns once the state is staged in host memory;
@@ -164,10 +166,14 @@ class TrainingMixin:
         tokenizer = None
         if "tokenizer_path" in resolved:
             tokenizer = (ckpt.temporary_sibling(resolved["tokenizer_path"]), resolved["tokenizer_path"], self.tokenizer)
+        # the tokenizer's files go into weights_path too, so that it is a complete Hugging Face directory:
+        # from_pretrained of the model and of the tokenizer, and `dask-lm score --model`, all take it as it is
+        weights_tokenizer = self.tokenizer if hasattr(self.tokenizer, "save_pretrained") else None
         with span("dask-lm/save-checkpoint"):
             futs = self.group.submit_all(tasks.call_policy, None, self.group.policy_id, "save_checkpoint", None,
                                          weights, optimizer, tokenizer, key_name="save-checkpoint",
-                                         async_save=async_save, max_shard_size=max_shard)
+                                         async_save=async_save, max_shard_size=max_shard,
+                                         weights_tokenizer=weights_tokenizer)
             self.group.gather(futs, what="save_checkpoint")
 
     def finalize_async_save(self) -> None:

@@ -15,6 +15,11 @@ Scoring and SFT share these rules:
   them changed; a manifest that is not a JSON object is an error naming its path.
 - **Place.** The output may not lie inside an input directory (its files would be read as input by the next run or
   ``--resume``), nor may an input lie inside the output.
+- **States.** An output is new (missing or empty), unfinished (a manifest, no ``_SUCCESS``), finished, or foreign
+  (files that are not the job's own). Without ``--resume`` an occupied output is refused with the next command
+  to type; ``--overwrite`` deletes the job's own files (never foreign ones) and starts again; ``--resume`` of a
+  finished job returns its summary without starting a cluster. The refusals need only the output folder, so
+  they come first, before the model is even looked at (:func:`refuse_occupied`).
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ import os
 import re
 import shutil
 import socket
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal
 
-from dask_lm.io.parquet import MANIFEST
+from dask_lm.io.parquet import MANIFEST, SUCCESS
 
-__all__ = ["FORMAT", "LOCK", "locked_output", "read_manifest", "check_resume", "remove_stale",
-           "check_output_location"]
+__all__ = ["FORMAT", "LOCK", "OutputState", "output_state", "refuse_occupied", "clear_output", "locked_output",
+           "read_manifest", "check_resume", "remove_stale", "check_output_location"]
 
 logger = logging.getLogger("dask_lm")
 
@@ -42,8 +48,9 @@ LOCK = ".dask-lm.lock"
 # results written for the same model files, input files and options (numbers, schema): --resume then refuses an
 # output started by the older code instead of mixing the two. ``dask_lm_version`` is recorded for people but not
 # compared: most releases do not change results, and refusing every resume across an upgrade would strand
-# long jobs for nothing. Format 1 (no key) pinned files by size and a partial hash.
-FORMAT = 2
+# long jobs for nothing. Format 1 (no key) pinned files by size and a partial hash; format 3 added the scoring
+# column prompt_tokens (a format-2 output resumed by this code would mix parts with and without it).
+FORMAT = 3
 
 
 @contextlib.contextmanager
@@ -77,6 +84,91 @@ def locked_output(output: str) -> Iterator[str]:
         os.close(fd)  # releases the lock
 
 
+@dataclass(frozen=True)
+class OutputState:
+    """What an output directory holds, read without the lock (a first look; the job looks again under it)."""
+
+    kind: Literal["new", "unfinished", "finished", "foreign"]
+    foreign: tuple[str, ...] = ()
+    """Entries that are not the job's own files (``foreign`` outputs only)."""
+    summary: dict[str, Any] | None = None
+    """``_SUCCESS``'s contents (finished outputs whose ``_SUCCESS`` is a JSON object)."""
+
+
+def _names(output: str) -> list[str]:
+    # dot entries are the lock and temporaries, never results
+    return sorted(f for f in os.listdir(output) if not f.startswith(".")) if os.path.isdir(output) else []
+
+
+def output_state(output: str, owned: str) -> OutputState:
+    """The state of ``output``; ``owned`` is a regular expression for the names of the job's own entries (parts,
+    checkpoints) besides ``_manifest.json`` and ``_SUCCESS``."""
+    names = _names(output)
+    if not names:
+        return OutputState("new")
+    if MANIFEST not in names:  # without a manifest nothing there is known to be a job's own
+        return OutputState("foreign", foreign=tuple(names))
+    regex = re.compile(owned)
+    foreign = tuple(n for n in names if n not in (MANIFEST, SUCCESS) and not regex.fullmatch(n))
+    if foreign:
+        return OutputState("foreign", foreign=foreign)
+    if SUCCESS not in names:
+        return OutputState("unfinished")
+    try:
+        with open(os.path.join(output, SUCCESS), encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError):
+        summary = None
+    return OutputState("finished", summary=summary if isinstance(summary, dict) else None)
+
+
+def refuse_occupied(output: str, state: OutputState, *, job: str, resume: bool, overwrite: bool,
+                    resume_hint: str = "") -> None:
+    """Refuse (``ValueError``, naming the next command to type) an output that this call may not write into:
+    an occupied one without ``--resume`` / ``--overwrite``, a foreign one, both flags at once. ``job`` names what
+    the output holds ("scoring job", "sft run"); ``resume_hint`` adds to the unfinished case's advice."""
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other: --resume continues the job in --output, "
+                         "--overwrite deletes it and starts again; pass one of them")
+    if state.kind == "new":
+        return
+    if state.kind == "foreign":
+        shown = ", ".join(state.foreign[:3]) + (f" and {len(state.foreign) - 3} more" if len(state.foreign) > 3 else "")
+        raise ValueError(f"--output {output} holds files that are not a dask-lm {job}'s ({shown}); dask-lm "
+                         "deletes nothing it did not write: choose a new --output, or move those files away")
+    if resume or overwrite:
+        return
+    if state.kind == "finished":
+        rows = (state.summary or {}).get("rows")
+        done = f" ({rows:,} rows)" if isinstance(rows, int) and job == "scoring job" else ""
+        raise ValueError(f"--output {output} holds a finished dask-lm {job}{done}; pass --resume to keep it (returns "
+                         "its summary at once), --overwrite to run again into it, or choose a new --output")
+    raise ValueError(f"--output {output} holds an unfinished dask-lm {job} (no {SUCCESS}); pass --resume to finish it "
+                     f"with the options {MANIFEST} pins{resume_hint}, --overwrite to discard it and start again with "
+                     "these options, or choose a new --output")
+
+
+def clear_output(output: str, owned: str) -> list[str]:
+    """``--overwrite``: delete the job's own entries of ``output`` (``_SUCCESS`` first, the manifest last, so an
+    interruption leaves a resumable unfinished output, never a finished-looking partial one). Call it under the
+    lock, after :func:`refuse_occupied` made sure nothing foreign is there. Returns what was removed."""
+    regex = re.compile(owned)
+    names = [n for n in _names(output) if regex.fullmatch(n)]
+    removed = []
+    for name in [SUCCESS, *names, MANIFEST]:
+        path = os.path.join(output, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+        else:
+            continue
+        removed.append(path)
+    if removed:
+        logger.info("--overwrite: removed %d entries of the earlier job in %s", len(removed), output)
+    return removed
+
+
 def read_manifest(output: str) -> dict[str, Any] | None:
     """``output/_manifest.json`` as a dict, ``None`` when there is none; ``ValueError`` naming it when damaged."""
     path = os.path.join(output, MANIFEST)
@@ -101,8 +193,8 @@ def check_resume(old: dict[str, Any], new: dict[str, Any], *, output: str, what:
     ``what`` completes "was ... with different ...", e.g. "scored" or "trained". Option keys in ``ignore`` are
     not compared (one not known yet, like an automatic precision before the cluster is up). ``flags`` maps an option
     key to the name users know it by (default: ``--key-with-dashes``)."""
-    fix = (f"resume with the files and options {MANIFEST} pins, or write into a new --output (delete {output} to "
-           "start it again)")
+    fix = (f"resume with the files and options {MANIFEST} pins, pass --overwrite instead of --resume to discard "
+           f"what {output} holds and start again with these, or write into a new --output")
     if old.get("format") != new.get("format"):
         raise ValueError(f"--resume refused: {output} was {what} by dask-lm {old.get('dask_lm_version', '?')} "
                          f"(manifest format {old.get('format', 1)}); this dask-lm writes format {new.get('format')}, "

@@ -130,9 +130,13 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
 
 def output_schema_columns(topk: int) -> list[tuple[str, pa.DataType]]:
     """The columns scoring appends to the input's, in order. ``num_tokens`` and ``logprobs`` describe the row as
-    the model saw it (after ``--truncate``); ``num_scored`` counts the tokens in the sums, and where it is 0 the
-    sums, mean and perplexity are null: an empty response scores no token, which is not a log-likelihood of 0."""
-    cols = [("num_tokens", pa.int32()), ("num_scored", pa.int32()), ("truncated", pa.bool_()),
+    the model saw it (after ``--truncate``): the prompt too, in prompt + response mode. ``prompt_tokens`` is where
+    the scored tokens start: the tokens before the first scored one (the prompt's, or 1 for a text / ids row,
+    whose first token has no context), so ``num_tokens == prompt_tokens + num_scored`` and the response's logprobs
+    are ``logprobs[prompt_tokens:]``. ``num_scored`` counts the tokens in the sums, and where it is 0 the sums,
+    mean and perplexity are null: an empty response scores no token, which is not a log-likelihood of 0."""
+    cols = [("num_tokens", pa.int32()), ("prompt_tokens", pa.int32()), ("num_scored", pa.int32()),
+            ("truncated", pa.bool_()),
             ("logprobs", pa.list_(pa.float32())), ("sum_logprob", pa.float64()), ("mean_logprob", pa.float64()),
             ("perplexity", pa.float64())]
     if topk:

@@ -186,8 +186,11 @@ def _prepare(worker: PolicyWorker, finals: list[str], tmps: list[str], needs_opt
 
 
 def save_checkpoint(worker: PolicyWorker, *, weights: tuple[str, str] | None, optimizer: tuple[str, str] | None,
-                    tokenizer: tuple[str, str, Any] | None, async_save: bool, max_shard_size: int) -> dict[str, Any]:
+                    tokenizer: tuple[str, str, Any] | None, async_save: bool, max_shard_size: int,
+                    weights_tokenizer: Any = None) -> dict[str, Any]:
     """Write the temporary directories; publish them now (sync) or leave that to :func:`finalize_async_save`.
+    ``weights_tokenizer`` (the policy's tokenizer) is saved into the weights directory too, which makes it a
+    complete Hugging Face model directory.
 
     Every rank runs the same collectives in the same order whatever fails, and the ranks agree on success after
     each phase: (1) the directories exist, (2) the weights are gathered and written (rank 0 keeps gathering even
@@ -211,6 +214,8 @@ def save_checkpoint(worker: PolicyWorker, *, weights: tuple[str, str] | None, op
                 _write_weights(worker, weights[0], max_shard_size, staged=staged)
                 if worker.rank == 0:
                     _write_config(worker, weights[0])
+                    if weights_tokenizer is not None:
+                        weights_tokenizer.save_pretrained(weights[0])
         if tokenizer and worker.rank == 0:
             with ckpt.writing(tokenizer[1]):
                 tokenizer[2].save_pretrained(tokenizer[0])

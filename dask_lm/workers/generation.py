@@ -12,6 +12,7 @@ still running anywhere.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +22,14 @@ from dask_lm.workers.logprobs import apply_top_k_top_p
 if TYPE_CHECKING:
     from dask_lm.workers.policy_worker import PolicyWorker
 
-__all__ = ["generate"]
+__all__ = ["generate", "cache_argument"]
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name a model's forward takes its KV cache by, and returns it under: ``cache`` since transformers renamed
+    ``past_key_values`` (5.2x; the old name still works there, with a FutureWarning on every call), else
+    ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def _stop_ids(worker: PolicyWorker) -> set[int]:
@@ -74,13 +82,14 @@ def generate(worker: PolicyWorker, ids: torch.Tensor, lens: torch.Tensor, *, gre
     stop_tensor = torch.tensor(sorted(stops), dtype=torch.int64, device=dev) if stops else None
     generator = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     cache = None
+    cache_key = cache_argument(model)
     step_input, step_pos = left, positions
     step = 0
     try:
         while step < max_new_tokens and _any_running(worker, not bool(finished.all())):
-            out = model(input_ids=step_input, attention_mask=mask, position_ids=step_pos, past_key_values=cache,
-                        use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            out = model(input_ids=step_input, attention_mask=mask, position_ids=step_pos, use_cache=True,
+                        logits_to_keep=1, **{cache_key: cache})
+            cache = out[cache_key]
             logits = out.logits[:, -1].float()
             if temperature != 1.0:
                 logits = logits / temperature

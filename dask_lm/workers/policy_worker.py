@@ -110,6 +110,8 @@ class PolicyWorker:
     def _build_model(self, skip_weight_load: bool) -> torch.nn.Module:
         import transformers
 
+        # one weight-loading bar per worker process would garble the driver's own "loading the model" bar
+        transformers.utils.logging.disable_progress_bar()
         cfg = self.cfg
         auto = (transformers.AutoModelForSequenceClassification if self.is_reward_model
                 else transformers.AutoModelForCausalLM)
@@ -370,11 +372,13 @@ class PolicyWorker:
         return torch.float32 if self.keeps_fp32 else self.dtype
 
     def save_checkpoint(self, weights: tuple[str, str] | None, optimizer: tuple[str, str] | None,
-                        tokenizer: tuple[str, str, Any] | None, *, async_save: bool, max_shard_size: int) -> dict:
+                        tokenizer: tuple[str, str, Any] | None, *, async_save: bool, max_shard_size: int,
+                        weights_tokenizer: Any = None) -> dict:
         from dask_lm.workers import checkpointing
 
         return checkpointing.save_checkpoint(self, weights=weights, optimizer=optimizer, tokenizer=tokenizer,
-                                             async_save=async_save, max_shard_size=max_shard_size)
+                                             async_save=async_save, max_shard_size=max_shard_size,
+                                             weights_tokenizer=weights_tokenizer)
 
     def finalize_async_save(self) -> bool:
         from dask_lm.workers import checkpointing

@@ -266,7 +266,8 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
         bad = [i for i, e in enumerate(rows.errors) if e is not None]
         if bad and not opts.skip_bad_rows:
             more = f" (and {len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
-            raise BadRowError(f"{rows.errors[bad[0]]}{more}; fix the data or pass --skip-bad-rows")
+            raise BadRowError(f"{rows.errors[bad[0]]}{more}; fix the data, or run again with --resume "
+                              "--skip-bad-rows to leave bad rows out (the parts already written are kept)")
         keep = [i for i in range(len(pdf)) if rows.errors[i] is None]
         lps, tops, finite = _score_rows(rep, [rows.ids[i] for i in keep], opts)  # type: ignore[misc]
     t_write = time.perf_counter()
@@ -283,7 +284,8 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
     sums = [_row_sums(lps[j], rows.start[i]) for j, i in enumerate(keep)]
     counts = [len(rows.ids[i]) for i in keep]  # type: ignore[arg-type]
     values: dict[str, Any] = {
-        "num_tokens": counts, "num_scored": [s[0] for s in sums], "truncated": [rows.truncated[i] for i in keep],
+        "num_tokens": counts, "prompt_tokens": [min(rows.start[i], n) for i, n in zip(keep, counts)],
+        "num_scored": [s[0] for s in sums], "truncated": [rows.truncated[i] for i in keep],
         "logprobs": [lp.tolist() for lp in lps], "sum_logprob": [s[1] for s in sums],
         "mean_logprob": [s[2] for s in sums], "perplexity": [s[3] for s in sums]}
     if tops is not None:
