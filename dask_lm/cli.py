@@ -48,6 +48,28 @@ class _CliError(click.ClickException):
     exit_code = 2
 
 
+class _Precision(click.Choice):
+    """``--precision`` with one spelling in every subcommand (``auto``, ``bf16``, ``fp32``, ``fp16``); the torch
+    names (``bfloat16``, ``float32``, ``float16``) that ``logprobs`` once took are accepted and not shown."""
+
+    ALIASES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        return super().convert(self.ALIASES.get(value, value), param, ctx)
+
+
+def _precision_option(*choices: str, help: str) -> Any:
+    return click.option("--precision", type=_Precision(["auto", *choices]), default="auto", show_default=True,
+                        help=help)
+
+
+# options every job command shares, spelled and described once
+_SCHEDULER_HELP = ("Attach to this scheduler address (tcp://host:8786) or scheduler file; default: "
+                   "$DASK_SCHEDULER_ADDRESS, else a local cluster that the command starts and stops.")
+_N_WORKERS_HELP = "Size of the local cluster (default: one worker per GPU, or 2 on a CPU machine)."
+_REVISION_HELP = "Branch, tag or commit of a Hub --model (default: the repository's main branch)."
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", "-V", prog_name="dask-lm", message="%(prog)s %(version)s")
 @click.option("--verbose", "-v", is_flag=True, help="Show Dask's logs and full tracebacks.")
@@ -80,17 +102,21 @@ def _exit_codes(ctx: click.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
         sys.exit(1)
 
 
-@main.command()
+@main.command(epilog="""Examples:
+
+\b
+  dask-lm logprobs "The capital of France is Paris."
+  dask-lm logprobs --model Qwen/Qwen2.5-0.5B --topk 3 "Dask runs tasks." "On every GPU."
+  dask-lm logprobs --model ./my-model --json "one text" > logprobs.jsonl""")
 @click.argument("texts", nargs=-1)
-@click.option("--model", "model_dir", default=None, help="Hugging Face model directory or Hub id, e.g. "
-              "Qwen/Qwen2.5-0.5B (default: a tiny random model built on the spot).")
-@click.option("--revision", default=None, help="Branch, tag or commit of a Hub --model (default: its main branch).")
-@click.option("--scheduler-address", default=None, help="Attach to this scheduler (or scheduler file) instead "
-              "of starting a local cluster.")
-@click.option("--n-workers", type=int, default=None, help="Local cluster size (default: one per GPU, or 2).")
-@click.option("--precision", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              help="auto: bfloat16 with GPUs, float32 without.")
-@click.option("--topk", type=int, default=0, help="Also show the k most likely tokens at each position.")
+@click.option("--model", "model_dir", default=None, help="Hugging Face Hub id (e.g. Qwen/Qwen2.5-0.5B) or model "
+              "directory (default: a tiny random model built on the spot).")
+@click.option("--revision", default=None, help=_REVISION_HELP)
+@click.option("--scheduler-address", default=None, help=_SCHEDULER_HELP)
+@click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
+@_precision_option("bf16", "fp32", "fp16", help="auto: bf16 on a local GPU cluster, fp32 otherwise.")
+@click.option("--topk", type=int, default=0, show_default=True, help="Also show the k most likely tokens at each "
+              "position.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per text instead of a table.")
 @click.pass_context
 def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, revision: str | None,
@@ -101,16 +127,25 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
                 model_dir, scheduler_address, n_workers, precision, topk, as_json, revision)
 
 
-@main.command()
+@main.command(epilog="""Examples:
+
+\b
+  dask-lm score data/*.parquet --model Qwen/Qwen2.5-0.5B --text-column text --id-column id --output scores/
+  dask-lm score data/ --model M --prompt-column prompt --response-column response --output scores/ --topk 20
+  dask-lm score data/ --model M --ids-column input_ids --output scores/ --resume
+  dask-lm score data/ --model M --text-column text --output scores/ --overwrite --precision fp32
+
+Exit codes: 0 done, 2 bad usage or input (before any work), 1 a runtime failure.""")
 @click.argument("inputs", nargs=-1, required=True)
-@click.option("--model", required=True, help="Hugging Face model directory or Hub id (e.g. Qwen/Qwen2.5-0.5B; "
-              "downloaded once into the Hugging Face cache, HF_HUB_OFFLINE=1: the cache only).")
-@click.option("--revision", default=None, help="Branch, tag or commit of a Hub --model (default: its main branch).")
+@click.option("--model", required=True, help="Hugging Face Hub id (e.g. Qwen/Qwen2.5-0.5B; downloaded once into "
+              "the Hugging Face cache, HF_HUB_OFFLINE=1: the cache only) or model directory.")
+@click.option("--revision", default=None, help=_REVISION_HELP)
 @click.option("--output", required=True, help="Output directory (part-NNNNN.parquet, _manifest.json, _SUCCESS).")
 @click.option("--text-column", default=None, help="Score this string column (tokenized as tokenizer(text) does).")
 @click.option("--ids-column", default=None, help="Score this list<int> column of token ids as it is.")
 @click.option("--prompt-column", default=None, help="With --response-column: score only the response tokens.")
-@click.option("--response-column", default=None)
+@click.option("--response-column", default=None, help="With --prompt-column: the string column whose tokens are "
+              "scored.")
 @click.option("--id-column", default=None, help="Keep only this input column in the output (default: all).")
 @click.option("--topk", type=int, default=0, show_default=True, help="Also write the k most likely tokens.")
 @click.option("--max-length", type=int, default=None, help="Longest row in tokens (default and upper bound: the "
@@ -123,20 +158,18 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="Compile the forward on GPU workers (torch.compile): faster scoring after a one-time compilation "
               "of 5-10 s per worker process. Default: only for jobs of about 8M tokens or more per worker.")
-@click.option("--precision", type=click.Choice(["auto", "bf16", "fp32", "fp16"]), default="auto", show_default=True,
-              help="auto: bf16 on GPU workers, fp32 on CPU ones.")
+@_precision_option("bf16", "fp32", "fp16", help="auto: bf16 on GPU workers, fp32 on CPU ones.")
 @click.option("--tokenizer", default=None, help="Tokenizer directory or Hub id (default: the model's).")
-@click.option("--scheduler-address", default=None, help="Attach to this scheduler (or scheduler file); default: "
-              "$DASK_SCHEDULER_ADDRESS, else a local cluster.")
-@click.option("--n-workers", type=int, default=None, help="Local cluster size (default: one per GPU, or 2).")
+@click.option("--scheduler-address", default=None, help=_SCHEDULER_HELP)
+@click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
 @click.option("--resume", is_flag=True, help="Finish the job in --output with the options its _manifest.json pins: "
               "parts already written are kept (a finished job returns at once). May add --skip-bad-rows.")
 @click.option("--overwrite", is_flag=True, help="Delete the earlier job's files in --output and score again with "
               "these options (files dask-lm did not write are never deleted).")
 @click.option("--skip-bad-rows", is_flag=True, help="Leave bad rows out (listed in _errors.parquet) instead of "
               "failing.")
-@click.option("--performance-report", default=None, help="Write Dask's HTML performance report here.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--performance-report", default=None, help="Write Dask's HTML performance report to this file.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (also: DASK_LM_PROGRESS=0).")
 @click.pass_context
 def score(ctx: click.Context, inputs: tuple[str, ...], model: str, output: str, scheduler_address: str | None,
           n_workers: int | None, no_progress: bool, compile_: bool | None, **options: Any) -> None:
@@ -154,35 +187,47 @@ def score(ctx: click.Context, inputs: tuple[str, ...], model: str, output: str, 
     _exit_codes(ctx, run)
 
 
-@main.command()
+@main.command(epilog="""Examples:
+
+\b
+  dask-lm sft data/ --model Qwen/Qwen2.5-0.5B --prompt-column prompt --response-column response \\
+      --output runs/sft-1 --epochs 2 --global-batch-size 64 --lr 1e-5 --save-every 100
+  dask-lm sft data/ --model Qwen/Qwen2.5-0.5B --prompt-column prompt --response-column response \\
+      --output runs/sft-1 --epochs 2 --global-batch-size 64 --lr 1e-5 --save-every 100 --resume
+  dask-lm score eval/ --model runs/sft-1/step_200/weights --text-column text --output eval-scores/
+
+Exit codes: 0 done, 2 bad usage or input (before any work), 1 a runtime failure.""")
 @click.argument("inputs", nargs=-1, required=True)
-@click.option("--model", required=True, help="Hugging Face model directory or Hub id to start from.")
-@click.option("--revision", default=None, help="Branch, tag or commit of a Hub --model (default: its main branch).")
+@click.option("--model", required=True, help="Hugging Face Hub id or model directory to start from.")
+@click.option("--revision", default=None, help=_REVISION_HELP)
 @click.option("--output", required=True, help="Run directory: step_N/ checkpoints, _manifest.json, _SUCCESS.")
 @click.option("--text-column", default=None, help="Train on every token of this string column.")
 @click.option("--prompt-column", default=None, help="With --response-column: train on the response tokens only.")
-@click.option("--response-column", default=None)
-@click.option("--epochs", type=int, default=1, show_default=True)
-@click.option("--max-steps", type=int, default=None, help="Stop after this many optimizer steps.")
+@click.option("--response-column", default=None, help="With --prompt-column: the string column trained on.")
+@click.option("--epochs", type=int, default=1, show_default=True, help="Passes over the rows.")
+@click.option("--max-steps", type=int, default=None, help="Stop after this many optimizer steps (default: all the "
+              "epochs' steps).")
 @click.option("--global-batch-size", type=int, default=32, show_default=True, help="Rows per optimizer step.")
-@click.option("--micro-batch-size", type=int, default=4, show_default=True)
-@click.option("--lr", type=float, default=1e-5, show_default=True)
-@click.option("--weight-decay", type=float, default=0.01, show_default=True)
-@click.option("--warmup-steps", type=int, default=0, show_default=True)
-@click.option("--max-length", type=int, default=1024, show_default=True)
+@click.option("--micro-batch-size", type=int, default=4, show_default=True, help="Rows per forward/backward pass "
+              "on a worker (token budget: --max-length times this).")
+@click.option("--lr", type=float, default=1e-5, show_default=True, help="AdamW learning rate.")
+@click.option("--weight-decay", type=float, default=0.01, show_default=True, help="AdamW weight decay.")
+@click.option("--warmup-steps", type=int, default=0, show_default=True, help="Linear learning-rate warm-up steps.")
+@click.option("--max-length", type=int, default=1024, show_default=True, help="Longest row in tokens.")
 @click.option("--truncate", is_flag=True, help="Cut rows over --max-length instead of failing on them.")
-@click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True)
-@click.option("--save-every", type=int, default=100, show_default=True, help="Checkpoint every N steps.")
-@click.option("--keep", type=int, default=2, show_default=True, help="Checkpoints to keep.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@_precision_option("bf16", "fp32", help="auto: bf16 (fp32 master weights) on GPU workers, fp32 on CPU ones.")
+@click.option("--save-every", type=int, default=100, show_default=True, help="Checkpoint every N steps (and at "
+              "the end).")
+@click.option("--keep", type=int, default=2, show_default=True, help="Newest checkpoints to keep.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the per-epoch row order.")
 @click.option("--no-shuffle", is_flag=True, help="Walk the rows in input order.")
 @click.option("--resume", is_flag=True, help="Continue the run in --output from its newest complete checkpoint (a "
               "run that reached its last step returns at once).")
 @click.option("--overwrite", is_flag=True, help="Delete the earlier run's checkpoints in --output and train again "
               "(files dask-lm did not write are never deleted).")
-@click.option("--scheduler-address", default=None)
-@click.option("--n-workers", type=int, default=None)
-@click.option("--no-progress", is_flag=True)
+@click.option("--scheduler-address", default=None, help=_SCHEDULER_HELP)
+@click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
+@click.option("--no-progress", is_flag=True, help="No progress bar (also: DASK_LM_PROGRESS=0).")
 @click.pass_context
 def sft(ctx: click.Context, inputs: tuple[str, ...], no_shuffle: bool, no_progress: bool, **options: Any) -> None:
     """Supervised fine-tuning (NLL) on parquet INPUTS, with periodic resumable checkpoints."""
@@ -207,9 +252,13 @@ def sft(ctx: click.Context, inputs: tuple[str, ...], no_shuffle: bool, no_progre
     _exit_codes(ctx, run)
 
 
-@main.command()
+@main.command(epilog="""Examples:
+
+\b
+  dask-lm demo
+  dask-lm demo --rows 4096 --n-workers 4""")
 @click.option("--rows", type=int, default=512, show_default=True, help="Rows in the sample dataset.")
-@click.option("--n-workers", type=int, default=None, help="Local cluster size (default: one per GPU, or 2).")
+@click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
 @click.pass_context
 def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
     """Build a tiny model and a sample parquet dataset, score it on a local cluster, print a summary."""
@@ -294,6 +343,7 @@ def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: st
     model_dir = resolve_model(model_dir, revision=revision).path if model_dir is not None else _tiny_model_dir()
     if precision == "auto":
         precision = "bfloat16" if count_gpus() and not scheduler_address else "float32"
+    precision = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(precision, precision)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "right"
     if tokenizer.pad_token is None:

@@ -27,6 +27,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -152,6 +153,7 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
 
     import dask_lm
     from dask_lm.engine.cluster import close, connect
+    from dask_lm.engine.progress import progress_enabled
     from dask_lm.engine.scoring import _check_mode, _worker_has_gpu
 
     _check_mode(text_column, None, prompt_column, response_column)
@@ -198,6 +200,8 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
         owns = client is None
         client = client or connect(scheduler_address, n_workers=n_workers)
         try:
+            if progress and progress_enabled() and getattr(client, "dashboard_link", None):
+                print(f"dask-lm: watch the run on the Dask dashboard at {client.dashboard_link}", file=sys.stderr)
             if precision in (None, "auto"):
                 precision = "bfloat16" if _worker_has_gpu(client) else "float32"
             precision = _PRECISIONS.get(precision, precision)
@@ -363,7 +367,9 @@ def _save(policy: Any, output: str, state: dict[str, Any], keep: int) -> None:
 
 
 def _bar(total: int, done: int, enabled: bool) -> Any:
-    if not enabled:
+    from dask_lm.engine.progress import progress_enabled
+
+    if not (enabled and progress_enabled()):
         return None
     from tqdm.auto import tqdm
 

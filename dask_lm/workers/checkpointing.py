@@ -130,11 +130,10 @@ def _write_config(worker: PolicyWorker, tmp: str) -> None:
 
     cfg = copy.deepcopy(worker.model.config)
     cfg.dtype = worker.save_dtype  # what the safetensors hold (fp32 masters of a bf16 policy)
-    if hasattr(cfg, "torch_dtype") and not isinstance(getattr(type(cfg), "torch_dtype", None), property):
-        try:
-            cfg.torch_dtype = worker.save_dtype
-        except AttributeError:
-            pass
+    # older transformers keep a separate torch_dtype attribute; newer ones make it a deprecated alias of dtype
+    # (a property that warns when read), so look at the class, not the instance
+    if not isinstance(getattr(type(cfg), "torch_dtype", None), property) and "torch_dtype" in vars(cfg):
+        cfg.torch_dtype = worker.save_dtype
     cfg.save_pretrained(tmp)
     gen = getattr(worker.model, "generation_config", None)
     if gen is not None and getattr(worker.model, "can_generate", lambda: False)():
