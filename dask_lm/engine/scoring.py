@@ -256,8 +256,9 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
     jobdir.check_output_location(output, input, files)
     # what the output folder allows needs only its listing: refused before the model is looked at (and again under
     # the lock below)
-    jobdir.refuse_occupied(output, jobdir.output_state(output, _OWNED), job="scoring job", resume=resume,
-                           overwrite=overwrite, resume_hint=_RESUME_HINT)
+    state = jobdir.output_state(output, _OWNED)
+    jobdir.refuse_occupied(output, state, job="scoring job", resume=resume, overwrite=overwrite,
+                           resume_hint=_RESUME_HINT)
     source = hub.resolve_model(model, revision=revision)  # a Hub id becomes its cache snapshot, here, once
     model = source.path
     info = modelcheck.check_model(model)
@@ -270,7 +271,8 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
                    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             raise ValueError(f"{tokenizer!r} has no tokenizer files; pass --tokenizer, or score token ids with "
                              "--ids-column")
-        modelcheck.check_tokenizer(tokenizer)
+        if not (resume and state.kind == "finished"):  # nothing will be tokenized (its files are still pinned)
+            modelcheck.check_tokenizer(tokenizer)
     inputs = pio.inspect_inputs(files, text_column=text_column, ids_column=ids_column,
                                 prompt_column=prompt_column, response_column=response_column, id_column=id_column)
     separate_tokenizer = tokenizer if tokenizer != model else None  # else its files are among the model's

@@ -198,7 +198,8 @@ def check_resume(old: dict[str, Any], new: dict[str, Any], *, output: str, what:
     if old.get("format") != new.get("format"):
         raise ValueError(f"--resume refused: {output} was {what} by dask-lm {old.get('dask_lm_version', '?')} "
                          f"(manifest format {old.get('format', 1)}); this dask-lm writes format {new.get('format')}, "
-                         f"whose pins and results may differ; write into a new --output instead")
+                         f"whose pins and results may differ; pass --overwrite instead of --resume to run it again with this "
+                         "dask-lm, or write into a new --output")
     diffs = _differences(old, new, ignore, flags or {})
     if diffs:
         kinds = list(dict.fromkeys(kind for kind, _ in diffs))
