@@ -294,9 +294,10 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
             if os.path.exists(os.path.join(output, pio.SUCCESS)):
                 return _finished(output, old)
         owns = client is None
-        bar = JobBar(inputs.num_rows, "scoring", "row", "starting a local cluster" if owns and not (
-            scheduler_address or os.environ.get("DASK_SCHEDULER_ADDRESS")) else "connecting to the cluster",
-            enabled=progress)
+        remote = scheduler_address or os.environ.get("DASK_SCHEDULER_ADDRESS")
+        waiting = ("asking the workers about their devices" if not owns else "connecting to the cluster" if remote
+                   else "starting a local cluster")
+        bar = JobBar(inputs.num_rows, "scoring", "row", waiting, enabled=progress)
         try:
             client = client or connect(scheduler_address, n_workers=n_workers)
         except BaseException:
