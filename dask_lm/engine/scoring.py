@@ -261,7 +261,8 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
                            resume_hint=_RESUME_HINT)
     source = hub.resolve_model(model, revision=revision)  # a Hub id becomes its cache snapshot, here, once
     model = source.path
-    info = modelcheck.check_model(model)
+    finished = resume and state.kind == "finished"  # nothing will be loaded or tokenized: its files are compared
+    info = modelcheck.check_model(model, load_config=not finished)
     if info.vocab_size is not None and topk > info.vocab_size:
         raise ValueError(f"--topk {topk} is larger than the model's vocabulary ({info.vocab_size} tokens, vocab_size "
                          f"in {os.path.join(model, modelcheck.CONFIG)}); pass --topk {info.vocab_size} or less")
@@ -271,7 +272,7 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
                    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             raise ValueError(f"{tokenizer!r} has no tokenizer files; pass --tokenizer, or score token ids with "
                              "--ids-column")
-        if not (resume and state.kind == "finished"):  # nothing will be tokenized (its files are still pinned)
+        if not finished:
             modelcheck.check_tokenizer(tokenizer)
     inputs = pio.inspect_inputs(files, text_column=text_column, ids_column=ids_column,
                                 prompt_column=prompt_column, response_column=response_column, id_column=id_column)

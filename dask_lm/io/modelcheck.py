@@ -55,8 +55,11 @@ class ModelInfo:
     """The vocabulary size from the config (``get_text_config()`` for composite models), when it states one."""
 
 
-def check_model(model: str) -> ModelInfo:
-    """Check a Hugging Face model directory as ``from_pretrained`` will read it; ``ValueError`` names the file."""
+def check_model(model: str, *, load_config: bool = True) -> ModelInfo:
+    """Check a Hugging Face model directory as ``from_pretrained`` will read it; ``ValueError`` names the file.
+    ``load_config=False`` leaves out loading the config through transformers (seconds of imports) and so the
+    vocabulary size: for a job that will not load the model (a finished one's ``--resume``, whose files are
+    still compared by content)."""
     if not os.path.isdir(model):
         raise ValueError(f"--model {model!r} is not a directory")
     config_path = os.path.join(model, CONFIG)
@@ -64,7 +67,7 @@ def check_model(model: str) -> ModelInfo:
         raise ValueError(f"--model {model!r} has no config.json: not a Hugging Face model directory")
     _read_json(config_path, "a model config")
     weights = _weight_files(model)
-    vocab_size = _auto_config_vocab(model, config_path)
+    vocab_size = _auto_config_vocab(model, config_path) if load_config else None
     headers = {}  # safetensors file -> its tensor names: each header is read once
     for name in weights:
         if name.endswith(".safetensors"):
