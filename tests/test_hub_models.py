@@ -103,3 +103,16 @@ def test_cli_names_a_missing_hub_model_with_exit_2_and_no_cluster(hub_cache, tmp
     assert out.returncode == 2, out.stderr
     assert "Qwen/Qwen2.5-0.5B" in out.stderr and "hf download Qwen/Qwen2.5-0.5B" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_hub_repository_with_only_pickled_weights_is_refused(hub_cache, tiny):
+    """Pickled ``.bin`` weights from the Hub are never fetched or loaded (unpickling runs the file's code)."""
+    repo = hub_cache / "models--dask-lm-tests--pickles-only"
+    snap = repo / "snapshots" / ("d" * 40)
+    snap.mkdir(parents=True)
+    shutil.copy(os.path.join(tiny["llama"], "config.json"), snap / "config.json")
+    (snap / "pytorch_model.bin").write_bytes(b"not loaded")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("d" * 40)
+    with pytest.raises(ValueError, match="no safetensors weights.*save_pretrained"):
+        resolve_model("dask-lm-tests/pickles-only")

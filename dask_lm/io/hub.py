@@ -13,8 +13,10 @@ The Hub's own conventions hold, read when the call is made (so a test or a noteb
 from ``HF_TOKEN`` or ``hf auth login``. ``revision`` is a branch, tag or commit. Workers on other machines must
 see the same path: put ``HF_HOME`` on a shared filesystem, or download on every node to the same place.
 
-Only the files a causal LM loads are fetched (config, safetensors weights and index, tokenizer and generation
-files); ``pytorch_model*.bin`` only when a repository has no safetensors weights.
+Only data files are fetched: config, safetensors weights and index, tokenizer and generation files. Neither a
+repository's Python code (dask-lm never passes ``trust_remote_code``) nor pickled ``pytorch_model*.bin`` weights
+(unpickling a file from the Hub would run whatever it holds): a repository without safetensors weights is refused
+with the fix.
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ from dataclasses import dataclass
 
 __all__ = ["ModelSource", "resolve_model", "looks_like_hub_id"]
 
-# what from_pretrained reads for a causal LM and its tokenizer; not ONNX / GGUF / original checkpoints
-_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
-_BIN_PATTERNS = ["pytorch_model*.bin"]
+# what from_pretrained reads for a causal LM and its tokenizer, data only: no code, no pickles, no ONNX / GGUF
+_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 # the Hub's repository names: an optional namespace, then letters, digits, "-", "_", "." (at most 96 characters)
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 _TRUE = {"1", "ON", "YES", "TRUE"}
@@ -106,10 +107,6 @@ def _from_hub(repo_id: str, revision: str | None, what: str) -> ModelSource:
     try:
         path = snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=offline,
                                  allow_patterns=_PATTERNS)
-        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
-            # an older repository that ships pickled weights only
-            path = snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=offline,
-                                     allow_patterns=_PATTERNS + _BIN_PATTERNS)
     except GatedRepoError:
         raise ValueError(f"{what} {shown}: the model is gated on the Hugging Face Hub; accept its terms at "
                          f"https://huggingface.co/{repo_id} and log in (`hf auth login`, or set HF_TOKEN)") from None
@@ -132,5 +129,10 @@ def _from_hub(repo_id: str, revision: str | None, what: str) -> ModelSource:
     except HfHubHTTPError as e:
         raise ValueError(f"{what} {shown}: the Hugging Face Hub answered {e}; retry, or pass a local model "
                          "directory") from None
+    if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+        raise ValueError(f"{what} {shown}: the repository has no safetensors weights (only pickled ones, which dask-lm "
+                         "does not download: loading them would run code from the file); convert it once where you "
+                         "trust it (from_pretrained, then save_pretrained(dir, safe_serialization=True)) and pass "
+                         "that directory")
     commit = os.path.basename(path) if os.path.basename(os.path.dirname(path)) == "snapshots" else None
     return ModelSource(path=os.path.abspath(path), hub_id=repo_id, revision=revision, commit=commit)
