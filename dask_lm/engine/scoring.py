@@ -19,7 +19,6 @@ outside the inputs. A bad row found while scoring fails the job with a message n
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -190,12 +189,7 @@ def _prepare_output(output: str, manifest: dict[str, Any], old: dict[str, Any] |
 def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
     """``--resume`` of a complete output: nothing to score and no cluster to start; the summary is ``_SUCCESS``'s."""
     parts = int(manifest["partitions"])
-    try:
-        with open(os.path.join(output, pio.SUCCESS)) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        summary = None
-    summary = summary if isinstance(summary, dict) else {}
+    summary = jobdir.read_summary(output)
     totals = _output_totals(output, parts)  # from the parts themselves: they are what the output holds
     return ScoreResult(output=output, rows=int(summary.get("rows") or 0), tokens=int(summary.get("tokens") or 0),
                        parts=parts, parts_skipped=parts, bad_rows=int(summary.get("bad_rows") or 0), seconds=0.0,

@@ -68,12 +68,7 @@ def _finished(output: str, newest: tuple[int, str]) -> SFTResult:
     """``resume`` of a run that reached its last step: its ``_SUCCESS`` summary, no cluster, no file touched."""
     with open(os.path.join(newest[1], "training_state.json")) as f:
         state = json.load(f)
-    try:
-        with open(os.path.join(output, pio.SUCCESS)) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        summary = {}
-    summary = summary if isinstance(summary, dict) else {}
+    summary = jobdir.read_summary(output)
     return SFTResult(output=output, steps=int(state["step"]), epochs_completed=int(summary.get("epochs_completed", 0)),
                      losses=list(state.get("losses", [])), resumed_from=newest[0], seconds=0.0,
                      checkpoint=newest[1], already_complete=True)

@@ -38,8 +38,8 @@ from typing import Any, Iterator, Literal
 
 from dask_lm.io.parquet import MANIFEST, SUCCESS
 
-__all__ = ["FORMAT", "LOCK", "OutputState", "output_state", "refuse_occupied", "clear_output", "locked_output",
-           "read_manifest", "check_resume", "remove_stale", "check_output_location"]
+__all__ = ["FORMAT", "LOCK", "OutputState", "output_state", "read_summary", "refuse_occupied", "clear_output",
+           "locked_output", "read_manifest", "check_resume", "remove_stale", "check_output_location"]
 
 logger = logging.getLogger("dask_lm")
 
@@ -92,7 +92,7 @@ class OutputState:
     foreign: tuple[str, ...] = ()
     """Entries that are not the job's own files (``foreign`` outputs only)."""
     summary: dict[str, Any] | None = None
-    """``_SUCCESS``'s contents (finished outputs whose ``_SUCCESS`` is a JSON object)."""
+    """``_SUCCESS``'s contents (finished outputs; :func:`read_summary`)."""
 
 
 def _names(output: str) -> list[str]:
@@ -114,12 +114,18 @@ def output_state(output: str, owned: str) -> OutputState:
         return OutputState("foreign", foreign=foreign)
     if SUCCESS not in names:
         return OutputState("unfinished")
+    return OutputState("finished", summary=read_summary(output))
+
+
+def read_summary(output: str) -> dict[str, Any]:
+    """``output/_SUCCESS`` as a dict: the finished job's summary, ``{}`` when it is missing or not a JSON object
+    (an older or hand-made marker still marks the job finished; its numbers are then unknown)."""
     try:
         with open(os.path.join(output, SUCCESS), encoding="utf-8") as f:
             summary = json.load(f)
     except (OSError, UnicodeDecodeError, ValueError):
-        summary = None
-    return OutputState("finished", summary=summary if isinstance(summary, dict) else None)
+        return {}
+    return summary if isinstance(summary, dict) else {}
 
 
 def refuse_occupied(output: str, state: OutputState, *, job: str, resume: bool, overwrite: bool,
