@@ -18,18 +18,18 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     "PolicyConfig": "dask_lm.config",
-    "BatchedDataDict": "dask_lm.engine.batch",
-    "DynamicBatchingArgs": "dask_lm.engine.batch",
-    "SequencePackingArgs": "dask_lm.engine.batch",
-    "SlicedDataDict": "dask_lm.engine.batch",
+    "BatchedDataDict": "dask_lm.data.batch",
+    "DynamicBatchingArgs": "dask_lm.data.batch",
+    "SequencePackingArgs": "dask_lm.data.batch",
+    "SlicedDataDict": "dask_lm.data.batch",
     "connect": "dask_lm.engine.cluster",
-    "PackingAlgorithm": "dask_lm.engine.packing",
-    "get_packer": "dask_lm.engine.packing",
+    "PackingAlgorithm": "dask_lm.data.packing",
+    "get_packer": "dask_lm.data.packing",
     "Policy": "dask_lm.engine.policy",
     "set_progress": "dask_lm.engine.progress",
     "ScoreResult": "dask_lm.engine.scoring",
     "score_parquet": "dask_lm.engine.scoring",
-    "BatchError": "dask_lm.engine.sharding",
+    "BatchError": "dask_lm.data.sharding",
     "FLOPTracker": "dask_lm.engine.metrics",
     "Timer": "dask_lm.engine.metrics",
     "RankFailedError": "dask_lm.engine.worker_group",
@@ -59,14 +59,14 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from dask_lm.config import PolicyConfig
-    from dask_lm.engine.batch import BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs, SlicedDataDict
+    from dask_lm.data.batch import BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs, SlicedDataDict
+    from dask_lm.data.packing import PackingAlgorithm, get_packer
+    from dask_lm.data.sharding import BatchError
     from dask_lm.engine.cluster import connect
     from dask_lm.engine.metrics import FLOPTracker, Timer
-    from dask_lm.engine.packing import PackingAlgorithm, get_packer
     from dask_lm.engine.policy import Policy
     from dask_lm.engine.progress import set_progress
     from dask_lm.engine.scoring import ScoreResult, score_parquet
-    from dask_lm.engine.sharding import BatchError
     from dask_lm.engine.worker_group import RankFailedError, WorkerLostError
     from dask_lm.losses import (
         ClippedPGLossConfig,

@@ -6,7 +6,7 @@ import pyarrow as pa
 import torch
 
 from dask_lm import BatchedDataDict
-from dask_lm.io.arrow import from_arrow, list_values_offsets, pad_from_offsets, to_arrow
+from dask_lm.data.arrow import from_arrow, list_values_offsets, pad_from_offsets, to_arrow
 
 
 def _example():

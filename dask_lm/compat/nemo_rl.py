@@ -56,7 +56,7 @@ def _loss_modules() -> dict[str, types.ModuleType]:
 
 
 def _modules() -> dict[str, types.ModuleType]:
-    from dask_lm.engine import batch, packing, sharding
+    from dask_lm.data import batch, packing, sharding
 
     batched = types.ModuleType("nemo_rl.distributed.batched_data_dict")
     for name in ("BatchedDataDict", "SlicedDataDict"):

@@ -22,8 +22,9 @@ import torch
 from distributed import span, wait
 
 from dask_lm.config import PolicyConfig
+from dask_lm.data.arrow import shard_to_wire
+from dask_lm.data.batch import BatchedDataDict
 from dask_lm.engine import progress
-from dask_lm.engine.batch import BatchedDataDict
 from dask_lm.engine.cluster import as_client
 from dask_lm.engine.events import log_call
 from dask_lm.engine.metrics import timed
@@ -33,7 +34,6 @@ from dask_lm.engine.validation import validate_input_batch
 from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.io import hub
 from dask_lm.io.hub import ModelSource
-from dask_lm.io.arrow import shard_to_wire
 from dask_lm.workers import tasks
 from dask_lm.workers.optim import check_optim_config
 

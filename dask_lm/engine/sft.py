@@ -103,7 +103,7 @@ _TOKENIZERS: dict[str, Any] = {}
 
 def _batch(rows: list[tuple[list[int], int]], size: int, pad_id: int) -> Any:
     """A right-padded training batch of ``size`` rows (missing rows are copies with sample_mask 0)."""
-    from dask_lm.engine.batch import BatchedDataDict
+    from dask_lm.data.batch import BatchedDataDict
 
     real = len(rows)
     rows = rows + [rows[0]] * (size - real)

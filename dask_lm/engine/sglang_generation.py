@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dask_lm.engine.batch import BatchedDataDict
+from dask_lm.data.batch import BatchedDataDict
 
 __all__ = ["SGLangGenerator", "sampling_params", "per_row"]
 

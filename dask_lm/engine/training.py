@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import span
 
-from dask_lm.engine.batch import BatchedDataDict
+from dask_lm.data.arrow import shard_to_wire
+from dask_lm.data.batch import BatchedDataDict
 from dask_lm.engine import progress
 from dask_lm.engine.events import log_call
 from dask_lm.engine.metrics import FLOPTracker, aggregate_flops_metrics, timed
 from dask_lm.engine.validation import validate_input_batch, validate_train_batch
 from dask_lm.io import checkpoint as ckpt
-from dask_lm.io.arrow import shard_to_wire
 from dask_lm.workers import tasks
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dask_lm.engine.batch import BatchedDataDict
+from dask_lm.data.batch import BatchedDataDict
 
 __all__ = ["validate_input_batch", "validate_train_batch"]
 

@@ -19,20 +19,13 @@ from typing import Any
 
 from distributed import Client, Future, Lock, as_completed, wait
 
+from dask_lm.errors import RankFailedError, WorkerLostError
 from dask_lm.workers import lease, tasks
 from dask_lm.workers.state import DaskLMWorkerState
 
 __all__ = ["WorkerGroup", "RankFailedError", "WorkerLostError"]
 
 logger = logging.getLogger("dask_lm")
-
-
-class RankFailedError(RuntimeError):
-    """A rank's task failed or its worker died; the group must be re-created."""
-
-
-class WorkerLostError(RankFailedError):
-    """A rank's worker died or restarted: its shard of the model is gone, so this Policy cannot run again."""
 
 
 def _scheduler_info(client: Client) -> dict[str, Any]:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from dask_lm.errors import CheckpointWriteError
+
 __all__ = ["temporary_sibling", "publish", "discard", "parse_size", "plan_shards", "write_shard", "write_index",
            "fsync_tree", "BackgroundWriter", "CheckpointWriteError", "write_error", "writing", "WEIGHTS_NAME",
            "WEIGHTS_INDEX_NAME"]
@@ -140,13 +142,6 @@ def write_index(directory: str, shards: list[list[str]], total_size: int) -> Non
 
 
 # ----------------------------------------------------------------------------------------- write errors
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written. One line: the path, the operating system's reason, the fix; ``errno``
-    is set when the reason is known."""
-
-    def __str__(self) -> str:
-        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
-
 
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's io::Error (safetensors) ends its message
 _FULL_BYTES = 1 << 20  # less free than this after a failed write: the filesystem ran full

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from dask_lm.errors import UnsafeCheckpointError
+
 __all__ = ["UnsafeCheckpointError", "load_plain", "read_dcp_metadata", "dcp_load", "one_line"]
 
 # what torch's DCP writes into .metadata (checked against the files torch 2.x writes, FSDP or not)
@@ -39,10 +41,6 @@ _ALLOWED = {(_DCP_METADATA, n) for n in ("Metadata", "MetadataIndex", "StorageMe
 # looked up by name in a table made here: a name from the file is never an attribute lookup on torch
 _TORCH_VALUES = {n: v for n, v in vars(torch).items()
                  if isinstance(v, (torch.dtype, torch.layout, torch.memory_format))}
-
-
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file that cannot be read as data only (tampered with, corrupt, or from a foreign writer)."""
 
 
 def one_line(e: BaseException) -> str:

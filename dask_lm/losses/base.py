@@ -19,9 +19,9 @@ unused) and losses read it with ``[:, 1:]`` to line up with ``next_token_logprob
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
-import contextlib
 import enum
 import threading
 from collections.abc import Iterator, Mapping
@@ -29,14 +29,11 @@ from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from dask_lm.errors import LossConfigError
+
 __all__ = ["LossType", "LossInputType", "MetricNormalizer", "LossFunction", "masked_mean", "metric",
            "deferred_metrics", "calculate_kl",
            "LossConfig", "LossConfigError", "BaseLoss"]
-
-
-class LossConfigError(ValueError, AssertionError):
-    """An invalid loss configuration. A ``ValueError`` (bad user input) and an ``AssertionError`` too, because NeMo
-    RL asserts the same conditions and code written against it may catch that."""
 
 
 class LossType(str, enum.Enum):

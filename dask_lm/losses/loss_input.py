@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from dask_lm.losses.base import LossInputType
+from dask_lm.losses.sampling import apply_top_k_top_p
 
 __all__ = ["prepare_loss_input", "get_next_token_logprobs_from_logits", "get_logprobs_from_logits",
            "get_distillation_topk_logprobs_from_logits", "input_type_of"]
@@ -46,8 +47,6 @@ def get_next_token_logprobs_from_logits(input_ids: torch.Tensor, next_token_logi
     ``sampling_params`` (``temperature`` / ``top_k`` / ``top_p``) filter the distribution as the sampler did;
     the logits are taken as already divided by the temperature. Tokens outside the filter get 0.
     """
-    from dask_lm.workers.logprobs import apply_top_k_top_p
-
     _temperature, top_k, top_p = _sampling(sampling_params)
     logits = next_token_logits[:, :-1].float()
     targets = input_ids[:, 1:].to(logits.device, torch.int64)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dask_lm.workers.logprobs import apply_top_k_top_p
+from dask_lm.losses.sampling import apply_top_k_top_p
 
 if TYPE_CHECKING:
     from dask_lm.workers.policy_worker import PolicyWorker

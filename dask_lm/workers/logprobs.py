@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dask_lm.losses.sampling import apply_top_k_top_p
 from dask_lm.workers import device, fused
 
 __all__ = ["OutputHead", "output_head", "next_token_logprobs", "next_token_logprobs_train", "topk_logits",
@@ -67,22 +68,6 @@ def output_head(model: torch.nn.Module) -> OutputHead:
     weight = head.weight
     return OutputHead(weight, getattr(head, "bias", None), scale, softcap,
                       fp32_out=weight.is_cuda and device.fp32_logits_capable(weight.dtype))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
-    """Set logits outside the sampler's top-k / nucleus to -inf (rows are independent positions)."""
-    if top_k is not None and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the mass strictly before it already reaches top_p; the top token always stays
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
 
 
 def _chunks(n: int, chunk_size: int | None) -> list[tuple[int, int]]:

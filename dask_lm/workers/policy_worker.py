@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from dask_lm.config import PolicyConfig
-from dask_lm.engine.batch import BatchedDataDict
+from dask_lm.data.batch import BatchedDataDict
+from dask_lm.io.checkpoint import BackgroundWriter
 from dask_lm.workers import device, fused, varlen
 from dask_lm.workers.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
 from dask_lm.workers.inference import forward_rows, run_pass
-from dask_lm.io.checkpoint import BackgroundWriter
 from dask_lm.workers.logprobs import next_token_logprobs, output_head, topk_logits
 from dask_lm.workers.optim import MasterWeights, build_optimizer, build_scheduler, resolve_class
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dask_lm.errors import RefitError
 from dask_lm.workers import buckets as bk
 from dask_lm.workers import device, wire, zmq_endpoint
 from dask_lm.workers.checkpointing import full_tensor, weight_names
@@ -35,10 +36,6 @@ __all__ = ["RefitError", "refit_info", "iter_buckets", "stream_via_zmq", "close_
 
 logger = logging.getLogger("dask_lm.worker")
 ZMQ_ALIGN = wire.ALIGN
-
-
-class RefitError(RuntimeError):
-    """An inference engine refused or lost a weight update; the message is the engine's own."""
 
 
 def refit_info(worker: PolicyWorker) -> dict[str, tuple[torch.Size, torch.dtype]]:

@@ -15,11 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dask_lm.errors import BadRowError
+
 __all__ = ["BadRowError", "PreparedRows", "position_limit", "prepare_rows"]
-
-
-class BadRowError(ValueError):
-    """A row (or row group) that cannot be scored; the message names file, row and column and the fix."""
 
 
 @dataclass

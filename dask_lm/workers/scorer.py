@@ -23,16 +23,13 @@ from typing import Any
 
 import torch
 
+from dask_lm.errors import NonFiniteError
 from dask_lm.workers import device, fused, varlen
 from dask_lm.workers.inference import forward_rows
 from dask_lm.workers.logprobs import next_token_logprobs, output_head, topk_logits
 from dask_lm.workers.rows import BadRowError, prepare_rows
 
 __all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "score_partition", "release_scorers"]
-
-
-class NonFiniteError(RuntimeError):
-    """The model produced NaN / inf logprobs: a runtime failure (exit 1), not bad input."""
 
 
 @dataclass(frozen=True)

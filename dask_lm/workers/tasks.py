@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from dask_lm.errors import PeerFailedError
+
 __all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "call_policy", "shutdown_policy", "PeerFailedError", "Failed",
            "call_policy_settled", "unwrap"]
-
-
-class PeerFailedError(RuntimeError):
-    """This rank was fine, but another rank of the same call failed; the driver reports that rank's error."""
 
 
 def find_free_port(_prev: Any = None) -> tuple[str, int]:
@@ -135,7 +133,7 @@ def _policy(policy_id: str) -> Any:
 
 def call_policy(_prev: Any, policy_id: str, method: str, payload: Any = None, *args: Any, **kwargs: Any) -> Any:
     """Call ``method`` of this rank's PolicyWorker. ``payload`` is an Arrow shard + metadata or None."""
-    from dask_lm.io.arrow import shard_from_wire
+    from dask_lm.data.arrow import shard_from_wire
 
     worker = _policy(policy_id)
     fn = getattr(worker, method, None)

@@ -26,13 +26,13 @@ from torch.profiler import record_function
 
 from dask_lm.losses.base import deferred_metrics
 from dask_lm.workers import device, fused, varlen
-from dask_lm.workers.tasks import report_progress
 from dask_lm.workers.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
 from dask_lm.workers.logprobs import next_token_logprobs_train, output_head
 from dask_lm.workers.loss_inputs import loss_inputs_from_hidden
+from dask_lm.workers.tasks import report_progress
 
 if TYPE_CHECKING:
-    from dask_lm.engine.batch import BatchedDataDict
+    from dask_lm.data.batch import BatchedDataDict
     from dask_lm.workers.policy_worker import PolicyWorker
 
 __all__ = ["train"]

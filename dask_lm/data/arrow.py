@@ -130,7 +130,7 @@ def to_arrow(data: Any) -> pa.Table:
 
 def from_arrow(table: pa.Table, *, device: torch.device | str | None = None) -> Any:
     """The BatchedDataDict that ``to_arrow`` encoded (or plain Arrow columns: lists become padded tensors)."""
-    from dask_lm.engine.batch import BatchedDataDict
+    from dask_lm.data.batch import BatchedDataDict
 
     out = BatchedDataDict()
     for name, col in zip(table.column_names, table.columns):

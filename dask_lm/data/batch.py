@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.nn.functional as F
 
-from dask_lm.engine.sharding import (
+from dask_lm.data.sharding import (
     BatchError,
     DynamicBatchingArgs,
     SequencePackingArgs,
@@ -173,7 +173,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                             dynamic_batching_args: DynamicBatchingArgs | None = None,
                             sequence_packing_args: SequencePackingArgs | None = None
                             ) -> list[SlicedDataDict] | tuple[list[SlicedDataDict], list[int]]:
-        """Split into ``shards`` data-parallel shards (see ``dask_lm.engine.sharding``).
+        """Split into ``shards`` data-parallel shards (see ``dask_lm.data.sharding``).
 
         Cuts the batch into ``batch_size`` chunks (default: one chunk) and gives shard s the s-th slice of each:
         with 8 rows, ``batch_size=4`` and 2 shards, shard 0 holds rows 0, 1, 4, 5. With dynamic batching or
@@ -240,13 +240,13 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     # ----------------------------------------------------------------------------------------- arrow
     def to_arrow(self) -> Any:
         """An Arrow table (token ids as ``list<int32>``, padding trimmed when it is uniform); lossless."""
-        from dask_lm.io.arrow import to_arrow
+        from dask_lm.data.arrow import to_arrow
 
         return to_arrow(self)
 
     @classmethod
     def from_arrow(cls, table: Any, *, device: torch.device | str | None = None) -> BatchedDataDict:
-        from dask_lm.io.arrow import from_arrow
+        from dask_lm.data.arrow import from_arrow
 
         return from_arrow(table, device=device)
 

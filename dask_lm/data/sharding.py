@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import torch
 
-from dask_lm.engine.packing import get_packer
+from dask_lm.data.packing import get_packer
+from dask_lm.errors import BatchError
 
 if TYPE_CHECKING:
-    from dask_lm.engine.batch import BatchedDataDict
+    from dask_lm.data.batch import BatchedDataDict
 
 try:
     from typing import NotRequired
@@ -32,11 +33,6 @@ except ImportError:  # Python 3.10
     from typing_extensions import NotRequired
 
 __all__ = ["BatchError", "DynamicBatchingArgs", "SequencePackingArgs", "shard_batch", "batch_size_of"]
-
-
-class BatchError(ValueError, AssertionError):
-    """A batch that cannot be split as asked. A ``ValueError`` (bad input), and an ``AssertionError`` too, because
-    NeMo RL asserts the same conditions and code written against it may catch that."""
 
 
 class DynamicBatchingArgs(TypedDict):
@@ -63,7 +59,7 @@ def shard_batch(data: BatchedDataDict, shards: int, batch_size: int | None = Non
                 dynamic_batching_args: DynamicBatchingArgs | None = None,
                 sequence_packing_args: SequencePackingArgs | None = None) -> Any:
     """The body of ``BatchedDataDict.shard_by_batch_size`` (see there)."""
-    from dask_lm.engine.batch import SlicedDataDict
+    from dask_lm.data.batch import SlicedDataDict
 
     if shards < 1:
         raise BatchError(f"shards must be >= 1, got {shards}")
@@ -157,7 +153,7 @@ def _cut_dynamic_micro_batches(shards: list[Any], shard_size: int, num_chunks: i
 
 def _pack_shards(data: BatchedDataDict, shards: int, batch_size: int, num_chunks: int, args: SequencePackingArgs,
                  allow_uneven: bool) -> tuple[list[Any], list[int]]:
-    from dask_lm.engine.batch import SlicedDataDict
+    from dask_lm.data.batch import SlicedDataDict
 
     order = args.get("microbatch_order")
     if order not in (None, "packer", "largest_first"):

@@ -1,0 +1,59 @@
+"""Every exception class dask-lm raises on purpose, in one module that imports nothing.
+
+User mistakes are ``ValueError`` (with the key, row or file and the fix in the message); the subclasses here let
+callers tell the kinds apart. Runtime failures of the cluster or an engine are ``RuntimeError`` subclasses. The
+modules that raise them import them from here; the public ones are also ``dask_lm.<Name>``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BatchError", "LossConfigError", "BadRowError", "UnsafeCheckpointError", "CheckpointWriteError",
+           "RankFailedError", "WorkerLostError", "PeerFailedError", "RefitError", "NonFiniteError"]
+
+
+# ------------------------------------------------------------------------------------------- bad input
+class BatchError(ValueError, AssertionError):
+    """A batch that cannot be split as asked. A ``ValueError`` (bad input), and an ``AssertionError`` too, because
+    NeMo RL asserts the same conditions and code written against it may catch that."""
+
+
+class LossConfigError(ValueError, AssertionError):
+    """An invalid loss configuration. A ``ValueError`` (bad user input) and an ``AssertionError`` too, because NeMo
+    RL asserts the same conditions and code written against it may catch that."""
+
+
+class BadRowError(ValueError):
+    """A row (or row group) that cannot be scored; the message names file, row and column and the fix."""
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file that cannot be read as data only (tampered with, corrupt, or from a foreign writer)."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written. One line: the path, the operating system's reason, the fix; ``errno``
+    is set when the reason is known."""
+
+    def __str__(self) -> str:
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
+
+# ------------------------------------------------------------------------------------------- the cluster
+class RankFailedError(RuntimeError):
+    """A rank's task failed or its worker died; the group must be re-created."""
+
+
+class WorkerLostError(RankFailedError):
+    """A rank's worker died or restarted: its shard of the model is gone, so this Policy cannot run again."""
+
+
+class PeerFailedError(RuntimeError):
+    """This rank was fine, but another rank of the same call failed; the driver reports that rank's error."""
+
+
+class RefitError(RuntimeError):
+    """An inference engine refused or lost a weight update; the message is the engine's own."""
+
+
+class NonFiniteError(RuntimeError):
+    """The model produced NaN / inf logprobs: a runtime failure (exit 1), not bad input."""
