@@ -24,7 +24,6 @@ import sys
 import tempfile
 
 import click
-
 from common import SHAPE_CHOICES, build_model
 
 _CHILD = r"""

@@ -23,7 +23,6 @@ from typing import Any, Literal
 
 import click
 import torch
-
 from common import (  # benchmarks/ is on sys.path when a script in it runs
     GIB,
     H200_BF16_DENSE,

@@ -19,6 +19,7 @@ Examples
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -29,9 +30,10 @@ from typing import Any
 
 import click
 import torch
-
 from common import GIB, H200_BF16_DENSE, SHAPES, make_rows, measured_peak, sync  # benchmarks/ is on sys.path
 from logprobs import forward_flops
+
+from dask_lm.data.messages import MicroBatchPlan
 
 
 def _worker(shape: str, root: str, mb_tokens: int, mode: str, chunk: int) -> Any:
@@ -52,7 +54,7 @@ def _worker(shape: str, root: str, mb_tokens: int, mode: str, chunk: int) -> Any
 
 
 def _shard(cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str,
-           budget: int | None = None) -> tuple[Any, dict[str, Any]]:
+           budget: int | None = None) -> tuple[Any, MicroBatchPlan]:
     from dask_lm import BatchedDataDict
 
     data = BatchedDataDict(input_ids=ids, input_lengths=lens)
@@ -67,7 +69,7 @@ def _shard(cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str,
             "input_key": "input_ids", "input_lengths_key": "input_lengths", "sequence_length_round": 64,
             "max_tokens_per_microbatch": cfg.dynamic_batching.logprob_mb_tokens})
     shard = shards[0]
-    return shard, {"micro_batch_indices": shard.micro_batch_indices, "packed": mode == "packed"}
+    return shard, MicroBatchPlan(micro_batch_indices=shard.micro_batch_indices, packed=mode == "packed")
 
 
 def _timed(fn: Callable[[], Any], reps: int = 3) -> tuple[float, Any]:
@@ -111,12 +113,12 @@ def _category(ev: Any) -> str:
     return _HEAD_OPS.get(top, f"head other ({top})")
 
 
-def profile_phases(worker: Any, shard: Any, meta: dict[str, Any], n_mb: int, topk: int) -> dict[str, float]:
+def profile_phases(worker: Any, shard: Any, plan: MicroBatchPlan, n_mb: int, topk: int) -> dict[str, float]:
     """Profile ``get_logprobs`` (or ``get_topk_logits``) over the first ``n_mb`` micro-batches; seconds per phase,
     the wall time, and the GPU's idle time (wall minus kernel time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    sub = {**meta, "micro_batch_indices": [meta["micro_batch_indices"][0][:n_mb]]}
+    sub = dataclasses.replace(plan, micro_batch_indices=[plan.micro_batch_indices[0][:n_mb]])
 
     def body() -> None:
         if topk:
@@ -160,17 +162,17 @@ def print_phases(res: dict[str, float], title: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- head variants
-def head_variants(worker: Any, shard: Any, meta: dict[str, Any]) -> list[dict[str, Any]]:
+def head_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict[str, Any]]:
     from dask_lm.workers import fused
     from dask_lm.workers.logprobs import next_token_logprobs, output_head
 
-    mb = worker._plan(shard, meta, None)[0]
+    mb = worker.plan_pass(shard, plan, None)[0]
     with torch.no_grad(), fused.use_compiled(worker.compile):
-        hidden, info = worker._forward(shard, mb)
-        valid = info["targets_valid"]
+        hidden, layout = worker.forward_micro_batch(shard, mb)
+        valid = layout.targets_valid
         rows, cols = valid[:, 1:].nonzero(as_tuple=True)
         h = hidden[rows, cols].contiguous()
-        tgt = info["ids"][rows, cols + 1]
+        tgt = layout.ids[rows, cols + 1]
         head = output_head(worker.model)
         w = head.weight
         n = h.shape[0]
@@ -199,7 +201,7 @@ def head_variants(worker: Any, shard: Any, meta: dict[str, Any]) -> list[dict[st
             print(f"  head {name:<38} {t * 1e3:8.2f} ms / {n} tokens   err {err(lp):.2e}   peak +{peak:.2f} GiB",
                   flush=True)
 
-        b_ids = info["ids"]
+        b_ids = layout.ids
         for c in (1024, 4096, 8192, 16384):
             record(f"library head, chunk {c}",
                    lambda c=c: next_token_logprobs(hidden, b_ids, valid, head, chunk_size=c)[rows, cols + 1])
@@ -239,7 +241,7 @@ def head_variants(worker: Any, shard: Any, meta: dict[str, Any]) -> list[dict[st
         # top-k
         from dask_lm.workers.logprobs import topk_logits
 
-        allv = info["valid"]
+        allv = layout.valid
         for c in (1024, 4096):
             record(f"top-20 (library), chunk {c}",
                    lambda c=c: topk_logits(hidden, allv, head, 20, chunk_size=c)[0][..., 0][rows, cols])
@@ -270,21 +272,20 @@ def head_variants(worker: Any, shard: Any, meta: dict[str, Any]) -> list[dict[st
 
 
 # ----------------------------------------------------------------------------------------------- decoder variants
-def decoder_variants(worker: Any, shard: Any, meta: dict[str, Any]) -> list[dict[str, Any]]:
+def decoder_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict[str, Any]]:
     from dask_lm.workers import fused
 
-    plan = worker._plan(shard, meta, None)
-    mb = plan[0]
+    mb = worker.plan_pass(shard, plan, None)[0]
     results = []
     tokens = int(shard["input_lengths"][mb.start:mb.end].sum())
     with torch.no_grad():
         with fused.use_compiled(False):
-            ref = worker._forward(shard, mb)[0].float()
+            ref = worker.forward_micro_batch(shard, mb)[0].float()
 
         def record(name: str, compiled: bool, first: float) -> None:
             def run() -> torch.Tensor:
                 with fused.use_compiled(compiled):
-                    return worker._forward(shard, mb)[0]
+                    return worker.forward_micro_batch(shard, mb)[0]
             t, out = _timed(run)
             e = float((out.float() - ref).abs().max())
             results.append({"variant": name, "ms": t * 1e3, "tokens": tokens, "first_call_s": first,
@@ -298,7 +299,7 @@ def decoder_variants(worker: Any, shard: Any, meta: dict[str, Any]) -> list[dict
             for other in (plan[-1], plan[len(plan) // 2]):
                 t0 = time.perf_counter()
                 with fused.use_compiled(True):
-                    worker._forward(shard, other)
+                    worker.forward_micro_batch(shard, other)
                 sync(torch.device("cuda"))
                 print(f"  decoder compiled, another length ({int(shard['input_lengths'][other.start:other.end].sum())} "
                       f"tokens): {time.perf_counter() - t0:.2f} s", flush=True)
@@ -337,27 +338,27 @@ def main(shape: str, mode: str, num_rows: int, mb_tokens: int, chunk: int, profi
     with tempfile.TemporaryDirectory() as root:
         t0 = time.perf_counter()
         cfg, worker = _worker(shape, root, mb_tokens, mode, chunk)
-        shard, meta = _shard(cfg, ids, lens, mode)
+        shard, plan = _shard(cfg, ids, lens, mode)
         print(f"{shape} {mode}: built in {time.perf_counter() - t0:.1f}s; {num_rows} rows, {int(lens.sum())} "
-              f"tokens, {len(meta['micro_batch_indices'][0])} micro-batches of <= {mb_tokens} tokens", flush=True)
-        warm = {**meta, "micro_batch_indices": [[[0, 8]]]} if mode == "packed" else None
+              f"tokens, {len(plan.micro_batch_indices[0])} micro-batches of <= {mb_tokens} tokens", flush=True)
+        warm = dataclasses.replace(plan, micro_batch_indices=[[[0, 8]]]) if mode == "packed" else None
         t0 = time.perf_counter()
-        worker.get_logprobs(shard, warm or {**meta, "micro_batch_indices": [meta["micro_batch_indices"][0][:1]]})
+        worker.get_logprobs(shard, warm or dataclasses.replace(plan, micro_batch_indices=[plan.micro_batch_indices[0][:1]]))
         sync(torch.device("cuda"))
         print(f"first call (8 rows / one micro-batch; compiles): {time.perf_counter() - t0:.2f} s", flush=True)
         t0 = time.perf_counter()
-        worker.get_logprobs(shard, meta)
+        worker.get_logprobs(shard, plan)
         sync(torch.device("cuda"))
         print(f"first call over all rows: {time.perf_counter() - t0:.2f} s", flush=True)
-        sec, _ = _timed(lambda: worker.get_logprobs(shard, meta), reps=2)
+        sec, _ = _timed(lambda: worker.get_logprobs(shard, plan), reps=2)
         tps = int(lens.sum()) / sec
         report.update(engine_seconds=sec, engine_tok_per_s=tps, engine_mfu_989=flops / sec / H200_BF16_DENSE,
                       engine_mfu_measured=flops / sec / peak)
         print(f"PolicyWorker.get_logprobs, all rows: {sec:.3f} s = {tps:,.0f} tok/s, MFU {flops / sec / 989.5e12:.1%} "
               f"of 989.5 ({flops / sec / peak:.1%} of measured {what} {peak / 1e12:.0f})", flush=True)
         base = torch.cuda.memory_allocated()
-        for kind, fn in (("logprobs", lambda: worker.get_logprobs(shard, meta)),
-                         ("top-20 logits", lambda: worker.get_topk_logits(shard, meta, 20))):
+        for kind, fn in (("logprobs", lambda: worker.get_logprobs(shard, plan)),
+                         ("top-20 logits", lambda: worker.get_topk_logits(shard, plan, 20))):
             torch.cuda.reset_peak_memory_stats()
             fn()
             extra = (torch.cuda.max_memory_allocated() - base) / GIB
@@ -365,21 +366,21 @@ def main(shape: str, mode: str, num_rows: int, mb_tokens: int, chunk: int, profi
             print(f"{kind}: peak {extra:.2f} GiB above the weights ({base / GIB:.2f} GiB), micro-batches of "
                   f"<= {mb_tokens} tokens, logprob_chunk_size {chunk}", flush=True)
         for budget in sweep:
-            shard_b, meta_b = _shard(cfg, ids, lens, "packed", budget)
-            sec_b, _ = _timed(lambda: worker.get_logprobs(shard_b, meta_b), reps=2)
+            shard_b, plan_b = _shard(cfg, ids, lens, "packed", budget)
+            sec_b, _ = _timed(lambda: worker.get_logprobs(shard_b, plan_b), reps=2)
             report[f"packed_{budget}_tok_per_s"] = int(lens.sum()) / sec_b
             print(f"packed, {budget}-token micro-batches: {int(lens.sum()) / sec_b:,.0f} tok/s, "
                   f"MFU {flops / sec_b / H200_BF16_DENSE:.1%}", flush=True)
         for topk in (0, 20):
-            res = profile_phases(worker, shard, meta, profile_mbs, topk)
+            res = profile_phases(worker, shard, plan, profile_mbs, topk)
             print_phases(res, f"profile, {'logprobs' if not topk else 'top-20 logits'}, first {profile_mbs} "
                               f"micro-batches")
             report[f"profile_top{topk}"] = res
         if variants:
             print("\nhead variants (first micro-batch):", flush=True)
-            report["head_variants"] = head_variants(worker, shard, meta)
+            report["head_variants"] = head_variants(worker, shard, plan)
             print("\ndecoder variants (first micro-batch):", flush=True)
-            report["decoder_variants"] = decoder_variants(worker, shard, meta)
+            report["decoder_variants"] = decoder_variants(worker, shard, plan)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=1)

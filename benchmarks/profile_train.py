@@ -21,17 +21,18 @@ Examples
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 import os
 import tempfile
 import time
+from collections import defaultdict
 from typing import Any
 
 import click
 import torch
-
 from common import GIB, H200_BF16_DENSE, SHAPES, make_rows, measured_peak, sync  # benchmarks/ is on sys.path
 from profile_forward import _kernel_sums
+
+from dask_lm.data.messages import MicroBatchPlan
 
 
 def _worker(shape: str, root: str, mode: str, mb_tokens: int, compile_: bool | None) -> Any:
@@ -53,7 +54,7 @@ def _worker(shape: str, root: str, mode: str, mb_tokens: int, compile_: bool | N
                              init_reference_model=False, skip_weight_load=True)
 
 
-def _shard(cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str, mb_tokens: int) -> tuple[Any, dict]:
+def _shard(cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str, mb_tokens: int) -> tuple[Any, MicroBatchPlan]:
     from dask_lm import BatchedDataDict
 
     mask = (torch.arange(ids.shape[1])[None, :] < lens[:, None]).float()
@@ -68,7 +69,7 @@ def _shard(cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str, mb_tokens
         args["sequence_length_round"] = 64
         shards, _ = data.shard_by_batch_size(1, batch_size=len(lens), dynamic_batching_args=args)
     shard = shards[0]
-    return shard, {"micro_batch_indices": shard.micro_batch_indices, "packed": mode == "packed"}
+    return shard, MicroBatchPlan(micro_batch_indices=shard.micro_batch_indices, packed=mode == "packed")
 
 
 def _category(ev: Any) -> str:
@@ -244,11 +245,11 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
         cfg, worker = _worker(shape, root, mode, mb_tokens, compile_)
         hf_cfg = worker.model.config
         ids, lens = make_rows(rows, 16, max_len, median_len, 0.8, hf_cfg.vocab_size, 0, seed=0)
-        shard, meta = _shard(cfg, ids, lens, mode, mb_tokens)
+        shard, plan = _shard(cfg, ids, lens, mode, mb_tokens)
         loss = NLLLoss()
 
         def step() -> dict[str, Any]:
-            return worker.train(shard, meta, loss, eval_mode=False, gbs=rows, mbs=rows, num_global_batches=1)
+            return worker.train(shard, plan, loss, eval_mode=False, gbs=rows, mbs=rows, num_global_batches=1)
 
         step()  # warm-up: optimizer state, allocator, kernels
         times = []
@@ -267,9 +268,9 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
     flops = sum(flops_per_sequence(hf_cfg, int(n), training=True) for n in lens)
     best = min(times)
     mfu = flops / best / H200_BF16_DENSE
-    n_mb = len(meta["micro_batch_indices"][0])
+    n_mb = len(plan.micro_batch_indices[0])
     print(f"\n{shape} {mode}, {'compiled' if worker.train_compile else 'eager'} layers, optimizer "
-          f"{'fused' if worker.optimizer.defaults.get('fused') else 'foreach'}: {rows} rows, {tokens} tokens, {n_mb} micro-batches of <= {mb_tokens} tokens; step "
+          f"{'fused' if worker.trainer.optimizer.defaults.get('fused') else 'foreach'}: {rows} rows, {tokens} tokens, {n_mb} micro-batches of <= {mb_tokens} tokens; step "
           f"{best * 1e3:.0f} ms (best of {steps}), {tokens / best:,.0f} tok/s, MFU {mfu:.1%} of 989.5 TFLOP/s "
           f"({flops / best / peak:.1%} of the measured {peak / 1e12:.0f}, {peak_how}); peak {peak_mem:.1f} GiB")
     wall = res["_wall"]

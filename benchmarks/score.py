@@ -26,7 +26,6 @@ from typing import Any
 
 import click
 import torch
-
 from common import SHAPE_CHOICES, build_model, make_rows, sync
 
 

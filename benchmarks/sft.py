@@ -30,7 +30,6 @@ import time
 
 import click
 import torch
-
 from common import H200_BF16_DENSE, SHAPE_CHOICES, build_model, measured_peak, sync  # benchmarks/ is on sys.path
 from train import run_hf
 

@@ -29,12 +29,12 @@ _EXPORTS: dict[str, str] = {
     "set_progress": "dask_lm.engine.progress",
     "ScoreResult": "dask_lm.engine.scoring",
     "score_parquet": "dask_lm.engine.scoring",
-    "BatchError": "dask_lm.data.sharding",
+    "BatchError": "dask_lm.errors",
     "FLOPTracker": "dask_lm.engine.metrics",
     "Timer": "dask_lm.engine.metrics",
-    "RankFailedError": "dask_lm.engine.worker_group",
-    "WorkerLostError": "dask_lm.engine.worker_group",
-    "RefitError": "dask_lm.workers.refit",
+    "RankFailedError": "dask_lm.errors",
+    "WorkerLostError": "dask_lm.errors",
+    "RefitError": "dask_lm.errors",
     **{name: "dask_lm.losses" for name in (
         "ClippedPGLossConfig", "ClippedPGLossFn", "DistillationLossConfig", "DistillationLossFn", "DPOLossConfig",
         "DPOLossFn", "LossFunction", "LossInputType", "LossType", "NLLLoss", "NLLLossFn", "PreferenceLossFn",
@@ -61,13 +61,12 @@ if TYPE_CHECKING:
     from dask_lm.config import PolicyConfig
     from dask_lm.data.batch import BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs, SlicedDataDict
     from dask_lm.data.packing import PackingAlgorithm, get_packer
-    from dask_lm.data.sharding import BatchError
     from dask_lm.engine.cluster import connect
     from dask_lm.engine.metrics import FLOPTracker, Timer
     from dask_lm.engine.policy import Policy
     from dask_lm.engine.progress import set_progress
     from dask_lm.engine.scoring import ScoreResult, score_parquet
-    from dask_lm.engine.worker_group import RankFailedError, WorkerLostError
+    from dask_lm.errors import BatchError, RankFailedError, RefitError, WorkerLostError
     from dask_lm.losses import (
         ClippedPGLossConfig,
         ClippedPGLossFn,
@@ -85,4 +84,3 @@ if TYPE_CHECKING:
         masked_mean,
         prepare_loss_input,
     )
-    from dask_lm.workers.refit import RefitError

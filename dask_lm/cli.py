@@ -171,7 +171,7 @@ Exit codes: 0 done, 2 bad usage or input (before any work), 1 a runtime failure.
 @click.option("--performance-report", default=None, help="Write Dask's HTML performance report to this file.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (also: DASK_LM_PROGRESS=0).")
 @click.pass_context
-def score(ctx: click.Context, inputs: tuple[str, ...], model: str, output: str, scheduler_address: str | None,
+def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str, output: str, scheduler_address: str | None,
           n_workers: int | None, no_progress: bool, compile_: bool | None, **options: Any) -> None:
     """Per-token logprobs, log-likelihood and perplexity of every row of parquet INPUTS (files, directories,
     globs)."""
@@ -229,7 +229,7 @@ Exit codes: 0 done, 2 bad usage or input (before any work), 1 a runtime failure.
 @click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
 @click.option("--no-progress", is_flag=True, help="No progress bar (also: DASK_LM_PROGRESS=0).")
 @click.pass_context
-def sft(ctx: click.Context, inputs: tuple[str, ...], no_shuffle: bool, no_progress: bool, **options: Any) -> None:
+def sft(ctx: click.Context, /, inputs: tuple[str, ...], no_shuffle: bool, no_progress: bool, **options: Any) -> None:
     """Supervised fine-tuning (NLL) on parquet INPUTS, with periodic resumable checkpoints."""
 
     def run() -> None:
@@ -336,7 +336,6 @@ def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: st
 
     import dask_lm
     from dask_lm.engine.cluster import count_gpus
-
     from dask_lm.io.hub import resolve_model
 
     # a Hub id becomes its local snapshot (downloaded once, on this machine); the workers load that directory
@@ -355,7 +354,7 @@ def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: st
         cfg = {"model_name": model_dir, "precision": precision,
                "max_total_sequence_length": max(int(lengths.max()), 1)}
         with dask_lm.Policy(client, cfg, tokenizer, init_optimizer=False, init_reference_model=False) as policy:
-            batch = dask_lm.BatchedDataDict(input_ids=ids, input_lengths=lengths)
+            batch: dask_lm.BatchedDataDict[Any] = dask_lm.BatchedDataDict(input_ids=ids, input_lengths=lengths)
             lp = policy.get_logprobs(batch)["logprobs"]
             tk = policy.get_topk_logits(batch, topk) if topk else None
             ranks = policy.data_parallel_size

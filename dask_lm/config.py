@@ -19,22 +19,19 @@ import difflib
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
-__all__ = [
-    "PolicyConfig",
-    "TokenizerConfig",
-    "DTensorConfig",
-    "MegatronConfig",
-    "DynamicBatchingConfig",
-    "SequencePackingConfig",
-    "GenerationConfig",
-    "RewardModelConfig",
-    "OptimizerConfig",
-    "config_from_dict",
-]
+from dask_lm.config_keys import _UNHONOURED as _UNHONOURED  # tests read config._UNHONOURED
+from dask_lm.config_keys import _check_unhonoured
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+__all__ = ["PolicyConfig", "TokenizerConfig", "DTensorConfig", "MegatronConfig", "DynamicBatchingConfig",
+           "SequencePackingConfig", "GenerationConfig", "RewardModelConfig", "OptimizerConfig", "config_from_dict"]
 
 Precision = Literal["float32", "bfloat16", "float16"]
+_D = TypeVar("_D", bound="DataclassInstance")
 
 
 def _type_name(tp: Any) -> str:
@@ -74,7 +71,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str) and value.lower() in [str(a).lower() for a in allowed]:
             return next(a for a in allowed if str(a).lower() == value.lower())
         raise ValueError(f"`{key}` must be one of {list(allowed)}, got {value!r}")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
@@ -108,7 +105,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise AssertionError(f"unsupported annotation {tp!r} for {key}")
 
 
-def config_from_dict(cls: type, data: dict[str, Any], *, prefix: str = "policy") -> Any:
+def config_from_dict(cls: type[_D], data: dict[str, Any], *, prefix: str = "policy") -> _D:
     """Build dataclass ``cls`` from ``data``; errors name the dotted key (``prefix.key``)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -143,11 +140,14 @@ def _to_dict(obj: Any) -> Any:
 class _Section:
     """Mixin: ``from_dict`` / ``to_dict`` and dict-style reads, so NeMo RL code doing ``cfg["key"]`` ports."""
 
+    # every _Section is a @dataclass, which sets this (declared only: no class attribute is created here)
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
     def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
+        return {f.metadata.get("key", f.name): _to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def __getitem__(self, key: str) -> Any:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        for f in dataclasses.fields(self):
             if f.metadata.get("key", f.name) == key:
                 return getattr(self, f.name)
         raise KeyError(key)
@@ -167,11 +167,11 @@ class TokenizerConfig(_Section):
     name: str | None = None
     """Tokenizer path or id; defaults to ``model_name``."""
     chat_template: str | None = None
-    chat_template_kwargs: dict | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     use_processor: bool = False
     use_fastokens: bool = False
-    audio: dict | None = None
-    video: dict | None = None
+    audio: dict[str, Any] | None = None
+    video: dict[str, Any] | None = None
 
 
 @dataclass(kw_only=True)
@@ -194,29 +194,16 @@ class DTensorConfig(_Section):
     custom_parallel_plan: str | None = None
     defer_fsdp_grad_sync: bool = False
     clear_cache_every_n_steps: int | None = None
-    env_vars: dict | None = None
-    lora_cfg: dict | None = None
-    automodel_kwargs: dict | None = None
-    moe_parallelizer: dict | None = None
-
-    def __post_init__(self) -> None:
-        for key in ("tensor_parallel_size", "context_parallel_size", "expert_parallel_size", "dp_replicate_size"):
-            if getattr(self, key) != 1:
-                raise ValueError(f"`policy.dtensor_cfg.{key}` = {getattr(self, key)} is not supported yet: "
-                                 "dask-lm shards with FSDP2 data parallelism only; set it to 1")
-        if self.lora_cfg and self.lora_cfg.get("enabled"):
-            raise ValueError("`policy.dtensor_cfg.lora_cfg.enabled` is not supported yet; set it to false")
+    env_vars: dict[str, Any] | None = None
+    lora_cfg: dict[str, Any] | None = None
+    automodel_kwargs: dict[str, Any] | None = None
+    moe_parallelizer: dict[str, Any] | None = None
 
 
 @dataclass(kw_only=True)
 class MegatronConfig(_Section):
     enabled: bool = False
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.enabled:
-            raise ValueError("`policy.megatron_cfg.enabled` is not supported: dask-lm runs the DTensor (FSDP2) "
-                             "backend; set megatron_cfg.enabled to false and dtensor_cfg.enabled to true")
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -252,10 +239,10 @@ class GenerationConfig(_Section):
     stop_token_ids: list[int] | None = None
     stop_strings: list[str] | None = None
     model_name: str | None = None
-    colocated: dict | None = None
-    vllm_cfg: dict | None = None
-    sglang_cfg: dict | None = None
-    vllm_kwargs: dict | None = None
+    colocated: dict[str, Any] | None = None
+    vllm_cfg: dict[str, Any] | None = None
+    sglang_cfg: dict[str, Any] | None = None
+    vllm_kwargs: dict[str, Any] | None = None
     pad_token_id: int | None = field(default=None, metadata={"key": "_pad_token_id"})
 
     def __post_init__(self) -> None:
@@ -281,8 +268,8 @@ class RewardModelConfig(_Section):
 class OptimizerConfig(_Section):
     name: str = "torch.optim.AdamW"
     """Import path of the optimizer class."""
-    kwargs: dict = field(default_factory=lambda: {"lr": 5e-6, "weight_decay": 0.01, "betas": [0.9, 0.999],
-                                                  "eps": 1e-8})
+    kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 5e-6, "weight_decay": 0.01,
+                                                            "betas": [0.9, 0.999], "eps": 1e-8})
 
 
 @dataclass(kw_only=True)
@@ -314,14 +301,15 @@ class PolicyConfig(_Section):
     max_grad_norm: float | None = 1.0
     refit_buffer_size_gb: float | None = None
     optimizer: OptimizerConfig | None = field(default_factory=OptimizerConfig)
-    scheduler: dict | list | None = None
+    scheduler: dict[str, Any] | list[Any] | None = None
     generation: GenerationConfig | None = None
     reward_model_cfg: RewardModelConfig = field(default_factory=RewardModelConfig)
-    hf_config_overrides: dict | None = None
-    quant_cfg: dict | None = None
-    draft: dict | None = None
-    router_replay: dict | None = None
-    pretrained_checkpoint: str | None = None
+    hf_config_overrides: dict[str, Any] | None = None
+    quant_cfg: dict[str, Any] | None = None
+    draft: dict[str, Any] | None = None
+    router_replay: dict[str, Any] | None = None
+    pretrained_checkpoint: dict[str, Any] | str | None = None
+    """NeMo RL's ``{path: ...}`` (Megatron backend only); accepted and, as under NeMo's DTensor backend, unused."""
     is_vlm: bool = False
     # dask-lm keys
     model_revision: str | None = None
@@ -388,10 +376,7 @@ class PolicyConfig(_Section):
             for key in ("train_mb_tokens", "logprob_mb_tokens"):
                 if getattr(active, key) < 1:
                     raise ValueError(f"`{p}.{name}.{key}` must be >= 1, got {getattr(active, key)}")
-        if self.quant_cfg:
-            raise ValueError(f"`{p}.quant_cfg` is not supported yet; remove it")
-        if self.is_vlm:
-            raise ValueError(f"`{p}.is_vlm` is not supported yet: dask-lm runs text-only causal LMs")
+        _check_unhonoured(self)
         if self.tokenizer.name is None:
             self.tokenizer.name = self.model_name
 

@@ -42,7 +42,7 @@ def receive_via_zmq(address: str, refit_info: RefitInfo, on_weights: OnWeights, 
     this refit info is answered with a rejection (so the policy fails at once) and raises ``ValueError`` here."""
     import zmq
 
-    sock = zmq.Context.instance().socket(zmq.REP)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REP)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
@@ -150,7 +150,7 @@ class CollectiveReceiver:
         ok = bk.plan_digest(plan) == [int(x) for x in header[1:].tolist()]
         agreed = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # pybind converts it; the stubs omit that
         self.group.allreduce([agreed], opts).wait()
         if not ok:
             raise ValueError("this receiver's refit info does not match the policy's (different names, shapes or "

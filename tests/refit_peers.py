@@ -68,11 +68,11 @@ def sglang_cuda_payload_check(out_path: str) -> None:
     with torch's reduce_tensor answering as it does for a CUDA tensor (15 arguments, device index 0) and a fixed
     GPU UUID, then hand it to SGLang's deserializer. Writes what SGLang raised."""
     import torch
+    from sglang_server import install_triton_stub
     from torch.multiprocessing import reductions
 
     from dask_lm.workers import buckets as bk
     from dask_lm.workers import device
-    from sglang_server import install_triton_stub
 
     fake_uuid = "GPU-12345678-1234-1234-1234-123456789abc"
     args = (torch.Tensor, (16,), (1,), 0, torch.UntypedStorage, torch.uint8, 0, b"\x01" * 64, 16, 0, False,

@@ -12,8 +12,8 @@ import argparse
 import base64
 import binascii
 import hashlib
-import json
 import inspect
+import json
 import os
 import queue
 import socket

@@ -15,7 +15,6 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from helpers import TEXTS
 
 pytestmark = pytest.mark.cluster
@@ -112,8 +111,8 @@ def test_worker_and_driver_killed_mid_job_then_resumed(cluster, tiny, tmp_path):
     assert not (out / "_SUCCESS").exists() and _parts(out) < parts
     # the dead driver's model replicas do not hold the workers' memory for good
     deadline = time.time() + 60
-    # a lambda travels by value (the workers cannot import this test module)
-    replicas = lambda: len(getattr(sys.modules.get("dask_lm.workers.scorer"), "_LOCAL", ()))  # noqa: E731
+    # a lambda travels by value (the workers cannot import this test module); the replicas are in the plugin state
+    replicas = lambda dask_worker: len(getattr(dask_worker.plugins.get("dask-lm"), "scorers", ()))  # noqa: E731
     while any(client.run(replicas).values()):
         assert time.time() < deadline, client.run(replicas)
         time.sleep(0.5)

@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 import transformers
+from helpers import TEXTS, model_logprobs, sft_batch
 
 import dask_lm
 from dask_lm.io import checkpoint as ckpt
-from helpers import TEXTS, model_logprobs, sft_batch
 
 pytestmark = pytest.mark.cluster
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 import transformers
+from helpers import TEXTS, sft_batch
 
 import dask_lm
 from dask_lm.config import PolicyConfig
+from dask_lm.data.messages import MicroBatchPlan
 from dask_lm.workers.policy_worker import PolicyWorker
-from helpers import TEXTS, sft_batch
 
 
 def _step(model_dir: str, batch: dask_lm.BatchedDataDict, compile_: bool, packed: bool) -> tuple[float, dict]:
@@ -29,9 +30,9 @@ def _step(model_dir: str, batch: dask_lm.BatchedDataDict, compile_: bool, packed
                                          "sequence_length_pad_multiple": 1, "microbatch_order": "packer"}
     shards = batch.shard_by_batch_size(1, **args)
     shard = shards[0][0] if packed else shards[0]  # packing also returns the order it sorted the rows in
-    meta = {"micro_batch_indices": shard.micro_batch_indices, "packed": packed}
-    out = worker.train(shard, meta, dask_lm.NLLLoss(), eval_mode=False, gbs=4, mbs=2, num_global_batches=1)
-    return float(out["loss"][0]), {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    plan = MicroBatchPlan(micro_batch_indices=shard.micro_batch_indices, packed=packed)
+    out = worker.train(shard, plan, dask_lm.NLLLoss(), eval_mode=False, gbs=4, mbs=2, num_global_batches=1)
+    return float(out.loss[0]), {n: p.detach().clone() for n, p in worker.model.named_parameters()}
 
 
 def test_a_compiled_training_step_equals_the_eager_one(tiny, monkeypatch):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from dask_lm import PolicyConfig
@@ -47,3 +50,70 @@ def test_yaml_with_policy_section(tmp_path):
     path.write_text("policy:\n  model_name: m\n  precision: float32\n  sequence_packing:\n    enabled: true\n")
     cfg = PolicyConfig.from_yaml(str(path))
     assert cfg.precision == "float32" and cfg.sequence_packing.enabled
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"dtensor_cfg": {"cpu_offload": True}}, "policy.dtensor_cfg.cpu_offload"),
+    ({"dtensor_cfg": {"context_parallel_size": 2}}, "policy.dtensor_cfg.context_parallel_size"),
+    ({"dtensor_cfg": {"dp_replicate_size": 2}}, "policy.dtensor_cfg.dp_replicate_size"),
+    ({"dtensor_cfg": {"lora_cfg": {"enabled": True, "dim": 8}}}, "policy.dtensor_cfg.lora_cfg"),
+    ({"dtensor_cfg": {"automodel_kwargs": {"freeze_config": {"freeze_language_model": True}}}},
+     "policy.dtensor_cfg.automodel_kwargs"),
+    ({"draft": {"enabled": True}}, "policy.draft"),
+    ({"router_replay": {"enabled": True}}, "policy.router_replay"),
+    ({"quant_cfg": {"fp8": True}}, "policy.quant_cfg"),
+    ({"is_vlm": True}, "policy.is_vlm"),
+    ({"tokenizer": {"use_processor": True}}, "policy.tokenizer.use_processor"),
+])
+def test_keys_that_would_change_results_are_refused(data, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.") + r"` = .* is not supported: "):
+        PolicyConfig.from_dict({"model_name": "m", **data})
+
+
+@pytest.mark.parametrize("key, value", [
+    ("dtensor_cfg.sequence_parallel", True),
+    ("dtensor_cfg.defer_fsdp_grad_sync", True),
+    ("dtensor_cfg.clear_cache_every_n_steps", 10),
+    ("dtensor_cfg.custom_parallel_plan", "my.plan"),
+    ("dtensor_cfg.moe_parallelizer", {"ignore_router_for_ac": True}),
+    ("generation_batch_size", 64),
+    ("pretrained_checkpoint", {"path": "/ckpt/megatron"}),
+    ("tokenizer.chat_template", "{{ messages }}"),
+    ("tokenizer.use_fastokens", True),
+])
+def test_performance_knobs_warn_and_are_kept(key, value):
+    section, _, name = key.rpartition(".")
+    data = {"model_name": "m", **({section: {name: value}} if section else {name: value})}
+    with pytest.warns(UserWarning, match=re.escape(f"`policy.{key}` = ") + ".* ignored: "):
+        cfg = PolicyConfig.from_dict(data)
+    assert (cfg[section][name] if section else cfg[name]) == value  # kept as given: to_dict() round-trips it
+
+
+def test_inert_values_are_accepted_silently():
+    import warnings
+
+    inert = {"model_name": "m", "generation_batch_size": 32, "draft": {"enabled": False, "num_layers": 1},
+             "router_replay": {"enabled": False}, "pretrained_checkpoint": None, "quant_cfg": None,
+             "tokenizer": {"chat_template": "default", "use_fastokens": False},
+             "dtensor_cfg": {"_v2": False, "tensor_parallel_size": 1, "context_parallel_size": 1,
+                             "sequence_parallel": False, "cpu_offload": False, "defer_fsdp_grad_sync": False,
+                             "clear_cache_every_n_steps": None, "lora_cfg": {"enabled": False, "dim": 8},
+                             "automodel_kwargs": {}},
+             "generation": {"colocated": {"enabled": True}, "vllm_cfg": {"tensor_parallel_size": 4},
+                            "model_name": "m"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PolicyConfig.from_dict(inert)
+
+
+def test_every_unhonoured_key_is_a_config_key():
+    from dask_lm import config
+
+    cfg = PolicyConfig.from_dict({"model_name": "m"})
+    for key, action, _inert, reason in config._UNHONOURED:
+        section, _, name = key.rpartition(".")
+        owner = cfg[section] if section else cfg
+        if owner is None:  # an optional section (generation) left out
+            owner = {"generation": config.GenerationConfig}[section]()
+        assert name in {f.metadata.get("key", f.name) for f in dataclasses.fields(owner)}, key
+        assert action in ("refuse", "warn", "accept") and reason

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 import transformers
+from helpers import TEXTS, make_batch, sft_batch
 
 import dask_lm
 from dask_lm import BatchedDataDict
-from helpers import TEXTS, make_batch, sft_batch
 
 pytestmark = pytest.mark.cluster
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from helpers import TEXTS, make_batch
 
 import dask_lm
 from dask_lm import BatchedDataDict
-from helpers import TEXTS, make_batch
 
 pytestmark = pytest.mark.cluster
 

@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 import transformers
+from helpers import TEXTS, hf_logprobs, make_batch
 
 import dask_lm
 from dask_lm import BatchedDataDict
-from helpers import TEXTS, hf_logprobs, make_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -468,6 +468,7 @@ def test_cuda_ipc_handle_travels_as_plain_data(tmp_path):
     import multiprocessing as mp
 
     import refit_peers
+
     from dask_lm.workers import wire
 
     parent, child = mp.get_context("spawn").Pipe()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from dask_lm.workers import fused
@@ -50,18 +52,18 @@ class _FakeWorker:
     def __init__(self, plan: list[MicroBatch]) -> None:
         self.plan, self.finished = plan, 0
 
-    def _plan(self, data, meta, mbs):
+    def plan_pass(self, data, plan, mbs):
         return self.plan
 
-    def _inference_forward(self, data, mb):
+    def inference_forward(self, data, mb):
         if mb.end == mb.start:
-            return torch.zeros(1, 1), {}
+            return torch.zeros(1, 1), None
         lay = host_layout(data["input_ids"][mb.start:mb.end], data["input_lengths"][mb.start:mb.end],
                           packed=mb.packed)
         hidden = (lay.packed_ids if mb.packed else data["input_ids"][mb.start:mb.end, :lay.width]).float()
-        return hidden, {"layout": lay}
+        return hidden, SimpleNamespace(host=lay)
 
-    def _finish_pass(self):
+    def end_pass(self):
         self.finished += 1
 
 
@@ -73,7 +75,7 @@ def test_run_pass_writes_every_token_and_row_where_it_belongs():
     worker = _FakeWorker(plan)
     per_token = torch.full((5, 8), -1.0)
     doubled = torch.full((5, 8, 2), -1.0)
-    run_pass(worker, data, {}, None, lambda h, info: (h, torch.stack([h, 2 * h], -1)), (per_token, doubled))
+    run_pass(worker, data, {}, None, lambda h, layout: (h, torch.stack([h, 2 * h], -1)), (per_token, doubled))
     valid = torch.arange(8)[None, :] < lens[:, None]
     # every real token got its own id back, padding kept the output's fill value (padded micro-batches write
     # their [b, L] block up to the longest row of the micro-batch; row 2 is padded to 6)
@@ -83,7 +85,7 @@ def test_run_pass_writes_every_token_and_row_where_it_belongs():
     assert worker.finished == 1
     scores = torch.zeros(5)
     run_pass(_FakeWorker(plan[:3]), data, {}, None,
-             lambda h, info: (torch.as_tensor(info["layout"].lens, dtype=torch.float32),), (scores,), per_row=True)
+             lambda h, layout: (torch.as_tensor(layout.host.lens, dtype=torch.float32),), (scores,), per_row=True)
     assert scores.tolist() == lens.float().tolist()
 
 
@@ -91,7 +93,7 @@ def test_run_pass_ends_the_pass_when_a_micro_batch_fails():
     ids, lens = _rows([3, 2], 4)
     worker = _FakeWorker([MicroBatch(0, 1), MicroBatch(1, 2)])
 
-    def boom(h, info):
+    def boom(h, layout):
         raise RuntimeError("head failed")
 
     try:
@@ -117,9 +119,10 @@ def test_fused_head_reductions_on_the_cpu_are_the_plain_expressions():
 def test_scorer_packed_micro_batches_equal_padded_ones_and_hf(tiny):
     """The scorer packs rows on GPUs; its packed path (here through the exact block mask) gives the padded path's
     logprobs and top-k, which equal a plain Hugging Face forward, row by row."""
+    from dask_lm.data.messages import ScoreOptions
     from dask_lm.workers import scorer
 
-    opts = scorer.ScoreOptions(model=tiny["llama"], tokenizer=tiny["llama"], precision="float32", output="-",
+    opts = ScoreOptions(model=tiny["llama"], tokenizer=tiny["llama"], precision="float32", output="-",
                                topk=3, batch_tokens=40, chunk_size=7)
     rep = scorer._Replica(opts.model, opts.tokenizer, opts.precision)
     assert not rep.packed and not rep.compiled  # the CPU pads and stays eager
@@ -187,22 +190,22 @@ def test_a_failed_decoder_compilation_turns_compilation_off_for_the_rank(caplog)
         compile = True
         calls = 0
 
-        def _forward(self, data, mb):
+        def forward_micro_batch(self, data, mb):
             self.calls += 1
             if self.calls == 1:
                 raise torch._dynamo.exc.TorchDynamoException("Inductor cannot lower this op")
             return "hidden", {"info": 1}
 
     rank = Rank()
-    assert PolicyWorker._inference_forward(rank, None, None) == ("hidden", {"info": 1})
+    assert PolicyWorker.inference_forward(rank, None, None) == ("hidden", {"info": 1})
     assert rank.compile is False and rank.calls == 2 and "runs eagerly from now on" in caplog.text
 
     class Broken(Rank):
-        def _forward(self, data, mb):
+        def forward_micro_batch(self, data, mb):
             raise ValueError("a real error of the forward")
 
     try:
-        PolicyWorker._inference_forward(Broken(), None, None)
+        PolicyWorker.inference_forward(Broken(), None, None)
     except ValueError as e:
         assert "real error" in str(e)
     else:

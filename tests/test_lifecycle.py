@@ -18,10 +18,10 @@ import psutil
 import pytest
 import torch
 import transformers
+from helpers import TEXTS, hf_logprobs, make_batch
 
 import dask_lm
 from dask_lm import BatchedDataDict, WorkerLostError
-from helpers import TEXTS, hf_logprobs, make_batch
 
 pytestmark = pytest.mark.cluster
 

@@ -42,15 +42,13 @@ def test_tracker_counts_real_lengths_and_refuses_unknown_families(tiny):
 
 
 def test_mfu_aggregation():
-    results = [{"train_elapsed_seconds": 2.0, "gpu_name": "NVIDIA H200"},
-               {"train_elapsed_seconds": 4.0, "gpu_name": "NVIDIA H200"}]
-    out = aggregate_flops_metrics(results, 2, total_flops=4e15)
+    out = aggregate_flops_metrics([2.0, 4.0], ["NVIDIA H200", "NVIDIA H200"], 2, total_flops=4e15)
     assert out["train_elapsed_seconds"] == 4.0  # the slowest rank ends the step
     assert out["achieved_tflops"] == pytest.approx(1000.0)
     assert out["theoretical_tflops"] == pytest.approx(2 * 989.5)
     assert out["mfu"] == pytest.approx(1000.0 / 1979.0)
     assert device_peak_tflops("NVIDIA H100 PCIe") == 756.0 and device_peak_tflops("cpu") is None
-    assert aggregate_flops_metrics([{"train_elapsed_seconds": 1.0, "gpu_name": "cpu"}], 1, 1e12)["mfu"] is None
+    assert aggregate_flops_metrics([1.0], ["cpu"], 1, 1e12)["mfu"] is None
 
 
 def test_timer():

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import transformers
 from click.testing import CliRunner
+from helpers import hf_logprobs
 
 import dask_lm
 from dask_lm.cli import main as cli
 from dask_lm.engine import cluster
 from dask_lm.engine.sft import sft_parquet
-from helpers import hf_logprobs
 
 pytestmark = pytest.mark.cluster
 

@@ -86,8 +86,9 @@ print("ok")
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
     version = subprocess.run([sys.executable, "-m", "dask_lm", "--version"], capture_output=True, text=True,
                              timeout=60)
-    import dask_lm
     import tomllib
+
+    import dask_lm
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert version.returncode == 0 and version.stdout.strip() == f"dask-lm {dask_lm.__version__}"

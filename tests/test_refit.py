@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 import transformers
+from helpers import TEXTS, sft_batch
 from safetensors.torch import load_file
 
 import dask_lm
 from dask_lm.workers import buckets as bk
-from helpers import TEXTS, sft_batch
 
 pytestmark = pytest.mark.cluster
 
@@ -225,7 +225,6 @@ def test_collective_broadcast_is_bit_identical(trained, tmp_path):
 def test_collective_store_listens_only_on_the_given_address(trained, tmp_path):
     """Rank 0's rendezvous store accepts connections on the ``ip`` it was given, not on every interface."""
     import psutil
-
     import refit_peers
 
     policy, _ = trained

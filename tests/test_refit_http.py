@@ -11,12 +11,12 @@ import socket
 import pytest
 import torch
 import transformers
+from helpers import TEXTS, hf_logprobs, make_batch, sft_batch
 from safetensors.torch import load_file
+from sglang_server import start_server
 
 import dask_lm
 from dask_lm import BatchedDataDict
-from helpers import TEXTS, hf_logprobs, make_batch, sft_batch
-from sglang_server import start_server
 
 pytestmark = pytest.mark.cluster
 BUFFER = 64 * 1024  # several buckets for the tiny model; its 96 KiB embedding is alone in one

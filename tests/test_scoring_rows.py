@@ -262,7 +262,7 @@ def test_values_of_a_pandas_object_column_are_checked_one_by_one():
 
     import pandas as pd
 
-    from dask_lm.workers.rows import prepare_rows
+    from dask_lm.data.rows import prepare_rows
 
     opts = types.SimpleNamespace(ids_column="ids", text_column=None, prompt_column=None, response_column=None,
                                  max_length=4, truncate=True)

@@ -162,3 +162,18 @@ def test_inference_packing_accepts_any_batch_size(rows, shards):
         "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": 8,
         "algorithm": "modified_first_fit_decreasing"})
     assert sorted(order) == list(range(rows)) and sum(s.size for s in out) == rows
+
+
+@pytest.mark.parametrize("algorithm", [a.value for a in PackingAlgorithm])
+def test_packing_gives_an_overlong_row_its_own_bin(algorithm):
+    # the packer refuses a row over the budget (NeMo RL's contract); the Policy's sharding runs it alone instead.
+    # Rows 1 (length 20) and 4 (length 17) exceed 16 tokens; the other four (14 tokens in all) fit one bin, so
+    # there are 3 bins before the multiple-of-shards rule, which makes 4 by splitting the shared bin.
+    lengths = [4, 20, 5, 3, 17, 2]
+    out, order = _batch(lengths).shard_by_batch_size(2, sequence_packing_args={
+        "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": 16,
+        "algorithm": algorithm})
+    assert sorted(order) == list(range(6))
+    bins = [[int(r) for r in s["row"][lo:hi]] for s in out for lo, hi in s.micro_batch_indices[0]]
+    assert len(bins) == 4 and [1] in bins and [4] in bins
+    assert all(sum(lengths[i] for i in b) <= 16 for b in bins if b not in ([1], [4]))

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 import transformers
+from helpers import TEXTS, hf_nll_steps, model_logprobs, sft_batch
 
 import dask_lm
 from dask_lm import BatchedDataDict
-from helpers import TEXTS, hf_nll_steps, model_logprobs, sft_batch
 
 pytestmark = pytest.mark.cluster
 

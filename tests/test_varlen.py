@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from dask_lm.data.messages import MicroBatchPlan
 from dask_lm.workers import varlen
 from dask_lm.workers.forward import final_hidden_states, pack
 
@@ -122,10 +123,11 @@ def test_packed_training_with_activation_checkpointing_recomputes_through_varlen
     """Activation checkpointing recomputes each layer in the backward, where Hugging Face looks the attention
     implementation up again: the packed step must give the gradients of the same step without checkpointing
     (under sdpa, the recomputed layers would attend across the packed sequences)."""
+    from helpers import TEXTS, sft_batch
+
     import dask_lm
     from dask_lm.config import PolicyConfig
     from dask_lm.workers.policy_worker import PolicyWorker
-    from helpers import TEXTS, sft_batch
 
     monkeypatch.setattr(varlen, "_varlen_attn", lambda: _reference_varlen)
     monkeypatch.setattr(varlen, "available", lambda dtype: True)
@@ -135,7 +137,7 @@ def test_packed_training_with_activation_checkpointing_recomputes_through_varlen
     shards, _ = batch.shard_by_batch_size(1, batch_size=4, sequence_packing_args={
         "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": 64,
         "algorithm": "modified_first_fit_decreasing", "sequence_length_pad_multiple": 1, "microbatch_order": "packer"})
-    meta = {"micro_batch_indices": shards[0].micro_batch_indices, "packed": True}
+    plan = MicroBatchPlan(micro_batch_indices=shards[0].micro_batch_indices, packed=True)
     weights = []
     for checkpointing in (False, True):
         cfg = PolicyConfig.from_dict({
@@ -146,7 +148,7 @@ def test_packed_training_with_activation_checkpointing_recomputes_through_varlen
         worker = PolicyWorker(cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=True,
                               init_reference_model=False)
         assert worker.varlen and worker.model.is_gradient_checkpointing == checkpointing
-        worker.train(shards[0], meta, dask_lm.NLLLoss(), eval_mode=False, gbs=4, mbs=2, num_global_batches=1)
+        worker.train(shards[0], plan, dask_lm.NLLLoss(), eval_mode=False, gbs=4, mbs=2, num_global_batches=1)
         weights.append({n: p.detach().clone() for n, p in worker.model.named_parameters()})
         assert worker.model.config._attn_implementation == "sdpa"  # restored after the step
     for name, w in weights[0].items():

@@ -36,8 +36,6 @@ def _loss_modules() -> dict[str, types.ModuleType]:
                    "get_distillation_topk_logprobs_from_logits")
     utils = _module("nemo_rl.algorithms.utils", losses, helpers)
     dist_utils = _module("nemo_rl.distributed.model_utils", losses, model_utils)
-    # an earlier release spelled it with three l's; its tests import that name
-    dist_utils.get_distilllation_topk_logprobs_from_logits = losses.get_distillation_topk_logprobs_from_logits
     return {
         "nemo_rl.algorithms": types.ModuleType("nemo_rl.algorithms"),
         "nemo_rl.algorithms.utils": utils,
@@ -93,7 +91,7 @@ def install(force: bool = False) -> None:
     mods = _modules()
     for name, mod in mods.items():
         mod._dask_lm_alias = True  # type: ignore[attr-defined]
-        mod.__path__ = []  # type: ignore[attr-defined]  # a package, so submodule imports resolve
+        mod.__path__ = []  # a package, so submodule imports resolve
         if force or name not in sys.modules:
             sys.modules[name] = mod
     for name, mod in mods.items():  # parent.child attributes, as a real import would set them

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import json
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-__all__ = ["to_arrow", "from_arrow", "list_values_offsets", "pad_from_offsets", "shard_to_wire", "shard_from_wire"]
+if TYPE_CHECKING:
+    from dask_lm.data.batch import BatchedDataDict
+
+__all__ = ["to_arrow", "from_arrow", "list_values_offsets", "pad_from_offsets"]
 
 _META = b"dask_lm"
 _TORCH_TO_NP = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
@@ -108,6 +111,7 @@ def to_arrow(data: Any) -> pa.Table:
                         int(value.min()) >= -(2**31) and int(value.max()) < 2**31:
                     arr = arr.astype(np.int32)  # token ids: list<int32>
                 if pad is not None:
+                    assert lengths is not None  # _trim_info only trims rows it has lengths for
                     meta.update(trimmed=True, pad=pad)
                     keep = np.arange(arr.shape[1])[None, :] < lengths.numpy()[:, None]
                     offs = np.zeros(arr.shape[0] + 1, dtype=np.int32)
@@ -128,11 +132,11 @@ def to_arrow(data: Any) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
 
-def from_arrow(table: pa.Table, *, device: torch.device | str | None = None) -> Any:
+def from_arrow(table: pa.Table, *, device: torch.device | str | None = None) -> BatchedDataDict[Any]:
     """The BatchedDataDict that ``to_arrow`` encoded (or plain Arrow columns: lists become padded tensors)."""
     from dask_lm.data.batch import BatchedDataDict
 
-    out = BatchedDataDict()
+    out: BatchedDataDict[Any] = BatchedDataDict()
     for name, col in zip(table.column_names, table.columns):
         field = table.schema.field(name)
         meta = json.loads(field.metadata[_META]) if field.metadata and _META in field.metadata else None
@@ -170,18 +174,3 @@ def from_arrow(table: pa.Table, *, device: torch.device | str | None = None) -> 
             t = t.view(torch.bfloat16)
         out[name] = t.to(device) if device is not None else t
     return out
-
-
-def shard_to_wire(shard: Any, *, packed: bool = False) -> tuple[pa.Table, dict[str, Any]]:
-    """A shard and its micro-batch metadata, in the form that crosses to a worker."""
-    meta = {k: getattr(shard, k, None) for k in ("micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb")}
-    meta["packed"] = packed
-    return to_arrow(shard), meta
-
-
-def shard_from_wire(payload: tuple[pa.Table, dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
-    table, meta = payload
-    data = from_arrow(table)
-    for k in ("micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb"):
-        setattr(data, k, meta.get(k))
-    return data, meta

@@ -36,7 +36,7 @@ __all__ = ["BatchedDataDict", "SlicedDataDict", "DynamicBatchingArgs", "Sequence
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
 
 
-class BatchedDataDict(UserDict, Generic[DictT]):
+class BatchedDataDict(UserDict[str, Any], Generic[DictT]):
     """A batch of rows. See the module docstring."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -48,20 +48,24 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     # ----------------------------------------------------------------------------------------- build / join
     @classmethod
     def from_batches(cls, batches: Sequence[Mapping[str, Any]],
-                     pad_value_dict: dict[str, int | float] | None = None) -> BatchedDataDict:
+                     pad_value_dict: dict[str, int | float] | None = None) -> BatchedDataDict[DictT]:
         """Stack batches row-wise. Lists concatenate; 1-D tensors concatenate; tensors with a sequence axis are
-        right-padded along dim 1 (pad value from ``pad_value_dict``, default 0) to the widest, then stacked."""
+        right-padded along dim 1 (pad value from ``pad_value_dict``, default 0) to the widest, then stacked.
+
+        A key may be missing from a batch with no rows (an empty shard, or an empty mapping): such a batch adds no
+        rows to any key. A key missing from a batch that has rows is a ``KeyError`` (NeMo RL's contract)."""
         pad_value_dict = pad_value_dict or {}
         out = cls()
-        nonempty = [b for b in batches if len(b)]
-        if not nonempty:
-            return out
-        keys = sorted(set().union(*(b.keys() for b in nonempty)))
+        # rows as NeMo RL counts them: the length of the first value (0 for an empty mapping)
+        rows = [batch_size_of(next(iter(b.values()))) if len(b) else 0 for b in batches]
+        keys = sorted(set().union(*(b.keys() for b in batches)))
         for k in keys:
-            missing = [i for i, b in enumerate(batches) if len(b) and k not in b]
+            missing = [i for i, b in enumerate(batches) if rows[i] and k not in b]
             if missing:
                 raise KeyError(f"Key {k!r} is missing from non-empty batches {missing}.")
-            values = [b[k] for b in nonempty]
+            # 0-row values are left out where rows exist: an empty shard's `[]` or (0, 0) tensor must not decide
+            # the type, dtype or trailing shape of the column; a key only empty batches hold keeps its 0 rows
+            values = [b[k] for i, b in enumerate(batches) if k in b and rows[i]] or [b[k] for b in batches if k in b]
             first = values[0]
             if isinstance(first, list):
                 out[k] = [x for v in values for x in v]
@@ -90,7 +94,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     def get_dict(self) -> dict[str, Any]:
         return self.data
 
-    def to(self, device: torch.device | str) -> BatchedDataDict:
+    def to(self, device: torch.device | str) -> BatchedDataDict[DictT]:
         """Move every tensor to ``device`` (in place) and return self."""
         for k, v in self.data.items():
             if isinstance(v, torch.Tensor):
@@ -116,7 +120,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 out[k] = v[start:end]
         return out
 
-    def select_indices(self, indices: Sequence[int] | torch.Tensor) -> BatchedDataDict:
+    def select_indices(self, indices: Sequence[int] | torch.Tensor) -> BatchedDataDict[DictT]:
         """Rows at ``indices``, in that order."""
         out = type(self)()
         for k, v in self.data.items():
@@ -146,7 +150,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             out[k] = v[idx].clone() if isinstance(v, torch.Tensor) else [v[int(i)] for i in idx]
         return out
 
-    def repeat_interleave(self, num_repeats: int) -> BatchedDataDict:
+    def repeat_interleave(self, num_repeats: int) -> BatchedDataDict[DictT]:
         """Each row ``num_repeats`` times in a row (list items are deep-copied)."""
         out = type(self)()
         for k, v in self.data.items():
@@ -245,7 +249,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         return to_arrow(self)
 
     @classmethod
-    def from_arrow(cls, table: Any, *, device: torch.device | str | None = None) -> BatchedDataDict:
+    def from_arrow(cls, table: Any, *, device: torch.device | str | None = None) -> BatchedDataDict[Any]:
         from dask_lm.data.arrow import from_arrow
 
         return from_arrow(table, device=device)
@@ -260,5 +264,5 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         return f"{type(self).__name__}({', '.join(parts)})"
 
 
-class SlicedDataDict(BatchedDataDict):
+class SlicedDataDict(BatchedDataDict[Any]):
     """A slice or shard of a larger batch."""

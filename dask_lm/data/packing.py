@@ -3,8 +3,9 @@
 Names and behaviour follow NeMo RL's ``nemo_rl.data.packing.algorithms`` so code written against it ports:
 ``PackingAlgorithm`` (four algorithms), the ``SequencePacker`` family, and ``get_packer``. A packer returns bins as
 lists of indices into the input lengths. ``min_bin_count`` / ``bin_count_multiple`` force more bins (data-parallel
-ranks need the same number each) by moving one item at a time out of the fullest bins. A sequence longer than the
-capacity gets a bin of its own rather than failing the whole batch.
+ranks need the same number each) by moving one item at a time out of the fullest bins. As in NeMo RL, ``pack``
+raises ``ValueError`` for a sequence longer than the capacity (its index, length and the capacity named); the
+Policy's sharding (:mod:`dask_lm.data.sharding`) gives such a row a bin of its own instead, before packing the rest.
 
 Example
 -------
@@ -59,18 +60,24 @@ class SequencePacker(ABC):
         """Bins for lengths that all fit the capacity."""
 
     def pack(self, sequence_lengths: list[int]) -> list[list[int]]:
+        """Bins of indices into ``sequence_lengths``, their count raised to the bin-count rules.
+        ``ValueError`` when a sequence is longer than the capacity (NeMo RL's contract): no bin can hold it."""
         lengths = [int(x) for x in sequence_lengths]
-        oversized = [i for i, n in enumerate(lengths) if n > self.bin_capacity]
-        if oversized:
-            fitting = [i for i, n in enumerate(lengths) if n <= self.bin_capacity]
-            inner = self._pack_implementation([lengths[i] for i in fitting]) if fitting else []
-            bins = [[fitting[j] for j in b] for b in inner] + [[i] for i in oversized]
-        else:
-            bins = self._pack_implementation(lengths)
-        bins = self._adjust_bin_count(bins)
+        # checked here, before any algorithm runs, so all four fail alike and the message can name the index
+        for i, n in enumerate(lengths):
+            if n > self.bin_capacity:
+                raise ValueError(f"Sequence length {n} (sequence {i}) exceeds bin capacity {self.bin_capacity}: "
+                                 "raise the capacity (the micro-batch token budget) or shorten that sequence")
+        bins = self.adjust_bin_count(self._pack_implementation(lengths))
         if self.collect_metrics:
             self.metrics = self.compute_metrics(lengths, bins)
         return bins
+
+    def adjust_bin_count(self, bins: list[list[int]]) -> list[list[int]]:
+        """``bins`` (from this packer or assembled by the caller) split up to ``min_bin_count`` and a multiple of
+        ``bin_count_multiple``, as :meth:`pack` does. A bin of one sequence is never emptied, so a bin holding a
+        single sequence longer than the capacity (see :mod:`dask_lm.data.sharding`) stays as it is."""
+        return self._adjust_bin_count(bins)
 
     def _adjust_bin_count(self, bins: list[list[int]]) -> list[list[int]]:
         target = len(bins)

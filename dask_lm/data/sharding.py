@@ -17,6 +17,7 @@ order; ``BatchedDataDict.reorder_data`` undoes it after the ranks' outputs are c
 from __future__ import annotations
 
 import math
+import sys
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import torch
@@ -25,11 +26,11 @@ from dask_lm.data.packing import get_packer
 from dask_lm.errors import BatchError
 
 if TYPE_CHECKING:
-    from dask_lm.data.batch import BatchedDataDict
+    from dask_lm.data.batch import BatchedDataDict, SlicedDataDict
 
-try:
+if sys.version_info >= (3, 11):
     from typing import NotRequired
-except ImportError:  # Python 3.10
+else:  # Python 3.10
     from typing_extensions import NotRequired
 
 __all__ = ["BatchError", "DynamicBatchingArgs", "SequencePackingArgs", "shard_batch", "batch_size_of"]
@@ -55,9 +56,10 @@ def batch_size_of(value: Any) -> int:
     return int(value.shape[0]) if isinstance(value, torch.Tensor) else len(value)
 
 
-def shard_batch(data: BatchedDataDict, shards: int, batch_size: int | None = None, allow_uneven_shards: bool = False,
-                dynamic_batching_args: DynamicBatchingArgs | None = None,
-                sequence_packing_args: SequencePackingArgs | None = None) -> Any:
+def shard_batch(data: BatchedDataDict[Any], shards: int, batch_size: int | None = None,
+                allow_uneven_shards: bool = False, dynamic_batching_args: DynamicBatchingArgs | None = None,
+                sequence_packing_args: SequencePackingArgs | None = None
+                ) -> list[SlicedDataDict] | tuple[list[SlicedDataDict], list[int]]:
     """The body of ``BatchedDataDict.shard_by_batch_size`` (see there)."""
     from dask_lm.data.batch import SlicedDataDict
 
@@ -96,7 +98,7 @@ def shard_batch(data: BatchedDataDict, shards: int, batch_size: int | None = Non
         data = data.select_indices(sorted_indices)
 
     shard_size = math.ceil(batch_size / shards) if allow_uneven_shards else batch_size // shards
-    out = []
+    out: list[SlicedDataDict] = []
     for s in range(shards):
         rows: list[int] = []
         for c in range(num_chunks):
@@ -110,6 +112,7 @@ def shard_batch(data: BatchedDataDict, shards: int, batch_size: int | None = Non
         return out
     _cut_dynamic_micro_batches(out, shard_size, num_chunks, dynamic_batching_args,
                                width=int(data[dynamic_batching_args["input_key"]].shape[1]))
+    assert sorted_indices is not None  # set above whenever dynamic batching is on
     return out, sorted_indices
 
 
@@ -151,8 +154,8 @@ def _cut_dynamic_micro_batches(shards: list[Any], shard_size: int, num_chunks: i
         sh.micro_batch_lengths = [list(chunk) for chunk in lengths]
 
 
-def _pack_shards(data: BatchedDataDict, shards: int, batch_size: int, num_chunks: int, args: SequencePackingArgs,
-                 allow_uneven: bool) -> tuple[list[Any], list[int]]:
+def _pack_shards(data: BatchedDataDict[Any], shards: int, batch_size: int, num_chunks: int,
+                 args: SequencePackingArgs, allow_uneven: bool) -> tuple[list[SlicedDataDict], list[int]]:
     from dask_lm.data.batch import SlicedDataDict
 
     order = args.get("microbatch_order")
@@ -175,9 +178,7 @@ def _pack_shards(data: BatchedDataDict, shards: int, batch_size: int, num_chunks
             min_bins, multiple = min(shards, len(padded)) or None, None
         else:
             min_bins = multiple = shards
-        packer = get_packer(args["algorithm"], int(args["max_tokens_per_microbatch"]), collect_metrics=False,
-                            min_bin_count=min_bins, bin_count_multiple=multiple)
-        bins = packer.pack(padded)
+        bins = _pack_chunk(padded, args["algorithm"], int(args["max_tokens_per_microbatch"]), min_bins, multiple)
         for s in range(shards):
             mine = bins[s::shards]
             if order == "largest_first":
@@ -191,9 +192,22 @@ def _pack_shards(data: BatchedDataDict, shards: int, batch_size: int, num_chunks
             mbi[s].append(chunk_idx)
             mbl[s].append(chunk_len)
             counts[s].append(pos)
-    out = []
+    out: list[SlicedDataDict] = []
     for s in range(shards):
         shard = SlicedDataDict(data.select_indices(per_shard_rows[s]))
         shard.micro_batch_indices, shard.micro_batch_lengths, shard.elem_counts_per_gb = mbi[s], mbl[s], counts[s]
         out.append(shard)
     return out, [i for rows in per_shard_rows for i in rows]
+
+
+def _pack_chunk(padded: list[int], algorithm: str, capacity: int, min_bins: int | None,
+                multiple: int | None) -> list[list[int]]:
+    """Bins of one chunk. The packer refuses a row longer than ``capacity`` (NeMo RL's contract); a Policy pass
+    gives such a row a bin of its own instead of failing the whole batch (the forward of one overlong row works,
+    it only exceeds the token budget). So the rows that fit are packed, the overlong ones appended as single
+    bins, and only then is the bin count raised to the shard rules: a lone row is never split off its bin."""
+    fitting = [i for i, n in enumerate(padded) if n <= capacity]
+    overlong = [i for i, n in enumerate(padded) if n > capacity]
+    inner = get_packer(algorithm, capacity).pack([padded[i] for i in fitting]) if fitting else []
+    bins = [[fitting[j] for j in b] for b in inner] + [[i] for i in overlong]
+    return get_packer(algorithm, capacity, min_bin_count=min_bins, bin_count_multiple=multiple).adjust_bin_count(bins)

@@ -19,8 +19,8 @@ import contextlib
 import logging
 import statistics
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
 
 __all__ = ["Timer", "timed", "FLOPTracker", "flops_per_sequence", "device_peak_tflops", "aggregate_flops_metrics",
            "_aggregate_megatron_flops_metrics"]
@@ -101,19 +101,21 @@ class FLOPTracker:
         self.total_flops += n_samples * flops_per_sequence(self.config, seq_len, training=self.training)
 
 
-def aggregate_flops_metrics(results: Sequence[dict[str, Any]], world_size: int,
+def aggregate_flops_metrics(elapsed_seconds: Sequence[float], gpu_names: Sequence[str | None], world_size: int,
                             total_flops: float | None) -> dict[str, Any]:
-    """FLOP figures of one ``train()`` call from the ranks' results: total and per-rank TFLOP/s and MFU.
+    """FLOP figures of one ``train()`` call from each rank's time in it and device: total and per-rank TFLOP/s
+    and MFU.
 
     The elapsed time is the slowest rank's (a step is done when every rank is); the peak is the sum of each
     rank's device peak. Figures that cannot be known (CPU devices, unknown GPUs, families without a formula)
     are None rather than guessed.
     """
-    out: dict[str, Any] = {"num_ranks": len(results) or world_size, "total_flops": total_flops}
-    elapsed = max((float(r.get("train_elapsed_seconds") or 0.0) for r in results), default=0.0)
+    out: dict[str, Any] = {"num_ranks": len(elapsed_seconds) or world_size, "total_flops": total_flops}
+    elapsed = max((float(e or 0.0) for e in elapsed_seconds), default=0.0)
     out["train_elapsed_seconds"] = elapsed
-    peaks = [device_peak_tflops(r.get("gpu_name")) for r in results]
-    out["theoretical_tflops"] = sum(peaks) if peaks and all(p is not None for p in peaks) else None  # type: ignore[arg-type]
+    peaks = [device_peak_tflops(name) for name in gpu_names]
+    known = [p for p in peaks if p is not None]
+    out["theoretical_tflops"] = sum(known) if peaks and len(known) == len(peaks) else None
     if total_flops is None or elapsed <= 0:
         out.update(achieved_tflops=None, achieved_tflops_per_rank=None, mfu=None)
         return out
@@ -134,7 +136,7 @@ def _aggregate_megatron_flops_metrics(results: Sequence[dict[str, Any]], world_s
             "theoretical_tflops": num_ranks * peak if peak is not None else None}
 
 
-def timed(timer: Any, label: str) -> contextlib.AbstractContextManager:
+def timed(timer: Any, label: str) -> contextlib.AbstractContextManager[Any]:
     """``timer.time(label)`` when the caller passed a timer (NeMo RL's ``timer=`` arguments), else nothing."""
     return timer.time(label) if timer is not None and hasattr(timer, "time") else contextlib.nullcontext()
 
@@ -149,8 +151,9 @@ class Timer:
     1
     """
 
-    _OPS = {"mean": statistics.fmean, "median": statistics.median, "min": min, "max": max, "sum": sum,
-            "count": len, "std": lambda v: statistics.pstdev(v) if len(v) > 1 else 0.0}
+    _OPS: ClassVar[dict[str, Callable[[list[float]], float]]] = {
+        "mean": statistics.fmean, "median": statistics.median, "min": min, "max": max, "sum": sum, "count": len,
+        "std": lambda v: statistics.pstdev(v) if len(v) > 1 else 0.0}
 
     def __init__(self) -> None:
         self._timers: dict[str, list[float]] = {}

@@ -16,14 +16,24 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from distributed import span, wait
 
 from dask_lm.config import PolicyConfig
-from dask_lm.data.arrow import shard_to_wire
 from dask_lm.data.batch import BatchedDataDict
+from dask_lm.data.messages import (
+    ActionRequest,
+    ExtensionCall,
+    ForwardOutput,
+    ForwardRequest,
+    GenerateRequest,
+    PlacementAction,
+    Request,
+    Shard,
+)
 from dask_lm.engine import progress
 from dask_lm.engine.cluster import as_client
 from dask_lm.engine.events import log_call
@@ -32,10 +42,11 @@ from dask_lm.engine.refit import RefitMixin
 from dask_lm.engine.training import TrainingMixin
 from dask_lm.engine.validation import validate_input_batch
 from dask_lm.engine.worker_group import WorkerGroup
+from dask_lm.io import checkpoint as ckpt
 from dask_lm.io import hub
 from dask_lm.io.hub import ModelSource
+from dask_lm.optim_config import check_optim_config
 from dask_lm.workers import tasks
-from dask_lm.workers.optim import check_optim_config
 
 __all__ = ["Policy"]
 
@@ -59,7 +70,7 @@ def _resolve_names(cfg: PolicyConfig) -> tuple[PolicyConfig, ModelSource]:
                                tokenizer=dataclasses.replace(cfg.tokenizer, name=tok)), source
 
 
-def _model_config(model_name: str, overrides: dict | None) -> Any:
+def _model_config(model_name: str, overrides: dict[str, Any] | None) -> Any:
     """The model's Hugging Face config, read from its config.json on the driver (no weights, no CUDA)."""
     try:
         import transformers
@@ -80,7 +91,8 @@ class Policy(TrainingMixin, RefitMixin):
 
     def __init__(self, cluster: Any, config: dict[str, Any] | PolicyConfig, tokenizer: Any,
                  name_prefix: str = "lm_policy", workers_per_node: int | None = None, init_optimizer: bool = True,
-                 weights_path: str | os.PathLike | None = None, optimizer_path: str | os.PathLike | None = None,
+                 weights_path: str | os.PathLike[str] | None = None,
+                 optimizer_path: str | os.PathLike[str] | None = None,
                  init_reference_model: bool = True, processor: Any = None,
                  worker_extension_cls_fqn: str | None = None, skip_weight_load: bool = False) -> None:
         self._group: WorkerGroup | None = None
@@ -95,9 +107,7 @@ class Policy(TrainingMixin, RefitMixin):
             optimizer_path = os.path.abspath(optimizer_path)
             if not init_optimizer:
                 raise ValueError("`optimizer_path` restores optimizer state, which needs init_optimizer=True")
-            from dask_lm.workers.checkpointing import FRESH_OPTIMIZER
-
-            if not any(os.path.isfile(os.path.join(optimizer_path, f)) for f in (".metadata", FRESH_OPTIMIZER)):
+            if not any(os.path.isfile(os.path.join(optimizer_path, f)) for f in (".metadata", ckpt.FRESH_OPTIMIZER)):
                 raise ValueError(f"`optimizer_path` {optimizer_path!r} is not an optimizer checkpoint written by "
                                  "save_checkpoint (no .metadata file in it)")
         self.init_optimizer = bool(init_optimizer and self.cfg.optimizer is not None)
@@ -109,21 +119,25 @@ class Policy(TrainingMixin, RefitMixin):
         text = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
         self.vocab_size = getattr(text, "vocab_size", None)
         self.client = as_client(cluster)
-        workers = self._pick_workers(workers_per_node)
+        workers = None if workers_per_node is None else WorkerGroup.per_node(self.client, workers_per_node)
         self._group = group = WorkerGroup(self.client, workers=workers, name_prefix=name_prefix)
+        try:  # what the ranks would find only after loading the weights, found here from the config
+            from dask_lm.io.model_compat import check_policy_model
+
+            check_policy_model(self.hf_config, self.cfg, world_size=group.world_size)
+        except BaseException:
+            group.release_lease()
+            raise
         options = {"init_optimizer": init_optimizer, "init_reference_model": init_reference_model,
                    "weights_path": weights_path, "optimizer_path": optimizer_path, "skip_weight_load": skip_weight_load}
         members = tuple(str(n) for n in group.names)
         lock = group.group_lock() if group.world_size > 1 else contextlib.nullcontext()
         with span("dask-lm/load-model"), lock:
             master = group.rendezvous()
-            with group._submit_lock:
-                futs = [group.submit_rank(r, tasks.init_policy, group.policy_id, self.cfg.to_dict(),
-                                          key_name="load-model", rank=r, members=members,
-                                          member_ids=tuple(group.ids), master=master,
-                                          pad_token_id=self.pad_token_id, extension_fqn=worker_extension_cls_fqn,
-                                          options=options)
-                        for r in range(group.world_size)]
+            futs = group.submit(tasks.init_policy, group.policy_id, self.cfg.to_dict(), key_name="load-model",
+                                per_rank_kwargs=[{"rank": r} for r in range(group.world_size)], members=members,
+                                member_ids=tuple(group.ids), master=master, pad_token_id=self.pad_token_id,
+                                extension_fqn=worker_extension_cls_fqn, options=options)
             try:
                 with progress.bar(self.client, len(futs), "loading the model", "rank") as (_id, load_bar):
                     self.worker_info = group.gather(futs, what="loading the model", progress=load_bar)
@@ -133,88 +147,11 @@ class Policy(TrainingMixin, RefitMixin):
         self._finalizer = weakref.finalize(self, _shutdown_quietly, group)
 
     # ----------------------------------------------------------------------------------------- helpers
-    @staticmethod
-    def _pad_id(tokenizer: Any) -> int:
-        for attr in ("pad_token_id", "eos_token_id"):
-            value = getattr(tokenizer, attr, None)
-            if isinstance(value, int):
-                return value
-        return 0
-
-    def _pick_workers(self, workers_per_node: int | None) -> list[Any] | None:
-        if workers_per_node is None:
-            return None
-        if workers_per_node < 1:
-            raise ValueError(f"`workers_per_node` must be >= 1, got {workers_per_node}")
-        from dask_lm.engine.worker_group import _live_workers, _name_key
-
-        per_host: dict[str, list[Any]] = {}
-        for w in _live_workers(self.client)["workers"].values():
-            per_host.setdefault(w["host"], []).append(w["name"])
-        return sorted((n for names in per_host.values() for n in sorted(names, key=_name_key)[:workers_per_node]),
-                      key=_name_key)
-
-    @property
-    def group(self) -> WorkerGroup:
-        if self._group is None or not self._finalizer.alive:
-            raise RuntimeError("this Policy has been shut down; create a new one")
-        return self._group
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.group.world_size
-
-    def _auto_packing(self) -> int | None:
-        """The token budget when inference packs rows by itself (``policy.inference_packing``), else None."""
-        cfg = self.cfg
-        on = cfg.inference_packing
-        if on is None:
-            # GPU ranks with the varlen kernel: without it (float32, eager attention, pre-Ampere GPUs) a packed
-            # micro-batch needs a dense [T, T] mask, slower than padded rows
-            on = bool(self.worker_info) and all(i.get("device") == "cuda" and i.get("varlen")
-                                                for i in self.worker_info)
-        if not on:
-            return None
-        return max(cfg.inference_mb_tokens or 32768, cfg.max_total_sequence_length)
-
-    def _shard(self, data: BatchedDataDict, gbs: int | None = None,
-               auto_pack: bool = False) -> tuple[list[BatchedDataDict], Any, bool]:
-        """DP shards (plain, dynamic or packed) and the permutation that restores input order (or None).
-
-        Inference (``gbs`` None) takes any batch size (shards may differ by a row) and the logprob token budgets;
-        training splits per global batch of ``gbs`` rows with the training budgets. ``auto_pack``: an inference
-        call that may pack by itself when no batching mode is configured (:meth:`_auto_packing`)."""
-        dp = self.data_parallel_size
-        cfg = self.cfg
-        split: dict[str, Any] = ({"allow_uneven_shards": True} if gbs is None else {"batch_size": gbs})
-        budget = "logprob_mb_tokens" if gbs is None else "train_mb_tokens"
-        if cfg.dynamic_batching.enabled:
-            shards, order = data.shard_by_batch_size(dp, **split, dynamic_batching_args={
-                "input_key": "input_ids", "input_lengths_key": "input_lengths",
-                "sequence_length_round": cfg.dynamic_batching.sequence_length_round,
-                "max_tokens_per_microbatch": int(getattr(cfg.dynamic_batching, budget))})
-            return shards, order, False
-        if cfg.sequence_packing.enabled:
-            shards, order = data.shard_by_batch_size(dp, **split, sequence_packing_args={
-                "input_key": "input_ids", "input_lengths_key": "input_lengths",
-                "max_tokens_per_microbatch": int(getattr(cfg.sequence_packing, budget)),
-                "algorithm": cfg.sequence_packing.algorithm,
-                "sequence_length_pad_multiple": cfg.make_sequence_length_divisible_by,
-                "microbatch_order": cfg.sequence_packing.microbatch_order})
-            return shards, order, True
-        budget = self._auto_packing() if auto_pack and gbs is None else None
-        if budget is not None:
-            shards, order = data.shard_by_batch_size(dp, **split, sequence_packing_args={
-                "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": budget,
-                "algorithm": cfg.sequence_packing.algorithm, "sequence_length_pad_multiple": 1,
-                "microbatch_order": cfg.sequence_packing.microbatch_order})
-            return shards, order, True
-        return data.shard_by_batch_size(dp, **split), None, False
-
-    def _run_sharded(self, method: str, data: Any, *, what: str, timer: Any = None, label: str | None = None,
-                     contiguous: bool = False, **kwargs: Any) -> tuple[list[dict[str, Any]], Any]:
-        """Validate, shard, scatter each shard to its rank, run ``method`` on every rank, return rank results."""
-        label = label or method
+    def _run_sharded(self, request: Callable[[Shard], Request], data: Any, *, what: str, timer: Any = None,
+                     contiguous: bool = False, rows_per_mb: bool = False) -> tuple[list[Any], Any]:
+        """Validate, shard, send each rank ``request(its shard)``, return the ranks' answers and the permutation
+        that restores input order (or None). ``rows_per_mb``: the call names a micro_batch_size, so no packing."""
+        label = what
         start = time.perf_counter()
         data = validate_input_batch(data, what=what, vocab_size=self.vocab_size,
                                     max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
@@ -227,63 +164,66 @@ class Policy(TrainingMixin, RefitMixin):
                     None, False
             else:
                 # rows per micro-batch were asked for when the call names a micro_batch_size: no packing then
-                shards, order, packed = self._shard(data, auto_pack=kwargs.get("micro_batch_size") is None)
+                shards, order, packed = self._shard(data, auto_pack=not rows_per_mb)
         with timed(timer, f"{label}/submit_logprob_futures"), span(f"dask-lm/{label}"):
-            payloads = group.scatter([shard_to_wire(s, packed=packed) for s in shards], what=what)
-            futs = group.submit_all(tasks.call_policy, [(group.policy_id, method, p) for p in payloads],
-                                    key_name=label.replace("_", "-"), **kwargs)
-            results = group.gather(futs, what=what)
+            results = group.run([request(Shard.of(s, packed=packed)) for s in shards], what=what,
+                                key_name=label.replace("_", "-"))
         log_call(self.client, group.policy_id, label, start=start, tokens=int(data["input_lengths"].sum()),
                  rows=int(data["input_lengths"].shape[0]), ranks=group.world_size)
         return results, order
 
     @staticmethod
-    def _join(results: list[dict[str, Any]], order: Any, key: str, cat: bool = False) -> torch.Tensor:
+    def _join(results: list[ForwardOutput], order: list[int] | None, key: str, cat: bool = False) -> torch.Tensor:
+        joined: BatchedDataDict[Any]
         if cat:
-            joined = BatchedDataDict({key: torch.cat([r[key] for r in results], dim=0)})
+            joined = BatchedDataDict({key: torch.cat([r.tensors[key] for r in results], dim=0)})
         else:
-            joined = BatchedDataDict.from_batches([BatchedDataDict({key: r[key]}) for r in results])
+            joined = BatchedDataDict.from_batches([BatchedDataDict({key: r.tensors[key]}) for r in results])
         if order is not None:
             joined.reorder_data(order)
-        return joined[key]
+        out: torch.Tensor = joined[key]
+        return out
 
     # ----------------------------------------------------------------------------------------- inference
-    def get_logprobs(self, data: BatchedDataDict, timer: Any = None) -> BatchedDataDict:
+    def get_logprobs(self, data: BatchedDataDict[Any], timer: Any = None) -> BatchedDataDict[Any]:
         """Per-token log-probabilities: ``{"logprobs": float32 [B, S]}``; position 0 and padding hold 0."""
-        results, order = self._run_sharded("get_logprobs", data, what="get_logprobs", timer=timer)
+        results, order = self._run_sharded(ForwardRequest, data, what="get_logprobs", timer=timer)
         return BatchedDataDict(logprobs=self._join(results, order, "logprobs"))
 
-    def get_reference_policy_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None,
-                                      timer: Any = None) -> BatchedDataDict:
+    def get_reference_policy_logprobs(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None,
+                                      timer: Any = None) -> BatchedDataDict[Any]:
         """Log-probabilities under the weights as first loaded (before training or a ``weights_path`` restore):
         ``{"reference_logprobs": float32 [B, S]}``; the generation temperature applies, top-k/top-p do not."""
-        results, order = self._run_sharded("get_logprobs", data, what="get_reference_policy_logprobs", timer=timer,
-                                           label="get_reference_policy_logprobs",
-                                           micro_batch_size=micro_batch_size, reference=True)
+        results, order = self._run_sharded(
+            lambda shard: ForwardRequest(shard, "reference_logprobs", micro_batch_size=micro_batch_size), data,
+            what="get_reference_policy_logprobs", timer=timer, rows_per_mb=micro_batch_size is not None)
         return BatchedDataDict(reference_logprobs=self._join(results, order, "reference_logprobs"))
 
-    def get_topk_logits(self, data: BatchedDataDict, k: int, micro_batch_size: int | None = None,
-                        timer: Any = None) -> BatchedDataDict:
+    def get_topk_logits(self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None,
+                        timer: Any = None) -> BatchedDataDict[Any]:
         """The k largest temperature-scaled logits at every position: ``topk_logits`` float32 [B, S, k] and
         ``topk_indices`` int64 [B, S, k] (padding positions hold 0)."""
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"get_topk_logits: `k` must be a positive integer, got {k!r}")
         if self.vocab_size is not None and k > self.vocab_size:
             raise ValueError(f"get_topk_logits: `k`={k} exceeds the vocabulary size {self.vocab_size}")
-        results, order = self._run_sharded("get_topk_logits", data, what="get_topk_logits", timer=timer, k=k,
-                                           micro_batch_size=micro_batch_size)
+        results, order = self._run_sharded(lambda shard: ForwardRequest(shard, "topk", k=k,
+                                                                        micro_batch_size=micro_batch_size),
+                                           data, what="get_topk_logits", timer=timer,
+                                           rows_per_mb=micro_batch_size is not None)
         return BatchedDataDict(topk_logits=self._join(results, order, "topk_logits", cat=True),
                                topk_indices=self._join(results, order, "topk_indices", cat=True))
 
-    def score(self, data: BatchedDataDict) -> BatchedDataDict:
+    def score(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
         """Reward-model scores ``{"scores": float32 [B]}`` (needs ``reward_model_cfg.enabled``)."""
         if not self.cfg.reward_model_cfg.enabled:
             raise ValueError("score() needs a reward model: set `policy.reward_model_cfg.enabled: true` and point "
                              "`policy.model_name` at a sequence-classification checkpoint")
-        results, order = self._run_sharded("score", data, what="score")
+        results, order = self._run_sharded(lambda shard: ForwardRequest(shard, "score"), data, what="score")
         return BatchedDataDict(scores=self._join(results, order, "scores", cat=True))
 
-    def generate(self, data: BatchedDataDict, greedy: bool = False, seed: int | None = None) -> BatchedDataDict:
+    def generate(self, data: BatchedDataDict[Any], greedy: bool = False,
+                 seed: int | None = None) -> BatchedDataDict[Any]:
         """Continue right-padded prompts with the policy's own weights (KV-cached, batched; ``generation`` config).
 
         Returns ``output_ids`` [B, S_out] (prompt then generation, right-padded with the pad id), ``logprobs``
@@ -298,8 +238,9 @@ class Policy(TrainingMixin, RefitMixin):
         if gen.backend not in ("hf", "dtensor", "megatron"):
             raise ValueError(f"`policy.generation.backend` = {gen.backend!r}: use 'hf' (the policy's own workers) "
                              "or 'sglang' (servers listed in `policy.generation.sglang_cfg.server_urls`)")
-        results, _order = self._run_sharded("generate", data, what="generate", contiguous=True, greedy=greedy,
-                                            seed=seed)
+        answers, _order = self._run_sharded(lambda shard: GenerateRequest(shard, greedy=greedy, seed=seed), data,
+                                            what="generate", contiguous=True)
+        results = [a.tensors for a in answers]
         width = max((r["output_ids"].shape[1] for r in results), default=0)
         pad = self.pad_token_id
 
@@ -312,10 +253,12 @@ class Policy(TrainingMixin, RefitMixin):
                                unpadded_sequence_lengths=torch.cat([r["unpadded_sequence_lengths"] for r in results]),
                                truncated=torch.cat([r["truncated"] for r in results]))
 
-    def _generate_sglang(self, data: BatchedDataDict, *, greedy: bool, seed: int | None) -> BatchedDataDict:
+    def _generate_sglang(self, data: BatchedDataDict[Any], *, greedy: bool,
+                         seed: int | None) -> BatchedDataDict[Any]:
         from dask_lm.engine.sglang_generation import SGLangGenerator, sampling_params
 
         gen = self.cfg.generation
+        assert gen is not None, "generate() checks policy.generation"
         sg = dict(gen.sglang_cfg or {})
         urls = sg.get("server_urls")
         if not urls or isinstance(urls, str):
@@ -332,10 +275,11 @@ class Policy(TrainingMixin, RefitMixin):
     # ----------------------------------------------------------------------------------------- generic hooks
     def run_all_workers_single_data(self, method_name: str, *args: Any, run_rank_0_only_axes: Any = None,
                                     **kwargs: Any) -> list[Any]:
-        """Call ``method_name`` (of the worker, or of ``worker_extension_cls_fqn``) on every rank with the same
-        arguments; one result per rank."""
-        return self.group.run_all(tasks.call_policy, self.group.policy_id, method_name, None, *args,
-                                  what=method_name, key_name=method_name.replace("_", "-"), **kwargs)
+        """Call ``method_name`` of ``worker_extension_cls_fqn`` (or one of the base worker's methods that take no
+        rows: :data:`dask_lm.workers.endpoints.EXTENSION_BASE_METHODS`) on every rank with the same arguments;
+        one result per rank."""
+        return self.group.run(ExtensionCall(method_name, args, kwargs), what=method_name,
+                              key_name=method_name.replace("_", "-"))
 
     def run_all_workers_multiple_data(self, method_name: str, *args: Any, run_rank_0_only_axes: Any = None,
                                       common_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
@@ -349,25 +293,16 @@ class Policy(TrainingMixin, RefitMixin):
         for key, v in kwargs.items():
             if not isinstance(v, (list, tuple)) or len(v) != n:
                 raise ValueError(f"run_all_workers_multiple_data: `{key}` must be a list of {n} entries")
-        group = self.group
-        with group._submit_lock:
-            futs = [group.submit_rank(r, tasks.call_policy, group.policy_id, method_name, None,
-                                      *[a[r] for a in args], key_name=method_name.replace("_", "-"),
-                                      **{k: v[r] for k, v in kwargs.items()}, **(common_kwargs or {}))
-                    for r in range(n)]
-        return group.gather(futs, what=method_name)
+        calls = [ExtensionCall(method_name, tuple(a[r] for a in args),
+                               {**{k: v[r] for k, v in kwargs.items()}, **(common_kwargs or {})}) for r in range(n)]
+        return self.group.run(calls, what=method_name, key_name=method_name.replace("_", "-"))
 
-    def _call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return self.run_all_workers_single_data(method, *args, **kwargs)
+    def _place(self, action: PlacementAction) -> None:
+        self.group.run(ActionRequest(action), what=action, key_name=action.replace("_", "-"))
 
     # ----------------------------------------------------------------------------------------- placement
-    def get_free_memory_bytes(self) -> int:
-        """The smallest free device memory over the workers (host RAM on CPU workers)."""
-        infos = self.group.run_all(tasks.rank_info, what="get_free_memory_bytes", key_name="free-memory")
-        return int(min(i["free_memory_bytes"] for i in infos))
-
     def print_node_ip_and_gpu_id(self) -> list[tuple[str, Any]]:
-        infos = self.group.run_all(tasks.rank_info, what="print_node_ip_and_gpu_id", key_name="node-ip")
+        infos = self.group.call(tasks.rank_info, what="print_node_ip_and_gpu_id", key_name="node-ip")
         rows = [(str(name), i["node_ip"], i["gpu_id"], i["gpu_name"]) for name, i in zip(self.group.names, infos)]
         lines = [f"{'worker':>8}  {'node ip':>15}  {'gpu id':>6}  device", *(
             f"{w:>8}  {ip:>15}  {str(g):>6}  {n}" for w, ip, g, n in rows)]
@@ -375,20 +310,20 @@ class Policy(TrainingMixin, RefitMixin):
         return [(ip, g) for _, ip, g, _ in rows]
 
     def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
-        self._call_all("prepare_for_lp_inference")
+        self._place("prepare_for_lp_inference")
 
     def finish_inference(self) -> None:
-        self._call_all("finish_inference")
+        self._place("finish_inference")
 
     def offload_to_cpu(self) -> None:
         """Weights and optimizer state to host memory, freeing the devices."""
-        self._call_all("offload_to_cpu")
+        self._place("offload_to_cpu")
 
     def start_gpu_profiling(self) -> None:
-        self.group.run_all(_profiler, True, what="start_gpu_profiling", key_name="profiler")
+        self.group.call(tasks.profiler, True, what="start_gpu_profiling", key_name="profiler")
 
     def stop_gpu_profiling(self) -> None:
-        self.group.run_all(_profiler, False, what="stop_gpu_profiling", key_name="profiler")
+        self.group.call(tasks.profiler, False, what="stop_gpu_profiling", key_name="profiler")
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def shutdown(self) -> bool:
@@ -421,13 +356,6 @@ class Policy(TrainingMixin, RefitMixin):
         return policy_html(self)
 
 
-def _profiler(_prev: Any, start: bool) -> bool:
-    from dask_lm.workers import device
-
-    (device.start_profiler if start else device.stop_profiler)()
-    return True
-
-
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
@@ -445,8 +373,8 @@ def _shutdown_quietly(group: WorkerGroup, raise_errors: bool = False) -> bool:
             logger.warning("policy %s: workers %s are gone (their share of the Policy went with them); shutting down "
                            "the other ranks", group.policy_id, [group.names[r] for r in sorted(lost)])
         # not chained: a failed earlier call must not stop the clean-up (one task thread per worker keeps order)
-        futs = [group.submit_rank(r, tasks.shutdown_policy, group.policy_id, key_name="shutdown", chain=False,
-                                  orphaned=bool(lost)) for r in range(group.world_size) if r not in lost]
+        futs = group.submit(tasks.shutdown_policy, group.policy_id, key_name="shutdown", chain=False,
+                            ranks=[r for r in range(group.world_size) if r not in lost], orphaned=bool(lost))
         try:
             wait(futs, timeout=SHUTDOWN_TIMEOUT_S)
         except TimeoutError:

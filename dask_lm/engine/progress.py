@@ -23,7 +23,7 @@ TOPIC = "dask-lm-progress"
 _enabled: bool = True
 _bars: dict[str, Any] = {}
 _lock = threading.Lock()
-_subscribed: weakref.WeakSet = weakref.WeakSet()
+_subscribed: weakref.WeakSet[Any] = weakref.WeakSet()  # dask clients
 
 
 def set_progress(enabled: bool) -> None:
@@ -39,7 +39,8 @@ def progress_enabled() -> bool:
 def _on_event(event: Any) -> None:
     _time, msg = event
     with _lock:
-        b = _bars.get(msg.get("id")) if isinstance(msg, dict) else None
+        progress_id = msg.get("id") if isinstance(msg, dict) else None
+        b = _bars.get(progress_id) if isinstance(progress_id, str) else None
         if b is not None and msg.get("done", 0) > b.n:
             b.update(int(msg["done"]) - b.n)
 

@@ -10,17 +10,16 @@ way an RL loop waits for its inference side at the same time.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlparse
 
 from distributed import Future
 
+from dask_lm.data.messages import ActionRequest, CollectiveInitRequest, RefitPlan, Request
 from dask_lm.engine import progress
+from dask_lm.engine.policy_base import PolicyBase
 from dask_lm.workers import tasks
-
-if TYPE_CHECKING:
-    from dask_lm.config import PolicyConfig
-    from dask_lm.engine.worker_group import WorkerGroup
 
 __all__ = ["RefitMixin", "engine_layout", "REFIT_BUFFER_MEMORY_RATIO"]
 
@@ -54,19 +53,10 @@ def _check_urls(urls: Any) -> list[str]:
     return out
 
 
-class RefitMixin:
-    cfg: PolicyConfig
-    client: Any
-    group: WorkerGroup
-    data_parallel_size: int
-
+class RefitMixin(PolicyBase):
     _rollout_gpus_per_engine: int | None = None
     _weight_version: int = 0
     _refit_total_bytes: int | None = None
-
-    if TYPE_CHECKING:  # Policy's
-        def get_free_memory_bytes(self) -> int: ...
-        def _call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
 
     def _refit_buffer_size(self, buffer_size_bytes: int | None) -> int:
         if buffer_size_bytes is not None:
@@ -78,25 +68,20 @@ class RefitMixin:
             return int(gb * 2**30)
         return max(1, int(self.get_free_memory_bytes() * REFIT_BUFFER_MEMORY_RATIO))
 
-    def _submit_for_caller(self, method: str, *, show_progress: bool = True, **kwargs: Any) -> list[Future]:
-        """One task per rank, whose futures handed back raise the rank's error while the rank's chain goes on: the
-        caller may see one rank's failure and submit again before the other ranks' tasks have finished. A progress
-        bar over the bytes sent (rank 0 reports them) lives until every future is done."""
-        group = self.group
-        key = method.replace("_", "-")
+    def _post(self, request: Callable[[str | None], Request], what: str, *, show_progress: bool = True) -> list[Future[Any]]:
+        """``request(progress_id)`` on every rank, whose futures handed back raise the rank's error while the
+        rank's chain goes on: the caller may see one rank's failure and submit again before the other ranks'
+        tasks have finished. A progress bar over the bytes sent (rank 0 reports them) lives until every future is
+        done."""
         progress_id = None
         if show_progress:
             progress_id, _bar = progress.open_bar(self.client, self._refit_bytes(), "refit", "B", unit_scale=True)
-            kwargs["progress_id"] = progress_id
-        with group._submit_lock:
-            settled = [group.submit_rank(r, tasks.call_policy_settled, group.policy_id, method, None, key_name=key,
-                                         **kwargs) for r in range(group.world_size)]
-        futures = [self.client.submit(tasks.unwrap, f, key=f"{key}-result-{f.key}", pure=False) for f in settled]
+        futures = self.group.post(request(progress_id), key_name=what.replace("_", "-"), what=what, settle=True)
         if progress_id is not None:
             pending = [len(futures)]
             lock = threading.Lock()
 
-            def one_done(_fut: Future) -> None:
+            def one_done(_fut: Future[Any]) -> None:
                 with lock:
                     pending[0] -= 1
                     last = pending[0] == 0
@@ -122,11 +107,13 @@ class RefitMixin:
     def prepare_refit_info(self) -> dict[str, tuple[Any, Any]]:
         """``{name: (shape, dtype)}`` of every weight a refit sends: Hugging Face names (tied duplicates left out,
         as ``save_pretrained`` does), full unsharded shapes, floating weights in the policy precision."""
-        return self._call_all("prepare_refit_info")[0]
+        info: dict[str, tuple[Any, Any]] = self.group.run(ActionRequest("prepare_refit_info"),
+                                                          what="prepare_refit_info", key_name="prepare-refit-info")[0]
+        return info
 
     def report_device_id(self) -> list[str]:
         """Each rank's device: its GPU UUID (``cpu-<host>-<pid>`` on CPU workers)."""
-        return self._call_all("report_device_id")
+        return self.group.run(ActionRequest("report_device_id"), what="report_device_id", key_name="report-device-id")
 
     def get_zmq_addresses(self) -> list[str]:
         """The socket each rank binds for ``stream_weights_via_ipc_zmq`` (the inference worker on the same device
@@ -135,10 +122,8 @@ class RefitMixin:
         Each is an ``ipc://`` path in a directory private to the worker's user (mode 0700; the socket 0600), made
         by the rank on the first call and removed at ``shutdown()``: the inference worker must run as the same user
         on the same host. Asked of the ranks, since only they know the directory; the same until shutdown."""
-        from dask_lm.workers.zmq_endpoint import address_on_rank
-
-        return self.group.run_all(address_on_rank, self.group.policy_id, what="get_zmq_addresses",
-                                  key_name="zmq-address")
+        return self.group.call(tasks.zmq_address, self.group.policy_id, what="get_zmq_addresses",
+                               key_name="zmq-address")
 
     # ----------------------------------------------------------------------------------------- SGLang over HTTP
     def set_rollout_num_gpus_per_engine(self, num_gpus_per_engine: int) -> None:
@@ -149,7 +134,7 @@ class RefitMixin:
 
     def stream_weights_via_http(self, rollout_engine_urls: list[str], buffer_size_bytes: int | None = None, *,
                                 weight_version: str | None = None, timeout_s: float = 600.0,
-                                transport: str | None = None) -> list[Future]:
+                                transport: str | None = None) -> list[Future[Any]]:
         """Push the current weights into SGLang servers (their weight-update session); one future per rank.
 
         ``buffer_size_bytes`` caps a bucket (default: ``policy.refit_buffer_size_gb``, else 0.3 × the smallest free
@@ -166,22 +151,24 @@ class RefitMixin:
         size = self._refit_buffer_size(buffer_size_bytes)
         self._weight_version += 1
         version = str(weight_version) if weight_version is not None else str(self._weight_version)
-        return self._submit_for_caller("stream_weights_via_http", urls=urls, layout=layout, buffer_size_bytes=size,
-                            weight_version=version, timeout_s=float(timeout_s), transport=transport)
+        return self._post(lambda progress_id: RefitPlan(
+            "http", buffer_size_bytes=size, timeout_s=float(timeout_s), progress_id=progress_id, urls=tuple(urls),
+            layout=layout, weight_version=version, transport=transport), "stream_weights_via_http")
 
     # ----------------------------------------------------------------------------------------- ZMQ, colocated
     def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int | None = None, kv_scales: Any = None, *,
-                                   timeout_s: float = 120.0) -> list[Future]:
+                                   timeout_s: float = 120.0) -> list[Future[Any]]:
         """Every rank streams all weights to the inference worker on its own device, over the ZMQ socket named by
         ``get_zmq_addresses()``, in two ping-pong buffers of half ``buffer_size_bytes``; one future per rank."""
         if kv_scales is not None:
             raise ValueError("`kv_scales` (FP8 KV-cache scales) are not supported by this backend; pass None")
         size = self._refit_buffer_size(buffer_size_bytes)
-        return self._submit_for_caller("stream_weights_via_ipc_zmq", buffer_size_bytes=size, timeout_s=float(timeout_s))
+        return self._post(lambda progress_id: RefitPlan("zmq", buffer_size_bytes=size, timeout_s=float(timeout_s),
+                                                        progress_id=progress_id), "stream_weights_via_ipc_zmq")
 
     # ----------------------------------------------------------------------------------------- collective
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int,
-                        timeout_s: float | None = None) -> list[Future]:
+                        timeout_s: float | None = None) -> list[Future[Any]]:
         """Build the refit process group with ``world_size - train_world_size`` inference ranks (NCCL on GPUs,
         gloo on CPU). Policy rank 0 hosts its store at ``ip:port``; inference rank ``i`` joins as
         ``train_world_size + i`` (see :class:`dask_lm.refit_receiver.CollectiveReceiver`). One future per rank; they
@@ -195,11 +182,12 @@ class RefitMixin:
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"`port` must be a TCP port number, got {port!r}")
         timeout = float(timeout_s if timeout_s is not None else self.cfg.collective_timeout_s)
-        return self._submit_for_caller("init_collective", show_progress=False, ip=str(ip), port=port, world_size=world_size,
-                            train_world_size=train_world_size, timeout_s=timeout)
+        return self._post(lambda _progress_id: CollectiveInitRequest(
+            ip=str(ip), port=port, world_size=world_size, train_world_size=train_world_size, timeout_s=timeout),
+            "init_collective", show_progress=False)
 
     def broadcast_weights_for_collective(self, kv_scales: Any = None, *, buffer_size_bytes: int | None = None,
-                                         num_buffers: int | None = None) -> list[Future]:
+                                         num_buffers: int | None = None) -> list[Future[Any]]:
         """Broadcast all weights from rank 0 to the inference ranks of ``init_collective``'s group, in buckets of
         ``buffer_size_bytes`` (sent ahead, so receivers need only the refit info); one future per rank."""
         if kv_scales is not None:
@@ -207,4 +195,5 @@ class RefitMixin:
         if num_buffers is not None and num_buffers < 1:
             raise ValueError(f"`num_buffers` must be >= 1, got {num_buffers}")
         size = self._refit_buffer_size(buffer_size_bytes)
-        return self._submit_for_caller("broadcast_weights_for_collective", buffer_size_bytes=size)
+        return self._post(lambda progress_id: RefitPlan("broadcast", buffer_size_bytes=size, progress_id=progress_id),
+                          "broadcast_weights_for_collective")

@@ -25,11 +25,13 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from dask_lm.data.messages import ScoreOptions
+from dask_lm.engine import jobs
 from dask_lm.engine.progress import JobBar
-from dask_lm.io import fingerprint, hub, jobdir, modelcheck
+from dask_lm.io import hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
-from dask_lm.workers.scorer import ScoreOptions, release_scorers, score_partition
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
+from dask_lm.workers.tasks import release_scorers, score_partition
 
 __all__ = ["score_parquet", "ScoreResult"]
 
@@ -108,82 +110,26 @@ class ScoreResult:
                 ("output", self.output), ("dashboard", self.dashboard or "-")]
 
 
-def _check_mode(text_column: str | None, ids_column: str | None, prompt_column: str | None,
-                response_column: str | None) -> None:
-    modes = [m for m, on in (("--text-column", text_column), ("--ids-column", ids_column),
-                              ("--prompt-column/--response-column", prompt_column or response_column)) if on]
-    if len(modes) != 1:
-        raise ValueError("give exactly one of --text-column, --ids-column, or --prompt-column with "
-                         f"--response-column (got {modes or 'none'})")
-    if (prompt_column is None) != (response_column is None):
-        raise ValueError("--prompt-column and --response-column go together")
-
-
-def _precision_name(precision: str | None) -> str | None:
-    """The torch dtype name of ``--precision``; ``None`` for auto (decided by the workers' devices)."""
-    if precision in (None, "auto"):
-        return None
-    name = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(precision, precision)
-    if name not in ("bfloat16", "float32", "float16"):
-        raise ValueError(f"--precision must be bf16, fp32 or fp16, got {precision!r}")
-    return name
-
-
-def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, pins: dict[str, Any]) -> dict[str, Any]:
-    from dask_lm import __version__
-
-    # left out: where the output goes, the model (pinned by content below), and options that change no written
-    # value: micro-batch sizes, compilation (same values to bf16 noise), and allow_nonfinite (a job refused for NaN
-    # may be resumed keeping them; parts written before hold only finite values)
+def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, source: hub.ModelSource, info: modelcheck.ModelInfo
+              ) -> dict[str, Any]:
+    # left out: where the output goes, the model (pinned by content), and options that change no written value:
+    # micro-batch sizes, compilation (same values to bf16 noise), and allow_nonfinite (a job refused for NaN may be
+    # resumed keeping them; parts written before hold only finite values)
     options = {k: v for k, v in asdict(opts).items() if k not in ("output", "model", "tokenizer", "batch_tokens",
                                                                    "chunk_size", "allow_nonfinite", "compile")}
-    return {"format": jobdir.FORMAT, "dask_lm_version": __version__, "model": opts.model,
-            "tokenizer": opts.tokenizer, "options": options, "partitions": len(inputs.partitions), **pins}
+    options["precision"] = None if opts.precision == "auto" else opts.precision  # pinned once the workers are known
+    return jobs.manifest(source, info, inputs, options, tokenizer=opts.tokenizer, partitions=len(inputs.partitions))
 
 
-# the job's own entries of an output besides _manifest.json and _SUCCESS (what --overwrite may delete)
-_OWNED = r"part-\d{5}\.parquet|_errors\.parquet|_errors"
-_RESUME_HINT = " (add --skip-bad-rows to leave out the bad rows that stopped it)"
+_KIND = jobs.JobKind(name="scoring job", did="scored", owned=r"part-\d{5}\.parquet|_errors\.parquet|_errors",
+                     debris=pio.remove_debris,
+                     resume_hint=" (add --skip-bad-rows to leave out the bad rows that stopped it)")
 
 
-def _existing_manifest(output: str, resume: bool, overwrite: bool) -> dict[str, Any] | None:
-    """Under the output's lock: the manifest of the job to resume, or ``None`` for a new output (an overwritten one
-    is emptied of the earlier job's files here). Refuses what :func:`jobdir.refuse_occupied` refuses."""
-    state = jobdir.output_state(output, _OWNED)
-    jobdir.refuse_occupied(output, state, job="scoring job", resume=resume, overwrite=overwrite,
-                           resume_hint=_RESUME_HINT)
-    if state.kind == "new":
-        return None
-    if overwrite:
-        jobdir.clear_output(output, _OWNED)
-        return None
-    return jobdir.read_manifest(output)
-
-
-def _resume_ignores(old: dict[str, Any], skip_bad_rows: bool, auto_precision: bool) -> tuple[str, ...]:
-    """Options a resume need not repeat: an automatic precision (compared once the workers are known), and
-    ``--skip-bad-rows`` added to a job that stopped at a bad row: the parts written before hold every row of their
-    row groups, which is what skipping would have written for them too."""
-    ignore = ("precision",) if auto_precision else ()
-    if skip_bad_rows and not (old.get("options") or {}).get("skip_bad_rows"):
-        ignore += ("skip_bad_rows",)
-    return ignore
-
-
-def _prepare_output(output: str, manifest: dict[str, Any], old: dict[str, Any] | None) -> list[int]:
-    """Pin a new output (or check a resumed one against its pins); the part indices already complete. Runs under
-    the output's lock, so temporary files found here are a killed job's debris."""
-    if old is None:
-        pio.write_json_atomic(manifest, os.path.join(output, pio.MANIFEST))
-    else:  # the old manifest stays: it describes the parts already written
-        ignore = _resume_ignores(old, bool(manifest["options"].get("skip_bad_rows")), False)
-        jobdir.check_resume(old, manifest, output=output, what="scored", ignore=ignore)
-        if "skip_bad_rows" in ignore:  # from now on the output may leave rows out: its manifest says so
-            old = {**old, "options": {**old["options"], "skip_bad_rows": True}}
-            pio.write_json_atomic(old, os.path.join(output, pio.MANIFEST))
-    os.makedirs(pio.errors_dir(output), exist_ok=True)
-    pio.remove_debris(output)
-    return [i for i in range(manifest["partitions"]) if os.path.exists(os.path.join(output, pio.part_name(i)))]
+def _added_skip_bad_rows(old: dict[str, Any] | None, skip_bad_rows: bool) -> bool:
+    """``--skip-bad-rows`` added by a resume of a job that stopped at a bad row: allowed, as the parts written
+    before hold every row of their row groups, which is what skipping would have written for them too."""
+    return old is not None and skip_bad_rows and not (old.get("options") or {}).get("skip_bad_rows")
 
 
 def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
@@ -196,30 +142,13 @@ def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
                        already_complete=True, **totals)
 
 
-def _located_partitions(inputs: pio.ScoreInputs, columns: list[str] | None) -> list[Any]:
-    """One delayed read per planned row group whose failure names file and row group
-    (:func:`dask_lm.io.parquet.read_partition`): ``dd.read_parquet``'s reader raises a corrupt page's error with
-    neither, and inside its task nothing downstream can turn the error into bad rows for ``--skip-bad-rows``."""
-    import dask
-
-    return [dask.delayed(pio.read_partition, pure=False)(f, g, start, n, columns)
-            for f, g, start, n in inputs.partitions]
-
-
-def _worker_has_gpu(client: Any) -> bool:
-    from dask_lm.workers.tasks import rank_info
-
-    infos = client.run(rank_info)
-    return any(i.get("device") == "cuda" for i in infos.values())
-
-
-def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLike, client: Any = None,
+def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str], client: Any = None,
                   text_column: str | None = None, ids_column: str | None = None, prompt_column: str | None = None,
                   response_column: str | None = None, id_column: str | None = None, topk: int = 0,
                   max_length: int | None = None, truncate: bool = False, batch_tokens: int = 16384,
                   precision: str | None = None, resume: bool = False, progress: bool = True,
                   skip_bad_rows: bool = False, allow_nonfinite: bool = False, compile: bool | None = None,
-                  tokenizer: str | os.PathLike | None = None, revision: str | None = None,
+                  tokenizer: str | os.PathLike[str] | None = None, revision: str | None = None,
                   overwrite: bool = False, performance_report: str | None = None, n_workers: int | None = None,
                   scheduler_address: str | None = None) -> ScoreResult:
     """Score every row of a parquet dataset with ``model``; see the module docstring for the output.
@@ -237,81 +166,50 @@ def score_parquet(input: Any, output: str | os.PathLike, *, model: str | os.Path
     Raises ``ValueError`` for bad usage or input (damaged model files, a changed input on ``resume``, an output
     another job holds), before anything is written and before a cluster starts.
     """
-    from dask_lm.engine.cluster import close, connect
     from dask_lm.engine.worker_group import _scheduler_info
 
     started = time.perf_counter()
-    _check_mode(text_column, ids_column, prompt_column, response_column)
+    jobs.check_columns(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
+                       response_column=response_column)
     if topk < 0 or (max_length is not None and max_length < 1) or batch_tokens < 1:
         raise ValueError("--topk must be >= 0, --max-length >= 1 and --batch-tokens >= 1")
-    fixed_precision = _precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
-    output = os.path.abspath(os.fspath(output))
-    files = pio.resolve_input_files(input)
-    jobdir.check_output_location(output, input, files)
-    # what the output folder allows needs only its listing: refused before the model is looked at (and again under
-    # the lock below)
-    state = jobdir.output_state(output, _OWNED)
-    jobdir.refuse_occupied(output, state, job="scoring job", resume=resume, overwrite=overwrite,
-                           resume_hint=_RESUME_HINT)
-    source = hub.resolve_model(model, revision=revision)  # a Hub id becomes its cache snapshot, here, once
+    fixed_precision = jobs.precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
+    out = jobs.JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
+    finished = resume and out.state.kind == "finished"  # nothing will be loaded or tokenized: its files are compared
+    source, info = jobs.resolve_model(model, revision=revision, load_config=not finished)
     model = source.path
-    finished = resume and state.kind == "finished"  # nothing will be loaded or tokenized: its files are compared
-    info = modelcheck.check_model(model, load_config=not finished)
     if info.vocab_size is not None and topk > info.vocab_size:
         raise ValueError(f"--topk {topk} is larger than the model's vocabulary ({info.vocab_size} tokens, vocab_size "
                          f"in {os.path.join(model, modelcheck.CONFIG)}); pass --topk {info.vocab_size} or less")
-    tokenizer = hub.resolve_model(tokenizer, what="--tokenizer").path if tokenizer else model
-    if not ids_column:
-        if not any(os.path.exists(os.path.join(tokenizer, f))
-                   for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise ValueError(f"{tokenizer!r} has no tokenizer files; pass --tokenizer, or score token ids with "
-                             "--ids-column")
-        if not finished:
-            modelcheck.check_tokenizer(tokenizer)
-    inputs = pio.inspect_inputs(files, text_column=text_column, ids_column=ids_column,
+    tokenizer = jobs.resolve_tokenizer(tokenizer, model, check=not finished, fix=None if ids_column else
+                                       "pass --tokenizer, or score token ids with --ids-column")
+    inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=ids_column,
                                 prompt_column=prompt_column, response_column=response_column, id_column=id_column)
-    separate_tokenizer = tokenizer if tokenizer != model else None  # else its files are among the model's
-    pins = fingerprint.job_pins(model, info.files, inputs.files, tokenizer=separate_tokenizer,
-                                tokenizer_files=modelcheck.tokenizer_files(tokenizer) if separate_tokenizer else ())
-    pins["model_source"] = source.record()  # how the model was named (Hub id, revision, commit); not compared
-    opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=fixed_precision or "auto", output=output,
+    opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=fixed_precision or "auto", output=out.path,
                         text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
                         response_column=response_column, id_column=id_column, topk=topk, max_length=max_length,
                         truncate=truncate, batch_tokens=batch_tokens, skip_bad_rows=skip_bad_rows,
                         allow_nonfinite=allow_nonfinite, compile=bool(compile))
+    manifest = _manifest(opts, inputs, source, info)
     prepare_seconds = time.perf_counter() - started
-    with jobdir.locked_output(output):
-        old = _existing_manifest(output, resume, overwrite)
-        if old is not None:
-            # everything but an automatic precision is compared before a cluster starts
-            jobdir.check_resume(old, _manifest(opts, inputs, pins), output=output, what="scored",
-                                ignore=_resume_ignores(old, skip_bad_rows, fixed_precision is None))
-            if os.path.exists(os.path.join(output, pio.SUCCESS)):
-                return _finished(output, old)
-        owns = client is None
-        remote = scheduler_address or os.environ.get("DASK_SCHEDULER_ADDRESS")
-        waiting = ("asking the workers about their devices" if not owns else "connecting to the cluster" if remote
-                   else "starting a local cluster")
-        bar = JobBar(inputs.num_rows, "scoring", "row", waiting, enabled=progress)
-        try:
-            client = client or connect(scheduler_address, n_workers=n_workers)
-        except BaseException:
-            bar.close()
-            raise
-        try:
-            if getattr(client, "dashboard_link", None):
-                bar.write(f"dask-lm: watch the job on the Dask dashboard at {client.dashboard_link}")
+    with out.locked() as old:
+        added_skip = _added_skip_bad_rows(old, skip_bad_rows)
+        pinned = out.pin(manifest, old, ignore=("skip_bad_rows",) if added_skip else ())
+        if old is not None and out.finished:
+            return _finished(out.path, old)
+        if added_skip:  # from now on the output may leave rows out: its manifest says so
+            out.write_manifest({**pinned, "options": {**pinned["options"], "skip_bad_rows": True}})
+        os.makedirs(pio.errors_dir(out.path), exist_ok=True)
+        done = [i for i in range(len(inputs.partitions)) if os.path.exists(os.path.join(out.path, pio.part_name(i)))]
+        with jobs.running(client, scheduler_address=scheduler_address, n_workers=n_workers, total=inputs.num_rows,
+                          desc="scoring", unit="row", progress=progress) as (dask_client, bar):
             if fixed_precision is None:
-                opts = replace(opts, precision="bfloat16" if _worker_has_gpu(client) else "float32")
+                opts = replace(opts, precision=jobs.worker_precision(dask_client))
+            out.pin_precision(opts.precision)
             if compile is None:
-                workers = len(_scheduler_info(client)["workers"])
+                workers = len(_scheduler_info(dask_client)["workers"])
                 opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers))
-            done = _prepare_output(output, _manifest(opts, inputs, pins), old)
-            return _run(client, inputs, opts, done, bar, performance_report, prepare_seconds)
-        finally:
-            bar.close()
-            if owns:
-                close(client)
+            return _run(dask_client, out, inputs, opts, done, bar, performance_report, prepare_seconds)
 
 
 def _sizeof_log_level(level: int) -> int:
@@ -356,8 +254,8 @@ def worth_compiling(inputs: pio.ScoreInputs, ids_column: str | None, workers: in
     return inputs.scored_bytes / per_token / max(workers, 1) >= COMPILE_MIN_TOKENS_PER_WORKER
 
 
-def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[int], bar: JobBar,
-         performance_report: str | None, prepare_seconds: float = 0.0) -> ScoreResult:
+def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[int],
+         bar: JobBar, performance_report: str | None, prepare_seconds: float = 0.0) -> ScoreResult:
     import warnings
 
     import dask
@@ -370,7 +268,7 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
         columns = sorted({c for c in (opts.id_column, opts.text_column, opts.ids_column, opts.prompt_column,
                                       opts.response_column) if c})
     todo = [i for i in range(len(inputs.partitions)) if i not in set(done)]
-    parts = _located_partitions(inputs, columns)
+    parts = jobs.located_partitions(inputs, columns)
     report = _performance_report(client, performance_report) if performance_report else contextlib.nullcontext()
     t0 = time.perf_counter()
     rows = tokens = bad = 0
@@ -383,7 +281,7 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
         tasks = [dask.delayed(score_partition, pure=False)(parts[i], i, inputs.partitions[i][0],
                                                            inputs.partitions[i][2], inputs.partitions[i][3], opts)
                  for i in todo]
-        # the workers' dask-lm plugin frees replicas that stay idle, e.g. those of a job whose driver died
+        # the workers' dask-lm plugin holds their model replicas and frees those left idle (a dead driver's job)
         client.register_plugin(DaskLMWorkerState(), name=PLUGIN_NAME)
         futures = client.compute(tasks)
         try:
@@ -418,8 +316,7 @@ def _run(client: Any, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[in
         warnings.warn(f"{result.empty_rows} rows had nothing to score (an empty text, response or id list, or a "
                       "single token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null",
                       UserWarning, stacklevel=3)
-    # the counts cover every part, like bad_rows (resumed parts included)
-    pio.write_json_atomic(asdict(result), os.path.join(opts.output, pio.SUCCESS))
+    out.finish(asdict(result))  # the counts cover every part, like bad_rows (resumed parts included)
     return result
 
 

@@ -7,8 +7,9 @@ batch is padded with rows whose ``sample_mask`` is 0.
 
 Checkpoints: every ``save_every`` steps (and at the end) ``output/step_N/`` appears, holding ``weights/`` (a
 Hugging Face directory), ``optimizer/``, ``tokenizer/`` and ``training_state.json`` (step, epoch, position in the
-epoch, losses). It is written as ``output/.step_N.tmp-<id>/`` and renamed once complete, so ``resume=True`` can
-always take the newest ``step_N`` and continue exactly where it stopped (same data order, same optimizer state).
+epoch, losses). It is written as ``output/.step_N.tmp-<id>/``, synced to disk and renamed once complete
+(:func:`dask_lm.engine.jobs.publishing`), so ``resume=True`` can always take the newest ``step_N`` and continue
+exactly where it stopped (same data order, same optimizer state).
 ``keep`` bounds how many step directories stay. ``_manifest.json`` pins the options and, by content (SHA-256 of
 every file: :mod:`dask_lm.io.fingerprint`), the model and input files; ``resume=True`` refuses a run where any of
 them changed, naming what did. ``_SUCCESS`` ends the job.
@@ -21,28 +22,31 @@ each) are deleted when the next job on that output starts. The model files are c
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import math
 import os
 import re
 import shutil
-import sys
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dask_lm.io import fingerprint, hub, jobdir, modelcheck
+from dask_lm.data.rows import tokenize_rows
+from dask_lm.engine import jobs
+from dask_lm.io import jobdir
 from dask_lm.io import parquet as pio
 
 __all__ = ["sft_parquet", "SFTResult"]
 
 _STEP = re.compile(r"^step_(\d+)$")
-_STALE_STEP = r"\.step_\d+\.tmp-[0-9A-Za-z]+"  # what _save writes before its rename
-_OWNED = r"step_\d+"  # a run's own entries besides _manifest.json and _SUCCESS (what --overwrite may delete)
+# what a save killed inside jobs.publishing leaves: its temporary, or the step it was replacing
+_STALE_STEP = r"\.step_\d+\.(?:tmp|old)-[0-9A-Za-z]+"
+_KIND = jobs.JobKind(name="sft run", did="trained", owned=r"step_\d+",
+                     debris=functools.partial(jobdir.remove_stale, pattern=_STALE_STEP),
+                     flags={"shuffle": "shuffle (off with --no-shuffle)"})
 
 
 @dataclass
@@ -76,29 +80,26 @@ def _finished(output: str, newest: tuple[int, str]) -> SFTResult:
 
 def _tokenize_partition(pdf: Any, text_column: str | None, prompt_column: str | None, response_column: str | None,
                         tokenizer_dir: str, file: str, first_row: int) -> list[tuple[list[int], int]]:
-    """(token ids, first trained position) per row, on a worker."""
-    import transformers
-
+    """(token ids, first trained position) per row, on a worker; every row trains, so a bad one fails the run."""
     if isinstance(pdf, pio.UnreadableRowGroup):  # a damaged page: nothing of the row group can be trained on
         raise ValueError(pdf.message())
-
-    tok = _TOKENIZERS.get(tokenizer_dir)
-    if tok is None:
-        tok = _TOKENIZERS[tokenizer_dir] = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    cols = [text_column] if text_column else [prompt_column, response_column]
-    values = {c: pdf[c].tolist() for c in cols}
-    for c in cols:
-        for i, v in enumerate(values[c]):
-            if not isinstance(v, str):
-                raise ValueError(f"{file}: row {first_row + i}, column {c!r}: expected a string, got {v!r}")
-    if text_column:
-        return [(list(ids), 1) for ids in tok(values[text_column])["input_ids"]]
-    prompts = tok(values[prompt_column])["input_ids"]
-    responses = tok(values[response_column], add_special_tokens=False)["input_ids"]
-    return [(list(p) + list(r), max(len(p), 1)) for p, r in zip(prompts, responses)]
+    errors: list[str | None] = [None] * len(pdf)
+    ids, prompt_lens = tokenize_rows(pdf, _tokenizer(tokenizer_dir), text_column=text_column,
+                                     prompt_column=prompt_column, response_column=response_column, file=file,
+                                     first_row=first_row, errors=errors)
+    bad = next((e for e in errors if e is not None), None)
+    if bad is not None:
+        raise ValueError(bad)
+    # a response trains from its first token, each given everything before it; a text from its second
+    return [(toks, max(n, 1)) for toks, n in zip(ids, prompt_lens)]  # type: ignore[misc]
 
 
-_TOKENIZERS: dict[str, Any] = {}
+@functools.lru_cache(maxsize=4)
+def _tokenizer(directory: str) -> Any:
+    """The tokenizer of ``directory``, loaded once per worker process (every partition of a run needs it)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(directory)
 
 
 def _batch(rows: list[tuple[list[int], int]], size: int, pad_id: int) -> Any:
@@ -131,7 +132,7 @@ def _order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLike, client: Any = None,
+def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str], client: Any = None,
                 text_column: str | None = None, prompt_column: str | None = None,
                 response_column: str | None = None, epochs: int = 1, max_steps: int | None = None,
                 global_batch_size: int = 32, micro_batch_size: int = 4, lr: float = 1e-5,
@@ -147,67 +148,56 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
     import transformers
 
     import dask_lm
-    from dask_lm.engine.cluster import close, connect
-    from dask_lm.engine.progress import progress_enabled
-    from dask_lm.engine.scoring import _check_mode, _worker_has_gpu
 
-    _check_mode(text_column, None, prompt_column, response_column)
+    jobs.check_columns(text_column=text_column, prompt_column=prompt_column, response_column=response_column,
+                       takes_ids=False)
     for key, value in (("epochs", epochs), ("global_batch_size", global_batch_size),
                        ("micro_batch_size", micro_batch_size), ("max_length", max_length), ("save_every", save_every),
                        ("keep", keep)):
         if value < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
-    output = os.path.abspath(os.fspath(output))
-    files = pio.resolve_input_files(input)
-    jobdir.check_output_location(output, input, files)
-    # what the output folder allows needs only its listing: refused before the model is looked at (again under
-    # the lock below)
-    jobdir.refuse_occupied(output, jobdir.output_state(output, _OWNED), job="sft run", resume=resume,
-                           overwrite=overwrite)
-    source = hub.resolve_model(model, revision=revision)  # a Hub id becomes its cache snapshot, here, once
+    fixed_precision = jobs.precision_name(precision, allowed=("bf16", "fp32"))  # None: the workers decide
+    out = jobs.JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
+    source, info = jobs.resolve_model(model, revision=revision)
     model = source.path
-    info = modelcheck.check_model(model)
-    modelcheck.check_tokenizer(model)
-    inputs = pio.inspect_inputs(files, text_column=text_column, ids_column=None, prompt_column=prompt_column,
+    jobs.resolve_tokenizer(None, model, fix="sft trains with the model's own tokenizer: put its files beside the "
+                           "weights")
+    inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=None, prompt_column=prompt_column,
                                 response_column=response_column, id_column=None)
     if inputs.num_rows == 0:
+        files = out.files
         shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         raise ValueError(f"the input has no rows: {shown} hold{'s' if len(files) == 1 else ''} 0 rows, nothing to "
                          "train on; check the input path")
     options = {"text_column": text_column, "prompt_column": prompt_column, "response_column": response_column,
                "epochs": epochs, "global_batch_size": global_batch_size, "lr": lr, "weight_decay": weight_decay,
                "warmup_steps": warmup_steps, "max_length": max_length, "truncate": truncate, "seed": seed,
-               "shuffle": shuffle, "precision": _PRECISIONS.get(precision or "auto", precision)}
-    manifest = {"format": jobdir.FORMAT, "dask_lm_version": dask_lm.__version__, "model": model, "options": options,
-                **fingerprint.job_pins(model, info.files, inputs.files), "model_source": source.record()}
+               "shuffle": shuffle, "precision": fixed_precision}
+    manifest = jobs.manifest(source, info, inputs, options)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
     # every row trains (a bad one fails the run), so the run's length is known from the footers' row counts
     planned = math.ceil(inputs.num_rows / global_batch_size) * epochs
     planned = planned if max_steps is None else min(max_steps, planned)
-    with jobdir.locked_output(output):
-        start = _prepare_sft_output(output, manifest, resume, overwrite)
-        jobdir.remove_stale(output, _STALE_STEP)  # under the lock: no live job is writing them
-        if start is not None and start[0] >= planned and os.path.exists(os.path.join(output, pio.SUCCESS)):
-            return _finished(output, start)
-        with contextlib.suppress(FileNotFoundError):  # the run goes on: it is no longer finished
-            os.remove(os.path.join(output, pio.SUCCESS))
-        owns = client is None
-        client = client or connect(scheduler_address, n_workers=n_workers)
-        try:
-            if progress and progress_enabled() and getattr(client, "dashboard_link", None):
-                print(f"dask-lm: watch the run on the Dask dashboard at {client.dashboard_link}", file=sys.stderr)
-            if precision in (None, "auto"):
-                precision = "bfloat16" if _worker_has_gpu(client) else "float32"
-            precision = _PRECISIONS.get(precision, precision)
-            _pin_precision(output, manifest, precision)
-            rows = _tokenize_all(client, inputs, text_column, prompt_column, response_column, model, max_length,
+    with out.locked() as old:
+        out.pin(manifest, old)
+        start = _newest_checkpoint(out.path) if old is not None else None
+        if start is not None and start[0] >= planned and out.finished:
+            return _finished(out.path, start)
+        out.reopen()
+        with jobs.running(client, scheduler_address=scheduler_address, n_workers=n_workers, total=planned,
+                          desc="sft", unit="step", progress=progress) as (dask_client, bar):
+            precision = fixed_precision or jobs.worker_precision(dask_client)
+            out.pin_precision(precision)
+            bar.wait("tokenizing the rows")
+            rows = _tokenize_all(dask_client, inputs, text_column, prompt_column, response_column, model, max_length,
                                  truncate)
             steps_per_epoch = math.ceil(len(rows) / global_batch_size)
             total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
+            bar.wait("loading the model", total=total)
             cfg = _policy_config(model, precision, global_batch_size, micro_batch_size, max_length, lr, weight_decay,
                                  warmup_steps)
-            state = {"step": 0, "losses": []}
+            state: dict[str, Any] = {"step": 0, "losses": []}  # what training_state.json holds
             paths: dict[str, Any] = {}
             if start is not None:
                 with open(os.path.join(start[1], "training_state.json")) as f:
@@ -216,8 +206,7 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
                          "optimizer_path": os.path.join(start[1], "optimizer")}
             t0 = time.perf_counter()
             tokens, train_s, save_s = 0, 0.0, 0.0
-            with dask_lm.Policy(client, cfg, tokenizer, init_reference_model=False, **paths) as policy:
-                bar = _bar(total, state["step"], progress)
+            with dask_lm.Policy(dask_client, cfg, tokenizer, init_reference_model=False, **paths) as policy:
                 last = state["step"]
                 while state["step"] < total:
                     step = state["step"]
@@ -225,33 +214,28 @@ def sft_parquet(input: Any, output: str | os.PathLike, *, model: str | os.PathLi
                     order = _order(len(rows), epoch, seed, shuffle)
                     chunk = [rows[i] for i in order[within * global_batch_size:(within + 1) * global_batch_size]]
                     t_step = time.perf_counter()
-                    out = policy.train(_batch(chunk, global_batch_size, pad_id), dask_lm.NLLLoss())
+                    result = policy.train(_batch(chunk, global_batch_size, pad_id), dask_lm.NLLLoss())
                     train_s += time.perf_counter() - t_step
                     tokens += sum(len(ids) for ids, _first in chunk)
                     state["step"] = step + 1
-                    state["losses"].append(float(out["loss"][0]))
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix_str(f"loss {state['losses'][-1]:.4f}")
+                    state["losses"].append(float(result["loss"][0]))
+                    # to the step reached: a resumed run's bar starts at its checkpoint
+                    bar.update(state["step"] - bar.n, f"loss {state['losses'][-1]:.4f}")
                     if state["step"] % save_every == 0 or state["step"] == total:
                         t_save = time.perf_counter()
-                        _save(policy, output, state, keep)
+                        _save(policy, out.path, state, keep)
                         save_s += time.perf_counter() - t_save
                         last = state["step"]
-                if bar is not None:
-                    bar.close()
+                bar.close()
                 if last != state["step"]:  # nothing to train (resumed at the end): make sure a checkpoint exists
-                    _save(policy, output, state, keep)
+                    _save(policy, out.path, state, keep)
             seconds = time.perf_counter() - t0
-            result = SFTResult(output=output, steps=state["step"], epochs_completed=state["step"] // steps_per_epoch,
-                               losses=state["losses"], resumed_from=start[0] if start else None, seconds=seconds,
-                               checkpoint=os.path.join(output, f"step_{state['step']}"), tokens=tokens,
-                               train_seconds=train_s, checkpoint_seconds=save_s)
-            pio.write_json_atomic(result.__dict__, os.path.join(output, pio.SUCCESS))
-            return result
-        finally:
-            if owns:
-                close(client)
+            done = SFTResult(output=out.path, steps=state["step"], epochs_completed=state["step"] // steps_per_epoch,
+                             losses=state["losses"], resumed_from=start[0] if start else None, seconds=seconds,
+                             checkpoint=os.path.join(out.path, f"step_{state['step']}"), tokens=tokens,
+                             train_seconds=train_s, checkpoint_seconds=save_s)
+            out.finish(done.__dict__)
+            return done
 
 
 def _policy_config(model: str, precision: str, global_batch_size: int, micro_batch_size: int, max_length: int,
@@ -273,52 +257,13 @@ def _policy_config(model: str, precision: str, global_batch_size: int, micro_bat
     return cfg
 
 
-_PRECISIONS = {"bf16": "bfloat16", "fp32": "float32", "auto": None}
-
-
-def _pin_precision(output: str, manifest: dict[str, Any], precision: str) -> None:
-    """Record the precision the run trains in (an automatic one is known only once the cluster is up), or refuse a
-    resume that would continue a run in another precision (bf16 on GPUs resumed on CPUs in fp32, say)."""
-    path = os.path.join(output, pio.MANIFEST)
-    pinned = jobdir.read_manifest(output) or manifest
-    was = pinned["options"].get("precision")
-    if was is None:
-        pinned["options"]["precision"] = precision
-        pio.write_json_atomic(pinned, path)
-    elif was != precision:
-        raise ValueError(f"--resume refused: {output} was trained in {was}, and these workers would train in "
-                         f"{precision} (--precision was {was}, now {precision}); resume on workers like the first "
-                         f"run's or pass --precision {was}, or write into a new --output")
-
-
-def _prepare_sft_output(output: str, manifest: dict[str, Any], resume: bool, overwrite: bool
-                        ) -> tuple[int, str] | None:
-    """Pin a new run, or check a resumed one against its pins and return its newest checkpoint (under the lock)."""
-    state = jobdir.output_state(output, _OWNED)
-    jobdir.refuse_occupied(output, state, job="sft run", resume=resume, overwrite=overwrite)
-    if state.kind != "new" and overwrite:
-        jobdir.clear_output(output, _OWNED)
-    elif state.kind != "new":
-        old = jobdir.read_manifest(output)
-        assert old is not None  # output_state calls an output without one foreign
-        # an automatic precision is known only once the cluster is up: _pin_precision compares it then
-        jobdir.check_resume(old, manifest, output=output, what="trained",
-                            flags={"shuffle": "shuffle (off with --no-shuffle)"},
-                            ignore=("precision",) if manifest["options"]["precision"] is None else ())
-        return _newest_checkpoint(output)
-    pio.write_json_atomic(manifest, os.path.join(output, pio.MANIFEST))
-    return None
-
-
 def _tokenize_all(client: Any, inputs: pio.ScoreInputs, text_column: str | None, prompt_column: str | None,
                   response_column: str | None, tokenizer_dir: str, max_length: int, truncate: bool
                   ) -> list[tuple[list[int], int]]:
     import dask
 
-    from dask_lm.engine.scoring import _located_partitions
-
     columns = [c for c in (text_column, prompt_column, response_column) if c]
-    parts = _located_partitions(inputs, columns)
+    parts = jobs.located_partitions(inputs, columns)
     tasks = [dask.delayed(_tokenize_partition, pure=False)(p, text_column, prompt_column, response_column,
                                                            tokenizer_dir, f, first)
              for p, (f, _g, first, _n) in zip(parts, inputs.partitions)]
@@ -341,31 +286,12 @@ def _tokenize_all(client: Any, inputs: pio.ScoreInputs, text_column: str | None,
 
 
 def _save(policy: Any, output: str, state: dict[str, Any], keep: int) -> None:
-    """``output/step_N`` appears only when weights, optimizer, tokenizer and state are all written."""
-    name = f"step_{state['step']}"
-    tmp = os.path.join(output, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
-    try:
+    """``output/step_N`` appears only when weights, optimizer, tokenizer and state are all written and on disk;
+    then only the newest ``keep`` steps stay."""
+    with jobs.publishing(os.path.join(output, f"step_{state['step']}")) as tmp:
         policy.save_checkpoint(os.path.join(tmp, "weights"), optimizer_path=os.path.join(tmp, "optimizer"),
                                tokenizer_path=os.path.join(tmp, "tokenizer"))
         pio.write_json_atomic(state, os.path.join(tmp, "training_state.json"))
-        final = os.path.join(output, name)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     steps = sorted((int(m.group(1)), d) for d in os.listdir(output) if (m := _STEP.match(d)))
     for _n, d in steps[:-keep]:
         shutil.rmtree(os.path.join(output, d), ignore_errors=True)
-
-
-def _bar(total: int, done: int, enabled: bool) -> Any:
-    from dask_lm.engine.progress import progress_enabled
-
-    if not (enabled and progress_enabled()):
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=done, unit="step", desc="sft", dynamic_ncols=True)

@@ -82,7 +82,8 @@ class SGLangGenerator:
                               f"{type(last).__name__}: {last}. Is it running, and is "
                               "`policy.generation.sglang_cfg.server_urls` right?")
 
-    def generate(self, data: BatchedDataDict, params: dict[str, Any], seed: int | None = None) -> BatchedDataDict:
+    def generate(self, data: BatchedDataDict[Any], params: dict[str, Any],
+                 seed: int | None = None) -> BatchedDataDict[Any]:
         ids, lengths = data["input_ids"], data["input_lengths"]
         prompts = [ids[i, :int(lengths[i])].tolist() for i in range(ids.shape[0])]
         chunks = [list(range(s, min(s + self.chunk_rows, len(prompts)))) for s in range(0, len(prompts),
@@ -102,7 +103,7 @@ class SGLangGenerator:
             answers = [a for part in pool.map(run, range(len(chunks))) for a in part]
         return self._assemble(prompts, answers)
 
-    def _assemble(self, prompts: list[list[int]], answers: list[dict[str, Any]]) -> BatchedDataDict:
+    def _assemble(self, prompts: list[list[int]], answers: list[dict[str, Any]]) -> BatchedDataDict[Any]:
         rows, lps, gen_lens, truncated = [], [], [], []
         for i, (prompt, ans) in enumerate(zip(prompts, answers)):
             meta = ans.get("meta_info", {})

@@ -11,22 +11,25 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distributed import span
 
-from dask_lm.data.arrow import shard_to_wire
 from dask_lm.data.batch import BatchedDataDict
+from dask_lm.data.messages import (
+    ActionRequest,
+    PlacementAction,
+    SaveRequest,
+    Shard,
+    TrainRequest,
+    TrainResult,
+)
 from dask_lm.engine import progress
 from dask_lm.engine.events import log_call
 from dask_lm.engine.metrics import FLOPTracker, aggregate_flops_metrics, timed
+from dask_lm.engine.policy_base import PolicyBase
 from dask_lm.engine.validation import validate_input_batch, validate_train_batch
 from dask_lm.io import checkpoint as ckpt
-from dask_lm.workers import tasks
-
-if TYPE_CHECKING:
-    from dask_lm.config import PolicyConfig
-    from dask_lm.engine.worker_group import WorkerGroup
 
 __all__ = ["TrainingMixin"]
 
@@ -42,20 +45,9 @@ def _checkpoint_options(checkpointing_cfg: Any) -> tuple[bool, int]:
     return async_save, ckpt.parse_size(cfg.get("max_shard_size", "5GB"))
 
 
-class TrainingMixin:
-    cfg: PolicyConfig
-    client: Any
-    tokenizer: Any
-    vocab_size: int | None
-    pad_token_id: int
-    hf_config: Any
-    init_optimizer: bool
-
-    group: WorkerGroup
-    data_parallel_size: int
-
+class TrainingMixin(PolicyBase):
     # ----------------------------------------------------------------------------------------- train
-    def train(self, data: BatchedDataDict, loss_fn: Any, eval_mode: bool = False, gbs: int | None = None,
+    def train(self, data: BatchedDataDict[Any], loss_fn: Any, eval_mode: bool = False, gbs: int | None = None,
               mbs: int | None = None, timer: Any = None, check_dim_skip_keys: Any = None) -> dict[str, Any]:
         """One optimizer step per global batch of ``gbs`` rows (``eval_mode``: forward only, nothing changes).
 
@@ -94,7 +86,7 @@ class TrainingMixin:
                              "gbs=, or pad the batch with rows whose sample_mask is 0")
         num_global_batches = rows // gbs
         with timed(timer, "policy_training/sharding_data"):
-            shards, _order, packed = self._shard(data, gbs)  # type: ignore[attr-defined]
+            shards, _order, packed = self._shard(data, gbs)
         tracker = (FLOPTracker.from_config(self.hf_config, training=not eval_mode) if self.hf_config is not None
                    else None)
         if tracker is not None:
@@ -106,11 +98,9 @@ class TrainingMixin:
         with timed(timer, "policy_training/submit_training_futures"), span(f"dask-lm/{label}"), \
                 progress.bar(self.client, show, label, "global batch") as (progress_id, _bar):
             group = self.group
-            payloads = group.scatter([shard_to_wire(s, packed=packed) for s in shards], what=label)
-            futs = group.submit_all(tasks.call_policy, [(group.policy_id, "train", p) for p in payloads],
-                                    loss_fn, key_name=label, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
-                                    num_global_batches=num_global_batches, progress_id=progress_id)
-            results = group.gather(futs, what=label)
+            results = group.run([TrainRequest(Shard.of(s, packed=packed), loss_fn, eval_mode=eval_mode, gbs=gbs,
+                                              mbs=mbs, num_global_batches=num_global_batches,
+                                              progress_id=progress_id) for s in shards], what=label, key_name=label)
         out = self._train_results(results, tracker.total_flops if tracker is not None else None)
         lr = out["all_mb_metrics"].get("lr")
         log_call(self.client, group.policy_id, label, start=start, tokens=out["num_tokens"], rows=int(data.size),
@@ -119,22 +109,22 @@ class TrainingMixin:
                  lr=lr[-1] if lr else None, mfu=out.get("mfu"))
         return out
 
-    def _train_results(self, results: list[dict[str, Any]], total_flops: float | None) -> dict[str, Any]:
+    def _train_results(self, results: list[TrainResult], total_flops: float | None) -> dict[str, Any]:
         metrics: dict[str, list[Any]] = {}
         for r in results:  # rank order, as NeMo RL concatenates them
-            for key, values in r["all_mb_metrics"].items():
+            for key, values in r.all_mb_metrics.items():
                 metrics.setdefault(key, []).extend(values)
         first = results[0]
-        out: dict[str, Any] = {"loss": first["loss"], "grad_norm": first["grad_norm"],
-                               "grad_norms": first["grad_norms"], "all_mb_metrics": metrics,
-                               "gpu_name": first["gpu_name"], "model_dtype": first["model_dtype"],
-                               "num_tokens": sum(r["num_tokens"] for r in results)}
-        out.update(aggregate_flops_metrics(results, self.data_parallel_size, total_flops))
+        out: dict[str, Any] = {"loss": first.loss, "grad_norm": first.grad_norm, "grad_norms": first.grad_norms,
+                               "all_mb_metrics": metrics, "gpu_name": first.gpu_name,
+                               "model_dtype": first.model_dtype, "num_tokens": sum(r.num_tokens for r in results)}
+        out.update(aggregate_flops_metrics([r.train_elapsed_seconds for r in results], [r.gpu_name for r in results],
+                                           self.data_parallel_size, total_flops))
         return out
 
     # ----------------------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, weights_path: str | os.PathLike, optimizer_path: str | os.PathLike | None = None,
-                        tokenizer_path: str | os.PathLike | None = None, checkpointing_cfg: Any = None) -> None:
+    def save_checkpoint(self, weights_path: str | os.PathLike[str], optimizer_path: str | os.PathLike[str] | None = None,
+                        tokenizer_path: str | os.PathLike[str] | None = None, checkpointing_cfg: Any = None) -> None:
         """Write ``weights_path`` as a Hugging Face model directory (weights, config, generation config and the
         policy's tokenizer: it loads with both ``AutoModelForCausalLM`` and ``AutoTokenizer``), ``optimizer_path``
         as optimizer + scheduler state (torch.distributed.checkpoint) and ``tokenizer_path`` with the tokenizer
@@ -170,22 +160,19 @@ class TrainingMixin:
         # from_pretrained of the model and of the tokenizer, and `dask-lm score --model`, all take it as it is
         weights_tokenizer = self.tokenizer if hasattr(self.tokenizer, "save_pretrained") else None
         with span("dask-lm/save-checkpoint"):
-            futs = self.group.submit_all(tasks.call_policy, None, self.group.policy_id, "save_checkpoint", None,
-                                         weights, optimizer, tokenizer, key_name="save-checkpoint",
-                                         async_save=async_save, max_shard_size=max_shard,
-                                         weights_tokenizer=weights_tokenizer)
-            self.group.gather(futs, what="save_checkpoint")
+            self.group.run(SaveRequest(weights, optimizer, tokenizer, async_save=async_save, max_shard_size=max_shard,
+                                       weights_tokenizer=weights_tokenizer),
+                           what="save_checkpoint", key_name="save-checkpoint")
 
     def finalize_async_save(self) -> None:
         """Block until a pending async ``save_checkpoint`` is fully written and renamed into place."""
         with span("dask-lm/finalize-checkpoint"):
-            self.group.run_all(tasks.call_policy, self.group.policy_id, "finalize_async_save", None,
-                               what="finalize_async_save", key_name="finalize-checkpoint")
+            self.group.run(ActionRequest("finalize_async_save"), what="finalize_async_save",
+                           key_name="finalize-checkpoint")
 
     # ----------------------------------------------------------------------------------------- placement
-    def _on_all(self, method: str) -> Any:
-        return self.group.run_all(tasks.call_policy, self.group.policy_id, method, None, what=method,
-                                  key_name=method.replace("_", "-"))
+    def _on_all(self, action: PlacementAction) -> None:
+        self.group.run(ActionRequest(action), what=action, key_name=action.replace("_", "-"))
 
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
         """Weights and optimizer state on the devices, ready for ``train``."""

@@ -19,7 +19,7 @@ _SHAPE_HELP = "`input_ids` must be an integer tensor [B, S] of right-padded toke
 
 
 def validate_input_batch(data: Any, *, what: str, vocab_size: int | None, max_length: int | None,
-                         pad_token_id: int | None = None) -> BatchedDataDict:
+                         pad_token_id: int | None = None) -> BatchedDataDict[Any]:
     """Return ``data`` as a BatchedDataDict after checking ``input_ids`` / ``input_lengths``; raise ``ValueError``."""
     if not isinstance(data, Mapping):
         raise ValueError(f"{what}: data must be a BatchedDataDict (or dict) with `input_ids` and `input_lengths`, "
@@ -102,8 +102,8 @@ _PER_TOKEN = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs"
 _PER_ROW = ("sample_mask", "rewards")
 
 
-def validate_train_batch(data: BatchedDataDict, loss_fn: Any, *, check_dim_skip_keys: Any = None,
-                         vocab_size: int | None = None, what: str = "train") -> BatchedDataDict:
+def validate_train_batch(data: BatchedDataDict[Any], loss_fn: Any, *, check_dim_skip_keys: Any = None,
+                         vocab_size: int | None = None, what: str = "train") -> BatchedDataDict[Any]:
     """Checks for ``Policy.train`` beyond :func:`validate_input_batch` (run that first); returns a new batch.
 
     * the loss follows the ``LossFunction`` protocol and every key it needs is in the data;
@@ -125,7 +125,7 @@ def validate_train_batch(data: BatchedDataDict, loss_fn: Any, *, check_dim_skip_
     required = list(getattr(loss_fn, "required_keys", ()) or ())
     if kind == LossInputType.DISTILLATION:
         required += [k for k in ("teacher_topk_logits", "teacher_topk_indices") if k not in required]
-    out = BatchedDataDict(dict(data.items()))
+    out: BatchedDataDict[Any] = BatchedDataDict(dict(data.items()))
     b, s = out["input_ids"].shape
     lens = out["input_lengths"].detach().to("cpu", torch.int64)
     if "sample_mask" not in out:
@@ -171,7 +171,7 @@ def validate_train_batch(data: BatchedDataDict, loss_fn: Any, *, check_dim_skip_
     return out
 
 
-def _check_teacher(data: BatchedDataDict, b: int, s: int, valid: torch.Tensor, vocab_size: int | None,
+def _check_teacher(data: BatchedDataDict[Any], b: int, s: int, valid: torch.Tensor, vocab_size: int | None,
                    what: str) -> None:
     """Teacher top-k tensors as ``get_topk_logits`` returns them: same [B, S, k], ids inside the vocabulary."""
     values, idx = data["teacher_topk_logits"], data["teacher_topk_indices"]

@@ -15,13 +15,16 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed import Client, Future, Lock, as_completed, wait
 
 from dask_lm.errors import RankFailedError, WorkerLostError
 from dask_lm.workers import lease, tasks
 from dask_lm.workers.state import DaskLMWorkerState
+
+if TYPE_CHECKING:
+    from dask_lm.data.messages import Request
 
 __all__ = ["WorkerGroup", "RankFailedError", "WorkerLostError"]
 
@@ -77,14 +80,25 @@ class WorkerGroup:
         # directory together: that pair tells whether a rank is still the process that holds its shard
         self.ids: list[str] = [_incarnation(by_name[n], info["workers"][by_name[n]]) for n in names]
         self.policy_id = f"{name_prefix}-{uuid.uuid4().hex[:8]}"
-        self._last: list[Future | None] = [None] * len(names)
+        self._last: list[Future[Any] | None] = [None] * len(names)
         self._submit_lock = threading.Lock()
         self.settle_timeout_s = 10.0
         self.broken: RankFailedError | None = None
         client.register_plugin(DaskLMWorkerState(), name="dask-lm")
         # taken before any rank loads: a rank that sees no lease frees the policy
-        self.lease: Future | None = client.submit(lease.lease_token, self.policy_id, pure=False,
+        self.lease: Future[Any] | None = client.submit(lease.lease_token, self.policy_id, pure=False,
                                                   key=lease.lease_key(self.policy_id))
+
+    @staticmethod
+    def per_node(client: Client, workers_per_node: int) -> list[Any]:
+        """The names of at most ``workers_per_node`` workers per host (the first by name on each), in rank order."""
+        if workers_per_node < 1:
+            raise ValueError(f"`workers_per_node` must be >= 1, got {workers_per_node}")
+        per_host: dict[str, list[Any]] = {}
+        for w in _live_workers(client)["workers"].values():
+            per_host.setdefault(w["host"], []).append(w["name"])
+        return sorted((n for names in per_host.values() for n in sorted(names, key=_name_key)[:workers_per_node]),
+                      key=_name_key)
 
     def release_lease(self) -> None:
         fut, self.lease = self.lease, None
@@ -132,7 +146,7 @@ class WorkerGroup:
             # the same error class and text on every later call, whatever the call
             raise type(self.broken)(str(self.broken))
 
-    def scatter(self, payloads: Sequence[Any], *, what: str) -> list[Future]:
+    def scatter(self, payloads: Sequence[Any], *, what: str) -> list[Future[Any]]:
         """``payloads[r]`` onto rank r's worker (one per rank), ahead of the call that reads it."""
         self.raise_if_broken()
         try:
@@ -141,31 +155,70 @@ class WorkerGroup:
             self.fail_if_lost(what, e)
             raise
 
-    def submit_rank(self, rank: int, fn: Callable[..., Any], /, *args: Any, key_name: str = "call",
-                    chain: bool = True, **kwargs: Any) -> Future:
-        """One pinned task on ``rank`` (chained after that rank's previous SPMD task when ``chain``)."""
-        if chain:
-            self.raise_if_broken()
+    def submit(self, fn: Callable[..., Any], /, *args: Any, key_name: str,
+               per_rank: Sequence[tuple[Any, ...]] | None = None,
+               per_rank_kwargs: Sequence[dict[str, Any]] | None = None, ranks: Sequence[int] | None = None,
+               chain: bool = True, settle: bool = False, **kwargs: Any) -> list[Future[Any]]:
+        """The one way work reaches the ranks: a pinned task on each of ``ranks`` (default: all), submitted together
+        under the group's lock and, when ``chain``, chained after that rank's previous SPMD task.
+
+        Rank r runs ``fn(previous result, *args, *per_rank[r], **kwargs, **per_rank_kwargs[r])``. ``settle``: the
+        futures handed back resolve to the rank's result or raise its error, while the rank's chain goes on past a
+        failure (refit futures, which the caller gathers when it likes: see :func:`tasks.settled`)."""
+        ranks = range(self.world_size) if ranks is None else ranks
+        with self._submit_lock:
+            if chain:
+                self.raise_if_broken()
+            futures = []
+            for r in ranks:
+                call_args = (*args, *(per_rank[r] if per_rank is not None else ()))
+                call_kwargs = {**kwargs, **(per_rank_kwargs[r] if per_rank_kwargs is not None else {})}
+                if settle:
+                    call_args, fn_r = (fn, *call_args), tasks.settled
+                else:
+                    fn_r = fn
+                futures.append(self._submit_rank(r, fn_r, call_args, call_kwargs, key_name=key_name, chain=chain))
+        if settle:
+            futures = [self.client.submit(tasks.unwrap, f, key=f"{key_name}-result-{f.key}", pure=False)
+                       for f in futures]
+        return futures
+
+    def _submit_rank(self, rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                     key_name: str, chain: bool) -> Future[Any]:
         prev = self._last[rank] if chain else None
         if prev is not None and prev.status in ("error", "cancelled", "lost"):
             # a failed call the user already saw (refit futures are gathered by the caller): it has finished, so
             # order is kept without it, and chaining on it would fail this call with that old error
             prev = None
         fut = self.client.submit(fn, prev, *args, workers=[self.names[rank]], allow_other_workers=False,
-                                 pure=False, retries=0, key=f"{key_name}-{self.policy_id}-r{rank}-{uuid.uuid4().hex[:6]}",
-                                 **kwargs)
+                                 pure=False, retries=0,
+                                 key=f"{key_name}-{self.policy_id}-r{rank}-{uuid.uuid4().hex[:6]}", **kwargs)
         if chain:
             self._last[rank] = fut
         return fut
 
-    def submit_all(self, fn: Callable[..., Any], per_rank_args: Sequence[tuple] | None = None, /, *common: Any,
-                   key_name: str = "call", **kwargs: Any) -> list[Future]:
-        """One chained task per rank, submitted together; ``per_rank_args[r]`` goes before ``common``."""
-        with self._submit_lock:
-            return [self.submit_rank(r, fn, *((per_rank_args[r] if per_rank_args else ()) + common),
-                                     key_name=key_name, **kwargs) for r in range(self.world_size)]
+    def call(self, fn: Callable[..., Any], /, *args: Any, what: str, key_name: str, progress: Any = None,
+             **kwargs: Any) -> list[Any]:
+        """:meth:`submit`, then :meth:`gather`: one result per rank."""
+        return self.gather(self.submit(fn, *args, key_name=key_name, **kwargs), what=what, progress=progress)
 
-    def gather(self, futures: Sequence[Future], *, what: str, timeout: float | None = None,
+    def post(self, requests: Request | Sequence[Request], *, key_name: str, what: str,
+             settle: bool = False) -> list[Future[Any]]:
+        """Requests to :func:`tasks.serve` on every rank: one per rank (each scattered onto its rank's worker
+        first, since they carry the rows) or one for all."""
+        if isinstance(requests, (list, tuple)):
+            assert len(requests) == self.world_size, (len(requests), self.world_size)
+            payloads = self.scatter(requests, what=what)
+            return self.submit(tasks.serve, self.policy_id, per_rank=[(p,) for p in payloads], key_name=key_name,
+                               settle=settle)
+        return self.submit(tasks.serve, self.policy_id, requests, key_name=key_name, settle=settle)
+
+    def run(self, requests: Request | Sequence[Request], *, what: str, key_name: str,
+            progress: Any = None) -> list[Any]:
+        """:meth:`post`, then :meth:`gather`: each rank's answer, in rank order."""
+        return self.gather(self.post(requests, key_name=key_name, what=what), what=what, progress=progress)
+
+    def gather(self, futures: Sequence[Future[Any]], *, what: str, timeout: float | None = None,
                progress: Any = None) -> list[Any]:
         """Results of one SPMD call; a failure names the rank and worker and keeps the root cause. ``progress``
         (a tqdm bar, or None) moves by one per finished rank."""
@@ -213,7 +266,7 @@ class WorkerGroup:
                 raise exc
             raise RankFailedError(f"{what} failed on rank {rank} (worker {self.names[rank]!r}): "
                                   f"{type(exc).__name__}: {exc}") from exc
-        results = self.client.gather(list(futures))
+        results: list[Any] = self.client.gather(list(futures))
         # a finished call needs no successor chained on it (the next call is submitted after this one ended), and a
         # held future of a finished task is one the scheduler recomputes when its worker dies — a model load or a
         # train step re-run on a restarted worker. So the chain lets go of what it gathered.
@@ -222,16 +275,13 @@ class WorkerGroup:
                 self._last[r] = None
         return results
 
-    def run_all(self, fn: Callable[..., Any], /, *args: Any, what: str, key_name: str = "call",
-                **kwargs: Any) -> list[Any]:
-        return self.gather(self.submit_all(fn, None, *args, key_name=key_name, **kwargs), what=what)
-
     def rendezvous(self) -> tuple[str, int] | None:
         """Rank 0's host and a free port there, found by a task on rank 0 (None for one rank)."""
         if self.world_size == 1:
             return None
-        fut = self.submit_rank(0, tasks.find_free_port, key_name="find-port", chain=False)
-        return tuple(self.gather([fut], what="finding a rendezvous port"))[0]  # type: ignore[return-value]
+        (host, port), = self.call(tasks.find_free_port, what="finding a rendezvous port", key_name="find-port",
+                                  ranks=[0], chain=False)
+        return str(host), int(port)
 
     def group_lock(self) -> Lock:
         """Cluster-wide lock held while process groups are created, so every worker makes them in one order."""

@@ -38,6 +38,8 @@ __all__ = ["temporary_sibling", "publish", "discard", "parse_size", "plan_shards
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# an optimizer directory saved before any step: the optimizer's config only (no torch.distributed.checkpoint state)
+FRESH_OPTIMIZER = "optimizer_without_state.json"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
@@ -242,13 +244,13 @@ class BackgroundWriter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._jobs: list[tuple[Callable[[], Any], Future]] = []
-        self._pending: list[Future] = []
+        self._jobs: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._pending: list[Future[Any]] = []
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
 
-    def submit(self, job: Callable[[], Any]) -> Future:
-        fut: Future = Future()
+    def submit(self, job: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
         fut.add_done_callback(self._forget)
         with self._wake:
             self._jobs.append((job, fut))
@@ -275,7 +277,7 @@ class BackgroundWriter:
                 fut.set_exception(e.with_traceback(None))  # would keep the staged tensors alive
             del job
 
-    def _forget(self, fut: Future) -> None:
+    def _forget(self, fut: Future[Any]) -> None:
         with self._lock:
             if fut in self._pending and fut.exception() is None:
                 self._pending.remove(fut)

@@ -70,7 +70,7 @@ def _cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
-def resolve_model(name: str | os.PathLike, *, revision: str | None = None, what: str = "--model") -> ModelSource:
+def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None, what: str = "--model") -> ModelSource:
     """A local model directory as it is, or a Hub id resolved to its local snapshot (downloading what is missing).
 
     ``what`` names the setting in errors (``--model``, ``policy.model_name``, ``--tokenizer``). Raises

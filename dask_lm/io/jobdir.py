@@ -248,7 +248,7 @@ def _file_differences(label: str, old: Any, new: Any, root: str) -> list[str]:
     new_by = {e.get("path"): e for e in new or [] if isinstance(e, dict)}
     out = []
     for path in sorted(set(old_by) | set(new_by), key=str):
-        shown = os.path.join(root, path) if root else path
+        shown = os.path.join(root, str(path)) if root else path
         o, n = old_by.get(path), new_by.get(path)
         if n is None:
             out.append(f"{label} {shown} is gone")

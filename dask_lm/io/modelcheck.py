@@ -27,6 +27,7 @@ import os
 import struct
 import zipfile
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["ModelInfo", "check_model", "check_safetensors", "check_tokenizer", "tokenizer_files", "TOKENIZER_FILES"]
 
@@ -93,7 +94,7 @@ def check_tokenizer(directory: str) -> None:
             _read_json(os.path.join(directory, name), "a tokenizer file")
 
 
-def _read_json(path: str, what: str) -> dict:
+def _read_json(path: str, what: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)

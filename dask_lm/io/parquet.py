@@ -40,7 +40,7 @@ class ScoreInputs:
     footers: a size estimate that costs no read (used to decide whether compiling the forward pays)."""
 
 
-def resolve_input_files(input: str | os.PathLike | list) -> list[str]:
+def resolve_input_files(input: str | os.PathLike[str] | list[Any]) -> list[str]:
     """A parquet file, a directory of them (recursively), a glob, or a list of those: sorted absolute paths.
 
     Inside a directory, files and directories whose names start with ``_`` or ``.`` are skipped at every depth, as
@@ -250,11 +250,11 @@ def merge_errors(output: str) -> int:
         tables.insert(0, old.filter(pc.invert(pc.is_in(old.column("part"), value_set=redone))))
     if not parts:  # nothing new: what is merged already stands
         shutil.rmtree(d, ignore_errors=True)
-        return tables[0].num_rows if tables else 0
+        return int(tables[0].num_rows) if tables else 0
     table = pa.concat_tables(tables)
     write_part(table, output, ERRORS)
     shutil.rmtree(d, ignore_errors=True)
-    return table.num_rows
+    return int(table.num_rows)
 
 
 def remove_debris(output: str) -> None:

@@ -91,10 +91,10 @@ def read_dcp_metadata(directory: str) -> Any:
     except Exception as e:  # truncated or not a pickle at all
         raise UnsafeCheckpointError(f"DCP metadata file {path!r} cannot be read ({one_line(e)}): the optimizer "
                                     "checkpoint is incomplete or corrupt") from None
-    if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpointError(f"DCP metadata file {path!r} holds a {type(metadata).__name__}, not DCP "
-                                    "checkpoint metadata")
-    return metadata
+    if isinstance(metadata, Metadata):
+        return metadata
+    raise UnsafeCheckpointError(f"DCP metadata file {path!r} holds a {type(metadata).__name__}, not DCP checkpoint "
+                                "metadata")
 
 
 @functools.cache
@@ -126,7 +126,8 @@ def _readers() -> tuple[type, type]:
             try:
                 obj = torch.load(value, map_location="cpu", weights_only=True)
             except Exception as e:
-                info = getattr(self, "metadata", None) and self.metadata.storage_data.get(read_item.storage_index)
+                metadata = getattr(self, "metadata", None)  # set by set_up_planner
+                info = metadata.storage_data.get(read_item.storage_index) if metadata is not None else None
                 where = os.path.join(self.directory, info.relative_path) if info else self.directory
                 raise UnsafeCheckpointError(
                     f"optimizer checkpoint file {where!r}: item {read_item.dest_index.fqn!r} does not hold plain data "

@@ -97,6 +97,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     """``sum(values * mask) / (denominator + 1e-8)``; the denominator is ``mask.sum(dim)`` or, for losses,
     the global count. An all-zero mask gives 0, never NaN."""
     num = (values * mask).sum() if dim is None else (values * mask).sum(dim=dim)
+    denom: torch.Tensor | float
     if global_normalization_factor is None:
         denom = mask.sum() if dim is None else mask.sum(dim=dim)
     else:
@@ -143,7 +144,7 @@ C = TypeVar("C", bound="LossConfig")
 
 
 @dataclasses.dataclass(kw_only=True)
-class LossConfig(Mapping):
+class LossConfig(Mapping[str, Any]):
     """A loss configuration: built from a plain dict with NeMo RL's key names (missing keys take their
     defaults, unknown keys raise naming the key), read by attribute or, as NeMo RL's dicts are, by item."""
 
@@ -175,7 +176,7 @@ class LossConfig(Mapping):
             raise KeyError(key)
         return getattr(self, key)
 
-    def __iter__(self):  # type: ignore[override]
+    def __iter__(self) -> Iterator[str]:
         return (f.name for f in dataclasses.fields(self))
 
     def __len__(self) -> int:
@@ -200,18 +201,18 @@ class BaseLoss:
     """Data keys the loss reads; ``Policy.train`` checks them before any rank runs."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        args = list(args)
-        if args and (isinstance(args[0], torch.Tensor) or (args[0] is None and len(args) > len(self.input_names))):
+        rest = list(args)
+        if rest and (isinstance(rest[0], torch.Tensor) or (rest[0] is None and len(rest) > len(self.input_names))):
             for name in self.input_names:  # the inputs-first form
-                if args:
-                    kwargs.setdefault(name, args.pop(0))
+                if rest:
+                    kwargs.setdefault(name, rest.pop(0))
         for name in ("data", "global_valid_seqs", "global_valid_toks"):
-            if args:
+            if rest:
                 if name in kwargs:
                     raise TypeError(f"{type(self).__name__}() got multiple values for {name!r}")
-                kwargs[name] = args.pop(0)
-        if args:
-            raise TypeError(f"{type(self).__name__}() got {len(args)} unexpected positional arguments")
+                kwargs[name] = rest.pop(0)
+        if rest:
+            raise TypeError(f"{type(self).__name__}() got {len(rest)} unexpected positional arguments")
         if "data" not in kwargs:
             raise TypeError(f"{type(self).__name__}() needs `data`")
         missing = [n for n in self.input_names if n not in kwargs and n != "H_all"]

@@ -66,9 +66,11 @@ class DistillationLossFn(BaseLoss):
     def needs_entropy(self) -> bool:
         return self.zero_outside_topk and self.kl_type != "forward"
 
-    def compute(self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
-                student_topk_logprobs: torch.Tensor, teacher_topk_logprobs: torch.Tensor,
-                H_all: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:  # noqa: N803
+    # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
+    def compute(  # type: ignore[override]
+            self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
+            student_topk_logprobs: torch.Tensor, teacher_topk_logprobs: torch.Tensor,
+            H_all: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:  # noqa: N803
         s, t = student_topk_logprobs, teacher_topk_logprobs.to(student_topk_logprobs.device)
         ps, pt = s.exp(), t.exp()
         forward = (pt * (t - s)).sum(-1)

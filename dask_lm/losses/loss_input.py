@@ -111,7 +111,7 @@ def prepare_loss_input(logits: torch.Tensor, data: Any, loss_fn: Any, sampling_p
         lp = get_next_token_logprobs_from_logits(data["input_ids"], logits, sampling_params=sampling_params,
                                                  chunk_size=chunk_size)
         _t, top_k, top_p = _sampling(sampling_params)
-        if (top_k is not None or top_p < 1.0) and getattr(loss_fn, "reference_policy_kl_penalty", 0):
+        if (top_k is not None or top_p < 1.0) and bool(getattr(loss_fn, "reference_policy_kl_penalty", 0)):
             data["curr_logprobs_unfiltered"] = get_next_token_logprobs_from_logits(data["input_ids"], logits,
                                                                                     chunk_size=chunk_size)
         return {"next_token_logprobs": lp}, data

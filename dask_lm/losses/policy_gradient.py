@@ -120,6 +120,7 @@ class ClippedPGLossFn(BaseLoss):
                    f"'seq-mask-tis', got {self.tis_type!r}")
             _check(self.tis_max is not None and self.tis_max > 0,
                    "truncated_importance_sampling_ratio should be positive")
+            assert self.tis_max is not None  # the _check above raised otherwise
             if self.tis_min is not None:
                 _check(self.tis_min <= self.tis_max, "truncated_importance_sampling_ratio_min must be <= "
                        f"truncated_importance_sampling_ratio (got {self.tis_min} > {self.tis_max})")
@@ -179,23 +180,27 @@ class ClippedPGLossFn(BaseLoss):
             w = _nan_to_zero(torch.exp(prev - gen)).detach()
         if self.tis_type is None:
             return w, None
+        lo, hi = self.tis_min, self.tis_max
+        assert lo is not None and hi is not None  # __init__ checks the max and defaults the min when tis_type is set
         if self.tis_type == "tis":
-            outside = ((w > self.tis_max) | (w < self.tis_min)).float().expand_as(mask)
+            outside = ((w > hi) | (w < lo)).float().expand_as(mask)
             oob = metric(masked_mean(outside, mask, global_normalization_factor=gvt))
-            return w.clamp(min=self.tis_min, max=self.tis_max), oob
+            return w.clamp(min=lo, max=hi), oob
         if self.tis_type == "icepop":
-            keep = (w >= self.tis_min) & (w <= self.tis_max)
+            keep = (w >= lo) & (w <= hi)
             oob = metric(masked_mean((~keep).float().expand_as(mask), mask, global_normalization_factor=gvt))
             return torch.where(keep, w, torch.zeros_like(w)), oob
         # seq-mask-tis: a row's geometric-mean ratio decides whether the whole row counts
         geo = torch.exp(masked_mean(_nan_to_zero(prev - gen), token_mask, dim=-1)).detach()
-        keep_row = ((geo >= self.tis_min) & (geo <= self.tis_max)).float()
+        keep_row = ((geo >= lo) & (geo <= hi)).float()
         oob = metric(masked_mean(1.0 - keep_row, sample_mask, global_normalization_factor=gvs))
         return w * keep_row[:, None], oob
 
     # ----------------------------------------------------------------------------------------------- loss
-    def compute(self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
-                next_token_logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
+    def compute(  # type: ignore[override]
+            self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
+            next_token_logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         c = self.cfg
         curr = next_token_logprobs
         dev = curr.device

@@ -46,9 +46,11 @@ class NLLLoss(BaseLoss):
         self.metric_normalizations = {"loss": MetricNormalizer.TOKENS, "num_unmasked_tokens": MetricNormalizer.NONE,
                                       "num_valid_samples": MetricNormalizer.NONE}
 
-    def compute(self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
-                next_token_logprobs: torch.Tensor, dpo_loss: bool = False,
-                dpo_average_log_probs: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+    # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
+    def compute(  # type: ignore[override]
+            self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
+            next_token_logprobs: torch.Tensor, dpo_loss: bool = False,
+            dpo_average_log_probs: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
         lp = next_token_logprobs
         token_mask = data["token_mask"][:, 1:].to(lp.device)
         sample_mask = data["sample_mask"].to(lp.device)
@@ -125,8 +127,10 @@ class DPOLossFn(BaseLoss):
             "loss", "sft_loss", "preference_loss", "accuracy", "rewards_chosen_mean", "rewards_rejected_mean")}
         self.metric_normalizations["num_valid_samples"] = MetricNormalizer.NONE
 
-    def compute(self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
-                next_token_logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
+    def compute(  # type: ignore[override]
+            self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
+            next_token_logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         lp = next_token_logprobs
         _check_pairs(lp.shape[0])
         sample_mask = data["sample_mask"].to(lp.device)
@@ -162,8 +166,10 @@ class PreferenceLossFn(BaseLoss):
     def __init__(self, cfg: Any = None) -> None:
         pass
 
-    def compute(self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
-                logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
+    def compute(  # type: ignore[override]
+            self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
+            logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         rewards = logits.squeeze(-1).float()
         _check_pairs(rewards.shape[0])
         sample_mask = data["sample_mask"].to(rewards.device)

@@ -19,28 +19,46 @@ import json
 import logging
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.io import safe_load
-from dask_lm.workers import device
+from dask_lm.io.checkpoint import FRESH_OPTIMIZER, BackgroundWriter
+from dask_lm.workers import collectives, device
 from dask_lm.workers.optim import (
     init_optimizer_state,
     load_named_optimizer_state,
     named_optimizer_state,
 )
-from dask_lm.workers.tasks import PeerFailedError
 
 if TYPE_CHECKING:
-    from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.workers.trainer import Trainer
 
-__all__ = ["save_checkpoint", "finalize_async_save", "load_optimizer_state", "weight_names", "full_tensor"]
+__all__ = ["Checkpointer", "CheckpointHost", "load_optimizer_state", "weight_names", "full_tensor"]
 
 logger = logging.getLogger("dask_lm.worker")
 SCHEDULER_FILE = "scheduler.pt"
-FRESH_OPTIMIZER = "optimizer_without_state.json"
+
+
+class CheckpointHost(Protocol):
+    """What checkpoints read of the rank holding the model (:class:`~dask_lm.workers.policy_worker.PolicyWorker`)."""
+
+    model: torch.nn.Module
+    trainer: Trainer
+    rank: int
+    world_size: int
+    fsdp: bool
+    group: Any  # the training group (NCCL on GPUs)
+    cpu_group: Any  # the gloo group for host-side collectives; None on one rank
+    device: torch.device
+
+    @property
+    def save_dtype(self) -> torch.dtype: ...
+
+    def ensure_on_device(self) -> None: ...
 
 
 def weight_names(model: torch.nn.Module) -> list[str]:
@@ -64,29 +82,25 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return full_tensor() if full_tensor is not None else t
 
 
-def _barrier_ok(worker: PolicyWorker, ok: bool, *, main_group: bool = False) -> bool:
-    """All ranks agree: True only when every rank succeeded (doubles as the barrier before publishing).
+def _agreement_group(worker: CheckpointHost, *, main_group: bool = False) -> Any:
+    """Where the ranks agree on a phase's success (None: one rank, nothing to agree with).
 
     Host-side agreement runs on the policy's gloo group; ``main_group`` uses the training group instead, for the
     moment when an async DCP save is using the gloo group from its background thread (two threads issuing
     collectives on one group could pair them up wrongly)."""
     if worker.world_size == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        return None
     if main_group:
-        flag, group = flag.to(worker.device), worker.group
-    else:
-        assert worker.cpu_group is not None, "a multi-rank policy has a gloo group for host-side collectives"
-        group = worker.cpu_group
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+        return worker.group
+    assert worker.cpu_group is not None, "a multi-rank policy has a gloo group for host-side collectives"
+    return worker.cpu_group
 
 
-def _write_weights(worker: PolicyWorker, tmp: str, max_shard_size: int, *, staged: dict | None) -> None:
+def _write_weights(worker: CheckpointHost, tmp: str, max_shard_size: int, *, staged: dict | None) -> None:
     """Gather every weight (all ranks), rank 0 writes shards as they fill, or keeps them in ``staged``."""
     model = worker.model
     state = model.state_dict()
-    masters = worker.masters.named_parameters() if worker.masters is not None else {}
+    masters = worker.trainer.masters.named_parameters() if worker.trainer.masters is not None else {}
     names = weight_names(model)
     save_dtype = worker.save_dtype
     entries = []
@@ -125,10 +139,11 @@ def _write_weights(worker: PolicyWorker, tmp: str, max_shard_size: int, *, stage
         raise error
 
 
-def _write_config(worker: PolicyWorker, tmp: str) -> None:
+def _write_config(worker: CheckpointHost, tmp: str) -> None:
     import copy
 
-    cfg = copy.deepcopy(worker.model.config)
+    # a transformers PretrainedConfig (Module's __getattr__ would type it Tensor | Module)
+    cfg: Any = copy.deepcopy(worker.model.config)
     cfg.dtype = worker.save_dtype  # what the safetensors hold (fp32 masters of a bf16 policy)
     # older transformers keep a separate torch_dtype attribute; newer ones make it a deprecated alias of dtype
     # (a property that warns when read), so look at the class, not the instance
@@ -140,9 +155,9 @@ def _write_config(worker: PolicyWorker, tmp: str) -> None:
         gen.save_pretrained(tmp)
 
 
-def optimizer_state(worker: PolicyWorker, *, for_load: bool = False) -> dict[str, Any]:
+def optimizer_state(worker: CheckpointHost, *, for_load: bool = False) -> dict[str, Any]:
     """``{"optim": name-keyed optimizer state}``; with ``for_load`` the state exists first (a template)."""
-    opt = worker.optimizer
+    opt = worker.trainer.optimizer
     assert opt is not None
     if worker.fsdp:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -150,10 +165,10 @@ def optimizer_state(worker: PolicyWorker, *, for_load: bool = False) -> dict[str
         return {"optim": get_optimizer_state_dict(worker.model, opt)}  # initialises missing state itself
     if for_load:
         init_optimizer_state(opt)
-    return {"optim": named_optimizer_state(opt, worker.optimizer_param_names())}
+    return {"optim": named_optimizer_state(opt, worker.trainer.param_names())}
 
 
-def _dcp_kwargs(worker: PolicyWorker) -> dict[str, Any]:
+def _dcp_kwargs(worker: CheckpointHost) -> dict[str, Any]:
     if worker.world_size == 1:
         return {"no_dist": True}
     return {"process_group": worker.cpu_group}
@@ -171,9 +186,9 @@ def _looks_like_checkpoint(path: str) -> bool:
     return not os.listdir(path) or any(os.path.exists(os.path.join(path, m)) for m in markers)
 
 
-def _prepare(worker: PolicyWorker, finals: list[str], tmps: list[str], needs_optimizer: bool) -> None:
+def _prepare(worker: CheckpointHost, finals: list[str], tmps: list[str], needs_optimizer: bool) -> None:
     if needs_optimizer:
-        worker.ensure_optimizer()
+        worker.trainer.ensure_optimizer()
     if worker.rank != 0:
         return
     for final in finals:
@@ -184,94 +199,148 @@ def _prepare(worker: PolicyWorker, finals: list[str], tmps: list[str], needs_opt
         os.makedirs(t, exist_ok=False)
 
 
-def save_checkpoint(worker: PolicyWorker, *, weights: tuple[str, str] | None, optimizer: tuple[str, str] | None,
-                    tokenizer: tuple[str, str, Any] | None, async_save: bool, max_shard_size: int,
-                    weights_tokenizer: Any = None) -> dict[str, Any]:
-    """Write the temporary directories; publish them now (sync) or leave that to :func:`finalize_async_save`.
-    ``weights_tokenizer`` (the policy's tokenizer) is saved into the weights directory too, which makes it a
-    complete Hugging Face model directory.
+class Checkpointer:
+    """The checkpoint side of one rank: the background thread that writes staged shards (a
+    :class:`~dask_lm.io.checkpoint.BackgroundWriter`) and the async save it has not finished yet (at most one).
 
     Every rank runs the same collectives in the same order whatever fails, and the ranks agree on success after
-    each phase: (1) the directories exist, (2) the weights are gathered and written (rank 0 keeps gathering even
-    after a failed write) with config and tokenizer, (3) the optimizer state is written (DCP fails on every rank
-    together), (4) rank 0 publishes, or discards everything.
+    each phase (:mod:`dask_lm.workers.collectives`): (1) the directories exist, (2) the weights are gathered and
+    written (rank 0 keeps gathering even after a failed write) with config and tokenizer, (3) the optimizer state
+    is written (DCP fails on every rank together), (4) rank 0 publishes, or discards everything.
     """
-    import torch.distributed.checkpoint as dcp
 
-    if worker.pending_save is not None:  # one save at a time: finish the previous one first
-        finalize_async_save(worker)
-    parts = [p for p in (weights, optimizer, tokenizer and tokenizer[:2]) if p]
-    tmps, finals = [p[0] for p in parts], [p[1] for p in parts]
-    ok, error = _attempt(lambda: _prepare(worker, finals, tmps, optimizer is not None))
-    _agree_or_discard(worker, ok, error, tmps, "prepare the checkpoint directories")
-    worker._ensure_on_device()  # FSDP gathers run on the device the mesh lives on
-    staged: dict[str, Any] | None = {} if async_save else None
+    def __init__(self) -> None:
+        self.writer = BackgroundWriter()
+        self.pending: dict[str, Any] | None = None
 
-    def write_model_files() -> None:
-        if weights:
-            with ckpt.writing(weights[1]):
-                _write_weights(worker, weights[0], max_shard_size, staged=staged)
-                if worker.rank == 0:
-                    _write_config(worker, weights[0])
-                    if weights_tokenizer is not None:
-                        weights_tokenizer.save_pretrained(weights[0])
-        if tokenizer and worker.rank == 0:
-            with ckpt.writing(tokenizer[1]):
-                tokenizer[2].save_pretrained(tokenizer[0])
+    def save(self, worker: CheckpointHost, *, weights: tuple[str, str] | None, optimizer: tuple[str, str] | None,
+             tokenizer: tuple[str, str, Any] | None, async_save: bool, max_shard_size: int,
+             weights_tokenizer: Any = None) -> dict[str, Any]:
+        """Write the temporary directories; publish them now (sync) or leave that to :meth:`finalize`.
+        ``weights_tokenizer`` (the policy's tokenizer) is saved into the weights directory too, which makes it a
+        complete Hugging Face model directory."""
+        import torch.distributed.checkpoint as dcp
 
-    ok, error = _attempt(write_model_files)
-    _agree_or_discard(worker, ok, error, tmps, "write the weights")
-    pending: dict[str, Any] = {"publish": parts, "tmps": tmps, "dcp": None, "writer": None,
-                               "dcp_path": optimizer and optimizer[1], "writer_path": weights and weights[1]}
-    if optimizer:
-        ok, error = _attempt(lambda: _write_optimizer(worker, optimizer, pending, async_save, dcp))
-        if async_save:  # a rank whose staging failed must not leave its peers waiting for a finalize
-            ok = _barrier_ok(worker, ok, main_group=True)
-            if not ok:
-                _wait_quietly(pending)
-        _agree_or_discard(worker, ok, error, tmps, "write the optimizer state", agreed=async_save)
-    if async_save:
-        if worker.rank == 0 and staged:
-            pending["writer"] = worker.writer.submit(lambda: _write_staged(weights[0], staged))  # type: ignore[index]
-        worker.pending_save = pending
-        return {"staged": True}
-    _publish(worker, pending)
-    return {"staged": False}
+        if self.pending is not None:  # one save at a time: finish the previous one first
+            self.finalize(worker)
+        parts = [p for p in (weights, optimizer, tokenizer and tokenizer[:2]) if p]
+        tmps, finals = [p[0] for p in parts], [p[1] for p in parts]
+        with _failing_together(worker, tmps, "prepare the checkpoint directories"):
+            _prepare(worker, finals, tmps, optimizer is not None)
+        worker.ensure_on_device()  # FSDP gathers run on the device the mesh lives on
+        staged: dict[str, Any] | None = {} if async_save else None
+        with _failing_together(worker, tmps, "write the weights"):
+            if weights:
+                with ckpt.writing(weights[1]):
+                    _write_weights(worker, weights[0], max_shard_size, staged=staged)
+                    if worker.rank == 0:
+                        _write_config(worker, weights[0])
+                        if weights_tokenizer is not None:
+                            weights_tokenizer.save_pretrained(weights[0])
+            if tokenizer and worker.rank == 0:
+                with ckpt.writing(tokenizer[1]):
+                    tokenizer[2].save_pretrained(tokenizer[0])
+        pending: dict[str, Any] = {"publish": parts, "tmps": tmps, "dcp": None, "writer": None,
+                                   "dcp_path": optimizer and optimizer[1], "writer_path": weights and weights[1]}
+        if optimizer:
+            error = collectives.capture(
+                lambda: _write_optimizer(worker, optimizer, pending, async_save, dcp, self.writer))
+            agreed = None
+            if async_save:  # a rank whose staging failed must not leave its peers waiting for a finalize
+                agreed = collectives.all_agree(error is None, _agreement_group(worker, main_group=True),
+                                               where=worker.device)
+                if not agreed:
+                    _wait_quietly(pending)
+            _raise_together(worker, error, tmps, "write the optimizer state", agreed=agreed)
+        if async_save:
+            if worker.rank == 0 and staged:
+                pending["writer"] = self.writer.submit(lambda: _write_staged(weights[0], staged))  # type: ignore[index]
+            self.pending = pending
+            return {"staged": True}
+        _publish(worker, pending)
+        return {"staged": False}
+
+    def finalize(self, worker: CheckpointHost) -> bool:
+        """Wait until every byte of the pending async save is written, then publish it (all ranks agree first)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return False
+
+        def wait() -> None:
+            if pending["dcp"] is not None:
+                fut = pending["dcp"]
+                with ckpt.writing(pending["dcp_path"]):
+                    (fut.result() if hasattr(fut, "result") else fut.upload_completion.result())
+            if pending["writer"] is not None:
+                with ckpt.writing(pending["writer_path"]):
+                    pending["writer"].result()
+
+        _raise_together(worker, collectives.capture(wait), pending["tmps"], "finish writing the checkpoint")
+        _publish(worker, pending)
+        return True
+
+    def abandon(self) -> bool:
+        """Drop a pending async save without a collective (its driver is gone, or a peer rank is): nothing is
+        published, and this rank's temporary directories go. Finishing it would need every rank to agree, and a
+        rank that is gone never answers; a checkpoint nobody asked to finish is not worth a worker blocked until
+        the collective timeout."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return False
+        logger.warning("abandoning an unfinished async checkpoint (its Policy lost its driver or a rank); nothing "
+                       "of it is published")
+        for tmp in pending["tmps"]:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return True
+
+    def close(self, worker: CheckpointHost, *, orphaned: bool) -> None:
+        """Policy shutdown: finish a pending async save (its staged bytes are never dropped on the floor), or,
+        ``orphaned`` (a peer or the driver is gone), abandon it without waiting on a collective."""
+        if self.pending is None:
+            return
+        if orphaned:
+            self.abandon()
+            return
+        try:
+            self.finalize(worker)
+        except Exception:
+            logger.exception("finishing a pending async checkpoint during shutdown failed")
 
 
-def _attempt(fn: Any) -> tuple[bool, BaseException | None]:
-    try:
-        fn()
-        return True, None
-    except BaseException as e:
-        return False, e
+def _discard_on_rank_0(worker: CheckpointHost, tmps: list[str]) -> Callable[[], None]:
+    def discard() -> None:
+        if worker.rank == 0:
+            for t in tmps:
+                ckpt.discard(t)
+
+    return discard
 
 
-def _agree_or_discard(worker: PolicyWorker, ok: bool, error: BaseException | None, tmps: list[str], what: str,
-                      agreed: bool = False) -> None:
+def _raise_together(worker: CheckpointHost, error: BaseException | None, tmps: list[str], what: str,
+                    agreed: bool | None = None) -> None:
     """All ranks agree that ``what`` succeeded everywhere; otherwise rank 0 deletes every temporary directory and
     each rank raises (its own error, or one naming the failure elsewhere)."""
-    try:
-        all_ok = ok if agreed else _barrier_ok(worker, ok)
-    except BaseException as e:
-        all_ok, error = False, error or e
-    if all_ok:
-        return
-    if worker.rank == 0:
-        for t in tmps:
-            ckpt.discard(t)
-    raise error or PeerFailedError(f"another rank failed to {what}; the checkpoint was discarded")
+    collectives.raise_together(error, _agreement_group(worker), agreed=agreed,
+                               peer_message=f"another rank failed to {what}; the checkpoint was discarded",
+                               on_failure=_discard_on_rank_0(worker, tmps))
 
 
-def _write_optimizer(worker: PolicyWorker, paths: tuple[str, str], pending: dict[str, Any], async_save: bool,
-                     dcp: Any) -> None:
+def _failing_together(worker: CheckpointHost, tmps: list[str], what: str) -> Any:
+    """:func:`_raise_together` around a block: its exception is held until every rank has reported in."""
+    return collectives.failing_together(_agreement_group(worker),
+                                        peer_message=f"another rank failed to {what}; the checkpoint was discarded",
+                                        on_failure=_discard_on_rank_0(worker, tmps))
+
+
+def _write_optimizer(worker: CheckpointHost, paths: tuple[str, str], pending: dict[str, Any], async_save: bool,
+                     dcp: Any, writer: BackgroundWriter) -> None:
     with ckpt.writing(paths[1]):
-        _write_optimizer_files(worker, paths[0], pending, async_save, dcp)
+        _write_optimizer_files(worker, paths[0], pending, async_save, dcp, writer)
 
 
-def _write_optimizer_files(worker: PolicyWorker, directory: str, pending: dict[str, Any], async_save: bool,
-                           dcp: Any) -> None:
-    opt = worker.optimizer
+def _write_optimizer_files(worker: CheckpointHost, directory: str, pending: dict[str, Any], async_save: bool,
+                           dcp: Any, writer: BackgroundWriter) -> None:
+    opt = worker.trainer.optimizer
     assert opt is not None
     if not opt.state:
         # no step taken yet: nothing to shard. Saving through DCP would first initialise the live state (Adam at
@@ -285,7 +354,7 @@ def _write_optimizer_files(worker: PolicyWorker, directory: str, pending: dict[s
         if async_save and worker.world_size == 1:
             # DCP's async path insists on a CPU default process group even without one; stage and write it here
             staged = _on_host(state)
-            pending["dcp"] = worker.writer.submit(lambda: dcp.save(staged, checkpoint_id=directory, no_dist=True))
+            pending["dcp"] = writer.submit(lambda: dcp.save(staged, checkpoint_id=directory, no_dist=True))
         elif async_save:
             pending["dcp"] = dcp.async_save(state, checkpoint_id=directory, **_dcp_kwargs(worker))
         else:
@@ -294,16 +363,16 @@ def _write_optimizer_files(worker: PolicyWorker, directory: str, pending: dict[s
         _save_scheduler(worker, os.path.join(directory, SCHEDULER_FILE))
 
 
-def _save_scheduler(worker: PolicyWorker, path: str) -> None:
+def _save_scheduler(worker: CheckpointHost, path: str) -> None:
     """The LR scheduler's state, checked to load back as plain data (:func:`safe_load.load_plain`): a state that
     would need code to load fails the save now, not the restore later."""
     buf = io.BytesIO()
-    torch.save(worker.scheduler.state_dict(), buf)
+    torch.save(worker.trainer.scheduler.state_dict(), buf)
     try:
         torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception as e:
-        raise ValueError(f"the LR scheduler {type(worker.scheduler).__name__} keeps state that is not plain data "
-                         f"({safe_load.one_line(e)}); checkpoints load without running code, so use a scheduler "
+        raise ValueError(f"the LR scheduler {type(worker.trainer.scheduler).__name__} keeps state that is not plain "
+                         f"data ({safe_load.one_line(e)}); checkpoints load without running code, so use a scheduler "
                          "whose state_dict() holds only numbers, strings, lists, dicts and tensors") from None
     with open(path, "wb") as f:
         f.write(buf.getbuffer())
@@ -327,7 +396,7 @@ def _wait_quietly(pending: dict[str, Any]) -> None:
             pass
 
 
-def _publish(worker: PolicyWorker, pending: dict[str, Any]) -> None:
+def _publish(worker: CheckpointHost, pending: dict[str, Any]) -> None:
     """Rank 0 renames every directory into place; if one rename fails the rest are discarded."""
     if worker.rank != 0:
         return
@@ -342,49 +411,14 @@ def _publish(worker: PolicyWorker, pending: dict[str, Any]) -> None:
         raise
 
 
-def finalize_async_save(worker: PolicyWorker) -> bool:
-    """Wait until every byte of the pending async save is written, then publish it (all ranks agree first)."""
-    pending, worker.pending_save = worker.pending_save, None
-    if pending is None:
-        return False
-    ok, error = True, None
-    try:
-        if pending["dcp"] is not None:
-            fut = pending["dcp"]
-            with ckpt.writing(pending["dcp_path"]):
-                (fut.result() if hasattr(fut, "result") else fut.upload_completion.result())
-        if pending["writer"] is not None:
-            with ckpt.writing(pending["writer_path"]):
-                pending["writer"].result()
-    except BaseException as e:
-        ok, error = False, e
-    _agree_or_discard(worker, ok, error, pending["tmps"], "finish writing the checkpoint")
-    _publish(worker, pending)
-    return True
-
-
-def abandon_async_save(worker: PolicyWorker) -> bool:
-    """Drop a pending async save without a collective (its driver is gone, or a peer rank is): nothing is published,
-    and this rank's temporary directories go. Finishing it would need every rank to agree, and a rank that is gone
-    never answers; a checkpoint nobody asked to finish is not worth a worker blocked until the collective timeout."""
-    pending, worker.pending_save = worker.pending_save, None
-    if pending is None:
-        return False
-    logger.warning("abandoning an unfinished async checkpoint (its Policy lost its driver or a rank); nothing of it "
-                   "is published")
-    for tmp in pending["tmps"]:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return True
-
-
-def load_optimizer_state(worker: PolicyWorker, path: str) -> None:
+def load_optimizer_state(worker: CheckpointHost, path: str) -> None:
     """Restore optimizer and scheduler state saved by :func:`save_checkpoint` (any number of ranks then). Every
     pickled file is read as data only (:mod:`dask_lm.io.safe_load`): a tampered one is refused, never run."""
     fresh = os.path.join(path, FRESH_OPTIMIZER)
     if not os.path.isdir(path) or not (os.path.exists(os.path.join(path, ".metadata")) or os.path.exists(fresh)):
         raise ValueError(f"optimizer_path {path!r} is not an optimizer checkpoint written by save_checkpoint")
-    worker.ensure_optimizer()
-    opt = worker.optimizer
+    worker.trainer.ensure_optimizer()
+    opt = worker.trainer.optimizer
     assert opt is not None
     if os.path.exists(fresh):  # saved before the first step: only the hyperparameters
         with open(fresh) as f:
@@ -410,10 +444,10 @@ def load_optimizer_state(worker: PolicyWorker, path: str) -> None:
 
             set_optimizer_state_dict(worker.model, opt, state["optim"])
         else:
-            load_named_optimizer_state(opt, worker.optimizer_param_names(), state["optim"])
+            load_named_optimizer_state(opt, worker.trainer.param_names(), state["optim"])
     sched_file = os.path.join(path, SCHEDULER_FILE)
     if os.path.exists(sched_file):
-        worker.scheduler.load_state_dict(safe_load.load_plain(sched_file, "LR scheduler state"))
+        worker.trainer.scheduler.load_state_dict(safe_load.load_plain(sched_file, "LR scheduler state"))
     device.empty_cache()
 
 

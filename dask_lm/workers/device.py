@@ -9,7 +9,6 @@ hooks. dask-cuda gives every worker a rotated ``CUDA_VISIBLE_DEVICES``, so a wor
 from __future__ import annotations
 
 import functools
-
 import os
 import socket
 from typing import Any

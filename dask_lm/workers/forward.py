@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from dask_lm.io.model_compat import find_decoder
+
 __all__ = ["MicroBatch", "plan_micro_batches", "decoder_of", "final_hidden_states", "pack", "unpack_positions"]
 
 
@@ -51,17 +53,10 @@ def pad_with_dummies(plan: list[MicroBatch], target: int) -> list[MicroBatch]:
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The base transformer inside a ``*ForCausalLM`` / ``*ForSequenceClassification`` model."""
-    getter = getattr(model, "get_decoder", None)
-    if getter is not None:
-        try:
-            dec = getter()
-            if dec is not None and dec is not model:
-                return dec
-        except (AttributeError, NotImplementedError):
-            pass
-    dec = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    assert isinstance(dec, torch.nn.Module), f"cannot find the decoder of {type(model).__name__}"
+    """The base transformer inside a ``*ForCausalLM`` / ``*ForSequenceClassification`` model (the driver checked
+    that there is one: :func:`dask_lm.io.model_compat.check_policy_model`)."""
+    dec = find_decoder(model)
+    assert dec is not None, f"cannot find the decoder of {type(model).__name__}"
     return dec
 
 
@@ -137,5 +132,5 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     cached = getattr(cls, "_dask_lm_logits_to_keep", None)
     if cached is None:
         cached = "logits_to_keep" in inspect.signature(cls.forward).parameters
-        cls._dask_lm_logits_to_keep = cached
+        setattr(cls, "_dask_lm_logits_to_keep", cached)  # a per-class cache; Module declares no such attribute
     return cached

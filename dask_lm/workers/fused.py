@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 _COMPILED: dict[str, Callable[..., Any]] = {}
 _BROKEN: set[str] = set()
+_T = TypeVar("_T")
 
 
 class _Switch(threading.local):
@@ -117,7 +118,7 @@ def _compilable(t: torch.Tensor) -> bool:
     return _SWITCH.compiled is not False and enabled() and t.is_cuda
 
 
-def _run(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+def _run(name: str, fn: Callable[..., _T], *args: Any) -> _T:
     """``fn(*args)`` compiled on a GPU (once per process, dynamic shapes), eager elsewhere or if compiling fails."""
     if name in _BROKEN or not _compilable(args[0]):
         return fn(*args)
@@ -153,7 +154,7 @@ def logsumexp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 def pick_and_logsumexp(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_softmax(logits)[i, targets[i]], logsumexp(logits, -1))`` for float32 ``[n, V]`` logits, in one pass
     over them on a GPU (the training head's forward, :mod:`dask_lm.workers.linear_logprob`)."""
-    return _run("pick_and_lse", _pick_and_lse, logits, _own(targets))  # type: ignore[return-value]
+    return _run("pick_and_lse", _pick_and_lse, logits, _own(targets))
 
 
 def logprob_grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor, *,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dask_lm.losses.sampling import apply_top_k_top_p
+from dask_lm.workers import collectives
 
 if TYPE_CHECKING:
     from dask_lm.workers.policy_worker import PolicyWorker
@@ -39,14 +40,6 @@ def _stop_ids(worker: PolicyWorker) -> set[int]:
                                                                                    "eos_token_id", None)
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids
-
-
-def _any_running(worker: PolicyWorker, running: bool) -> bool:
-    if not worker.fsdp:
-        return running
-    flag = torch.tensor([1 if running else 0], device=worker.device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=worker.group)
-    return bool(flag.item())
 
 
 @torch.no_grad()
@@ -86,7 +79,7 @@ def generate(worker: PolicyWorker, ids: torch.Tensor, lens: torch.Tensor, *, gre
     step_input, step_pos = left, positions
     step = 0
     try:
-        while step < max_new_tokens and _any_running(worker, not bool(finished.all())):
+        while step < max_new_tokens and collectives.any_rank(not bool(finished.all()), worker.group, where=dev):
             out = model(input_ids=step_input, attention_mask=mask, position_ids=step_pos, use_cache=True,
                         logits_to_keep=1, **{cache_key: cache})
             cache = out[cache_key]
@@ -116,7 +109,7 @@ def generate(worker: PolicyWorker, ids: torch.Tensor, lens: torch.Tensor, *, gre
             step_pos = step_pos[:, -1:] + 1
             step += 1
     finally:
-        worker._finish_pass()
+        worker.end_pass()
     new_ids, new_lp, lengths = new_ids[:b].cpu(), new_lp[:b].cpu(), lengths[:b].cpu()
     finished = finished[:b].cpu()
     total = lens + lengths

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypedDict
 
 import torch
 from torch.profiler import record_function
 
+from dask_lm.data.messages import MicroBatchPlan
 from dask_lm.workers import device, fused, varlen
 from dask_lm.workers.forward import MicroBatch, block_causal_mask, final_hidden_states, pack, unpack_positions
 
-__all__ = ["HostLayout", "host_layout", "forward_rows", "run_pass"]
+__all__ = ["HostLayout", "ForwardLayout", "PassRunner", "host_layout", "forward_rows", "run_pass"]
 
 
 @dataclass
@@ -53,23 +54,52 @@ def host_layout(ids: torch.Tensor, lens: torch.Tensor, *, packed: bool) -> HostL
         after = (pos[0, 1:] > 0).nonzero(as_tuple=True)[0]  # position p predicts p + 1 within its own row
         return HostLayout(lens, width, cu, pos, pids, (rows[: after.numel()], after), (rows, torch.arange(t)))
     valid = torch.arange(width)[None, :] < lens[:, None]
-    return HostLayout(lens, width, scored=valid[:, 1:].nonzero(as_tuple=True), valid=valid.nonzero(as_tuple=True))
+    scored_row, scored_pos = valid[:, 1:].nonzero(as_tuple=True)  # a 2-d mask: one index tensor per dimension
+    valid_row, valid_pos = valid.nonzero(as_tuple=True)
+    return HostLayout(lens, width, scored=(scored_row, scored_pos), valid=(valid_row, valid_pos))
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardLayout:
+    """How a micro-batch went through the forward, for the heads and losses that read its final hidden states:
+    the device tensors (uploaded from the host layout, so reading them never waits for the GPU) and the host
+    layout itself. ``packed``: the rows were concatenated into one ``[1, T]`` sequence (``cu`` set)."""
+
+    ids: torch.Tensor  # [b, L] padded, or [1, T] packed: the token ids the forward saw
+    lens: torch.Tensor  # [b] true lengths
+    valid: torch.Tensor  # same shape as ids: a real token
+    targets_valid: torch.Tensor  # same shape as ids: a position whose next token is in the same row
+    scored: tuple[torch.Tensor, torch.Tensor]  # (row, position) of the positions predicting a real next token
+    valid_index: tuple[torch.Tensor, torch.Tensor]  # (row, position) of every real token
+    host: HostLayout
+    cu: torch.Tensor | None = None  # packed: [b+1] int32 offsets of the rows
+
+    @property
+    def packed(self) -> bool:
+        return self.cu is not None
+
+
+class _Positions(TypedDict):
+    scored: tuple[torch.Tensor, torch.Tensor]
+    valid_index: tuple[torch.Tensor, torch.Tensor]
 
 
 def forward_rows(model: torch.nn.Module, ids: torch.Tensor, lens: torch.Tensor, *, packed: bool, varlen_ok: bool,
-                 where: torch.device, mask_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+                 where: torch.device, mask_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ForwardLayout]:
     """Final hidden states of the rows ``ids [b, S]`` (host tensors, true lengths ``lens``), packed into one row or
-    padded to the longest, and ``info``: the device tensors the heads and losses read (``ids``, ``lens``,
-    ``valid``, ``targets_valid``, packed ``cu``), the host ``layout`` and the scored / valid positions uploaded
-    (``scored``, ``valid_index``). Packed rows go through the varlen kernel when ``varlen_ok``, else through a
-    block-diagonal mask (boolean, or additive in ``mask_dtype`` for eager attention)."""
+    padded to the longest, and their :class:`ForwardLayout`. Packed rows go through the varlen kernel when
+    ``varlen_ok``, else through a block-diagonal mask (boolean, or additive in ``mask_dtype`` for eager
+    attention)."""
     lay = host_layout(ids, lens, packed=packed)
 
     def up(t: torch.Tensor) -> torch.Tensor:
         return device.upload(t, where)
 
+    def positions() -> _Positions:
+        assert lay.scored is not None and lay.valid is not None
+        return {"scored": (up(lay.scored[0]), up(lay.scored[1])), "valid_index": (up(lay.valid[0]), up(lay.valid[1]))}
+
     d_lens = up(lay.lens)
-    info: dict[str, Any]
     if packed:
         assert lay.packed_ids is not None and lay.position_ids is not None and lay.cu is not None
         pids, pos, cu = up(lay.packed_ids.to(torch.int64)), up(lay.position_ids), up(lay.cu)
@@ -79,29 +109,37 @@ def forward_rows(model: torch.nn.Module, ids: torch.Tensor, lens: torch.Tensor, 
         else:
             mask = block_causal_mask(cu, pids.shape[1], additive_dtype=mask_dtype)
             hidden = final_hidden_states(model, pids, position_ids=pos, attention_mask=mask)
-        info = {"ids": pids, "lens": d_lens, "cu": cu, "valid": torch.ones_like(pids, dtype=torch.bool),
-                "targets_valid": pos > 0}
-    else:
-        d_ids = up(ids[:, : lay.width].to(torch.int64))
-        valid = torch.arange(lay.width, device=where)[None, :] < d_lens[:, None]
-        hidden = final_hidden_states(model, d_ids)
-        info = {"ids": d_ids, "lens": d_lens, "valid": valid, "targets_valid": valid}
-    assert lay.scored is not None and lay.valid is not None
-    info.update(layout=lay, scored=tuple(up(t) for t in lay.scored), valid_index=tuple(up(t) for t in lay.valid))
-    return hidden, info
+        return hidden, ForwardLayout(pids, d_lens, torch.ones_like(pids, dtype=torch.bool), pos > 0, host=lay,
+                                     cu=cu, **positions())
+    d_ids = up(ids[:, : lay.width].to(torch.int64))
+    valid = torch.arange(lay.width, device=where)[None, :] < d_lens[:, None]
+    hidden = final_hidden_states(model, d_ids)
+    return hidden, ForwardLayout(d_ids, d_lens, valid, valid, host=lay, **positions())
+
+
+class PassRunner(Protocol):
+    """What :func:`run_pass` needs of a rank (:class:`~dask_lm.workers.policy_worker.PolicyWorker`)."""
+
+    compile: bool
+
+    def plan_pass(self, data: Any, plan: MicroBatchPlan, micro_batch_size: int | None) -> list[MicroBatch]: ...
+
+    def inference_forward(self, data: Any, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]: ...
+
+    def end_pass(self) -> None: ...
 
 
 @dataclass
 class _Pending:
     mb: MicroBatch
-    info: dict[str, Any]
+    layout: ForwardLayout
     host: tuple[torch.Tensor, ...]
     done: Any
 
 
 def _write(outs: tuple[torch.Tensor, ...], p: _Pending, per_row: bool) -> None:
     p.done.synchronize()  # this micro-batch's copies only; the next one keeps the GPU busy meanwhile
-    layout: HostLayout = p.info["layout"]
+    layout = p.layout.host
     for out, value in zip(outs, p.host):
         if per_row:
             out[p.mb.start:p.mb.end] = value
@@ -113,30 +151,30 @@ def _write(outs: tuple[torch.Tensor, ...], p: _Pending, per_row: bool) -> None:
             out[p.mb.start:p.mb.end, : value.shape[1]] = value
 
 
-def run_pass(worker: Any, data: Any, meta: dict[str, Any], micro_batch_size: int | None,
-             compute: Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, ...]],
+def run_pass(worker: PassRunner, data: Any, plan: MicroBatchPlan, micro_batch_size: int | None,
+             compute: Callable[[torch.Tensor, ForwardLayout], tuple[torch.Tensor, ...]],
              outs: tuple[torch.Tensor, ...], *, per_row: bool = False) -> None:
-    """Run every micro-batch of ``data`` through ``worker``'s forward and ``compute(hidden, info)``; write each
+    """Run every micro-batch of ``data`` through ``worker``'s forward and ``compute(hidden, layout)``; write each
     result into the matching host tensor of ``outs``: per token (``[B, S, ...]``, from a padded ``[b, L, ...]`` or
     packed ``[1, T, ...]`` result) or, with ``per_row``, per row (``[B, ...]`` from ``[b, ...]``)."""
     pending: _Pending | None = None
     # the record_function ranges name the phases in a torch.profiler trace (benchmarks/profile_forward.py)
     try:
-        for mb in worker._plan(data, meta, micro_batch_size):
+        for mb in worker.plan_pass(data, plan, micro_batch_size):
             with record_function("dask_lm.decoder"):
-                hidden, info = worker._inference_forward(data, mb)
-            if mb.dummy or not info:
+                hidden, layout = worker.inference_forward(data, mb)
+            if mb.dummy or layout is None:
                 continue
             with record_function("dask_lm.head"), fused.use_compiled(worker.compile):
-                values = compute(hidden, info)
+                values = compute(hidden, layout)
             with record_function("dask_lm.to_host"):
                 host = tuple(v.to("cpu", non_blocking=True) for v in values)
                 done = device.record_event()
                 if pending is not None:
                     _write(outs, pending, per_row)
-            pending = _Pending(mb, info, host, done)
+            pending = _Pending(mb, layout, host, done)
         if pending is not None:
             with record_function("dask_lm.to_host"):
                 _write(outs, pending, per_row)
     finally:
-        worker._finish_pass()
+        worker.end_pass()

@@ -113,4 +113,5 @@ async def release_idle_scorers(worker: Any) -> int:
     scorer = sys.modules.get("dask_lm.workers.scorer")  # never imported: no replica to free, and no torch import
     if scorer is None or any(str(ts.key).startswith("score_partition") for ts in worker.state.executing):
         return 0
-    return await asyncio.to_thread(scorer.release_idle, float(os.environ.get("DASK_LM_REPLICA_IDLE_S", "120")))
+    return await asyncio.to_thread(scorer.release_idle, float(os.environ.get("DASK_LM_REPLICA_IDLE_S", "120")),
+                                   dask_worker=worker)

@@ -84,7 +84,8 @@ class _LinearLogprob(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             z = _logits(h[s:e], weight, bias, scale)
-            if need_b:  # the bias's gradient sums the float32 one, before it is rounded to the weight's dtype
+            if grad_b is not None:  # need_b: the bias's gradient sums the float32 one, before it is rounded to
+                # the weight's dtype
                 dz32 = fused.logprob_grad(z, lse[s:e], g[s:e], targets[s:e], scale=scale)
                 grad_b += dz32.sum(0)
                 dz = dz32.to(weight.dtype)
@@ -92,9 +93,9 @@ class _LinearLogprob(torch.autograd.Function):
             else:  # one fused pass on a GPU: reads z once, writes the gradient once in the weight's dtype
                 dz = fused.logprob_grad(z, lse[s:e], g[s:e], targets[s:e], scale=scale, dtype=weight.dtype)
             del z
-            if need_h:
+            if grad_h is not None:  # need_h
                 grad_h[s:e] = torch.mm(dz, weight)
-            if need_w:
+            if grad_w is not None:  # need_w
                 grad_w.addmm_(dz.t(), h[s:e])
         if grad_b is not None and bias is not None:
             grad_b = grad_b.to(bias.dtype)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from dask_lm.io.model_compat import find_output_embeddings
 from dask_lm.losses.sampling import apply_top_k_top_p
 from dask_lm.workers import device, fused
 
@@ -55,9 +57,10 @@ class OutputHead:
 
 def output_head(model: torch.nn.Module) -> OutputHead:
     """The output projection of a Hugging Face causal LM, read from its live (unsharded) parameters."""
-    head = model.get_output_embeddings()
-    assert head is not None, f"{type(model).__name__} has no output embeddings"
-    cfg = model.config
+    hf: Any = model  # a transformers PreTrainedModel (Module's __getattr__ would type its attributes Tensor | Module)
+    head: Any = find_output_embeddings(model)
+    assert head is not None, f"{type(model).__name__} has no output embeddings (the driver checks)"
+    cfg = hf.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     scale = 1.0
     if getattr(text_cfg, "logit_scale", None) is not None:  # Cohere multiplies
@@ -75,18 +78,10 @@ def _chunks(n: int, chunk_size: int | None) -> list[tuple[int, int]]:
     return [(s, min(s + step, n)) for s in range(0, n, max(step, 1))]
 
 
-def next_token_logprobs(
-    hidden: torch.Tensor,
-    input_ids: torch.Tensor,
-    valid: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    *,
-    temperature: float = 1.0,
-    chunk_size: int | None = 1024,
-    top_k: int | None = None,
-    top_p: float = 1.0,
-    index: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+def next_token_logprobs(hidden: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor,
+                        head: Callable[[torch.Tensor], torch.Tensor], *, temperature: float = 1.0,
+                        chunk_size: int | None = 1024, top_k: int | None = None, top_p: float = 1.0,
+                        index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """float32 ``[B, S]``: position i >= 1 holds log p(input_ids[:, i] | input_ids[:, :i]); position 0 and
     every position where ``valid`` is false hold 0.
 
@@ -180,19 +175,11 @@ def _chunk_logprobs(h: torch.Tensor, targets: torch.Tensor, head: Callable[[torc
     return (lp, picked - lse) if unfiltered else (lp,)
 
 
-def next_token_logprobs_train(
-    hidden: torch.Tensor,
-    input_ids: torch.Tensor,
-    valid: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    *,
-    temperature: float = 1.0,
-    chunk_size: int | None = 1024,
-    top_k: int | None = None,
-    top_p: float = 1.0,
-    unfiltered: bool = False,
-    index: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def next_token_logprobs_train(hidden: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor,
+                              head: Callable[[torch.Tensor], torch.Tensor], *, temperature: float = 1.0,
+                              chunk_size: int | None = 1024, top_k: int | None = None, top_p: float = 1.0,
+                              unfiltered: bool = False, index: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`next_token_logprobs` with gradients, still memory-flat: training never holds a ``[N, V]`` float32
     tensor for more than one chunk. The plain head (no top-k / top-p filtering, no soft-capping) goes through
     :func:`dask_lm.workers.linear_logprob.linear_logprobs`, whose backward recomputes only each chunk's logits;

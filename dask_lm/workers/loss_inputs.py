@@ -7,7 +7,7 @@ chunk's logits are recomputed in the backward pass. Packed micro-batches (one ``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -18,51 +18,67 @@ from dask_lm.workers.forward import unpack_positions
 from dask_lm.workers.logprobs import _chunks, next_token_logprobs_train, output_head
 
 if TYPE_CHECKING:
-    from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.config import PolicyConfig
+    from dask_lm.workers.inference import ForwardLayout
 
 __all__ = ["loss_inputs_from_hidden"]
 
 
-def _positions(info: dict[str, Any], width: int, *, predicting: bool = False
+class LossInputHost(Protocol):
+    """What the loss inputs read of the rank (:class:`~dask_lm.workers.trainer.TrainingHost`)."""
+
+    @property
+    def cfg(self) -> PolicyConfig: ...
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def temperature(self) -> float: ...
+
+
+def _positions(layout: ForwardLayout, width: int, *, predicting: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every real token of the micro-batch (``predicting``: except each row's last, which predicts nothing in the
     row): its (row, column) and its index into the flattened hidden states. Worked out from the host layout and
     uploaded: ``nonzero`` / boolean indexing / ``repeat_interleave`` on device tensors would make the host wait
     for the GPU once per micro-batch (seen as idle gaps in ``benchmarks/profile_train.py --trace``)."""
-    lay = info["layout"]
-    if lay.cu is not None:
+    lay = layout.host
+    if layout.packed:
+        assert lay.cu is not None  # a packed layout has its offsets
         rows, cols = unpack_positions(lay.cu, lay.lens, width)
         flat = torch.arange(rows.numel())
     else:
+        assert lay.valid is not None  # host_layout sets it for padded rows
         rows, cols = lay.valid
         flat = rows * lay.width + cols
     if predicting:
         keep = cols < lay.lens[rows] - 1
         rows, cols, flat = rows[keep], cols[keep], flat[keep]
-    where = info["lens"].device
+    where = layout.lens.device
     return device.upload(rows, where), device.upload(cols, where), device.upload(flat, where)
 
 
-def _to_rows(values: torch.Tensor, info: dict[str, Any], width: int) -> torch.Tensor:
+def _to_rows(values: torch.Tensor, layout: ForwardLayout, width: int) -> torch.Tensor:
     """A packed ``[1, T, ...]`` result as ``[rows, width, ...]`` (zeros past each row's length)."""
-    rows, cols, _ = _positions(info, width)
-    out = values.new_zeros((info["layout"].lens.numel(), width, *values.shape[2:]))
+    rows, cols, _ = _positions(layout, width)
+    out = values.new_zeros((layout.host.lens.numel(), width, *values.shape[2:]))
     return out.index_put((rows, cols), values[0])
 
 
-def _logprob_inputs(worker: PolicyWorker, hidden: torch.Tensor, info: dict[str, torch.Tensor], data: Any,
+def _logprob_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, data: Any,
                     loss_fn: Any, width: int) -> dict[str, torch.Tensor]:
     gen = worker.cfg.generation
     top_k = gen.top_k if gen is not None else None
     top_p = gen.top_p if gen is not None else 1.0
     filtering = (top_k is not None and top_k > 0) or top_p < 1.0
     unfiltered = filtering and bool(getattr(loss_fn, "reference_policy_kl_penalty", 0))
-    res = next_token_logprobs_train(hidden, info["ids"], info["targets_valid"], output_head(worker.model),
+    res = next_token_logprobs_train(hidden, layout.ids, layout.targets_valid, output_head(worker.model),
                                     temperature=worker.temperature, chunk_size=worker.cfg.logprob_chunk_size,
-                                    top_k=top_k, top_p=top_p, unfiltered=unfiltered, index=info.get("scored"))
-    outs = list(res) if unfiltered else [res]
-    if "cu" in info:
-        outs = [_to_rows(o[..., None], info, width)[..., 0] for o in outs]
+                                    top_k=top_k, top_p=top_p, unfiltered=unfiltered, index=layout.scored)
+    outs = list(res) if isinstance(res, tuple) else [res]  # a pair exactly when `unfiltered`
+    if layout.packed:
+        outs = [_to_rows(o[..., None], layout, width)[..., 0] for o in outs]
     else:
         outs = [o[:, :width] for o in outs]
     if unfiltered:
@@ -86,12 +102,12 @@ def _distillation_chunk(h: torch.Tensor, idx: torch.Tensor, teacher: torch.Tenso
     return s, t, h_all
 
 
-def _distillation_inputs(worker: PolicyWorker, hidden: torch.Tensor, info: dict[str, torch.Tensor], data: Any,
+def _distillation_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, data: Any,
                          loss_fn: Any, width: int) -> dict[str, Any]:
     from torch.utils.checkpoint import checkpoint
 
-    rows, cols, flat = _positions(info, width, predicting=True)
-    lens = info["lens"]
+    rows, cols, flat = _positions(layout, width, predicting=True)
+    lens = layout.lens
     h = hidden.reshape(-1, hidden.shape[-1])[flat]
     idx = data["teacher_topk_indices"][rows, cols].to(torch.int64)
     teacher = data["teacher_topk_logits"][rows, cols]
@@ -121,23 +137,23 @@ def _distillation_inputs(worker: PolicyWorker, hidden: torch.Tensor, info: dict[
     return {"student_topk_logprobs": s_out, "teacher_topk_logprobs": t_out, "H_all": h_out if entropy else None}
 
 
-def _logit_inputs(worker: PolicyWorker, hidden: torch.Tensor, info: dict[str, torch.Tensor], width: int
+def _logit_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, width: int
                   ) -> dict[str, torch.Tensor]:
     logits = output_head(worker.model)(hidden)
     if worker.temperature != 1.0:
         logits = logits / worker.temperature
-    if "cu" in info:
-        logits = _to_rows(logits, info, width)
+    if layout.packed:
+        logits = _to_rows(logits, layout, width)
     return {"logits": logits[:, :width]}
 
 
-def loss_inputs_from_hidden(worker: PolicyWorker, hidden: torch.Tensor, info: dict[str, torch.Tensor], data: Any,
+def loss_inputs_from_hidden(worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, data: Any,
                             loss_fn: Any) -> dict[str, Any]:
     """The keyword inputs ``loss_fn`` expects for this micro-batch (may add keys to ``data``, as NeMo RL does)."""
-    width = info["layout"].width  # the host's: no GPU wait
+    width = layout.host.width  # the host's: no GPU wait
     kind = input_type_of(loss_fn)
     if kind == LossInputType.LOGPROB:
-        return _logprob_inputs(worker, hidden, info, data, loss_fn, width)
+        return _logprob_inputs(worker, hidden, layout, data, loss_fn, width)
     if kind == LossInputType.DISTILLATION:
-        return _distillation_inputs(worker, hidden, info, data, loss_fn, width)
-    return _logit_inputs(worker, hidden, info, width)
+        return _distillation_inputs(worker, hidden, layout, data, loss_fn, width)
+    return _logit_inputs(worker, hidden, layout, width)

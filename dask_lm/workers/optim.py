@@ -3,7 +3,8 @@
 The optimizer is ``policy.optimizer.{name, kwargs}`` (any ``torch.optim.Optimizer`` subclass by import path). The
 scheduler is ``policy.scheduler``: one ``{name, kwargs}`` dict, or a list of them plus one ``{milestones: [...]}``
 entry, which becomes a ``SequentialLR`` (NeMo RL's form); without one the learning rate stays constant.
-:func:`check_optim_config` resolves and binds all of it on the driver, so a typo fails before any rank loads a model.
+:func:`dask_lm.optim_config.check_optim_config` resolves and binds all of it on the driver, so a typo fails before
+any rank loads a model.
 
 Low-precision training keeps fp32 master weights, as every serious trainer does: with bf16 parameters an AdamW
 update of ``lr = 5e-6`` is below bf16's resolution for typical weights and would be lost entirely. With two or more
@@ -14,86 +15,15 @@ fp32 copy of each is what the optimizer updates, and gradients accumulate in fp3
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["resolve_class", "check_optim_config", "build_optimizer", "build_scheduler", "MasterWeights",
+from dask_lm.optim_config import resolve_class, scheduler_entries
+
+__all__ = ["build_optimizer", "build_scheduler", "MasterWeights",
            "named_optimizer_state", "load_named_optimizer_state", "init_optimizer_state"]
-
-
-def resolve_class(path: str, key: str) -> type:
-    """The class at import path ``path``; a ``ValueError`` naming config ``key`` when it cannot be imported."""
-    if not isinstance(path, str) or "." not in path:
-        raise ValueError(f"`{key}` must be a full import path such as 'torch.optim.AdamW', got {path!r}")
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"`{key}` = {path!r} cannot be imported ({e}); give a full import path such as "
-                         "'torch.optim.AdamW'") from e
-
-
-def _bind(cls: type, kwargs: dict[str, Any], key: str, first: str) -> None:
-    """Check that ``cls(<first>, **kwargs)`` would accept these keyword names (values are checked on build)."""
-    try:
-        inspect.signature(cls).bind(object(), **kwargs)
-    except TypeError as e:
-        allowed = [p for p in inspect.signature(cls).parameters if p != first]
-        raise ValueError(f"`{key}` do not fit {cls.__module__}.{cls.__qualname__}: {e}; it accepts {allowed}") from None
-    except ValueError:  # builtins without a signature: nothing to check here
-        pass
-
-
-def _scheduler_entries(sched: Any) -> tuple[list[tuple[str, dict[str, Any], str]], list[int] | None]:
-    """``[(class path, kwargs, config key)]`` and the SequentialLR milestones, from the dict or list form."""
-    if sched is None:
-        return [], None
-    if isinstance(sched, dict):
-        sched = [sched]
-    if not isinstance(sched, list):
-        raise ValueError(f"`policy.scheduler` must be a dict {{name, kwargs}} or a list of them, got {type(sched).__name__}")
-    entries, milestones = [], None
-    for i, item in enumerate(sched):
-        key = f"policy.scheduler[{i}]" if len(sched) > 1 else "policy.scheduler"
-        if not isinstance(item, dict):
-            raise ValueError(f"`{key}` must be a dict, got {item!r}")
-        if "milestones" in item:
-            if set(item) != {"milestones"} or not isinstance(item["milestones"], list):
-                raise ValueError(f"`{key}` must be exactly {{milestones: [step, ...]}}, got {item!r}")
-            milestones = [int(m) for m in item["milestones"]]
-            continue
-        unknown = set(item) - {"name", "kwargs"}
-        if unknown or "name" not in item:
-            raise ValueError(f"`{key}` needs `name` (a class path) and optional `kwargs`; unknown keys {sorted(unknown)}")
-        entries.append((item["name"], dict(item.get("kwargs") or {}), key))
-    if len(entries) > 1 and milestones is None:
-        raise ValueError("`policy.scheduler` lists several schedulers but no {milestones: [...]} entry saying when "
-                         "each one takes over")
-    if milestones is not None and len(milestones) != len(entries) - 1:
-        raise ValueError(f"`policy.scheduler` milestones {milestones} must have one entry fewer than the "
-                         f"{len(entries)} schedulers")
-    return entries, milestones
-
-
-def check_optim_config(cfg: Any) -> None:
-    """Resolve the optimizer and scheduler classes and check their keyword names (driver side, no tensors)."""
-    if cfg.optimizer is not None:
-        cls = resolve_class(cfg.optimizer.name, "policy.optimizer.name")
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise ValueError(f"`policy.optimizer.name` = {cfg.optimizer.name!r} is not a torch.optim.Optimizer")
-        _bind(cls, dict(cfg.optimizer.kwargs), "policy.optimizer.kwargs", "params")
-    entries, _ = _scheduler_entries(cfg.scheduler)
-    for path, kwargs, key in entries:
-        cls = resolve_class(path, f"{key}.name")
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler)):
-            raise ValueError(f"`{key}.name` = {path!r} is not a torch.optim.lr_scheduler.LRScheduler")
-        _bind(cls, kwargs, f"{key}.kwargs", "optimizer")
-    if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
-        raise ValueError(f"`policy.max_grad_norm` must be > 0 or null (no clipping), got {cfg.max_grad_norm}")
 
 
 def build_optimizer(params: Iterable[torch.Tensor], cfg: Any) -> torch.optim.Optimizer:
@@ -119,7 +49,7 @@ def build_optimizer(params: Iterable[torch.Tensor], cfg: Any) -> torch.optim.Opt
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.lr_scheduler.LRScheduler:
-    entries, milestones = _scheduler_entries(cfg.scheduler)
+    entries, milestones = scheduler_entries(cfg.scheduler)
     if not entries:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=_constant)
     built = []
@@ -131,6 +61,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.l
             raise ValueError(f"`{key}.kwargs` do not fit {path}: {e}") from e
     if len(built) == 1:
         return built[0]
+    assert milestones is not None  # scheduler_entries requires them for several schedulers
     return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers=built, milestones=milestones)
 
 
@@ -159,6 +90,7 @@ class MasterWeights:
 
     def _accumulate(self, p: torch.Tensor) -> None:
         master = self._by_param[id(p)]
+        assert p.grad is not None  # a post-accumulate-grad hook runs once the gradient is in place
         if master.grad is None:
             master.grad = p.grad.to(torch.float32)
         else:

@@ -2,12 +2,22 @@
 
 A ``PolicyWorker`` lives inside a Dask worker process (held by the plugin in ``state.py``) and is driven by
 pinned tasks from ``tasks.py``. Every public method here is the worker half of a ``Policy`` method.
+
+The worker owns the model (and the reference weights kept at load) and the forward over it; the rest of a
+rank's state belongs to three components it composes, each in its own module:
+
+- :class:`~dask_lm.workers.trainer.Trainer`: optimizer, LR scheduler, fp32 master weights; runs ``train``;
+- :class:`~dask_lm.workers.checkpointing.Checkpointer`: the background writer and the pending async save;
+- :class:`~dask_lm.workers.refit.Refitter`: the refit gloo groups, the collective group, the ZMQ socket.
+
+They reach the model through the worker's public forward protocol (:meth:`PolicyWorker.plan_pass`,
+:meth:`~PolicyWorker.forward_micro_batch`, :meth:`~PolicyWorker.end_pass`, :meth:`~PolicyWorker.ensure_on_device`),
+which the inference loop (:func:`~dask_lm.workers.inference.run_pass`) and generation use as well.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,17 +26,18 @@ import torch
 
 from dask_lm.config import PolicyConfig
 from dask_lm.data.batch import BatchedDataDict
-from dask_lm.io.checkpoint import BackgroundWriter
-from dask_lm.workers import device, fused, varlen
+from dask_lm.data.messages import MicroBatchPlan, TrainResult
+from dask_lm.io.model_compat import fsdp_blocks
+from dask_lm.workers import collectives, device, fused, varlen
+from dask_lm.workers.checkpointing import Checkpointer, load_optimizer_state
 from dask_lm.workers.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
-from dask_lm.workers.inference import forward_rows, run_pass
+from dask_lm.workers.inference import ForwardLayout, forward_rows, run_pass
 from dask_lm.workers.logprobs import next_token_logprobs, output_head, topk_logits
-from dask_lm.workers.optim import MasterWeights, build_optimizer, build_scheduler, resolve_class
+from dask_lm.workers.optim import MasterWeights
+from dask_lm.workers.refit import Refitter, refit_info
+from dask_lm.workers.trainer import Trainer
 
-__all__ = ["PolicyWorker", "local_tensor", "resolve_class"]
-
-logger = logging.getLogger("dask_lm.worker")
-
+__all__ = ["PolicyWorker", "local_tensor"]
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a parameter (the tensor itself when it is not a DTensor)."""
@@ -35,34 +46,39 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 class PolicyWorker:
-    """The model, optimizer and reference weights of one rank."""
+    """The model and reference weights of one rank, and the components that hold the rest of its state."""
 
     def __init__(self, cfg: PolicyConfig, *, rank: int, world_size: int, group: Any, pad_token_id: int,
                  init_optimizer: bool = True, init_reference_model: bool = True, weights_path: str | None = None,
-                 optimizer_path: str | None = None, skip_weight_load: bool = False, cpu_group: Any = None) -> None:
+                 optimizer_path: str | None = None, skip_weight_load: bool = False, cpu_group: Any = None,
+                 fsdp: bool | None = None) -> None:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
-        self.group = group
+        # FSDP2 shards over the group where there are peers. ``fsdp=True`` with one rank (a one-member group) is
+        # for benchmarks/master_weights.py, which measures it against the MasterWeights path one rank takes
+        self.fsdp = world_size > 1 if fsdp is None else fsdp
+        # a one-rank policy has no peers: with no group, the collectives.* agreements answer locally
+        self.group: Any = group if self.fsdp else None
         self.cpu_group = cpu_group
         self.pad_token_id = pad_token_id
         self.device = device.local_device()
         self.dtype = device.torch_dtype(cfg.precision)
         self.is_reward_model = cfg.reward_model_cfg.enabled
-        self.fsdp = world_size > 1
         self.trainable = bool(init_optimizer and cfg.optimizer is not None)
         # low-precision training keeps fp32 master weights (see optim.py): FSDP's fp32 shards, or MasterWeights
         self.keeps_fp32 = self.trainable and self.dtype != torch.float32
         self.model = self._build_model(skip_weight_load)
         if cfg.dtensor_cfg.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.masters: MasterWeights | None = None
+            hf: Any = self.model  # a transformers PreTrainedModel (Module's __getattr__ types methods Tensor | Module)
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        masters: MasterWeights | None = None
         if self.fsdp:
             self._apply_fsdp()
         elif self.keeps_fp32:
             # fp32 masters copied from the fp32 load (no bf16 rounding), then the model's parameters (not its
             # buffers: RoPE tables stay fp32, as in a model loaded in bf16) are cast for compute
-            self.masters = MasterWeights(self.model)
+            masters = MasterWeights(self.model)
             for p in self.model.parameters():
                 p.data = p.data.to(self.dtype)
         self.model.eval()
@@ -88,23 +104,14 @@ class PolicyWorker:
         if init_reference_model:
             self.reference = {n: device.pin(local_tensor(p).to(self.dtype)) for n, p in self.model.named_parameters()}
         if weights_path:
-            self.load_weights(weights_path)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Any = None
-        if self.trainable:
-            self.optimizer = build_optimizer(self.masters.parameters() if self.masters else self.model.parameters(),
-                                             cfg)
-            self.scheduler = build_scheduler(self.optimizer, cfg)
+            self._load_weights(weights_path, masters)
+        # built after the restore: an optimizer class may read the weights it is given (a user's, by import path)
+        self.trainer = Trainer(cfg, self.model, masters, trainable=self.trainable)
+        self.checkpointer = Checkpointer()
         if optimizer_path:
-            from dask_lm.workers.checkpointing import load_optimizer_state
-
             load_optimizer_state(self, optimizer_path)
-        self.writer = BackgroundWriter()
-        self.pending_save: dict[str, Any] | None = None
+        self.refitter = Refitter(rank)
         self.extension_state: dict[str, Any] = {}
-        self.refit_groups: dict[tuple[int, ...], Any] = {}  # gloo groups of engines fed by several ranks
-        self.refit_collective: tuple[Any, Any] | None = None  # (group, store) of init_collective
-        self.refit_zmq: Any = None  # the REQ socket of stream_weights_via_ipc_zmq
 
     # ----------------------------------------------------------------------------------------- build
     def _build_model(self, skip_weight_load: bool) -> torch.nn.Module:
@@ -142,9 +149,8 @@ class PolicyWorker:
         kwargs: dict[str, Any] = {"mesh": mesh}
         if self.keeps_fp32:  # compute in `precision`, reduce gradients in fp32 into the fp32 shards
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        block_names = set(getattr(self.model, "_no_split_modules", None) or [])
-        blocks = [m for m in self.model.modules() if type(m).__name__ in block_names]
-        assert blocks, f"{type(self.model).__name__} declares no _no_split_modules to shard by"
+        blocks = fsdp_blocks(self.model)
+        assert blocks, f"{type(self.model).__name__} declares no _no_split_modules to shard by (the driver checks)"
         self.reshard_after_forward = self._reshard_after_forward()
         for block in blocks:
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **kwargs)
@@ -165,6 +171,9 @@ class PolicyWorker:
 
         A trainable low-precision policy reads it in fp32 into its master weights, so a checkpoint written by
         ``save_checkpoint`` (fp32 masters) restores the exact state training continues from."""
+        self._load_weights(weights_path, self.trainer.masters)
+
+    def _load_weights(self, weights_path: str, masters: MasterWeights | None) -> None:
         import transformers
 
         auto = (transformers.AutoModelForSequenceClassification if self.is_reward_model
@@ -179,19 +188,19 @@ class PolicyWorker:
         if unexpected:
             raise ValueError(f"weights_path {weights_path!r} holds tensors this model lacks: {unexpected[:5]}; it "
                              f"was saved from another architecture than `policy.model_name`")
-        self._ensure_on_device()
+        self.ensure_on_device()
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
             return
-        if self.masters is not None:
+        if masters is not None:
             with torch.no_grad():
-                for name, master in self.masters.named_parameters().items():
+                for name, master in masters.named_parameters().items():
                     if name in full:
                         master.copy_(full[name])
-            self.masters.copy_to_model()
-            full = {k: v for k, v in full.items() if k not in self.masters.named_parameters()}
+            masters.copy_to_model()
+            full = {k: v for k, v in full.items() if k not in masters.named_parameters()}
         self.model.load_state_dict(full, strict=False)
 
     # ----------------------------------------------------------------------------------------- passes
@@ -200,36 +209,55 @@ class PolicyWorker:
         gen = self.cfg.generation
         return gen.temperature if gen is not None else 1.0
 
-    def _plan(self, data: BatchedDataDict, meta: dict[str, Any], mbs: int | None) -> list[MicroBatch]:
-        self._ensure_on_device()
-        plan = plan_micro_batches(data.size, mbs=mbs or int(self.cfg.logprob_batch_size or 1),
-                                  micro_batch_indices=meta.get("micro_batch_indices"),
-                                  packed=bool(meta.get("packed")))
+    # the forward protocol: what run_pass, the trainer, generation and refits call on this rank
+    def plan_pass(self, data: BatchedDataDict, plan: MicroBatchPlan, mbs: int | None) -> list[MicroBatch]:
+        """The micro-batches of an inference pass over ``data``; every rank gets as many (dummies pad the
+        shorter plans), since each forward all-gathers parameters under FSDP."""
+        self.ensure_on_device()
+        mb_plan = plan_micro_batches(data.size, mbs=mbs or int(self.cfg.logprob_batch_size or 1),
+                                     micro_batch_indices=plan.micro_batch_indices, packed=plan.packed)
         if self.fsdp:
-            count = torch.tensor([len(plan)], dtype=torch.int64, device=self.device)
-            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=self.group)
-            plan = pad_with_dummies(plan, int(count.item()))
-        return plan
+            count = collectives.max_over_ranks([len(mb_plan)], self.group, where=self.device)[0]
+            mb_plan = pad_with_dummies(mb_plan, count)
+        return mb_plan
 
-    def _forward(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Hidden states of one micro-batch plus how to map them back: ``(hidden, info)``. The layout (lengths,
+    def forward_micro_batch(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]:
+        """Hidden states of one micro-batch plus how to map them back (None for a dummy). The layout (lengths,
         packed offsets, scored positions) is worked out on the host and uploaded, so nothing here waits for the
         GPU (see :mod:`dask_lm.workers.inference`)."""
         if mb.end == mb.start:  # a dummy on a rank with no rows: one pad token keeps the collectives in step
             ids = torch.full((1, 1), self.pad_token_id, dtype=torch.int64, device=self.device)
-            return final_hidden_states(self.model, ids), {}
+            return final_hidden_states(self.model, ids), None
         additive = None if self.cfg.attn_implementation == "sdpa" else self.dtype
         return forward_rows(self.model, data["input_ids"][mb.start:mb.end], data["input_lengths"][mb.start:mb.end],
                             packed=mb.packed, varlen_ok=self.varlen, where=self.device, mask_dtype=additive)
 
-    def _inference_forward(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """:meth:`_forward` for logprobs / top-k / scores: through the compiled layers when ``self.compile``. A
-        compilation that fails (no C compiler, an op Inductor cannot lower) turns compilation off for this rank
-        with a warning and runs the micro-batch eagerly; errors of the forward itself propagate."""
-        out, self.compile = fused.call(self.compile, lambda: self._forward(data, mb), "this rank's decoder")
+    def inference_forward(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]:
+        """:meth:`forward_micro_batch` for logprobs / top-k / scores: through the compiled layers when
+        ``self.compile``. A compilation that fails (no C compiler, an op Inductor cannot lower) turns compilation
+        off for this rank with a warning and runs the micro-batch eagerly; errors of the forward itself propagate."""
+        out, self.compile = fused.call(self.compile, lambda: self.forward_micro_batch(data, mb),
+                                       "this rank's decoder")
         return out
 
-    def _finish_pass(self) -> None:
+    def training_forward(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]:
+        """:meth:`forward_micro_batch` for training, through the compiled layers when ``train_compile``. A single
+        rank whose compilation fails falls back to eager with a warning; an FSDP rank cannot (re-running the
+        forward would issue its all-gathers twice and desynchronise the group's collectives), so it fails with the
+        fix instead."""
+        if not (self.train_compile and self.fsdp):
+            out, self.train_compile = fused.call(self.train_compile, lambda: self.forward_micro_batch(data, mb),
+                                                 "this rank's training forward")
+            return out
+        try:
+            with fused.use_compiled(True):
+                return self.forward_micro_batch(data, mb)
+        except fused.compile_errors() as e:
+            raise RuntimeError(f"compiling the training forward failed on rank {self.rank} ({type(e).__name__}: "
+                               f"{e}); set policy.train_compile: false (or DASK_LM_COMPILE=0) to train eagerly") from e
+
+    def end_pass(self) -> None:
+        """After a pass (inference, training step, generation), also a failed one."""
         if self.fsdp:
             # the root FSDP group stays gathered after forward (embeddings / lm_head), and the blocks too where
             # they keep their parameters until a backward (reshard_after_forward false): free them between calls
@@ -239,43 +267,48 @@ class PolicyWorker:
                 if isinstance(m, FSDPModule):
                     m.reshard()
 
+    def ensure_on_device(self) -> None:
+        # offload_to_cpu / finish_inference park the weights on the host; a pass brings them back first
+        if next(self.model.parameters()).device.type != self.device.type:
+            self.model.to(self.device)
+
     @torch.no_grad()
-    def get_logprobs(self, data: BatchedDataDict, meta: dict[str, Any], micro_batch_size: int | None = None,
+    def get_logprobs(self, data: BatchedDataDict, plan: MicroBatchPlan, micro_batch_size: int | None = None,
                      reference: bool = False) -> dict[str, torch.Tensor]:
         gen = self.cfg.generation
         top_k = None if reference or gen is None else gen.top_k
         top_p = 1.0 if reference or gen is None else gen.top_p
         out = torch.zeros(data.size, data["input_ids"].shape[1], dtype=torch.float32)
 
-        def compute(hidden: torch.Tensor, info: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-            return (next_token_logprobs(hidden, info["ids"], info["targets_valid"], output_head(self.model),
+        def compute(hidden: torch.Tensor, layout: ForwardLayout) -> tuple[torch.Tensor, ...]:
+            return (next_token_logprobs(hidden, layout.ids, layout.targets_valid, output_head(self.model),
                                         temperature=self.temperature, chunk_size=self.cfg.logprob_chunk_size,
-                                        top_k=top_k, top_p=top_p, index=info["scored"]),)
+                                        top_k=top_k, top_p=top_p, index=layout.scored),)
 
         start = time.perf_counter()
         with self._reference_weights() if reference else contextlib.nullcontext():
-            run_pass(self, data, meta, micro_batch_size, compute, (out,))
+            run_pass(self, data, plan, micro_batch_size, compute, (out,))
         self._record(data, start)
         return {"reference_logprobs" if reference else "logprobs": out}
 
     @torch.no_grad()
-    def get_topk_logits(self, data: BatchedDataDict, meta: dict[str, Any], k: int,
+    def get_topk_logits(self, data: BatchedDataDict, plan: MicroBatchPlan, k: int,
                         micro_batch_size: int | None = None) -> dict[str, torch.Tensor]:
         width = data["input_ids"].shape[1]
         values = torch.zeros(data.size, width, k, dtype=torch.float32)
         indices = torch.zeros(data.size, width, k, dtype=torch.int64)
 
-        def compute(hidden: torch.Tensor, info: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-            return topk_logits(hidden, info["valid"], output_head(self.model), k, temperature=self.temperature,
-                               chunk_size=self.cfg.logprob_chunk_size, index=info["valid_index"])
+        def compute(hidden: torch.Tensor, layout: ForwardLayout) -> tuple[torch.Tensor, ...]:
+            return topk_logits(hidden, layout.valid, output_head(self.model), k, temperature=self.temperature,
+                               chunk_size=self.cfg.logprob_chunk_size, index=layout.valid_index)
 
         start = time.perf_counter()
-        run_pass(self, data, meta, micro_batch_size, compute, (values, indices))
+        run_pass(self, data, plan, micro_batch_size, compute, (values, indices))
         self._record(data, start)
         return {"topk_logits": values, "topk_indices": indices}
 
     @torch.no_grad()
-    def score(self, data: BatchedDataDict, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def score(self, data: BatchedDataDict, plan: MicroBatchPlan) -> dict[str, torch.Tensor]:
         if not self.is_reward_model:
             raise ValueError("score() needs a reward model: set `policy.reward_model_cfg.enabled: true` and point "
                              "`policy.model_name` at a sequence-classification checkpoint")
@@ -283,22 +316,17 @@ class PolicyWorker:
         assert head is not None, f"{type(self.model).__name__} has no `score` head"
         scores = torch.zeros(data.size, dtype=torch.float32)
 
-        def compute(hidden: torch.Tensor, info: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-            if "cu" in info:  # packed: each row's last token sits just before the next row's offset
-                last = hidden[0, info["cu"][1:].to(torch.int64) - 1]
+        def compute(hidden: torch.Tensor, layout: ForwardLayout) -> tuple[torch.Tensor, ...]:
+            if layout.cu is not None:  # packed: each row's last token sits just before the next row's offset
+                last = hidden[0, layout.cu[1:].to(torch.int64) - 1]
             else:
-                last = hidden[torch.arange(hidden.shape[0], device=hidden.device), info["lens"] - 1]
+                last = hidden[torch.arange(hidden.shape[0], device=hidden.device), layout.lens - 1]
             return (head(last).float().squeeze(-1),)
 
         start = time.perf_counter()
-        run_pass(self, data, meta, None, compute, (scores,), per_row=True)
+        run_pass(self, data, plan, None, compute, (scores,), per_row=True)
         self._record(data, start)
         return {"scores": scores}
-
-    def _ensure_on_device(self) -> None:
-        # offload_to_cpu / finish_inference park the weights on the host; a pass brings them back first
-        if next(self.model.parameters()).device.type != self.device.type:
-            self.model.to(self.device)
 
     # ----------------------------------------------------------------------------------------- reference
     @contextlib.contextmanager
@@ -320,7 +348,7 @@ class PolicyWorker:
                     local_tensor(p).copy_(current[n], non_blocking=True)
             device.synchronize()
 
-    def generate(self, data: BatchedDataDict, meta: dict[str, Any], greedy: bool = False,
+    def generate(self, data: BatchedDataDict, plan: MicroBatchPlan, greedy: bool = False,
                  seed: int | None = None) -> dict[str, torch.Tensor]:
         from dask_lm.workers import generation
 
@@ -331,7 +359,7 @@ class PolicyWorker:
             import transformers
 
             tokenizer = transformers.AutoTokenizer.from_pretrained(self.cfg.tokenizer.name or self.cfg.model_name)
-        self._ensure_on_device()
+        self.ensure_on_device()
         self.model.eval()
         start = time.perf_counter()
         out = generation.generate(self, data["input_ids"], data["input_lengths"], greedy=greedy,
@@ -340,31 +368,13 @@ class PolicyWorker:
         return out
 
     # ----------------------------------------------------------------------------------------- training
-    def train(self, data: BatchedDataDict, meta: dict[str, Any], loss_fn: Any, *, eval_mode: bool, gbs: int, mbs: int,
-              num_global_batches: int, progress_id: str | None = None) -> dict[str, Any]:
-        from dask_lm.workers import trainer
-
+    def train(self, data: BatchedDataDict, plan: MicroBatchPlan, loss_fn: Any, *, eval_mode: bool, gbs: int, mbs: int,
+              num_global_batches: int, progress_id: str | None = None) -> TrainResult:
         start = time.perf_counter()
-        out = trainer.train(self, data, meta, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
-                            num_global_batches=num_global_batches, progress_id=progress_id)
+        out = self.trainer.train(self, data, plan, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
+                                 num_global_batches=num_global_batches, progress_id=progress_id)
         self._record(data, start)
         return out
-
-    def ensure_optimizer(self) -> None:
-        if self.optimizer is None:
-            raise ValueError("this Policy has no optimizer: it was created with init_optimizer=False (or "
-                             "`policy.optimizer: null`); create it with init_optimizer=True to train or save "
-                             "optimizer state")
-
-    def trainable_parameters(self) -> list[torch.Tensor]:
-        """What the optimizer updates: the fp32 masters, or the (FSDP-sharded) model parameters."""
-        if self.masters is not None:
-            return self.masters.parameters()
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def optimizer_param_names(self) -> dict[int, str]:
-        named = self.masters.named_parameters() if self.masters is not None else dict(self.model.named_parameters())
-        return {id(p): n for n, p in named.items()}
 
     @property
     def save_dtype(self) -> torch.dtype:
@@ -374,40 +384,33 @@ class PolicyWorker:
     def save_checkpoint(self, weights: tuple[str, str] | None, optimizer: tuple[str, str] | None,
                         tokenizer: tuple[str, str, Any] | None, *, async_save: bool, max_shard_size: int,
                         weights_tokenizer: Any = None) -> dict:
-        from dask_lm.workers import checkpointing
-
-        return checkpointing.save_checkpoint(self, weights=weights, optimizer=optimizer, tokenizer=tokenizer,
-                                             async_save=async_save, max_shard_size=max_shard_size,
-                                             weights_tokenizer=weights_tokenizer)
+        return self.checkpointer.save(self, weights=weights, optimizer=optimizer, tokenizer=tokenizer,
+                                      async_save=async_save, max_shard_size=max_shard_size,
+                                      weights_tokenizer=weights_tokenizer)
 
     def finalize_async_save(self) -> bool:
-        from dask_lm.workers import checkpointing
-
-        return checkpointing.finalize_async_save(self)
+        return self.checkpointer.finalize(self)
 
     # ----------------------------------------------------------------------------------------- placement
-    def place_for_training(self, *, optimizer: bool) -> None:
-        self._ensure_on_device()
-        if optimizer:
-            self._move_optimizer(self.device)
-
     def prepare_for_training(self) -> bool:
-        self.place_for_training(optimizer=self.optimizer is not None)
+        self.ensure_on_device()
+        if self.trainer.optimizer is not None:
+            self.trainer.move_to(self.device)
         return True
 
     def finish_training(self) -> bool:
         return True
 
     def prepare_for_lp_inference(self) -> bool:
-        self._ensure_on_device()
+        self.ensure_on_device()
         self.model.eval()
         if self.cfg.offload_optimizer_for_logprob:
-            self._move_optimizer("cpu")
+            self.trainer.move_to("cpu")
         device.empty_cache()
         return True
 
     def prepare_for_generation(self) -> bool:
-        self._ensure_on_device()
+        self.ensure_on_device()
         self.model.eval()
         return True
 
@@ -424,7 +427,7 @@ class PolicyWorker:
 
     def offload_before_refit(self) -> bool:
         """Optimizer state (and fp32 masters) to host memory: the weights stay, ready to be streamed."""
-        self._move_optimizer("cpu")
+        self.trainer.move_to("cpu")
         device.empty_cache()
         return True
 
@@ -432,7 +435,7 @@ class PolicyWorker:
         """Everything to host memory: weights, optimizer state, masters."""
         self.model.to("cpu")
         self.model.eval()
-        self._move_optimizer("cpu")
+        self.trainer.move_to("cpu")
         device.empty_cache()
         return True
 
@@ -440,44 +443,22 @@ class PolicyWorker:
 
     # ----------------------------------------------------------------------------------------- refit
     def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        from dask_lm.workers import refit
-
-        return refit.refit_info(self)
+        return refit_info(self)
 
     def report_device_id(self) -> str:
         return device.device_id()
 
     def stream_weights_via_http(self, urls: list[str], **kwargs: Any) -> dict[str, Any]:
-        from dask_lm.workers import refit_http
-
-        return refit_http.stream_via_http(self, urls, **kwargs)
+        return self.refitter.stream_via_http(self, urls, **kwargs)
 
     def stream_weights_via_ipc_zmq(self, **kwargs: Any) -> dict[str, Any]:
-        from dask_lm.workers import refit
-
-        return refit.stream_via_zmq(self, **kwargs)
+        return self.refitter.stream_via_zmq(self, **kwargs)
 
     def init_collective(self, ip: str, port: int, world_size: int, **kwargs: Any) -> bool:
-        from dask_lm.workers import refit
-
-        return refit.init_collective(self, ip, port, world_size, **kwargs)
+        return self.refitter.init_collective(self, ip, port, world_size, **kwargs)
 
     def broadcast_weights_for_collective(self, **kwargs: Any) -> dict[str, Any]:
-        from dask_lm.workers import refit
-
-        return refit.broadcast(self, **kwargs)
-
-    def _move_optimizer(self, where: str | torch.device) -> None:
-        if self.masters is not None:
-            self.masters.to(where)
-        if self.optimizer is None:
-            return
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                # Adam's `step` stays on the host, where the non-capturable optimizers expect it
-                if isinstance(v, torch.Tensor) and k != "step":
-                    state[k] = v.to(where, non_blocking=True)
-        device.synchronize()
+        return self.refitter.broadcast(self, **kwargs)
 
     def _record(self, data: BatchedDataDict, start: float) -> None:
         from dask_lm.workers.state import get_state
@@ -496,29 +477,8 @@ class PolicyWorker:
     def shutdown(self, orphaned: bool = False) -> None:
         """Free everything. ``orphaned``: the driver or a peer rank is gone, so nothing here may wait on a
         collective (a pending async save is abandoned instead of finished)."""
-        if self.pending_save is not None and orphaned:
-            from dask_lm.workers import checkpointing
-
-            checkpointing.abandon_async_save(self)
-        elif self.pending_save is not None:  # never drop staged checkpoint bytes on the floor
-            try:
-                self.finalize_async_save()
-            except Exception:
-                logger.exception("finishing a pending async checkpoint during shutdown failed")
-        from dask_lm.workers import refit
-
-        refit.close_collective(self)
-        refit.close_zmq(self)
-        if self.refit_groups:
-            import torch.distributed as dist
-
-            for g in self.refit_groups.values():
-                dist.destroy_process_group(g)
-            self.refit_groups.clear()
-        if self.masters is not None:
-            self.masters.remove()
-        self.masters = None
-        self.scheduler = None
-        self.optimizer = None
+        self.checkpointer.close(self, orphaned=orphaned)
+        self.refitter.close()
+        self.trainer.close()
         self.reference = None
         self.model = None  # type: ignore[assignment]

@@ -5,10 +5,10 @@ shapes, the policy precision) in the same order on every rank, because under FSD
 all-gather that all ranks must join. Three routes leave from here:
 
 - SGLang over HTTP (:mod:`dask_lm.workers.refit_http`): CUDA IPC handles of flattened buckets in JSON;
-- ZMQ (:func:`stream_via_zmq`): vLLM-style colocated workers, a REQ socket per rank in a private directory
+- ZMQ (:meth:`Refitter.stream_via_zmq`): vLLM-style colocated workers, a REQ socket per rank in a private directory
   (:mod:`dask_lm.workers.zmq_endpoint`), data-only messages (:mod:`dask_lm.workers.wire`), two ping-pong buffers;
-- a collective (:func:`init_collective`, :func:`broadcast`): rank 0 broadcasts buckets to inference ranks that
-  joined a process group of their own (NCCL on GPUs, gloo on CPU).
+- a collective (:meth:`Refitter.init_collective`, :meth:`Refitter.broadcast`): rank 0 broadcasts buckets to
+  inference ranks that joined a process group of their own (NCCL on GPUs, gloo on CPU).
 
 The consumer side of the last two is :mod:`dask_lm.refit_receiver`.
 """
@@ -18,36 +18,134 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from dask_lm.errors import RefitError
 from dask_lm.workers import buckets as bk
-from dask_lm.workers import device, wire, zmq_endpoint
+from dask_lm.workers import collectives, device, wire, zmq_endpoint
 from dask_lm.workers.checkpointing import full_tensor, weight_names
 from dask_lm.workers.tasks import report_progress
 
 if TYPE_CHECKING:
-    from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.config import PolicyConfig
 
-__all__ = ["RefitError", "refit_info", "iter_buckets", "stream_via_zmq", "close_zmq", "init_collective",
-           "broadcast"]
+__all__ = ["RefitError", "Refitter", "RefitHost", "refit_info", "iter_buckets"]
 
 logger = logging.getLogger("dask_lm.worker")
 ZMQ_ALIGN = wire.ALIGN
 
 
-def refit_info(worker: PolicyWorker) -> dict[str, tuple[torch.Size, torch.dtype]]:
+class RefitHost(Protocol):
+    """What a refit reads of the rank that holds the model (:class:`~dask_lm.workers.policy_worker.PolicyWorker`)."""
+
+    cfg: PolicyConfig
+    model: torch.nn.Module
+    dtype: torch.dtype
+    device: torch.device
+    rank: int
+    world_size: int
+
+    def ensure_on_device(self) -> None: ...
+
+
+class Refitter:
+    """The refit side of one rank: the connections weights leave by, kept from one refit to the next.
+
+    - ``groups``: gloo groups of the HTTP route (``"all"`` for its agreements, one per engine fed by several
+      ranks; :mod:`dask_lm.workers.refit_http`);
+    - ``collective``: ``(group, store)`` of :meth:`init_collective`, the group shared with the inference ranks;
+    - ``refit_zmq``: this rank's ZMQ endpoint (:mod:`dask_lm.workers.zmq_endpoint` keeps it here).
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank  # names the ZMQ endpoint's private directory
+        self.groups: dict[Any, Any] = {}
+        self.collective: tuple[Any, Any] | None = None
+        self.refit_zmq: Any = None
+
+    def gloo_groups(self, layout: list[list[int]], world_size: int, timeout_s: float) -> dict[Any, Any]:
+        """Gloo groups of their own (created once; every rank creates every group, in the same order): ``"all"``
+        for the HTTP route's agreements, so they never pair with an async checkpoint's collectives on the
+        policy's gloo group, and one per engine fed by several ranks, for gathering its entries."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=timeout_s)
+        if "all" not in self.groups:
+            self.groups["all"] = dist.new_group(ranks=list(range(world_size)), backend="gloo", timeout=timeout)
+        for feeders in layout:
+            members = tuple(sorted(set(feeders)))
+            if len(members) > 1 and members not in self.groups:
+                self.groups[members] = dist.new_group(ranks=list(members), backend="gloo", timeout=timeout)
+        return self.groups
+
+    def stream_via_http(self, worker: RefitHost, urls: list[str], **kwargs: Any) -> dict[str, Any]:
+        from dask_lm.workers import refit_http
+
+        return refit_http.stream_via_http(worker, self, urls, **kwargs)
+
+    def stream_via_zmq(self, worker: RefitHost, **kwargs: Any) -> dict[str, Any]:
+        return _stream_via_zmq(worker, self, **kwargs)
+
+    def init_collective(self, worker: RefitHost, ip: str, port: int, world_size: int, *, train_world_size: int,
+                        timeout_s: float) -> bool:
+        """Join the refit group: training rank r is group rank r, inference ranks follow from
+        ``train_world_size``. Rank 0 hosts the rendezvous store at ``ip:port``; the call returns once every
+        member has joined."""
+        import torch.distributed as dist
+
+        from dask_lm.workers import rendezvous
+
+        assert worker.rank < train_world_size, "the driver checks train_world_size against the policy's ranks"
+        self.close_collective()
+        # gloo's / NCCL's own sockets on the interface of `ip` when this host has it (rank 0), else on the worker's
+        rendezvous.pin_interfaces(ip if rendezvous.interface_for(ip) else rendezvous.worker_host())
+        store = rendezvous.create_store(ip, int(port), world_size, is_master=worker.rank == 0, timeout_s=timeout_s,
+                                        wait_for_workers=True, what="init_collective (policy rank 0)")
+        group = device.standalone_group(dist.PrefixStore("dask-lm-refit", store), worker.rank, world_size,
+                                        timeout_s)
+        self.collective = (group, store)
+        return True
+
+    def close_collective(self) -> None:
+        existing, self.collective = self.collective, None
+        if existing is not None:
+            group, _store = existing
+            try:
+                device.close_standalone_group(group)
+            except Exception:  # an old group whose peers are gone; dropping it is all that is left to do
+                logger.debug("closing the previous refit group", exc_info=True)
+
+    def broadcast(self, worker: RefitHost, **kwargs: Any) -> dict[str, Any]:
+        if self.collective is None:
+            raise ValueError("broadcast_weights_for_collective() needs init_collective() first")
+        return _broadcast_all(worker, self.collective[0], **kwargs)
+
+    def close(self) -> None:
+        """Policy shutdown: the collective group, the ZMQ socket and its directory, the gloo groups."""
+        self.close_collective()
+        zmq_endpoint.close(self)
+        if self.groups:
+            import torch.distributed as dist
+
+            for g in self.groups.values():
+                dist.destroy_process_group(g)
+            self.groups.clear()
+
+
+def refit_info(worker: RefitHost) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """``{name: (full shape, dtype)}`` of what a refit sends: floating weights in the policy precision."""
     state = worker.model.state_dict()
     return {n: (torch.Size(state[n].shape), worker.dtype if state[n].is_floating_point() else state[n].dtype)
             for n in weight_names(worker.model)}
 
 
-def iter_full_weights(worker: PolicyWorker, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_weights(worker: RefitHost, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor in the serving dtype)`` in refit order. A collective per tensor under FSDP."""
-    worker._ensure_on_device()
+    worker.ensure_on_device()
     info = refit_info(worker)
     state = worker.model.state_dict()
     for name in names or list(info):
@@ -55,11 +153,11 @@ def iter_full_weights(worker: PolicyWorker, names: list[str] | None = None) -> I
         yield name, full.to(info[name][1])
 
 
-def iter_buckets(worker: PolicyWorker, plan: list[list[bk.Slot]], *, keep: bool) -> Iterator[torch.Tensor | None]:
+def iter_buckets(worker: RefitHost, plan: list[list[bk.Slot]], *, keep: bool) -> Iterator[torch.Tensor | None]:
     """Each bucket of ``plan`` packed into a fresh uint8 buffer on the device (None when ``keep`` is False: the
     rank still joins every all-gather but holds nothing). Fresh buffers, never reused: an engine may still read
     the previous one after answering (its load is queued on its stream, not finished)."""
-    worker._ensure_on_device()  # first: state_dict() of a model parked on the host would hold the host tensors
+    worker.ensure_on_device()  # first: state_dict() of a model parked on the host would hold the host tensors
     state = worker.model.state_dict()
     flat = None
     for bucket in plan:
@@ -75,8 +173,8 @@ def iter_buckets(worker: PolicyWorker, plan: list[list[bk.Slot]], *, keep: bool)
 
 
 # ----------------------------------------------------------------------------------------- ZMQ (colocated vLLM)
-def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: float,
-                   progress_id: str | None = None) -> dict[str, Any]:
+def _stream_via_zmq(worker: RefitHost, refitter: Refitter, *, buffer_size_bytes: int, timeout_s: float,
+                    progress_id: str | None = None) -> dict[str, Any]:
     """Send every weight to the REP peer of this rank's socket, in ping-pong buffers of half the budget.
 
     Messages follow :mod:`dask_lm.workers.wire` (data only): a msgpack header naming the tensors of one buffer,
@@ -85,7 +183,7 @@ def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: f
     fixed ACK once it has loaded it; any other answer fails the call, unread."""
     import zmq
 
-    ep = zmq_endpoint.bind(worker)
+    ep = zmq_endpoint.bind(refitter)
     sock, address = ep.sock, ep.address
     transport = "ipc" if device.is_cuda() else "bytes"
     info = refit_info(worker)
@@ -119,7 +217,8 @@ def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: f
         if transport == "ipc":
             frames: list[Any] = [wire.encode_weights(names, used, transport="ipc", ipc=wire.encode_cuda(buf))]
         else:  # the bytes themselves, without a copy: the buffer is not touched again before the peer answers
-            frames = [wire.encode_weights(names, used, transport="bytes"), memoryview(buf[:used].numpy())]
+            # ndarray.data is memoryview(array) (numpy types the buffer protocol only from Python 3.12)
+            frames = [wire.encode_weights(names, used, transport="bytes"), buf[:used].numpy().data]
         if pending:
             ack()  # the peer is done with the other buffer; it may be reused after this
         try:
@@ -135,6 +234,7 @@ def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: f
 
     try:
         buffers = [torch.empty(half, dtype=torch.uint8, device=worker.device) for _ in range(2)]
+        names: list[str]
         current, used, names = 0, 0, []
         for name, t in iter_full_weights(worker, list(info)):
             size = t.numel() * t.element_size()
@@ -170,67 +270,25 @@ def stream_via_zmq(worker: PolicyWorker, *, buffer_size_bytes: int, timeout_s: f
                                f"{timeout_s:.0f} s") from None
         ack()
     except BaseException:
-        zmq_endpoint.close_socket(worker)  # a REQ socket that missed an answer cannot send again
+        zmq_endpoint.close_socket(refitter)  # a REQ socket that missed an answer cannot send again
         raise
     seconds = time.perf_counter() - start
     return {"address": address, "bytes": sent_bytes, "messages": messages, "seconds": seconds}
 
 
-def close_zmq(worker: PolicyWorker) -> None:
-    """Close this rank's refit socket and remove its private directory (policy shutdown)."""
-    zmq_endpoint.close(worker)
-
-
 # ----------------------------------------------------------------------------------------- collective broadcast
-def init_collective(worker: PolicyWorker, ip: str, port: int, world_size: int, *, train_world_size: int,
-                    timeout_s: float) -> bool:
-    """Join the refit group: training rank r is group rank r, inference ranks follow from ``train_world_size``.
-    Rank 0 hosts the rendezvous store at ``ip:port``; the call returns once every member has joined."""
-    import torch.distributed as dist
-
-    from dask_lm.workers import rendezvous
-
-    assert worker.rank < train_world_size, "the driver checks train_world_size against the policy's ranks"
-    close_collective(worker)
-    # gloo's / NCCL's own sockets on the interface of `ip` when this host has it (rank 0), else on the worker's own
-    rendezvous.pin_interfaces(ip if rendezvous.interface_for(ip) else rendezvous.worker_host())
-    store = rendezvous.create_store(ip, int(port), world_size, is_master=worker.rank == 0, timeout_s=timeout_s,
-                                    wait_for_workers=True, what="init_collective (policy rank 0)")
-    group = device.standalone_group(dist.PrefixStore("dask-lm-refit", store), worker.rank, world_size, timeout_s)
-    worker.refit_collective = (group, store)
-    return True
-
-
-def close_collective(worker: PolicyWorker) -> None:
-    existing = getattr(worker, "refit_collective", None)
-    worker.refit_collective = None
-    if existing is not None:
-        group, _store = existing
-        try:
-            device.close_standalone_group(group)
-        except Exception:  # an old group whose peers are gone; dropping it is all that is left to do
-            logger.debug("closing the previous refit group", exc_info=True)
-
-
-def broadcast(worker: PolicyWorker, *, buffer_size_bytes: int, progress_id: str | None = None) -> dict[str, Any]:
+def _broadcast_all(worker: RefitHost, group: Any, *, buffer_size_bytes: int,
+                   progress_id: str | None = None) -> dict[str, Any]:
     """Broadcast every bucket from training rank 0 over the refit group.
 
     First a header goes out: the buffer size and a digest of the plan. Receivers plan the same buckets from their
     refit info and that size, and every member reports in an all-reduce whether its digest matched, so a receiver
     with other refit info fails loudly instead of loading shifted bytes."""
-    import torch.distributed as dist
-
-    if getattr(worker, "refit_collective", None) is None:
-        raise ValueError("broadcast_weights_for_collective() needs init_collective() first")
-    group, _store = worker.refit_collective
     plan = bk.plan_buckets(refit_info(worker), buffer_size_bytes)
     header = torch.tensor([buffer_size_bytes, *bk.plan_digest(plan)], dtype=torch.int64, device=worker.device)
     _broadcast(group, header)
-    agreed = torch.ones(1, dtype=torch.int64, device=worker.device)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
-    group.allreduce([agreed], opts).wait()
-    if int(agreed.item()) != 1:
+    # the receivers answer whether their plan matched the header's digest; this side has nothing to disagree with
+    if not collectives.all_agree(True, group, where=worker.device, standalone=True):
         raise RefitError("an inference rank planned different refit buckets from the same header: its refit info "
                          "differs from prepare_refit_info() of this policy")
     start, total, sent_tensors = time.perf_counter(), 0, 0

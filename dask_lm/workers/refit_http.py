@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from dask_lm.workers import buckets as bk
-from dask_lm.workers import device
+from dask_lm.workers import collectives, device
 from dask_lm.workers.refit import RefitError, iter_buckets, refit_info
 from dask_lm.workers.tasks import report_progress
 
 if TYPE_CHECKING:
-    from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.workers.refit import RefitHost, Refitter
 
 __all__ = ["stream_via_http", "transport_for"]
 
@@ -138,36 +138,11 @@ class _Server:
             pass
 
 
-def _agree(worker: PolicyWorker, group: Any, error: str | None) -> None:
+def _agree(group: Any, error: str | None) -> None:
     """Every rank learns whether any rank failed, and the first failure's message; all raise it together."""
-    errors = [error]
-    if worker.world_size > 1:
-        import torch.distributed as dist
-
-        errors = [None] * worker.world_size
-        dist.all_gather_object(errors, error, group=group)
-    first = next((e for e in errors if e is not None), None)
+    first = collectives.first_message(error, group)
     if first is not None:
         raise RefitError(first)
-
-
-def _refit_groups(worker: PolicyWorker, layout: list[list[int]]) -> dict[Any, Any]:
-    """Gloo groups of their own (created once; every rank creates every group, in the same order): ``"all"`` for
-    the agreements, so they never pair with an async checkpoint's collectives on the policy's gloo group, and one
-    per engine fed by several ranks, for gathering its entries."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    cache = worker.refit_groups
-    timeout = timedelta(seconds=worker.cfg.collective_timeout_s)
-    if "all" not in cache:
-        cache["all"] = dist.new_group(ranks=list(range(worker.world_size)), backend="gloo", timeout=timeout)
-    for feeders in layout:
-        members = tuple(sorted(set(feeders)))
-        if len(members) > 1 and members not in cache:
-            cache[members] = dist.new_group(ranks=list(members), backend="gloo", timeout=timeout)
-    return cache
 
 
 def _collect(rank: int, feeders: list[int], mine: list[str], groups: dict[Any, Any]) -> list[str] | None:
@@ -214,13 +189,15 @@ def _attempt(fn: Any) -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
-def stream_via_http(worker: PolicyWorker, urls: list[str], *, layout: list[list[int]], buffer_size_bytes: int,
-                    weight_version: str, timeout_s: float, flush_retries: int = 60, flush_interval_s: float = 1.0,
-                    transport: str | None = None, progress_id: str | None = None) -> dict[str, Any]:
+def stream_via_http(worker: RefitHost, refitter: Refitter, urls: list[str], *, layout: list[list[int]],
+                    buffer_size_bytes: int, weight_version: str, timeout_s: float, flush_retries: int = 60,
+                    flush_interval_s: float = 1.0, transport: str | None = None,
+                    progress_id: str | None = None) -> dict[str, Any]:
     if transport == "ipc" and not device.is_cuda():
         raise ValueError("transport='ipc' (CUDA IPC handles) needs GPU workers; use 'shm' or 'value' on CPU")
     rank = worker.rank
-    groups = _refit_groups(worker, layout) if worker.world_size > 1 else {}
+    groups = (refitter.gloo_groups(layout, worker.world_size, worker.cfg.collective_timeout_s)
+              if worker.world_size > 1 else {})
     agree_group = groups.get("all")
     servers = {e: _Server(url, timeout_s) for e, url in enumerate(urls) if layout[e][0] == rank}
     feeds = {e: [i for i, r in enumerate(feeders) if r == rank] for e, feeders in enumerate(layout)}
@@ -229,9 +206,18 @@ def stream_via_http(worker: PolicyWorker, urls: list[str], *, layout: list[list[
     bucket_ends = _cumulative_tensor_bytes(plan)
     start, sent = time.perf_counter(), 0
 
-    error = _attempt(lambda: [s.begin() for s in servers.values()])
+    def begin_all() -> None:
+        for s in servers.values():
+            s.begin()
+
+    def finish_all() -> None:
+        for s in servers.values():
+            s.end()
+            s.flush(flush_retries, flush_interval_s)
+
+    error = _attempt(begin_all)
     try:
-        _agree(worker, agree_group, error)
+        _agree(agree_group, error)
         for b, (bucket, flat) in enumerate(zip(plan, iter_buckets(worker, plan, keep=any(feeds.values())))):
             what = (f"bucket {b + 1}/{len(plan)} ({len(bucket)} tensors from {bucket[0].name}, "
                     f"{bk.bucket_nbytes(bucket) / 2**20:.1f} MiB; earlier buckets are already loaded)")
@@ -242,6 +228,7 @@ def stream_via_http(worker: PolicyWorker, urls: list[str], *, layout: list[list[
                 # engine gets its entries even after another refused, so no export is left unconsumed
                 mine: list[str] = []
                 if feeds[e]:
+                    assert flat is not None  # iter_buckets keeps every bucket on a rank that feeds an engine
                     src = flat
                     if transports[e] == "value":  # the bytes travel inside the pickle: from host memory
                         host_copy = flat.cpu() if host_copy is None else host_copy
@@ -254,13 +241,13 @@ def stream_via_http(worker: PolicyWorker, urls: list[str], *, layout: list[list[
                     err = _attempt(lambda: servers[e].update(entries, weight_version, what))
                     error = error or err
                     sent += bk.bucket_nbytes(bucket) * len(entries)
-            _agree(worker, agree_group, error)  # nobody frees this bucket before every engine has answered for it
+            _agree(agree_group, error)  # nobody frees this bucket before every engine has answered for it
             if rank == 0:
                 report_progress(progress_id, bucket_ends[b])
             del flat, host_copy
             device.ipc_collect()
-        error = _attempt(lambda: [(s.end(), s.flush(flush_retries, flush_interval_s)) for s in servers.values()])
-        _agree(worker, agree_group, error)
+        error = _attempt(finish_all)
+        _agree(agree_group, error)
     except BaseException:
         for s in servers.values():
             s.abandon()

@@ -1,12 +1,12 @@
 """The worker half of offline scoring: a model replica per worker, and one task per input partition.
 
 Scoring needs no collectives, so unlike a Policy it does not shard the model: each worker loads a full replica
-once (cached in the worker's dask-lm plugin state, keyed by model and precision) and scores whichever partition
-the scheduler hands it. Partitions therefore balance across GPUs by themselves, and a partition whose worker dies
-is simply recomputed elsewhere; its part file is written under a temporary name and renamed, so a retry replaces
-it and every row appears exactly once.
+once (cached in the worker's dask-lm plugin state, ``DaskLMWorkerState.scorers``, keyed by model and
+precision) and scores whichever partition the scheduler hands it. Partitions therefore balance across GPUs by
+themselves, and a partition whose worker dies is simply recomputed elsewhere; its part file is written under a
+temporary name and renamed, so a retry replaces it and every row appears exactly once.
 
-Inside a partition, rows are read and checked by :mod:`dask_lm.workers.rows`, sorted longest first and cut into
+Inside a partition, rows are read and checked by :mod:`dask_lm.data.rows`, sorted longest first and cut into
 micro-batches of at most ``batch_tokens`` tokens: on a GPU they are packed (real tokens only, varlen attention,
 compiled decoder layers, as in a Policy's inference pass), elsewhere padded to the longest row; logprobs and top-k
 come from the chunked head of :mod:`dask_lm.workers.logprobs`. A part whose logprobs are not all finite is not
@@ -18,42 +18,23 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dask_lm.data.messages import ScoreOptions
+from dask_lm.data.rows import BadRowError, prepare_rows
 from dask_lm.errors import NonFiniteError
 from dask_lm.workers import device, fused, varlen
 from dask_lm.workers.inference import forward_rows
 from dask_lm.workers.logprobs import next_token_logprobs, output_head, topk_logits
-from dask_lm.workers.rows import BadRowError, prepare_rows
 
 __all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "score_partition", "release_scorers"]
 
 
-@dataclass(frozen=True)
-class ScoreOptions:
-    model: str
-    tokenizer: str
-    precision: str
-    output: str
-    text_column: str | None = None
-    ids_column: str | None = None
-    prompt_column: str | None = None
-    response_column: str | None = None
-    id_column: str | None = None
-    topk: int = 0
-    max_length: int | None = None
-    truncate: bool = False
-    batch_tokens: int = 16384
-    skip_bad_rows: bool = False
-    allow_nonfinite: bool = False
-    chunk_size: int = 1024
-    compile: bool = True
-
-
 class _Replica:
+    last_used: float  # time.monotonic() of the last partition that picked it (set by _replica)
+
     def __init__(self, model_dir: str, tokenizer_dir: str, precision: str, *, compile: bool = True) -> None:
         t0 = time.perf_counter()
         import transformers
@@ -61,11 +42,14 @@ class _Replica:
         transformers.utils.logging.disable_progress_bar()  # one bar per worker would garble the job's own bar
         self.device = device.local_device()
         dtype = device.torch_dtype(precision)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        # transformers wraps PreTrainedModel.to with functools.wraps, whose stub loses the bound self
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         # the fast path of a Policy's inference pass: packed rows through varlen attention, compiled layers
         self.varlen = varlen.available(dtype) and self.model.config._attn_implementation == "sdpa"
         self.packed = self.varlen  # packing pays only with the varlen kernel (a dense [T, T] mask costs more)
         self.compiled = compile and fused.compile_decoder_layers(self.model) > 0
+        self.tokenizer: transformers.PreTrainedTokenizerBase | None
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
             self.tokenizer_error: str | None = None
@@ -101,52 +85,81 @@ class _Replica:
         n1, n2 = (min(n, self.max_positions or n) for n in (61, 37))
         x = (torch.arange(2 * n1).reshape(2, n1) % max(self.vocab_size - 3, 1) + 3).clamp(max=self.vocab_size - 1)
         x[1, n2:] = self.pad_id
-        hidden, info = forward_rows(self.model, x, torch.tensor([n1, n2]), packed=self.packed,
+        hidden, layout = forward_rows(self.model, x, torch.tensor([n1, n2]), packed=self.packed,
                                     varlen_ok=self.varlen, where=self.device)
-        next_token_logprobs(hidden, info["ids"], info["targets_valid"], output_head(self.model),
-                            index=info["scored"]).cpu()
+        next_token_logprobs(hidden, layout.ids, layout.targets_valid, output_head(self.model),
+                            index=layout.scored).cpu()
 
 
-_LOCAL: dict[tuple, _Replica] = {}
-_LOCAL_LOCK = threading.Lock()
+# one lock for the replica caches of this process: a worker with several threads loads a model once, and the
+# lease check never frees a replica while a partition picks it
+_CACHE_LOCK = threading.Lock()
 
 
 def _replica(opts: ScoreOptions) -> _Replica:
+    """This worker's replica for ``opts``, loaded on first use into the worker's dask-lm plugin state."""
+    from dask_lm.workers.state import get_state
+
+    cache = get_state().scorers
     key = (opts.model, opts.tokenizer, opts.precision, opts.compile)
-    with _LOCAL_LOCK:
-        rep = _LOCAL.get(key)
+    with _CACHE_LOCK:
+        rep = cache.get(key)
         if rep is None:
-            rep = _LOCAL[key] = _Replica(opts.model, opts.tokenizer, opts.precision, compile=opts.compile)
+            rep = cache[key] = _Replica(opts.model, opts.tokenizer, opts.precision, compile=opts.compile)
         rep.last_used = time.monotonic()
         return rep
 
 
-def release_idle(max_idle_s: float) -> int:
+def _caches(dask_worker: Any = None) -> list[dict[tuple, Any]]:
+    """The replica caches to look at: ``dask_worker``'s (``client.run`` and the lease check pass it), else the
+    current task's worker's, else none (no worker: no replica)."""
+    from distributed import get_worker
+
+    from dask_lm.workers.state import PLUGIN_NAME
+
+    if dask_worker is None:
+        try:
+            dask_worker = get_worker()
+        except ValueError:
+            return []
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    return [plugin.scorers] if plugin is not None else []
+
+
+def _free() -> None:
+    """Give the freed replicas' memory back: their tensors go with the last reference, the allocator's cache with
+    ``empty_cache``."""
+    import gc
+
+    gc.collect()
+    device.empty_cache()
+
+
+def release_idle(max_idle_s: float, dask_worker: Any = None) -> int:
     """Free replicas no partition has used for ``max_idle_s`` (the worker's lease check calls this). A job frees
     its replicas when it ends; a job whose driver died cannot, and its model must not hold the device for good."""
     now = time.monotonic()
-    with _LOCAL_LOCK:
-        idle = [k for k, rep in _LOCAL.items()
-                if now - getattr(rep, "last_used", now) > max_idle_s and not rep.lock.locked()]
-        for k in idle:
-            del _LOCAL[k]
+    idle = 0
+    with _CACHE_LOCK:
+        for cache in _caches(dask_worker):
+            keys = [k for k, rep in cache.items()
+                    if now - getattr(rep, "last_used", now) > max_idle_s and not rep.lock.locked()]
+            for k in keys:
+                del cache[k]
+            idle += len(keys)
     if idle:
-        import gc
-
-        gc.collect()
-        device.empty_cache()
-    return len(idle)
+        _free()
+    return idle
 
 
-def release_scorers() -> int:
+def release_scorers(dask_worker: Any = None) -> int:
     """Free this worker's replicas (run with ``client.run`` when a job ends)."""
-    import gc
-
-    with _LOCAL_LOCK:
-        n = len(_LOCAL)
-        _LOCAL.clear()
-    gc.collect()
-    device.empty_cache()
+    with _CACHE_LOCK:
+        caches = _caches(dask_worker)
+        n = sum(len(c) for c in caches)
+        for cache in caches:
+            cache.clear()
+    _free()
     return n
 
 
@@ -189,18 +202,18 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions) -> tupl
         for r, i in enumerate(batch):
             x[r, : len(ids[i])] = torch.tensor(ids[i], dtype=torch.int64)
         lens = torch.tensor([len(ids[i]) for i in batch])
-        (hidden, info), rep.compiled = fused.call(
+        (hidden, layout), rep.compiled = fused.call(
             rep.compiled, lambda: forward_rows(rep.model, x, lens, packed=rep.packed, varlen_ok=rep.varlen,
                                                where=rep.device), "the scoring forward")
         with fused.use_compiled(rep.compiled):
-            lp = next_token_logprobs(hidden, info["ids"], info["targets_valid"], head, chunk_size=opts.chunk_size,
-                                     index=info["scored"]).cpu()
+            lp = next_token_logprobs(hidden, layout.ids, layout.targets_valid, head, chunk_size=opts.chunk_size,
+                                     index=layout.scored).cpu()
             if tops is not None:
-                values, indices = topk_logits(hidden, info["valid"], head, opts.topk, chunk_size=opts.chunk_size,
-                                              normalize=True, index=info["valid_index"])
+                values, indices = topk_logits(hidden, layout.valid, head, opts.topk, chunk_size=opts.chunk_size,
+                                              normalize=True, index=layout.valid_index)
                 values, indices = values.cpu(), indices.cpu().to(torch.int32)
         # each row's slice of the result: [1, T] packed (rows back to back) or [b, L] padded
-        starts = info["layout"].cu.tolist() if rep.packed else [0] * len(batch)
+        starts = layout.host.cu.tolist() if rep.packed else [0] * len(batch)
         for r, i in enumerate(batch):
             n = int(lens[r])
             row, col = (0, starts[r]) if rep.packed else (r, 0)
@@ -292,7 +305,8 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
         table = table.append_column(name, pa.array(values[name], type_))
     # the bad rows first: a part file under its final name is what --resume skips, so it must come last
     if bad:
-        err = pio.errors_table(index, file, [first_row + i for i in bad], [rows.errors[i] for i in bad])
+        bad_errors = [e for e in rows.errors if e is not None]  # those of `bad`, in order
+        err = pio.errors_table(index, file, [first_row + i for i in bad], bad_errors)
         pio.write_part(err, pio.errors_dir(opts.output), pio.part_name(index))
     pio.write_part(table, opts.output, pio.part_name(index))
     tokens = sum(counts)

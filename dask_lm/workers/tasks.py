@@ -7,12 +7,17 @@ keeps two all-gathers from pairing up across different calls.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from dask_lm.errors import PeerFailedError
 
-__all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "call_policy", "shutdown_policy", "PeerFailedError", "Failed",
-           "call_policy_settled", "unwrap"]
+if TYPE_CHECKING:
+    from dask_lm.data.messages import Request, ScoreOptions
+
+__all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "serve", "settled", "unwrap",
+           "zmq_address", "profiler", "score_partition", "release_scorers", "shutdown_policy", "Failed",
+           "PeerFailedError"]
 
 
 def find_free_port(_prev: Any = None) -> tuple[str, int]:
@@ -61,8 +66,9 @@ def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: 
                  member_ids: tuple[str, ...], master: tuple[str, int] | None, pad_token_id: int,
                  extension_fqn: str | None, options: dict[str, Any]) -> dict[str, Any]:
     from dask_lm.config import PolicyConfig
+    from dask_lm.optim_config import resolve_class
     from dask_lm.workers import device, lease
-    from dask_lm.workers.policy_worker import PolicyWorker, resolve_class
+    from dask_lm.workers.policy_worker import PolicyWorker
     from dask_lm.workers.state import join_process_group
 
     me = _incarnation()
@@ -131,18 +137,12 @@ def _policy(policy_id: str) -> Any:
     return worker
 
 
-def call_policy(_prev: Any, policy_id: str, method: str, payload: Any = None, *args: Any, **kwargs: Any) -> Any:
-    """Call ``method`` of this rank's PolicyWorker. ``payload`` is an Arrow shard + metadata or None."""
-    from dask_lm.data.arrow import shard_from_wire
+def serve(_prev: Any, policy_id: str, request: Request) -> Any:
+    """Answer one request of :mod:`dask_lm.data.messages` with this rank's PolicyWorker, through the endpoint
+    table (:data:`dask_lm.workers.endpoints.ENDPOINTS`)."""
+    from dask_lm.workers.endpoints import handle
 
-    worker = _policy(policy_id)
-    fn = getattr(worker, method, None)
-    if fn is None or method.startswith("_"):
-        raise ValueError(f"the policy worker has no method {method!r}")
-    if payload is not None:
-        data, meta = shard_from_wire(payload)
-        return fn(data, meta, *args, **kwargs)
-    return fn(*args, **kwargs)
+    return handle(_policy(policy_id), request)
 
 
 class Failed:
@@ -153,11 +153,11 @@ class Failed:
         self.error = error.with_traceback(None)
 
 
-def call_policy_settled(_prev: Any, *args: Any, **kwargs: Any) -> Any:
-    """``call_policy`` whose failure is a :class:`Failed` value (for futures handed to the caller, see
-    :func:`unwrap`): Dask fails every task that depends on a failed one, and the rank's next call does."""
+def settled(_prev: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(_prev, *args, **kwargs)`` whose failure is a :class:`Failed` value (for futures handed to the caller,
+    see :func:`unwrap`): Dask fails every task that depends on a failed one, and the rank's next call does."""
     try:
-        return call_policy(_prev, *args, **kwargs)
+        return fn(_prev, *args, **kwargs)
     except Exception as e:
         return Failed(e)
 
@@ -167,6 +167,36 @@ def unwrap(result: Any) -> Any:
     if isinstance(result, Failed):
         raise result.error
     return result
+
+
+def zmq_address(_prev: Any, policy_id: str) -> str:
+    """``Policy.get_zmq_addresses()``: bind this rank's socket (once) and return its address."""
+    from dask_lm.workers.zmq_endpoint import bind
+
+    return bind(_policy(policy_id).refitter).address
+
+
+def profiler(_prev: Any, start: bool) -> bool:
+    """Start or stop this rank's device profiler (``Policy.start_gpu_profiling`` / ``stop_gpu_profiling``)."""
+    from dask_lm.workers import device
+
+    (device.start_profiler if start else device.stop_profiler)()
+    return True
+
+
+def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_rows: int | None,
+                    opts: ScoreOptions) -> dict[str, Any]:
+    """``score_parquet``: score one partition on this worker (:func:`dask_lm.workers.scorer.score_partition`)."""
+    from dask_lm.workers import scorer
+
+    return scorer.score_partition(pdf, index, file, first_row, expected_rows, opts)
+
+
+def release_scorers(dask_worker: Any = None) -> int:
+    """``score_parquet``'s end: free this worker's scoring replicas (run with ``client.run``)."""
+    from dask_lm.workers import scorer
+
+    return scorer.release_scorers(dask_worker)
 
 
 def shutdown_policy(_prev: Any, policy_id: str, orphaned: bool = False) -> bool:

@@ -151,7 +151,7 @@ def _model_lock(model: torch.nn.Module) -> threading.RLock:
 
 def _configs(model: torch.nn.Module) -> list[Any]:
     """The model's config and its text sub-config (where attention layers read the implementation from)."""
-    cfg = model.config
+    cfg: Any = model.config  # a transformers PretrainedConfig (Module's __getattr__ types it Tensor | Module)
     out = [cfg]
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     if text is not cfg:

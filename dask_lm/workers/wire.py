@@ -249,4 +249,5 @@ def open_cuda(h: dict[str, Any]) -> torch.Tensor:
     if not isinstance(h.get("device"), str):
         raise ValueError("`ipc.device` of a refit header must be a GPU UUID string")
     args = cuda_rebuild_args(h, 0)  # every field checked before the UUID is even looked up
-    return reductions.rebuild_cuda_tensor(*args[:6], device.index_for_uuid(h["device"]), *args[7:])
+    rebuild = (*args[:6], device.index_for_uuid(h["device"]), *args[7:])
+    return reductions.rebuild_cuda_tensor(*rebuild)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.workers.refit import Refitter
 
-__all__ = ["Endpoint", "bind", "close_socket", "close", "address_on_rank"]
+__all__ = ["Endpoint", "bind", "close_socket", "close"]
 
 logger = logging.getLogger("dask_lm.worker")
 SOCKET_NAME = "refit.sock"
@@ -52,27 +52,27 @@ def _runtime_dir() -> str:
     return tempfile.gettempdir()
 
 
-def endpoint(worker: PolicyWorker) -> Endpoint:
+def endpoint(owner: Refitter) -> Endpoint:
     """This rank's endpoint; its private directory is made on the first call."""
-    ep = getattr(worker, "refit_zmq", None)
+    ep = owner.refit_zmq
     if ep is None:
-        directory = tempfile.mkdtemp(prefix=f"dask-lm-refit-r{worker.rank}-", dir=_runtime_dir())  # mode 0700
+        directory = tempfile.mkdtemp(prefix=f"dask-lm-refit-r{owner.rank}-", dir=_runtime_dir())  # mode 0700
         ep = Endpoint(directory)
         if len(ep.path.encode()) > MAX_SOCKET_PATH:
             os.rmdir(directory)
             raise ValueError(f"the refit socket path {ep.path!r} is longer than the {MAX_SOCKET_PATH} bytes a Unix "
                              "socket can have: set TMPDIR (or XDG_RUNTIME_DIR) on the workers to a shorter directory")
-        worker.refit_zmq = ep
+        owner.refit_zmq = ep
     return ep
 
 
-def bind(worker: PolicyWorker) -> Endpoint:
+def bind(owner: Refitter) -> Endpoint:
     """This rank's endpoint with its REQ socket bound (bound once, reused by every stream until an error)."""
     import zmq
 
-    ep = endpoint(worker)
+    ep = endpoint(owner)
     if ep.sock is None:
-        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         try:
@@ -85,18 +85,18 @@ def bind(worker: PolicyWorker) -> Endpoint:
     return ep
 
 
-def close_socket(worker: PolicyWorker) -> None:
+def close_socket(owner: Refitter) -> None:
     """Close the socket but keep the directory and address (after a failed call)."""
-    ep = getattr(worker, "refit_zmq", None)
+    ep = owner.refit_zmq
     if ep is not None and ep.sock is not None:
         sock, ep.sock = ep.sock, None
         sock.close(linger=0)
 
 
-def close(worker: PolicyWorker) -> None:
+def close(owner: Refitter) -> None:
     """Close the socket and remove its file and directory (policy shutdown)."""
-    close_socket(worker)
-    ep, worker.refit_zmq = getattr(worker, "refit_zmq", None), None
+    close_socket(owner)
+    ep, owner.refit_zmq = owner.refit_zmq, None
     if ep is None:
         return
     for remove, path in ((os.unlink, ep.path), (os.rmdir, ep.directory)):
@@ -106,10 +106,3 @@ def close(worker: PolicyWorker) -> None:
             pass
         except OSError:  # something else was put there; leave it, say so
             logger.warning("could not remove the refit socket's %s", path, exc_info=True)
-
-
-def address_on_rank(_prev: Any, policy_id: str) -> str:
-    """Task body for ``Policy.get_zmq_addresses()``: bind this rank's socket and return its address."""
-    from dask_lm.workers.tasks import _policy
-
-    return bind(_policy(policy_id)).address

@@ -17,7 +17,7 @@ from typing import Any
 
 from dask_lm.errors import BadRowError
 
-__all__ = ["BadRowError", "PreparedRows", "position_limit", "prepare_rows"]
+__all__ = ["BadRowError", "PreparedRows", "position_limit", "prepare_rows", "tokenize_rows"]
 
 
 @dataclass
@@ -149,6 +149,38 @@ def _short(v: Any) -> str:
     return r if len(r) <= 40 else r[:37] + "..."
 
 
+def tokenize_rows(pdf: Any, tokenizer: Any, *, text_column: str | None = None, prompt_column: str | None = None,
+                  response_column: str | None = None, file: str, first_row: int, errors: list[str | None]
+                  ) -> tuple[list[list[int] | None], list[int]]:
+    """Token ids of every row of ``pdf`` (rows ``first_row ...`` of ``file``), and how many of them are the
+    prompt's: every job tokenizes here, so a row scored and the same row trained on are the same ids.
+
+    A text row is ``tokenizer(text)`` (its special tokens included, prompt length 0). A prompt + response row is
+    ``tokenizer(prompt)`` followed by ``tokenizer(response)`` without special tokens: the response continues the
+    prompt, so no BOS or EOS may land between the two. A row whose value is not a string
+    gets its error in ``errors`` (the first one wins) and ``None`` ids."""
+    n = len(pdf)
+    named = [text_column] if text_column is not None else [prompt_column, response_column]
+    columns = [c for c in named if c]
+    assert len(columns) == len(named), "tokenize_rows needs text_column, or prompt_column with response_column"
+    values = [_texts(pdf, c, file, first_row, errors) for c in columns]
+    ok = [i for i in range(n) if errors[i] is None]
+    ids: list[list[int] | None] = [None] * n
+    lens = [0] * n
+    if not ok:  # a tokenizer called with no text fails on some versions; nothing to tokenize either way
+        return ids, lens
+    first = tokenizer([values[0][i] for i in ok])["input_ids"]
+    if text_column is not None:
+        for i, toks in zip(ok, first):
+            ids[i] = list(toks)
+        return ids, lens
+    second = tokenizer([values[1][i] for i in ok], add_special_tokens=False)["input_ids"]
+    for i, p, r in zip(ok, first, second):
+        ids[i] = list(p) + list(r)
+        lens[i] = len(p)
+    return ids, lens
+
+
 def prepare_rows(pdf: Any, opts: Any, *, tokenizer: Any, vocab_size: int, max_positions: int | None, file: str,
                  first_row: int) -> PreparedRows:
     """Read, tokenize and check every row of ``pdf`` (rows ``first_row ...`` of ``file``) for ``opts``
@@ -160,24 +192,12 @@ def prepare_rows(pdf: Any, opts: Any, *, tokenizer: Any, vocab_size: int, max_po
     prompt_len: list[int] | None = None
     if opts.ids_column is not None:
         ids = _token_lists(pdf, opts.ids_column, file, first_row, errors)
-    elif opts.text_column is not None:
-        texts = _texts(pdf, opts.text_column, file, first_row, errors)
-        ok = [i for i in range(n) if errors[i] is None]
-        enc = tokenizer([texts[i] for i in ok])["input_ids"] if ok else []
-        ids = [None] * n
-        for i, toks in zip(ok, enc):
-            ids[i] = list(toks)
     else:
-        prompts = _texts(pdf, opts.prompt_column, file, first_row, errors)
-        responses = _texts(pdf, opts.response_column, file, first_row, errors)
-        ok = [i for i in range(n) if errors[i] is None]
-        p_enc = tokenizer([prompts[i] for i in ok])["input_ids"] if ok else []
-        r_enc = tokenizer([responses[i] for i in ok], add_special_tokens=False)["input_ids"] if ok else []
-        ids, prompt_len = [None] * n, [0] * n
-        for i, p, r in zip(ok, p_enc, r_enc):
-            ids[i] = list(p) + list(r)
-            prompt_len[i] = len(p)
-            start[i] = max(len(p), 1)  # only response tokens count, each given everything before it
+        ids, lens = tokenize_rows(pdf, tokenizer, text_column=opts.text_column, prompt_column=opts.prompt_column,
+                                  response_column=opts.response_column, file=file, first_row=first_row, errors=errors)
+        if opts.text_column is None:
+            prompt_len = lens
+        start = [max(k, 1) for k in lens]  # only response tokens count, each given everything before it
     column = opts.ids_column or opts.text_column or opts.response_column
     limit, limit_why = position_limit(max_positions, opts.max_length)
     truncated = [False] * n

@@ -1,0 +1,237 @@
+"""What travels between the driver and a rank: frozen, slotted dataclasses, one per request and per result.
+
+The driver builds a request, :class:`dask_lm.engine.worker_group.WorkerGroup` submits it as the argument of
+:func:`dask_lm.workers.tasks.serve` on each rank, and the rank's endpoint table
+(:data:`dask_lm.workers.endpoints.ENDPOINTS`) maps the request's *type* to the handler that answers it. So a call
+can be followed from ``Policy.get_logprobs`` to the rank's code by type, by an IDE or by mypy, with no method name
+passed as a string. Rows travel inside a :class:`Shard` as the Arrow table of :mod:`dask_lm.data.arrow` (token ids
+as ``list<int32>``, padding trimmed) beside its :class:`MicroBatchPlan`.
+
+Shapes in the field comments use ``B`` (rows of the shard), ``S`` (the padded width of the shard), ``k`` (top-k).
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import torch
+
+    from dask_lm.data.batch import BatchedDataDict
+
+__all__ = ["MicroBatchPlan", "Shard", "ForwardRequest", "GenerateRequest", "ForwardOutput", "TrainRequest",
+           "TrainResult", "SaveRequest", "ActionRequest", "RefitPlan", "CollectiveInitRequest", "ExtensionCall",
+           "ScoreOptions", "Request", "ACTIONS"]
+
+
+# ------------------------------------------------------------------------------------------- rows
+@dataclass(frozen=True, slots=True)
+class MicroBatchPlan:
+    """How the driver cut one rank's shard (:mod:`dask_lm.data.sharding`); every field None means "cut it by
+    ``micro_batch_size`` rows on the rank"."""
+
+    packed: bool = False  # rows of a micro-batch are concatenated into one sequence (varlen / block mask)
+    micro_batch_indices: list[list[list[int]]] | None = None  # per global batch: [start, end) rows per micro-batch
+    micro_batch_lengths: list[list[int]] | None = None  # per global batch: padded length / packed tokens per mb
+    elem_counts_per_gb: list[int] | None = None  # packing: rows of this shard in each global batch
+
+    @classmethod
+    def of(cls, batch: BatchedDataDict[Any], *, packed: bool) -> MicroBatchPlan:
+        return cls(packed=packed, micro_batch_indices=batch.micro_batch_indices,
+                   micro_batch_lengths=batch.micro_batch_lengths, elem_counts_per_gb=batch.elem_counts_per_gb)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One rank's rows as they cross the wire: an Arrow table and the plan that cuts it into micro-batches."""
+
+    table: pa.Table
+    plan: MicroBatchPlan
+
+    @classmethod
+    def of(cls, batch: BatchedDataDict[Any], *, packed: bool = False) -> Shard:
+        from dask_lm.data.arrow import to_arrow
+
+        return cls(to_arrow(batch), MicroBatchPlan.of(batch, packed=packed))
+
+    def rows(self) -> BatchedDataDict[Any]:
+        """The shard as the BatchedDataDict the driver cut (tensors right-padded again, plan attributes set)."""
+        from dask_lm.data.arrow import from_arrow
+
+        data = from_arrow(self.table)
+        data.micro_batch_indices = self.plan.micro_batch_indices
+        data.micro_batch_lengths = self.plan.micro_batch_lengths
+        data.elem_counts_per_gb = self.plan.elem_counts_per_gb
+        return data
+
+
+# ------------------------------------------------------------------------------------------- forward passes
+Head = Literal["logprobs", "reference_logprobs", "topk", "score"]
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardRequest:
+    """One inference pass over a shard, read out by ``head``: next-token logprobs (under the current weights, or
+    the reference weights kept at load), the ``k`` largest logits, or a reward model's score of each row."""
+
+    shard: Shard
+    head: Head = "logprobs"
+    k: int | None = None  # topk: how many logits per position
+    micro_batch_size: int | None = None  # rows per micro-batch when the call names one (no packing then)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """Decode ``generation.max_new_tokens`` after each row (a contiguous slice of the batch per rank)."""
+
+    shard: Shard
+    greedy: bool = False
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    """A forward or generation's tensors, on the host, one row per shard row. Keys by head: ``logprobs`` /
+    ``reference_logprobs`` float32 [B, S]; ``topk_logits`` float32 [B, S, k] and ``topk_indices`` int64 [B, S, k];
+    ``scores`` float32 [B]; generation: ``output_ids`` [B, S'], ``logprobs`` [B, S'], ``generation_lengths`` [B],
+    ``unpadded_sequence_lengths`` [B] and ``truncated`` [B]."""
+
+    tensors: Mapping[str, torch.Tensor]
+
+
+# ------------------------------------------------------------------------------------------- training
+@dataclass(frozen=True, slots=True)
+class TrainRequest:
+    """``num_global_batches`` optimizer steps over the shard (``eval_mode``: forward only)."""
+
+    shard: Shard
+    loss_fn: Any  # a LossFunction: called on the rank with each micro-batch
+    eval_mode: bool
+    gbs: int
+    mbs: int
+    num_global_batches: int
+    progress_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TrainResult:
+    """One rank's answer to a :class:`TrainRequest`; the ranks agree on ``loss`` and ``grad_norm``."""
+
+    loss: torch.Tensor  # float32 [num_global_batches], summed over the ranks' micro-batches
+    grad_norm: torch.Tensor | None  # float32 [1]: the last step's norm before clipping (None in eval)
+    grad_norms: list[float]  # every step's norm
+    all_mb_metrics: dict[str, list[Any]]  # metric -> one value per micro-batch of this rank
+    train_elapsed_seconds: float
+    rank: int
+    gpu_name: str | None
+    model_dtype: str
+    num_tokens: int  # real tokens of this rank's shard
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRequest:
+    """Write a checkpoint: ``weights`` / ``optimizer`` are ``(staging path, final path)``, ``tokenizer`` adds the
+    tokenizer object; ``weights_tokenizer`` is written into the weights directory too."""
+
+    weights: tuple[str, str] | None
+    optimizer: tuple[str, str] | None
+    tokenizer: tuple[str, str, Any] | None
+    async_save: bool
+    max_shard_size: int
+    weights_tokenizer: Any = None
+
+
+# ------------------------------------------------------------------------------------------- argument-free calls
+PlacementAction = Literal["prepare_for_training", "finish_training", "prepare_for_lp_inference", "finish_inference",
+                          "prepare_for_generation", "finish_generation", "invalidate_kv_cache", "offload_before_refit",
+                          "offload_after_refit", "offload_to_cpu"]
+Action = PlacementAction | Literal["prepare_refit_info", "report_device_id", "finalize_async_save"]
+ACTIONS: tuple[str, ...] = (*typing.get_args(PlacementAction), "prepare_refit_info", "report_device_id",
+                            "finalize_async_save")
+
+
+@dataclass(frozen=True, slots=True)
+class ActionRequest:
+    """A rank operation without arguments: move weights / optimizer state around the phases of an RL loop, report
+    the refit info (``{name: (shape, dtype)}``) or the device id, or finish a pending asynchronous save."""
+
+    action: Action
+
+
+# ------------------------------------------------------------------------------------------- refit
+RefitRoute = Literal["http", "zmq", "broadcast"]
+
+
+@dataclass(frozen=True, slots=True)
+class RefitPlan:
+    """Send every weight out, in buckets of at most ``buffer_size_bytes``: into SGLang servers over HTTP
+    (``urls``; ``layout[r]`` lists the (engine, tp rank) pairs rank r feeds, ``weight_version`` names the update,
+    ``transport`` overrides how buckets travel), to the inference worker on the same device over this rank's ZMQ
+    socket, or from rank 0 over the group of a :class:`CollectiveInitRequest`."""
+
+    route: RefitRoute
+    buffer_size_bytes: int
+    timeout_s: float = 600.0
+    progress_id: str | None = None
+    urls: tuple[str, ...] = ()
+    layout: Any = None
+    weight_version: str | None = None
+    transport: str | None = None
+
+    def __post_init__(self) -> None:
+        assert self.route != "http" or (self.urls and self.layout is not None and self.weight_version is not None), \
+            "an HTTP refit names its servers, their layout and the weight version"
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveInitRequest:
+    """Join the refit process group hosted by policy rank 0 at ``ip:port``."""
+
+    ip: str
+    port: int
+    world_size: int
+    train_world_size: int
+    timeout_s: float
+
+
+# ------------------------------------------------------------------------------------------- batch jobs
+@dataclass(frozen=True, slots=True)
+class ScoreOptions:
+    """One ``score_parquet`` job's settings, sent with every partition task (:func:`dask_lm.workers.tasks.score_partition`)."""
+
+    model: str
+    tokenizer: str
+    precision: str
+    output: str
+    text_column: str | None = None
+    ids_column: str | None = None
+    prompt_column: str | None = None
+    response_column: str | None = None
+    id_column: str | None = None
+    topk: int = 0
+    max_length: int | None = None
+    truncate: bool = False
+    batch_tokens: int = 16384
+    skip_bad_rows: bool = False
+    allow_nonfinite: bool = False
+    chunk_size: int = 1024
+    compile: bool = True
+
+
+# ------------------------------------------------------------------------------------------- extensions
+@dataclass(frozen=True, slots=True)
+class ExtensionCall:
+    """``run_all_workers_*``: a public method of the user's worker extension class (or of the allow-list of the
+    base worker's methods, :data:`dask_lm.workers.endpoints.EXTENSION_BASE_METHODS`), called with these arguments."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+Request = (ForwardRequest | GenerateRequest | TrainRequest | SaveRequest | ActionRequest | RefitPlan
+           | CollectiveInitRequest | ExtensionCall)

@@ -1,0 +1,277 @@
+"""The scaffold of a batch job over parquet: ``score`` (:mod:`dask_lm.engine.scoring`), ``sft``
+(:mod:`dask_lm.engine.sft`) and the jobs to come.
+
+Every job's driver goes through the same steps, and this module owns each of them; a job's own module keeps its
+options, the work itself and its summary:
+
+1. :meth:`JobOutput.open`: the input files resolved, an output nested with them refused, and a first look at the
+   output folder (:mod:`dask_lm.io.jobdir`): an occupied one without ``--resume`` / ``--overwrite`` is refused
+   before the model is even resolved.
+2. :func:`resolve_model`, :func:`resolve_tokenizer` and :func:`manifest`: the model files resolved and checked,
+   and the manifest that pins them, the inputs (by content: :mod:`dask_lm.io.fingerprint`) and the options.
+3. :meth:`JobOutput.locked`: the output's lock for the job's whole life. Under it the folder is looked at again,
+   ``--overwrite`` clears the earlier job, a killed job's temporaries are deleted, :meth:`JobOutput.pin` writes
+   the manifest or checks a resumed job against it, and :meth:`JobOutput.pin_precision` records an automatic
+   precision once the workers are known.
+4. :func:`running`: the Dask client (the caller's, or one connected here and closed at the end, with the local
+   cluster it started) and the job's progress bar, with the dashboard's address above it.
+5. :func:`located_partitions`: one read task per row group, whose failure names file and row group; the rows are
+   tokenized on the workers by :func:`dask_lm.data.rows.tokenize_rows`, the one tokenization of every job.
+6. :func:`publishing` for a directory that must appear whole (:func:`dask_lm.io.checkpoint.publish`: fsync'd,
+   then renamed), and :meth:`JobOutput.finish`, which writes ``_SUCCESS`` last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dask_lm.engine.progress import JobBar
+from dask_lm.io import checkpoint, fingerprint, hub, jobdir, modelcheck
+from dask_lm.io import parquet as pio
+
+__all__ = ["JobKind", "JobOutput", "check_columns", "precision_name", "worker_precision", "resolve_model",
+           "resolve_tokenizer", "manifest", "running", "located_partitions", "publishing"]
+
+_PRECISIONS = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+# what AutoTokenizer needs at least one of; the other tokenizer files only complete these
+_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def check_columns(*, text_column: str | None, prompt_column: str | None, response_column: str | None,
+                  ids_column: str | None = None, takes_ids: bool = True) -> None:
+    """Exactly one way to read the rows: a text column, token ids (jobs that ``takes_ids``), or prompt + response."""
+    modes = [("--text-column", text_column), ("--prompt-column with --response-column",
+                                              prompt_column or response_column)]
+    if takes_ids:
+        modes.insert(1, ("--ids-column", ids_column))
+    given = [flag for flag, on in modes if on]
+    if len(given) != 1:
+        flags = [flag for flag, _ in modes]
+        raise ValueError(f"give exactly one of {', '.join(flags[:-1])} or {flags[-1]} (got {given or 'none'})")
+    if (prompt_column is None) != (response_column is None):
+        raise ValueError("--prompt-column and --response-column go together")
+
+
+def precision_name(precision: str | None, allowed: tuple[str, ...] = ("bf16", "fp32", "fp16")) -> str | None:
+    """The torch dtype name of ``--precision`` (``bf16`` or ``bfloat16``); ``None`` for auto, which the workers'
+    devices decide once the cluster is up (:func:`worker_precision`)."""
+    if precision in (None, "auto"):
+        return None
+    name = _PRECISIONS.get(precision, precision)
+    if name not in [_PRECISIONS[a] for a in allowed]:
+        raise ValueError(f"--precision must be auto, {', '.join(allowed[:-1])} or {allowed[-1]}, got {precision!r}")
+    return name
+
+
+def worker_precision(client: Any) -> str:
+    """An automatic precision: bfloat16 when a worker has a GPU, else float32."""
+    from dask_lm.workers.tasks import rank_info
+
+    infos = client.run(rank_info)
+    return "bfloat16" if any(i.get("device") == "cuda" for i in infos.values()) else "float32"
+
+
+def resolve_model(model: str | os.PathLike[str], *, revision: str | None = None, load_config: bool = True
+                  ) -> tuple[hub.ModelSource, modelcheck.ModelInfo]:
+    """Where ``model``'s files are (a Hub id becomes its cache snapshot, here, once) and what checking them found:
+    damaged config or weight files are a ``ValueError`` naming the file."""
+    source = hub.resolve_model(model, revision=revision)
+    return source, modelcheck.check_model(source.path, load_config=load_config)
+
+
+def resolve_tokenizer(tokenizer: str | os.PathLike[str] | None, model: str, *, fix: str | None, check: bool = True
+                      ) -> str:
+    """The tokenizer directory: ``tokenizer`` (a path or Hub id) or the model's own. ``fix`` ends the
+    ``ValueError`` for a directory without tokenizer files; ``None`` when the job needs no tokenizer (token-id
+    input), and nothing is checked. With ``check`` its JSON files must parse (a garbled one would fail on every
+    worker instead)."""
+    path = hub.resolve_model(tokenizer, what="--tokenizer").path if tokenizer else model
+    if fix is None:
+        return path
+    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_MARKERS):
+        raise ValueError(f"{path!r} has no tokenizer files; {fix}")
+    if check:
+        modelcheck.check_tokenizer(path)
+    return path
+
+
+def manifest(source: hub.ModelSource, info: modelcheck.ModelInfo, inputs: pio.ScoreInputs, options: dict[str, Any],
+             *, tokenizer: str | None = None, **extra: Any) -> dict[str, Any]:
+    """``_manifest.json`` of a job: the format, the options and, by content, the model files, the files of a
+    ``tokenizer`` directory apart from the model's, and the input files; ``extra`` entries are the job's own."""
+    from dask_lm import __version__
+
+    separate = tokenizer if tokenizer and tokenizer != source.path else None  # else its files are the model's
+    pins = fingerprint.job_pins(source.path, info.files, inputs.files, tokenizer=separate,
+                                tokenizer_files=modelcheck.tokenizer_files(separate) if separate else ())
+    named = {"tokenizer": tokenizer} if tokenizer else {}
+    return {"format": jobdir.FORMAT, "dask_lm_version": __version__, "model": source.path, **named,
+            "options": options, **extra, **pins,
+            "model_source": source.record()}  # how the model was named: recorded, not compared
+
+
+@dataclass(frozen=True)
+class JobKind:
+    """What the scaffold needs to know of one kind of job."""
+
+    name: str
+    """What an output holds, in messages: "scoring job", "sft run"."""
+    did: str
+    """Completes "--resume refused: OUTPUT was ... with different ...": "scored", "trained"."""
+    owned: str
+    """A regular expression for the job's own entries besides ``_manifest.json`` and ``_SUCCESS`` (what
+    ``--overwrite`` may delete)."""
+    debris: Callable[[str], Any]
+    """Deletes, from the output, the temporaries a killed job left (called under the lock: nothing writes them)."""
+    resume_hint: str = ""
+    """Added to the advice for an unfinished output."""
+    flags: dict[str, str] = field(default_factory=dict)
+    """Option keys to the names users know them by, where not ``--key-with-dashes``."""
+
+
+@dataclass
+class JobOutput:
+    """A job's output folder, from the first look at it to ``_SUCCESS``."""
+
+    kind: JobKind
+    path: str
+    files: list[str]
+    """The input files, resolved."""
+    resume: bool
+    overwrite: bool
+    state: jobdir.OutputState
+
+    @classmethod
+    def open(cls, kind: JobKind, input: Any, output: str | os.PathLike[str], *, resume: bool, overwrite: bool
+             ) -> JobOutput:
+        """Resolve the inputs and look at the output without its lock: what the folder allows needs only its
+        listing, so a refusal comes before the model is looked at (and again under the lock)."""
+        path = os.path.abspath(os.fspath(output))
+        files = pio.resolve_input_files(input)
+        jobdir.check_output_location(path, input, files)
+        out = cls(kind, path, files, resume, overwrite, jobdir.output_state(path, kind.owned))
+        out._refuse_occupied()
+        return out
+
+    def _refuse_occupied(self) -> None:
+        jobdir.refuse_occupied(self.path, self.state, job=self.kind.name, resume=self.resume,
+                               overwrite=self.overwrite, resume_hint=self.kind.resume_hint)
+
+    @property
+    def finished(self) -> bool:
+        return os.path.exists(os.path.join(self.path, pio.SUCCESS))
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[dict[str, Any] | None]:
+        """Hold the output's lock for the block; yields the manifest of the job to resume, or ``None`` for a new
+        output (an ``--overwrite`` one is emptied of the earlier job's files first)."""
+        with jobdir.locked_output(self.path):
+            self.state = jobdir.output_state(self.path, self.kind.owned)
+            self._refuse_occupied()
+            old = None
+            if self.state.kind != "new" and self.overwrite:
+                jobdir.clear_output(self.path, self.kind.owned)
+            elif self.state.kind != "new":
+                old = jobdir.read_manifest(self.path)
+                assert old is not None  # output_state calls an output without one foreign
+            self.kind.debris(self.path)
+            yield old
+
+    def pin(self, new: dict[str, Any], old: dict[str, Any] | None, *, ignore: tuple[str, ...] = ()
+            ) -> dict[str, Any]:
+        """Under the lock: write the manifest of a new output, or refuse (``ValueError``) to resume one whose
+        pins differ from ``new`` (options in ``ignore`` aside). Returns the manifest in force. A precision that
+        one side leaves automatic (``None``) is compared by :meth:`pin_precision` once the workers are known."""
+        if old is None:
+            self.write_manifest(new)
+            return new
+        if None in ((old.get("options") or {}).get("precision"), new["options"].get("precision")):
+            ignore += ("precision",)
+        jobdir.check_resume(old, new, output=self.path, what=self.kind.did, ignore=ignore, flags=self.kind.flags)
+        return old
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        pio.write_json_atomic(manifest, os.path.join(self.path, pio.MANIFEST))
+
+    def pin_precision(self, precision: str) -> None:
+        """Record the precision the job runs in (an automatic one is known only once the cluster is up), or refuse
+        a resume that would continue the job in another one (bf16 on GPUs resumed on CPUs in fp32, say)."""
+        pinned = jobdir.read_manifest(self.path)
+        assert pinned is not None, "pin_precision comes after pin"
+        was = pinned["options"].get("precision")
+        if was is None:
+            pinned["options"]["precision"] = precision
+            self.write_manifest(pinned)
+        elif was != precision:
+            raise ValueError(f"--resume refused: {self.path} was {self.kind.did} in {was}, and these workers would "
+                             f"run in {precision} (--precision was {was}, now {precision}); resume on workers like "
+                             f"the first run's or pass --precision {was}, or write into a new --output")
+
+    def reopen(self) -> None:
+        """The job goes on (a resumed run given more steps): its output is no longer finished."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.path, pio.SUCCESS))
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Write ``_SUCCESS`` (the job's summary): last, as it marks the output complete."""
+        pio.write_json_atomic(summary, os.path.join(self.path, pio.SUCCESS))
+
+
+@contextlib.contextmanager
+def running(client: Any, *, scheduler_address: str | None, n_workers: int | None, total: int, desc: str,
+            unit: str, progress: bool) -> Iterator[tuple[Any, JobBar]]:
+    """The job's Dask client and progress bar (:class:`~dask_lm.engine.progress.JobBar`) for the block.
+
+    ``client`` is used as given (a Client, a Dask cluster or a scheduler address:
+    :func:`~dask_lm.engine.cluster.as_client`); without one, ``connect(scheduler_address, n_workers=n_workers)``
+    attaches to a scheduler or starts a local cluster. What this call opened it closes when the block ends, the
+    local cluster included; a client the caller gave stays open."""
+    from dask_lm.engine import cluster
+
+    remote = scheduler_address or os.environ.get("DASK_SCHEDULER_ADDRESS")
+    waiting = ("asking the workers about their devices" if client is not None else "connecting to the cluster"
+               if remote else "starting a local cluster")
+    bar = JobBar(total, desc, unit, waiting, enabled=progress)
+    opened = None
+    try:
+        if client is None:
+            opened = client = cluster.connect(scheduler_address, n_workers=n_workers)
+        else:
+            given, client = client, cluster.as_client(client)
+            opened = client if client is not given else None
+        if getattr(client, "dashboard_link", None):
+            bar.write(f"dask-lm: watch the job on the Dask dashboard at {client.dashboard_link}")
+        yield client, bar
+    finally:
+        bar.close()
+        if opened is not None:
+            cluster.close(opened)
+
+
+def located_partitions(inputs: pio.ScoreInputs, columns: list[str] | None) -> list[Any]:
+    """One delayed read per planned row group whose failure names file and row group
+    (:func:`dask_lm.io.parquet.read_partition`): ``dd.read_parquet``'s reader raises a corrupt page's error with
+    neither, and inside its task nothing downstream can turn the error into bad rows for ``--skip-bad-rows``."""
+    import dask
+
+    return [dask.delayed(pio.read_partition, pure=False)(f, g, start, n, columns)
+            for f, g, start, n in inputs.partitions]
+
+
+@contextlib.contextmanager
+def publishing(final: str) -> Iterator[str]:
+    """A fresh temporary directory beside ``final`` to write into; when the block ends it becomes ``final``
+    (fsync'd, then renamed: :func:`dask_lm.io.checkpoint.publish`, which replaces an earlier ``final`` only
+    afterwards), or is deleted when the block raises. ``final`` never holds a partial directory."""
+    tmp = checkpoint.temporary_sibling(final)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        checkpoint.publish(tmp, final)
+    except BaseException:
+        checkpoint.discard(tmp)
+        raise

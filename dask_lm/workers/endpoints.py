@@ -1,0 +1,143 @@
+"""The rank's endpoint table: which code answers each request type of :mod:`dask_lm.data.messages`.
+
+:func:`dask_lm.workers.tasks.serve` looks the request's type up in :data:`ENDPOINTS` and calls the handler with
+this rank's :class:`~dask_lm.workers.policy_worker.PolicyWorker`. Every path from the driver to a rank's code is
+one entry here, so it can be followed by type; nothing is looked up by a method name the driver sends, except
+:class:`~dask_lm.data.messages.ExtensionCall` (``run_all_workers_*``), which is held to the public methods of the
+user's extension class and the allow-list :data:`EXTENSION_BASE_METHODS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dask_lm.data.messages import (
+    ACTIONS,
+    ActionRequest,
+    CollectiveInitRequest,
+    ExtensionCall,
+    ForwardOutput,
+    ForwardRequest,
+    GenerateRequest,
+    RefitPlan,
+    SaveRequest,
+    TrainRequest,
+    TrainResult,
+)
+from dask_lm.workers.policy_worker import PolicyWorker
+
+__all__ = ["ENDPOINTS", "EXTENSION_BASE_METHODS", "handle"]
+
+
+# ------------------------------------------------------------------------------------------- forward passes
+def _forward(worker: PolicyWorker, req: ForwardRequest) -> ForwardOutput:
+    rows, plan = req.shard.rows(), req.shard.plan
+    if req.head == "score":
+        return ForwardOutput(worker.score(rows, plan))
+    if req.head == "topk":
+        assert req.k is not None, "the driver checks k"
+        return ForwardOutput(worker.get_topk_logits(rows, plan, req.k, req.micro_batch_size))
+    return ForwardOutput(worker.get_logprobs(rows, plan, req.micro_batch_size,
+                                             reference=req.head == "reference_logprobs"))
+
+
+def _generate(worker: PolicyWorker, req: GenerateRequest) -> ForwardOutput:
+    return ForwardOutput(worker.generate(req.shard.rows(), req.shard.plan, greedy=req.greedy, seed=req.seed))
+
+
+# ------------------------------------------------------------------------------------------- training, checkpoints
+def _train(worker: PolicyWorker, req: TrainRequest) -> TrainResult:
+    return worker.train(req.shard.rows(), req.shard.plan, req.loss_fn, eval_mode=req.eval_mode, gbs=req.gbs,
+                        mbs=req.mbs, num_global_batches=req.num_global_batches, progress_id=req.progress_id)
+
+
+def _save(worker: PolicyWorker, req: SaveRequest) -> Any:
+    return worker.save_checkpoint(req.weights, req.optimizer, req.tokenizer, async_save=req.async_save,
+                                  max_shard_size=req.max_shard_size, weights_tokenizer=req.weights_tokenizer)
+
+
+# ------------------------------------------------------------------------------------------- argument-free calls
+_ACTIONS: dict[str, Callable[[PolicyWorker], Any]] = {
+    "prepare_for_training": lambda w: w.prepare_for_training(),
+    "finish_training": lambda w: w.finish_training(),
+    "prepare_for_lp_inference": lambda w: w.prepare_for_lp_inference(),
+    "finish_inference": lambda w: w.finish_inference(),
+    "prepare_for_generation": lambda w: w.prepare_for_generation(),
+    "finish_generation": lambda w: w.finish_generation(),
+    "invalidate_kv_cache": lambda w: w.invalidate_kv_cache(),
+    "offload_before_refit": lambda w: w.offload_before_refit(),
+    "offload_after_refit": lambda w: w.offload_after_refit(),
+    "offload_to_cpu": lambda w: w.offload_to_cpu(),
+    "prepare_refit_info": lambda w: w.prepare_refit_info(),
+    "report_device_id": lambda w: w.report_device_id(),
+    "finalize_async_save": lambda w: w.finalize_async_save(),
+}
+assert set(_ACTIONS) == set(ACTIONS), "the action list and the table disagree"
+
+
+def _action(worker: PolicyWorker, req: ActionRequest) -> Any:
+    return _ACTIONS[req.action](worker)
+
+
+# ------------------------------------------------------------------------------------------- refit
+def _refit(worker: PolicyWorker, plan: RefitPlan) -> dict[str, Any]:
+    if plan.route == "http":
+        return worker.stream_weights_via_http(list(plan.urls), layout=plan.layout,
+                                              buffer_size_bytes=plan.buffer_size_bytes,
+                                              weight_version=plan.weight_version, timeout_s=plan.timeout_s,
+                                              transport=plan.transport, progress_id=plan.progress_id)
+    if plan.route == "zmq":
+        return worker.stream_weights_via_ipc_zmq(buffer_size_bytes=plan.buffer_size_bytes, timeout_s=plan.timeout_s,
+                                                 progress_id=plan.progress_id)
+    return worker.broadcast_weights_for_collective(buffer_size_bytes=plan.buffer_size_bytes,
+                                                   progress_id=plan.progress_id)
+
+
+def _collective_init(worker: PolicyWorker, req: CollectiveInitRequest) -> bool:
+    return worker.init_collective(req.ip, req.port, req.world_size, train_world_size=req.train_world_size,
+                                  timeout_s=req.timeout_s)
+
+
+# ------------------------------------------------------------------------------------------- extensions
+# base-worker methods that NeMo RL code reaches through run_all_workers_*: the ones that take no rows
+EXTENSION_BASE_METHODS: frozenset[str] = frozenset(ACTIONS)
+
+
+def _extension_method(worker: PolicyWorker, name: str) -> Callable[..., Any]:
+    # the extension class (and its own bases) come before PolicyWorker in the combined class's MRO
+    mro = type(worker).__mro__
+    extension = mro[:mro.index(PolicyWorker)]
+    if not name.startswith("_") and (name in EXTENSION_BASE_METHODS
+                                     or any(callable(vars(c).get(name)) for c in extension)):
+        method: Callable[..., Any] = getattr(worker, name)
+        return method
+    ext = [c.__name__ for c in type(worker).__mro__[1:] if c not in (PolicyWorker, object)]
+    where = f"the worker extension class {ext[0]}" if ext else "a worker extension (none is set)"
+    raise ValueError(f"run_all_workers_*: {name!r} is neither a public method of {where} nor one of the base "
+                     f"worker's methods that take no rows ({sorted(EXTENSION_BASE_METHODS)}); define it on the class "
+                     "passed as `worker_extension_cls_fqn`")
+
+
+def _extension(worker: PolicyWorker, call: ExtensionCall) -> Any:
+    return _extension_method(worker, call.method)(*call.args, **call.kwargs)
+
+
+ENDPOINTS: dict[type, Callable[[PolicyWorker, Any], Any]] = {
+    ForwardRequest: _forward,
+    GenerateRequest: _generate,
+    TrainRequest: _train,
+    SaveRequest: _save,
+    ActionRequest: _action,
+    RefitPlan: _refit,
+    CollectiveInitRequest: _collective_init,
+    ExtensionCall: _extension,
+}
+
+
+def handle(worker: PolicyWorker, request: Any) -> Any:
+    handler = ENDPOINTS.get(type(request))
+    if handler is None:  # a driver of another dask-lm version, or a stray object
+        raise TypeError(f"this rank has no endpoint for {type(request).__name__}; the driver and the workers must "
+                        "run the same dask-lm version")
+    return handler(worker, request)

@@ -1,0 +1,149 @@
+"""The driver -> rank boundary: the public surface is frozen, every request type has exactly one endpoint, the
+messages are immutable, and the driver's modules import no rank code."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import subprocess
+import sys
+import typing
+
+import pytest
+
+import dask_lm
+from dask_lm.data import messages
+
+# `dask_lm.__all__` and the parameters of every public Policy method, as of the last release before the boundary
+# was redesigned (taken from that commit, c2cef96): a change here is a change of the public API, made on purpose
+PUBLIC_NAMES = [
+    "BatchError", "BatchedDataDict", "ClippedPGLossConfig", "ClippedPGLossFn", "DPOLossConfig", "DPOLossFn",
+    "DistillationLossConfig", "DistillationLossFn", "DynamicBatchingArgs", "FLOPTracker", "LossFunction",
+    "LossInputType", "LossType", "NLLLoss", "NLLLossFn", "PackingAlgorithm", "Policy", "PolicyConfig",
+    "PreferenceLossFn", "RankFailedError", "RefitError", "ScoreResult", "SequencePackingArgs", "SlicedDataDict",
+    "Timer", "WorkerLostError", "__version__", "calculate_kl", "connect", "get_packer", "masked_mean",
+    "prepare_loss_input", "score_parquet", "set_progress",
+]
+POLICY_SIGNATURES = {
+    'broadcast_weights_for_collective': '(self, kv_scales=None, *, buffer_size_bytes=None, num_buffers=None)',
+    'finalize_async_save': '(self)',
+    'finish_generation': '(self, *args, **kwargs)',
+    'finish_inference': '(self)',
+    'finish_training': '(self, *args, **kwargs)',
+    'generate': '(self, data, greedy=False, seed=None)',
+    'get_free_memory_bytes': '(self)',
+    'get_logprobs': '(self, data, timer=None)',
+    'get_reference_policy_logprobs': '(self, data, micro_batch_size=None, timer=None)',
+    'get_topk_logits': '(self, data, k, micro_batch_size=None, timer=None)',
+    'get_zmq_addresses': '(self)',
+    'init_collective': '(self, ip, port, world_size, *, train_world_size, timeout_s=None)',
+    'invalidate_kv_cache': '(self, *args, **kwargs)',
+    'offload_after_refit': '(self)',
+    'offload_before_refit': '(self)',
+    'offload_to_cpu': '(self)',
+    'prepare_for_generation': '(self, *args, **kwargs)',
+    'prepare_for_lp_inference': '(self, keep_train_buffers=False)',
+    'prepare_for_training': '(self, *args, **kwargs)',
+    'prepare_refit_info': '(self)',
+    'print_node_ip_and_gpu_id': '(self)',
+    'report_device_id': '(self)',
+    'run_all_workers_multiple_data': '(self, method_name, *args, run_rank_0_only_axes=None, common_kwargs=None, **kwargs)',
+    'run_all_workers_single_data': '(self, method_name, *args, run_rank_0_only_axes=None, **kwargs)',
+    'save_checkpoint': '(self, weights_path, optimizer_path=None, tokenizer_path=None, checkpointing_cfg=None)',
+    'score': '(self, data)',
+    'set_rollout_num_gpus_per_engine': '(self, num_gpus_per_engine)',
+    'shutdown': '(self)',
+    'start_gpu_profiling': '(self)',
+    'stop_gpu_profiling': '(self)',
+    'stream_weights_via_http': '(self, rollout_engine_urls, buffer_size_bytes=None, *, weight_version=None, timeout_s=600.0, transport=None)',
+    'stream_weights_via_ipc_zmq': '(self, buffer_size_bytes=None, kv_scales=None, *, timeout_s=120.0)',
+    'train': '(self, data, loss_fn, eval_mode=False, gbs=None, mbs=None, timer=None, check_dim_skip_keys=None)',
+    '__init__': "(self, cluster, config, tokenizer, name_prefix='lm_policy', workers_per_node=None, init_optimizer=True, weights_path=None, optimizer_path=None, init_reference_model=True, processor=None, worker_extension_cls_fqn=None, skip_weight_load=False)",
+}
+POLICY_PROPERTIES = ["data_parallel_size", "group"]
+
+
+def _bare(fn: typing.Any) -> str:
+    sig = inspect.signature(fn)
+    return str(sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
+                           return_annotation=inspect.Signature.empty))
+
+
+def test_public_names_are_frozen():
+    assert sorted(dask_lm.__all__) == PUBLIC_NAMES
+
+
+def test_policy_signatures_are_frozen():
+    from dask_lm import Policy
+
+    public = {n for n in dir(Policy) if not n.startswith("_")}
+    methods = {n for n in public if callable(getattr(Policy, n))}
+    assert methods | {"__init__"} == set(POLICY_SIGNATURES)
+    assert sorted(public - methods) == POLICY_PROPERTIES
+    for name, want in POLICY_SIGNATURES.items():
+        assert _bare(getattr(Policy, name)) == want, name
+
+
+def test_every_request_type_has_one_endpoint():
+    from dask_lm.workers.endpoints import ENDPOINTS
+
+    requests = set(typing.get_args(messages.Request))
+    assert requests and set(ENDPOINTS) == requests
+
+
+@pytest.mark.parametrize("name", messages.__all__)
+def test_messages_are_frozen_and_slotted(name):
+    cls = getattr(messages, name)
+    if not dataclasses.is_dataclass(cls):
+        return  # the Request union and the action / query tuples
+    assert cls.__dataclass_params__.frozen, name
+    assert "__slots__" in vars(cls), name
+
+
+def test_a_shard_round_trips_its_rows_and_plan():
+    import torch
+
+    batch = dask_lm.BatchedDataDict(input_ids=torch.tensor([[5, 6, 7], [8, 9, 0]]),
+                                    input_lengths=torch.tensor([3, 2]), advantages=torch.tensor([0.5, -1.0]))
+    batch.micro_batch_indices = [[[0, 1], [1, 2]]]
+    batch.micro_batch_lengths = [[3, 2]]
+    shard = messages.Shard.of(batch, packed=True)
+    assert shard.plan == messages.MicroBatchPlan(packed=True, micro_batch_indices=[[[0, 1], [1, 2]]],
+                                                 micro_batch_lengths=[[3, 2]])
+    rows = shard.rows()
+    for key in batch:
+        torch.testing.assert_close(rows[key], batch[key], rtol=0, atol=0)
+    assert rows.micro_batch_indices == batch.micro_batch_indices and rows.elem_counts_per_gb is None
+
+
+class _Extension:
+    def whoami(self) -> str:
+        return "me"
+
+
+def test_extension_calls_reach_only_the_extension_and_the_allow_list():
+    from dask_lm.workers.endpoints import EXTENSION_BASE_METHODS, handle
+    from dask_lm.workers.policy_worker import PolicyWorker
+
+    worker = object.__new__(type("_ExtensionPolicyWorker", (_Extension, PolicyWorker), {}))
+    assert handle(worker, messages.ExtensionCall("whoami")) == "me"
+    assert "report_device_id" in EXTENSION_BASE_METHODS
+    for name in ("get_logprobs", "train", "load_weights", "_forward", "__init__", "shutdown"):
+        with pytest.raises(ValueError, match="worker_extension_cls_fqn"):
+            handle(worker, messages.ExtensionCall(name))
+    with pytest.raises(TypeError, match="no endpoint"):
+        handle(worker, object())
+
+
+def test_the_driver_imports_no_rank_code():
+    """The driver's modules (Policy, the batch jobs, the command) import of the workers package only the task
+    entry points, the lease and the plugin state: everything a rank runs is imported on the rank."""
+    code = """
+import sys
+import dask_lm.cli, dask_lm.engine.policy, dask_lm.engine.scoring, dask_lm.engine.sft
+print(sorted(m for m in sys.modules if m.startswith("dask_lm.workers.")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded = set(eval(out.stdout.strip().splitlines()[-1]))
+    assert loaded <= {"dask_lm.workers.tasks", "dask_lm.workers.lease", "dask_lm.workers.state"}, sorted(loaded)
