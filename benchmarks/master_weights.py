@@ -83,8 +83,7 @@ def _arm(name: str, cfg: Any, dev: torch.device, rows: torch.Tensor, lens: torch
         sync(dev)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / GIB if dev.type == "cuda" else None
-    worker.shutdown()
-    del worker
+    worker.shutdown()  # frees the model, masters and optimizer state before the next arm builds its own
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
