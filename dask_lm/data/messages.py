@@ -12,6 +12,7 @@ Shapes in the field comments use ``B`` (rows of the shard), ``S`` (the padded wi
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -235,3 +236,28 @@ class ExtensionCall:
 
 Request = (ForwardRequest | GenerateRequest | TrainRequest | SaveRequest | ActionRequest | RefitPlan
            | CollectiveInitRequest | ExtensionCall)
+
+
+# ------------------------------------------------------------------------------------------- on the wire
+def _register_dask_serialization(cls: type) -> None:
+    """Serialize a message field by field through Dask's own serializers, so its tensors and Arrow tables travel
+    as zero-copy frames (Dask's torch / Arrow serializers). Left to pickle, a message would pickle its tensors
+    through ``torch.save`` into bytes: measured on an H200, 0.3 s more per ``get_logprobs`` call of 2048 rows."""
+    from distributed.protocol import dask_deserialize, dask_serialize, deserialize, serialize
+
+    names = [f.name for f in dataclasses.fields(cls)]
+
+    @dask_serialize.register(cls)
+    def _serialize(message: Any) -> tuple[dict[str, Any], list[Any]]:
+        header, frames = serialize({n: getattr(message, n) for n in names}, serializers=("dask", "pickle"),
+                                   on_error="raise")
+        return {"fields": header}, frames
+
+    @dask_deserialize.register(cls)
+    def _deserialize(header: dict[str, Any], frames: list[Any]) -> Any:
+        return cls(**deserialize(header["fields"], frames))
+
+
+for _cls in (Shard, MicroBatchPlan, ForwardRequest, GenerateRequest, ForwardOutput, TrainRequest, TrainResult,
+             SaveRequest):
+    _register_dask_serialization(_cls)
