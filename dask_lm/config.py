@@ -112,7 +112,13 @@ def config_from_dict(cls: type[_D], data: dict[str, Any], *, prefix: str = "poli
     # NeMo RL spells a few keys with a leading underscore (`_v2`, `_pad_token_id`); we keep the spelling.
     aliases = {f.metadata.get("key", f.name): f.name for f in fields.values()}
     kwargs: dict[str, Any] = {}
+    # a section read only by a backend dask-lm refuses keeps whatever it holds (NeMo RL's example configs carry a
+    # full megatron_cfg with enabled: false); only its `enabled` is checked
+    open_into: str | None = getattr(cls, "_UNKNOWN_KEYS_INTO", None)
     for key, value in data.items():
+        if key not in aliases and open_into is not None:
+            kwargs.setdefault(open_into, {})[key] = value
+            continue
         if key not in aliases:
             close = difflib.get_close_matches(key, list(aliases), n=1)
             hint = f"; did you mean `{prefix}.{close[0]}`?" if close else ""
@@ -202,6 +208,7 @@ class DTensorConfig(_Section):
 
 @dataclass(kw_only=True)
 class MegatronConfig(_Section):
+    _UNKNOWN_KEYS_INTO: ClassVar[str] = "extra"  # Megatron's own keys, kept as they are (the backend is refused)
     enabled: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -117,3 +117,19 @@ def test_every_unhonoured_key_is_a_config_key():
             owner = {"generation": config.GenerationConfig}[section]()
         assert name in {f.metadata.get("key", f.name) for f in dataclasses.fields(owner)}, key
         assert action in ("refuse", "warn", "accept") and reason
+
+
+def test_a_disabled_megatron_section_as_nemo_rl_ships_it_loads():
+    """NeMo RL's examples/configs/grpo_math_1B.yaml carries a whole megatron_cfg with enabled: false (keys from that
+    file, interpolations resolved): it loads, its keys kept aside; enabled: true is still refused."""
+    megatron = {"enabled": False, "empty_unused_memory_level": 0, "activation_checkpointing": False,
+                "converter_type": "Qwen2ForCausalLM", "tensor_model_parallel_size": 1,
+                "pipeline_model_parallel_size": 1, "context_parallel_size": 1, "pipeline_dtype": "bfloat16",
+                "optimizer": {"optimizer": "adam", "lr": 5.0e-6}, "scheduler": {"lr_decay_style": "constant"},
+                "distributed_data_parallel_config": {"overlap_grad_reduce": True}, "fp8_cfg": None, "env_vars": None}
+    cfg = PolicyConfig.from_dict({"model_name": "m", "megatron_cfg": megatron})
+    assert cfg.megatron_cfg.enabled is False
+    assert cfg.megatron_cfg.extra["tensor_model_parallel_size"] == 1
+    assert cfg.megatron_cfg.extra["optimizer"] == {"optimizer": "adam", "lr": 5.0e-6}
+    with pytest.raises(ValueError, match="policy.megatron_cfg.enabled"):
+        PolicyConfig.from_dict({"model_name": "m", "megatron_cfg": {**megatron, "enabled": True}})
