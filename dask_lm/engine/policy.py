@@ -151,24 +151,23 @@ class Policy(TrainingMixin, RefitMixin):
                      contiguous: bool = False, rows_per_mb: bool = False) -> tuple[list[Any], Any]:
         """Validate, shard, send each rank ``request(its shard)``, return the ranks' answers and the permutation
         that restores input order (or None). ``rows_per_mb``: the call names a micro_batch_size, so no packing."""
-        label = what
         start = time.perf_counter()
         data = validate_input_batch(data, what=what, vocab_size=self.vocab_size,
                                     max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
         group = self.group
         # the forward needs only these two keys; other per-row data (masks, advantages) stays on the driver
         data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        with timed(timer, f"{label}/shard_data"):
+        with timed(timer, f"{what}/shard_data"):
             if contiguous:  # rows stay in order, a contiguous slice per rank (generation decodes whole rows)
                 shards, order, packed = data.shard_by_batch_size(self.data_parallel_size, allow_uneven_shards=True), \
                     None, False
             else:
                 # rows per micro-batch were asked for when the call names a micro_batch_size: no packing then
                 shards, order, packed = self._shard(data, auto_pack=not rows_per_mb)
-        with timed(timer, f"{label}/submit_logprob_futures"), span(f"dask-lm/{label}"):
+        with timed(timer, f"{what}/submit_logprob_futures"), span(f"dask-lm/{what}"):
             results = group.run([request(Shard.of(s, packed=packed)) for s in shards], what=what,
-                                key_name=label.replace("_", "-"))
-        log_call(self.client, group.policy_id, label, start=start, tokens=int(data["input_lengths"].sum()),
+                                key_name=what.replace("_", "-"))
+        log_call(self.client, group.policy_id, what, start=start, tokens=int(data["input_lengths"].sum()),
                  rows=int(data["input_lengths"].shape[0]), ranks=group.world_size)
         return results, order
 

@@ -21,7 +21,7 @@ from distributed import Client, Future, Lock, as_completed, wait
 
 from dask_lm.errors import RankFailedError, WorkerLostError
 from dask_lm.workers import lease, tasks
-from dask_lm.workers.state import DaskLMWorkerState
+from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
 
 if TYPE_CHECKING:
     from dask_lm.data.messages import Request
@@ -84,7 +84,7 @@ class WorkerGroup:
         self._submit_lock = threading.Lock()
         self.settle_timeout_s = 10.0
         self.broken: RankFailedError | None = None
-        client.register_plugin(DaskLMWorkerState(), name="dask-lm")
+        client.register_plugin(DaskLMWorkerState(), name=PLUGIN_NAME)
         # taken before any rank loads: a rank that sees no lease frees the policy
         self.lease: Future[Any] | None = client.submit(lease.lease_token, self.policy_id, pure=False,
                                                   key=lease.lease_key(self.policy_id))
