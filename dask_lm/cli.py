@@ -141,11 +141,18 @@ Exit codes: 0 done, 2 bad usage or input (before any work), 1 a runtime failure.
               "the Hugging Face cache, HF_HUB_OFFLINE=1: the cache only) or model directory.")
 @click.option("--revision", default=None, help=_REVISION_HELP)
 @click.option("--output", required=True, help="Output directory (part-NNNNN.parquet, _manifest.json, _SUCCESS).")
-@click.option("--text-column", default=None, help="Score this string column (tokenized as tokenizer(text) does).")
+@click.option("--text-column", default=None, help="Score this string column (every token, the first one "
+              "given BOS / EOS).")
 @click.option("--ids-column", default=None, help="Score this list<int> column of token ids as it is.")
+@click.option("--prompt-length-column", default=None, help="With --ids-column: this integer column says how many "
+              "leading ids of each row are context (not scored).")
 @click.option("--prompt-column", default=None, help="With --response-column: score only the response tokens.")
 @click.option("--response-column", default=None, help="With --prompt-column: the string column whose tokens are "
               "scored.")
+@click.option("--convention", type=click.Choice(["lm-eval", "separate"]), default="lm-eval", show_default=True,
+              help="How text is tokenized. lm-eval: as lm-evaluation-harness does (the response encoded in context, "
+              "trailing prompt whitespace moved to it, one BOS at most, an empty prompt or a text conditioned on "
+              "BOS/EOS). separate: prompt and response encoded apart, a text's first token unscored (dask-lm < 0.5).")
 @click.option("--id-column", default=None, help="Keep only this input column in the output (default: all).")
 @click.option("--topk", type=int, default=0, show_default=True, help="Also write the k most likely tokens.")
 @click.option("--max-length", type=int, default=None, help="Longest row in tokens (default and upper bound: the "
@@ -204,6 +211,8 @@ Exit codes: 0 done, 2 bad usage or input (before any work), 1 a runtime failure.
 @click.option("--text-column", default=None, help="Train on every token of this string column.")
 @click.option("--prompt-column", default=None, help="With --response-column: train on the response tokens only.")
 @click.option("--response-column", default=None, help="With --prompt-column: the string column trained on.")
+@click.option("--convention", type=click.Choice(["lm-eval", "separate"]), default="lm-eval", show_default=True,
+              help="How text is tokenized, as in dask-lm score --convention.")
 @click.option("--epochs", type=int, default=1, show_default=True, help="Passes over the rows.")
 @click.option("--max-steps", type=int, default=None, help="Stop after this many optimizer steps (default: all the "
               "epochs' steps).")

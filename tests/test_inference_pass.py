@@ -126,17 +126,19 @@ def test_scorer_packed_micro_batches_equal_padded_ones_and_hf(tiny):
                                topk=3, batch_tokens=40, chunk_size=7)
     rep = scorer._Replica(opts.model, opts.tokenizer, opts.precision)
     assert not rep.packed and not rep.compiled  # the CPU pads and stays eager
-    g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (9, 1, 17, 4, 0, 12)]
-    padded = scorer._score_rows(rep, ids, opts)
-    rep.packed = True
-    packed = scorer._score_rows(rep, ids, opts)
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (9, 1, 17, 4, 0, 12)]
+    with torch.no_grad():  # and a row HF decoded greedily, whose every token is the argmax (random rows: few are)
+        ids.append(model.generate(torch.tensor([[5, 9]]), max_new_tokens=8, do_sample=False)[0].tolist())
+    padded = scorer._score_rows(rep, ids, opts)
+    rep.packed = True
+    packed = scorer._score_rows(rep, ids, opts)
     for i, row in enumerate(ids):
-        for lps, tops, finite in (padded, packed):
-            assert finite[i] and lps[i].shape == (len(row),)
+        for lps, tops, finite, greedy in (padded, packed):
+            assert finite[i] and lps[i].shape == (len(row),) and greedy[i].shape == (len(row),)
             if not row:
                 continue
             with torch.no_grad():
@@ -147,6 +149,9 @@ def test_scorer_packed_micro_batches_equal_padded_ones_and_hf(tiny):
             top = logp.topk(3, -1)
             torch.testing.assert_close(tops[i][1], top.values, atol=1e-4, rtol=0)
             assert tops[i][0].tolist() == top.indices.tolist()
+            # is_greedy's input: the token is HF's argmax at the position before it (position 0: true)
+            assert greedy[i].tolist() == [True] + (logp[:-1].argmax(-1) == torch.tensor(row[1:])).tolist()
+        assert padded[3][-1][2:].all() and packed[3][-1][2:].all()  # the generated row: greedy past its prompt
 
 
 def test_scorer_micro_batches_respect_the_budget():

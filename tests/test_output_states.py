@@ -12,6 +12,7 @@ import math
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import transformers
 from click.testing import CliRunner
 from helpers import hf_logprobs
@@ -69,8 +70,10 @@ def test_a_bad_row_then_resume_with_skip_bad_rows_keeps_the_good_part(client, ti
     # the sums are the model's: a single-process HF forward of the same rows
     tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
     texts = [TEXTS[i] for i in range(5)]
-    enc = tok(texts, padding=True, return_tensors="pt")
-    ref, _ = hf_logprobs(tiny["llama"], enc["input_ids"], enc["attention_mask"].sum(1))
+    rows = [[tok.bos_token_id] + tok(t)["input_ids"] for t in texts]  # lm-eval's convention: a text after BOS
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    ref, _ = hf_logprobs(tiny["llama"], ids, torch.tensor([len(r) for r in rows]))
     assert table["sum_logprob"].tolist() == pytest.approx(ref.sum(1).tolist(), abs=1e-4)
     # the summary's corpus perplexity is exp(-total logprob / scored tokens) of what the files hold
     want = math.exp(-table["sum_logprob"].sum() / table["num_scored"].sum())

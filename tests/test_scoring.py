@@ -81,10 +81,14 @@ def test_text_mode_matches_hf_with_schema_and_topk(client, tiny, tok, hf, datase
     rows = table.to_pylist()
     assert [r["id"] for r in rows] == list(range(30))  # every row once, input order within and across parts
     assert all(r["lang"] == "en" for r in rows)  # all input columns kept without --id-column
+    assert schema.field("is_greedy").type == pa.bool_()
     for r in rows:
-        ids = tok(TEXTS[r["id"]])["input_ids"]
+        # lm-evaluation-harness's convention: a text is scored whole, its first token given BOS (which this
+        # tokenizer does not add itself)
+        ids = [tok.bos_token_id] + tok(TEXTS[r["id"]])["input_ids"]
         lp, lsm, total, n = _hf_row(hf, ids)
         assert r["num_tokens"] == len(ids) and r["num_scored"] == n and not r["truncated"]
+        assert r["is_greedy"] == bool((lsm[:-1].argmax(-1) == torch.tensor(ids[1:])).all())
         torch.testing.assert_close(torch.tensor(r["logprobs"]), lp, atol=1e-4, rtol=0)
         assert r["sum_logprob"] == pytest.approx(total, abs=1e-3)
         assert r["mean_logprob"] == pytest.approx(total / n, abs=1e-4)
@@ -172,13 +176,13 @@ def test_bad_rows_fail_or_are_skipped(client, tiny, tok, tmp_path):
                                     skip_bad_rows=True, max_length=3, progress=False)
     table, _ = _read(tmp_path / "o2")
     errors = pq.read_table(tmp_path / "o2" / "_errors.parquet").to_pylist()
-    long_rows = {i for i, t in enumerate(texts) if t is not None and len(tok(t)["input_ids"]) > 3}
+    long_rows = {i for i, t in enumerate(texts) if t is not None and 1 + len(tok(t)["input_ids"]) > 3}  # + BOS
     assert {e["row"] for e in errors} == {1} | long_rows and res.bad_rows == len(errors)
     assert all("more than --max-length 3" in e["error"] for e in errors if e["row"] != 1)
     # the empty text is not a bad row: it is written, flagged by num_scored 0 and null sums
     assert sorted(table.column("id").to_pylist()) == sorted(set(range(5)) - {1} - long_rows)
     (empty,) = [r for r in table.to_pylist() if r["id"] == 2]
-    assert empty["num_scored"] == 0 and empty["num_tokens"] == 0 and empty["sum_logprob"] is None
+    assert empty["num_scored"] == 0 and empty["num_tokens"] == 1 and empty["sum_logprob"] is None  # BOS alone
 
 
 def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, dataset, tmp_path):

@@ -159,9 +159,9 @@ def test_rows_with_nothing_to_score_have_null_sums_and_are_counted(client, tiny,
     data = tmp_path / "d.parquet"
     pq.write_table(pa.table({"id": [0, 1, 2, 3], "text": texts, "prompt": ["dask tokens", "score", "model", "x"],
                              "response": [" score", "", " parquet", ""]}), data)
-    with pytest.warns(UserWarning, match="2 rows had nothing to score"):
+    with pytest.warns(UserWarning, match="2 rows had nothing to score"):  # the text's first token: its context
         res = dask_lm.score_parquet(data, tmp_path / "t", model=model, client=client, text_column="text",
-                                    id_column="id", progress=False)
+                                    id_column="id", progress=False, convention="separate")
     got = _read(tmp_path / "t")
     assert [r["num_scored"] for r in got] == [max(len(tok(t)["input_ids"]) - 1, 0) for t in texts]
     assert [r["num_scored"] for r in got][1:3] == [0, 0]
@@ -178,7 +178,7 @@ def test_rows_with_nothing_to_score_have_null_sums_and_are_counted(client, tiny,
 
     with pytest.warns(UserWarning, match="2 rows had nothing to score"):
         dask_lm.score_parquet(data, tmp_path / "pr", model=model, client=client, prompt_column="prompt",
-                              response_column="response", id_column="id", progress=False)
+                              response_column="response", id_column="id", progress=False, convention="separate")
     got = _read(tmp_path / "pr")
     assert [r["num_scored"] for r in got] == [len(tok(t, add_special_tokens=False)["input_ids"])
                                               for t in (" score", "", " parquet", "")]
@@ -191,6 +191,19 @@ def test_rows_with_nothing_to_score_have_null_sums_and_are_counted(client, tiny,
     assert got[0]["sum_logprob"] == pytest.approx(sum(got[0]["logprobs"][got[0]["prompt_tokens"]:]), abs=1e-5)
     # in text mode the first token is the context: one prompt token (none for an empty text)
     assert [r["prompt_tokens"] for r in _read(tmp_path / "t")] == [1, 1, 0, 1]
+
+    # lm-evaluation-harness's convention (the default): a text is an empty prompt plus the text, so its first token
+    # is scored given BOS (this tokenizer adds none itself) and only the empty text has nothing to score
+    with pytest.warns(UserWarning, match="1 rows had nothing to score"):
+        dask_lm.score_parquet(data, tmp_path / "lm", model=model, client=client, text_column="text",
+                              id_column="id", progress=False)
+    got = _read(tmp_path / "lm")
+    bos = tok.bos_token_id
+    assert [r["num_scored"] for r in got] == [len(tok(t)["input_ids"]) for t in texts]
+    assert [r["prompt_tokens"] for r in got] == [1, 1, 1, 1] and got[2]["sum_logprob"] is None
+    for i in (0, 1, 3):
+        lp = _hf_logprobs(model, [bos] + tok(texts[i])["input_ids"])
+        assert got[i]["sum_logprob"] == pytest.approx(float(lp[1:].double().sum()), abs=1e-3)
 
 
 def _invalid_utf8_strings(values):
@@ -258,14 +271,13 @@ def test_a_corrupt_data_page_names_its_row_group_and_skips_its_rows(client, tiny
 
 def test_values_of_a_pandas_object_column_are_checked_one_by_one():
     """A frame that did not come from parquet (object columns): wrong types and missing values are bad rows too."""
-    import types
-
     import pandas as pd
 
+    from dask_lm.data.messages import ScoreOptions
     from dask_lm.data.rows import prepare_rows
 
-    opts = types.SimpleNamespace(ids_column="ids", text_column=None, prompt_column=None, response_column=None,
-                                 max_length=4, truncate=True)
+    opts = ScoreOptions(model="-", tokenizer="-", precision="float32", output="-", ids_column="ids", max_length=4,
+                        truncate=True)
     values = [[1, 2, 3], pd.NA, [1, None, 2], "abc", [1.5, 2], [], list(range(1, 8))]
     pdf = pd.DataFrame({"ids": pd.Series(values, dtype=object)})
     rows = prepare_rows(pdf, opts, tokenizer=None, vocab_size=10, max_positions=64, file="f.parquet", first_row=100)
@@ -277,6 +289,33 @@ def test_values_of_a_pandas_object_column_are_checked_one_by_one():
         "f.parquet: row 104, column 'ids': token id 1.5 at position 0 is not an integer",
         None, None]
     assert rows.ids[5] == [] and rows.ids[6] == [4, 5, 6, 7] and rows.truncated == [False] * 6 + [True]
+
+
+def test_ids_mode_prompt_lengths_set_the_first_scored_id_and_are_checked():
+    """``--prompt-length-column``: the leading ids that are context. A length outside [0, len(ids)], null or not an
+    integer is a bad row naming the column; a long row keeps its scored ids whole and loses context from the left."""
+    import pandas as pd
+
+    from dask_lm.data.messages import ScoreOptions
+    from dask_lm.data.rows import prepare_rows
+
+    opts = ScoreOptions(model="-", tokenizer="-", precision="float32", output="-", ids_column="ids",
+                        prompt_length_column="plen", max_length=5, truncate=True)
+    ids = [[1, 2, 3, 4], [1, 2, 3], [1, 2], [1, 2], [1, 2], list(range(1, 9)), list(range(1, 9))]
+    plen = [2, 0, 3, None, 1.5, 6, 2]
+    pdf = pd.DataFrame({"ids": pd.Series(ids, dtype=object), "plen": pd.Series(plen, dtype=object)})
+    rows = prepare_rows(pdf, opts, tokenizer=None, vocab_size=10, max_positions=64, file="f.parquet", first_row=0)
+    assert rows.errors[:2] == [None, None] and rows.start[:2] == [2, 1]  # position 0 has no context: from 1
+    assert rows.errors[2] == ("f.parquet: row 2, column 'plen': prompt length 3 is outside [0, 2] (the row has 2 "
+                              "token ids); it counts the leading ids that are context, not scored")
+    assert rows.errors[3] == "f.parquet: row 3, column 'plen': expected a prompt length (an integer), got null"
+    assert rows.errors[4].startswith("f.parquet: row 4, column 'plen': expected a prompt length (an integer), got "
+                                     "float 1.5")
+    # 8 ids, 6 of them context, limit 5: the first 3 ids go, the 2 scored ones stay whole after 3 context ids
+    assert rows.errors[5] is None and rows.ids[5] == [4, 5, 6, 7, 8] and rows.start[5] == 3 and rows.truncated[5]
+    assert rows.errors[6] == ("f.parquet: row 6, columns 'ids' + 'plen': the response alone is 6 tokens, and "
+                              "scoring it needs it plus at least one context token within --max-length 5; --truncate "
+                              "cannot keep it whole: shorten the response or use a model with more positions")
 
 
 def test_merge_errors_keeps_what_an_interrupted_merge_wrote(tmp_path):

@@ -44,7 +44,7 @@ def test_interrupted_then_resumed_equals_one_run(client, tiny, data, tmp_path):
     assert whole.steps == 9 and whole.losses[-1] < whole.losses[0]
     # three epochs of every row's tokens (the padding rows of a short last batch are not counted)
     tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
-    assert whole.tokens == 3 * sum(len(ids) for ids in tok(CORPUS)["input_ids"])
+    assert whole.tokens == 3 * sum(1 + len(ids) for ids in tok(CORPUS)["input_ids"])  # each text after BOS
     assert 0 < whole.checkpoint_seconds < whole.seconds and 0 < whole.train_seconds < whole.seconds
     part = _run(data, tmp_path / "part", tiny, client, max_steps=4)
     assert part.steps == 4

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from dask_lm.data.continuation import Convention
+
 if TYPE_CHECKING:
     import pyarrow as pa
     import torch
@@ -210,6 +212,7 @@ class ScoreOptions:
     output: str
     text_column: str | None = None
     ids_column: str | None = None
+    prompt_length_column: str | None = None  # ids mode: how many leading ids are context (not scored)
     prompt_column: str | None = None
     response_column: str | None = None
     id_column: str | None = None
@@ -221,6 +224,7 @@ class ScoreOptions:
     allow_nonfinite: bool = False
     chunk_size: int = 1024
     compile: bool = True
+    convention: Convention = "lm-eval"  # prompt + response / text tokenization: dask_lm.data.continuation
 
 
 # ------------------------------------------------------------------------------------------- extensions

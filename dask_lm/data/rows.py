@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dask_lm.data.continuation import Convention, encode_pairs, encode_texts
+from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
 
 __all__ = ["BadRowError", "PreparedRows", "position_limit", "prepare_rows", "tokenize_rows"]
@@ -150,14 +152,15 @@ def _short(v: Any) -> str:
 
 
 def tokenize_rows(pdf: Any, tokenizer: Any, *, text_column: str | None = None, prompt_column: str | None = None,
-                  response_column: str | None = None, file: str, first_row: int, errors: list[str | None]
-                  ) -> tuple[list[list[int] | None], list[int]]:
-    """Token ids of every row of ``pdf`` (rows ``first_row ...`` of ``file``), and how many of them are the
-    prompt's: every job tokenizes here, so a row scored and the same row trained on are the same ids.
+                  response_column: str | None = None, file: str, first_row: int, errors: list[str | None],
+                  convention: Convention = "lm-eval") -> tuple[list[list[int] | None], list[int]]:
+    """Token ids of every row of ``pdf`` (rows ``first_row ...`` of ``file``), and how many of them are context
+    (the tokens before the first scored one): every job tokenizes here, so a row scored and the same row trained
+    on are the same ids.
 
-    A text row is ``tokenizer(text)`` (its special tokens included, prompt length 0). A prompt + response row is
-    ``tokenizer(prompt)`` followed by ``tokenizer(response)`` without special tokens: the response continues the
-    prompt, so no BOS or EOS may land between the two. A row whose value is not a string
+    A prompt + response row is tokenized in ``convention`` (:mod:`dask_lm.data.continuation`: by default as
+    lm-evaluation-harness does, the response in context); a text row is scored whole, its first token conditioned
+    on BOS / EOS (``"separate"``: ``tokenizer(text)``, its first token unscored). A row whose value is not a string
     gets its error in ``errors`` (the first one wins) and ``None`` ids."""
     n = len(pdf)
     named = [text_column] if text_column is not None else [prompt_column, response_column]
@@ -169,22 +172,21 @@ def tokenize_rows(pdf: Any, tokenizer: Any, *, text_column: str | None = None, p
     lens = [0] * n
     if not ok:  # a tokenizer called with no text fails on some versions; nothing to tokenize either way
         return ids, lens
-    first = tokenizer([values[0][i] for i in ok])["input_ids"]
     if text_column is not None:
-        for i, toks in zip(ok, first):
-            ids[i] = list(toks)
-        return ids, lens
-    second = tokenizer([values[1][i] for i in ok], add_special_tokens=False)["input_ids"]
-    for i, p, r in zip(ok, first, second):
-        ids[i] = list(p) + list(r)
-        lens[i] = len(p)
+        pairs = encode_texts(tokenizer, [values[0][i] for i in ok], convention=convention)  # type: ignore[misc]
+    else:
+        pairs = encode_pairs(tokenizer, [values[0][i] for i in ok], [values[1][i] for i in ok],  # type: ignore[misc]
+                             convention=convention)
+    for i, (context, scored) in zip(ok, pairs):
+        ids[i] = context + scored
+        lens[i] = len(context)
     return ids, lens
 
 
-def prepare_rows(pdf: Any, opts: Any, *, tokenizer: Any, vocab_size: int, max_positions: int | None, file: str,
+def prepare_rows(pdf: Any, opts: ScoreOptions, *, tokenizer: Any, vocab_size: int, max_positions: int | None, file: str,
                  first_row: int) -> PreparedRows:
     """Read, tokenize and check every row of ``pdf`` (rows ``first_row ...`` of ``file``) for ``opts``
-    (a :class:`~dask_lm.workers.scorer.ScoreOptions`)."""
+    (a :class:`~dask_lm.data.messages.ScoreOptions`)."""
     n = len(pdf)
     errors: list[str | None] = [None] * n
     start = [1] * n
@@ -192,13 +194,20 @@ def prepare_rows(pdf: Any, opts: Any, *, tokenizer: Any, vocab_size: int, max_po
     prompt_len: list[int] | None = None
     if opts.ids_column is not None:
         ids = _token_lists(pdf, opts.ids_column, file, first_row, errors)
+        if opts.prompt_length_column is not None:
+            prompt_len = _prompt_lengths(pdf, opts.prompt_length_column, ids, file, first_row, errors)
+            start = [max(k, 1) for k in prompt_len]
     else:
         ids, lens = tokenize_rows(pdf, tokenizer, text_column=opts.text_column, prompt_column=opts.prompt_column,
-                                  response_column=opts.response_column, file=file, first_row=first_row, errors=errors)
+                                  response_column=opts.response_column, file=file, first_row=first_row, errors=errors,
+                                  convention=opts.convention)
         if opts.text_column is None:
             prompt_len = lens
         start = [max(k, 1) for k in lens]  # only response tokens count, each given everything before it
     column = opts.ids_column or opts.text_column or opts.response_column
+    assert column is not None, "ScoreOptions names no column to score"
+    pair = (opts.ids_column, opts.prompt_length_column or "") if opts.ids_column else (opts.prompt_column or "",
+                                                                                        opts.response_column or "")
     limit, limit_why = position_limit(max_positions, opts.max_length)
     truncated = [False] * n
     for i, toks in enumerate(ids):
@@ -212,7 +221,7 @@ def prepare_rows(pdf: Any, opts: Any, *, tokenizer: Any, vocab_size: int, max_po
         elif limit is not None and len(toks) > limit:
             why = _cut(toks, limit, limit_why, opts.truncate, prompt_len[i] if prompt_len is not None else None)
             if isinstance(why, str):
-                where = column if prompt_len is None else (opts.prompt_column, opts.response_column)
+                where = column if prompt_len is None else pair
                 errors[i] = _bad(file, first_row + i, where, why)
             else:
                 ids[i], start[i] = why
@@ -220,6 +229,32 @@ def prepare_rows(pdf: Any, opts: Any, *, tokenizer: Any, vocab_size: int, max_po
         if errors[i] is not None:
             ids[i] = None
     return PreparedRows(ids=ids, start=start, truncated=truncated, errors=errors)
+
+
+def _prompt_lengths(pdf: Any, column: str, ids: list[list[int] | None], file: str, first_row: int,
+                    errors: list[str | None]) -> list[int]:
+    """Ids mode's prompt lengths (``--prompt-length-column``): how many leading ids of each row are context, an
+    integer in ``[0, len(ids)]``; anything else marks the row bad (the first error wins)."""
+    got = _arrow_values(pdf[column])
+    values = got[1] if got is not None else pdf[column].tolist()
+    out = [0] * len(values)
+    for i, v in enumerate(values):
+        if errors[i] is not None:
+            continue
+        n = len(ids[i] or ())
+        why = None
+        if v is None or _is_na(v):
+            why = "expected a prompt length (an integer), got null"
+        elif not _is_int(v):
+            why = f"expected a prompt length (an integer), got {type(v).__name__} {_short(v)}"
+        elif not 0 <= int(v) <= n:
+            why = (f"prompt length {int(v)} is outside [0, {n}] (the row has {n} token ids); it counts the leading "
+                   "ids that are context, not scored")
+        else:
+            out[i] = int(v)
+        if why is not None:
+            errors[i] = _bad(file, first_row + i, column, why)
+    return out
 
 
 def _cut(toks: list[int], limit: int, limit_why: str, truncate: bool, prompt_len: int | None

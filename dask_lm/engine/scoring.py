@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from dask_lm.data.continuation import check_convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.engine import jobs
 from dask_lm.engine.progress import JobBar
@@ -144,7 +145,8 @@ def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
 
 def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str], client: Any = None,
                   text_column: str | None = None, ids_column: str | None = None, prompt_column: str | None = None,
-                  response_column: str | None = None, id_column: str | None = None, topk: int = 0,
+                  response_column: str | None = None, id_column: str | None = None,
+                  prompt_length_column: str | None = None, convention: str = "lm-eval", topk: int = 0,
                   max_length: int | None = None, truncate: bool = False, batch_tokens: int = 16384,
                   precision: str | None = None, resume: bool = False, progress: bool = True,
                   skip_bad_rows: bool = False, allow_nonfinite: bool = False, compile: bool | None = None,
@@ -154,7 +156,12 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     """Score every row of a parquet dataset with ``model``; see the module docstring for the output.
 
     ``input`` is a parquet file, a directory of them, a glob, or a list. Exactly one of ``text_column``,
-    ``ids_column`` or ``prompt_column`` + ``response_column`` says what to score. ``client`` is a Dask client
+    ``ids_column`` or ``prompt_column`` + ``response_column`` says what to score. Text is tokenized in
+    ``convention`` (:mod:`dask_lm.data.continuation`): ``"lm-eval"``, lm-evaluation-harness's (the response
+    encoded in context, trailing prompt whitespace moved to it, one BOS at most, an empty prompt conditioned on
+    BOS / EOS), or ``"separate"`` (prompt and response encoded apart, as dask-lm did before 0.5). With
+    ``ids_column``, ``prompt_length_column`` (integers) says how many leading ids of each row are context: only
+    the rest is scored. ``client`` is a Dask client
     (default: ``connect(scheduler_address, n_workers=n_workers)``, started after the checks and closed here).
     ``precision`` defaults to bfloat16 on GPU workers and float32 on CPU ones. On GPU workers rows are packed and,
     with ``compile`` the forward is compiled once per worker process (5-10 s, reported as
@@ -171,6 +178,10 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     started = time.perf_counter()
     jobs.check_columns(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
                        response_column=response_column)
+    conv = check_convention(convention, "--convention")
+    if prompt_length_column is not None and ids_column is None:
+        raise ValueError("--prompt-length-column goes with --ids-column (prompt + response text has its prompt "
+                         "length from --prompt-column)")
     if topk < 0 or (max_length is not None and max_length < 1) or batch_tokens < 1:
         raise ValueError("--topk must be >= 0, --max-length >= 1 and --batch-tokens >= 1")
     fixed_precision = jobs.precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
@@ -184,10 +195,13 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     tokenizer = jobs.resolve_tokenizer(tokenizer, model, check=not finished, fix=None if ids_column else
                                        "pass --tokenizer, or score token ids with --ids-column")
     inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=ids_column,
-                                prompt_column=prompt_column, response_column=response_column, id_column=id_column)
+                                prompt_column=prompt_column, response_column=response_column, id_column=id_column,
+                                prompt_length_column=prompt_length_column)
     opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=fixed_precision or "auto", output=out.path,
                         text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                        response_column=response_column, id_column=id_column, topk=topk, max_length=max_length,
+                        response_column=response_column, id_column=id_column,
+                        prompt_length_column=prompt_length_column, convention=conv, topk=topk,
+                        max_length=max_length,
                         truncate=truncate, batch_tokens=batch_tokens, skip_bad_rows=skip_bad_rows,
                         allow_nonfinite=allow_nonfinite, compile=bool(compile))
     manifest = _manifest(opts, inputs, source, info)
@@ -266,7 +280,7 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreO
     columns = None
     if opts.id_column is not None:
         columns = sorted({c for c in (opts.id_column, opts.text_column, opts.ids_column, opts.prompt_column,
-                                      opts.response_column) if c})
+                                      opts.response_column, opts.prompt_length_column) if c})
     todo = [i for i in range(len(inputs.partitions)) if i not in set(done)]
     parts = jobs.located_partitions(inputs, columns)
     report = _performance_report(client, performance_report) if performance_report else contextlib.nullcontext()

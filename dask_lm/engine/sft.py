@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.rows import tokenize_rows
 from dask_lm.engine import jobs
 from dask_lm.io import jobdir
@@ -79,18 +80,20 @@ def _finished(output: str, newest: tuple[int, str]) -> SFTResult:
 
 
 def _tokenize_partition(pdf: Any, text_column: str | None, prompt_column: str | None, response_column: str | None,
-                        tokenizer_dir: str, file: str, first_row: int) -> list[tuple[list[int], int]]:
+                        tokenizer_dir: str, file: str, first_row: int, convention: Convention = "lm-eval"
+                        ) -> list[tuple[list[int], int]]:
     """(token ids, first trained position) per row, on a worker; every row trains, so a bad one fails the run."""
     if isinstance(pdf, pio.UnreadableRowGroup):  # a damaged page: nothing of the row group can be trained on
         raise ValueError(pdf.message())
     errors: list[str | None] = [None] * len(pdf)
     ids, prompt_lens = tokenize_rows(pdf, _tokenizer(tokenizer_dir), text_column=text_column,
                                      prompt_column=prompt_column, response_column=response_column, file=file,
-                                     first_row=first_row, errors=errors)
+                                     first_row=first_row, errors=errors, convention=convention)
     bad = next((e for e in errors if e is not None), None)
     if bad is not None:
         raise ValueError(bad)
-    # a response trains from its first token, each given everything before it; a text from its second
+    # a response trains from its first token, each given everything before it; a text from its first (given BOS /
+    # EOS) in the lm-eval convention, from its second in the separate one
     return [(toks, max(n, 1)) for toks, n in zip(ids, prompt_lens)]  # type: ignore[misc]
 
 
@@ -140,17 +143,20 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                 precision: str | None = None, save_every: int = 100, keep: int = 2, seed: int = 0,
                 shuffle: bool = True, resume: bool = False, progress: bool = True,
                 scheduler_address: str | None = None, n_workers: int | None = None,
-                revision: str | None = None, overwrite: bool = False) -> SFTResult:
+                revision: str | None = None, overwrite: bool = False, convention: str = "lm-eval") -> SFTResult:
     """Fine-tune ``model`` with NLL on a parquet dataset; see the module docstring. ``ValueError`` on bad input
     (before any cluster starts), a resumable checkpoint every ``save_every`` steps. An output holding a run is
     refused unless ``resume`` (continue it; one that already reached its last step returns at once, without a
-    cluster) or ``overwrite`` (delete that run's checkpoints and train again)."""
+    cluster) or ``overwrite`` (delete that run's checkpoints and train again). Rows are tokenized in
+    ``convention``, as :func:`~dask_lm.score_parquet` does (:mod:`dask_lm.data.continuation`), so a row trained on
+    and the same row scored are the same ids."""
     import transformers
 
     import dask_lm
 
     jobs.check_columns(text_column=text_column, prompt_column=prompt_column, response_column=response_column,
                        takes_ids=False)
+    conv = check_convention(convention, "--convention")
     for key, value in (("epochs", epochs), ("global_batch_size", global_batch_size),
                        ("micro_batch_size", micro_batch_size), ("max_length", max_length), ("save_every", save_every),
                        ("keep", keep)):
@@ -172,7 +178,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
     options = {"text_column": text_column, "prompt_column": prompt_column, "response_column": response_column,
                "epochs": epochs, "global_batch_size": global_batch_size, "lr": lr, "weight_decay": weight_decay,
                "warmup_steps": warmup_steps, "max_length": max_length, "truncate": truncate, "seed": seed,
-               "shuffle": shuffle, "precision": fixed_precision}
+               "shuffle": shuffle, "precision": fixed_precision, "convention": conv}
     manifest = jobs.manifest(source, info, inputs, options)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
@@ -191,7 +197,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
             out.pin_precision(precision)
             bar.wait("tokenizing the rows")
             rows = _tokenize_all(dask_client, inputs, text_column, prompt_column, response_column, model, max_length,
-                                 truncate)
+                                 truncate, conv)
             steps_per_epoch = math.ceil(len(rows) / global_batch_size)
             total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
             bar.wait("loading the model", total=total)
@@ -258,14 +264,14 @@ def _policy_config(model: str, precision: str, global_batch_size: int, micro_bat
 
 
 def _tokenize_all(client: Any, inputs: pio.ScoreInputs, text_column: str | None, prompt_column: str | None,
-                  response_column: str | None, tokenizer_dir: str, max_length: int, truncate: bool
-                  ) -> list[tuple[list[int], int]]:
+                  response_column: str | None, tokenizer_dir: str, max_length: int, truncate: bool,
+                  convention: Convention) -> list[tuple[list[int], int]]:
     import dask
 
     columns = [c for c in (text_column, prompt_column, response_column) if c]
     parts = jobs.located_partitions(inputs, columns)
     tasks = [dask.delayed(_tokenize_partition, pure=False)(p, text_column, prompt_column, response_column,
-                                                           tokenizer_dir, f, first)
+                                                           tokenizer_dir, f, first, convention)
              for p, (f, _g, first, _n) in zip(parts, inputs.partitions)]
     rows: list[tuple[list[int], int]] = []
     for (file, _g, first, _n), part in zip(inputs.partitions, client.gather(client.compute(tasks))):

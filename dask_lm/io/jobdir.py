@@ -49,8 +49,10 @@ LOCK = ".dask-lm.lock"
 # output started by the older code instead of mixing the two. ``dask_lm_version`` is recorded for people but not
 # compared: most releases do not change results, and refusing every resume across an upgrade would strand
 # long jobs for nothing. Format 1 (no key) pinned files by size and a partial hash; format 3 added the scoring
-# column prompt_tokens (a format-2 output resumed by this code would mix parts with and without it).
-FORMAT = 3
+# column prompt_tokens (a format-2 output resumed by this code would mix parts with and without it); format 4 the
+# column is_greedy, the lm-evaluation-harness tokenization of prompt + response (the manifest's option
+# "convention") and ids mode's prompt-length column.
+FORMAT = 4
 
 
 @contextlib.contextmanager

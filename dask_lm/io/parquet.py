@@ -83,7 +83,8 @@ def _column_type(schema: pa.Schema, name: str, file: str) -> pa.DataType:
 
 
 def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str | None, prompt_column: str | None,
-                   response_column: str | None, id_column: str | None) -> ScoreInputs:
+                   response_column: str | None, id_column: str | None, prompt_length_column: str | None = None
+                   ) -> ScoreInputs:
     """Read every file's footer: it must be parquet, hold the needed columns with the right types, and agree on
     the schema. Row groups become partitions."""
     out = ScoreInputs(files=files)
@@ -119,6 +120,11 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
         t = _column_type(out.schema, ids_column, first)
         if not ((pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)):
             raise ValueError(f"{first}: column {ids_column!r} has type {t}; an ids column must be list<int>")
+    if prompt_length_column is not None:
+        t = _column_type(out.schema, prompt_length_column, first)
+        if not pa.types.is_integer(t):
+            raise ValueError(f"{first}: column {prompt_length_column!r} has type {t}; a prompt-length column must be "
+                             "an integer column (how many leading ids of the row are context)")
     if id_column is not None:
         _column_type(out.schema, id_column, first)
     for reserved in [name for name, _type in output_schema_columns(1)]:
@@ -134,11 +140,13 @@ def output_schema_columns(topk: int) -> list[tuple[str, pa.DataType]]:
     the scored tokens start: the tokens before the first scored one (the prompt's, or 1 for a text / ids row,
     whose first token has no context), so ``num_tokens == prompt_tokens + num_scored`` and the response's logprobs
     are ``logprobs[prompt_tokens:]``. ``num_scored`` counts the tokens in the sums, and where it is 0 the sums,
-    mean and perplexity are null: an empty response scores no token, which is not a log-likelihood of 0."""
+    mean and perplexity are null: an empty response scores no token, which is not a log-likelihood of 0.
+    ``is_greedy`` is lm-evaluation-harness's: every scored token is the argmax of the model's distribution before
+    it (greedy decoding would have produced the scored text); null where nothing is scored."""
     cols = [("num_tokens", pa.int32()), ("prompt_tokens", pa.int32()), ("num_scored", pa.int32()),
             ("truncated", pa.bool_()),
             ("logprobs", pa.list_(pa.float32())), ("sum_logprob", pa.float64()), ("mean_logprob", pa.float64()),
-            ("perplexity", pa.float64())]
+            ("perplexity", pa.float64()), ("is_greedy", pa.bool_())]
     if topk:
         cols += [("topk_ids", pa.list_(pa.list_(pa.int32()))), ("topk_logprobs", pa.list_(pa.list_(pa.float32())))]
     return cols

@@ -42,7 +42,7 @@ import torch
 
 from dask_lm.workers import device
 
-__all__ = ["enabled", "compile_errors", "pick_minus_logsumexp", "logsumexp", "pick_and_logsumexp", "logprob_grad",
+__all__ = ["enabled", "compile_errors", "pick_minus_logsumexp", "pick_minus_logsumexp_greedy", "logsumexp", "pick_and_logsumexp", "logprob_grad",
            "compile_decoder_layers", "use_compiled", "call"]
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,12 @@ def _pick_minus_lse(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
+def _pick_minus_lse_greedy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # argmax, not "the target's logit equals the max": ties go to the first index, as lm-evaluation-harness's
+    # ``is_greedy`` (``logits.argmax(-1) == continuation``) has them
+    return _pick_minus_lse(logits, targets, 1.0), logits.argmax(dim=-1) == targets
 
 
 def _lse(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -144,6 +150,12 @@ def pick_minus_logsumexp(logits: torch.Tensor, targets: torch.Tensor, temperatur
     """``log_softmax(logits / temperature)[i, targets[i]]`` for float32 ``[n, V]`` logits: float32 ``[n]``.
     One fused pass over the logits on a GPU (no ``[n, V]`` temporaries); the plain expression on the CPU."""
     return _run("pick_minus_lse", _pick_minus_lse, logits, _own(targets), float(temperature))
+
+
+def pick_minus_logsumexp_greedy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pick_minus_logsumexp` at temperature 1, and whether each target is the argmax of its row (bool
+    ``[n]``): the two reductions over the logits in one compiled pass on a GPU."""
+    return _run("pick_minus_lse_greedy", _pick_minus_lse_greedy, logits, _own(targets))
 
 
 def logsumexp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dask_lm.io.model_compat import find_output_embeddings
 from dask_lm.losses.sampling import apply_top_k_top_p
 from dask_lm.workers import device, fused
 
-__all__ = ["OutputHead", "output_head", "next_token_logprobs", "next_token_logprobs_train", "topk_logits",
+__all__ = ["OutputHead", "output_head", "next_token_logprobs", "next_token_logprobs_greedy", "next_token_logprobs_train", "topk_logits",
            "apply_top_k_top_p"]
 
 
@@ -89,16 +89,39 @@ def next_token_logprobs(hidden: torch.Tensor, input_ids: torch.Tensor, valid: to
     ``index``, when the caller knows it, is ``valid[:, 1:].nonzero(as_tuple=True)`` (worked out on the host:
     ``nonzero`` on a device tensor makes the host wait for the GPU).
     """
+    return _next_token(hidden, input_ids, valid, head, temperature=temperature, chunk_size=chunk_size,
+                       top_k=top_k, top_p=top_p, index=index, greedy=False)[0]
+
+
+def next_token_logprobs_greedy(hidden: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor,
+                               head: Callable[[torch.Tensor], torch.Tensor], *, chunk_size: int | None = 1024,
+                               index: tuple[torch.Tensor, torch.Tensor] | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`next_token_logprobs` (temperature 1, no filter) and bool ``[B, S]``: whether token i is the argmax
+    of the model's distribution at i - 1 (true at position 0 and where ``valid`` is false), from the same pass
+    over the logits: scoring's ``is_greedy``."""
+    lp, greedy = _next_token(hidden, input_ids, valid, head, temperature=1.0, chunk_size=chunk_size, top_k=None,
+                             top_p=1.0, index=index, greedy=True)
+    assert greedy is not None
+    return lp, greedy
+
+
+def _next_token(hidden: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor,
+                head: Callable[[torch.Tensor], torch.Tensor], *, temperature: float, chunk_size: int | None,
+                top_k: int | None, top_p: float, index: tuple[torch.Tensor, torch.Tensor] | None, greedy: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     b, s = input_ids.shape
     out = torch.zeros(b, s, dtype=torch.float32, device=hidden.device)
+    is_max = torch.ones(b, s, dtype=torch.bool, device=hidden.device) if greedy else None
     if s < 2:
-        return out
+        return out, is_max
     rows, cols = index if index is not None else valid[:, 1:].nonzero(as_tuple=True)  # cols: predicting position
     if rows.numel() == 0:
-        return out
+        return out, is_max
     h = hidden[rows, cols]  # [N, H]
     targets = input_ids[rows, cols + 1]
     values = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)
+    argmax = torch.empty(rows.numel(), dtype=torch.bool, device=hidden.device) if greedy else None
     filtering = (top_k is not None and top_k > 0) or top_p < 1.0
     for start, end in _chunks(rows.numel(), chunk_size):
         logits = head(h[start:end])
@@ -108,6 +131,8 @@ def next_token_logprobs(hidden: torch.Tensor, input_ids: torch.Tensor, valid: to
             logits = apply_top_k_top_p(logits, top_k, top_p)
             picked = logits.gather(1, targets[start:end, None]).squeeze(1)
             values[start:end] = picked - torch.logsumexp(logits, dim=-1)
+        elif argmax is not None:
+            values[start:end], argmax[start:end] = fused.pick_minus_logsumexp_greedy(logits, targets[start:end])
         else:  # one fused pass over the chunk's logits on a GPU (fused.py)
             values[start:end] = fused.pick_minus_logsumexp(logits, targets[start:end], temperature)
         del logits
@@ -115,10 +140,12 @@ def next_token_logprobs(hidden: torch.Tensor, input_ids: torch.Tensor, valid: to
         bad = ~torch.isfinite(values)
         if bool(bad.any()):
             warnings.warn(f"{int(bad.sum())} valid tokens fall outside the generation top-k/top-p filter; "
-                          "their logprobs are set to 0", stacklevel=2)
+                          "their logprobs are set to 0", stacklevel=3)
             values = values.masked_fill(bad, 0.0)
     out[rows, cols + 1] = values
-    return out
+    if is_max is not None and argmax is not None:
+        is_max[rows, cols + 1] = argmax
+    return out, is_max
 
 
 def topk_logits(

@@ -27,7 +27,7 @@ from dask_lm.data.rows import BadRowError, prepare_rows
 from dask_lm.errors import NonFiniteError
 from dask_lm.workers import device, fused, varlen
 from dask_lm.workers.inference import forward_rows
-from dask_lm.workers.logprobs import next_token_logprobs, output_head, topk_logits
+from dask_lm.workers.logprobs import next_token_logprobs_greedy, output_head, topk_logits
 
 __all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "score_partition", "release_scorers"]
 
@@ -87,8 +87,8 @@ class _Replica:
         x[1, n2:] = self.pad_id
         hidden, layout = forward_rows(self.model, x, torch.tensor([n1, n2]), packed=self.packed,
                                     varlen_ok=self.varlen, where=self.device)
-        next_token_logprobs(hidden, layout.ids, layout.targets_valid, output_head(self.model),
-                            index=layout.scored).cpu()
+        next_token_logprobs_greedy(hidden, layout.ids, layout.targets_valid, output_head(self.model),
+                                   index=layout.scored)[0].cpu()
 
 
 # one lock for the replica caches of this process: a worker with several threads loads a model once, and the
@@ -186,11 +186,14 @@ def _micro_batches(lengths: list[int], budget: int, *, packed: bool = False) -> 
 
 
 @torch.no_grad()
-def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions) -> tuple[list, list | None, list[bool]]:
-    """Per-row logprobs (position 0 = 0), with topk per-position (ids, logprobs), and whether every value of the
-    row is finite. A row without tokens gets empty results without a forward."""
+def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions
+                ) -> tuple[list[torch.Tensor], list | None, list[bool], list[torch.Tensor]]:
+    """Per row: logprobs (position 0 = 0), topk per position (ids, logprobs) when ``opts.topk``, whether every value
+    is finite, and per position whether the token is the argmax of the model's distribution before it (bool, true
+    at position 0). A row without tokens gets empty results without a forward."""
     head = output_head(rep.model)
     lps: list[Any] = [torch.zeros(0)] * len(ids)
+    greedy: list[Any] = [torch.zeros(0, dtype=torch.bool)] * len(ids)
     empty_top = (torch.zeros(0, opts.topk, dtype=torch.int32), torch.zeros(0, opts.topk))
     tops: list[Any] | None = [empty_top] * len(ids) if opts.topk else None
     finite = [True] * len(ids)
@@ -206,8 +209,9 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions) -> tupl
             rep.compiled, lambda: forward_rows(rep.model, x, lens, packed=rep.packed, varlen_ok=rep.varlen,
                                                where=rep.device), "the scoring forward")
         with fused.use_compiled(rep.compiled):
-            lp = next_token_logprobs(hidden, layout.ids, layout.targets_valid, head, chunk_size=opts.chunk_size,
-                                     index=layout.scored).cpu()
+            lp, is_max = next_token_logprobs_greedy(hidden, layout.ids, layout.targets_valid, head,
+                                                    chunk_size=opts.chunk_size, index=layout.scored)
+            lp, is_max = lp.cpu(), is_max.cpu()
             if tops is not None:
                 values, indices = topk_logits(hidden, layout.valid, head, opts.topk, chunk_size=opts.chunk_size,
                                               normalize=True, index=layout.valid_index)
@@ -218,16 +222,18 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions) -> tupl
             n = int(lens[r])
             row, col = (0, starts[r]) if rep.packed else (r, 0)
             lps[i] = lp[row, col:col + n]
+            greedy[i] = is_max[row, col:col + n]
             ok = bool(torch.isfinite(lps[i]).all())
             if tops is not None:
                 tops[i] = (indices[row, col:col + n], values[row, col:col + n])
                 ok = ok and bool(torch.isfinite(tops[i][1]).all())
             finite[i] = ok
-    return lps, tops, finite
+    return lps, tops, finite, greedy
 
 
-def _row_sums(lp: torch.Tensor, start: int) -> tuple[int, float | None, float | None, float | None]:
-    """(num_scored, sum, mean, perplexity) over positions ``start:``; nulls when no token is scored.
+def _row_sums(lp: torch.Tensor, greedy: torch.Tensor, start: int
+              ) -> tuple[int, float | None, float | None, float | None, bool | None]:
+    """(num_scored, sum, mean, perplexity, is_greedy) over positions ``start:``; nulls when no token is scored.
 
     A row with nothing to score (an empty response, a one-token text, an empty id list) is kept and flagged rather
     than made a bad row: it is well-formed data, and dropping it would leave a hole in the output that an id join
@@ -237,14 +243,14 @@ def _row_sums(lp: torch.Tensor, start: int) -> tuple[int, float | None, float | 
     scored = lp[start:]
     n = int(scored.numel())
     if n == 0:
-        return 0, None, None, None
+        return 0, None, None, None, None
     total = float(scored.double().sum())
     mean = total / n
     try:
         ppl = math.exp(-mean)
     except OverflowError:  # a mean logprob below about -709: the perplexity is beyond float64
         ppl = math.inf
-    return n, total, mean, ppl
+    return n, total, mean, ppl, bool(greedy[start:].all())
 
 
 def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_rows: int | None,
@@ -279,7 +285,7 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
             raise BadRowError(f"{rows.errors[bad[0]]}{more}; fix the data, or run again with --resume "
                               "--skip-bad-rows to leave bad rows out (the parts already written are kept)")
         keep = [i for i in range(len(pdf)) if rows.errors[i] is None]
-        lps, tops, finite = _score_rows(rep, [rows.ids[i] for i in keep], opts)  # type: ignore[misc]
+        lps, tops, finite, greedy = _score_rows(rep, [rows.ids[i] for i in keep], opts)  # type: ignore[misc]
     t_write = time.perf_counter()
     nonfinite = [first_row + keep[j] for j, ok in enumerate(finite) if not ok]
     if nonfinite and not opts.allow_nonfinite:
@@ -291,13 +297,13 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
     if opts.id_column is not None:
         source = source[[opts.id_column]]
     table = pa.Table.from_pandas(source.reset_index(drop=True), preserve_index=False)
-    sums = [_row_sums(lps[j], rows.start[i]) for j, i in enumerate(keep)]
+    sums = [_row_sums(lps[j], greedy[j], rows.start[i]) for j, i in enumerate(keep)]
     counts = [len(rows.ids[i]) for i in keep]  # type: ignore[arg-type]
     values: dict[str, Any] = {
         "num_tokens": counts, "prompt_tokens": [min(rows.start[i], n) for i, n in zip(keep, counts)],
         "num_scored": [s[0] for s in sums], "truncated": [rows.truncated[i] for i in keep],
         "logprobs": [lp.tolist() for lp in lps], "sum_logprob": [s[1] for s in sums],
-        "mean_logprob": [s[2] for s in sums], "perplexity": [s[3] for s in sums]}
+        "mean_logprob": [s[2] for s in sums], "perplexity": [s[3] for s in sums], "is_greedy": [s[4] for s in sums]}
     if tops is not None:
         values["topk_ids"] = [t[0].tolist() for t in tops]
         values["topk_logprobs"] = [t[1].tolist() for t in tops]
