@@ -133,6 +133,7 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
   dask-lm score data/*.parquet --model Qwen/Qwen2.5-0.5B --text-column text --id-column id --output scores/
   dask-lm score data/ --model M --prompt-column prompt --response-column response --output scores/ --topk 20
   dask-lm score data/ --model M --ids-column input_ids --output scores/ --resume
+  dask-lm score data/ --model M --ids-column input_ids --prompt-length-column prompt_len --output scores/
   dask-lm score data/ --model M --text-column text --output scores/ --overwrite --precision fp32
 
 Exit codes: 0 done, 2 bad usage or input (before any work), 1 a runtime failure.""")

@@ -333,7 +333,8 @@ def test_score_parquet_on_gpus_matches_hf_bf16(gpu_client, tiny, tmp_path):
     pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), tmp_path / "d.parquet", row_group_size=5)
     res = dask_lm.score_parquet(tmp_path / "d.parquet", tmp_path / "out", model=tiny["qwen2"], client=gpu_client,
                                 text_column="text", id_column="id", topk=2, progress=False,
-                                compile=True)  # a job this short would not compile by default
+                                compile=True,  # a job this short would not compile by default
+                                convention="separate")  # tokenizer(text), as make_batch below
     table = pa.concat_tables([pq.read_table(tmp_path / "out" / f) for f in sorted(os.listdir(tmp_path / "out"))
                               if f.startswith("part-")])
     ids, lens = make_batch(tok, texts)
@@ -346,6 +347,32 @@ def test_score_parquet_on_gpus_matches_hf_bf16(gpu_client, tiny, tmp_path):
           f"load {res.model_load_seconds:.1f}s, compile {res.compile_seconds:.1f}s")
     assert res.rows == len(texts) and worst < 0.1
     assert res.compile_seconds > 0  # the replicas packed their rows through compiled layers
+
+
+def test_lm_eval_requests_on_gpus_match_hf_fp32(gpu_client, tiny):
+    """The lm-eval request engine on the GPU workers in float32 (the compiled greedy head included) against a
+    single-process float32 HF forward on the CPU: sums within 1e-3 and the same is_greedy, in request order."""
+    from dask_lm.engine.requests import RequestEngine
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32).eval()
+    pairs = []
+    for i, text in enumerate(TEXTS * 3):
+        ids = tok(text)["input_ids"]
+        cut = 1 + i % (len(ids) - 1)
+        pairs.append((ids[:cut], ids[cut:]))
+    with torch.no_grad():  # and one greedy continuation, so that is_greedy is true at least once
+        ctx = tok(TEXTS[0])["input_ids"]
+        pairs.append((ctx, model.generate(torch.tensor([ctx]), max_new_tokens=6, do_sample=False)[0, len(ctx):].tolist()))
+    with RequestEngine(tiny["llama"], client=gpu_client, precision="fp32", compile=True, progress=False) as engine:
+        got = engine.loglikelihood(pairs)
+    for (ctx, cont), (total, greedy) in zip(pairs, got):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ctx + cont])).logits[0].double(), -1)[len(ctx) - 1:-1]
+        want = logp.gather(1, torch.tensor(cont)[:, None]).sum()
+        assert abs(total - float(want)) < 1e-3
+        assert greedy == bool((logp.argmax(-1) == torch.tensor(cont)).all())
+    assert got[-1][1]
 
 
 def test_generate_on_gpus(gpu_client, tiny):

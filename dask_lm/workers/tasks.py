@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "serve", "settled", "unwrap",
            "zmq_address", "profiler", "score_partition", "release_scorers", "shutdown_policy", "Failed",
-           "PeerFailedError"]
+           "PeerFailedError", "loglikelihood_requests", "generate_requests"]
 
 
 def find_free_port(_prev: Any = None) -> tuple[str, int]:
@@ -208,3 +208,21 @@ def shutdown_policy(_prev: Any, policy_id: str, orphaned: bool = False) -> bool:
     except RuntimeError:
         return False
     return state.shutdown_policy(policy_id, orphaned=orphaned)
+
+
+def loglikelihood_requests(ids: list[list[int]], starts: list[int], opts: ScoreOptions,
+                           names: list[int] | None = None) -> list[tuple[float, bool]]:
+    """The lm-eval model class's loglikelihood requests: score rows on this worker
+    (:func:`dask_lm.workers.requests.loglikelihood_rows`)."""
+    from dask_lm.workers import requests
+
+    return requests.loglikelihood_rows(ids, starts, opts, names)
+
+
+def generate_requests(contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOptions,
+                      names: list[int] | None = None) -> list[list[int]]:
+    """The lm-eval model class's generate_until requests: generate after rows on this worker
+    (:func:`dask_lm.workers.requests.generate_rows`)."""
+    from dask_lm.workers import requests
+
+    return requests.generate_rows(contexts, gen, opts, names)
