@@ -359,6 +359,8 @@ def test_lm_eval_requests_on_gpus_match_hf_fp32(gpu_client, tiny):
     pairs = []
     for i, text in enumerate(TEXTS * 3):
         ids = tok(text)["input_ids"]
+        if len(ids) < 2:
+            continue
         cut = 1 + i % (len(ids) - 1)
         pairs.append((ids[:cut], ids[cut:]))
     with torch.no_grad():  # and one greedy continuation, so that is_greedy is true at least once

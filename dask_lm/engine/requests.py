@@ -138,17 +138,22 @@ class RequestEngine:
         for i, row in enumerate(rows):
             if not row:
                 raise ValueError(f"request {i} has an empty context: give it at least the BOS / EOS token")
+        # one task per worker: a task's time is its decode steps (sequential), not its tokens, so fewer and wider
+        # batches finish sooner; splitting further would only add steps (stop 23, benchmarks/lm_eval_requests.py)
         return self._run("generate", [len(r) + max_new for r in rows], lambda part: (
-            tasks.generate_requests, [rows[i] for i in part], gen, self.opts, part))
+            tasks.generate_requests, [rows[i] for i in part], gen, self.opts, part), per_worker=1,
+            task_tokens=tasks.GENERATE_BATCH_FACTOR * self.task_tokens)
 
-    def plan(self, lengths: Sequence[int]) -> list[list[int]]:
+    def plan(self, lengths: Sequence[int], *, per_worker: int = 2, task_tokens: int | None = None
+             ) -> list[list[int]]:
         """Request indices per task: longest first, each task at most ``task_tokens`` tokens (a longer request
-        goes alone) and, given enough requests, at least two tasks per worker."""
+        goes alone) and, given enough requests, at least ``per_worker`` tasks per worker."""
         if not lengths:
             return []
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        wanted = min(len(lengths), 2 * self.workers)
-        budget = max(1, min(self.task_tokens, math.ceil(sum(lengths) / wanted)))
+        wanted = min(len(lengths), per_worker * self.workers)
+        task_tokens = self.task_tokens if task_tokens is None else task_tokens
+        budget = max(1, min(task_tokens, math.ceil(sum(lengths) / wanted)))
         parts: list[list[int]] = []
         used = 0
         for i in order:
@@ -160,14 +165,15 @@ class RequestEngine:
                 used = lengths[i]
         return parts
 
-    def _run(self, what: str, lengths: list[int], task: Callable[[list[int]], tuple[Any, ...]]) -> list[Any]:
+    def _run(self, what: str, lengths: list[int], task: Callable[[list[int]], tuple[Any, ...]], *,
+             per_worker: int = 2, task_tokens: int | None = None) -> list[Any]:
         from distributed import as_completed, span
 
         from dask_lm.engine.progress import JobBar
 
         if self.client is None:
             raise ValueError("this RequestEngine is closed; create a new one")
-        parts = self.plan(lengths)
+        parts = self.plan(lengths, per_worker=per_worker, task_tokens=task_tokens)
         results: list[Any] = [None] * len(lengths)
         bar = JobBar(len(lengths), f"dask-lm {what}", "req", f"{len(parts)} tasks on {self.workers} workers",
                      enabled=self.progress)

@@ -88,9 +88,13 @@ def _pick_minus_lse(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
 
 
 def _pick_minus_lse_greedy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # argmax, not "the target's logit equals the max": ties go to the first index, as lm-evaluation-harness's
-    # ``is_greedy`` (``logits.argmax(-1) == continuation``) has them
-    return _pick_minus_lse(logits, targets, 1.0), logits.argmax(dim=-1) == targets
+    # "the target's logit is the row's max", from the max the logsumexp takes anyway: one reduction pass, where
+    # argmax was a second (6% of a 0.5B scoring forward on an H200). It differs from lm-evaluation-harness's
+    # ``logits.argmax(-1) == continuation`` only on an exact tie of two float32 logits, where argmax takes the first
+    picked = logits.gather(1, targets[:, None]).squeeze(1)
+    top = logits.amax(dim=-1)
+    lse = top + torch.log(torch.exp(logits - top[:, None]).sum(dim=-1))
+    return picked - lse, picked >= top
 
 
 def _lse(logits: torch.Tensor, temperature: float) -> torch.Tensor:

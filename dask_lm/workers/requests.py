@@ -21,6 +21,7 @@ from dask_lm.errors import NonFiniteError
 from dask_lm.workers import device, scorer
 from dask_lm.workers.forward import final_hidden_states
 from dask_lm.workers.logprobs import next_token_logprobs_greedy, output_head
+from dask_lm.workers.tasks import GENERATE_BATCH_FACTOR
 
 __all__ = ["generate_rows", "loglikelihood_rows"]
 
@@ -140,7 +141,10 @@ def generate_rows(contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOpt
             raise ValueError(rep.tokenizer_error)
         _check_rows(contexts, rep.vocab_size, names)
         # the rows of a micro-batch are left-padded to its longest; its KV cache grows to that width + max_new
-        for part in scorer._micro_batches([len(c) + max_new for c in contexts], opts.batch_tokens):
+        # wider than scoring's micro-batches: decode steps are sequential and launch-bound, so rows per batch is
+        # what makes generation fast
+        budget = GENERATE_BATCH_FACTOR * opts.batch_tokens
+        for part in scorer._micro_batches([len(c) + max_new for c in contexts], budget):
             width = max(len(contexts[i]) for i in part)
             x = torch.full((len(part), width), rep.pad_id, dtype=torch.int64)
             mask = torch.zeros((len(part), width), dtype=torch.int64)

@@ -12,6 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from dask_lm.errors import PeerFailedError
 
+# generation's tasks and micro-batches hold this many times more (context + new) tokens than scoring's
+# (dask_lm.engine.requests, dask_lm.workers.requests): a decode step costs about the same for 20 rows as for 200
+# (it is launch-bound), and the extra rows cost KV cache, not logits (prefill keeps the last position's only)
+GENERATE_BATCH_FACTOR = 8
+
 if TYPE_CHECKING:
     from dask_lm.data.messages import Request, ScoreOptions
 
