@@ -1,15 +1,21 @@
 """Logprob throughput on long-tailed row lengths: ``Policy.get_logprobs`` against a plain Hugging Face loop.
 
-A benchmark, not a test: it prints numbers and asserts nothing about speed. Arm B (dask-lm, one worker by default so
-the ratio compares one device with one device) runs first; arm A (fixed 16-row batches in data order, right-padded to
-the batch max, full-vocab float32 log_softmax + gather) runs second in this process, after the cluster is closed, so
-the two never share a GPU. FLOPs follow perf_anchors.md section 2 (forward, causal half, real tokens only).
+A benchmark, not a test: it prints numbers and asserts nothing about speed. Arm B (dask-lm) runs first, once per
+worker count of ``--n-workers`` (a comma-separated list; each count on a fresh cluster, closed before the next);
+arm A (fixed 16-row batches in data order, right-padded to the batch max, full-vocab float32 log_softmax + gather)
+runs second in this process, once, on one device, after the last cluster is closed, so the two never share a GPU.
+The dask-lm / HF ratio lines compare arm A with the smallest worker count (1 by default on a CPU machine); the
+scaling table at the end gives every count: tokens/s, per worker, per-GPU MFU, the efficiency against one worker
+(``tokens/s(N) / (N x tokens/s(1))``) and the per-call driver overhead (the call's wall time less the slowest rank's
+time inside its ``get_logprobs``). FLOPs follow perf_anchors.md section 2 (forward, causal half, real tokens only).
 
 Examples
 --------
     python benchmarks/logprobs.py                                  # CPU: tiny random llama, about 1-2 minutes
-    python benchmarks/logprobs.py --shape qwen2.5-0.5b             # GPU: random Qwen2.5-0.5B shape, bf16
-    python benchmarks/logprobs.py --model /models/qwen --mode packed --num-rows 4096
+    python benchmarks/logprobs.py --n-workers 1,2 --num-rows 32    # CPU: a 1- and a 2-worker arm
+    python benchmarks/logprobs.py --shape qwen2.5-0.5b             # GPU: 1, 2, 4, ... workers up to the GPU count
+    python benchmarks/logprobs.py --shape qwen2.5-0.5b --n-workers 1,2,4,8
+    python benchmarks/logprobs.py --model /models/qwen --mode packed --num-rows 4096 --n-workers 1
 """
 
 from __future__ import annotations
@@ -34,6 +40,14 @@ from common import (  # benchmarks/ is on sys.path when a script in it runs
     make_rows,
     measured_peak,
     sync,
+)
+from scaling import (
+    N_WORKERS_HELP,
+    add_efficiency,
+    efficiency_header,
+    mfu_columns,
+    print_table,
+    worker_counts,
 )
 
 Mode = Literal["dynamic", "packed", "plain", "auto"]
@@ -126,7 +140,8 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, ids: torch.Tensor, 
         seconds = time.perf_counter() - t0
         rank_seconds = max(client.run(_worker_last_call_seconds).values())
         print(f"dask-lm whole set: first call {first:.2f}s, second call {seconds:.2f}s (of which {rank_seconds:.2f}s "
-              f"inside the rank's get_logprobs)", flush=True)
+              f"inside the slowest rank's get_logprobs, {seconds - rank_seconds:.3f}s outside the rank's method)",
+              flush=True)
         peak = max(client.run(_worker_peak_bytes).values())
         policy.shutdown()  # frees the worker's GPU memory before arm A uses the same device
     finally:
@@ -153,12 +168,13 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, ids: torch.Tensor, 
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--hf-batch-size", type=int, default=16, show_default=True)
 @click.option("--mb-tokens", type=int, default=None, help="dask-lm token budget [default: 8192 CPU, 32768 GPU].")
-@click.option("--n-workers", type=int, default=1, show_default=True)
+@click.option("--n-workers", "n_workers_spec", default=None,
+              help=f"{N_WORKERS_HELP} [default: all on a GPU machine, 1 on a CPU one].")
 @click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="policy.inference_compile: auto = compiled on GPU ranks.")
 def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows: int | None, min_len: int,
          max_len: int, median_len: int, sigma: float, seed: int, hf_batch_size: int, mb_tokens: int | None,
-         n_workers: int, compile_: str) -> None:
+         n_workers_spec: str | None, compile_: str) -> None:
     import transformers
 
     from dask_lm.engine.cluster import count_gpus
@@ -169,6 +185,7 @@ def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows
     precision = precision if precision != "auto" else ("bfloat16" if on_gpu else "float32")
     num_rows = num_rows or (2048 if on_gpu else 96)
     mb_tokens = mb_tokens or (32768 if on_gpu else 8192)
+    counts, _named = worker_counts(n_workers_spec, on_gpu=on_gpu, cpu_default=1)
     with tempfile.TemporaryDirectory(prefix="dask-lm-bench-") as root:
         t0 = time.perf_counter()
         given_dir = model_dir
@@ -187,11 +204,19 @@ def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows
               f"min/median/mean/max {int(lens.min())}/{int(lens.median())}/{useful / num_rows:.0f}/{int(lens.max())}, "
               f"forward {flops / 1e12:.3f} TFLOP; setup {time.perf_counter() - t0:.1f}s", flush=True)
 
-        lp_b, sec_b, peak_b, threads, timings = run_dask(model_dir, precision, tokenizer, ids, lens, mode=mode,
-                                                n_workers=n_workers, mb_tokens=mb_tokens,
-                                                hf_batch_size=hf_batch_size, max_len=max_len,
-                                                compile_={"auto": None, "on": True, "off": False}[compile_])
-        print(f"dask-lm ({mode}, {n_workers} worker(s)): {sec_b:.2f}s", flush=True)
+        arms: list[dict[str, Any]] = []
+        for n in counts:  # each on a fresh cluster of n workers, closed before the next (and before arm A)
+            print(f"--- dask-lm, {n} worker(s) ---", flush=True)
+            lp, sec, peak, threads_n, timings = run_dask(model_dir, precision, tokenizer, ids, lens, mode=mode,
+                                                         n_workers=n, mb_tokens=mb_tokens,
+                                                         hf_batch_size=hf_batch_size, max_len=max_len,
+                                                         compile_={"auto": None, "on": True, "off": False}[compile_])
+            print(f"dask-lm ({mode}, {n} worker(s)): {sec:.2f}s", flush=True)
+            arms.append({"workers": n, "logprobs": lp, "seconds": sec, "peak": peak, "threads": threads_n, **timings})
+        # the existing single-arm figures (ratio lines, top-level JSON) are the smallest count's
+        ref = arms[0]
+        n_workers, lp_b, sec_b, peak_b = ref["workers"], ref["logprobs"], ref["seconds"], ref["peak"]
+        threads = min(a["threads"] for a in arms)
         device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
         if device.type == "cpu":
             # Dask starts CPU workers with OMP_NUM_THREADS=1; give arm A the same thread count so the ratio
@@ -214,11 +239,28 @@ def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows
     w = min(lp_a.shape[1], lp_b.shape[1])
     diff = float(((lp_a[:, :w] - lp_b[:, :w]).abs() * valid[:, :w]).max())
     tps_a, tps_b = useful / sec_a, useful / sec_b
-    mfu = {arm: flops / sec / peak_flops for arm, sec in (("hf", sec_a), ("dask_lm", sec_b))}
+    # per device: the dask-lm arm's FLOP rate over its n_workers GPUs (or CPU workers)
+    mfu = {arm: flops / sec / peak_flops / n for arm, sec, n in (("hf", sec_a, 1), ("dask_lm", sec_b, n_workers))}
+    scaling = []
+    for a in arms:
+        n, sec = a["workers"], a["seconds"]
+        wa = min(lp_a.shape[1], a["logprobs"].shape[1])
+        scaling.append({
+            "workers": n, "seconds": sec, "tok_per_s": useful / sec, "per_worker_tok_per_s": useful / sec / n,
+            "mfu_989": flops / sec / H200_BF16_DENSE / n if device.type == "cuda" else None,
+            "mfu_measured": flops / sec / peak_flops / n, "ratio_over_hf": (useful / sec) / tps_a,
+            "first_call_seconds": a["first_call_seconds"], "rank_seconds": a["rank_seconds"],
+            # what a scaling model takes as measured: the call's wall time outside the slowest rank's method
+            # (driver sharding and scheduling, the transfers in and out, the gather of the results)
+            "driver_overhead_seconds": sec - a["rank_seconds"], "peak_gib": a["peak"] / GIB,
+            "max_abs_logprob_diff_vs_hf": float(((lp_a[:, :wa] - a["logprobs"][:, :wa]).abs() * valid[:, :wa]).max()),
+        })
+    n0 = add_efficiency(scaling, "tok_per_s", "efficiency")
     res: dict[str, Any] = {
         "model": given_dir or f"random {shape}", "shape": None if given_dir else shape,
         "precision": precision, "device": str(device), "torch_threads": torch.get_num_threads(), "mode": mode,
-        "n_workers": n_workers, "compile": compile_, "rows": num_rows, "useful_tokens": useful,
+        "n_workers": n_workers, "n_workers_list": counts, "compile": compile_, "rows": num_rows,
+        "useful_tokens": useful,
         "hf_computed_tokens": computed_a,
         "hf_batch_size": hf_batch_size, "mb_tokens": mb_tokens, "forward_tflop": flops / 1e12,
         "hf_seconds": sec_a, "dask_lm_seconds": sec_b, "hf_tok_per_s": tps_a, "dask_lm_tok_per_s": tps_b,
@@ -226,17 +268,18 @@ def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows
         "hf_peak_gib": peak_a / GIB, "dask_lm_peak_gib": peak_b / GIB,
         "measured_peak_tflops": peak_flops / 1e12, "measured_peak_kind": peak_what,
         "hf_mfu_measured": mfu["hf"], "dask_lm_mfu_measured": mfu["dask_lm"], "max_abs_logprob_diff": diff,
+        "efficiency_base_workers": n0, "scaling": scaling,
     }
     if device.type == "cuda":
         res["hf_mfu_989"] = flops / sec_a / H200_BF16_DENSE
-        res["dask_lm_mfu_989"] = flops / sec_b / H200_BF16_DENSE
+        res["dask_lm_mfu_989"] = flops / sec_b / H200_BF16_DENSE / n_workers
     mem = "peak allocated" if device.type == "cuda" else "process peak RSS"
     print(f"\nrows {num_rows}, useful tokens {useful} (plain HF computes {computed_a}: "
           f"{computed_a / useful:.2f}x with padding)")
-    print(f"{'arm':<16}{'seconds':>9}{'tok/s':>12}{'GiB ' + mem:>26}{'fwd MFU':>10}")
+    print(f"{'arm':<20}{'seconds':>9}{'tok/s':>12}{'GiB ' + mem:>26}{'fwd MFU/device':>16}")
     for name, sec, tps, peak, m in (("plain HF loop", sec_a, tps_a, peak_a, mfu["hf"]),
-                                    (f"dask-lm {mode}", sec_b, tps_b, peak_b, mfu["dask_lm"])):
-        print(f"{name:<16}{sec:>9.2f}{tps:>12.0f}{peak / GIB:>26.2f}{m:>10.1%}")
+                                    (f"dask-lm {mode} x{n_workers}", sec_b, tps_b, peak_b, mfu["dask_lm"])):
+        print(f"{name:<20}{sec:>9.2f}{tps:>12.0f}{peak / GIB:>26.2f}{m:>16.1%}")
     print(f"dask-lm / HF = {tps_b / tps_a:.2f}x; engine cost (HF tok/s / dask-lm tok/s) = {tps_a / tps_b:.2f}")
     print(f"MFU against measured {peak_what} = {peak_flops / 1e12:.2f} TFLOP/s"
           + (f" (vs 989.5 datasheet: HF {res['hf_mfu_989']:.1%}, dask-lm {res['dask_lm_mfu_989']:.1%})"
@@ -246,6 +289,18 @@ def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows
         print(f"against a float32 forward ({min(64, num_rows)} rows): plain HF {precision} max "
               f"{accuracy['hf_vs_fp32_max']:.3g} / mean {accuracy['hf_vs_fp32_mean']:.3g}; dask-lm max "
               f"{accuracy['dask_lm_vs_fp32_max']:.3g} / mean {accuracy['dask_lm_vs_fp32_mean']:.3g}")
+    print_table(
+        f"scaling: get_logprobs of the whole set (second call), {useful} useful tokens, dask-lm {mode}, "
+        f"a fresh cluster per worker count",
+        [("workers", "workers", "{}"), ("seconds", "seconds", "{:.2f}"), ("tokens/s", "tok_per_s", "{:,.0f}"),
+         ("per-worker tokens/s", "per_worker_tok_per_s", "{:,.0f}"),
+         *mfu_columns(device.type == "cuda", "mfu_989", "mfu_measured", peak_what),
+         (efficiency_header(n0), "efficiency", "{:.1%}"), ("vs HF (1 device)", "ratio_over_hf", "{:.2f}x"),
+         ("driver overhead/call s", "driver_overhead_seconds", "{:.3f}"),
+         ("slowest rank in method s", "rank_seconds", "{:.3f}"),
+         ("max |dlogprob| vs HF", "max_abs_logprob_diff_vs_hf", "{:.2g}")],
+        scaling,
+        ["driver overhead/call = the call's wall time less the slowest rank's time inside its get_logprobs"])
     print(json.dumps(res))
 
 

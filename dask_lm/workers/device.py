@@ -160,11 +160,18 @@ def reset_peak_memory() -> None:
 
 
 def device_info() -> dict[str, Any]:
-    """Node IP and device identity, for ``print_node_ip_and_gpu_id`` and the notebook repr."""
+    """Node IP and device identity, for ``print_node_ip_and_gpu_id`` and the notebook repr. The node IP is the
+    host of this Dask worker's address (what the scheduler and the other ranks reach it by); outside a worker,
+    what the host name resolves to (often 127.0.1.1 on Debian-like hosts, the same on every node)."""
+    from dask_lm.workers.rendezvous import worker_host
+
     try:
-        ip = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        ip = "127.0.0.1"
+        ip = worker_host()
+    except ValueError:  # not in a Dask worker
+        try:
+            ip = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            ip = "127.0.0.1"
     info: dict[str, Any] = {"node_ip": ip, "hostname": socket.gethostname(), "pid": os.getpid()}
     if is_cuda():
         props = torch.cuda.get_device_properties(0)

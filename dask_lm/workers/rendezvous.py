@@ -47,16 +47,34 @@ def find_free_port(host: str) -> int:
 
 
 def interface_for(host: str) -> str | None:
-    """The network interface that holds ``host``'s address (``lo`` for 127.0.0.1), or None."""
+    """The network interface that holds ``host``'s address (``lo`` for 127.0.0.1, and for any other address of the
+    loopback network, such as 127.0.0.2, which Linux routes to ``lo`` though ``lo`` lists only 127.0.0.1), or
+    None."""
     import psutil
 
     try:
         addr = socket.gethostbyname(host) if _family(host) == socket.AF_INET else host
     except OSError:
         return None
-    for name, addrs in psutil.net_if_addrs().items():
+    interfaces = psutil.net_if_addrs()
+    for name, addrs in interfaces.items():
         if any(a.address.split("%")[0] == addr for a in addrs):
             return name
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return None
+    if ip.is_loopback:  # no interface lists it: the one whose loopback network holds it
+        for name, addrs in interfaces.items():
+            for a in addrs:
+                if a.family not in (socket.AF_INET, socket.AF_INET6) or not a.netmask:
+                    continue
+                try:
+                    network = ipaddress.ip_interface(f"{a.address.split('%')[0]}/{a.netmask}").network
+                except ValueError:
+                    continue
+                if network.is_loopback and ip in network:
+                    return name
     return None
 
 
