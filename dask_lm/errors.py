@@ -8,7 +8,8 @@ modules that raise them import them from here; the public ones are also ``dask_l
 from __future__ import annotations
 
 __all__ = ["BatchError", "LossConfigError", "BadRowError", "UnsafeCheckpointError", "CheckpointWriteError",
-           "RankFailedError", "WorkerLostError", "PeerFailedError", "RefitError", "NonFiniteError"]
+           "RankFailedError", "WorkerLostError", "PeerFailedError", "RefitError", "NonFiniteError",
+           "InputChangedError"]
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -57,3 +58,8 @@ class RefitError(RuntimeError):
 
 class NonFiniteError(RuntimeError):
     """The model produced NaN / inf logprobs: a runtime failure (exit 1), not bad input."""
+
+
+class InputChangedError(RuntimeError):
+    """A file the job pinned (an input or a model file) changed while the job ran: a runtime failure (exit 1), with
+    no ``_SUCCESS``; the message names the file and says how to go on."""

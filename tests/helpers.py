@@ -2,8 +2,37 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
+import pytest
 import torch
 import transformers
+
+
+class _Missing:
+    """Stands in for a module of the test extra that is not installed: using it fails the test that does."""
+
+    def __init__(self, name: str, error: ImportError) -> None:
+        self._name, self._error = name, error
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):  # pytest's collection probes module members for markers and fixtures
+            raise AttributeError(attr)
+        pytest.fail(f"{self._name} is not installed ({self._error}); these tests compare against it: install the "
+                    "test extra, pip install -e '.[test]'", pytrace=False)
+
+
+def extra(name: str) -> Any:
+    """``import name`` for a module of the test extra (lm-eval, which the tests take as their reference).
+
+    Where it is missing the test module still collects, so ``pytest -m gpu tests`` runs on a GPU machine that has
+    only the runtime dependencies; every test that uses the module then fails (never skips), so a CI run without
+    the extra fails as it should. Use the result's attributes inside tests, not at module level."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        return _Missing(name, e)
 
 
 def hf_logprobs(model_dir: str, input_ids: torch.Tensor, lengths: torch.Tensor, temperature: float = 1.0):

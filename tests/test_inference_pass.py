@@ -154,16 +154,20 @@ def test_scorer_packed_micro_batches_equal_padded_ones_and_hf(tiny):
         assert padded[3][-1][2:].all() and packed[3][-1][2:].all()  # the generated row: greedy past its prompt
 
 
-def test_scorer_micro_batches_respect_the_budget():
-    from dask_lm.workers.scorer import _micro_batches
+def test_longest_first_batches_respect_the_budget():
+    from dask_lm.data.packing import longest_first
 
     lengths = [5, 30, 12, 7, 41, 3]
-    for packed in (False, True):
-        batches = _micro_batches(lengths, 40, packed=packed)
-        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for padded in (False, True):
+        batches = longest_first(lengths, 40, padded=padded)
+        assert [i for b in batches for i in b] == sorted(range(len(lengths)), key=lambda i: -lengths[i])
         for b in batches:
-            cost = sum(lengths[i] for i in b) if packed else len(b) * max(lengths[i] for i in b)
+            cost = len(b) * max(lengths[i] for i in b) if padded else sum(lengths[i] for i in b)
             assert cost <= 40 or len(b) == 1
+    # by hand: 41 and 30 each alone (together they exceed 40), then 12 + 7 + 5 + 3 = 27 real tokens, or padded
+    # to 12 while 4 rows would cost 48
+    assert longest_first(lengths, 40) == [[4], [1], [2, 3, 0, 5]]
+    assert longest_first(lengths, 40, padded=True) == [[4], [1], [2, 3, 0], [5]]
 
 
 def test_a_failed_compilation_falls_back_to_eager_once(monkeypatch, caplog):

@@ -12,17 +12,20 @@ truncation of the context (never the response) from the left."""
 
 from __future__ import annotations
 
-import lm_eval.models.huggingface as lm_eval_hf  # in the test extra: a missing lm_eval fails, it is not skipped
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import tokenizer_kinds
 import torch
 import transformers
-from lm_eval.api.instance import Instance
+from helpers import extra
 
 import dask_lm
 from dask_lm.data.continuation import encode_pairs
+
+# the test extra: a missing lm_eval fails these tests, it does not skip them (and the module still collects)
+lm_eval_hf = extra("lm_eval.models.huggingface")
+lm_eval_api = extra("lm_eval.api.instance")
 
 pytestmark = pytest.mark.cluster
 
@@ -111,7 +114,8 @@ def test_prompt_response_scores_are_lm_evals(client, kind, tmp_path):
     pq.write_table(pa.table({"id": list(range(len(cases))), "prompt": [c for c, _ in cases],
                              "response": [r for _, r in cases]}), data)
     rows = _score(client, path, tmp_path / "out", data, prompt_column="prompt", response_column="response")
-    requests = [Instance(request_type="loglikelihood", doc={}, arguments=cases[i], idx=i) for i in coherent]
+    requests = [lm_eval_api.Instance(request_type="loglikelihood", doc={}, arguments=cases[i], idx=i)
+                for i in coherent]
     results = dict(zip(coherent, hflm.loglikelihood(requests)))
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for i, row in enumerate(rows):
@@ -133,7 +137,7 @@ def test_ids_mode_prompt_lengths_give_lm_evals_continuation_scores(client, kind,
     pq.write_table(pa.table({"id": keep, "ids": [theirs[i][0][0] + theirs[i][0][1] for i in keep],
                              "plen": [len(theirs[i][0][0]) for i in keep]}), data)
     rows = _score(client, path, tmp_path / "out", data, ids_column="ids", prompt_length_column="plen")
-    results = hflm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=cases[i], idx=j)
+    results = hflm.loglikelihood([lm_eval_api.Instance(request_type="loglikelihood", doc={}, arguments=cases[i], idx=j)
                                   for j, i in enumerate(keep)])
     for row, (total, greedy), i in zip(rows, results, keep):
         assert row["num_scored"] == len(theirs[i][0][1]) and row["prompt_tokens"] == len(theirs[i][0][0])
@@ -155,7 +159,7 @@ def test_truncation_cuts_the_context_from_the_left_as_lm_eval_does(client, kind,
                    data)
     rows = _score(client, path, tmp_path / "out", data, prompt_column="prompt", response_column="response",
                   max_length=limit, truncate=True)
-    results = short.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=c, idx=i)
+    results = short.loglikelihood([lm_eval_api.Instance(request_type="loglikelihood", doc={}, arguments=c, idx=i)
                                    for i, c in enumerate(cases)])
     for row, (total, greedy), (c, r) in zip(rows, results, cases):
         ctx, cont = encode_pairs(tok, [c], [r])[0]

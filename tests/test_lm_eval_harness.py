@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
+from helpers import extra
 from tokenizer_kinds import build
 
-lm_eval = pytest.importorskip("lm_eval")
-from lm_eval.api.instance import Instance
-from lm_eval.models.huggingface import HFLM
-
-from dask_lm.harness import DaskLM
 from dask_lm.tiny import SAMPLE_TEXTS, build_tiny_model
+
+# the test extra: a missing lm_eval fails these tests, it does not skip them (and the module still collects)
+lm_eval = extra("lm_eval")
+lm_eval_api = extra("lm_eval.api.instance")
+lm_eval_hf = extra("lm_eval.models.huggingface")
+harness = extra("dask_lm.harness")  # imports lm_eval
 
 pytestmark = pytest.mark.cluster
 
@@ -46,12 +49,13 @@ def pair(model_dirs, client):
     first positions of the group's logits instead of the last (huggingface.py:1552; only is_greedy takes the
     trailing slice, line 1547): their sums come out wrong. _pairs() splits each text at every word, so it would hit
     that on purpose; the cache changes no other result."""
-    made: dict[str, tuple[HFLM, DaskLM]] = {}
+    made: dict[str, tuple[Any, Any]] = {}
 
-    def get(name: str) -> tuple[HFLM, DaskLM]:
+    def get(name: str) -> tuple[Any, Any]:
         if name not in made:
-            hf = HFLM(pretrained=model_dirs[name], device="cpu", dtype="float32", batch_size=1, logits_cache=False)
-            made[name] = hf, DaskLM(pretrained=model_dirs[name], client=client, dtype="float32")
+            hf = lm_eval_hf.HFLM(pretrained=model_dirs[name], device="cpu", dtype="float32", batch_size=1,
+                                 logits_cache=False)
+            made[name] = hf, harness.DaskLM(pretrained=model_dirs[name], client=client, dtype="float32")
         return made[name]
 
     yield get
@@ -59,8 +63,8 @@ def pair(model_dirs, client):
         ours.close()
 
 
-def _instances(kind: str, args: list[tuple]) -> list[Instance]:
-    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+def _instances(kind: str, args: list[tuple]) -> list[Any]:
+    return [lm_eval_api.Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
 
 
 def _pairs() -> list[tuple[str, str]]:
@@ -75,7 +79,7 @@ def _pairs() -> list[tuple[str, str]]:
     return out + [("", "hello world"), ("", SAMPLE_TEXTS[0])]
 
 
-def _coherent(hf: HFLM, context: str, continuation: str) -> bool:
+def _coherent(hf: Any, context: str, continuation: str) -> bool:
     """Whether lm-eval's own split is sound here: an empty context, or a context whose encoding is a prefix of the
     whole text's (elsewhere lm-eval drops or repeats a token, and dask-lm's convention deliberately differs)."""
     if not context:
@@ -136,9 +140,9 @@ def test_generate_until_matches_hflm(pair, name):
 
 def test_add_bos_token_is_hflms(model_dirs, client):
     """``add_bos_token=False`` on a tokenizer that adds BOS: lm-eval's own split and encodings, as HFLM's."""
-    hf = HFLM(pretrained=model_dirs["llama2"], device="cpu", dtype="float32", batch_size=2, logits_cache=False,
-              add_bos_token=False)
-    ours = DaskLM(pretrained=model_dirs["llama2"], client=client, add_bos_token="false")
+    hf = lm_eval_hf.HFLM(pretrained=model_dirs["llama2"], device="cpu", dtype="float32", batch_size=2,
+                         logits_cache=False, add_bos_token=False)
+    ours = harness.DaskLM(pretrained=model_dirs["llama2"], client=client, add_bos_token="false")
     try:
         from transformers import AutoTokenizer
 
@@ -224,13 +228,13 @@ def _assert_same(got, want) -> None:
 def test_a_bad_model_arg_is_a_valueerror_naming_it(model_dirs, client):
     from lm_eval.api.registry import get_model
 
-    assert get_model("dask-lm") is DaskLM
+    assert get_model("dask-lm") is harness.DaskLM
     with pytest.raises(ValueError, match="'bogus_key'"):
         get_model("dask-lm").create_from_arg_string(f"pretrained={model_dirs['gpt2']},bogus_key=1",
                                                     {"batch_size": 1, "device": "cpu"})
     with pytest.raises(ValueError, match="n_workers='two'"):
-        DaskLM(pretrained=model_dirs["gpt2"], client=client, n_workers="two")
+        harness.DaskLM(pretrained=model_dirs["gpt2"], client=client, n_workers="two")
     with pytest.raises(ValueError, match="dtype='int8'"):
-        DaskLM(pretrained=model_dirs["gpt2"], client=client, dtype="int8")
+        harness.DaskLM(pretrained=model_dirs["gpt2"], client=client, dtype="int8")
     with pytest.raises(ValueError, match="pretrained"):
-        DaskLM(pretrained=os.path.join(model_dirs["gpt2"], "missing"), client=client)
+        harness.DaskLM(pretrained=os.path.join(model_dirs["gpt2"], "missing"), client=client)

@@ -39,6 +39,7 @@ from helpers import (
 
 import dask_lm
 from dask_lm import BatchedDataDict
+from dask_lm.engine.cluster import count_gpus
 from dask_lm.engine.worker_group import WorkerGroup, _scheduler_info
 from dask_lm.workers import tasks
 
@@ -408,7 +409,7 @@ def test_scoring_spreads_over_both_hosts_and_matches_one_process(client, tiny, t
 @pytest.mark.gpu
 def test_two_hosts_one_gpu_each_over_nccl(tiny, tmp_path):
     """The same rehearsal with GPU 0 on 127.0.0.2 and GPU 1 on 127.0.0.3: NCCL between the "hosts"."""
-    if dask_lm.count_gpus() < 2:  # NVML, not torch.cuda: this process stays the driver
+    if count_gpus() < 2:  # NVML, not torch.cuda: this process stays the driver
         pytest.skip("needs two GPUs")
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",") if d.strip()][:2]
     gpu = {prefix: {"CUDA_VISIBLE_DEVICES": d, "DASK_LM_FORCE_CPU": "0"} for prefix, d in zip(HOSTS, visible)}

@@ -243,13 +243,17 @@ class BatchedDataDict(UserDict[str, Any], Generic[DictT]):
 
     # ----------------------------------------------------------------------------------------- arrow
     def to_arrow(self) -> Any:
-        """An Arrow table (token ids as ``list<int32>``, padding trimmed when it is uniform); lossless."""
+        """An Arrow table (token ids as ``list<int32>``, padding trimmed when it is uniform); lossless, and data only:
+        list columns become Arrow types or JSON text, and one that holds other objects (tuples, numpy arrays, tensors
+        inside lists) is a ``ValueError`` naming it (:mod:`dask_lm.data.arrow`)."""
         from dask_lm.data.arrow import to_arrow
 
         return to_arrow(self)
 
     @classmethod
     def from_arrow(cls, table: Any, *, device: torch.device | str | None = None) -> BatchedDataDict[Any]:
+        """The batch ``to_arrow`` encoded, or a plain Arrow table's columns (lists of numbers become padded tensors).
+        Only data is read, so a table from a file runs no code: a column marked as pickled is refused."""
         from dask_lm.data.arrow import from_arrow
 
         return from_arrow(table, device=device)

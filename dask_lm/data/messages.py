@@ -5,7 +5,11 @@ The driver builds a request, :class:`dask_lm.engine.worker_group.WorkerGroup` su
 (:data:`dask_lm.workers.endpoints.ENDPOINTS`) maps the request's *type* to the handler that answers it. So a call
 can be followed from ``Policy.get_logprobs`` to the rank's code by type, by an IDE or by mypy, with no method name
 passed as a string. Rows travel inside a :class:`Shard` as the Arrow table of :mod:`dask_lm.data.arrow` (token ids
-as ``list<int32>``, padding trimmed) beside its :class:`MicroBatchPlan`.
+as ``list<int32>``, padding trimmed) beside its :class:`MicroBatchPlan`, and the columns that table cannot store as
+data (a ``message_log`` of dicts holding tensors, tuples, custom objects) beside it as Python objects. Those go
+through Dask's own serializers, which pickle them: a Dask worker already unpickles whatever its peers send (Dask's
+protocol does), so this channel adds no trust. A table read from a file is never given that trust:
+:func:`dask_lm.data.arrow.from_arrow` stores and reads only data.
 
 Shapes in the field comments use ``B`` (rows of the shard), ``S`` (the padded width of the shard), ``k`` (top-k).
 """
@@ -50,22 +54,36 @@ class MicroBatchPlan:
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """One rank's rows as they cross the wire: an Arrow table and the plan that cuts it into micro-batches."""
+    """One rank's rows as they cross the wire: an Arrow table, the plan that cuts it into micro-batches, and the
+    columns Arrow cannot store as data, as Python objects.
+
+    ``objects`` holds exactly the columns :func:`dask_lm.data.arrow.to_arrow` refuses (tuples, numpy arrays,
+    tensors inside lists, custom objects), so NeMo RL code that keeps such columns in a batch still works. They
+    travel pickled by Dask, inside its channel between trusted peers (see the module docstring); the table itself
+    holds data only, which is what lets it be written to and read from files."""
 
     table: pa.Table
     plan: MicroBatchPlan
+    objects: Mapping[str, list[Any]] = field(default_factory=dict)  # key -> one Python object per row
+    keys: tuple[str, ...] = ()  # with objects: every key of the batch in its order (the table's and objects' keys)
 
     @classmethod
     def of(cls, batch: BatchedDataDict[Any], *, packed: bool = False) -> Shard:
-        from dask_lm.data.arrow import to_arrow
+        from dask_lm.data.arrow import encode_columns
 
-        return cls(to_arrow(batch), MicroBatchPlan.of(batch, packed=packed))
+        table, objects = encode_columns(batch)
+        return cls(table, MicroBatchPlan.of(batch, packed=packed), objects, tuple(batch) if objects else ())
 
     def rows(self) -> BatchedDataDict[Any]:
-        """The shard as the BatchedDataDict the driver cut (tensors right-padded again, plan attributes set)."""
+        """The shard as the BatchedDataDict the driver cut (tensors right-padded again, object columns back in their
+        place, plan attributes set)."""
         from dask_lm.data.arrow import from_arrow
+        from dask_lm.data.batch import BatchedDataDict
 
         data = from_arrow(self.table)
+        if self.objects:
+            columns = {**data, **self.objects}
+            data = BatchedDataDict({key: columns[key] for key in self.keys})
         data.micro_batch_indices = self.plan.micro_batch_indices
         data.micro_batch_lengths = self.plan.micro_batch_lengths
         data.elem_counts_per_gb = self.plan.elem_counts_per_gb
@@ -225,6 +243,9 @@ class ScoreOptions:
     chunk_size: int = 1024
     compile: bool = True
     convention: Convention = "lm-eval"  # prompt + response / text tokenization: dask_lm.data.continuation
+    # the model and tokenizer files as the job pinned them (dask_lm.io.fingerprint.Pin): a replica is loaded only
+    # from files that still hold that content, and is kept apart from one loaded from another version
+    model_pins: tuple[Any, ...] = ()
 
 
 # ------------------------------------------------------------------------------------------- extensions

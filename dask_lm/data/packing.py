@@ -20,6 +20,7 @@ import enum
 import math
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 __all__ = [
     "PackingAlgorithm",
@@ -30,6 +31,7 @@ __all__ = [
     "FirstFitShufflePacker",
     "ModifiedFirstFitDecreasingPacker",
     "get_packer",
+    "longest_first",
 ]
 
 
@@ -274,3 +276,28 @@ def get_packer(algorithm: PackingAlgorithm | str, bin_capacity: int, collect_met
         raise ValueError(f"Unknown packing algorithm: {algorithm}. Available algorithms: {available}")
     return _PACKERS[algorithm](bin_capacity, collect_metrics=collect_metrics, min_bin_count=min_bin_count,
                                bin_count_multiple=bin_count_multiple)
+
+
+def longest_first(lengths: Sequence[int], budget: int, *, padded: bool = False) -> list[list[int]]:
+    """Indices into ``lengths``, longest first, cut into consecutive batches of at most ``budget`` tokens: real
+    tokens, or with ``padded`` the batch's rows times its first (longest) row. A row longer than the budget goes
+    alone. The one binning of scoring's micro-batches and of the lm-eval request engine's tasks: sorted rows in
+    order keep each batch's lengths close, which is what padding and the varlen kernel both want, and it is
+    O(n log n) where first-fit packing is not."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    used = 0
+    for i in order:
+        if not batches:
+            fits = False
+        elif padded:  # rows come longest first: the batch's first row sets the padded width
+            fits = (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget
+        else:
+            fits = used + lengths[i] <= budget
+        if fits:
+            batches[-1].append(i)
+            used += lengths[i]
+        else:
+            batches.append([i])
+            used = lengths[i]
+    return batches

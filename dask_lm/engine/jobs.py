@@ -18,7 +18,8 @@ options, the work itself and its summary:
 5. :func:`located_partitions`: one read task per row group, whose failure names file and row group; the rows are
    tokenized on the workers by :func:`dask_lm.data.rows.tokenize_rows`, the one tokenization of every job.
 6. :func:`publishing` for a directory that must appear whole (:func:`dask_lm.io.checkpoint.publish`: fsync'd,
-   then renamed), and :meth:`JobOutput.finish`, which writes ``_SUCCESS`` last.
+   then renamed), and :meth:`JobOutput.finish`, which writes ``_SUCCESS`` last, once every pinned file is
+   confirmed unchanged since the job hashed it (a file changed mid-job fails it instead, exit 1).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dask_lm.engine.progress import JobBar
+from dask_lm.errors import InputChangedError
 from dask_lm.io import checkpoint, fingerprint, hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 
@@ -100,18 +102,25 @@ def resolve_tokenizer(tokenizer: str | os.PathLike[str] | None, model: str, *, f
 
 
 def manifest(source: hub.ModelSource, info: modelcheck.ModelInfo, inputs: pio.ScoreInputs, options: dict[str, Any],
-             *, tokenizer: str | None = None, **extra: Any) -> dict[str, Any]:
+             *, tokenizer: str | None = None, **extra: Any) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
     """``_manifest.json`` of a job: the format, the options and, by content, the model files, the files of a
-    ``tokenizer`` directory apart from the model's, and the input files; ``extra`` entries are the job's own."""
+    ``tokenizer`` directory apart from the model's, and the input files; ``extra`` entries are the job's own.
+    Also the pins behind it (model and tokenizer files first, then the inputs), which the job checks its reads
+    and its ``_SUCCESS`` against (:meth:`JobOutput.pin`)."""
     from dask_lm import __version__
 
     separate = tokenizer if tokenizer and tokenizer != source.path else None  # else its files are the model's
-    pins = fingerprint.job_pins(source.path, info.files, inputs.files, tokenizer=separate,
-                                tokenizer_files=modelcheck.tokenizer_files(separate) if separate else ())
+    entries, pins = fingerprint.job_pins(source.path, info.files, inputs.files, tokenizer=separate,
+                                         tokenizer_files=modelcheck.tokenizer_files(separate) if separate else ())
+    for pin in pins[len(pins) - len(inputs.files):]:
+        if inputs.stamps.get(pin.path, pin.stamp) != pin.stamp:  # the footers planned are not the bytes hashed
+            raise InputChangedError(f"{pin.path} changed between reading its footer and hashing it "
+                                                "(something is writing it); run the job again once it is complete")
     named = {"tokenizer": tokenizer} if tokenizer else {}
-    return {"format": jobdir.FORMAT, "dask_lm_version": __version__, "model": source.path, **named,
-            "options": options, **extra, **pins,
-            "model_source": source.record()}  # how the model was named: recorded, not compared
+    return ({"format": jobdir.FORMAT, "dask_lm_version": __version__, "model": source.path, **named,
+             "options": options, **extra, **entries,
+             "model_source": source.record()},  # how the model was named: recorded, not compared
+            pins)
 
 
 @dataclass(frozen=True)
@@ -144,6 +153,8 @@ class JobOutput:
     resume: bool
     overwrite: bool
     state: jobdir.OutputState
+    pins: list[fingerprint.Pin] = field(default_factory=list)
+    """What :meth:`pin` pinned: :meth:`finish` confirms every file still holds it."""
 
     @classmethod
     def open(cls, kind: JobKind, input: Any, output: str | os.PathLike[str], *, resume: bool, overwrite: bool
@@ -181,11 +192,13 @@ class JobOutput:
             self.kind.debris(self.path)
             yield old
 
-    def pin(self, new: dict[str, Any], old: dict[str, Any] | None, *, ignore: tuple[str, ...] = ()
-            ) -> dict[str, Any]:
+    def pin(self, new: dict[str, Any], old: dict[str, Any] | None, pins: list[fingerprint.Pin], *,
+            ignore: tuple[str, ...] = ()) -> dict[str, Any]:
         """Under the lock: write the manifest of a new output, or refuse (``ValueError``) to resume one whose
         pins differ from ``new`` (options in ``ignore`` aside). Returns the manifest in force. A precision that
-        one side leaves automatic (``None``) is compared by :meth:`pin_precision` once the workers are known."""
+        one side leaves automatic (``None``) is compared by :meth:`pin_precision` once the workers are known.
+        ``pins`` are the files behind ``new`` as this run hashed them (equal to ``old``'s when it resumes)."""
+        self.pins = pins
         if old is None:
             self.write_manifest(new)
             return new
@@ -217,7 +230,10 @@ class JobOutput:
             os.remove(os.path.join(self.path, pio.SUCCESS))
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """Write ``_SUCCESS`` (the job's summary): last, as it marks the output complete."""
+        """Write ``_SUCCESS`` (the job's summary): last, as it marks the output complete, and only once every
+        pinned file (inputs, model, tokenizer) is confirmed to hold what the job pinned
+        (:func:`~dask_lm.io.fingerprint.confirm_unchanged`: :class:`~dask_lm.errors.InputChangedError` else)."""
+        fingerprint.confirm_unchanged(self.pins)
         pio.write_json_atomic(summary, os.path.join(self.path, pio.SUCCESS))
 
 
@@ -252,13 +268,16 @@ def running(client: Any, *, scheduler_address: str | None, n_workers: int | None
             cluster.close(opened)
 
 
-def located_partitions(inputs: pio.ScoreInputs, columns: list[str] | None) -> list[Any]:
+def located_partitions(inputs: pio.ScoreInputs, columns: list[str] | None, pins: list[fingerprint.Pin]
+                       ) -> list[Any]:
     """One delayed read per planned row group whose failure names file and row group
     (:func:`dask_lm.io.parquet.read_partition`): ``dd.read_parquet``'s reader raises a corrupt page's error with
-    neither, and inside its task nothing downstream can turn the error into bad rows for ``--skip-bad-rows``."""
+    neither, and inside its task nothing downstream can turn the error into bad rows for ``--skip-bad-rows``.
+    Each read checks its file against the file's pin in ``pins`` first."""
     import dask
 
-    return [dask.delayed(pio.read_partition, pure=False)(f, g, start, n, columns)
+    by_path = {p.path: p for p in pins}
+    return [dask.delayed(pio.read_partition, pure=False)(f, g, start, n, columns, by_path[f])
             for f, g, start, n in inputs.partitions]
 
 

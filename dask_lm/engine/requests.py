@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from dask_lm.data.messages import ScoreOptions
+from dask_lm.data.packing import longest_first
 from dask_lm.engine import jobs
 from dask_lm.workers import tasks
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
@@ -150,20 +151,9 @@ class RequestEngine:
         goes alone) and, given enough requests, at least ``per_worker`` tasks per worker."""
         if not lengths:
             return []
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         wanted = min(len(lengths), per_worker * self.workers)
         task_tokens = self.task_tokens if task_tokens is None else task_tokens
-        budget = max(1, min(task_tokens, math.ceil(sum(lengths) / wanted)))
-        parts: list[list[int]] = []
-        used = 0
-        for i in order:
-            if parts and used + lengths[i] <= budget:
-                parts[-1].append(i)
-                used += lengths[i]
-            else:
-                parts.append([i])
-                used = lengths[i]
-        return parts
+        return longest_first(lengths, max(1, min(task_tokens, math.ceil(sum(lengths) / wanted))))
 
     def _run(self, what: str, lengths: list[int], task: Callable[[list[int]], tuple[Any, ...]], *,
              per_worker: int = 2, task_tokens: int | None = None) -> list[Any]:

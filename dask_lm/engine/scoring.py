@@ -29,7 +29,7 @@ from dask_lm.data.continuation import check_convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.engine import jobs
 from dask_lm.engine.progress import JobBar
-from dask_lm.io import hub, jobdir, modelcheck
+from dask_lm.io import fingerprint, hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
 from dask_lm.workers.tasks import release_scorers, score_partition
@@ -112,12 +112,13 @@ class ScoreResult:
 
 
 def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, source: hub.ModelSource, info: modelcheck.ModelInfo
-              ) -> dict[str, Any]:
+              ) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
     # left out: where the output goes, the model (pinned by content), and options that change no written value:
     # micro-batch sizes, compilation (same values to bf16 noise), and allow_nonfinite (a job refused for NaN may be
     # resumed keeping them; parts written before hold only finite values)
     options = {k: v for k, v in asdict(opts).items() if k not in ("output", "model", "tokenizer", "batch_tokens",
-                                                                   "chunk_size", "allow_nonfinite", "compile")}
+                                                                   "chunk_size", "allow_nonfinite", "compile",
+                                                                   "model_pins")}
     options["precision"] = None if opts.precision == "auto" else opts.precision  # pinned once the workers are known
     return jobs.manifest(source, info, inputs, options, tokenizer=opts.tokenizer, partitions=len(inputs.partitions))
 
@@ -204,11 +205,12 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                         max_length=max_length,
                         truncate=truncate, batch_tokens=batch_tokens, skip_bad_rows=skip_bad_rows,
                         allow_nonfinite=allow_nonfinite, compile=bool(compile))
-    manifest = _manifest(opts, inputs, source, info)
+    manifest, pins = _manifest(opts, inputs, source, info)
+    opts = replace(opts, model_pins=tuple(pins[:len(pins) - len(inputs.files)]))
     prepare_seconds = time.perf_counter() - started
     with out.locked() as old:
         added_skip = _added_skip_bad_rows(old, skip_bad_rows)
-        pinned = out.pin(manifest, old, ignore=("skip_bad_rows",) if added_skip else ())
+        pinned = out.pin(manifest, old, pins, ignore=("skip_bad_rows",) if added_skip else ())
         if old is not None and out.finished:
             return _finished(out.path, old)
         if added_skip:  # from now on the output may leave rows out: its manifest says so
@@ -282,7 +284,7 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreO
         columns = sorted({c for c in (opts.id_column, opts.text_column, opts.ids_column, opts.prompt_column,
                                       opts.response_column, opts.prompt_length_column) if c})
     todo = [i for i in range(len(inputs.partitions)) if i not in set(done)]
-    parts = jobs.located_partitions(inputs, columns)
+    parts = jobs.located_partitions(inputs, columns, out.pins)
     report = _performance_report(client, performance_report) if performance_report else contextlib.nullcontext()
     t0 = time.perf_counter()
     rows = tokens = bad = 0

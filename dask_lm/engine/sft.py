@@ -179,14 +179,14 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                "epochs": epochs, "global_batch_size": global_batch_size, "lr": lr, "weight_decay": weight_decay,
                "warmup_steps": warmup_steps, "max_length": max_length, "truncate": truncate, "seed": seed,
                "shuffle": shuffle, "precision": fixed_precision, "convention": conv}
-    manifest = jobs.manifest(source, info, inputs, options)
+    manifest, pins = jobs.manifest(source, info, inputs, options)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
     # every row trains (a bad one fails the run), so the run's length is known from the footers' row counts
     planned = math.ceil(inputs.num_rows / global_batch_size) * epochs
     planned = planned if max_steps is None else min(max_steps, planned)
     with out.locked() as old:
-        out.pin(manifest, old)
+        out.pin(manifest, old, pins)
         start = _newest_checkpoint(out.path) if old is not None else None
         if start is not None and start[0] >= planned and out.finished:
             return _finished(out.path, start)
@@ -196,8 +196,8 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
             precision = fixed_precision or jobs.worker_precision(dask_client)
             out.pin_precision(precision)
             bar.wait("tokenizing the rows")
-            rows = _tokenize_all(dask_client, inputs, text_column, prompt_column, response_column, model, max_length,
-                                 truncate, conv)
+            rows = _tokenize_all(dask_client, inputs, pins, text_column, prompt_column, response_column, model,
+                                 max_length, truncate, conv)
             steps_per_epoch = math.ceil(len(rows) / global_batch_size)
             total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
             bar.wait("loading the model", total=total)
@@ -263,13 +263,13 @@ def _policy_config(model: str, precision: str, global_batch_size: int, micro_bat
     return cfg
 
 
-def _tokenize_all(client: Any, inputs: pio.ScoreInputs, text_column: str | None, prompt_column: str | None,
-                  response_column: str | None, tokenizer_dir: str, max_length: int, truncate: bool,
-                  convention: Convention) -> list[tuple[list[int], int]]:
+def _tokenize_all(client: Any, inputs: pio.ScoreInputs, pins: list[Any], text_column: str | None,
+                  prompt_column: str | None, response_column: str | None, tokenizer_dir: str, max_length: int,
+                  truncate: bool, convention: Convention) -> list[tuple[list[int], int]]:
     import dask
 
     columns = [c for c in (text_column, prompt_column, response_column) if c]
-    parts = jobs.located_partitions(inputs, columns)
+    parts = jobs.located_partitions(inputs, columns, pins)
     tasks = [dask.delayed(_tokenize_partition, pure=False)(p, text_column, prompt_column, response_column,
                                                            tokenizer_dir, f, first, convention)
              for p, (f, _g, first, _n) in zip(parts, inputs.partitions)]

@@ -13,23 +13,75 @@ SHA-256 1,050 MB/s on one thread and 1,440 MB/s over two threads (blake2b: 625 M
 while it hashes, so files are hashed in parallel threads (one thread per file). The cost is reading every byte
 once per start or resume: about one second per GB and per core here, more when the files are not in the page
 cache (then the disk or network sets the pace).
+
+A file can also change while the job runs (a pipeline rewrites it, a user replaces it), and a ``_SUCCESS`` over
+parts computed from two versions would vouch for content the output was not computed from. Hashing every byte per
+partition would double the job's reads, so the pin also keeps the file's :class:`Stamp` (size, mtime, ctime) taken
+around the hash: every partition's read compares the file's stamp with the pinned one (one ``stat``), and before
+``_SUCCESS`` every pinned file, model files included, is stamped again (:func:`confirm_unchanged`). A stamp that
+moved is not yet a change (``touch``, a copy of the same bytes): the file is re-hashed, and only different bytes
+fail the job (:class:`~dask_lm.errors.InputChangedError`, exit 1).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
 
-__all__ = ["ALGORITHM", "file_sha256", "fingerprint_files", "relative_entries", "job_pins"]
+from dask_lm.errors import InputChangedError
+
+__all__ = ["ALGORITHM", "Stamp", "Pin", "stamp", "file_sha256", "fingerprint_files", "job_pins", "verify",
+           "confirm_unchanged"]
 
 logger = logging.getLogger("dask_lm")
 
 ALGORITHM = "sha256"
+_SUCCESS = "_SUCCESS"  # dask_lm.io.parquet.SUCCESS, named here without importing pyarrow
 _BLOCK = 8 << 20  # 8 MiB reads: large enough that the per-call overhead vanishes, small enough to stay in cache
+# A file modified this close to its hash may change again without its stamp changing: filesystems keep times at
+# their own granularity (ext4 takes them from a clock that ticks every few ms, FAT and some NFS servers in whole
+# seconds), git's "racily clean" index entries. Such a pin is re-hashed before _SUCCESS whatever its stamp says.
+_RACY_NS = 2_000_000_000
+
+
+class Stamp(NamedTuple):
+    """What ``stat`` says of a file's content without reading it: size, modification and change times.
+
+    ``st_ctime`` moves on every write, rename and ``utime`` and cannot be set back by a user, so a file rewritten
+    to the same size with its old mtime restored still gets a new stamp. Inode and device numbers are left out:
+    hosts that mount one NFS export see different device numbers for it, and a worker on another host must agree
+    with the driver."""
+
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+def stamp(path: str) -> Stamp:
+    st = os.stat(path)
+    return Stamp(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One file as a job pinned it: the manifest's record (size, SHA-256) and the stamp it had while hashed."""
+
+    path: str  # absolute
+    size: int
+    sha256: str
+    stamp: Stamp
+    racy: bool = False  # modified within _RACY_NS of the hash: its stamp cannot vouch for its content
+
+    def entry(self, root: str | None = None) -> dict[str, Any]:
+        """The manifest's entry: the path relative to ``root`` where given (a model is pinned by content)."""
+        return {"path": os.path.relpath(self.path, root) if root else self.path, "size": self.size,
+                ALGORITHM: self.sha256}
 
 
 def file_sha256(path: str) -> tuple[int, str]:
@@ -47,49 +99,105 @@ def file_sha256(path: str) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+def _pin(path: str) -> Pin:
+    """Hash ``path`` between two stamps; they must agree, else the bytes hashed may be a mix of two versions."""
+    path = os.path.abspath(path)
+    try:
+        before = stamp(path)
+        t0 = time.time_ns()
+        size, digest = file_sha256(path)
+        after = stamp(path)
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read to fingerprint it: {e}") from None
+    if after != before or size != before.size:
+        raise InputChangedError(f"{path} changed while dask-lm was fingerprinting it (something is writing it); "
+                                "run the job again once the file is complete")
+    racy = t0 - max(before.mtime_ns, before.ctime_ns) < _RACY_NS
+    return Pin(path, size, digest, before, racy)
+
+
 def _threads(count: int) -> int:
     # one thread per core keeps the CPUs busy hashing; a few more hide the latency of network filesystems
     return max(1, min(count, 8, max(2, os.cpu_count() or 1)))
 
 
-def fingerprint_files(paths: Sequence[str]) -> list[dict[str, Any]]:
-    """``[{"path", "size", "sha256"}]`` for ``paths`` (in their order), hashed in parallel threads.
+def fingerprint_files(paths: Sequence[str]) -> list[Pin]:
+    """A :class:`Pin` of each of ``paths`` (in their order), hashed in parallel threads.
 
-    Raises ``ValueError`` naming a file that cannot be read."""
+    Raises ``ValueError`` naming a file that cannot be read, :class:`InputChangedError` one written meanwhile."""
     paths = list(paths)
     if not paths:
         return []
     t0 = time.perf_counter()
-
-    def one(path: str) -> dict[str, Any]:
-        try:
-            size, digest = file_sha256(path)
-        except OSError as e:
-            raise ValueError(f"{path} cannot be read to fingerprint it: {e}") from None
-        return {"path": path, "size": size, ALGORITHM: digest}
-
     with ThreadPoolExecutor(_threads(len(paths)), thread_name_prefix="dask-lm-hash") as pool:
-        entries = list(pool.map(one, paths))
+        pins = list(pool.map(_pin, paths))
     seconds = time.perf_counter() - t0
-    total = sum(e["size"] for e in entries)
-    logger.info("hashed %d files (%.1f MB) in %.2f s (%.0f MB/s)", len(entries), total / 1e6, seconds,
+    total = sum(p.size for p in pins)
+    logger.info("hashed %d files (%.1f MB) in %.2f s (%.0f MB/s)", len(pins), total / 1e6, seconds,
                 total / 1e6 / max(seconds, 1e-9))
-    return entries
-
-
-def relative_entries(entries: list[dict[str, Any]], root: str) -> list[dict[str, Any]]:
-    """The entries with paths relative to ``root`` (a model directory is pinned by its content, not its place)."""
-    return [{**e, "path": os.path.relpath(e["path"], root)} for e in entries]
+    return pins
 
 
 def job_pins(model: str, model_files: Sequence[str], inputs: Sequence[str], *, tokenizer: str | None = None,
-             tokenizer_files: Sequence[str] = ()) -> dict[str, list[dict[str, Any]]]:
-    """The manifest entries of a job: ``model_files`` and ``tokenizer_files`` (relative to their directories) and
-    ``inputs`` (absolute), all hashed in one pool of threads."""
+             tokenizer_files: Sequence[str] = ()) -> tuple[dict[str, list[dict[str, Any]]], list[Pin]]:
+    """The manifest entries of a job (``model_files`` and ``tokenizer_files`` relative to their directories,
+    ``inputs`` absolute) and the pins behind them (model, tokenizer, inputs, in that order), hashed in one pool."""
     model_paths = [os.path.join(model, f) for f in model_files]
     tokenizer_paths = [os.path.join(tokenizer, f) for f in tokenizer_files] if tokenizer else []
-    entries = fingerprint_files([*model_paths, *tokenizer_paths, *inputs])
+    pins = fingerprint_files([*model_paths, *tokenizer_paths, *inputs])
     a, b = len(model_paths), len(model_paths) + len(tokenizer_paths)
-    return {"model_files": relative_entries(entries[:a], model),
-            "tokenizer_files": relative_entries(entries[a:b], tokenizer) if tokenizer else [],
-            "inputs": entries[b:]}
+    entries = {"model_files": [p.entry(model) for p in pins[:a]],
+               "tokenizer_files": [p.entry(tokenizer) for p in pins[a:b]] if tokenizer else [],
+               "inputs": [p.entry() for p in pins[b:]]}
+    return entries, pins
+
+
+# ------------------------------------------------------------------------------------------- unchanged since
+@functools.lru_cache(maxsize=256)
+def _rehash(path: str, now: Stamp) -> str:
+    """The SHA-256 of ``path`` as it is at stamp ``now`` (cached: every partition of a touched file asks)."""
+    return file_sha256(path)[1]
+
+
+def _changed(pin: Pin, why: str, fix: str) -> InputChangedError:
+    return InputChangedError(f"{pin.path} changed while the job ran ({why}); results from two versions of a file "
+                             f"would be mixed, so the job stops without {_SUCCESS}. {fix}")
+
+
+RESUME_FIX = ("Restore the file as it was and run the same command with --resume (the parts written so far came "
+              "from the pinned content), or run with --overwrite to start again from the new content")
+
+
+def verify(pin: Pin, *, since: Stamp | None = None, rehash_racy: bool = False, fix: str = RESUME_FIX) -> Stamp:
+    """That ``pin.path`` still holds the pinned content; returns its stamp now. Costs one ``stat`` while the stamp
+    is the pinned one (or ``since``, what an earlier call returned: a read between the two calls saw one
+    version); a file whose stamp moved (a ``touch``, a copy of the same bytes) is re-hashed, and only different
+    bytes raise :class:`InputChangedError`, naming the file, what changed and ``fix``. With ``rehash_racy`` a
+    racy pin is re-hashed even under its pinned stamp."""
+    try:
+        now = stamp(pin.path)
+    except OSError as e:
+        raise _changed(pin, f"it cannot be read any more: {e.strerror or e}", fix) from None
+    if now == (since or pin.stamp) and not (rehash_racy and pin.racy and since is None):
+        return now
+    if now.size != pin.size:
+        raise _changed(pin, f"{pin.size:,} bytes when the job pinned it, now {now.size:,}", fix)
+    try:
+        # a racy pin under its pinned stamp is read afresh: the cache keyed by that stamp cannot tell versions apart
+        digest = file_sha256(pin.path)[1] if now == pin.stamp else _rehash(pin.path, now)
+    except OSError as e:
+        raise _changed(pin, f"it cannot be read any more: {e.strerror or e}", fix) from None
+    if digest != pin.sha256:
+        raise _changed(pin, f"same size, different content: {ALGORITHM} {pin.sha256[:12]}... when pinned, now "
+                            f"{digest[:12]}...", fix)
+    return now
+
+
+def confirm_unchanged(pins: Sequence[Pin], *, fix: str = RESUME_FIX) -> None:
+    """Before ``_SUCCESS``: every pinned file still holds its pinned content (:func:`verify`, racy pins
+    re-hashed), checked in parallel threads; :class:`InputChangedError` for the first that does not."""
+    if not pins:
+        return
+    _rehash.cache_clear()  # the last word reads the bytes afresh wherever a stamp moved
+    with ThreadPoolExecutor(_threads(len(pins)), thread_name_prefix="dask-lm-verify") as pool:
+        list(pool.map(lambda p: verify(p, rehash_racy=True, fix=fix), pins))

@@ -10,11 +10,14 @@ import glob
 import json
 import os
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dask_lm.io.fingerprint import Pin, stamp, verify
 
 __all__ = ["ScoreInputs", "resolve_input_files", "inspect_inputs", "part_name", "write_part", "write_json_atomic",
            "output_schema_columns", "UnreadableRowGroup", "read_partition", "errors_table", "errors_dir",
@@ -38,14 +41,24 @@ class ScoreInputs:
     scored_bytes: int = 0
     """Uncompressed bytes of the scored columns (text, ids, prompt + response) over every row group, from the
     footers: a size estimate that costs no read (used to decide whether compiling the forward pays)."""
+    stamps: dict[str, Any] = field(default_factory=dict)
+    """Each file's :class:`~dask_lm.io.fingerprint.Stamp` as its footer was read: the hash must be of the same
+    bytes, or the partitions planned from the footer may not be the file's."""
 
 
 def resolve_input_files(input: str | os.PathLike[str] | list[Any]) -> list[str]:
-    """A parquet file, a directory of them (recursively), a glob, or a list of those: sorted absolute paths.
+    """A parquet file, a directory of them (recursively), a glob, or a list of those: absolute paths, sorted
+    within each item, each file once.
 
     Inside a directory, files and directories whose names start with ``_`` or ``.`` are skipped at every depth, as
     Dask and Spark skip them: they hold metadata (``_SUCCESS``, ``_delta_log/``), temporaries (``_temporary/``,
-    ``.part.tmp-*``) or a job's own bookkeeping (``_errors/``), never rows."""
+    ``.part.tmp-*``) or a job's own bookkeeping (``_errors/``), never rows. Symlinks are followed, to files and to
+    directories alike (pyarrow's dataset discovery follows both, and a link is how a dataset is assembled from
+    parts that live elsewhere; skipping one would drop its rows without a word). A directory reached a second way
+    (a symlink loop, two links to one place) is walked once, and a file reached twice (by two links, two globs or
+    a glob and a name) is read once: both with a warning naming the paths. A glob that matches a directory walks
+    it, as the shell's expansion of the same pattern would pass it. A directory that cannot be listed is an error
+    naming it, never a silent gap."""
     items = input if isinstance(input, (list, tuple)) else [input]
     files: list[str] = []
     for item in items:
@@ -54,7 +67,12 @@ def resolve_input_files(input: str | os.PathLike[str] | list[Any]) -> list[str]:
             matched = sorted(glob.glob(path, recursive=True))
             if not matched:
                 raise ValueError(f"input {path!r} matches no file")
-            files.extend(m for m in matched if os.path.isfile(m))
+            for m in matched:
+                if os.path.isdir(m):
+                    if not os.path.basename(m.rstrip(os.sep)).startswith(("_", ".")):
+                        files.extend(sorted(_walk_parquet(m)))
+                elif os.path.isfile(m):
+                    files.append(m)
         elif os.path.isdir(path):
             found = sorted(_walk_parquet(path))
             if not found:
@@ -64,15 +82,55 @@ def resolve_input_files(input: str | os.PathLike[str] | list[Any]) -> list[str]:
             files.append(path)
         else:
             raise ValueError(f"input {path!r} does not exist")
-    return [os.path.abspath(f) for f in files]
+    return _once([os.path.abspath(f) for f in files])
+
+
+def _identity(path: str) -> tuple[int, int]:
+    st = os.stat(path)  # follows links: the file or directory itself
+    return st.st_dev, st.st_ino
+
+
+def _once(files: list[str]) -> list[str]:
+    """``files`` without the second and later paths to one file (its rows would be scored twice)."""
+    first: dict[tuple[int, int], str] = {}
+    out, twice = [], []
+    for f in files:
+        ident = _identity(f)
+        if ident in first:
+            if f != first[ident]:  # the same path twice (``data/**`` matches a directory and its files) says nothing
+                twice.append(f"{f} (= {first[ident]})")
+        else:
+            first[ident] = f
+            out.append(f)
+    if twice:
+        shown = "; ".join(twice[:3]) + (f" and {len(twice) - 3} more" if len(twice) > 3 else "")
+        warnings.warn(f"{len(twice)} input paths lead to a file already in the input, each read once: {shown}",
+                      UserWarning, stacklevel=3)
+    return out
 
 
 def _walk_parquet(directory: str) -> list[str]:
-    found = []
-    for root, dirs, names in os.walk(directory):
+    def unlistable(e: OSError) -> None:
+        raise ValueError(f"input directory {e.filename} cannot be listed ({e.strerror}): its files would be left "
+                         "out; fix its permissions, or name the input files you mean")
+
+    found: list[str] = []
+    walked: set[tuple[int, int]] = set()
+    again: list[str] = []
+    for root, dirs, names in os.walk(directory, onerror=unlistable, followlinks=True):
+        ident = _identity(root)
+        if ident in walked:  # a symlink loop, or a second link to a directory already walked: its files are in
+            dirs[:] = []
+            again.append(root)
+            continue
+        walked.add(ident)
         dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]  # pruned in place: os.walk never enters them
         found += [os.path.join(root, f) for f in names
                   if f.endswith((".parquet", ".parq", ".pq")) and not f.startswith(("_", "."))]
+    if again:
+        shown = ", ".join(again[:3]) + (f" and {len(again) - 3} more" if len(again) > 3 else "")
+        warnings.warn(f"{len(again)} directories of input {directory} are reached a second way (a symlink loop, or two "
+                      f"links to one directory), each walked once: {shown}", UserWarning, stacklevel=4)
     return found
 
 
@@ -90,6 +148,7 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
     out = ScoreInputs(files=files)
     for file in files:
         try:
+            out.stamps[file] = stamp(file)
             meta = pq.ParquetFile(file)
         except (pa.ArrowInvalid, OSError) as e:
             raise ValueError(f"{file} is not a readable parquet file: {e}") from None
@@ -170,7 +229,8 @@ class UnreadableRowGroup:
                 "the file is damaged: re-create it")
 
 
-def read_partition(file: str, group: int, first_row: int, num_rows: int, columns: list[str] | None) -> Any:
+def read_partition(file: str, group: int, first_row: int, num_rows: int, columns: list[str] | None,
+                   pin: Pin | None = None) -> Any:
     """Row group ``group`` of ``file`` as a pandas frame of Arrow-backed columns, or an :class:`UnreadableRowGroup`
     when its pages are corrupt.
 
@@ -178,9 +238,12 @@ def read_partition(file: str, group: int, first_row: int, num_rows: int, columns
     "Couldn't deserialize thrift" with no file or row group), lets ``--skip-bad-rows`` list the row group's rows
     instead of failing the job, and verifies page checksums where the writer stored them, so a flipped byte in a
     value is found rather than scored. A file that is gone or whose footer broke since the checks is not a bad
-    row: that raises."""
+    row: that raises. So does a file that no longer holds its ``pin``'s content, checked before the read (one
+    ``stat`` while its stamp is unchanged) and after it (the stamp must not have moved during the read):
+    :class:`~dask_lm.errors.InputChangedError`, naming the file."""
     import pandas as pd
 
+    before = verify(pin) if pin is not None else None
     f = pq.ParquetFile(file, page_checksum_verification=True)
     try:
         table = f.read_row_group(group, columns=columns)
@@ -188,8 +251,10 @@ def read_partition(file: str, group: int, first_row: int, num_rows: int, columns
         schema = f.schema_arrow
         if columns is not None:
             schema = pa.schema([schema.field(c) for c in columns])
-        return UnreadableRowGroup(file, group, first_row, num_rows, " ".join(str(e).split()), schema)
-    return table.to_pandas(types_mapper=pd.ArrowDtype)
+        table = UnreadableRowGroup(file, group, first_row, num_rows, " ".join(str(e).split()), schema)
+    if pin is not None:
+        verify(pin, since=before)  # moved during the read: re-hashed, and refused if its bytes are not the pin's
+    return table if isinstance(table, UnreadableRowGroup) else table.to_pandas(types_mapper=pd.ArrowDtype)
 
 
 def errors_table(index: int, file: str, rows: list[int], errors: list[str]) -> pa.Table:

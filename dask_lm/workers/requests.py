@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dask_lm.data.messages import ScoreOptions
+from dask_lm.data.packing import longest_first
 from dask_lm.errors import NonFiniteError
 from dask_lm.workers import device, scorer
 from dask_lm.workers.forward import final_hidden_states
@@ -144,7 +145,7 @@ def generate_rows(contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOpt
         # wider than scoring's micro-batches: decode steps are sequential and launch-bound, so rows per batch is
         # what makes generation fast
         budget = GENERATE_BATCH_FACTOR * opts.batch_tokens
-        for part in scorer._micro_batches([len(c) + max_new for c in contexts], budget):
+        for part in longest_first([len(c) + max_new for c in contexts], budget, padded=True):
             width = max(len(contexts[i]) for i in part)
             x = torch.full((len(part), width), rep.pad_id, dtype=torch.int64)
             mask = torch.zeros((len(part), width), dtype=torch.int64)

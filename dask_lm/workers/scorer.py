@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from dask_lm.data.messages import ScoreOptions
+from dask_lm.data.packing import longest_first
 from dask_lm.data.rows import BadRowError, prepare_rows
 from dask_lm.errors import NonFiniteError
+from dask_lm.io.fingerprint import verify
 from dask_lm.workers import device, fused, varlen
 from dask_lm.workers.inference import forward_rows
 from dask_lm.workers.logprobs import next_token_logprobs_greedy, output_head, topk_logits
@@ -101,11 +103,16 @@ def _replica(opts: ScoreOptions) -> _Replica:
     from dask_lm.workers.state import get_state
 
     cache = get_state().scorers
-    key = (opts.model, opts.tokenizer, opts.precision, opts.compile)
+    # the pins in the key: a replica of the same path loaded from other bytes (an earlier job's) is another model
+    key = (opts.model, opts.tokenizer, opts.precision, opts.compile, opts.model_pins)
     with _CACHE_LOCK:
         rep = cache.get(key)
         if rep is None:
-            rep = cache[key] = _Replica(opts.model, opts.tokenizer, opts.precision, compile=opts.compile)
+            before = [verify(pin) for pin in opts.model_pins]
+            rep = _Replica(opts.model, opts.tokenizer, opts.precision, compile=opts.compile)
+            for pin, was in zip(opts.model_pins, before):  # written during the load: the weights may mix versions
+                verify(pin, since=was)
+            cache[key] = rep
         rep.last_used = time.monotonic()
         return rep
 
@@ -163,28 +170,6 @@ def release_scorers(dask_worker: Any = None) -> int:
     return n
 
 
-def _micro_batches(lengths: list[int], budget: int, *, packed: bool = False) -> list[list[int]]:
-    """Row indices, longest first, in batches of at most ``budget`` tokens: real tokens when ``packed``, else
-    padded to the batch's longest row (a longer row goes alone)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    used = 0
-    for i in order:
-        if not batches:
-            fits = False
-        elif packed:
-            fits = used + lengths[i] <= budget
-        else:  # rows come longest first: the batch's first row sets the padded width
-            fits = (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget
-        if fits:
-            batches[-1].append(i)
-            used += lengths[i]
-        else:
-            batches.append([i])
-            used = lengths[i]
-    return batches
-
-
 @torch.no_grad()
 def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions
                 ) -> tuple[list[torch.Tensor], list | None, list[bool], list[torch.Tensor]]:
@@ -198,7 +183,7 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions
     tops: list[Any] | None = [empty_top] * len(ids) if opts.topk else None
     finite = [True] * len(ids)
     rows = [i for i in range(len(ids)) if ids[i]]
-    for part in _micro_batches([len(ids[i]) for i in rows], opts.batch_tokens, packed=rep.packed):
+    for part in longest_first([len(ids[i]) for i in rows], opts.batch_tokens, padded=not rep.packed):
         batch = [rows[j] for j in part]
         width = len(ids[batch[0]])
         x = torch.full((len(batch), width), rep.pad_id, dtype=torch.int64)
