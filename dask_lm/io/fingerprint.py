@@ -159,45 +159,45 @@ def _rehash(path: str, now: Stamp) -> str:
     return file_sha256(path)[1]
 
 
-def _changed(pin: Pin, why: str, fix: str) -> InputChangedError:
+def _changed(pin: Pin, why: str) -> InputChangedError:
     return InputChangedError(f"{pin.path} changed while the job ran ({why}); results from two versions of a file "
-                             f"would be mixed, so the job stops without {_SUCCESS}. {fix}")
+                             f"would be mixed, so the job stops without {_SUCCESS}. {_RESUME_FIX}")
 
 
-RESUME_FIX = ("Restore the file as it was and run the same command with --resume (the parts written so far came "
+_RESUME_FIX = ("Restore the file as it was and run the same command with --resume (the parts written so far came "
               "from the pinned content), or run with --overwrite to start again from the new content")
 
 
-def verify(pin: Pin, *, since: Stamp | None = None, rehash_racy: bool = False, fix: str = RESUME_FIX) -> Stamp:
+def verify(pin: Pin, *, since: Stamp | None = None, rehash_racy: bool = False) -> Stamp:
     """That ``pin.path`` still holds the pinned content; returns its stamp now. Costs one ``stat`` while the stamp
     is the pinned one (or ``since``, what an earlier call returned: a read between the two calls saw one
     version); a file whose stamp moved (a ``touch``, a copy of the same bytes) is re-hashed, and only different
-    bytes raise :class:`InputChangedError`, naming the file, what changed and ``fix``. With ``rehash_racy`` a
+    bytes raise :class:`InputChangedError`, naming the file, what changed and how to go on. With ``rehash_racy`` a
     racy pin is re-hashed even under its pinned stamp."""
     try:
         now = stamp(pin.path)
     except OSError as e:
-        raise _changed(pin, f"it cannot be read any more: {e.strerror or e}", fix) from None
+        raise _changed(pin, f"it cannot be read any more: {e.strerror or e}") from None
     if now == (since or pin.stamp) and not (rehash_racy and pin.racy and since is None):
         return now
     if now.size != pin.size:
-        raise _changed(pin, f"{pin.size:,} bytes when the job pinned it, now {now.size:,}", fix)
+        raise _changed(pin, f"{pin.size:,} bytes when the job pinned it, now {now.size:,}")
     try:
         # a racy pin under its pinned stamp is read afresh: the cache keyed by that stamp cannot tell versions apart
         digest = file_sha256(pin.path)[1] if now == pin.stamp else _rehash(pin.path, now)
     except OSError as e:
-        raise _changed(pin, f"it cannot be read any more: {e.strerror or e}", fix) from None
+        raise _changed(pin, f"it cannot be read any more: {e.strerror or e}") from None
     if digest != pin.sha256:
         raise _changed(pin, f"same size, different content: {ALGORITHM} {pin.sha256[:12]}... when pinned, now "
-                            f"{digest[:12]}...", fix)
+                            f"{digest[:12]}...")
     return now
 
 
-def confirm_unchanged(pins: Sequence[Pin], *, fix: str = RESUME_FIX) -> None:
+def confirm_unchanged(pins: Sequence[Pin]) -> None:
     """Before ``_SUCCESS``: every pinned file still holds its pinned content (:func:`verify`, racy pins
     re-hashed), checked in parallel threads; :class:`InputChangedError` for the first that does not."""
     if not pins:
         return
     _rehash.cache_clear()  # the last word reads the bytes afresh wherever a stamp moved
     with ThreadPoolExecutor(_threads(len(pins)), thread_name_prefix="dask-lm-verify") as pool:
-        list(pool.map(lambda p: verify(p, rehash_racy=True, fix=fix), pins))
+        list(pool.map(lambda p: verify(p, rehash_racy=True), pins))
