@@ -1,16 +1,25 @@
-"""Offline scoring throughput: ``dask_lm.score_parquet`` against a plain Hugging Face batched loop, same parquet rows.
+"""Offline scoring, as the user waits for it: ``dask-lm score`` against the script a competent user would write.
 
 A benchmark, not a test: it prints numbers and asserts nothing about speed. Rows of long-tailed (lognormal)
-lengths are written as a parquet dataset of token ids (several files, several row groups each). Both arms run end to
-end, model loading and reading included, writing one result row per input row:
+lengths are written as a parquet dataset of token ids (several files; pyarrow's default row groups unless
+``--row-group``). The headline compares whole processes, each started fresh, imports and model load included:
+
+* the competent user's script, ``benchmarks/user_score.py`` (rows sorted longest first, padded batches up to a
+  64k-token budget, sdpa in bf16, the head and an fp32 logsumexp in 1024-position slices), run as its own process;
+* ``dask-lm score`` (the CLI, its defaults), run as its own process: cold, as a user's first job;
+* the same job a second time through ``score_parquet`` on the client of the in-process arms below (``warm``).
+
+Each process arm prints its wall time and its time to the first scored row (for the user's script: its first
+batch's sums on the host; for dask-lm: the first part file written), both from the moment the process started.
+Then the in-process arms, run end to end, model loading and reading included, writing one result row per input row:
 
 * arm B, dask-lm: ``score_parquet(ids_column=...)`` on a local cluster, once per worker count of ``--n-workers``
   (a comma-separated list, one GPU per worker; each count on a fresh cluster, closed before the next; 2 CPU workers
   by default on a CPU machine), dynamic micro-batches of ``--batch-tokens`` padded tokens, chunked logprobs. On
   each cluster the job runs cold (fresh worker processes) and then warm (the same workers again);
-* arm A, plain HF: ``pandas.read_parquet`` of every file, padded batches of ``--hf-batch-size`` rows in data
-  order, full-vocabulary float32 log_softmax + gather, the per-row sums written as one parquet file. It runs once,
-  after the last cluster is closed, in this process, on the first GPU (or one CPU thread per worker).
+* arm A, plain HF (only with ``--plain-hf``): ``pandas.read_parquet`` of every file, padded batches of
+  ``--hf-batch-size`` rows in data order, full-vocabulary float32 log_softmax + gather. A baseline nobody who
+  knows the job runs (3.6x padding at the default lengths), kept as the second line it used to be the first of.
 
 The dask-lm / HF ratio lines compare arm A with the smallest worker count; the scaling table at the end gives every
 count, cold and warm: end-to-end tokens/s, per worker, per-GPU MFU (warm), the efficiency against one worker
@@ -24,7 +33,8 @@ Examples
 --------
     python benchmarks/score.py                                  # CPU, tiny model, 2 workers
     python benchmarks/score.py --n-workers 1,2 --num-rows 128   # CPU: a 1- and a 2-worker arm
-    python benchmarks/score.py --shape qwen2.5-0.5b             # GPU: 1, 2, 4, ... workers up to the GPU count
+    python benchmarks/score.py --shape qwen2.5-0.5b             # GPU: the issue-26 job (8192 rows, ~4.4M tokens)
+    python benchmarks/score.py --shape qwen2.5-1.5b --no-in-process   # GPU: the whole-process arms only
     python benchmarks/score.py --shape qwen2.5-0.5b --n-workers 1,2,4,8 --fresh-compile-cache
 """
 
@@ -32,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from typing import Any
@@ -58,7 +69,7 @@ from scaling import (
 CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
-def write_dataset(root: str, ids: torch.Tensor, lens: torch.Tensor, files: int, row_group: int) -> str:
+def write_dataset(root: str, ids: torch.Tensor, lens: torch.Tensor, files: int, row_group: int | None) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -70,8 +81,70 @@ def write_dataset(root: str, ids: torch.Tensor, lens: torch.Tensor, files: int, 
         chunk = rows[f * per:(f + 1) * per]
         table = pa.table({"id": list(range(f * per, f * per + len(chunk))),
                           "ids": pa.array(chunk, pa.list_(pa.int32()))})
+        # row_group None: pyarrow's default (1Mi rows), i.e. one row group per file, as pandas / pyarrow write them
         pq.write_table(table, os.path.join(data, f"part-{f:03d}.parquet"), row_group_size=row_group)
     return data
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"no JSON line in the output:\n{text[-4000:]}")
+
+
+def _process(cmd: list[str], what: str) -> tuple[float, float, str]:
+    """Run ``cmd`` as a fresh process: (time.time() it was started at, wall seconds, its stdout)."""
+    import subprocess
+
+    started = time.time()
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return started, wall, proc.stdout
+
+
+def user_process(model_dir: str, data: str, out: str) -> dict[str, Any]:
+    """The competent user's script (``user_score.py``) as a whole process: wall time, first batch, its sums."""
+    import pyarrow.parquet as pq
+
+    started, wall, stdout = _process([sys.executable, os.path.join(HERE, "user_score.py"), model_dir, data, out,
+                                      "--ids-column", "ids", "--id-column", "id"], "user_score.py")
+    info = _last_json(stdout)
+    t = pq.read_table(out, columns=["id", "sum_logprob"]).to_pydict()
+    return {"seconds": wall, "first_row_seconds": info["first_batch_at"] - started,
+            "phases_at": info["phases_at"], "sums": dict(zip(t["id"], t["sum_logprob"]))}
+
+
+def cli_process(model_dir: str, data: str, out: str, extra: list[str]) -> dict[str, Any]:
+    """``dask-lm score`` (the CLI, its defaults) as a whole process: wall time, first part, start phases, sums."""
+    import pyarrow.parquet as pq
+
+    cmd = [sys.executable, "-m", "dask_lm", "score", data, "--model", model_dir, "--ids-column", "ids",
+           "--id-column", "id", "--output", out, "--no-progress", *extra]
+    started, wall, _stdout = _process(cmd, "dask-lm score")
+    with open(os.path.join(out, "_SUCCESS"), encoding="utf-8") as f:
+        summary = json.load(f)
+    sums = {}
+    for name in sorted(os.listdir(out)):
+        if name.startswith("part-"):
+            t = pq.read_table(os.path.join(out, name), columns=["id", "sum_logprob"]).to_pydict()
+            sums.update(zip(t["id"], t["sum_logprob"]))
+    first = summary.get("first_row_at")
+    return {"seconds": wall, "first_row_seconds": first - started if first else float("nan"),
+            "start_phases": summary.get("start_phases") or {}, "model_load": summary.get("model_load_seconds"),
+            "model_load_phases": summary.get("model_load_phases") or {},
+            "compile": summary.get("compile_seconds"), "scoring": summary.get("scoring_seconds"),
+            "sums": sums, "command": " ".join(cmd[1:])}
+
+
+def max_rel_diff(a: dict[int, float], b: dict[int, float]) -> float:
+    return max(abs(a[i] - b[i]) / max(1.0, abs(b[i])) for i in b)
 
 
 def run_hf(model_dir: str, data: str, out: str, dtype: torch.dtype, device: torch.device, batch_size: int
@@ -106,27 +179,34 @@ def run_hf(model_dir: str, data: str, out: str, dtype: torch.dtype, device: torc
 
 @click.command()
 @click.option("--shape", type=click.Choice(SHAPE_CHOICES), default="tiny", show_default=True)
-@click.option("--num-rows", type=int, default=None, help="[default: 256 CPU, 4096 GPU]")
-@click.option("--files", type=int, default=4, show_default=True)
-@click.option("--row-group", type=int, default=None, help="Rows per row group = per partition [default: 32 CPU, 256 GPU].")
+@click.option("--num-rows", type=int, default=None, help="[default: 256 CPU, 8192 GPU]")
+@click.option("--files", type=int, default=None, help="[default: 4 CPU, 8 GPU]")
+@click.option("--row-group", type=int, default=None, help="Rows per row group [default: 32 CPU; pyarrow's own "
+              "(one row group per file) on a GPU].")
 @click.option("--min-len", type=int, default=16, show_default=True)
-@click.option("--max-len", type=int, default=2048, show_default=True)
-@click.option("--median-len", type=int, default=None, help="[default: 64 CPU, 256 GPU]")
+@click.option("--max-len", type=int, default=None, help="[default: 512 CPU, 4096 GPU]")
+@click.option("--median-len", type=int, default=None, help="[default: 64 CPU, 330 GPU (about 4.4M tokens)]")
 @click.option("--sigma", type=float, default=1.0, show_default=True)
-@click.option("--batch-tokens", type=int, default=None, help="dask-lm token budget [default: 4096 CPU, 32768 GPU].")
+@click.option("--batch-tokens", type=int, default=None, help="score_parquet's token budget in the in-process arms "
+              "[default: the CLI's].")
 @click.option("--hf-batch-size", type=int, default=16, show_default=True)
 @click.option("--n-workers", "n_workers_spec", default=None,
               help=f"{N_WORKERS_HELP} [default: all on a GPU machine, 2 on a CPU one].")
 @click.option("--compile/--no-compile", "compile_", default=None,
-              help="score_parquet(compile=...): compiled forward on GPU workers [default: score_parquet's choice, "
-              "by the job's size].")
+              help="score_parquet(compile=...) and the CLI's --compile/--no-compile [default: dask-lm's choice].")
 @click.option("--again", is_flag=True, help="Also run the job on a second fresh cluster (on-disk compile cache warm).")
 @click.option("--fresh-compile-cache", is_flag=True,
               help="Give each worker count's workers their own empty Inductor / Triton cache directories, so that "
               "every count's cold job compiles from scratch.")
-def main(shape: str, num_rows: int | None, files: int, row_group: int | None, min_len: int, max_len: int,
-         median_len: int | None, sigma: float, batch_tokens: int | None, hf_batch_size: int,
-         n_workers_spec: str | None, compile_: bool | None, again: bool, fresh_compile_cache: bool) -> None:
+@click.option("--processes/--no-processes", default=True, show_default=True,
+              help="The whole-process arms: the competent user's script and the dask-lm CLI, each a fresh process.")
+@click.option("--in-process/--no-in-process", "in_process", default=True, show_default=True,
+              help="The in-process arms: score_parquet cold and warm on clusters of each --n-workers count.")
+@click.option("--plain-hf", is_flag=True, help="Also run the old 16-row, data-order plain HF loop in this process.")
+def main(shape: str, num_rows: int | None, files: int | None, row_group: int | None, min_len: int,
+         max_len: int | None, median_len: int | None, sigma: float, batch_tokens: int | None, hf_batch_size: int,
+         n_workers_spec: str | None, compile_: bool | None, again: bool, fresh_compile_cache: bool, processes: bool,
+         in_process: bool, plain_hf: bool) -> None:
     import pyarrow.parquet as pq
     import transformers
 
@@ -135,13 +215,15 @@ def main(shape: str, num_rows: int | None, files: int, row_group: int | None, mi
     from dask_lm.engine.metrics import flops_per_sequence
 
     on_gpu = count_gpus() > 0
-    num_rows = num_rows or (4096 if on_gpu else 256)
-    row_group = row_group or (256 if on_gpu else 32)
-    median_len = median_len or (256 if on_gpu else 64)
-    max_len = max_len if on_gpu else min(max_len, 512)
-    batch_tokens = batch_tokens or (32768 if on_gpu else 4096)
+    num_rows = num_rows or (8192 if on_gpu else 256)
+    files = files or (8 if on_gpu else 4)
+    row_group = row_group or (None if on_gpu else 32)
+    median_len = median_len or (330 if on_gpu else 64)
+    max_len = max_len or (4096 if on_gpu else 512)
     precision = "bfloat16" if on_gpu else "float32"
     counts, _named = worker_counts(n_workers_spec, on_gpu=on_gpu, cpu_default=2)
+    compile_flag = [] if compile_ is None else ["--compile" if compile_ else "--no-compile"]
+    out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="dask-lm-bench-") as root:
         model_dir = build_model(shape, root, max_len)
         cfg = transformers.AutoConfig.from_pretrained(model_dir)
@@ -152,87 +234,152 @@ def main(shape: str, num_rows: int | None, files: int, row_group: int | None, mi
         flops = sum(flops_per_sequence(cfg, int(n), training=False) for n in lens)  # forward, every row whole
         print(f"random {shape} ({precision}); {num_rows} rows in {files} files, {useful} tokens, forward "
               f"{flops / 1e12:.3f} TFLOP", flush=True)
+        out.update({"shape": shape, "precision": precision, "rows": num_rows, "tokens": useful, "files": files,
+                    "row_group": row_group, "compile": compile_, "forward_tflop": flops / 1e12})
 
-        def job(client: Any, tag: str, run: str, startup: dict[str, dict[str, Any]]) -> Any:
-            t0 = time.perf_counter()
-            res = dask_lm.score_parquet(data, os.path.join(root, f"out-{tag}-{run}"), model=model_dir, client=client,
-                                        ids_column="ids", id_column="id", batch_tokens=batch_tokens, progress=False,
-                                        compile=compile_)
-            total = time.perf_counter() - t0
-            startup[run] = {"total": total, "prepare": res.prepare_seconds, "model_load": res.model_load_seconds,
-                            "compile": res.compile_seconds, "scoring_after_startup": total - res.prepare_seconds
-                            - res.model_load_seconds - res.compile_seconds}
-            startup[run]["worker_phases"] = dict(res.phase_seconds)
-            print(f"{run}: " + ", ".join(f"{k} {v:.2f}s" for k, v in startup[run].items() if isinstance(v, float))
-                  + "; worker time per phase: " + ", ".join(f"{k} {v:.2f}s" for k, v in res.phase_seconds.items()),
-                  flush=True)
-            # the scaling model's inputs: the job's wall time on the cluster and the worker time its phases account
-            # for; the worker-seconds left over, per partition, are the per-task overhead
-            startup[run]["job_seconds"] = res.seconds
-            startup[run]["partitions"] = res.parts
-            return res
+        user = cli = None
+        if processes:  # first, while no cluster holds the GPU; the page cache is warm for both (the files are new)
+            user = user_process(model_dir, data, os.path.join(root, "user.parquet"))
+            print(f"user script (process): {user['seconds']:.2f}s, first batch at {user['first_row_seconds']:.2f}s; "
+                  "phases ended at " + ", ".join(f"{k} {v:.2f}s" for k, v in user["phases_at"].items()), flush=True)
+            cli = cli_process(model_dir, data, os.path.join(root, "out-cli"), compile_flag)
+            print(f"dask-lm score (process): {cli['seconds']:.2f}s, first part at {cli['first_row_seconds']:.2f}s; "
+                  f"start phases {cli['start_phases']}; model load {cli['model_load']:.2f}s "
+                  f"{cli['model_load_phases']}, compile "
+                  f"{cli['compile']:.2f}s, scoring {cli['scoring']:.2f}s", flush=True)
+            cli["max_rel_sum_logprob_diff_vs_user"] = max_rel_diff(cli["sums"], user["sums"])
 
         arms: list[dict[str, Any]] = []
-        saved_env = {k: os.environ.get(k) for k in CACHE_VARS}
-        for n in counts:  # each on fresh clusters of n workers, closed before the next (and before arm A)
-            print(f"--- dask-lm, {n} worker(s) ---", flush=True)
-            startup: dict[str, dict[str, Any]] = {}
-            if fresh_compile_cache:  # the worker processes inherit this process's environment when they start
-                for k in CACHE_VARS:
-                    os.environ[k] = os.path.join(root, f"cache-{n}", k.lower())
-            # cold: the first job on fresh workers pays imports, CUDA initialisation, the model load and the
-            # compilation; warm: the same job again on the same workers (the replicas are reloaded, the processes
-            # are warm); cold_again (--again): fresh worker processes on a machine that has run the job once, so
-            # the compilation mostly comes from Inductor's on-disk cache (what a user's second job sees)
-            try:
-                for runs in [("cold", "warm")] + ([("cold_again",)] if again else []):
-                    client = dask_lm.connect(n_workers=n)
-                    try:
-                        workers = len(client.scheduler_info(n_workers=-1)["workers"])
-                        threads = min(client.run(torch.get_num_threads).values())
-                        for run in runs:
-                            res = job(client, str(n), run, startup)
-                    finally:
-                        cluster = client.cluster
-                        client.close()
-                        cluster.close()
-            finally:
-                for k, v in saved_env.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-            print(f"dask-lm score ({workers} workers): cold {startup['cold']['total']:.2f}s, warm "
-                  f"{startup['warm']['total']:.2f}s", flush=True)
-            got: dict[int, float] = {}
-            for f in sorted(os.listdir(os.path.join(root, f"out-{n}-cold"))):
-                if f.startswith("part-"):
-                    t = pq.read_table(os.path.join(root, f"out-{n}-cold", f), columns=["id", "sum_logprob"]).to_pydict()
-                    got.update(zip(t["id"], t["sum_logprob"]))
-            arms.append({"workers": workers, "requested": n, "threads": threads, "parts": res.parts,
-                         "startup": startup, "sums": got})
-        # the existing single-arm figures (ratio lines, top-level JSON) are the smallest count's
-        ref = arms[0]
-        workers, startup, got = ref["workers"], ref["startup"], ref["sums"]
-        sec_b, sec_warm = startup["cold"]["total"], startup["warm"]["total"]
-        threads = min(a["threads"] for a in arms)
+        if in_process:
+            arms = in_process_arms(dask_lm, root, model_dir, data, counts, batch_tokens, compile_, again, fresh_compile_cache)
         device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-        if device.type == "cpu":
-            torch.set_num_threads(threads)
+        if device.type == "cpu" and arms:
+            torch.set_num_threads(min(a["threads"] for a in arms))
         peak_flops, peak_what = measured_peak(device)
-        dtype = torch.bfloat16 if on_gpu else torch.float32
-        sec_a, sums = run_hf(model_dir, data, os.path.join(root, "hf.parquet"), dtype, device, hf_batch_size)
-        print(f"plain HF loop: {sec_a:.2f}s", flush=True)
+        sec_a = sums = None
+        if plain_hf:
+            dtype = torch.bfloat16 if on_gpu else torch.float32
+            sec_a, plain = run_hf(model_dir, data, os.path.join(root, "hf.parquet"), dtype, device, hf_batch_size)
+            sums = dict(enumerate(plain))
+            print(f"plain HF loop (16-row batches, data order): {sec_a:.2f}s", flush=True)
 
-    def sum_diff(got: dict[int, float]) -> float:
-        return max(abs(got[i] - s) / max(1.0, abs(s)) for i, s in enumerate(sums))
+    out.update({"measured_peak_tflops": peak_flops / 1e12, "measured_peak_kind": peak_what})
+    reference = user["sums"] if user else sums
+    rows_out: list[tuple[str, float, float | None, str]] = []
+    if user and cli:
+        rows_out.append(("competent user script (process)", user["seconds"], user["first_row_seconds"], "1.00x"))
+        rows_out.append(("dask-lm score, cold (process)", cli["seconds"], cli["first_row_seconds"],
+                         f"{user['seconds'] / cli['seconds']:.2f}x"))
+        out["user_process"] = {k: v for k, v in user.items() if k != "sums"}
+        out["cli_process"] = {k: v for k, v in cli.items() if k != "sums"}
+        out["ratio_cold_vs_user"] = user["seconds"] / cli["seconds"]
+    if arms:
+        ref = arms[0]
+        warm = ref["startup"]["warm"]
+        rows_out.append((f"score_parquet, 2nd job, same client (x{ref['workers']})", warm["total"], None,
+                         f"{user['seconds'] / warm['total']:.2f}x" if user else "-"))
+        if user:
+            out["ratio_warm_vs_user"] = user["seconds"] / warm["total"]
+        scoring = warm["total"] - warm["prepare"] - warm["model_load"] - warm["compile"]
+        out["warm_scoring_phase"] = {"seconds": scoring, "tok_per_s": useful / scoring,
+                                     "mfu_989": flops / scoring / H200_BF16_DENSE if on_gpu else None,
+                                     "mfu_measured": flops / scoring / peak_flops}
+    if sec_a is not None:
+        rows_out.append(("plain HF loop, 16-row batches (in-process)", sec_a, None,
+                         f"{user['seconds'] / sec_a:.2f}x" if user else "1.00x"))
+        out["plain_hf_seconds"] = sec_a
+    print(f"\n{'arm':<48}{'seconds':>9}{'first row s':>13}{'tok/s':>12}{'vs user':>9}")
+    for name, sec, first, ratio in rows_out:
+        print(f"{name:<48}{sec:>9.2f}{'-' if first is None else f'{first:.2f}':>13}{useful / sec:>12,.0f}{ratio:>9}")
+    if "warm_scoring_phase" in out:
+        w = out["warm_scoring_phase"]
+        mfu = f"{w['mfu_989']:.1%} of 989.5 TFLOP/s, " if w["mfu_989"] is not None else ""
+        print(f"warm scoring phase: {w['seconds']:.2f}s, {w['tok_per_s']:,.0f} tok/s, {mfu}{w['mfu_measured']:.1%} "
+              f"of the measured {peak_what} peak ({peak_flops / 1e12:.0f} TFLOP/s)")
+    if reference is not None and arms:
+        out["max_rel_sum_logprob_diff_vs_reference"] = max_rel_diff(arms[0]["sums"], reference)
+        print(f"max relative |sum_logprob| difference, score_parquet vs the "
+              f"{'user script' if user else 'plain HF loop'}: {out['max_rel_sum_logprob_diff_vs_reference']:.2g}")
+    if arms:
+        out["scaling"] = scaling_table(arms, useful, flops, device, peak_flops, peak_what, fresh_compile_cache,
+                                       counts, reference)
+    print(json.dumps(out))
 
-    diff = sum_diff(got)
+
+def in_process_arms(dask_lm: Any, root: str, model_dir: str, data: str, counts: list[int], batch_tokens: int | None,
+                    compile_: bool | None, again: bool, fresh_compile_cache: bool) -> list[dict[str, Any]]:
+    """score_parquet cold, then warm (and cold_again with ``again``) on a fresh cluster per worker count."""
+    import pyarrow.parquet as pq
+
+    def job(client: Any, tag: str, run: str, startup: dict[str, dict[str, Any]]) -> Any:
+        t0 = time.perf_counter()
+        kw = {} if batch_tokens is None else {"batch_tokens": batch_tokens}
+        res = dask_lm.score_parquet(data, os.path.join(root, f"out-{tag}-{run}"), model=model_dir, client=client, ids_column="ids", id_column="id",
+                                    progress=False, compile=compile_, **kw)
+        total = time.perf_counter() - t0
+        startup[run] = {"total": total, "prepare": res.prepare_seconds, "model_load": res.model_load_seconds,
+                        "compile": res.compile_seconds, "scoring_after_startup": total - res.prepare_seconds
+                        - res.model_load_seconds - res.compile_seconds}
+        startup[run]["worker_phases"] = dict(res.phase_seconds)
+        print(f"{run}: " + ", ".join(f"{k} {v:.2f}s" for k, v in startup[run].items() if isinstance(v, float))
+              + "; worker time per phase: " + ", ".join(f"{k} {v:.2f}s" for k, v in res.phase_seconds.items()),
+              flush=True)
+        # the scaling model's inputs: the job's wall time on the cluster and the worker time its phases account
+        # for; the worker-seconds left over, per partition, are the per-task overhead
+        startup[run]["job_seconds"] = res.seconds
+        startup[run]["partitions"] = res.parts
+        return res
+
+    arms: list[dict[str, Any]] = []
+    saved_env = {k: os.environ.get(k) for k in CACHE_VARS}
+    for n in counts:  # each on fresh clusters of n workers, closed before the next
+        print(f"--- dask-lm in this process, {n} worker(s) ---", flush=True)
+        startup: dict[str, dict[str, Any]] = {}
+        if fresh_compile_cache:  # the worker processes inherit this process's environment when they start
+            for k in CACHE_VARS:
+                os.environ[k] = os.path.join(root, f"cache-{n}", k.lower())
+        # cold: the first job on fresh workers pays imports, CUDA initialisation, the model load and the
+        # compilation; warm: the same job again on the same workers (what a user's second job on one client
+        # sees); cold_again (--again): fresh worker processes on a machine that has run the job once
+        try:
+            for runs in [("cold", "warm")] + ([("cold_again",)] if again else []):
+                client = dask_lm.connect(n_workers=n)
+                try:
+                    workers = len(client.scheduler_info(n_workers=-1)["workers"])
+                    threads = min(client.run(torch.get_num_threads).values())
+                    for run in runs:
+                        res = job(client, str(n), run, startup)
+                finally:
+                    cluster = client.cluster
+                    client.close()
+                    cluster.close()
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        print(f"score_parquet ({workers} workers): cold {startup['cold']['total']:.2f}s, warm "
+              f"{startup['warm']['total']:.2f}s", flush=True)
+        got: dict[int, float] = {}
+        for f in sorted(os.listdir(os.path.join(root, f"out-{n}-cold"))):
+            if f.startswith("part-"):
+                t = pq.read_table(os.path.join(root, f"out-{n}-cold", f), columns=["id", "sum_logprob"]).to_pydict()
+                got.update(zip(t["id"], t["sum_logprob"]))
+        arms.append({"workers": workers, "requested": n, "threads": threads, "parts": res.parts,
+                     "startup": startup, "sums": got})
+    return arms
+
+
+def scaling_table(arms: list[dict[str, Any]], useful: int, flops: float, device: torch.device, peak_flops: float,
+                  peak_what: str, fresh_compile_cache: bool, counts: list[int],
+                  reference: dict[int, float] | None) -> list[dict[str, Any]]:
     scaling = []
     for a in arms:
         n, st = a["workers"], a["startup"]
-        row: dict[str, Any] = {"workers": n, "partitions": a["parts"],
-                               "max_rel_sum_logprob_diff_vs_hf": sum_diff(a["sums"])}
+        row: dict[str, Any] = {"workers": n, "partitions": a["parts"]}
+        if reference is not None:
+            row["max_rel_sum_logprob_diff"] = max_rel_diff(a["sums"], reference)
         for run in ("cold", "warm", "cold_again"):
             if run not in st:
                 continue
@@ -251,38 +398,12 @@ def main(shape: str, num_rows: int | None, files: int, row_group: int | None, mi
             })
         row["warm_mfu_989"] = flops / row["warm_seconds"] / H200_BF16_DENSE / n if device.type == "cuda" else None
         row["warm_mfu_measured"] = flops / row["warm_seconds"] / peak_flops / n
-        row["cold_ratio_over_hf"], row["warm_ratio_over_hf"] = sec_a / row["cold_seconds"], sec_a / row["warm_seconds"]
         scaling.append(row)
     n0 = add_efficiency(scaling, "cold_tok_per_s", "cold_efficiency")
     add_efficiency(scaling, "warm_tok_per_s", "warm_efficiency")
-    out: dict[str, Any] = {
-        "shape": shape, "precision": precision, "rows": num_rows, "tokens": useful, "files": files,
-        "row_group": row_group, "compile": compile_, "partitions": ref["parts"], "workers": workers,
-        "batch_tokens": batch_tokens,
-        "hf_batch_size": hf_batch_size, "dask_lm_seconds": sec_b, "hf_seconds": sec_a,
-        "dask_lm_rows_per_s": num_rows / sec_b, "hf_rows_per_s": num_rows / sec_a,
-        "dask_lm_tok_per_s": useful / sec_b, "hf_tok_per_s": useful / sec_a, "ratio": sec_a / sec_b,
-        "dask_lm_warm_seconds": sec_warm, "dask_lm_warm_tok_per_s": useful / sec_warm, "ratio_warm": sec_a / sec_warm,
-        "max_rel_sum_logprob_diff": diff, "startup": startup, "n_workers_list": counts,
-        "fresh_compile_cache": fresh_compile_cache, "forward_tflop": flops / 1e12,
-        "measured_peak_tflops": peak_flops / 1e12, "measured_peak_kind": peak_what,
-        "efficiency_base_workers": n0, "scaling": scaling,
-    }
-    print(f"\n{'arm':<24}{'seconds':>9}{'rows/s':>10}{'tok/s':>12}")
-    print(f"{'plain HF loop (1 device)':<24}{sec_a:>9.2f}{num_rows / sec_a:>10.1f}{useful / sec_a:>12.0f}")
-    print(f"{f'dask-lm score x{workers} cold':<24}{sec_b:>9.2f}{num_rows / sec_b:>10.1f}{useful / sec_b:>12.0f}")
-    print(f"{f'dask-lm score x{workers} warm':<24}{sec_warm:>9.2f}{num_rows / sec_warm:>10.1f}"
-          f"{useful / sec_warm:>12.0f}")
-    if "cold_again" in startup:
-        sec_again = startup["cold_again"]["total"]
-        print(f"{f'dask-lm x{workers} cold again':<24}{sec_again:>9.2f}{num_rows / sec_again:>10.1f}"
-              f"{useful / sec_again:>12.0f}   ({sec_a / sec_again:.2f}x)")
-    print(f"dask-lm / HF = {sec_a / sec_b:.2f}x cold, {sec_a / sec_warm:.2f}x warm, end to end (model loading and "
-          "parquet I/O included); "
-          f"max relative |sum_logprob| difference {diff:.2g}")
     eff = efficiency_header(n0)
     print_table(
-        f"scaling: score_parquet end to end, {useful} tokens in {ref['parts']} partitions, a fresh cluster per "
+        f"scaling: score_parquet end to end, {useful} tokens in {arms[0]['parts']} partitions, a fresh cluster per "
         f"worker count; cold = fresh workers, warm = the same job again on them",
         [("workers", "workers", "{}"), ("cold s", "cold_seconds", "{:.2f}"), ("warm s", "warm_seconds", "{:.2f}"),
          ("cold tokens/s", "cold_tok_per_s", "{:,.0f}"), ("warm tokens/s", "warm_tok_per_s", "{:,.0f}"),
@@ -290,7 +411,6 @@ def main(shape: str, num_rows: int | None, files: int, row_group: int | None, mi
          ("warm per-worker tokens/s", "warm_per_worker_tok_per_s", "{:,.0f}"),
          *mfu_columns(device.type == "cuda", "warm_mfu_989", "warm_mfu_measured", peak_what, " warm"),
          (f"cold {eff}", "cold_efficiency", "{:.1%}"), (f"warm {eff}", "warm_efficiency", "{:.1%}"),
-         ("warm vs HF (1 device)", "warm_ratio_over_hf", "{:.2f}x"),
          ("cold task overhead/partition s", "cold_task_overhead_seconds_per_partition", "{:.3f}"),
          ("warm task overhead/partition s", "warm_task_overhead_seconds_per_partition", "{:.3f}"),
          ("warm phases/partition s", "warm_phase_seconds_per_partition", "{:.3f}")],
@@ -300,7 +420,7 @@ def main(shape: str, num_rows: int | None, files: int, row_group: int | None, mi
         + ([] if fresh_compile_cache or len(counts) == 1 else
            [("the on-disk compile cache is shared: after the first count a cold job finds its kernels compiled "
              "(--fresh-compile-cache gives each count its own)")]))
-    print(json.dumps(out))
+    return scaling
 
 
 if __name__ == "__main__":  # Dask's LocalCluster spawns worker processes that re-import this module

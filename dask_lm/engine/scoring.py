@@ -82,6 +82,16 @@ class ScoreResult:
     """Worker time per phase, summed over the partitions of this run: ``rows`` (checking and tokenizing),
     ``model`` (forwards, heads, results to the host), ``output`` (building and writing the part files). The rest of
     ``seconds`` is reading, scheduling and startup."""
+    started_at: float = 0.0
+    """``time.time()`` when the call began."""
+    first_row_at: float | None = None
+    """``time.time()`` when the first part file of this run was written (its rows scored): with ``started_at``,
+    what a user waits for the first results."""
+    start_phases: dict[str, float] = field(default_factory=dict)
+    model_load_phases: dict[str, float] = field(default_factory=dict)
+    """The slowest worker's model load (``model_load_seconds``) by step."""
+    """Seconds of each step before scoring, from the call's start: ``checks`` (the driver's checks and
+    fingerprints), ``cluster`` (the cluster started or reached), ``first_row`` (the first part written)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -176,7 +186,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     """
     from dask_lm.engine.worker_group import _scheduler_info
 
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     jobs.check_columns(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
                        response_column=response_column)
     conv = check_convention(convention, "--convention")
@@ -217,15 +227,36 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
             out.write_manifest({**pinned, "options": {**pinned["options"], "skip_bad_rows": True}})
         os.makedirs(pio.errors_dir(out.path), exist_ok=True)
         done = [i for i in range(len(inputs.partitions)) if os.path.exists(os.path.join(out.path, pio.part_name(i)))]
+        clock = _StartClock(started, started_at, {"checks": prepare_seconds})
         with jobs.running(client, scheduler_address=scheduler_address, n_workers=n_workers, total=inputs.num_rows,
                           desc="scoring", unit="row", progress=progress) as (dask_client, bar):
+            clock.mark("cluster")
             if fixed_precision is None:
                 opts = replace(opts, precision=jobs.worker_precision(dask_client))
             out.pin_precision(opts.precision)
             if compile is None:
                 workers = len(_scheduler_info(dask_client)["workers"])
                 opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers))
-            return _run(dask_client, out, inputs, opts, done, bar, performance_report, prepare_seconds)
+            return _run(dask_client, out, inputs, opts, done, bar, performance_report, clock)
+
+
+@dataclass
+class _StartClock:
+    """When the start's steps ended, in seconds from the call's start (``ScoreResult.start_phases``)."""
+
+    started: float  # perf_counter
+    started_at: float  # time.time()
+    phases: dict[str, float]
+    first_row_at: float | None = None
+    load_phases: dict[str, float] = field(default_factory=dict)  # the slowest worker's model load, by step
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = time.perf_counter() - self.started
+
+    def first_row(self) -> None:
+        if self.first_row_at is None:
+            self.first_row_at = time.time()
+            self.mark("first_row")
 
 
 def _sizeof_log_level(level: int) -> int:
@@ -271,7 +302,7 @@ def worth_compiling(inputs: pio.ScoreInputs, ids_column: str | None, workers: in
 
 
 def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[int],
-         bar: JobBar, performance_report: str | None, prepare_seconds: float = 0.0) -> ScoreResult:
+         bar: JobBar, performance_report: str | None, clock: _StartClock) -> ScoreResult:
     import warnings
 
     import dask
@@ -303,10 +334,13 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreO
         try:
             for fut in as_completed(futures):
                 stats = fut.result()  # a bad row or a runtime failure raises here
+                clock.first_row()
                 rows += stats["rows"]
                 tokens += stats["tokens"]
                 bad += stats["bad_rows"]
-                load = max(load, stats.get("load_seconds", 0.0))
+                if stats.get("load_seconds", 0.0) > load:
+                    load = stats["load_seconds"]
+                    clock.load_phases = stats.get("load_phases") or {}
                 compile_s = max(compile_s, stats.get("compile_seconds", 0.0))
                 for k, v in stats.get("phases", {}).items():
                     phases[k] = phases.get(k, 0.0) + v
@@ -326,7 +360,9 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreO
     result = ScoreResult(output=opts.output, rows=rows, tokens=tokens, parts=len(inputs.partitions),
                          parts_skipped=len(done), bad_rows=bad_total, seconds=seconds,
                          scoring_seconds=max(seconds - load - compile_s, 0.0),
-                         dashboard=getattr(client, "dashboard_link", None), prepare_seconds=prepare_seconds,
+                         dashboard=getattr(client, "dashboard_link", None), prepare_seconds=clock.phases["checks"],
+                         started_at=clock.started_at, first_row_at=clock.first_row_at,
+                         start_phases=dict(clock.phases), model_load_phases=clock.load_phases,
                          model_load_seconds=load, compile_seconds=compile_s, phase_seconds=phases, **totals)
     if result.empty_rows:
         warnings.warn(f"{result.empty_rows} rows had nothing to score (an empty text, response or id list, or a "

@@ -43,10 +43,16 @@ class _Replica:
 
         transformers.utils.logging.disable_progress_bar()  # one bar per worker would garble the job's own bar
         self.device = device.local_device()
+        device.synchronize()  # CUDA initialised here, so that the load's own timing is the weights'
+        t_weights = time.perf_counter()
         dtype = device.torch_dtype(precision)
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        t_to = time.perf_counter()
         # transformers wraps PreTrainedModel.to with functools.wraps, whose stub loses the bound self
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        device.synchronize()
+        self.load_phases = {"imports_and_device": t_weights - t0, "from_pretrained": t_to - t_weights,
+                            "to_device": time.perf_counter() - t_to}
         # the fast path of a Policy's inference pass: packed rows through varlen attention, compiled layers
         self.varlen = varlen.available(dtype) and self.model.config._attn_implementation == "sdpa"
         self.packed = self.varlen  # packing pays only with the varlen kernel (a dense [T, T] mask costs more)
@@ -256,7 +262,8 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
                            "reader split the dataset differently than planned")
     rep = _replica(opts)
     with rep.lock:
-        startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds} if rep.fresh else {}
+        startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds,
+                   "load_phases": rep.load_phases} if rep.fresh else {}
         rep.fresh = False
         if rep.tokenizer is None and not opts.ids_column:
             raise ValueError(rep.tokenizer_error)

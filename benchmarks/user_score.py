@@ -1,0 +1,97 @@
+"""The scoring script a competent user writes on day one: the baseline ``dask-lm score`` is judged against.
+
+Not dask-lm: plain PyTorch + transformers + pyarrow, about 40 lines of work, run as its own process by
+``benchmarks/score.py --processes`` (so its imports, parquet read and model load are timed as the user waits for
+them). What makes it competent rather than a strawman:
+
+* every row is read once (``pyarrow.parquet.read_table`` of the dataset), sorted longest first;
+* padded batches filled up to a token budget (``--budget`` padded tokens, 65536 by default), not a fixed row count;
+* the model in bf16 with sdpa attention, loaded straight to the GPU (``device_map``);
+* the head applied to the hidden states in ``--chunk``-position slices with an fp32 logsumexp, so the full
+  ``[B, S, V]`` logits never exist at once.
+
+It writes ``id``, ``num_tokens`` and ``sum_logprob`` (the logprob of tokens 1.. given the ones before, as dask-lm's
+``sum_logprob``) to one parquet file, and prints one JSON line: seconds since its start of each phase, and
+``first_batch_at`` / ``end_at`` as ``time.time()`` stamps, so the parent can tell the time to the first scored batch
+from the moment it started this process.
+
+    python benchmarks/user_score.py MODEL_DIR DATA_DIR OUT.parquet --ids-column ids --id-column id
+"""
+
+from __future__ import annotations
+
+import time
+
+T0 = time.perf_counter()
+
+import argparse  # noqa: E402  (the clock starts before the imports: they are part of what the user waits for)
+import json  # noqa: E402
+import os  # noqa: E402
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("data")
+    ap.add_argument("out")
+    ap.add_argument("--ids-column", default="ids")
+    ap.add_argument("--id-column", default="id")
+    ap.add_argument("--budget", type=int, default=65536, help="padded tokens per batch")
+    ap.add_argument("--chunk", type=int, default=1024, help="positions per head / logsumexp slice")
+    args = ap.parse_args()
+    phases = {"imports": time.perf_counter() - T0}
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = pq.read_table(args.data, columns=[args.id_column, args.ids_column])
+    rows = table[args.ids_column].to_pylist()
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+    phases["read"] = time.perf_counter() - T0
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa",
+                                                 device_map={"": device}).eval()
+    phases["load"] = time.perf_counter() - T0
+
+    sums = [0.0] * len(rows)
+    first_batch_at = None
+    with torch.inference_mode():
+        s = 0
+        while s < len(order):
+            width = len(rows[order[s]])  # longest first: the first row of a batch is its widest
+            take = max(1, args.budget // width)
+            batch = order[s:s + take]
+            s += take
+            x = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for r, i in enumerate(batch):
+                x[r, :len(rows[i])] = torch.tensor(rows[i])
+                mask[r, :len(rows[i])] = 1
+            x, mask = x.to(device), mask.to(device)
+            hidden = model.model(input_ids=x, attention_mask=mask).last_hidden_state
+            total = torch.zeros(len(batch), dtype=torch.float64, device=device)
+            for c in range(0, width - 1, args.chunk):
+                logits = model.lm_head(hidden[:, c:c + args.chunk]).float()
+                target = x[:, c + 1:c + 1 + args.chunk]
+                logits = logits[:, :target.shape[1]]
+                lp = logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, -1)
+                total += (lp * mask[:, c + 1:c + 1 + args.chunk]).sum(1).double()
+            for r, v in zip(batch, total.tolist()):
+                sums[r] = v
+            if first_batch_at is None:
+                first_batch_at = time.time()
+    phases["scoring"] = time.perf_counter() - T0
+    pq.write_table(pa.table({args.id_column: table[args.id_column],
+                             "num_tokens": pa.array([len(r) for r in rows], pa.int32()),
+                             "sum_logprob": pa.array(sums, pa.float64())}), args.out)
+    phases["write"] = time.perf_counter() - T0
+    print(json.dumps({"phases_at": phases, "first_batch_at": first_batch_at, "end_at": time.time(),
+                      "rows": len(rows), "tokens": sum(len(r) for r in rows)}), flush=True)
+
+
+
+if __name__ == "__main__":
+    main()
