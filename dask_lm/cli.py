@@ -24,11 +24,12 @@ def _tiny_model_dir() -> str:
     """A tiny random model + tokenizer, built once under the cache directory (no download)."""
     import transformers
 
+    from dask_lm.io.local_cache import cache_root
     from dask_lm.tiny import build_tiny_model, train_tiny_tokenizer
 
     transformers.utils.logging.disable_progress_bar()
 
-    root = os.path.join(_cache_root(), "tiny-llama")
+    root = os.path.join(cache_root(), "tiny-llama")
     if os.path.exists(os.path.join(root, "config.json")):
         return root
     parent = os.path.dirname(root)
@@ -275,9 +276,10 @@ def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
 
     def run() -> None:
         import dask_lm
+        from dask_lm.io.local_cache import cache_root
 
         model_dir = _tiny_model_dir()
-        root = os.path.join(_cache_root(), "demo")
+        root = os.path.join(cache_root(), "demo")
         data = _demo_dataset(os.path.join(root, "data"), rows)
         output = os.path.join(root, "scores")
         shutil.rmtree(output, ignore_errors=True)  # the demo's own output from an earlier run
@@ -293,10 +295,6 @@ def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
         _print_summary(result)
 
     _exit_codes(ctx, run)
-
-
-def _cache_root() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dask-lm")
 
 
 def _demo_dataset(directory: str, rows: int) -> str:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# dask-lm's own cache (the digests of hashed files, the demo's model) goes to a directory of this run, never the
+# user's ~/.cache; the tests that check where it goes by default set their own XDG_CACHE_HOME and drop this
+os.environ.setdefault("DASK_LM_CACHE_DIR", tempfile.mkdtemp(prefix="dask-lm-test-cache-"))
 
 
 def pytest_collection_modifyitems(config, items):

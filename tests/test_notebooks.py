@@ -21,6 +21,7 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("DASK_LM_CACHE_DIR", raising=False)
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()

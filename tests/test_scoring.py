@@ -275,6 +275,7 @@ def test_cli_attaches_to_a_separately_started_cluster(tiny, dataset, tmp_path):
 
 def test_demo_runs_and_prints_its_summary(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("DASK_LM_CACHE_DIR", None)  # the default place, under XDG_CACHE_HOME
     proc = subprocess.run([sys.executable, "-m", "dask_lm", "demo", "--rows", "96"], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

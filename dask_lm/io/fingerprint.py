@@ -12,7 +12,8 @@ pinned file by hand. Measured here (2-core x86 with ``sha_ni``, a 1 GiB file in 
 SHA-256 1,050 MB/s on one thread and 1,440 MB/s over two threads (blake2b: 625 MB/s). hashlib releases the GIL
 while it hashes, so files are hashed in parallel threads (one thread per file). The cost is reading every byte
 once per start or resume: about one second per GB and per core here, more when the files are not in the page
-cache (then the disk or network sets the pace).
+cache (then the disk or network sets the pace). A later job over the same files reuses the digests where their
+stamps are the ones hashed (:mod:`dask_lm.io.local_cache`).
 
 A file can also change while the job runs (a pipeline rewrites it, a user replaces it), and a ``_SUCCESS`` over
 parts computed from two versions would vouch for content the output was not computed from. Hashing every byte per
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 from dask_lm.errors import InputChangedError
+from dask_lm.io import local_cache
 
 __all__ = ["ALGORITHM", "Stamp", "Pin", "stamp", "file_sha256", "fingerprint_files", "job_pins", "verify",
            "confirm_unchanged"]
@@ -103,8 +105,12 @@ def _pin(path: str) -> Pin:
     """Hash ``path`` between two stamps; they must agree, else the bytes hashed may be a mix of two versions."""
     path = os.path.abspath(path)
     try:
-        before = stamp(path)
-        t0 = time.time_ns()
+        st = os.stat(path)
+        before = Stamp(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        racy = time.time_ns() - max(before.mtime_ns, before.ctime_ns) < _RACY_NS
+        known = local_cache.cached_digest(path, st)  # hashed by an earlier job under this very stamp
+        if known is not None:
+            return Pin(path, before.size, known, before, racy)
         size, digest = file_sha256(path)
         after = stamp(path)
     except OSError as e:
@@ -112,7 +118,8 @@ def _pin(path: str) -> Pin:
     if after != before or size != before.size:
         raise InputChangedError(f"{path} changed while dask-lm was fingerprinting it (something is writing it); "
                                 "run the job again once the file is complete")
-    racy = t0 - max(before.mtime_ns, before.ctime_ns) < _RACY_NS
+    if not racy:  # a racy stamp cannot vouch for the content later: it is hashed again next time
+        local_cache.remember_digest(path, st, digest)
     return Pin(path, size, digest, before, racy)
 
 

@@ -46,13 +46,13 @@ class _Replica:
         device.synchronize()  # CUDA initialised here, so that the load's own timing is the weights'
         t_weights = time.perf_counter()
         dtype = device.torch_dtype(precision)
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        t_to = time.perf_counter()
-        # transformers wraps PreTrainedModel.to with functools.wraps, whose stub loses the bound self
-        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        # straight from the safetensors files to the device in the target dtype: a one-device device_map makes
+        # transformers build the model on the meta device and place each loaded tensor where it goes (no random
+        # init, no CPU copy of the weights, no second pass to move them)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                                       device_map={"": self.device}).eval()
         device.synchronize()
-        self.load_phases = {"imports_and_device": t_weights - t0, "from_pretrained": t_to - t_weights,
-                            "to_device": time.perf_counter() - t_to}
+        self.load_phases = {"imports_and_device": t_weights - t0, "weights": time.perf_counter() - t_weights}
         # the fast path of a Policy's inference pass: packed rows through varlen attention, compiled layers
         self.varlen = varlen.available(dtype) and self.model.config._attn_implementation == "sdpa"
         self.packed = self.varlen  # packing pays only with the varlen kernel (a dense [T, T] mask costs more)
