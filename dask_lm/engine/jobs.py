@@ -36,7 +36,7 @@ from dask_lm.io import checkpoint, fingerprint, hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 
 __all__ = ["JobKind", "JobOutput", "check_columns", "precision_name", "worker_precision", "resolve_model",
-           "resolve_tokenizer", "manifest", "running", "located_partitions", "publishing"]
+           "resolve_tokenizer", "manifest", "ClusterStart", "running", "located_partitions", "publishing"]
 
 _PRECISIONS = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 # what AutoTokenizer needs at least one of; the other tokenizer files only complete these
@@ -237,35 +237,85 @@ class JobOutput:
         pio.write_json_atomic(summary, os.path.join(self.path, pio.SUCCESS))
 
 
-@contextlib.contextmanager
-def running(client: Any, *, scheduler_address: str | None, n_workers: int | None, total: int, desc: str,
-            unit: str, progress: bool) -> Iterator[tuple[Any, JobBar]]:
-    """The job's Dask client and progress bar (:class:`~dask_lm.engine.progress.JobBar`) for the block.
+class ClusterStart:
+    """The job's cluster, started (or reached) in a background thread as soon as the job knows it will run, so
+    that starting worker processes, their imports and whatever ``warm`` submits to them (a model load) overlap
+    the driver's checks and fingerprints. Nothing here writes to the output: a job refused by a later check
+    calls :meth:`close`, which closes what was opened and cancels the warm-up.
 
     ``client`` is used as given (a Client, a Dask cluster or a scheduler address:
     :func:`~dask_lm.engine.cluster.as_client`); without one, ``connect(scheduler_address, n_workers=n_workers)``
-    attaches to a scheduler or starts a local cluster. What this call opened it closes when the block ends, the
-    local cluster included; a client the caller gave stays open."""
-    from dask_lm.engine import cluster
+    attaches to a scheduler or starts a local cluster. ``warm(client)`` returns the futures it submitted."""
 
-    remote = scheduler_address or os.environ.get("DASK_SCHEDULER_ADDRESS")
-    waiting = ("asking the workers about their devices" if client is not None else "connecting to the cluster"
-               if remote else "starting a local cluster")
-    bar = JobBar(total, desc, unit, waiting, enabled=progress)
-    opened = None
+    def __init__(self, client: Any, *, scheduler_address: str | None, n_workers: int | None,
+                 warm: Callable[[Any], list[Any]] | None = None) -> None:
+        import threading
+
+        remote = scheduler_address or os.environ.get("DASK_SCHEDULER_ADDRESS")
+        self.waiting = ("asking the workers about their devices" if client is not None else
+                        "connecting to the cluster" if remote else "starting a local cluster")
+        self._given, self._address, self._n_workers, self._warm = client, scheduler_address, n_workers, warm
+        self.client: Any = None
+        self.opened: Any = None  # what this start opened, and so closes
+        self.warm_futures: list[Any] = []
+        self.seconds = 0.0  # the start itself: processes spawned and registered, or the scheduler reached
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._start, name="dask-lm-cluster-start", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        import time
+
+        from dask_lm.engine import cluster
+
+        t0 = time.perf_counter()
+        try:
+            if self._given is None:
+                self.opened = self.client = cluster.connect(self._address, n_workers=self._n_workers)
+            else:
+                self.client = cluster.as_client(self._given)
+                self.opened = self.client if self.client is not self._given else None
+            self.seconds = time.perf_counter() - t0
+            if self._warm is not None:
+                self.warm_futures = self._warm(self.client)
+        except BaseException as e:  # re-raised in the driver's thread by result()
+            self._error = e
+
+    def result(self) -> Any:
+        """The client, once started (re-raising what the start raised)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.client
+
+    def close(self) -> None:
+        """The job will not run: cancel the warm-up and close what this start opened (a given client stays)."""
+        from dask_lm.engine import cluster
+
+        self._thread.join()
+        with contextlib.suppress(Exception):
+            if self.warm_futures:
+                self.client.cancel(self.warm_futures)
+            if self.opened is not None:
+                cluster.close(self.opened)
+                self.opened = None
+
+
+@contextlib.contextmanager
+def running(start: ClusterStart, *, total: int, desc: str, unit: str, progress: bool
+            ) -> Iterator[tuple[Any, JobBar]]:
+    """The job's Dask client (from ``start``) and progress bar (:class:`~dask_lm.engine.progress.JobBar`) for
+    the block. What ``start`` opened is closed when the block ends, the local cluster included; a client the
+    caller gave stays open."""
+    bar = JobBar(total, desc, unit, start.waiting, enabled=progress)
     try:
-        if client is None:
-            opened = client = cluster.connect(scheduler_address, n_workers=n_workers)
-        else:
-            given, client = client, cluster.as_client(client)
-            opened = client if client is not given else None
+        client = start.result()
         if getattr(client, "dashboard_link", None):
             bar.write(f"dask-lm: watch the job on the Dask dashboard at {client.dashboard_link}")
         yield client, bar
     finally:
         bar.close()
-        if opened is not None:
-            cluster.close(opened)
+        start.close()
 
 
 def located_partitions(inputs: pio.ScoreInputs, columns: list[str] | None, pins: list[fingerprint.Pin]

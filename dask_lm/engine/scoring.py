@@ -9,10 +9,11 @@ complete output. ``resume=True`` skips the parts already there and refuses, nami
 whose pins differ; on a complete output it returns at once, without a cluster. A job holds a lock on its output
 directory (:mod:`dask_lm.io.jobdir`), so two jobs never write one output.
 
-Everything that can be checked without reading rows is checked before any cluster starts: the input files exist
+Everything that can be checked without reading rows is checked before anything is written: the input files exist
 and are parquet with the needed columns and types, the model's config and weight files are intact
 (:mod:`dask_lm.io.modelcheck`) and ``--topk`` fits its vocabulary, the output is new (or resumable) and lies
-outside the inputs. A bad row found while scoring fails the job with a message naming file, row and column, unless
+outside the inputs. The cluster starts beside those checks, and its workers load the model meanwhile
+(:class:`~dask_lm.engine.jobs.ClusterStart`); a refused job closes it again. A bad row found while scoring fails the job with a message naming file, row and column, unless
 ``skip_bad_rows`` (then it is listed in ``_errors.parquet``).
 """
 
@@ -25,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dask_lm.data.continuation import check_convention
+from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.engine import jobs
 from dask_lm.engine.progress import JobBar
@@ -54,7 +55,8 @@ class ScoreResult:
     parts_skipped: int
     bad_rows: int
     seconds: float
-    """Wall time of this run on the cluster: model loads, compilation, scoring and writing."""
+    """Wall time of this run on the cluster once the checks passed: what is left of the model loads and
+    compilations (they begin beside the checks), scoring and writing."""
     perplexity: float
     """The mean of the rows' perplexities (rows with nothing scored left out)."""
     dashboard: str | None = None
@@ -74,8 +76,8 @@ class ScoreResult:
     scored_tokens: int = 0
     """Tokens in the sums (``num_scored``) over the whole output."""
     scoring_seconds: float = 0.0
-    """``seconds`` less the slowest worker's model load and compilation (which start every worker's first
-    partition): the time rows were being scored and written."""
+    """The time rows were being scored and written: from when the last worker's replica was ready (loaded and
+    compiled, in its first partition or while the driver checked) to the end of ``seconds``."""
     already_complete: bool = False
     """A ``resume`` of a finished output: nothing ran; the totals are the finished job's."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
@@ -84,6 +86,8 @@ class ScoreResult:
     ``seconds`` is reading, scheduling and startup."""
     started_at: float = 0.0
     """``time.time()`` when the call began."""
+    wall_seconds: float = 0.0
+    """From the call's start to its end: what the caller waited, checks included."""
     first_row_at: float | None = None
     """``time.time()`` when the first part file of this run was written (its rows scored): with ``started_at``,
     what a user waits for the first results."""
@@ -109,9 +113,11 @@ class ScoreResult:
             speed = [("status", "already complete: nothing was run (pass --overwrite to score again)")]
         else:
             speed = [("tokens/s", f"{self.tokens_per_s:,.0f} (over {self.scoring_seconds:.1f} s of scoring)"),
-                     ("seconds", f"{self.seconds:.1f} (model load {self.model_load_seconds:.1f}, compile "
-                                 f"{self.compile_seconds:.1f}, scoring {self.scoring_seconds:.1f}; checks before "
-                                 f"{self.prepare_seconds:.1f})")]
+                     ("seconds", f"{self.wall_seconds:.1f} from the call's start: checks "
+                                 f"{self.prepare_seconds:.1f}, first rows written at "
+                                 f"{self.start_phases.get('first_row', float('nan')):.1f}; on the workers, beside "
+                                 f"the checks: model load {self.model_load_seconds:.1f}, compile "
+                                 f"{self.compile_seconds:.1f}; then scoring {self.scoring_seconds:.1f}")]
         return [("rows", f"{self.rows:,}"), ("tokens", f"{self.tokens:,}"), *speed,
                 ("perplexity", f"{self.corpus_perplexity:.3f} (corpus: exp of minus the mean scored logprob; "
                                f"mean of rows {self.perplexity:.3f})"),
@@ -172,8 +178,9 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     encoded in context, trailing prompt whitespace moved to it, one BOS at most, an empty prompt conditioned on
     BOS / EOS), or ``"separate"`` (prompt and response encoded apart, as dask-lm did before 0.5). With
     ``ids_column``, ``prompt_length_column`` (integers) says how many leading ids of each row are context: only
-    the rest is scored. ``client`` is a Dask client
-    (default: ``connect(scheduler_address, n_workers=n_workers)``, started after the checks and closed here).
+    the rest is scored. ``client`` is a Dask client (default: ``connect(scheduler_address,
+    n_workers=n_workers)``, started at once, beside the checks, and closed here); its workers load the model while
+    the checks run.
     ``precision`` defaults to bfloat16 on GPU workers and float32 on CPU ones. On GPU workers rows are packed and,
     with ``compile`` the forward is compiled once per worker process (5-10 s, reported as
     ``ScoreResult.compile_seconds``); by default (``None``) only where the job is long enough for that to pay
@@ -182,10 +189,8 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     returns its summary at once, without a cluster) or ``overwrite`` (delete that job's files and score again);
     files dask-lm did not write are never deleted.
     Raises ``ValueError`` for bad usage or input (damaged model files, a changed input on ``resume``, an output
-    another job holds), before anything is written and before a cluster starts.
+    another job holds), before anything is written (a cluster this call started is closed again).
     """
-    from dask_lm.engine.worker_group import _scheduler_info
-
     started, started_at = time.perf_counter(), time.time()
     jobs.check_columns(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
                        response_column=response_column)
@@ -198,8 +203,57 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     fixed_precision = jobs.precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
     out = jobs.JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
     finished = resume and out.state.kind == "finished"  # nothing will be loaded or tokenized: its files are compared
-    source, info = jobs.resolve_model(model, revision=revision, load_config=not finished)
+    source = hub.resolve_model(model, revision=revision)
     model = source.path
+    tokenizer_dir = hub.resolve_model(tokenizer, what="--tokenizer").path if tokenizer else model  # checked later
+    # The cluster starts now, and each worker loads its replica while this process checks the model, reads the
+    # footers and hashes the files (seconds that used to come first). Nothing reaches the output before the checks
+    # pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is not
+    # used (workers/scorer.py: _adopt).
+    start = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers,
+                              warm=None if finished else _preload(model, tokenizer_dir, fixed_precision, compile))
+    try:
+        return _checked_run(start, out, finished, source, tokenizer, fixed_precision, started, started_at,
+                            text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
+                            response_column=response_column, id_column=id_column,
+                            prompt_length_column=prompt_length_column, conv=conv, topk=topk, max_length=max_length,
+                            truncate=truncate, batch_tokens=batch_tokens, skip_bad_rows=skip_bad_rows,
+                            allow_nonfinite=allow_nonfinite, compile=compile, progress=progress,
+                            performance_report=performance_report)
+    finally:
+        start.close()
+
+
+def _preload(model: str, tokenizer: str, precision: str | None, compile: bool | None) -> Any:
+    """The warm-up :class:`~dask_lm.engine.jobs.ClusterStart` submits: one replica load per worker, pinned to it.
+    An automatic ``compile`` is decided once the job's size is known: the replica is compiled then, if at all."""
+
+    def submit(client: Any) -> list[Any]:
+        import uuid
+
+        from dask_lm.engine.worker_group import _scheduler_info
+        from dask_lm.workers.tasks import preload_scorer
+
+        tag = uuid.uuid4().hex[:8]
+        return [client.submit(preload_scorer, model, tokenizer, precision, bool(compile), workers=[w],
+                              allow_other_workers=False, pure=False, key=f"dask-lm-preload-{tag}-{i}")
+                for i, w in enumerate(_scheduler_info(client)["workers"])]
+
+    return submit
+
+
+def _checked_run(start: jobs.ClusterStart, out: jobs.JobOutput, finished: bool, source: hub.ModelSource,
+                 tokenizer: str | os.PathLike[str] | None, fixed_precision: str | None, started: float, started_at: float, *,
+                 text_column: str | None, ids_column: str | None, prompt_column: str | None,
+                 response_column: str | None, id_column: str | None, prompt_length_column: str | None, conv: Convention,
+                 topk: int, max_length: int | None, truncate: bool, batch_tokens: int, skip_bad_rows: bool,
+                 allow_nonfinite: bool, compile: bool | None, progress: bool, performance_report: str | None
+                 ) -> ScoreResult:
+    """``score_parquet`` from the model check on, while ``start`` brings the cluster up."""
+    from dask_lm.engine.worker_group import _scheduler_info
+
+    model = source.path
+    info = modelcheck.check_model(model, load_config=not finished)
     if info.vocab_size is not None and topk > info.vocab_size:
         raise ValueError(f"--topk {topk} is larger than the model's vocabulary ({info.vocab_size} tokens, vocab_size "
                          f"in {os.path.join(model, modelcheck.CONFIG)}); pass --topk {info.vocab_size} or less")
@@ -228,8 +282,8 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
         os.makedirs(pio.errors_dir(out.path), exist_ok=True)
         done = [i for i in range(len(inputs.partitions)) if os.path.exists(os.path.join(out.path, pio.part_name(i)))]
         clock = _StartClock(started, started_at, {"checks": prepare_seconds})
-        with jobs.running(client, scheduler_address=scheduler_address, n_workers=n_workers, total=inputs.num_rows,
-                          desc="scoring", unit="row", progress=progress) as (dask_client, bar):
+        with jobs.running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress
+                          ) as (dask_client, bar):
             clock.mark("cluster")
             if fixed_precision is None:
                 opts = replace(opts, precision=jobs.worker_precision(dask_client))
@@ -317,7 +371,8 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreO
     todo = [i for i in range(len(inputs.partitions)) if i not in set(done)]
     parts = jobs.located_partitions(inputs, columns, out.pins)
     report = _performance_report(client, performance_report) if performance_report else contextlib.nullcontext()
-    t0 = time.perf_counter()
+    t0, t0_wall = time.perf_counter(), time.time()
+    ready_at = t0_wall  # when the last worker's replica became ready (loaded, compiled): scoring starts there
     rows = tokens = bad = 0
     load = compile_s = 0.0
     phases: dict[str, float] = {}
@@ -342,9 +397,10 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreO
                     load = stats["load_seconds"]
                     clock.load_phases = stats.get("load_phases") or {}
                 compile_s = max(compile_s, stats.get("compile_seconds", 0.0))
+                ready_at = max(ready_at, stats.get("ready_at", ready_at))
                 for k, v in stats.get("phases", {}).items():
                     phases[k] = phases.get(k, 0.0) + v
-                scoring = time.perf_counter() - t0 - load - compile_s
+                scoring = time.time() - ready_at
                 bar.update(stats["rows"] + stats["bad_rows"],
                            f"{tokens / scoring:,.0f} tok/s" if scoring > 0.5 else None)
         except BaseException:
@@ -359,9 +415,10 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreO
     totals = _output_totals(opts.output, len(inputs.partitions))
     result = ScoreResult(output=opts.output, rows=rows, tokens=tokens, parts=len(inputs.partitions),
                          parts_skipped=len(done), bad_rows=bad_total, seconds=seconds,
-                         scoring_seconds=max(seconds - load - compile_s, 0.0),
+                         scoring_seconds=max(t0_wall + seconds - ready_at, 0.0),
                          dashboard=getattr(client, "dashboard_link", None), prepare_seconds=clock.phases["checks"],
                          started_at=clock.started_at, first_row_at=clock.first_row_at,
+                         wall_seconds=time.time() - clock.started_at,
                          start_phases=dict(clock.phases), model_load_phases=clock.load_phases,
                          model_load_seconds=load, compile_seconds=compile_s, phase_seconds=phases, **totals)
     if result.empty_rows:

@@ -191,8 +191,8 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
         if start is not None and start[0] >= planned and out.finished:
             return _finished(out.path, start)
         out.reopen()
-        with jobs.running(client, scheduler_address=scheduler_address, n_workers=n_workers, total=planned,
-                          desc="sft", unit="step", progress=progress) as (dask_client, bar):
+        cluster = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers)
+        with jobs.running(cluster, total=planned, desc="sft", unit="step", progress=progress) as (dask_client, bar):
             precision = fixed_precision or jobs.worker_precision(dask_client)
             out.pin_precision(precision)
             bar.wait("tokenizing the rows")

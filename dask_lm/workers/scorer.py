@@ -15,7 +15,9 @@ written (NaN weights or an fp16 overflow would otherwise pass as scores) unless 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import threading
 import time
 from typing import Any
@@ -26,16 +28,17 @@ from dask_lm.data.messages import ScoreOptions
 from dask_lm.data.packing import longest_first
 from dask_lm.data.rows import BadRowError, prepare_rows
 from dask_lm.errors import NonFiniteError
-from dask_lm.io.fingerprint import verify
+from dask_lm.io.fingerprint import _RACY_NS, Stamp, verify
 from dask_lm.workers import device, fused, varlen
 from dask_lm.workers.inference import forward_rows
 from dask_lm.workers.logprobs import next_token_logprobs_greedy, output_head, topk_logits
 
-__all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "score_partition", "release_scorers"]
+__all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "score_partition", "release_scorers", "preload_replica"]
 
 
 class _Replica:
     last_used: float  # time.monotonic() of the last partition that picked it (set by _replica)
+    stamps: dict[str, Stamp]  # a preloaded replica's files, settled and unchanged over its load (preload_replica)
 
     def __init__(self, model_dir: str, tokenizer_dir: str, precision: str, *, compile: bool = True) -> None:
         t0 = time.perf_counter()
@@ -56,7 +59,7 @@ class _Replica:
         # the fast path of a Policy's inference pass: packed rows through varlen attention, compiled layers
         self.varlen = varlen.available(dtype) and self.model.config._attn_implementation == "sdpa"
         self.packed = self.varlen  # packing pays only with the varlen kernel (a dense [T, T] mask costs more)
-        self.compiled = compile and fused.compile_decoder_layers(self.model) > 0
+        self.compiled = False
         self.tokenizer: transformers.PreTrainedTokenizerBase | None
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -82,10 +85,19 @@ class _Replica:
         self.load_seconds = time.perf_counter() - t0
         self.compile_seconds = 0.0
         self.fresh = True  # the first partition of this replica reports the two timings
-        if self.compiled:
+        self.compile_requested = False
+        if compile:
+            self.compile()
+        self.ready_at = time.time()  # wall clock: the driver compares it with its own (one host, or NTP-close)
+
+    def compile(self) -> None:
+        """Compile the decoder layers, paid here on two short rows so that no partition's timing carries it."""
+        self.compile_requested = True
+        if fused.compile_decoder_layers(self.model) > 0:
             t0 = time.perf_counter()
             _, self.compiled = fused.call(True, self._warm_up, "the scoring forward")
             self.compile_seconds = time.perf_counter() - t0
+        self.ready_at = time.time()
 
     @torch.no_grad()
     def _warm_up(self) -> None:
@@ -105,7 +117,8 @@ _CACHE_LOCK = threading.Lock()
 
 
 def _replica(opts: ScoreOptions) -> _Replica:
-    """This worker's replica for ``opts``, loaded on first use into the worker's dask-lm plugin state."""
+    """This worker's replica for ``opts``, loaded on first use into the worker's dask-lm plugin state (or the one
+    :func:`preload_replica` loaded while the driver checked, where it was loaded from the pinned bytes)."""
     from dask_lm.workers.state import get_state
 
     cache = get_state().scorers
@@ -114,13 +127,81 @@ def _replica(opts: ScoreOptions) -> _Replica:
     with _CACHE_LOCK:
         rep = cache.get(key)
         if rep is None:
+            preloaded = cache.pop(_preload_key(opts.model, opts.tokenizer, opts.precision), None)
+            rep = _adopt(preloaded, opts)
+            if preloaded is not None and rep is None:  # loaded from other bytes: its memory goes before the reload
+                del preloaded
+                _free()
+        if rep is None:
             before = [verify(pin) for pin in opts.model_pins]
             rep = _Replica(opts.model, opts.tokenizer, opts.precision, compile=opts.compile)
             for pin, was in zip(opts.model_pins, before):  # written during the load: the weights may mix versions
                 verify(pin, since=was)
-            cache[key] = rep
+        cache[key] = rep
         rep.last_used = time.monotonic()
         return rep
+
+
+# ------------------------------------------------------------------------------------------- preloading
+def _preload_key(model: str, tokenizer: str, precision: str) -> tuple:
+    return ("preloaded", model, tokenizer, precision)
+
+
+def _settled_stamps(directories: set[str], now_ns: int) -> dict[str, Stamp]:
+    """The stamp of every file directly in ``directories`` whose last change is at least ``_RACY_NS`` old: a file
+    changed within the filesystem clock's tick of ``now_ns`` could change again under the same stamp."""
+    stamps: dict[str, Stamp] = {}
+    for d in directories:
+        with contextlib.suppress(OSError):
+            for e in os.scandir(d):
+                with contextlib.suppress(OSError):
+                    if e.is_file():
+                        st = e.stat()
+                        s = Stamp(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                        if now_ns - max(s.mtime_ns, s.ctime_ns) >= _RACY_NS:
+                            stamps[os.path.abspath(e.path)] = s
+    return stamps
+
+
+def preload_replica(model: str, tokenizer: str, precision: str | None, compile: bool) -> dict[str, Any]:
+    """Load this worker's replica before the job's pins exist: ``score_parquet`` submits this to every worker
+    as soon as the cluster is up, so that imports, CUDA initialisation, the weights' load and the compilation
+    happen while the driver checks the inputs and hashes the files.
+
+    The replica is adopted by the job's first partition only if every pinned file kept one settled stamp from
+    before this load began, through its end, to the driver's hash (:func:`_adopt`): then the bytes loaded are the
+    bytes pinned. Otherwise that partition loads the model again, as without a preload. ``precision`` ``None``
+    is the worker's automatic one (as :func:`dask_lm.engine.jobs.worker_precision` decides it)."""
+    from dask_lm.workers.state import get_state
+
+    precision = precision or ("bfloat16" if device.is_cuda() else "float32")
+    dirs = {os.path.abspath(model), os.path.abspath(tokenizer)}
+    # under the cache lock, as _replica loads: a partition that starts meanwhile on another thread of this worker
+    # waits for this replica instead of loading a second one beside it
+    with _CACHE_LOCK:
+        before = _settled_stamps(dirs, time.time_ns())
+        try:
+            rep = _Replica(model, tokenizer, precision, compile=compile)
+        except Exception as e:  # a model the driver's checks will refuse, or one the job's first partition loads
+            return {"error": f"{type(e).__name__}: {e}"}  # again and reports: not a failed task in the logs
+        after = _settled_stamps(dirs, time.time_ns())
+        rep.stamps = {p: s for p, s in before.items() if after.get(p) == s}
+        rep.last_used = time.monotonic()  # an unadopted preload is freed by the lease check like any idle replica
+        get_state().scorers[_preload_key(model, tokenizer, precision)] = rep
+    return {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds, "precision": precision}
+
+
+def _adopt(rep: _Replica | None, opts: ScoreOptions) -> _Replica | None:
+    """``rep`` (a preloaded replica) if it was loaded from the pinned bytes: each pinned file's settled stamp
+    before and after its load is the stamp the driver hashed it under. ``None`` (load again) otherwise."""
+    if rep is None or not opts.model_pins:
+        return None
+    for pin in opts.model_pins:
+        if pin.racy or rep.stamps.get(pin.path) != pin.stamp:
+            return None
+    if opts.compile and not rep.compile_requested:  # the job chose to compile once it knew its size
+        rep.compile()
+    return rep
 
 
 def _caches(dask_worker: Any = None) -> list[dict[tuple, Any]]:
@@ -263,7 +344,7 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
     rep = _replica(opts)
     with rep.lock:
         startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds,
-                   "load_phases": rep.load_phases} if rep.fresh else {}
+                   "load_phases": rep.load_phases, "ready_at": rep.ready_at} if rep.fresh else {}
         rep.fresh = False
         if rep.tokenizer is None and not opts.ids_column:
             raise ValueError(rep.tokenizer_error)

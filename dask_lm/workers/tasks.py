@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from dask_lm.data.messages import Request, ScoreOptions
 
 __all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "serve", "settled", "unwrap",
-           "zmq_address", "profiler", "score_partition", "release_scorers", "shutdown_policy", "Failed",
-           "PeerFailedError", "loglikelihood_requests", "generate_requests"]
+           "zmq_address", "profiler", "score_partition", "preload_scorer", "release_scorers", "shutdown_policy",
+           "Failed", "PeerFailedError", "loglikelihood_requests", "generate_requests"]
 
 
 def find_free_port(_prev: Any = None) -> tuple[str, int]:
@@ -195,6 +195,14 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
     from dask_lm.workers import scorer
 
     return scorer.score_partition(pdf, index, file, first_row, expected_rows, opts)
+
+
+def preload_scorer(model: str, tokenizer: str, precision: str | None, compile: bool) -> dict[str, Any]:
+    """``score_parquet``: load this worker's replica while the driver checks
+    (:func:`dask_lm.workers.scorer.preload_replica`)."""
+    from dask_lm.workers import scorer
+
+    return scorer.preload_replica(model, tokenizer, precision, compile)
 
 
 def release_scorers(dask_worker: Any = None) -> int:
