@@ -162,8 +162,9 @@ Exit codes: 0 done, 2 bad usage or input (before any work), 1 a runtime failure.
 @click.option("--truncate", is_flag=True, help="Keep the last --max-length tokens of a longer row (cuts the context "
               "side; a response is kept whole) instead of failing on it; such rows have truncated=true.")
 @click.option("--allow-nonfinite", is_flag=True, help="Keep NaN/inf logprobs instead of failing the job on them.")
-@click.option("--batch-tokens", type=int, default=16384, show_default=True,
-              help="Tokens per micro-batch (real tokens where GPU workers pack rows, padded ones elsewhere).")
+@click.option("--batch-tokens", type=int, default=None,
+              help="Tokens per micro-batch: real tokens where GPU workers pack rows (default 32768), padded ones "
+              "elsewhere (default 16384).")
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="Compile the forward on GPU workers (torch.compile): faster scoring after a one-time compilation "
               "of 5-10 s per worker process. Default: only for jobs of about 8M tokens or more per worker.")

@@ -237,7 +237,7 @@ class ScoreOptions:
     topk: int = 0
     max_length: int | None = None
     truncate: bool = False
-    batch_tokens: int = 16384
+    batch_tokens: int | None = None  # None: PACKED_BATCH_TOKENS where rows are packed, else PADDED_BATCH_TOKENS
     skip_bad_rows: bool = False
     allow_nonfinite: bool = False
     chunk_size: int = 1024
@@ -246,6 +246,20 @@ class ScoreOptions:
     # the model and tokenizer files as the job pinned them (dask_lm.io.fingerprint.Pin): a replica is loaded only
     # from files that still hold that content, and is kept apart from one loaded from another version
     model_pins: tuple[Any, ...] = ()
+
+    def micro_batch_tokens(self, packed: bool) -> int:
+        """Tokens per micro-batch: ``batch_tokens``, else the default for the worker's layout."""
+        if self.batch_tokens is not None:
+            return self.batch_tokens
+        return PACKED_BATCH_TOKENS if packed else PADDED_BATCH_TOKENS
+
+
+# Micro-batch sizes by default. Packed rows (GPU workers: real tokens only, varlen attention) run 32k tokens per
+# forward, as a Policy's inference pass does (benchmarks/logprobs.py): at 16k a 0.5B forward is short enough that
+# the head's and the layers' launches show; activations stay near 1 GiB at 0.5B (32k x 4864 x bf16 x 3 in the MLP),
+# and the head's fp32 logits are bounded by chunk_size positions. Padded rows (CPU) stay at 16k padded tokens.
+PACKED_BATCH_TOKENS = 32768
+PADDED_BATCH_TOKENS = 16384
 
 
 # ------------------------------------------------------------------------------------------- extensions

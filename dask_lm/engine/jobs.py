@@ -32,7 +32,7 @@ from typing import Any
 
 from dask_lm.engine.progress import JobBar
 from dask_lm.errors import InputChangedError
-from dask_lm.io import checkpoint, fingerprint, hub, jobdir, modelcheck
+from dask_lm.io import fingerprint, hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 
 __all__ = ["JobKind", "JobOutput", "check_columns", "precision_name", "worker_precision", "resolve_model",
@@ -336,6 +336,8 @@ def publishing(final: str) -> Iterator[str]:
     """A fresh temporary directory beside ``final`` to write into; when the block ends it becomes ``final``
     (fsync'd, then renamed: :func:`dask_lm.io.checkpoint.publish`, which replaces an earlier ``final`` only
     afterwards), or is deleted when the block raises. ``final`` never holds a partial directory."""
+    from dask_lm.io import checkpoint  # imports torch: only the jobs that publish directories need it
+
     tmp = checkpoint.temporary_sibling(final)
     os.makedirs(tmp)
     try:

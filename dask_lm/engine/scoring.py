@@ -164,7 +164,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                   text_column: str | None = None, ids_column: str | None = None, prompt_column: str | None = None,
                   response_column: str | None = None, id_column: str | None = None,
                   prompt_length_column: str | None = None, convention: str = "lm-eval", topk: int = 0,
-                  max_length: int | None = None, truncate: bool = False, batch_tokens: int = 16384,
+                  max_length: int | None = None, truncate: bool = False, batch_tokens: int | None = None,
                   precision: str | None = None, resume: bool = False, progress: bool = True,
                   skip_bad_rows: bool = False, allow_nonfinite: bool = False, compile: bool | None = None,
                   tokenizer: str | os.PathLike[str] | None = None, revision: str | None = None,
@@ -198,7 +198,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     if prompt_length_column is not None and ids_column is None:
         raise ValueError("--prompt-length-column goes with --ids-column (prompt + response text has its prompt "
                          "length from --prompt-column)")
-    if topk < 0 or (max_length is not None and max_length < 1) or batch_tokens < 1:
+    if topk < 0 or (max_length is not None and max_length < 1) or (batch_tokens is not None and batch_tokens < 1):
         raise ValueError("--topk must be >= 0, --max-length >= 1 and --batch-tokens >= 1")
     fixed_precision = jobs.precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
     out = jobs.JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
@@ -246,30 +246,35 @@ def _checked_run(start: jobs.ClusterStart, out: jobs.JobOutput, finished: bool, 
                  tokenizer: str | os.PathLike[str] | None, fixed_precision: str | None, started: float, started_at: float, *,
                  text_column: str | None, ids_column: str | None, prompt_column: str | None,
                  response_column: str | None, id_column: str | None, prompt_length_column: str | None, conv: Convention,
-                 topk: int, max_length: int | None, truncate: bool, batch_tokens: int, skip_bad_rows: bool,
+                 topk: int, max_length: int | None, truncate: bool, batch_tokens: int | None, skip_bad_rows: bool,
                  allow_nonfinite: bool, compile: bool | None, progress: bool, performance_report: str | None
                  ) -> ScoreResult:
     """``score_parquet`` from the model check on, while ``start`` brings the cluster up."""
     from dask_lm.engine.worker_group import _scheduler_info
 
+    from concurrent.futures import ThreadPoolExecutor
+
     model = source.path
-    info = modelcheck.check_model(model, load_config=not finished)
-    if info.vocab_size is not None and topk > info.vocab_size:
-        raise ValueError(f"--topk {topk} is larger than the model's vocabulary ({info.vocab_size} tokens, vocab_size "
-                         f"in {os.path.join(model, modelcheck.CONFIG)}); pass --topk {info.vocab_size} or less")
-    tokenizer = jobs.resolve_tokenizer(tokenizer, model, check=not finished, fix=None if ids_column else
-                                       "pass --tokenizer, or score token ids with --ids-column")
-    inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=ids_column,
-                                prompt_column=prompt_column, response_column=response_column, id_column=id_column,
-                                prompt_length_column=prompt_length_column)
-    opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=fixed_precision or "auto", output=out.path,
-                        text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                        response_column=response_column, id_column=id_column,
-                        prompt_length_column=prompt_length_column, convention=conv, topk=topk,
-                        max_length=max_length,
-                        truncate=truncate, batch_tokens=batch_tokens, skip_bad_rows=skip_bad_rows,
-                        allow_nonfinite=allow_nonfinite, compile=bool(compile))
-    manifest, pins = _manifest(opts, inputs, source, info)
+    info = modelcheck.check_model(model, load_config=False)
+    with ThreadPoolExecutor(1, thread_name_prefix="dask-lm-config") as pool:
+        # transformers' import (seconds: most of a cold driver's checks) overlaps the footers and the hashes
+        vocab = pool.submit(modelcheck.config_vocab, model) if not finished else None
+        tokenizer = jobs.resolve_tokenizer(tokenizer, model, check=not finished, fix=None if ids_column else
+                                           "pass --tokenizer, or score token ids with --ids-column")
+        inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=ids_column,
+                                    prompt_column=prompt_column, response_column=response_column,
+                                    id_column=id_column, prompt_length_column=prompt_length_column)
+        opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=fixed_precision or "auto", output=out.path,
+                            text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
+                            response_column=response_column, id_column=id_column,
+                            prompt_length_column=prompt_length_column, convention=conv, topk=topk,
+                            max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
+                            skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite, compile=bool(compile))
+        manifest, pins = _manifest(opts, inputs, source, info)
+        vocab_size = vocab.result() if vocab is not None else None
+    if vocab_size is not None and topk > vocab_size:
+        raise ValueError(f"--topk {topk} is larger than the model's vocabulary ({vocab_size} tokens, vocab_size "
+                         f"in {os.path.join(model, modelcheck.CONFIG)}); pass --topk {vocab_size} or less")
     opts = replace(opts, model_pins=tuple(pins[:len(pins) - len(inputs.files)]))
     prepare_seconds = time.perf_counter() - started
     with out.locked() as old:

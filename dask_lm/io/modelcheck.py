@@ -29,7 +29,8 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ModelInfo", "check_model", "check_safetensors", "check_tokenizer", "tokenizer_files", "TOKENIZER_FILES"]
+__all__ = ["config_vocab", "ModelInfo", "check_model", "check_safetensors", "check_tokenizer", "tokenizer_files",
+           "TOKENIZER_FILES"]
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -105,6 +106,12 @@ def _read_json(path: str, what: str) -> dict[str, Any]:
         raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object; it should be {what}: restore it "
                          "(re-download the model, or save it again with save_pretrained)")
     return obj
+
+
+def config_vocab(model: str) -> int | None:
+    """That ``transformers.AutoConfig`` loads ``model``'s config (``ValueError`` naming the file otherwise), and the
+    vocabulary size it states. Seconds of imports the first time: a job's driver runs it beside its other checks."""
+    return _auto_config_vocab(model, os.path.join(model, CONFIG))
 
 
 def _auto_config_vocab(model: str, config_path: str) -> int | None:

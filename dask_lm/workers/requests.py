@@ -144,7 +144,7 @@ def generate_rows(contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOpt
         # the rows of a micro-batch are left-padded to its longest; its KV cache grows to that width + max_new
         # wider than scoring's micro-batches: decode steps are sequential and launch-bound, so rows per batch is
         # what makes generation fast
-        budget = GENERATE_BATCH_FACTOR * opts.batch_tokens
+        budget = GENERATE_BATCH_FACTOR * opts.micro_batch_tokens(packed=False)
         for part in longest_first([len(c) + max_new for c in contexts], budget, padded=True):
             width = max(len(contexts[i]) for i in part)
             x = torch.full((len(part), width), rep.pad_id, dtype=torch.int64)

@@ -270,7 +270,8 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions
     tops: list[Any] | None = [empty_top] * len(ids) if opts.topk else None
     finite = [True] * len(ids)
     rows = [i for i in range(len(ids)) if ids[i]]
-    for part in longest_first([len(ids[i]) for i in rows], opts.batch_tokens, padded=not rep.packed):
+    for part in longest_first([len(ids[i]) for i in rows], opts.micro_batch_tokens(rep.packed),
+                              padded=not rep.packed):
         batch = [rows[j] for j in part]
         width = len(ids[batch[0]])
         x = torch.full((len(batch), width), rep.pad_id, dtype=torch.int64)
