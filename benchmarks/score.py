@@ -50,7 +50,10 @@ from typing import Any
 import click
 import torch
 from common import (  # benchmarks/ is on sys.path when a script in it runs
+    GIB,
     H200_BF16_DENSE,
+    _worker_peak_bytes,
+    _worker_reset_peak,
     SHAPE_CHOICES,
     build_model,
     make_rows,
@@ -226,6 +229,8 @@ def main(shape: str, num_rows: int | None, files: int | None, row_group: int | N
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="dask-lm-bench-") as root:
         model_dir = build_model(shape, root, max_len)
+        out["weights_gib"] = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
+                                 if f.endswith(".safetensors")) / GIB
         cfg = transformers.AutoConfig.from_pretrained(model_dir)
         vocab = cfg.vocab_size
         ids, lens = make_rows(num_rows, min_len, max_len, median_len, sigma, vocab, 0, seed=0)
@@ -238,7 +243,11 @@ def main(shape: str, num_rows: int | None, files: int | None, row_group: int | N
                     "row_group": row_group, "compile": compile_, "forward_tflop": flops / 1e12})
 
         user = cli = None
-        if processes:  # first, while no cluster holds the GPU; the page cache is warm for both (the files are new)
+        if processes:  # first, while no cluster holds the GPU
+            # one throw-away process first: the arms then find torch's and transformers' files in the page cache
+            # alike (whichever ran first would otherwise pay the cold reads of the libraries for both)
+            _process([sys.executable, "-c", "import torch, transformers, pyarrow.parquet; "
+                      "from transformers import AutoModelForCausalLM"], "warming the page cache")
             user = user_process(model_dir, data, os.path.join(root, "user.parquet"))
             print(f"user script (process): {user['seconds']:.2f}s, first batch at {user['first_row_seconds']:.2f}s; "
                   "phases ended at " + ", ".join(f"{k} {v:.2f}s" for k, v in user["phases_at"].items()), flush=True)
@@ -281,6 +290,7 @@ def main(shape: str, num_rows: int | None, files: int | None, row_group: int | N
         if user:
             out["ratio_warm_vs_user"] = user["seconds"] / warm["total"]
         scoring = warm["total"] - warm["prepare"] - warm["model_load"] - warm["compile"]
+        out["warm_peak_device_gib"] = warm.get("peak_device_gib")
         out["warm_scoring_phase"] = {"seconds": scoring, "tok_per_s": useful / scoring,
                                      "mfu_989": flops / scoring / H200_BF16_DENSE if on_gpu else None,
                                      "mfu_measured": flops / scoring / peak_flops}
@@ -291,6 +301,9 @@ def main(shape: str, num_rows: int | None, files: int | None, row_group: int | N
     print(f"\n{'arm':<48}{'seconds':>9}{'first row s':>13}{'tok/s':>12}{'vs user':>9}")
     for name, sec, first, ratio in rows_out:
         print(f"{name:<48}{sec:>9.2f}{'-' if first is None else f'{first:.2f}':>13}{useful / sec:>12,.0f}{ratio:>9}")
+    if out.get("warm_peak_device_gib") is not None:
+        print(f"scoring replica, warm job: peak device memory {out['warm_peak_device_gib']:.2f} GiB, weights "
+              f"{out['weights_gib']:.2f} GiB (+{out['warm_peak_device_gib'] - out['weights_gib']:.2f} GiB)")
     if "warm_scoring_phase" in out:
         w = out["warm_scoring_phase"]
         mfu = f"{w['mfu_989']:.1%} of 989.5 TFLOP/s, " if w["mfu_989"] is not None else ""
@@ -304,6 +317,12 @@ def main(shape: str, num_rows: int | None, files: int | None, row_group: int | N
         out["scaling"] = scaling_table(arms, useful, flops, device, peak_flops, peak_what, fresh_compile_cache,
                                        counts, reference)
     print(json.dumps(out))
+
+
+def on_gpu_workers(client: Any) -> bool:
+    from dask_lm.workers.tasks import rank_info
+
+    return any(i.get("device") == "cuda" for i in client.run(rank_info).values())
 
 
 def in_process_arms(dask_lm: Any, root: str, model_dir: str, data: str, counts: list[int], batch_tokens: int | None,
@@ -348,7 +367,11 @@ def in_process_arms(dask_lm: Any, root: str, model_dir: str, data: str, counts: 
                     workers = len(client.scheduler_info(n_workers=-1)["workers"])
                     threads = min(client.run(torch.get_num_threads).values())
                     for run in runs:
+                        if run == "warm":
+                            client.run(_worker_reset_peak)
                         res = job(client, str(n), run, startup)
+                        if run == "warm" and on_gpu_workers(client):
+                            startup[run]["peak_device_gib"] = max(client.run(_worker_peak_bytes).values()) / GIB
                 finally:
                     cluster = client.cluster
                     client.close()

@@ -60,7 +60,7 @@ def cluster(tmp_path):
 def _score(data, out, model, sched, *extra) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "dask_lm", "score", str(data), "--model", model, "--text-column",
                              "text", "--id-column", "id", "--output", str(out), "--scheduler-address", sched,
-                             "--batch-tokens", "64", "--no-progress", *extra],
+                             "--batch-tokens", "64", "--task-tokens", "0", "--no-progress", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

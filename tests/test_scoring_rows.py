@@ -259,13 +259,16 @@ def test_a_corrupt_data_page_names_its_row_group_and_skips_its_rows(client, tiny
     assert "corrupt.parquet: row group 1 (rows 4-7) cannot be read" in result.output, result.output
     assert not (tmp_path / "o1" / "_SUCCESS").exists()
 
-    res = dask_lm.score_parquet(data, tmp_path / "o2", model=tiny["llama"], client=client, text_column="text",
-                                skip_bad_rows=True, progress=False)
-    errors = pq.read_table(tmp_path / "o2" / "_errors.parquet").to_pylist()
-    assert [e["row"] for e in errors] == [4, 5, 6, 7] and all("row group 1" in e["error"] for e in errors)
-    assert [r["id"] for r in _read(tmp_path / "o2")] == [0, 1, 2, 3, 8, 9, 10, 11]
-    assert res.bad_rows == 4 and res.rows == 8
-    empty, first = (pq.read_table(tmp_path / "o2" / f"part-0000{i}.parquet") for i in (1, 0))
+    # merged into one task (the default for small row groups) and one task per row group as written: the same rows
+    # out, the same rows listed, and where a whole task is unreadable, an empty part of the output's schema
+    for out, task_tokens, parts in ((tmp_path / "o2", None, 1), (tmp_path / "o3", 0, 3)):
+        res = dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text",
+                                    skip_bad_rows=True, progress=False, task_tokens=task_tokens)
+        errors = pq.read_table(out / "_errors.parquet").to_pylist()
+        assert [e["row"] for e in errors] == [4, 5, 6, 7] and all("row group 1" in e["error"] for e in errors)
+        assert [r["id"] for r in _read(out)] == [0, 1, 2, 3, 8, 9, 10, 11]
+        assert res.bad_rows == 4 and res.rows == 8 and res.parts == parts
+    empty, first = (pq.read_table(tmp_path / "o3" / f"part-0000{i}.parquet") for i in (1, 0))
     assert empty.num_rows == 0 and empty.schema.names == first.schema.names
 
 
@@ -339,7 +342,8 @@ def test_merge_errors_keeps_what_an_interrupted_merge_wrote(tmp_path):
 
 def test_compiling_is_chosen_by_the_tokens_the_footers_promise_per_worker(tmp_path, monkeypatch):
     """score_parquet(compile=None) compiles only where the job is long enough to pay: its size comes from the
-    footers' uncompressed column sizes (no read), per worker; other columns do not count."""
+    footers (no read: an ids column's value count, a text column's uncompressed bytes), per worker; other columns
+    do not count."""
     from dask_lm.engine import scoring
     from dask_lm.io import parquet as pio
 
@@ -358,6 +362,8 @@ def test_compiling_is_chosen_by_the_tokens_the_footers_promise_per_worker(tmp_pa
     # the text column's 20,000 characters (about 5,000 tokens), not "other"'s
     assert text.scored_bytes == want and 20_000 <= want < 26_000  # (plus lengths and page headers)
     assert 40_000 <= by_ids.scored_bytes < 50_000  # 8 bytes per id
+    assert by_ids.group_tokens == [1000.0] * 5  # ids: the footer counts them exactly (10 rows of 100 per group)
+    assert sum(text.group_tokens) == pytest.approx(want / 4)  # text: about 4 bytes a token
     monkeypatch.setattr(scoring, "COMPILE_MIN_TOKENS_PER_WORKER", 4_000)
     assert scoring.worth_compiling(text, None, 1) and not scoring.worth_compiling(text, None, 2)
     assert scoring.worth_compiling(by_ids, "ids", 1) and not scoring.worth_compiling(by_ids, "ids", 2)

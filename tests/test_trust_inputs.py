@@ -74,13 +74,23 @@ def test_same_size_rewrite_of_an_input_refuses_resume(client, tiny, tmp_path, no
     assert data.stat().st_size == size and pq.read_table(data)["text"][7].as_py() != TEXTS[7]
     with pytest.raises(ValueError, match=rf"--resume refused.*input file {data}.*same size.*different content"):
         _score(data, out, tiny["llama"], resume=True)  # finished job
+    assert not no_cluster  # a finished output's resume starts nothing
     os.remove(out / "_SUCCESS")
+    before = _snapshot(out)
     with pytest.raises(ValueError, match=rf"--resume refused.*input file {data}"):
         _score(data, out, tiny["llama"], resume=True)  # interrupted job
     result = CliRunner().invoke(cli, ["score", str(data), "--model", tiny["llama"], "--text-column", "text",
                                       "--output", str(out), "--resume", "--no-progress"])
     assert result.exit_code == 2 and str(data) in result.output, result.output
-    assert not no_cluster
+    # the content is known only once hashed, beside the cluster's start: the cluster may have been asked for
+    # (here refused by the fixture), and the output is as it was
+    assert _snapshot(out) == before
+
+
+def _snapshot(out):
+    """Every file of ``out`` (but the lock) with its bytes."""
+    return {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()
+            and p.name != ".dask-lm.lock"}
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +119,10 @@ def test_weights_changed_mid_file_refuse_resume(client, wide_model, tmp_path, no
     weights.write_bytes(bytes(changed))
     assert len(changed) == len(before) and changed[:MiB] == before[:MiB] and changed[-MiB:] == before[-MiB:]
     assert changed != before
+    before = _snapshot(out)
     with pytest.raises(ValueError, match=rf"--resume refused.*model file {weights}.*different content"):
         _score(data, out, str(model), resume=True)
-    assert not no_cluster
+    assert _snapshot(out) == before  # refused after hashing, beside the cluster's start: nothing written
 
 
 def test_option_change_names_the_option_and_both_values(scored, tiny, no_cluster):

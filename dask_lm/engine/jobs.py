@@ -245,10 +245,11 @@ class ClusterStart:
 
     ``client`` is used as given (a Client, a Dask cluster or a scheduler address:
     :func:`~dask_lm.engine.cluster.as_client`); without one, ``connect(scheduler_address, n_workers=n_workers)``
-    attaches to a scheduler or starts a local cluster. ``warm(client)`` returns the futures it submitted."""
+    attaches to a scheduler or starts a local cluster. ``warm(client)`` returns the futures it submitted. With
+    ``eager=False`` nothing starts until :meth:`result` is called."""
 
     def __init__(self, client: Any, *, scheduler_address: str | None, n_workers: int | None,
-                 warm: Callable[[Any], list[Any]] | None = None) -> None:
+                 warm: Callable[[Any], list[Any]] | None = None, eager: bool = True) -> None:
         import threading
 
         remote = scheduler_address or os.environ.get("DASK_SCHEDULER_ADDRESS")
@@ -261,7 +262,8 @@ class ClusterStart:
         self.seconds = 0.0  # the start itself: processes spawned and registered, or the scheduler reached
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._start, name="dask-lm-cluster-start", daemon=True)
-        self._thread.start()
+        if eager:  # else only when result() asks (a job that may turn out to need no cluster)
+            self._thread.start()
 
     def _start(self) -> None:
         import time
@@ -283,6 +285,8 @@ class ClusterStart:
 
     def result(self) -> Any:
         """The client, once started (re-raising what the start raised)."""
+        if self._thread.ident is None:
+            self._thread.start()
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -292,6 +296,8 @@ class ClusterStart:
         """The job will not run: cancel the warm-up and close what this start opened (a given client stays)."""
         from dask_lm.engine import cluster
 
+        if self._thread.ident is None:  # never started
+            return
         self._thread.join()
         with contextlib.suppress(Exception):
             if self.warm_futures:

@@ -30,7 +30,7 @@ from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.engine import jobs
 from dask_lm.engine.progress import JobBar
-from dask_lm.io import fingerprint, hub, jobdir, modelcheck
+from dask_lm.io import fingerprint, hub, jobdir, modelcheck, spans
 from dask_lm.io import parquet as pio
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
 from dask_lm.workers.tasks import release_scorers, score_partition
@@ -127,16 +127,22 @@ class ScoreResult:
                 ("output", self.output), ("dashboard", self.dashboard or "-")]
 
 
-def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, source: hub.ModelSource, info: modelcheck.ModelInfo
-              ) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
-    # left out: where the output goes, the model (pinned by content), and options that change no written value:
-    # micro-batch sizes, compilation (same values to bf16 noise), and allow_nonfinite (a job refused for NaN may be
-    # resumed keeping them; parts written before hold only finite values)
+def _options(opts: ScoreOptions) -> dict[str, Any]:
+    """The options the manifest pins. Left out: where the output goes, the model (pinned by content), and options
+    that change no written value: micro-batch sizes, compilation (same values to bf16 noise), and allow_nonfinite
+    (a job refused for NaN may be resumed keeping them; parts written before hold only finite values)."""
     options = {k: v for k, v in asdict(opts).items() if k not in ("output", "model", "tokenizer", "batch_tokens",
                                                                    "chunk_size", "allow_nonfinite", "compile",
                                                                    "model_pins")}
     options["precision"] = None if opts.precision == "auto" else opts.precision  # pinned once the workers are known
-    return jobs.manifest(source, info, inputs, options, tokenizer=opts.tokenizer, partitions=len(inputs.partitions))
+    return options
+
+
+def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, source: hub.ModelSource, info: modelcheck.ModelInfo,
+              plan: list[spans.Span]) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
+    # the parts are numbered by span: a resume must cut the rows the same way (dask_lm.io.spans)
+    return jobs.manifest(source, info, inputs, _options(opts), tokenizer=opts.tokenizer, partitions=len(plan),
+                         partition_plan=spans.plan_digest(plan, inputs.files))
 
 
 _KIND = jobs.JobKind(name="scoring job", did="scored", owned=r"part-\d{5}\.parquet|_errors\.parquet|_errors",
@@ -169,7 +175,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                   skip_bad_rows: bool = False, allow_nonfinite: bool = False, compile: bool | None = None,
                   tokenizer: str | os.PathLike[str] | None = None, revision: str | None = None,
                   overwrite: bool = False, performance_report: str | None = None, n_workers: int | None = None,
-                  scheduler_address: str | None = None) -> ScoreResult:
+                  scheduler_address: str | None = None, task_tokens: int | None = None) -> ScoreResult:
     """Score every row of a parquet dataset with ``model``; see the module docstring for the output.
 
     ``input`` is a parquet file, a directory of them, a glob, or a list. Exactly one of ``text_column``,
@@ -180,7 +186,9 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     ``ids_column``, ``prompt_length_column`` (integers) says how many leading ids of each row are context: only
     the rest is scored. ``client`` is a Dask client (default: ``connect(scheduler_address,
     n_workers=n_workers)``, started at once, beside the checks, and closed here); its workers load the model while
-    the checks run.
+    the checks run. The rows are cut into tasks (and part files) of about ``task_tokens`` tokens, estimated from
+    the footers (default: about 1/32 of the job, within 16k-1M: :mod:`dask_lm.io.spans`): a large row group is
+    split across workers, small ones are merged; ``task_tokens=0`` keeps one task per row group, as written.
     ``precision`` defaults to bfloat16 on GPU workers and float32 on CPU ones. On GPU workers rows are packed and,
     with ``compile`` the forward is compiled once per worker process (5-10 s, reported as
     ``ScoreResult.compile_seconds``); by default (``None``) only where the job is long enough for that to pay
@@ -198,30 +206,62 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     if prompt_length_column is not None and ids_column is None:
         raise ValueError("--prompt-length-column goes with --ids-column (prompt + response text has its prompt "
                          "length from --prompt-column)")
-    if topk < 0 or (max_length is not None and max_length < 1) or (batch_tokens is not None and batch_tokens < 1):
-        raise ValueError("--topk must be >= 0, --max-length >= 1 and --batch-tokens >= 1")
+    if topk < 0 or (task_tokens or 0) < 0 or any(v is not None and v < 1 for v in (max_length, batch_tokens)):
+        raise ValueError("--topk and --task-tokens must be >= 0, --max-length and --batch-tokens >= 1")
     fixed_precision = jobs.precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
+    # 1. the checks that cost no more than a few small reads, before anything starts: the output folder, the model's
+    #    files (config JSON, weight headers, --topk against the vocabulary it states), the tokenizer's, the inputs'
+    #    footers and columns, and a resume's options against the manifest it resumes
     out = jobs.JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
     finished = resume and out.state.kind == "finished"  # nothing will be loaded or tokenized: its files are compared
     source = hub.resolve_model(model, revision=revision)
     model = source.path
-    tokenizer_dir = hub.resolve_model(tokenizer, what="--tokenizer").path if tokenizer else model  # checked later
-    # The cluster starts now, and each worker loads its replica while this process checks the model, reads the
-    # footers and hashes the files (seconds that used to come first). Nothing reaches the output before the checks
-    # pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is not
-    # used (workers/scorer.py: _adopt).
-    start = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers,
-                              warm=None if finished else _preload(model, tokenizer_dir, fixed_precision, compile))
+    info = modelcheck.check_model(model, load_config=False)
+    stated = modelcheck.stated_vocab(model)
+    if stated is not None and topk > stated:
+        raise ValueError(f"--topk {topk} is larger than the model's vocabulary ({stated} tokens, vocab_size in "
+                         f"{os.path.join(model, modelcheck.CONFIG)}); pass --topk {stated} or less")
+    tokenizer = jobs.resolve_tokenizer(tokenizer, model, check=not finished, fix=None if ids_column else
+                                       "pass --tokenizer, or score token ids with --ids-column")
+    inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=ids_column,
+                                prompt_column=prompt_column, response_column=response_column, id_column=id_column,
+                                prompt_length_column=prompt_length_column)
+    plan = spans.plan_spans(inputs.partitions, inputs.group_tokens, task_tokens)
+    opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=fixed_precision or "auto", output=out.path,
+                        text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
+                        response_column=response_column, id_column=id_column,
+                        prompt_length_column=prompt_length_column, convention=conv, topk=topk,
+                        max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
+                        skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite, compile=bool(compile))
+    jobdir.refuse_if_locked(out.path)
+    if out.state.kind != "new" and resume:
+        _precheck_resume(out, opts, inputs, plan)
+    # 2. the cluster starts, and each worker loads its replica, while this process does the costly checks: the
+    #    config through transformers (seconds of imports) and the content hashes. Nothing reaches the output before
+    #    they pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is
+    #    not used (workers/scorer.py: _adopt). A finished output's resume starts nothing.
+    start = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not finished,
+                              warm=None if finished else _preload(model, tokenizer, fixed_precision, compile))
     try:
-        return _checked_run(start, out, finished, source, tokenizer, fixed_precision, started, started_at,
-                            text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                            response_column=response_column, id_column=id_column,
-                            prompt_length_column=prompt_length_column, conv=conv, topk=topk, max_length=max_length,
-                            truncate=truncate, batch_tokens=batch_tokens, skip_bad_rows=skip_bad_rows,
-                            allow_nonfinite=allow_nonfinite, compile=compile, progress=progress,
-                            performance_report=performance_report)
+        return _pinned_run(start, out, finished, source, info, inputs, plan, opts, started, started_at,
+                           compile=compile, progress=progress, performance_report=performance_report)
     finally:
         start.close()
+
+
+def _precheck_resume(out: jobs.JobOutput, opts: ScoreOptions, inputs: pio.ScoreInputs, plan: list[spans.Span]
+                     ) -> None:
+    """A resume's options and plan against the manifest it resumes, before any cluster starts (the files' content
+    is compared once hashed, by :meth:`~dask_lm.engine.jobs.JobOutput.pin`)."""
+    old = jobdir.read_manifest(out.path)
+    if old is None:
+        return
+    probe = {**old, "options": _options(opts), "partitions": len(plan),
+             "partition_plan": spans.plan_digest(plan, inputs.files)}
+    ignore: tuple[str, ...] = ("skip_bad_rows",) if _added_skip_bad_rows(old, opts.skip_bad_rows) else ()
+    if None in ((old.get("options") or {}).get("precision"), probe["options"].get("precision")):
+        ignore += ("precision",)
+    jobdir.check_resume(old, probe, output=out.path, what=_KIND.did, ignore=ignore, flags=_KIND.flags)
 
 
 def _preload(model: str, tokenizer: str, precision: str | None, compile: bool | None) -> Any:
@@ -242,40 +282,24 @@ def _preload(model: str, tokenizer: str, precision: str | None, compile: bool | 
     return submit
 
 
-def _checked_run(start: jobs.ClusterStart, out: jobs.JobOutput, finished: bool, source: hub.ModelSource,
-                 tokenizer: str | os.PathLike[str] | None, fixed_precision: str | None, started: float, started_at: float, *,
-                 text_column: str | None, ids_column: str | None, prompt_column: str | None,
-                 response_column: str | None, id_column: str | None, prompt_length_column: str | None, conv: Convention,
-                 topk: int, max_length: int | None, truncate: bool, batch_tokens: int | None, skip_bad_rows: bool,
-                 allow_nonfinite: bool, compile: bool | None, progress: bool, performance_report: str | None
-                 ) -> ScoreResult:
-    """``score_parquet`` from the model check on, while ``start`` brings the cluster up."""
-    from dask_lm.engine.worker_group import _scheduler_info
-
+def _pinned_run(start: jobs.ClusterStart, out: jobs.JobOutput, finished: bool, source: hub.ModelSource,
+                info: modelcheck.ModelInfo, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
+                started: float, started_at: float, *, compile: bool | None, progress: bool,
+                performance_report: str | None) -> ScoreResult:
+    """``score_parquet`` from the costly checks on, while ``start`` brings the cluster up: the config through
+    transformers (in a thread) beside the content hashes, then the manifest under the output's lock, then the run."""
     from concurrent.futures import ThreadPoolExecutor
 
-    model = source.path
-    info = modelcheck.check_model(model, load_config=False)
+    from dask_lm.engine.worker_group import _scheduler_info
+
     with ThreadPoolExecutor(1, thread_name_prefix="dask-lm-config") as pool:
-        # transformers' import (seconds: most of a cold driver's checks) overlaps the footers and the hashes
-        vocab = pool.submit(modelcheck.config_vocab, model) if not finished else None
-        tokenizer = jobs.resolve_tokenizer(tokenizer, model, check=not finished, fix=None if ids_column else
-                                           "pass --tokenizer, or score token ids with --ids-column")
-        inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=ids_column,
-                                    prompt_column=prompt_column, response_column=response_column,
-                                    id_column=id_column, prompt_length_column=prompt_length_column)
-        opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=fixed_precision or "auto", output=out.path,
-                            text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                            response_column=response_column, id_column=id_column,
-                            prompt_length_column=prompt_length_column, convention=conv, topk=topk,
-                            max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
-                            skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite, compile=bool(compile))
-        manifest, pins = _manifest(opts, inputs, source, info)
-        vocab_size = vocab.result() if vocab is not None else None
-    if vocab_size is not None and topk > vocab_size:
-        raise ValueError(f"--topk {topk} is larger than the model's vocabulary ({vocab_size} tokens, vocab_size "
-                         f"in {os.path.join(model, modelcheck.CONFIG)}); pass --topk {vocab_size} or less")
+        loads = pool.submit(modelcheck.config_vocab, source.path) if not finished else None
+        manifest, pins = _manifest(opts, inputs, source, info, plan)
+        if loads is not None:
+            loads.result()  # transformers' ValueError naming config.json, if it cannot load it
     opts = replace(opts, model_pins=tuple(pins[:len(pins) - len(inputs.files)]))
+    skip_bad_rows, compile_flag, ids_column = opts.skip_bad_rows, compile, opts.ids_column
+    fixed_precision = None if opts.precision == "auto" else opts.precision
     prepare_seconds = time.perf_counter() - started
     with out.locked() as old:
         added_skip = _added_skip_bad_rows(old, skip_bad_rows)
@@ -285,7 +309,7 @@ def _checked_run(start: jobs.ClusterStart, out: jobs.JobOutput, finished: bool, 
         if added_skip:  # from now on the output may leave rows out: its manifest says so
             out.write_manifest({**pinned, "options": {**pinned["options"], "skip_bad_rows": True}})
         os.makedirs(pio.errors_dir(out.path), exist_ok=True)
-        done = [i for i in range(len(inputs.partitions)) if os.path.exists(os.path.join(out.path, pio.part_name(i)))]
+        done = [i for i in range(len(plan)) if os.path.exists(os.path.join(out.path, pio.part_name(i)))]
         clock = _StartClock(started, started_at, {"checks": prepare_seconds})
         with jobs.running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress
                           ) as (dask_client, bar):
@@ -293,10 +317,10 @@ def _checked_run(start: jobs.ClusterStart, out: jobs.JobOutput, finished: bool, 
             if fixed_precision is None:
                 opts = replace(opts, precision=jobs.worker_precision(dask_client))
             out.pin_precision(opts.precision)
-            if compile is None:
+            if compile_flag is None:
                 workers = len(_scheduler_info(dask_client)["workers"])
                 opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers))
-            return _run(dask_client, out, inputs, opts, done, bar, performance_report, clock)
+            return _run(dask_client, out, inputs, plan, opts, done, bar, performance_report, clock)
 
 
 @dataclass
@@ -351,16 +375,14 @@ COMPILE_MIN_TOKENS_PER_WORKER = 8_000_000
 
 
 def worth_compiling(inputs: pio.ScoreInputs, ids_column: str | None, workers: int) -> bool:
-    """Whether a job is long enough for compiling each worker's forward to pay: its tokens, estimated from the
-    footers' uncompressed column sizes (4 bytes of text per token, or the ids column's integer width), per worker,
-    against :data:`COMPILE_MIN_TOKENS_PER_WORKER`."""
-    per_token = 4
-    if ids_column is not None and inputs.schema is not None:
-        per_token = inputs.schema.field(ids_column).type.value_type.bit_width // 8
-    return inputs.scored_bytes / per_token / max(workers, 1) >= COMPILE_MIN_TOKENS_PER_WORKER
+    """Whether a job is long enough for compiling each worker's forward to pay: its tokens from the footers (an ids
+    column's value count; about 4 bytes of text per token), per worker, against
+    :data:`COMPILE_MIN_TOKENS_PER_WORKER`."""
+    return sum(inputs.group_tokens) / max(workers, 1) >= COMPILE_MIN_TOKENS_PER_WORKER
 
 
-def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreOptions, done: list[int],
+def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
+         done: list[int],
          bar: JobBar, performance_report: str | None, clock: _StartClock) -> ScoreResult:
     import warnings
 
@@ -373,20 +395,19 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreO
     if opts.id_column is not None:
         columns = sorted({c for c in (opts.id_column, opts.text_column, opts.ids_column, opts.prompt_column,
                                       opts.response_column, opts.prompt_length_column) if c})
-    todo = [i for i in range(len(inputs.partitions)) if i not in set(done)]
-    parts = jobs.located_partitions(inputs, columns, out.pins)
+    todo = [i for i in range(len(plan)) if i not in set(done)]
+    reads = jobs.located_partitions(inputs, columns, out.pins)  # one per row group, computed where a span needs it
     report = _performance_report(client, performance_report) if performance_report else contextlib.nullcontext()
     t0, t0_wall = time.perf_counter(), time.time()
     ready_at = t0_wall  # when the last worker's replica became ready (loaded, compiled): scoring starts there
     rows = tokens = bad = 0
     load = compile_s = 0.0
     phases: dict[str, float] = {}
-    total_rows = sum(inputs.partitions[i][3] for i in todo)
+    total_rows = sum(plan[i].num_rows for i in todo)
     workers = len(_scheduler_info(client)["workers"])
     bar.wait(f"loading the model on {workers} worker{'s' * (workers != 1)}", total=total_rows)
     with report, span("dask-lm/score"):
-        tasks = [dask.delayed(score_partition, pure=False)(parts[i], i, inputs.partitions[i][0],
-                                                           inputs.partitions[i][2], inputs.partitions[i][3], opts)
+        tasks = [dask.delayed(score_partition, pure=False)(*_pieces(plan[i], inputs, reads), i, plan[i].file, opts)
                  for i in todo]
         # the workers' dask-lm plugin holds their model replicas and frees those left idle (a dead driver's job)
         client.register_plugin(DaskLMWorkerState(), name=PLUGIN_NAME)
@@ -417,8 +438,8 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreO
     seconds = time.perf_counter() - t0
     pio.remove_debris(opts.output)
     bad_total = pio.merge_errors(opts.output)
-    totals = _output_totals(opts.output, len(inputs.partitions))
-    result = ScoreResult(output=opts.output, rows=rows, tokens=tokens, parts=len(inputs.partitions),
+    totals = _output_totals(opts.output, len(plan))
+    result = ScoreResult(output=opts.output, rows=rows, tokens=tokens, parts=len(plan),
                          parts_skipped=len(done), bad_rows=bad_total, seconds=seconds,
                          scoring_seconds=max(t0_wall + seconds - ready_at, 0.0),
                          dashboard=getattr(client, "dashboard_link", None), prepare_seconds=clock.phases["checks"],
@@ -432,6 +453,19 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, opts: ScoreO
                       UserWarning, stacklevel=3)
     out.finish(asdict(result))  # the counts cover every part, like bad_rows (resumed parts included)
     return result
+
+
+def _pieces(span: spans.Span, inputs: pio.ScoreInputs, reads: list[Any]) -> tuple[list[Any], list[int], list[int]]:
+    """A span's rows as the delayed reads of its row groups (a split group's slice cut where it is read, so that
+    only the slice travels), with each piece's first row in the file and its row count."""
+    import dask
+
+    if not span.whole:
+        (g,) = span.groups
+        return ([dask.delayed(pio.slice_rows, pure=True)(reads[g], span.offset, span.num_rows)], [span.first_row],
+                [span.num_rows])
+    groups = [inputs.partitions[g] for g in span.groups]
+    return [reads[g] for g in span.groups], [first for _f, _g, first, _n in groups], [n for *_r, n in groups]
 
 
 def _output_totals(output: str, parts: int) -> dict[str, Any]:

@@ -74,9 +74,7 @@ def locked_output(output: str) -> Iterator[str]:
                 logger.warning("cannot lock %s (%s): a second job writing %s at the same time would not be "
                                "noticed", path, e, output)
             else:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown process"
-                raise ValueError(f"--output {output} is in use by another dask-lm job ({holder} holds {LOCK}); "
-                                 "wait for it to finish, or choose another --output") from None
+                raise _in_use(output, fd) from None
         except ImportError:  # no fcntl (Windows): nothing to lock with
             logger.warning("no fcntl on this platform: concurrent jobs on %s are not detected", output)
         os.ftruncate(fd, 0)
@@ -84,6 +82,34 @@ def locked_output(output: str) -> Iterator[str]:
         yield path
     finally:
         os.close(fd)  # releases the lock
+
+
+def _in_use(output: str, fd: int) -> ValueError:
+    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown process"
+    return ValueError(f"--output {output} is in use by another dask-lm job ({holder} holds {LOCK}); wait for it to "
+                      "finish, or choose another --output")
+
+
+def refuse_if_locked(output: str) -> None:
+    """``ValueError`` now if another job holds ``output``'s lock: a probe that creates and writes nothing, for
+    the cheap checks before a job starts anything (:func:`locked_output` takes the lock later, and decides)."""
+    path = os.path.join(output, LOCK)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:  # no lock file, or none we may open: locked_output will say
+        return
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise _in_use(output, fd) from None
+    except ImportError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -239,8 +265,10 @@ def _differences(old: dict[str, Any], new: dict[str, Any], ignore: tuple[str, ..
     new_paths = [e.get("path") for e in new.get("inputs") or []]
     if not inputs and old_paths != new_paths:
         inputs.append("the same input files in another order (parts are numbered in input order)")
-    if not inputs and old.get("partitions") != new.get("partitions"):
-        inputs.append(f"input row groups were {old.get('partitions')}, now {new.get('partitions')}")
+    if not inputs and (old.get("partitions"), old.get("partition_plan")) != (new.get("partitions"),
+                                                                             new.get("partition_plan")):
+        inputs.append(f"the rows were cut into parts another way ({old.get('partitions')} parts, now "
+                      f"{new.get('partitions')}: another --task-tokens, or another dask-lm version)")
     out += [("inputs", text) for text in inputs]
     return out
 

@@ -29,7 +29,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["config_vocab", "ModelInfo", "check_model", "check_safetensors", "check_tokenizer", "tokenizer_files",
+__all__ = ["stated_vocab", "config_vocab", "ModelInfo", "check_model", "check_safetensors", "check_tokenizer", "tokenizer_files",
            "TOKENIZER_FILES"]
 
 CONFIG = "config.json"
@@ -106,6 +106,17 @@ def _read_json(path: str, what: str) -> dict[str, Any]:
         raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object; it should be {what}: restore it "
                          "(re-download the model, or save it again with save_pretrained)")
     return obj
+
+
+def stated_vocab(model: str) -> int | None:
+    """The vocabulary size ``config.json`` states (``vocab_size``, or its ``text_config``'s for composite models),
+    read as JSON: no transformers import, so it can be checked before anything starts."""
+    cfg = _read_json(os.path.join(model, CONFIG), "a model config")
+    for where in (cfg, cfg.get("text_config")):
+        vocab = where.get("vocab_size") if isinstance(where, dict) else None
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+            return vocab
+    return None
 
 
 def config_vocab(model: str) -> int | None:

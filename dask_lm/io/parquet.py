@@ -11,7 +11,7 @@ import json
 import os
 import uuid
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 from dask_lm.io.fingerprint import Pin, stamp, verify
 
 __all__ = ["ScoreInputs", "resolve_input_files", "inspect_inputs", "part_name", "write_part", "write_json_atomic",
-           "output_schema_columns", "UnreadableRowGroup", "read_partition", "errors_table", "errors_dir",
-           "merge_errors", "remove_debris", "MANIFEST", "SUCCESS", "ERRORS"]
+           "output_schema_columns", "UnreadableRowGroup", "slice_rows", "read_partition",
+           "errors_table", "errors_dir", "merge_errors", "remove_debris", "MANIFEST", "SUCCESS", "ERRORS"]
 
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS"
@@ -40,7 +40,10 @@ class ScoreInputs:
     num_rows: int = 0
     scored_bytes: int = 0
     """Uncompressed bytes of the scored columns (text, ids, prompt + response) over every row group, from the
-    footers: a size estimate that costs no read (used to decide whether compiling the forward pays)."""
+    footers."""
+    group_tokens: list[float] = field(default_factory=list)
+    """Each row group's tokens (of ``partitions``), from its footer: exact for an ids column, estimated for text.
+    How a job sizes its tasks (:mod:`dask_lm.io.spans`) and decides whether compiling pays."""
     stamps: dict[str, Any] = field(default_factory=dict)
     """Each file's :class:`~dask_lm.io.fingerprint.Stamp` as its footer was read: the hash must be of the same
     bytes, or the partitions planned from the footer may not be the file's."""
@@ -164,9 +167,14 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
             group = meta.metadata.row_group(g)
             out.partitions.append((file, g, start, group.num_rows))
             start += group.num_rows
-            out.scored_bytes += sum(group.column(j).total_uncompressed_size for j in range(group.num_columns)
-                                    if any(group.column(j).path_in_schema == c
-                                           or group.column(j).path_in_schema.startswith(c + ".") for c in scored))
+            columns = [group.column(j) for j in range(group.num_columns)
+                       if any(group.column(j).path_in_schema == c or group.column(j).path_in_schema.startswith(c + ".")
+                              for c in scored)]
+            out.scored_bytes += sum(c.total_uncompressed_size for c in columns)
+            # an ids column's leaf values are its tokens, counted exactly by the footer; text is about 4 bytes of
+            # (dictionary- or plain-encoded) data per token
+            out.group_tokens.append(float(sum(c.num_values for c in columns)) if ids_column is not None else
+                                    sum(c.total_uncompressed_size for c in columns) / 4)
         out.num_rows += meta.metadata.num_rows
     assert out.schema is not None
     first = files[0]
@@ -227,6 +235,14 @@ class UnreadableRowGroup:
         last = self.first_row + self.num_rows - 1
         return (f"{self.file}: row group {self.group} (rows {self.first_row}-{last}) cannot be read: {self.error}; "
                 "the file is damaged: re-create it")
+
+
+def slice_rows(part: Any, offset: int, num_rows: int) -> Any:
+    """Rows ``offset .. offset + num_rows`` of a read row group (a pandas frame, or an :class:`UnreadableRowGroup`,
+    which stays one for those rows): a split row group's span, cut where the group was read."""
+    if isinstance(part, UnreadableRowGroup):
+        return replace(part, first_row=part.first_row + offset, num_rows=num_rows)
+    return part.iloc[offset:offset + num_rows].reset_index(drop=True)
 
 
 def read_partition(file: str, group: int, first_row: int, num_rows: int, columns: list[str] | None,

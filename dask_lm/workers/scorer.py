@@ -26,7 +26,7 @@ import torch
 
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.data.packing import longest_first
-from dask_lm.data.rows import BadRowError, prepare_rows
+from dask_lm.data.rows import BadRowError, PreparedRows, prepare_rows
 from dask_lm.errors import NonFiniteError
 from dask_lm.io.fingerprint import _RACY_NS, Stamp, verify
 from dask_lm.workers import device, fused, varlen
@@ -326,22 +326,32 @@ def _row_sums(lp: torch.Tensor, greedy: torch.Tensor, start: int
     return n, total, mean, ppl, bool(greedy[start:].all())
 
 
-def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_rows: int | None,
+def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], index: int, file: str,
                     opts: ScoreOptions) -> dict[str, Any]:
-    """Score one input partition and write ``part-<index>.parquet`` (and its bad rows) atomically.
+    """Score one span of rows (:mod:`dask_lm.io.spans`) and write ``part-<index>.parquet`` (and its bad rows)
+    atomically.
 
-    ``pdf`` is a pandas frame of Arrow-backed columns, or a :class:`~dask_lm.io.parquet.UnreadableRowGroup` when
-    its row group could not be decoded: then every row of it is a bad row."""
+    ``pieces`` are the span's rows as read: consecutive row groups of ``file`` (or one group's slice), each a
+    pandas frame of Arrow-backed columns starting at file row ``firsts[k]`` with ``counts[k]`` rows, or an
+    :class:`~dask_lm.io.parquet.UnreadableRowGroup` where the group could not be decoded: then every row of it is a
+    bad row."""
     import pyarrow as pa
 
     from dask_lm.io import parquet as pio
 
     t0 = time.perf_counter()
-    if isinstance(pdf, pio.UnreadableRowGroup):
-        return _unreadable(pdf, index, opts, t0)
-    if expected_rows is not None and len(pdf) != expected_rows:
-        raise RuntimeError(f"partition {index} of {file} has {len(pdf)} rows, its row group {expected_rows}: the "
-                           "reader split the dataset differently than planned")
+    for piece, first, n in zip(pieces, firsts, counts):
+        if not isinstance(piece, pio.UnreadableRowGroup) and len(piece) != n:
+            raise RuntimeError(f"partition {index}: rows {first}.. of {file} came back as {len(piece)} rows, the "
+                               f"footer says {n}: the reader split the dataset differently than planned")
+    unreadable = [p for p in pieces if isinstance(p, pio.UnreadableRowGroup)]
+    if unreadable and not opts.skip_bad_rows:
+        raise BadRowError(f"{unreadable[0].message()}, or pass --skip-bad-rows to leave its rows out")
+    lost_rows = [r for g in unreadable for r in range(g.first_row, g.first_row + g.num_rows)]
+    lost_errors = [g.message() for g in unreadable for _ in range(g.num_rows)]
+    readable = [(p, first) for p, first in zip(pieces, firsts) if not isinstance(p, pio.UnreadableRowGroup)]
+    if not readable:
+        return _unreadable(unreadable[0].schema, lost_rows, lost_errors, index, file, opts, t0)
     rep = _replica(opts)
     with rep.lock:
         startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds,
@@ -350,23 +360,34 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
         if rep.tokenizer is None and not opts.ids_column:
             raise ValueError(rep.tokenizer_error)
         t_rows = time.perf_counter()
-        rows = prepare_rows(pdf, opts, tokenizer=rep.tokenizer, vocab_size=rep.vocab_size,
-                            max_positions=rep.max_positions, file=file, first_row=first_row)
+        rows = PreparedRows([], [], [], [])
+        row_no: list[int] = []  # each row's number in the file, for messages and _errors.parquet
+        for frame, first in readable:
+            got = prepare_rows(frame, opts, tokenizer=rep.tokenizer, vocab_size=rep.vocab_size,
+                               max_positions=rep.max_positions, file=file, first_row=first)
+            rows.ids += got.ids
+            rows.start += got.start
+            rows.truncated += got.truncated
+            rows.errors += got.errors
+            row_no += range(first, first + len(frame))
         t_model = time.perf_counter()
         bad = [i for i, e in enumerate(rows.errors) if e is not None]
         if bad and not opts.skip_bad_rows:
             more = f" (and {len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
             raise BadRowError(f"{rows.errors[bad[0]]}{more}; fix the data, or run again with --resume "
                               "--skip-bad-rows to leave bad rows out (the parts already written are kept)")
-        keep = [i for i in range(len(pdf)) if rows.errors[i] is None]
+        keep = [i for i in range(len(row_no)) if rows.errors[i] is None]
         lps, tops, finite, greedy = _score_rows(rep, [rows.ids[i] for i in keep], opts)  # type: ignore[misc]
     t_write = time.perf_counter()
-    nonfinite = [first_row + keep[j] for j, ok in enumerate(finite) if not ok]
+    nonfinite = [row_no[keep[j]] for j, ok in enumerate(finite) if not ok]
     if nonfinite and not opts.allow_nonfinite:
         # raised before anything is written: no part under its final name, so the job ends without _SUCCESS
         raise NonFiniteError(f"the model produced non-finite logprobs (NaN/inf) on {len(nonfinite)} of {len(keep)} "
                              f"rows of {file} (first: row {nonfinite[0]}): its weights may hold NaN/inf, or the "
                              "precision overflows (try --precision fp32); pass --allow-nonfinite to keep them")
+    import pandas as pd
+
+    pdf = readable[0][0] if len(readable) == 1 else pd.concat([f for f, _ in readable], ignore_index=True)
     source = pdf.iloc[keep]
     if opts.id_column is not None:
         source = source[[opts.id_column]]
@@ -384,16 +405,17 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
     for name, type_ in pio.output_schema_columns(opts.topk):
         table = table.append_column(name, pa.array(values[name], type_))
     # the bad rows first: a part file under its final name is what --resume skips, so it must come last
-    if bad:
+    if bad or lost_rows:
         bad_errors = [e for e in rows.errors if e is not None]  # those of `bad`, in order
-        err = pio.errors_table(index, file, [first_row + i for i in bad], bad_errors)
+        listed = sorted(zip(lost_rows + [row_no[i] for i in bad], lost_errors + bad_errors))
+        err = pio.errors_table(index, file, [r for r, _ in listed], [e for _, e in listed])
         pio.write_part(err, pio.errors_dir(opts.output), pio.part_name(index))
     pio.write_part(table, opts.output, pio.part_name(index))
     tokens = sum(counts)
     from distributed.metrics import context_meter
 
     context_meter.digest_metric("tokens", tokens, "count")  # summed per span on the dashboard
-    return {"part": index, "rows": len(keep), "tokens": tokens, "bad_rows": len(bad),
+    return {"part": index, "rows": len(keep), "tokens": tokens, "bad_rows": len(bad) + len(lost_rows),
             "empty_rows": sum(1 for s in sums if s[0] == 0), "truncated_rows": sum(values["truncated"]),
             "nonfinite_rows": len(nonfinite), "seconds": time.perf_counter() - t0, **startup,
             # where a partition's time goes (ScoreResult.phase_seconds sums them over the job): reading and checking
@@ -401,25 +423,21 @@ def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_ro
             "phases": {"rows": t_model - t_rows, "model": t_write - t_model, "output": time.perf_counter() - t_write}}
 
 
-def _unreadable(group: Any, index: int, opts: ScoreOptions, t0: float) -> dict[str, Any]:
-    """A row group that cannot be decoded: a bad-row error, or with ``skip_bad_rows`` an empty part (the output
-    schema, no rows) and one ``_errors.parquet`` entry per row of the group, so that rows written plus rows listed
-    still add up to the input."""
+def _unreadable(schema: Any, rows: list[int], errors: list[str], index: int, file: str, opts: ScoreOptions,
+                t0: float) -> dict[str, Any]:
+    """A span none of whose row groups can be decoded, with ``skip_bad_rows``: an empty part (the output schema,
+    no rows) and one ``_errors.parquet`` entry per row, so that rows written plus rows listed still add up to the
+    input."""
     import pyarrow as pa
 
     from dask_lm.io import parquet as pio
 
-    if not opts.skip_bad_rows:
-        raise BadRowError(f"{group.message()}, or pass --skip-bad-rows to leave its rows out")
-    schema = group.schema
     if opts.id_column is not None:
         schema = pa.schema([schema.field(opts.id_column)])
     table = schema.empty_table()
     for name, type_ in pio.output_schema_columns(opts.topk):
         table = table.append_column(name, pa.array([], type_))
-    rows = list(range(group.first_row, group.first_row + group.num_rows))
-    pio.write_part(pio.errors_table(index, group.file, rows, [group.message()] * len(rows)),
-                   pio.errors_dir(opts.output), pio.part_name(index))
+    pio.write_part(pio.errors_table(index, file, rows, errors), pio.errors_dir(opts.output), pio.part_name(index))
     pio.write_part(table, opts.output, pio.part_name(index))  # last: it marks the part done
     return {"part": index, "rows": 0, "tokens": 0, "bad_rows": len(rows), "empty_rows": 0, "truncated_rows": 0,
             "nonfinite_rows": 0, "seconds": time.perf_counter() - t0}

@@ -189,12 +189,12 @@ def profiler(_prev: Any, start: bool) -> bool:
     return True
 
 
-def score_partition(pdf: Any, index: int, file: str, first_row: int, expected_rows: int | None,
+def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], index: int, file: str,
                     opts: ScoreOptions) -> dict[str, Any]:
-    """``score_parquet``: score one partition on this worker (:func:`dask_lm.workers.scorer.score_partition`)."""
+    """``score_parquet``: score one span on this worker (:func:`dask_lm.workers.scorer.score_partition`)."""
     from dask_lm.workers import scorer
 
-    return scorer.score_partition(pdf, index, file, first_row, expected_rows, opts)
+    return scorer.score_partition(pieces, firsts, counts, index, file, opts)
 
 
 def preload_scorer(model: str, tokenizer: str, precision: str | None, compile: bool) -> dict[str, Any]:
