@@ -34,6 +34,45 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 
+def score_rows(model, rows, order, budget, chunk, device, per_token=False):  # noqa: ANN001, ANN201
+    """Each row's summed logprob of tokens 1.. (and with ``per_token`` its logprobs, on the host), in batches of
+    rows taken longest first (``order``) up to ``budget`` padded tokens; and when the first batch's sums were on
+    the host (``time.time()``). Used as well by ``benchmarks/logprobs.py``'s competent arm."""
+    sums = [0.0] * len(rows)
+    tokens = [None] * len(rows) if per_token else None
+    first_batch_at = None
+    with torch.inference_mode():
+        s = 0
+        while s < len(order):
+            width = len(rows[order[s]])  # longest first: the first row of a batch is its widest
+            take = max(1, budget // width)
+            batch = order[s:s + take]
+            s += take
+            x = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for r, i in enumerate(batch):
+                x[r, :len(rows[i])] = torch.as_tensor(rows[i])
+                mask[r, :len(rows[i])] = 1
+            x, mask = x.to(device), mask.to(device)
+            hidden = model.model(input_ids=x, attention_mask=mask).last_hidden_state
+            lps = []
+            for c in range(0, width - 1, chunk):
+                logits = model.lm_head(hidden[:, c:c + chunk]).float()
+                target = x[:, c + 1:c + 1 + chunk]
+                logits = logits[:, :target.shape[1]]
+                lps.append(logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, -1))
+            lp = (torch.cat(lps, 1) if lps else torch.zeros(len(batch), 0, device=device)) * mask[:, 1:]
+            for r, v in zip(batch, lp.double().sum(1).tolist()):
+                sums[r] = v
+            if tokens is not None:
+                host = lp.cpu()
+                for k, r in enumerate(batch):
+                    tokens[r] = host[k, :len(rows[r]) - 1]
+            if first_batch_at is None:
+                first_batch_at = time.time()
+    return sums, tokens, first_batch_at
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -56,33 +95,7 @@ def main() -> None:
                                                  device_map={"": device}).eval()
     phases["load"] = time.perf_counter() - T0
 
-    sums = [0.0] * len(rows)
-    first_batch_at = None
-    with torch.inference_mode():
-        s = 0
-        while s < len(order):
-            width = len(rows[order[s]])  # longest first: the first row of a batch is its widest
-            take = max(1, args.budget // width)
-            batch = order[s:s + take]
-            s += take
-            x = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for r, i in enumerate(batch):
-                x[r, :len(rows[i])] = torch.tensor(rows[i])
-                mask[r, :len(rows[i])] = 1
-            x, mask = x.to(device), mask.to(device)
-            hidden = model.model(input_ids=x, attention_mask=mask).last_hidden_state
-            total = torch.zeros(len(batch), dtype=torch.float64, device=device)
-            for c in range(0, width - 1, args.chunk):
-                logits = model.lm_head(hidden[:, c:c + args.chunk]).float()
-                target = x[:, c + 1:c + 1 + args.chunk]
-                logits = logits[:, :target.shape[1]]
-                lp = logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, -1)
-                total += (lp * mask[:, c + 1:c + 1 + args.chunk]).sum(1).double()
-            for r, v in zip(batch, total.tolist()):
-                sums[r] = v
-            if first_batch_at is None:
-                first_batch_at = time.time()
+    sums, _, first_batch_at = score_rows(model, rows, order, args.budget, args.chunk, device)
     phases["scoring"] = time.perf_counter() - T0
     pq.write_table(pa.table({args.id_column: table[args.id_column],
                              "num_tokens": pa.array([len(r) for r in rows], pa.int32()),
@@ -90,7 +103,6 @@ def main() -> None:
     phases["write"] = time.perf_counter() - T0
     print(json.dumps({"phases_at": phases, "first_batch_at": first_batch_at, "end_at": time.time(),
                       "rows": len(rows), "tokens": sum(len(r) for r in rows)}), flush=True)
-
 
 
 if __name__ == "__main__":
