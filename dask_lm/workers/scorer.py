@@ -397,13 +397,14 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
     values: dict[str, Any] = {
         "num_tokens": counts, "prompt_tokens": [min(rows.start[i], n) for i, n in zip(keep, counts)],
         "num_scored": [s[0] for s in sums], "truncated": [rows.truncated[i] for i in keep],
-        "logprobs": [lp.tolist() for lp in lps], "sum_logprob": [s[1] for s in sums],
+        "logprobs": _list_column(lps, pa.list_(pa.float32())), "sum_logprob": [s[1] for s in sums],
         "mean_logprob": [s[2] for s in sums], "perplexity": [s[3] for s in sums], "is_greedy": [s[4] for s in sums]}
     if tops is not None:
-        values["topk_ids"] = [t[0].tolist() for t in tops]
-        values["topk_logprobs"] = [t[1].tolist() for t in tops]
+        values["topk_ids"] = _list_column([t[0] for t in tops], pa.list_(pa.list_(pa.int32())))
+        values["topk_logprobs"] = _list_column([t[1] for t in tops], pa.list_(pa.list_(pa.float32())))
     for name, type_ in pio.output_schema_columns(opts.topk):
-        table = table.append_column(name, pa.array(values[name], type_))
+        column = values[name]
+        table = table.append_column(name, column if isinstance(column, pa.Array) else pa.array(column, type_))
     # the bad rows first: a part file under its final name is what --resume skips, so it must come last
     if bad or lost_rows:
         bad_errors = [e for e in rows.errors if e is not None]  # those of `bad`, in order
@@ -421,6 +422,27 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
             # where a partition's time goes (ScoreResult.phase_seconds sums them over the job): reading and checking
             # the rows, the model (forwards, heads, results to the host), building and writing the output
             "phases": {"rows": t_model - t_rows, "model": t_write - t_model, "output": time.perf_counter() - t_write}}
+
+
+def _list_column(rows: list[torch.Tensor], type_: Any) -> Any:
+    """Per row a ``[n]`` (or ``[n, k]``) tensor, as the Arrow column of type ``type_`` (``list<...>`` or
+    ``list<list<...>>``) built from one flat buffer and its offsets: no Python float per value (4M of them took
+    about a second per job)."""
+    import numpy as np
+    import pyarrow as pa
+
+    if not rows:
+        return pa.array([], type_)
+    lengths = np.fromiter((r.shape[0] for r in rows), dtype=np.int64, count=len(rows))
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    flat = torch.cat([r if r.dim() == 2 else r.reshape(-1, 1) for r in rows])
+    values = pa.array(flat.reshape(-1).numpy())
+    if pa.types.is_list(type_.value_type):  # [n, k]: a list of k per position
+        k = flat.shape[1]
+        values = pa.ListArray.from_arrays(pa.array(np.arange(0, len(values) + 1, k, dtype=np.int32)), values)
+    column = pa.ListArray.from_arrays(offsets, values)
+    assert column.type == type_, (column.type, type_)
+    return column
 
 
 def _unreadable(schema: Any, rows: list[int], errors: list[str], index: int, file: str, opts: ScoreOptions,
