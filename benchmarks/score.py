@@ -205,11 +205,13 @@ def run_hf(model_dir: str, data: str, out: str, dtype: torch.dtype, device: torc
               help="The whole-process arms: the competent user's script and the dask-lm CLI, each a fresh process.")
 @click.option("--in-process/--no-in-process", "in_process", default=True, show_default=True,
               help="The in-process arms: score_parquet cold and warm on clusters of each --n-workers count.")
+@click.option("--quick-cold", is_flag=True, help="The in-process arms' cold job scores the first input file only: "
+              "it exists to make the second job warm (the whole-process CLI arm is the cold figure).")
 @click.option("--plain-hf", is_flag=True, help="Also run the old 16-row, data-order plain HF loop in this process.")
 def main(shape: str, num_rows: int | None, files: int | None, row_group: int | None, min_len: int,
          max_len: int | None, median_len: int | None, sigma: float, batch_tokens: int | None, hf_batch_size: int,
          n_workers_spec: str | None, compile_: bool | None, again: bool, fresh_compile_cache: bool, processes: bool,
-         in_process: bool, plain_hf: bool) -> None:
+         in_process: bool, quick_cold: bool, plain_hf: bool) -> None:
     import pyarrow.parquet as pq
     import transformers
 
@@ -260,7 +262,8 @@ def main(shape: str, num_rows: int | None, files: int | None, row_group: int | N
 
         arms: list[dict[str, Any]] = []
         if in_process:
-            arms = in_process_arms(dask_lm, root, model_dir, data, counts, batch_tokens, compile_, again, fresh_compile_cache)
+            arms = in_process_arms(dask_lm, root, model_dir, data, counts, batch_tokens, compile_, again,
+                                   fresh_compile_cache, quick_cold)
         device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
         if device.type == "cpu" and arms:
             torch.set_num_threads(min(a["threads"] for a in arms))
@@ -326,14 +329,16 @@ def on_gpu_workers(client: Any) -> bool:
 
 
 def in_process_arms(dask_lm: Any, root: str, model_dir: str, data: str, counts: list[int], batch_tokens: int | None,
-                    compile_: bool | None, again: bool, fresh_compile_cache: bool) -> list[dict[str, Any]]:
+                    compile_: bool | None, again: bool, fresh_compile_cache: bool, quick_cold: bool = False
+                    ) -> list[dict[str, Any]]:
     """score_parquet cold, then warm (and cold_again with ``again``) on a fresh cluster per worker count."""
     import pyarrow.parquet as pq
 
     def job(client: Any, tag: str, run: str, startup: dict[str, dict[str, Any]]) -> Any:
         t0 = time.perf_counter()
         kw = {} if batch_tokens is None else {"batch_tokens": batch_tokens}
-        res = dask_lm.score_parquet(data, os.path.join(root, f"out-{tag}-{run}"), model=model_dir, client=client, ids_column="ids", id_column="id",
+        source = sorted(os.path.join(data, f) for f in os.listdir(data))[0] if quick_cold and run == "cold" else data
+        res = dask_lm.score_parquet(source, os.path.join(root, f"out-{tag}-{run}"), model=model_dir, client=client, ids_column="ids", id_column="id",
                                     progress=False, compile=compile_, **kw)
         total = time.perf_counter() - t0
         startup[run] = {"total": total, "prepare": res.prepare_seconds, "model_load": res.model_load_seconds,
@@ -385,9 +390,10 @@ def in_process_arms(dask_lm: Any, root: str, model_dir: str, data: str, counts: 
         print(f"score_parquet ({workers} workers): cold {startup['cold']['total']:.2f}s, warm "
               f"{startup['warm']['total']:.2f}s", flush=True)
         got: dict[int, float] = {}
-        for f in sorted(os.listdir(os.path.join(root, f"out-{n}-cold"))):
+        checked = os.path.join(root, f"out-{n}-{'warm' if quick_cold else 'cold'}")  # the whole job's output
+        for f in sorted(os.listdir(checked)):
             if f.startswith("part-"):
-                t = pq.read_table(os.path.join(root, f"out-{n}-cold", f), columns=["id", "sum_logprob"]).to_pydict()
+                t = pq.read_table(os.path.join(checked, f), columns=["id", "sum_logprob"]).to_pydict()
                 got.update(zip(t["id"], t["sum_logprob"]))
         arms.append({"workers": workers, "requested": n, "threads": threads, "parts": res.parts,
                      "startup": startup, "sums": got})
