@@ -280,14 +280,26 @@ def check_listeners(client: Any, policy: Any) -> None:
         assert not bad, f"worker {a} listens off loopback: {bad} (all: {las})"
 
 
+def _import_transformers() -> None:
+    import transformers
+
+    transformers.AutoModelForCausalLM  # noqa: B018 (the lazy module imports its model classes here)
+
+
 def check_scoring(client: Any, model_dir: str, tok: Any, root: Path, atol: float) -> None:
-    """score_parquet over the four workers: partitions on both hosts, sums as one HF process computes them."""
+    """score_parquet over the four workers: partitions on both hosts, sums as one HF process computes them.
+
+    The workers load their replicas as the job starts (each a few hundred ms apart here), and a partition goes to
+    whichever worker is free: transformers imported on every worker first (most of a load's time), and enough
+    partitions (one per 2-row row group, 16 copies of the texts) that every worker takes some after its load."""
+    client.run(_import_transformers)
+    texts = SCORE_TEXTS * 16
     data = root / "score.parquet"
-    pq.write_table(pa.table({"id": list(range(len(SCORE_TEXTS))), "text": SCORE_TEXTS}), data, row_group_size=2)
+    pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), data, row_group_size=2)
     with get_task_stream(client=client) as stream:
         res = dask_lm.score_parquet(data, root / "scored", model=model_dir, client=client, text_column="text",
-                                    precision="float32", progress=False)
-    assert res.parts == len(SCORE_TEXTS) // 2 and res.rows == len(SCORE_TEXTS)
+                                    precision="float32", progress=False, task_tokens=0)  # a task per row group
+    assert res.parts == len(texts) // 2 and res.rows == len(texts)
     hosts = _hosts_by_address(client)
     ran = [t["worker"] for t in stream.data if str(t["key"]).startswith("score_partition")]
     assert len(ran) == res.parts, stream.data
@@ -295,10 +307,10 @@ def check_scoring(client: Any, model_dir: str, tok: Any, root: Path, atol: float
     table = pa.concat_tables([pq.read_table(f) for f in sorted((root / "scored").glob("part-*.parquet"))])
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = table.to_pylist()
-    assert [r["id"] for r in rows] == list(range(len(SCORE_TEXTS)))
+    assert [r["id"] for r in rows] == list(range(len(texts)))
     for r in rows:
         # lm-evaluation-harness's convention: BOS (which this tokenizer does not add) then the text, scored whole
-        ids = [tok.bos_token_id] + tok(SCORE_TEXTS[r["id"]])["input_ids"]
+        ids = [tok.bos_token_id] + tok(texts[r["id"]])["input_ids"]
         with torch.no_grad():
             lsm = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
         lp = lsm[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
