@@ -94,8 +94,10 @@ class ScoreResult:
     start_phases: dict[str, float] = field(default_factory=dict)
     model_load_phases: dict[str, float] = field(default_factory=dict)
     """The slowest worker's model load (``model_load_seconds``) by step."""
-    """Seconds of each step before scoring, from the call's start: ``checks`` (the driver's checks and
-    fingerprints), ``cluster`` (the cluster started or reached), ``first_row`` (the first part written)."""
+    """When each step of the start ended, in seconds from the call's start: ``checks`` (the driver's checks and
+    fingerprints), ``cluster`` (the cluster up, or reached, and the checks done), ``worker_processes`` /
+    ``preloads_began`` / ``replicas_ready`` (the last worker's process began, its preload began, its replica was
+    ready: the workers' own clocks), ``first_row`` (the first part written)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -320,7 +322,8 @@ def _pinned_run(start: jobs.ClusterStart, out: jobs.JobOutput, finished: bool, s
             if compile_flag is None:
                 workers = len(_scheduler_info(dask_client)["workers"])
                 opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers))
-            return _run(dask_client, out, inputs, plan, opts, done, bar, performance_report, clock)
+            return _run(dask_client, out, inputs, plan, opts, done, start.warm_futures, bar, performance_report,
+                        clock)
 
 
 @dataclass
@@ -335,6 +338,21 @@ class _StartClock:
 
     def mark(self, phase: str) -> None:
         self.phases[phase] = time.perf_counter() - self.started
+
+    def workers(self, preloads: list[Any]) -> list[dict[str, Any]]:
+        """The workers' start, from their preloads (those done; wall clock, so on one host or NTP-close ones):
+        when the last worker process began, the last preload began, the last replica was ready. Returns the
+        preloads' reports."""
+        got = [f.result() for f in preloads if f.done() and f.status == "finished"]
+        got = [g for g in got if isinstance(g, dict) and "error" not in g]
+        for phase, key in (("worker_processes", "process_started_at"), ("preloads_began", "began_at"),
+                           ("replicas_ready", "ready_at")):
+            stamps = [g[key] for g in got if g.get(key)]
+            if stamps:
+                self.phases[phase] = max(stamps) - self.started_at
+        if got and not self.load_phases:
+            self.load_phases = max(got, key=lambda g: g["load_seconds"]).get("load_phases") or {}
+        return got
 
     def first_row(self) -> None:
         if self.first_row_at is None:
@@ -382,7 +400,7 @@ def worth_compiling(inputs: pio.ScoreInputs, ids_column: str | None, workers: in
 
 
 def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
-         done: list[int],
+         done: list[int], preloads: list[Any],
          bar: JobBar, performance_report: str | None, clock: _StartClock) -> ScoreResult:
     import warnings
 
@@ -436,6 +454,9 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
             bar.close()
         client.run(release_scorers)
     seconds = time.perf_counter() - t0
+    for started in clock.workers(preloads):  # the loads that ran beside the checks count as loads too
+        load = max(load, started["load_seconds"])
+        compile_s = max(compile_s, started["compile_seconds"])
     pio.remove_debris(opts.output)
     bad_total = pio.merge_errors(opts.output)
     totals = _output_totals(opts.output, len(plan))

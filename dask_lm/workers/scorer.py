@@ -174,6 +174,7 @@ def preload_replica(model: str, tokenizer: str, precision: str | None, compile: 
     is the worker's automatic one (as :func:`dask_lm.engine.jobs.worker_precision` decides it)."""
     from dask_lm.workers.state import get_state
 
+    began = time.time()
     precision = precision or ("bfloat16" if device.is_cuda() else "float32")
     dirs = {os.path.abspath(model), os.path.abspath(tokenizer)}
     # under the cache lock, as _replica loads: a partition that starts meanwhile on another thread of this worker
@@ -188,7 +189,20 @@ def preload_replica(model: str, tokenizer: str, precision: str | None, compile: 
         rep.stamps = {p: s for p, s in before.items() if after.get(p) == s}
         rep.last_used = time.monotonic()  # an unadopted preload is freed by the lease check like any idle replica
         get_state().scorers[_preload_key(model, tokenizer, precision)] = rep
-    return {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds, "precision": precision}
+    # when this worker's start went where (wall clock, for ScoreResult.start_phases): its process began, this task
+    # began (the worker up and registered, this module and torch imported), the replica was ready
+    return {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds, "precision": precision,
+            "process_started_at": _process_started_at(), "began_at": began, "ready_at": rep.ready_at,
+            "load_phases": rep.load_phases}
+
+
+def _process_started_at() -> float | None:
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # no psutil (it comes with distributed), or a platform without process times
+        return None
 
 
 def _adopt(rep: _Replica | None, opts: ScoreOptions) -> _Replica | None:
