@@ -28,7 +28,8 @@ from typing import Any
 
 from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.messages import ScoreOptions
-from dask_lm.engine import jobs
+from dask_lm.errors import BadRowError
+from dask_lm.engine import jobs, prescan
 from dask_lm.engine.progress import JobBar
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck, spans
 from dask_lm.io import parquet as pio
@@ -294,11 +295,18 @@ def _pinned_run(start: jobs.ClusterStart, out: jobs.JobOutput, finished: bool, s
 
     from dask_lm.engine.worker_group import _scheduler_info
 
-    with ThreadPoolExecutor(1, thread_name_prefix="dask-lm-config") as pool:
+    scan = not finished and not opts.skip_bad_rows and sum(inputs.group_tokens) <= prescan.PRESCAN_MAX_TOKENS
+    with ThreadPoolExecutor(2, thread_name_prefix="dask-lm-check") as pool:
         loads = pool.submit(modelcheck.config_vocab, source.path) if not finished else None
+        # every bad row of the job, found while the workers load (dask_lm.engine.prescan)
+        rows = pool.submit(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan \
+            else None
         manifest, pins = _manifest(opts, inputs, source, info, plan)
         if loads is not None:
             loads.result()  # transformers' ValueError naming config.json, if it cannot load it
+        bad = rows.result() if rows is not None else None
+    if bad:
+        raise BadRowError(prescan.message(bad))
     opts = replace(opts, model_pins=tuple(pins[:len(pins) - len(inputs.files)]))
     skip_bad_rows, compile_flag, ids_column = opts.skip_bad_rows, compile, opts.ids_column
     fixed_precision = None if opts.precision == "auto" else opts.precision

@@ -1,0 +1,84 @@
+"""Every bad row of a scoring job, found by the driver while the workers load the model.
+
+A bad row (a null, an id outside the vocabulary, a row over the position limit, text that is not UTF-8) used to
+be found by the worker that scored its partition: after the cluster's start and the model's load, and one at a
+time, so a newcomer fixing a dataset paid a full start per bad row. Here the driver reads the scored columns and
+runs the workers' own row checks (:func:`dask_lm.data.rows.prepare_rows`: same rules, same messages) over the
+whole input, in a thread beside the hashes, while the workers import and load. A job with bad rows is refused
+with all of them counted and the first few named, before anything is written.
+
+Only where the data allows: the scan costs a second read and (for text) a second tokenization, so it runs for
+jobs of at most :data:`PRESCAN_MAX_TOKENS` tokens (those it can finish within a model's load); larger jobs, and
+``--skip-bad-rows`` jobs (which list bad rows instead of failing), leave the checks to the workers, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from dask_lm.data.messages import ScoreOptions
+from dask_lm.data.rows import prepare_rows
+from dask_lm.io import parquet as pio
+from dask_lm.io.spans import Span
+
+__all__ = ["PRESCAN_MAX_TOKENS", "SHOWN", "bad_rows", "message"]
+
+logger = logging.getLogger("dask_lm")
+
+# About what a fast tokenizer and pyarrow check in the ten seconds a worker takes to import and load a model
+PRESCAN_MAX_TOKENS = 8_000_000
+SHOWN = 5  # bad rows named in the message; the rest are counted
+
+
+def _positions(model: str) -> int | None:
+    """``max_position_embeddings`` (or ``n_positions``) as config.json states it, as the workers read it."""
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    for where in (cfg.get("text_config"), cfg):
+        if isinstance(where, dict):
+            for key in ("max_position_embeddings", "n_positions"):
+                if isinstance(where.get(key), int) and where[key] > 0:
+                    return int(where[key])
+    return None
+
+
+def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, vocab_size: int | None
+             ) -> list[str] | None:
+    """The errors of every bad row of the job, in input order; ``None`` where the scan cannot stand in for the
+    workers' (no vocabulary size stated, or the tokenizer does not load here: the workers then report)."""
+    if vocab_size is None:
+        return None
+    tokenizer = None
+    if not opts.ids_column:
+        try:
+            import transformers
+
+            tokenizer = transformers.AutoTokenizer.from_pretrained(opts.tokenizer)
+        except Exception as e:  # noqa: BLE001 - the workers load it again and say why, if it really fails
+            logger.debug("no pre-scan of the rows: the tokenizer does not load in the driver (%s)", e)
+            return None
+    max_positions = _positions(opts.model)
+    columns = sorted({c for c in (opts.text_column, opts.ids_column, opts.prompt_column, opts.response_column,
+                                  opts.prompt_length_column) if c})
+    errors: list[str] = []
+    for g in sorted({g for span in plan for g in span.groups}):
+        file, group, first, rows = inputs.partitions[g]
+        part = pio.read_partition(file, group, first, rows, columns)
+        if isinstance(part, pio.UnreadableRowGroup):
+            errors += [part.message()] * part.num_rows
+            continue
+        got = prepare_rows(part, opts, tokenizer=tokenizer, vocab_size=vocab_size, max_positions=max_positions,
+                           file=file, first_row=first)
+        errors += [e for e in got.errors if e is not None]
+    return errors
+
+
+def message(errors: list[str]) -> str:
+    """The refusal: how many bad rows, the first :data:`SHOWN` of them, and the way on."""
+    shown = "; ".join(errors[:SHOWN])
+    more = f" (and {len(errors) - SHOWN} more)" if len(errors) > SHOWN else ""
+    return (f"{len(errors)} bad row{'s' * (len(errors) != 1)} in the input, found before scoring: {shown}{more}; "
+            "fix the data, or pass --skip-bad-rows to leave bad rows out (listed in _errors.parquet)")
