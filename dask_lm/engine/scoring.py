@@ -269,7 +269,9 @@ def _precheck_resume(out: jobs.JobOutput, opts: ScoreOptions, inputs: pio.ScoreI
 
 def _preload(model: str, tokenizer: str, precision: str | None, compile: bool | None) -> Any:
     """The warm-up :class:`~dask_lm.engine.jobs.ClusterStart` submits: one replica load per worker, pinned to it.
-    An automatic ``compile`` is decided once the job's size is known: the replica is compiled then, if at all."""
+    An automatic ``compile`` is decided once the job's size is known: the replica is compiled then, if at all. A
+    refused job cancels these; one already loading on an attached cluster ends as an idle replica, which the
+    workers' lease check frees (``DASK_LM_REPLICA_IDLE_S``, 120 s)."""
 
     def submit(client: Any) -> list[Any]:
         import uuid
