@@ -108,11 +108,9 @@ def run_competent(model_dir: str, dtype: torch.dtype, device: torch.device, ids:
     """The competent arm: what a user who knows the job writes (``user_score.score_rows``: rows longest first,
     padded batches up to ``budget`` tokens, sdpa, the head and an fp32 logsumexp in ``chunk``-position slices).
     ``(logprobs [N, S] with position 0 = 0, seconds)``, timed like arm A: after the load and a warm-up."""
-    from transformers import AutoModelForCausalLM
-    from user_score import score_rows
+    from user_score import load, score_rows
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa",
-                                                 device_map={"": device}).eval()
+    model = load(model_dir, dtype, device)
     rows = [ids[i, : int(lens[i])].tolist() for i in range(ids.shape[0])]
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     warm = rows[:4]

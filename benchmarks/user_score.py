@@ -34,6 +34,18 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 
+def load(model_dir, dtype, device):  # noqa: ANN001, ANN201
+    """The model in ``dtype`` with sdpa, straight to ``device`` (``device_map``: no CPU copy), or, where this
+    transformers wants ``accelerate`` for that and it is missing, loaded on the host and moved."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa",
+                                                    device_map={"": device}).eval()
+    except (ImportError, ValueError) as e:
+        if "accelerate" not in str(e):
+            raise
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+
+
 def score_rows(model, rows, order, budget, chunk, device, per_token=False):  # noqa: ANN001, ANN201
     """Each row's summed logprob of tokens 1.. (and with ``per_token`` its logprobs, on the host), in batches of
     rows taken longest first (``order``) up to ``budget`` padded tokens; and when the first batch's sums were on
@@ -91,8 +103,7 @@ def main() -> None:
     rows = table[args.ids_column].to_pylist()
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     phases["read"] = time.perf_counter() - T0
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa",
-                                                 device_map={"": device}).eval()
+    model = load(args.model, dtype, device)
     phases["load"] = time.perf_counter() - T0
 
     sums, _, first_batch_at = score_rows(model, rows, order, args.budget, args.chunk, device)

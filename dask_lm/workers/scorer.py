@@ -49,11 +49,7 @@ class _Replica:
         device.synchronize()  # CUDA initialised here, so that the load's own timing is the weights'
         t_weights = time.perf_counter()
         dtype = device.torch_dtype(precision)
-        # straight from the safetensors files to the device in the target dtype: a one-device device_map makes
-        # transformers build the model on the meta device and place each loaded tensor where it goes (no random
-        # init, no CPU copy of the weights, no second pass to move them)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                                       device_map={"": self.device}).eval()
+        self.model = _load_weights(model_dir, dtype, self.device)
         device.synchronize()
         self.load_phases = {"imports_and_device": t_weights - t0, "weights": time.perf_counter() - t_weights}
         # the fast path of a Policy's inference pass: packed rows through varlen attention, compiled layers
@@ -109,6 +105,25 @@ class _Replica:
                                     varlen_ok=self.varlen, where=self.device)
         next_token_logprobs_greedy(hidden, layout.ids, layout.targets_valid, output_head(self.model),
                                    index=layout.scored)[0].cpu()
+
+
+def _load_weights(model_dir: str, dtype: torch.dtype, where: torch.device) -> Any:
+    """The model, in ``dtype``, on ``where``. On a GPU straight from the safetensors files to the device: a
+    one-device ``device_map`` makes transformers place each loaded tensor where it goes (no CPU copy, no second pass
+    to move them). Some transformers versions want ``accelerate`` for any ``device_map`` (5.24 does, 5.17 does not);
+    without it, and on a CPU, the model loads on the host and moves (0.24 s of a 0.5B model's load on an H200)."""
+    import transformers
+
+    if where.type != "cpu":
+        try:
+            return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                                     device_map={"": where}).eval()
+        except (ImportError, ValueError) as e:
+            if "accelerate" not in str(e):
+                raise
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    # transformers wraps PreTrainedModel.to with functools.wraps, whose stub loses the bound self
+    return model.to(where).eval()  # type: ignore[arg-type]
 
 
 # one lock for the replica caches of this process: a worker with several threads loads a model once, and the
