@@ -115,12 +115,12 @@ class ScoreResult:
         if self.already_complete:
             speed = [("status", "already complete: nothing was run (pass --overwrite to score again)")]
         else:
+            first = self.start_phases.get("first_row")
             speed = [("tokens/s", f"{self.tokens_per_s:,.0f} (over {self.scoring_seconds:.1f} s of scoring)"),
-                     ("seconds", f"{self.wall_seconds:.1f} from the call's start: checks "
-                                 f"{self.prepare_seconds:.1f}, first rows written at "
-                                 f"{self.start_phases.get('first_row', float('nan')):.1f}; on the workers, beside "
-                                 f"the checks: model load {self.model_load_seconds:.1f}, compile "
-                                 f"{self.compile_seconds:.1f}; then scoring {self.scoring_seconds:.1f}")]
+                     ("seconds", f"{self.wall_seconds:.1f} from the call's start: checks {self.prepare_seconds:.1f}"
+                                 + (f", first rows written at {first:.1f}" if first is not None else "")
+                                 + f"; on the workers, beside the checks: model load {self.model_load_seconds:.1f}, "
+                                 f"compile {self.compile_seconds:.1f}; then scoring {self.scoring_seconds:.1f}")]
         return [("rows", f"{self.rows:,}"), ("tokens", f"{self.tokens:,}"), *speed,
                 ("perplexity", f"{self.corpus_perplexity:.3f} (corpus: exp of minus the mean scored logprob; "
                                f"mean of rows {self.perplexity:.3f})"),
