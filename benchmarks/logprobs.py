@@ -4,12 +4,13 @@ A benchmark, not a test: it prints numbers and asserts nothing about speed. Arm 
 worker count of ``--n-workers`` (a comma-separated list; each count on a fresh cluster, closed before the next);
 then, in this process on one device, after the last cluster is closed (the arms never share a GPU), the competent
 arm (``user_score.score_rows``: rows longest first, padded batches up to 64k tokens, sdpa, the head and an fp32
-logsumexp in 1024-position slices: the headline ratio) and arm A (fixed 16-row batches in data order,
-right-padded to the batch max, full-vocab float32 log_softmax + gather: a baseline nobody who knows the job runs,
-kept as the second line). The dask-lm / HF ratio lines compare the HF arms with the smallest worker count (1 by default on a CPU machine); the
-scaling table at the end gives every count: tokens/s, per worker, per-GPU MFU, the efficiency against one worker
-(``tokens/s(N) / (N x tokens/s(1))``) and the per-call driver overhead (the call's wall time less the slowest rank's
-time inside its ``get_logprobs``). FLOPs follow perf_anchors.md section 2 (forward, causal half, real tokens only).
+logsumexp in 1024-position slices: the headline ratio) and arm A (fixed 16-row batches in data order, right-padded
+to the batch max, full-vocab float32 log_softmax + gather: a baseline nobody who knows the job runs, kept as the
+second line). The dask-lm / HF ratio lines compare the HF arms with the smallest worker count (1 by default on a CPU
+machine); the scaling table at the end gives every count: tokens/s, per worker, per-GPU MFU, the efficiency against
+one worker (``tokens/s(N) / (N x tokens/s(1))``) and the per-call driver overhead (the call's wall time less the
+slowest rank's time inside its ``get_logprobs``). FLOPs follow perf_anchors.md section 2 (forward, causal half, real
+tokens only).
 
 Examples
 --------

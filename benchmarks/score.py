@@ -338,7 +338,8 @@ def in_process_arms(dask_lm: Any, root: str, model_dir: str, data: str, counts: 
         t0 = time.perf_counter()
         kw = {} if batch_tokens is None else {"batch_tokens": batch_tokens}
         source = sorted(os.path.join(data, f) for f in os.listdir(data))[0] if quick_cold and run == "cold" else data
-        res = dask_lm.score_parquet(source, os.path.join(root, f"out-{tag}-{run}"), model=model_dir, client=client, ids_column="ids", id_column="id",
+        res = dask_lm.score_parquet(source, os.path.join(root, f"out-{tag}-{run}"), model=model_dir, client=client,
+                                    ids_column="ids", id_column="id",
                                     progress=False, compile=compile_, **kw)
         total = time.perf_counter() - t0
         startup[run] = {"total": total, "prepare": res.prepare_seconds, "model_load": res.model_load_seconds,

@@ -166,8 +166,8 @@ Exit codes: 0 done, 2 bad usage or input (before any work), 1 a runtime failure.
               help="Tokens per micro-batch: real tokens where GPU workers pack rows (default 32768), padded ones "
               "elsewhere (default 16384).")
 @click.option("--task-tokens", type=int, default=None, help="Tokens per task and part file, estimated from the "
-              "footers (default: about 1/32 of the job, 16k to 1M): large row groups are split, small ones merged; 0: one "
-              "task per row group, as written.")
+              "footers (default: about 1/32 of the job, 16k to 1M): large row groups are split, small ones merged; "
+              "0: one task per row group, as written.")
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="Compile the forward on GPU workers (torch.compile): faster scoring after a one-time compilation "
               "of 5-10 s per worker process. Default: only for jobs of about 8M tokens or more per worker.")

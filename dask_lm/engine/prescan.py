@@ -14,13 +14,11 @@ jobs of at most :data:`PRESCAN_MAX_TOKENS` tokens (those it can finish within a 
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from typing import Any
 
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.data.rows import prepare_rows
+from dask_lm.io import modelcheck
 from dask_lm.io import parquet as pio
 from dask_lm.io.spans import Span
 
@@ -31,18 +29,6 @@ logger = logging.getLogger("dask_lm")
 # About what a fast tokenizer and pyarrow check in the ten seconds a worker takes to import and load a model
 PRESCAN_MAX_TOKENS = 8_000_000
 SHOWN = 5  # bad rows named in the message; the rest are counted
-
-
-def _positions(model: str) -> int | None:
-    """``max_position_embeddings`` (or ``n_positions``) as config.json states it, as the workers read it."""
-    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    for where in (cfg.get("text_config"), cfg):
-        if isinstance(where, dict):
-            for key in ("max_position_embeddings", "n_positions"):
-                if isinstance(where.get(key), int) and where[key] > 0:
-                    return int(where[key])
-    return None
 
 
 def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, vocab_size: int | None
@@ -60,7 +46,7 @@ def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, voca
         except Exception as e:  # noqa: BLE001 - the workers load it again and say why, if it really fails
             logger.debug("no pre-scan of the rows: the tokenizer does not load in the driver (%s)", e)
             return None
-    max_positions = _positions(opts.model)
+    max_positions = modelcheck.stated_positions(opts.model)
     columns = sorted({c for c in (opts.text_column, opts.ids_column, opts.prompt_column, opts.response_column,
                                   opts.prompt_length_column) if c})
     errors: list[str] = []

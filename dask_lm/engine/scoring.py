@@ -1,20 +1,24 @@
 """Offline scoring of parquet datasets: ``score_parquet`` (the driver side of ``dask-lm score``).
 
-The job: read a parquet dataset one row group per Dask task (Arrow-backed pandas, each read naming its file and
-row group when a page is damaged), score each partition on whichever worker is free (:func:`dask_lm.workers.scorer.score_partition`, a
-model replica per worker), and write ``part-NNNNN.parquet`` per partition, each atomically. ``_manifest.json``
-(written first) pins the model and input files by content (path, size, SHA-256 of every file that determines
-results: :mod:`dask_lm.io.fingerprint`), the options and the dask-lm version; ``_SUCCESS`` (written last) marks a
-complete output. ``resume=True`` skips the parts already there and refuses, naming each difference, an output
-whose pins differ; on a complete output it returns at once, without a cluster. A job holds a lock on its output
-directory (:mod:`dask_lm.io.jobdir`), so two jobs never write one output.
+The job: the rows are cut into spans of about ``task_tokens`` tokens (:mod:`dask_lm.io.spans`: a large row group
+split, small ones merged), each row group read in its own Dask task (Arrow-backed pandas, each read naming its file
+and row group when a page is damaged); each span is scored on whichever worker is free
+(:func:`dask_lm.workers.scorer.score_partition`, a model replica per worker) and written as ``part-NNNNN.parquet``,
+atomically. ``_manifest.json`` (written first) pins the model and input files by content (path, size, SHA-256 of
+every file that determines results: :mod:`dask_lm.io.fingerprint`), the options, the span plan and the dask-lm
+version; ``_SUCCESS`` (written last) marks a complete output. ``resume=True`` skips the parts already there and
+refuses, naming each difference, an output whose pins differ; on a complete output it returns at once, without a
+cluster. A job holds a lock on its output directory (:mod:`dask_lm.io.jobdir`), so two jobs never write one output.
 
-Everything that can be checked without reading rows is checked before anything is written: the input files exist
-and are parquet with the needed columns and types, the model's config and weight files are intact
-(:mod:`dask_lm.io.modelcheck`) and ``--topk`` fits its vocabulary, the output is new (or resumable) and lies
-outside the inputs. The cluster starts beside those checks, and its workers load the model meanwhile
-(:class:`~dask_lm.engine.jobs.ClusterStart`); a refused job closes it again. A bad row found while scoring fails the job with a message naming file, row and column, unless
-``skip_bad_rows`` (then it is listed in ``_errors.parquet``).
+Nothing is written before every check has passed. What costs no more than a few small reads comes first, before
+anything starts: the output folder, the model's config and weight files (:mod:`dask_lm.io.modelcheck`) and
+``--topk`` against the vocabulary they state, the tokenizer's files, the input files' footers, columns and types, a
+held lock, a resume's options. Then the cluster starts, and its workers load the model
+(:class:`~dask_lm.engine.jobs.ClusterStart`), while this process does the costly checks: the config through
+transformers, the content hashes (and a resume's comparison of them), and for jobs up to 8M tokens every row
+(:mod:`dask_lm.engine.prescan`: all bad rows in one refusal); a refused job closes what it started. A bad row found
+while scoring (a larger job) fails it with a message naming file, row and column, unless ``skip_bad_rows`` (then it
+is listed in ``_errors.parquet``).
 """
 
 from __future__ import annotations

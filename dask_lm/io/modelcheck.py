@@ -29,8 +29,8 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["stated_vocab", "config_vocab", "ModelInfo", "check_model", "check_safetensors", "check_tokenizer", "tokenizer_files",
-           "TOKENIZER_FILES"]
+__all__ = ["stated_vocab", "stated_positions", "config_vocab", "ModelInfo", "check_model", "check_safetensors",
+           "check_tokenizer", "tokenizer_files", "TOKENIZER_FILES"]
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -116,6 +116,19 @@ def stated_vocab(model: str) -> int | None:
         vocab = where.get("vocab_size") if isinstance(where, dict) else None
         if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
             return vocab
+    return None
+
+
+def stated_positions(model: str) -> int | None:
+    """``max_position_embeddings`` (or ``n_positions``) as ``config.json`` states it (its ``text_config``'s first,
+    as a scoring replica reads it), as JSON."""
+    cfg = _read_json(os.path.join(model, CONFIG), "a model config")
+    for where in (cfg.get("text_config"), cfg):
+        if isinstance(where, dict):
+            for key in ("max_position_embeddings", "n_positions"):
+                value = where.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
     return None
 
 
