@@ -140,7 +140,7 @@ def _options(opts: ScoreOptions) -> dict[str, Any]:
     (a job refused for NaN may be resumed keeping them; parts written before hold only finite values)."""
     options = {k: v for k, v in asdict(opts).items() if k not in ("output", "model", "tokenizer", "batch_tokens",
                                                                    "chunk_size", "allow_nonfinite", "compile",
-                                                                   "model_pins")}
+                                                                   "compile_head", "model_pins")}
     options["precision"] = None if opts.precision == "auto" else opts.precision  # pinned once the workers are known
     return options
 
@@ -239,7 +239,8 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                         response_column=response_column, id_column=id_column,
                         prompt_length_column=prompt_length_column, convention=conv, topk=topk,
                         max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
-                        skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite, compile=bool(compile))
+                        skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite, compile=bool(compile),
+                        compile_head=bool(compile))
     jobdir.refuse_if_locked(out.path)
     if out.state.kind != "new" and resume:
         _precheck_resume(out, opts, inputs, plan)
@@ -248,7 +249,8 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     #    they pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is
     #    not used (workers/scorer.py: _adopt). A finished output's resume starts nothing.
     start = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not finished,
-                              warm=None if finished else _preload(model, tokenizer, fixed_precision, compile))
+                              warm=None if finished else _preload(model, tokenizer, fixed_precision, compile,
+                                                                         sum(inputs.group_tokens)))
     try:
         return _pinned_run(start, out, finished, source, info, inputs, plan, opts, started, started_at,
                            compile=compile, progress=progress, performance_report=performance_report)
@@ -271,9 +273,10 @@ def _precheck_resume(out: jobs.JobOutput, opts: ScoreOptions, inputs: pio.ScoreI
     jobdir.check_resume(old, probe, output=out.path, what=_KIND.did, ignore=ignore, flags=_KIND.flags)
 
 
-def _preload(model: str, tokenizer: str, precision: str | None, compile: bool | None) -> Any:
+def _preload(model: str, tokenizer: str, precision: str | None, compile: bool | None, tokens: float) -> Any:
     """The warm-up :class:`~dask_lm.engine.jobs.ClusterStart` submits: one replica load per worker, pinned to it.
-    An automatic ``compile`` is decided once the job's size is known: the replica is compiled then, if at all. A
+    An automatic ``compile`` of the layers is decided once the job's size is known: the replica is compiled then, if
+    at all; the head's (:func:`worth_compiling_head`) here, from the job's ``tokens`` and the workers there are. A
     refused job cancels these; one already loading on an attached cluster ends as an idle replica, which the
     workers' lease check frees (``DASK_LM_REPLICA_IDLE_S``, 120 s)."""
 
@@ -284,9 +287,11 @@ def _preload(model: str, tokenizer: str, precision: str | None, compile: bool | 
         from dask_lm.workers.tasks import preload_scorer
 
         tag = uuid.uuid4().hex[:8]
-        return [client.submit(preload_scorer, model, tokenizer, precision, bool(compile), workers=[w],
+        workers = _scheduler_info(client)["workers"]
+        head = bool(compile) if compile is not None else worth_compiling_head(tokens, len(workers))
+        return [client.submit(preload_scorer, model, tokenizer, precision, bool(compile), head, workers=[w],
                               allow_other_workers=False, pure=False, key=f"dask-lm-preload-{tag}-{i}")
-                for i, w in enumerate(_scheduler_info(client)["workers"])]
+                for i, w in enumerate(workers)]
 
     return submit
 
@@ -335,7 +340,8 @@ def _pinned_run(start: jobs.ClusterStart, out: jobs.JobOutput, finished: bool, s
             out.pin_precision(opts.precision)
             if compile_flag is None:
                 workers = len(_scheduler_info(dask_client)["workers"])
-                opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers))
+                opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers),
+                               compile_head=worth_compiling_head(sum(inputs.group_tokens), workers))
             return _run(dask_client, out, inputs, plan, opts, done, start.warm_futures, bar, performance_report,
                         clock)
 
@@ -404,6 +410,21 @@ def _performance_report(client: Any, filename: str) -> Any:
 # (benchmarks/score.py --shape qwen2.5-0.5b, with and without --compile: model time 5.2 s against 7.3 s); less for
 # larger models, whose forwards are less launch-bound. It pays from about 5M tokens per worker: compile from 8M.
 COMPILE_MIN_TOKENS_PER_WORKER = 8_000_000
+
+
+# The head's fused reductions alone (one small graph): 3.7 s per fresh worker process with Inductor's on-disk cache
+# warm, 7.6 s cold, against about 1.3 us per token saved (the eager max / sub / exp / sum chain over [n, V] float32
+# logits took 185 ms of a 117k-token span's 518 ms of GPU time at 0.5B; benchmarks/profile_score.py --profile on an
+# H200). The 4.3M-token job's model phase went from 20.1 s to 17.1 s with it and the pipelined micro-batches
+# together. Compiled from 4M tokens per worker, past the break-even with a warm cache (3-4M tokens); a first-ever
+# compile on a machine (cold cache) breaks even near 6M.
+HEAD_COMPILE_MIN_TOKENS_PER_WORKER = 4_000_000
+
+
+def worth_compiling_head(tokens: float, workers: int) -> bool:
+    """Whether a job of ``tokens`` (from the footers) is long enough per worker for compiling the head's reductions
+    to pay (:data:`HEAD_COMPILE_MIN_TOKENS_PER_WORKER`)."""
+    return tokens / max(workers, 1) >= HEAD_COMPILE_MIN_TOKENS_PER_WORKER
 
 
 def worth_compiling(inputs: pio.ScoreInputs, ids_column: str | None, workers: int) -> bool:

@@ -20,6 +20,7 @@ import math
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +41,8 @@ class _Replica:
     last_used: float  # time.monotonic() of the last partition that picked it (set by _replica)
     stamps: dict[str, Stamp]  # a preloaded replica's files, settled and unchanged over its load (preload_replica)
 
-    def __init__(self, model_dir: str, tokenizer_dir: str, precision: str, *, compile: bool = True) -> None:
+    def __init__(self, model_dir: str, tokenizer_dir: str, precision: str, *, compile: bool = True,
+                 compile_head: bool = False) -> None:
         t0 = time.perf_counter()
         import transformers
 
@@ -82,9 +84,21 @@ class _Replica:
         self.compile_seconds = 0.0
         self.fresh = True  # the first partition of this replica reports the two timings
         self.compile_requested = False
+        self.head_compiled = False  # the head's fused reductions run compiled (_score_rows says why)
+        if compile_head or compile:
+            self.compile_head()
         if compile:
             self.compile()
         self.ready_at = time.time()  # wall clock: the driver compares it with its own (one host, or NTP-close)
+
+    def compile_head(self) -> None:
+        """Compile the head's fused reductions (on a GPU; a no-op elsewhere), paid here on two short rows."""
+        if fused.enabled() and not self.head_compiled:
+            t0 = time.perf_counter()
+            self.head_compiled = True
+            self._warm_up()
+            self.compile_seconds += time.perf_counter() - t0
+        self.ready_at = time.time()
 
     def compile(self) -> None:
         """Compile the decoder layers, paid here on two short rows so that no partition's timing carries it."""
@@ -92,7 +106,7 @@ class _Replica:
         if fused.compile_decoder_layers(self.model) > 0:
             t0 = time.perf_counter()
             _, self.compiled = fused.call(True, self._warm_up, "the scoring forward")
-            self.compile_seconds = time.perf_counter() - t0
+            self.compile_seconds += time.perf_counter() - t0
         self.ready_at = time.time()
 
     @torch.no_grad()
@@ -103,8 +117,9 @@ class _Replica:
         x[1, n2:] = self.pad_id
         hidden, layout = forward_rows(self.model, x, torch.tensor([n1, n2]), packed=self.packed,
                                     varlen_ok=self.varlen, where=self.device)
-        next_token_logprobs_greedy(hidden, layout.ids, layout.targets_valid, output_head(self.model),
-                                   index=layout.scored)[0].cpu()
+        with fused.use_compiled(self.head_compiled):
+            next_token_logprobs_greedy(hidden, layout.ids, layout.targets_valid, output_head(self.model),
+                                       index=layout.scored)[0].cpu()
 
 
 def _load_weights(model_dir: str, dtype: torch.dtype, where: torch.device) -> Any:
@@ -149,7 +164,8 @@ def _replica(opts: ScoreOptions) -> _Replica:
                 _free()
         if rep is None:
             before = [verify(pin) for pin in opts.model_pins]
-            rep = _Replica(opts.model, opts.tokenizer, opts.precision, compile=opts.compile)
+            rep = _Replica(opts.model, opts.tokenizer, opts.precision, compile=opts.compile,
+                           compile_head=opts.compile_head)
             for pin, was in zip(opts.model_pins, before):  # written during the load: the weights may mix versions
                 verify(pin, since=was)
         cache[key] = rep
@@ -178,7 +194,8 @@ def _settled_stamps(directories: set[str], now_ns: int) -> dict[str, Stamp]:
     return stamps
 
 
-def preload_replica(model: str, tokenizer: str, precision: str | None, compile: bool) -> dict[str, Any]:
+def preload_replica(model: str, tokenizer: str, precision: str | None, compile: bool, compile_head: bool = False
+                    ) -> dict[str, Any]:
     """Load this worker's replica before the job's pins exist: ``score_parquet`` submits this to every worker
     as soon as the cluster is up, so that imports, CUDA initialisation, the weights' load and the compilation
     happen while the driver checks the inputs and hashes the files.
@@ -197,7 +214,7 @@ def preload_replica(model: str, tokenizer: str, precision: str | None, compile: 
     with _CACHE_LOCK:
         before = _settled_stamps(dirs, time.time_ns())
         try:
-            rep = _Replica(model, tokenizer, precision, compile=compile)
+            rep = _Replica(model, tokenizer, precision, compile=compile, compile_head=compile_head)
         except Exception as e:  # a model the driver's checks will refuse, or one the job's first partition loads
             return {"error": f"{type(e).__name__}: {e}"}  # again and reports: not a failed task in the logs
         after = _settled_stamps(dirs, time.time_ns())
@@ -230,6 +247,8 @@ def _adopt(rep: _Replica | None, opts: ScoreOptions) -> _Replica | None:
             return None
     if opts.compile and not rep.compile_requested:  # the job chose to compile once it knew its size
         rep.compile()
+    if opts.compile_head:
+        rep.compile_head()
     return rep
 
 
@@ -291,14 +310,17 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions
                 ) -> tuple[list[torch.Tensor], list | None, list[bool], list[torch.Tensor]]:
     """Per row: logprobs (position 0 = 0), topk per position (ids, logprobs) when ``opts.topk``, whether every value
     is finite, and per position whether the token is the argmax of the model's distribution before it (bool, true
-    at position 0). A row without tokens gets empty results without a forward."""
+    at position 0). A row without tokens gets empty results without a forward.
+
+    The GPU never waits for the host between micro-batches: a micro-batch's results are copied to the host
+    asynchronously and cut into rows only after the next micro-batch has been launched (one micro-batch of lag, as
+    in a Policy's inference pass, :func:`dask_lm.workers.inference.run_pass`). Before, every micro-batch ended in a
+    blocking copy, and the next one's host work (its tensor, its packed layout) left the GPU idle: 20% of a 0.5B
+    scoring phase on an H200 (``benchmarks/profile_score.py --profile``)."""
     head = output_head(rep.model)
-    lps: list[Any] = [torch.zeros(0)] * len(ids)
-    greedy: list[Any] = [torch.zeros(0, dtype=torch.bool)] * len(ids)
-    empty_top = (torch.zeros(0, opts.topk, dtype=torch.int32), torch.zeros(0, opts.topk))
-    tops: list[Any] | None = [empty_top] * len(ids) if opts.topk else None
-    finite = [True] * len(ids)
+    out = _RowResults(len(ids), opts.topk)
     rows = [i for i in range(len(ids)) if ids[i]]
+    pending: _Pending | None = None
     for part in longest_first([len(ids[i]) for i in rows], opts.micro_batch_tokens(rep.packed),
                               padded=not rep.packed):
         batch = [rows[j] for j in part]
@@ -310,27 +332,64 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions
         (hidden, layout), rep.compiled = fused.call(
             rep.compiled, lambda: forward_rows(rep.model, x, lens, packed=rep.packed, varlen_ok=rep.varlen,
                                                where=rep.device), "the scoring forward")
-        with fused.use_compiled(rep.compiled):
+        # the head's fused reductions may be compiled where the decoder is not: the eager chain of max / sub / exp
+        # / sum passes over [n, V] float32 logits was a third of a 0.5B scoring forward's GPU time, and their one
+        # small graph compiles in seconds where the layers take ten (a job long enough chooses it, compile_head)
+        with fused.use_compiled(rep.head_compiled):
             lp, is_max = next_token_logprobs_greedy(hidden, layout.ids, layout.targets_valid, head,
                                                     chunk_size=opts.chunk_size, index=layout.scored)
-            lp, is_max = lp.cpu(), is_max.cpu()
-            if tops is not None:
-                values, indices = topk_logits(hidden, layout.valid, head, opts.topk, chunk_size=opts.chunk_size,
-                                              normalize=True, index=layout.valid_index)
-                values, indices = values.cpu(), indices.cpu().to(torch.int32)
+            values: tuple[torch.Tensor, ...] = (lp, is_max)
+            if out.tops is not None:
+                top_v, top_i = topk_logits(hidden, layout.valid, head, opts.topk, chunk_size=opts.chunk_size,
+                                           normalize=True, index=layout.valid_index)
+                values += (top_v, top_i.to(torch.int32))
+        del hidden
+        host = tuple(v.to("cpu", non_blocking=True) for v in values)
+        done = device.record_event()
+        if pending is not None:
+            out.collect(pending, rep.packed)
+        pending = _Pending(batch, lens, layout.host.cu, host, done)
+    if pending is not None:
+        out.collect(pending, rep.packed)
+    return out.lps, out.tops, out.finite, out.greedy
+
+
+@dataclass
+class _Pending:
+    """A launched micro-batch whose results are on their way to the host."""
+
+    batch: list[int]  # its rows (indices into _score_rows' ids)
+    lens: torch.Tensor
+    cu: torch.Tensor | None  # packed: the rows' offsets in the [1, T] results
+    host: tuple[torch.Tensor, ...]  # logprobs, is_max (and top-k values, ids), host tensors being filled
+    done: Any  # an event after the copies
+
+
+class _RowResults:
+    """_score_rows' results per row, cut out of each micro-batch's host tensors once their copies are done."""
+
+    def __init__(self, n: int, topk: int) -> None:
+        self.lps: list[Any] = [torch.zeros(0)] * n
+        self.greedy: list[Any] = [torch.zeros(0, dtype=torch.bool)] * n
+        empty_top = (torch.zeros(0, topk, dtype=torch.int32), torch.zeros(0, topk))
+        self.tops: list[Any] | None = [empty_top] * n if topk else None
+        self.finite = [True] * n
+
+    def collect(self, p: _Pending, packed: bool) -> None:
+        p.done.synchronize()  # this micro-batch's copies only: the next one keeps the GPU busy meanwhile
+        lp, is_max = p.host[0], p.host[1]
         # each row's slice of the result: [1, T] packed (rows back to back) or [b, L] padded
-        starts = layout.host.cu.tolist() if rep.packed else [0] * len(batch)
-        for r, i in enumerate(batch):
-            n = int(lens[r])
-            row, col = (0, starts[r]) if rep.packed else (r, 0)
-            lps[i] = lp[row, col:col + n]
-            greedy[i] = is_max[row, col:col + n]
-            ok = bool(torch.isfinite(lps[i]).all())
-            if tops is not None:
-                tops[i] = (indices[row, col:col + n], values[row, col:col + n])
-                ok = ok and bool(torch.isfinite(tops[i][1]).all())
-            finite[i] = ok
-    return lps, tops, finite, greedy
+        starts = p.cu.tolist() if packed and p.cu is not None else [0] * len(p.batch)
+        for r, i in enumerate(p.batch):
+            n = int(p.lens[r])
+            row, col = (0, starts[r]) if packed else (r, 0)
+            self.lps[i] = lp[row, col:col + n]
+            self.greedy[i] = is_max[row, col:col + n]
+            ok = bool(torch.isfinite(self.lps[i]).all())
+            if self.tops is not None:
+                self.tops[i] = (p.host[3][row, col:col + n], p.host[2][row, col:col + n])
+                ok = ok and bool(torch.isfinite(self.tops[i][1]).all())
+            self.finite[i] = ok
 
 
 def _row_sums(lp: torch.Tensor, greedy: torch.Tensor, start: int

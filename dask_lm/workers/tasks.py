@@ -197,12 +197,13 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
     return scorer.score_partition(pieces, firsts, counts, index, file, opts)
 
 
-def preload_scorer(model: str, tokenizer: str, precision: str | None, compile: bool) -> dict[str, Any]:
+def preload_scorer(model: str, tokenizer: str, precision: str | None, compile: bool, compile_head: bool = False
+                   ) -> dict[str, Any]:
     """``score_parquet``: load this worker's replica while the driver checks
     (:func:`dask_lm.workers.scorer.preload_replica`)."""
     from dask_lm.workers import scorer
 
-    return scorer.preload_replica(model, tokenizer, precision, compile)
+    return scorer.preload_replica(model, tokenizer, precision, compile, compile_head)
 
 
 def release_scorers(dask_worker: Any = None) -> int:
