@@ -98,7 +98,7 @@ class _Replica:
             self.head_compiled = True
             self._warm_up()
             self.compile_seconds += time.perf_counter() - t0
-        self.ready_at = time.time()
+            self.ready_at = time.time()  # only when it compiled: an adopted replica's readiness is its load's
 
     def compile(self) -> None:
         """Compile the decoder layers, paid here on two short rows so that no partition's timing carries it."""
@@ -245,10 +245,10 @@ def _adopt(rep: _Replica | None, opts: ScoreOptions) -> _Replica | None:
     for pin in opts.model_pins:
         if pin.racy or rep.stamps.get(pin.path) != pin.stamp:
             return None
+    if opts.compile_head:  # before the layers: their warm-up then runs the compiled head too
+        rep.compile_head()
     if opts.compile and not rep.compile_requested:  # the job chose to compile once it knew its size
         rep.compile()
-    if opts.compile_head:
-        rep.compile_head()
     return rep
 
 
