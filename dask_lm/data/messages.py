@@ -243,7 +243,7 @@ class ScoreOptions:
     chunk_size: int = 1024
     compile: bool = True
     # the head's fused reductions compiled (GPU workers; dask_lm.workers.scorer._score_rows): a few seconds per
-    # worker process, paid back from about 4M tokens per worker (dask_lm.engine.scoring.worth_compiling_head)
+    # worker process, paid back from about 8M tokens per worker (dask_lm.engine.scoring.worth_compiling_head)
     compile_head: bool = False
     convention: Convention = "lm-eval"  # prompt + response / text tokenization: dask_lm.data.continuation
     # the model and tokenizer files as the job pinned them (dask_lm.io.fingerprint.Pin): a replica is loaded only

@@ -416,9 +416,10 @@ COMPILE_MIN_TOKENS_PER_WORKER = 8_000_000
 # warm, 7.6 s cold, against about 1.3 us per token saved (the eager max / sub / exp / sum chain over [n, V] float32
 # logits took 185 ms of a 117k-token span's 518 ms of GPU time at 0.5B; benchmarks/profile_score.py --profile on an
 # H200). The 4.3M-token job's model phase went from 20.1 s to 17.1 s with it and the pipelined micro-batches
-# together. Compiled from 4M tokens per worker, past the break-even with a warm cache (3-4M tokens); a first-ever
-# compile on a machine (cold cache) breaks even near 6M.
-HEAD_COMPILE_MIN_TOKENS_PER_WORKER = 4_000_000
+# together. In the whole job it did not pay: benchmarks/score.py --quick-cold at 0.5B with the head compiled from 4M
+# tokens paid 6.0 s (cold CLI) and 5.3 s (second job) of compilation for 2-3 s less scoring (cold 50.2 s against the
+# user's 46.4 s; second job 26.4 s, where it was 22.4 s). So the head compiles where the layers do, from 8M.
+HEAD_COMPILE_MIN_TOKENS_PER_WORKER = COMPILE_MIN_TOKENS_PER_WORKER
 
 
 def worth_compiling_head(tokens: float, workers: int) -> bool:
