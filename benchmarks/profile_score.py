@@ -92,10 +92,11 @@ def _run_spans(plan: list, inputs: Any, opts: Any, scorer: Any) -> tuple[dict[st
 @click.option("--batch-tokens", type=int, default=None, help="Micro-batch tokens (default: the job's).")
 @click.option("--chunk-size", type=int, default=1024, show_default=True, help="Head positions per chunk.")
 @click.option("--profile", "profile", is_flag=True, help="Also trace one span's task with torch.profiler.")
+@click.option("--user/--no-user", default=True, show_default=True,
+              help="Also time the competent user's batches on the same rows (about as long as the job).")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def main(shape: str, num_rows: int, files: int, compile_: bool, head: bool, batch_tokens: int | None, chunk_size: int,
-         profile: bool,
-         json_out: str | None) -> None:
+         profile: bool, user: bool, json_out: str | None) -> None:
     import transformers
     from user_score import score_rows
 
@@ -130,15 +131,16 @@ def main(shape: str, num_rows: int, files: int, compile_: bool, head: bool, batc
         res.update(phases=phases, task_seconds=wall, tokens=tokens)
         res["peak_gib_above_weights"] = (torch.cuda.max_memory_allocated() - weights) / 2**30
 
-        rows = [ids[i, : int(lens[i])].tolist() for i in range(ids.shape[0])]
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
-        model = rep.model
-        score_rows(model, rows, order[:64], 65536, 1024, dev)  # warm
-        sync(dev)
-        t = time.perf_counter()
-        score_rows(model, rows, order, 65536, 1024, dev)
-        sync(dev)
-        res["user_seconds"] = time.perf_counter() - t
+        if user:
+            rows = [ids[i, : int(lens[i])].tolist() for i in range(ids.shape[0])]
+            order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+            model = rep.model
+            score_rows(model, rows, order[:64], 65536, 1024, dev)  # warm
+            sync(dev)
+            t = time.perf_counter()
+            score_rows(model, rows, order, 65536, 1024, dev)
+            sync(dev)
+            res["user_seconds"] = time.perf_counter() - t
 
         def rate(seconds: float) -> str:
             return f"{tokens / seconds:,.0f} tok/s, MFU {flops / seconds / H200_BF16_DENSE:.1%} " \
@@ -148,7 +150,9 @@ def main(shape: str, num_rows: int, files: int, compile_: bool, head: bool, batc
         print("phase seconds (summed over spans): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
         print(f"dask-lm task, whole: {wall:.2f} s, {rate(wall)}")
         print(f"dask-lm model phase: {phases['model']:.2f} s, {rate(phases['model'])}")
-        print(f"user's batches (model only, same process): {res['user_seconds']:.2f} s, {rate(res['user_seconds'])}")
+        if user:
+            print(f"user's batches (model only, same process): {res['user_seconds']:.2f} s, "
+                  f"{rate(res['user_seconds'])}")
 
         if profile:
             from torch.profiler import ProfilerActivity

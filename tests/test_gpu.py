@@ -107,6 +107,37 @@ def test_fused_output_head_against_float64():
     torch.testing.assert_close(vals.double(), want_v * valid[..., None], atol=1e-4, rtol=0)
 
 
+def test_liger_head_against_float64_and_the_compiled_reduction():
+    """liger-kernel's kernel (the ``cuda`` extra installs it) gives the same logprobs as a float64 head to 1e-4
+    and as the compiled reduction to 1e-5, and lm-eval's greedy flag (first argmax == target), on a vocabulary
+    that is not a power of two and with planted ties and targets at the row's maximum; the logits stay unchanged."""
+    from dask_lm.workers import fused, liger_head
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n, v = 700, 50257
+    z = torch.randn(n, v, device="cuda", generator=g) * 3
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t[:100] = z[:100].argmax(-1)  # greedy rows
+    z[100:110, 7] = z[100:110].amax(-1) + 1  # a tie between index 7 and a later target: not greedy
+    z[100:110, 9] = z[100:110, 7]
+    t[100:110] = 9
+    z[110:120, 11] = z[110:120].amax(-1) + 1  # a tie whose first index is the target: greedy
+    z[110:120, 40000] = z[110:120, 11]
+    t[110:120] = 11
+    before = z.clone()
+    assert liger_head.available(z), "liger-kernel is not importable: pip install 'dask-lm[cuda]'"
+    lp, greedy = fused.pick_minus_logsumexp_greedy(z, t)
+    assert liger_head._STATE["kernel"] is not None  # it ran, and did not fall back
+    assert torch.equal(z, before)
+    want = torch.log_softmax(z.double(), -1).gather(1, t[:, None]).squeeze(1)
+    torch.testing.assert_close(lp.double(), want, atol=1e-4, rtol=0)
+    assert torch.equal(greedy, z.argmax(-1) == t)  # torch's argmax is the first index of the maximum
+    with fused.use_compiled(True):
+        compiled = fused._run("pick_minus_lse_greedy", fused._pick_minus_lse_greedy, z, t)[0]
+    torch.testing.assert_close(lp, compiled, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fused.pick_minus_logsumexp(z, t).double(), want, atol=1e-4, rtol=0)
+
+
 def test_training_head_gradients_in_bf16_against_float64():
     """The training head's own backward on a GPU in bf16 (fp32-output matmuls, the weight's gradient accumulated in
     place over the chunks) against autograd in float64 on the same bf16 values: values to 1e-4, gradients to bf16
