@@ -138,7 +138,7 @@ def profile_phases(worker: Any, shard: Any, plan: MicroBatchPlan, n_mb: int, top
     res = dict(sums)
     res["GPU idle (launch / Python / host sync)"] = max(wall - busy, 0.0)
     res["_wall"] = wall
-    res["_tokens"] = float(sum(int(shard["input_lengths"][s:e].sum()) for s, e in sub["micro_batch_indices"][0]))
+    res["_tokens"] = float(sum(int(shard["input_lengths"][s:e].sum()) for s, e in sub.micro_batch_indices[0]))
     return res
 
 
@@ -296,7 +296,8 @@ def decoder_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict
         record("eager", False, 0.0)
         if worker.compile:  # the worker compiled its layers at start (fused.compile_decoder_layers)
             record("torch.compile per layer", True, 0.0)
-            for other in (plan[-1], plan[len(plan) // 2]):
+            mbs = worker.plan_pass(shard, plan, None)
+            for other in (mbs[-1], mbs[len(mbs) // 2]):
                 t0 = time.perf_counter()
                 with fused.use_compiled(True):
                     worker.forward_micro_batch(shard, other)
