@@ -5,8 +5,11 @@ Loads are counted in the worker processes themselves; results are compared with 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pyarrow as pa
@@ -156,3 +159,70 @@ def test_a_refused_job_closes_the_cluster_it_started_and_writes_nothing(tiny, da
     assert not (tmp_path / "out").exists()
     after = {c for c in getattr(distributed.Client, "_instances", set()) if c.status != "closed"}
     assert after <= before  # no client (and so no cluster) left running
+
+
+def test_a_config_transformers_cannot_load_is_refused_by_a_worker_before_anything_is_written(client, tiny, data,
+                                                                                              tmp_path):
+    """The config check runs on a worker (engine/scoring.py: _Preload), through the workers' transformers; its
+    refusal still comes before the output exists, and names the file."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny["llama"], model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "model_type": "no-such-architecture"}))
+    with pytest.raises(ValueError, match=r"config\.json is not a config transformers can load"):
+        dask_lm.score_parquet(data, tmp_path / "out", model=str(model), client=client, ids_column="ids",
+                              id_column="id", progress=False)
+    assert not (tmp_path / "out").exists()
+    # and the check was the workers': none of this process's modules loaded the config
+    code = f"""
+import sys, dask_lm
+from dask_lm.engine import scoring
+try:
+    dask_lm.score_parquet({str(data)!r}, {str(tmp_path / 'out2')!r}, model={str(model)!r},
+                          client=dask_lm.connect({client.scheduler.address!r}), ids_column="ids", id_column="id",
+                          progress=False)
+except ValueError as e:
+    print("refused", "config.json" in str(e), "transformers" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "refused True False", out.stderr[-3000:]
+
+
+def test_the_driver_checks_the_config_itself_when_no_worker_answers_in_time(client, tiny, data, tmp_path,
+                                                                            monkeypatch):
+    """A worker busy with another task does not hold the job's checks: past CONFIG_CHECK_WAIT_S the driver loads the
+    config itself, and the job runs as usual."""
+    from dask_lm.engine import scoring
+
+    monkeypatch.setattr(scoring, "CONFIG_CHECK_WAIT_S", 0.5)
+    busy = [client.submit(time.sleep, 4, workers=[w], pure=False) for w in client.scheduler_info()["workers"]]
+    try:
+        res = dask_lm.score_parquet(data, tmp_path / "out", model=tiny["llama"], client=client, ids_column="ids",
+                                    id_column="id", progress=False)
+    finally:
+        client.cancel(busy)
+    assert res.rows == 12 and "config_checked" not in res.start_phases
+    _check_against_hf(tiny["llama"], str(tmp_path / "out"))
+
+
+def _profiler_states() -> tuple[bool, bool, bool]:
+    from distributed import get_worker
+
+    from dask_lm.workers.tasks import sampling_profiler_paused
+
+    pc = get_worker().periodic_callbacks["profile"]
+    before = pc.is_running()
+    with sampling_profiler_paused():
+        time.sleep(0.3)  # the stop is run by the event loop's thread
+        during = pc.is_running()
+    time.sleep(0.3)
+    return before, during, pc.is_running()
+
+
+def test_the_worker_profiler_pauses_for_the_imports_and_resumes(client):
+    """The one-time imports run without the worker's stack sampling (workers/tasks.py), which then resumes."""
+    assert client.submit(_profiler_states, pure=False).result() == (True, False, True)
+    from dask_lm.workers.tasks import sampling_profiler_paused
+
+    with sampling_profiler_paused():  # outside a worker: nothing to pause
+        pass

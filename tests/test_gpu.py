@@ -80,6 +80,28 @@ def test_bf16_logprobs_on_cuda_cluster(gpu_client, tiny, mode):
     assert torch.equal(ref["reference_logprobs"], out)
 
 
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_direct_model_load_on_cuda_equals_from_pretrained(tiny, tmp_path, stored):
+    """The scoring replica's direct load (workers/model_load.py) puts the bits from_pretrained does on the GPU."""
+    from dask_lm.workers import model_load
+
+    path = str(tmp_path / "m")
+    transformers.AutoModelForCausalLM.from_pretrained(tiny["qwen2"]).to(stored).save_pretrained(path)
+    where = torch.device("cuda")
+    got = model_load.load_causal_lm(path, torch.bfloat16, where)
+    assert model_load.direct_files(path) is not None
+    ref = model_load._from_pretrained(path, torch.bfloat16, where)
+    sa, sb = got.state_dict(), ref.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].device.type == "cuda" and torch.equal(sa[k], sb[k]), k
+    for (k, a), (_, b) in zip(got.named_buffers(), ref.named_buffers()):
+        assert a.device.type == "cuda" and torch.equal(a, b), k
+    x = torch.randint(3, got.config.vocab_size, (2, 33), device=where)
+    with torch.no_grad():
+        assert torch.equal(got(x).logits, ref(x).logits)
+
+
 def test_fused_output_head_against_float64():
     """bf16 hidden states and weights: the fp32-output matmul + compiled logsumexp equals a float64 head to 1e-4
     (the bf16-rounded logits of a plain head are off by up to ~4e-3), with temperature, and for top-k."""

@@ -15,7 +15,7 @@ anything starts: the output folder, the model's config and weight files (:mod:`d
 ``--topk`` against the vocabulary they state, the tokenizer's files, the input files' footers, columns and types, a
 held lock, a resume's options. Then the cluster starts, and its workers load the model
 (:class:`~dask_lm.engine.jobs.ClusterStart`), while this process does the costly checks: the config through
-transformers, the content hashes (and a resume's comparison of them), and for jobs up to 8M tokens every row
+transformers (on the first worker, before its load: :class:`_Preload`), the content hashes (and a resume's comparison of them), and for jobs up to 8M tokens every row
 (:mod:`dask_lm.engine.prescan`: all bad rows in one refusal); a refused job closes what it started. A bad row found
 while scoring (a larger job) fails it with a message naming file, row and column, unless ``skip_bad_rows`` (then it
 is listed in ``_errors.parquet``).
@@ -97,12 +97,13 @@ class ScoreResult:
     """``time.time()`` when the first part file of this run was written (its rows scored): with ``started_at``,
     what a user waits for the first results."""
     start_phases: dict[str, float] = field(default_factory=dict)
-    model_load_phases: dict[str, float] = field(default_factory=dict)
-    """The slowest worker's model load (``model_load_seconds``) by step."""
     """When each step of the start ended, in seconds from the call's start: ``checks`` (the driver's checks and
-    fingerprints), ``cluster`` (the cluster up, or reached, and the checks done), ``worker_processes`` /
-    ``preloads_began`` / ``replicas_ready`` (the last worker's process began, its preload began, its replica was
-    ready: the workers' own clocks), ``first_row`` (the first part written)."""
+    fingerprints), ``cluster`` (the cluster up, or reached, and the checks done), ``config_check_began`` /
+    ``config_checked`` (the first worker's config check, see ``_Preload``: most of it the worker's imports),
+    ``worker_processes`` / ``preloads_began`` / ``replicas_ready`` (the last worker's process began, its preload
+    began, its replica was ready: the workers' own clocks), ``first_row`` (the first part written)."""
+    model_load_phases: dict[str, float] = field(default_factory=dict)
+    """The slowest worker's model load (``model_load_seconds``) by step, and the config check's imports."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -245,14 +246,14 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     if out.state.kind != "new" and resume:
         _precheck_resume(out, opts, inputs, plan)
     # 2. the cluster starts, and each worker loads its replica, while this process does the costly checks: the
-    #    config through transformers (seconds of imports) and the content hashes. Nothing reaches the output before
+    #    config through transformers (on a worker) and the content hashes. Nothing reaches the output before
     #    they pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is
     #    not used (workers/scorer.py: _adopt). A finished output's resume starts nothing.
+    warm = None if finished else _Preload(model, tokenizer, fixed_precision, compile, sum(inputs.group_tokens))
     start = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not finished,
-                              warm=None if finished else _preload(model, tokenizer, fixed_precision, compile,
-                                                                         sum(inputs.group_tokens)))
+                              warm=warm)
     try:
-        return _pinned_run(start, out, finished, source, info, inputs, plan, opts, started, started_at,
+        return _pinned_run(start, warm, out, finished, source, info, inputs, plan, opts, started, started_at,
                            compile=compile, progress=progress, performance_report=performance_report)
     finally:
         start.close()
@@ -273,48 +274,88 @@ def _precheck_resume(out: jobs.JobOutput, opts: ScoreOptions, inputs: pio.ScoreI
     jobdir.check_resume(old, probe, output=out.path, what=_KIND.did, ignore=ignore, flags=_KIND.flags)
 
 
-def _preload(model: str, tokenizer: str, precision: str | None, compile: bool | None, tokens: float) -> Any:
-    """The warm-up :class:`~dask_lm.engine.jobs.ClusterStart` submits: one replica load per worker, pinned to it.
-    An automatic ``compile`` of the layers is decided once the job's size is known: the replica is compiled then, if
-    at all; the head's (:func:`worth_compiling_head`) here, from the job's ``tokens`` and the workers there are. A
-    refused job cancels these; one already loading on an attached cluster ends as an idle replica, which the
+# How long the driver waits for a worker's config check before it checks itself (a fresh worker answers in 8-18 s,
+# most of it its imports of torch and transformers; one still running another job's task may take much longer)
+CONFIG_CHECK_WAIT_S = 60.0
+
+
+class _Preload:
+    """The warm-up :class:`~dask_lm.engine.jobs.ClusterStart` submits: the config check on the first worker, then
+    one replica load per worker, pinned to it.
+
+    The config check runs where the model will load, through the workers' transformers: the driver then imports
+    neither transformers nor torch for it (4-10 s of imports it had done beside the workers' start, which made it
+    the last of the checks to end), and a worker with another transformers than the driver's is the one asked. It
+    goes first on its worker (one thread), whose load needs the same imports next. Without workers yet (an attached
+    cluster whose workers are still to come) the driver checks itself.
+
+    An automatic ``compile`` of the layers is decided once the job's size is known: the replica is compiled then,
+    if at all; the head's (:func:`worth_compiling_head`) here, from the job's ``tokens`` and the workers there are.
+    A refused job cancels these; one already loading on an attached cluster ends as an idle replica, which the
     workers' lease check frees (``DASK_LM_REPLICA_IDLE_S``, 120 s)."""
 
-    def submit(client: Any) -> list[Any]:
+    def __init__(self, model: str, tokenizer: str, precision: str | None, compile: bool | None, tokens: float
+                 ) -> None:
+        self.model, self.tokenizer, self.precision, self.compile, self.tokens = (model, tokenizer, precision,
+                                                                                compile, tokens)
+        self.config: Any = None  # the check's future, once submitted (None: no worker to ask)
+
+    def __call__(self, client: Any) -> list[Any]:
         import uuid
 
         from dask_lm.engine.worker_group import _scheduler_info
-        from dask_lm.workers.tasks import preload_scorer
+        from dask_lm.workers.tasks import check_model_config, preload_scorer
 
         tag = uuid.uuid4().hex[:8]
-        workers = _scheduler_info(client)["workers"]
-        head = bool(compile) if compile is not None else worth_compiling_head(tokens, len(workers))
-        return [client.submit(preload_scorer, model, tokenizer, precision, bool(compile), head, workers=[w],
-                              allow_other_workers=False, pure=False, key=f"dask-lm-preload-{tag}-{i}")
+        workers = list(_scheduler_info(client)["workers"])
+        if workers:
+            self.config = client.submit(check_model_config, self.model, workers=[workers[0]], pure=False,
+                                        key=f"dask-lm-config-{tag}", priority=1)
+        head = bool(self.compile) if self.compile is not None else worth_compiling_head(self.tokens, len(workers))
+        return [client.submit(preload_scorer, self.model, self.tokenizer, self.precision, bool(self.compile), head,
+                              workers=[w], allow_other_workers=False, pure=False, key=f"dask-lm-preload-{tag}-{i}")
                 for i, w in enumerate(workers)]
 
-    return submit
+    def check_config(self, start: jobs.ClusterStart) -> dict[str, Any]:
+        """The config check's verdict: the worker's, once the cluster is up (its error re-raised here), or this
+        process's where no worker was there to ask; with its timings where a worker answered."""
+        from distributed import wait
+
+        try:
+            start.result()
+        except Exception:  # the start's own error is raised where the job needs the cluster, after the checks
+            self.config = None
+        if self.config is not None:
+            try:
+                wait(self.config, timeout=CONFIG_CHECK_WAIT_S)
+            except TimeoutError:  # its worker is busy (another job's task): not worth waiting longer for
+                self.config.cancel()
+                self.config = None
+        if self.config is None:
+            return {"vocab": modelcheck.config_vocab(self.model)}
+        got: dict[str, Any] = self.config.result()
+        got["checked_at"] = time.time()
+        return got
 
 
-def _pinned_run(start: jobs.ClusterStart, out: jobs.JobOutput, finished: bool, source: hub.ModelSource,
+def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOutput, finished: bool, source: hub.ModelSource,
                 info: modelcheck.ModelInfo, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
                 started: float, started_at: float, *, compile: bool | None, progress: bool,
                 performance_report: str | None) -> ScoreResult:
     """``score_parquet`` from the costly checks on, while ``start`` brings the cluster up: the config through
-    transformers (in a thread) beside the content hashes, then the manifest under the output's lock, then the run."""
+    transformers (asked of a worker, waited for in a thread) beside the row scan and the content hashes, then the manifest under the output's lock, then the run."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dask_lm.engine.worker_group import _scheduler_info
 
     scan = not finished and not opts.skip_bad_rows and sum(inputs.group_tokens) <= prescan.PRESCAN_MAX_TOKENS
     with ThreadPoolExecutor(2, thread_name_prefix="dask-lm-check") as pool:
-        loads = pool.submit(modelcheck.config_vocab, source.path) if not finished else None
+        loads = pool.submit(warm.check_config, start) if warm is not None else None
         # every bad row of the job, found while the workers load (dask_lm.engine.prescan)
         rows = pool.submit(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan \
             else None
         manifest, pins = _manifest(opts, inputs, source, info, plan)
-        if loads is not None:
-            loads.result()  # transformers' ValueError naming config.json, if it cannot load it
+        checked = loads.result() if loads is not None else {}  # transformers' ValueError naming config.json
         bad = rows.result() if rows is not None else None
     if bad:
         raise BadRowError(prescan.message(bad))
@@ -332,6 +373,7 @@ def _pinned_run(start: jobs.ClusterStart, out: jobs.JobOutput, finished: bool, s
         os.makedirs(pio.errors_dir(out.path), exist_ok=True)
         done = [i for i in range(len(plan)) if os.path.exists(os.path.join(out.path, pio.part_name(i)))]
         clock = _StartClock(started, started_at, {"checks": prepare_seconds})
+        clock.config_check(checked)
         with jobs.running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress
                           ) as (dask_client, bar):
             clock.mark("cluster")
@@ -355,9 +397,18 @@ class _StartClock:
     phases: dict[str, float]
     first_row_at: float | None = None
     load_phases: dict[str, float] = field(default_factory=dict)  # the slowest worker's model load, by step
+    config_imports: dict[str, float] = field(default_factory=dict)  # the worker's config check, by step
 
     def mark(self, phase: str) -> None:
         self.phases[phase] = time.perf_counter() - self.started
+
+    def config_check(self, got: dict[str, Any]) -> None:
+        """The worker's config check: when it began and was answered, and its imports (``load_phases``)."""
+        if "began_at" in got:
+            self.phases["config_check_began"] = got["began_at"] - self.started_at
+            self.phases["config_checked"] = got["checked_at"] - self.started_at
+            self.config_imports = {"config_check_torch_import": got["torch_import"],
+                                   "config_check_rest": got["config"]}
 
     def workers(self, preloads: list[Any]) -> list[dict[str, Any]]:
         """The workers' start, from their preloads (those done; wall clock, so on one host or NTP-close ones):
@@ -502,7 +553,7 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
                          dashboard=getattr(client, "dashboard_link", None), prepare_seconds=clock.phases["checks"],
                          started_at=clock.started_at, first_row_at=clock.first_row_at,
                          wall_seconds=time.time() - clock.started_at,
-                         start_phases=dict(clock.phases), model_load_phases=clock.load_phases,
+                         start_phases=dict(clock.phases), model_load_phases={**clock.config_imports, **clock.load_phases},
                          model_load_seconds=load, compile_seconds=compile_s, phase_seconds=phases, **totals)
     if result.empty_rows:
         warnings.warn(f"{result.empty_rows} rows had nothing to score (an empty text, response or id list, or a "

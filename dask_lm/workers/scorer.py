@@ -33,6 +33,7 @@ from dask_lm.io.fingerprint import _RACY_NS, Stamp, verify
 from dask_lm.workers import device, fused, varlen
 from dask_lm.workers.inference import forward_rows
 from dask_lm.workers.logprobs import next_token_logprobs_greedy, output_head, topk_logits
+from dask_lm.workers.model_load import load_causal_lm
 
 __all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "score_partition", "release_scorers", "preload_replica"]
 
@@ -51,7 +52,7 @@ class _Replica:
         device.synchronize()  # CUDA initialised here, so that the load's own timing is the weights'
         t_weights = time.perf_counter()
         dtype = device.torch_dtype(precision)
-        self.model = _load_weights(model_dir, dtype, self.device)
+        self.model = load_causal_lm(model_dir, dtype, self.device)
         device.synchronize()
         self.load_phases = {"imports_and_device": t_weights - t0, "weights": time.perf_counter() - t_weights}
         # the fast path of a Policy's inference pass: packed rows through varlen attention, compiled layers
@@ -120,25 +121,6 @@ class _Replica:
         with fused.use_compiled(self.head_compiled):
             next_token_logprobs_greedy(hidden, layout.ids, layout.targets_valid, output_head(self.model),
                                        index=layout.scored)[0].cpu()
-
-
-def _load_weights(model_dir: str, dtype: torch.dtype, where: torch.device) -> Any:
-    """The model, in ``dtype``, on ``where``. On a GPU straight from the safetensors files to the device: a
-    one-device ``device_map`` makes transformers place each loaded tensor where it goes (no CPU copy, no second pass
-    to move them). Some transformers versions want ``accelerate`` for any ``device_map`` (5.24 does, 5.17 does not);
-    without it, and on a CPU, the model loads on the host and moves (0.24 s of a 0.5B model's load on an H200)."""
-    import transformers
-
-    if where.type != "cpu":
-        try:
-            return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                                     device_map={"": where}).eval()
-        except (ImportError, ValueError) as e:
-            if "accelerate" not in str(e):
-                raise
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    # transformers wraps PreTrainedModel.to with functools.wraps, whose stub loses the bound self
-    return model.to(where).eval()  # type: ignore[arg-type]
 
 
 # one lock for the replica caches of this process: a worker with several threads loads a model once, and the
