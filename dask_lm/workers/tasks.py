@@ -203,7 +203,7 @@ def sampling_profiler_paused() -> Iterator[None]:
     """This worker's statistical profiler paused for the block: a fresh worker's one-time imports of torch and
     transformers. Every 10 ms the profiler walks the stack of each thread running a task, on the event loop and
     under the GIL, and an import's stacks are deep: measured on a 2-core CPU machine, a worker's config check took
-    5.4-6.3 s with it running and 3.6-3.9 s paused (a bare process: 3.2-3.4 s). The dashboard's profile misses only
+    8.3-10.0 s with it running and 4.7-5.1 s paused (a bare process: 4.9-5.8 s). The dashboard's profile misses only
     these imports. Outside a worker, or where the profiler is off (``distributed.worker.profile.enabled``), a no-op."""
     try:
         from distributed import get_worker
