@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from dask_lm.io import modelcheck
 from dask_lm.tiny import build_tiny_model
 from dask_lm.workers import model_load
 
@@ -58,7 +59,7 @@ def _same(a, b) -> None:
 def test_direct_load_equals_from_pretrained(tmp_path, monkeypatch, family, tie, shard):
     path = _model_dir(tmp_path, family, tie=tie, shard=shard)
     if shard:
-        assert os.path.exists(os.path.join(path, model_load.SAFETENSORS_INDEX))
+        assert os.path.exists(os.path.join(path, modelcheck.SAFETENSORS_INDEX))
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     _direct_only(monkeypatch)
     got = model_load.load_causal_lm(path, torch.float32, torch.device("cpu"))
@@ -81,7 +82,7 @@ def test_foreign_names_and_missing_tensors_go_through_from_pretrained(tmp_path, 
     from safetensors.torch import load_file, save_file
 
     path = _model_dir(tmp_path, "llama", tie=False)
-    file = os.path.join(path, model_load.SAFETENSORS)
+    file = os.path.join(path, modelcheck.SAFETENSORS)
     tensors = load_file(file)
     calls = []
     real = model_load._from_pretrained

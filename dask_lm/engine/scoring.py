@@ -35,6 +35,7 @@ from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
 from dask_lm.engine import jobs, prescan
 from dask_lm.engine.progress import JobBar
+from dask_lm.engine.start_clock import StartClock
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck, spans
 from dask_lm.io import parquet as pio
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
@@ -372,7 +373,7 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
             out.write_manifest({**pinned, "options": {**pinned["options"], "skip_bad_rows": True}})
         os.makedirs(pio.errors_dir(out.path), exist_ok=True)
         done = [i for i in range(len(plan)) if os.path.exists(os.path.join(out.path, pio.part_name(i)))]
-        clock = _StartClock(started, started_at, {"checks": prepare_seconds})
+        clock = StartClock(started, started_at, {"checks": prepare_seconds})
         clock.config_check(checked)
         with jobs.running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress
                           ) as (dask_client, bar):
@@ -386,49 +387,6 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
                                compile_head=worth_compiling_head(sum(inputs.group_tokens), workers))
             return _run(dask_client, out, inputs, plan, opts, done, start.warm_futures, bar, performance_report,
                         clock)
-
-
-@dataclass
-class _StartClock:
-    """When the start's steps ended, in seconds from the call's start (``ScoreResult.start_phases``)."""
-
-    started: float  # perf_counter
-    started_at: float  # time.time()
-    phases: dict[str, float]
-    first_row_at: float | None = None
-    load_phases: dict[str, float] = field(default_factory=dict)  # the slowest worker's model load, by step
-    config_imports: dict[str, float] = field(default_factory=dict)  # the worker's config check, by step
-
-    def mark(self, phase: str) -> None:
-        self.phases[phase] = time.perf_counter() - self.started
-
-    def config_check(self, got: dict[str, Any]) -> None:
-        """The worker's config check: when it began and was answered, and its imports (``load_phases``)."""
-        if "began_at" in got:
-            self.phases["config_check_began"] = got["began_at"] - self.started_at
-            self.phases["config_checked"] = got["checked_at"] - self.started_at
-            self.config_imports = {"config_check_torch_import": got["torch_import"],
-                                   "config_check_rest": got["config"]}
-
-    def workers(self, preloads: list[Any]) -> list[dict[str, Any]]:
-        """The workers' start, from their preloads (those done; wall clock, so on one host or NTP-close ones):
-        when the last worker process began, the last preload began, the last replica was ready. Returns the
-        preloads' reports."""
-        got = [f.result() for f in preloads if f.done() and f.status == "finished"]
-        got = [g for g in got if isinstance(g, dict) and "error" not in g]
-        for phase, key in (("worker_processes", "process_started_at"), ("preloads_began", "began_at"),
-                           ("replicas_ready", "ready_at")):
-            stamps = [g[key] for g in got if g.get(key)]
-            if stamps:
-                self.phases[phase] = max(stamps) - self.started_at
-        if got and not self.load_phases:
-            self.load_phases = max(got, key=lambda g: g["load_seconds"]).get("load_phases") or {}
-        return got
-
-    def first_row(self) -> None:
-        if self.first_row_at is None:
-            self.first_row_at = time.time()
-            self.mark("first_row")
 
 
 def _sizeof_log_level(level: int) -> int:
@@ -488,7 +446,7 @@ def worth_compiling(inputs: pio.ScoreInputs, ids_column: str | None, workers: in
 
 def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
          done: list[int], preloads: list[Any],
-         bar: JobBar, performance_report: str | None, clock: _StartClock) -> ScoreResult:
+         bar: JobBar, performance_report: str | None, clock: StartClock) -> ScoreResult:
     import warnings
 
     import dask

@@ -29,7 +29,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["stated_vocab", "stated_positions", "config_vocab", "ModelInfo", "check_model", "check_safetensors",
+__all__ = ["weight_files", "stated_vocab", "stated_positions", "config_vocab", "ModelInfo", "check_model", "check_safetensors",
            "check_tokenizer", "tokenizer_files", "TOKENIZER_FILES"]
 
 CONFIG = "config.json"
@@ -68,7 +68,7 @@ def check_model(model: str, *, load_config: bool = True) -> ModelInfo:
     if not os.path.isfile(config_path):
         raise ValueError(f"--model {model!r} has no config.json: not a Hugging Face model directory")
     _read_json(config_path, "a model config")
-    weights = _weight_files(model)
+    weights = weight_files(model)
     vocab_size = _auto_config_vocab(model, config_path) if load_config else None
     headers = {}  # safetensors file -> its tensor names: each header is read once
     for name in weights:
@@ -151,7 +151,7 @@ def _auto_config_vocab(model: str, config_path: str) -> int | None:
     return int(vocab) if isinstance(vocab, int) and vocab > 0 else None
 
 
-def _weight_files(model: str) -> list[str]:
+def weight_files(model: str) -> list[str]:
     """The weights ``from_pretrained`` loads, in its order of preference (plus the index that names them)."""
     if os.path.isfile(os.path.join(model, SAFETENSORS)):
         return [SAFETENSORS]

@@ -17,20 +17,17 @@ The two give the same state dict, bit for bit (``tests/test_model_load.py``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
 
 import torch
 
+from dask_lm.io import modelcheck
+
 __all__ = ["load_causal_lm", "direct_files"]
 
 logger = logging.getLogger(__name__)
-
-SAFETENSORS = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-
 
 def load_causal_lm(model_dir: str, dtype: torch.dtype, where: torch.device) -> Any:
     """``AutoModelForCausalLM`` of ``model_dir`` in ``dtype`` on ``where``, in eval mode: loaded directly where the
@@ -41,17 +38,13 @@ def load_causal_lm(model_dir: str, dtype: torch.dtype, where: torch.device) -> A
 
 
 def direct_files(model_dir: str) -> list[str] | None:
-    """The safetensors files ``from_pretrained`` would read, in its order of preference (one file, or an index's
-    shards); ``None`` where it would read something else (``.bin`` weights), which the direct path leaves to it."""
-    single = os.path.join(model_dir, SAFETENSORS)
-    if os.path.isfile(single):
-        return [single]
-    index = os.path.join(model_dir, SAFETENSORS_INDEX)
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_dir, s) for s in shards]
-    return None
+    """The safetensors files ``from_pretrained`` would read (:func:`dask_lm.io.modelcheck.weight_files`, in its
+    order of preference: one file, or an index's shards); ``None`` where it would read ``.bin`` weights, which the
+    direct path leaves to it."""
+    files = modelcheck.weight_files(model_dir)
+    if files[0] not in (modelcheck.SAFETENSORS, modelcheck.SAFETENSORS_INDEX):
+        return None
+    return [os.path.join(model_dir, f) for f in files if f.endswith(".safetensors")]
 
 
 def _no_init_weights() -> Any:

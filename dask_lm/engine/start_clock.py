@@ -1,0 +1,54 @@
+"""When a scoring job's start steps ended: the driver's checks, the worker's config check, the workers' processes,
+preloads and replicas, the first part written. ``score_parquet`` reports them as ``ScoreResult.start_phases``,
+in seconds from the call's start, and the slowest worker's load steps as ``model_load_phases``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["StartClock"]
+
+
+@dataclass
+class StartClock:
+    """When the start's steps ended, in seconds from the call's start (``ScoreResult.start_phases``)."""
+
+    started: float  # perf_counter
+    started_at: float  # time.time()
+    phases: dict[str, float]
+    first_row_at: float | None = None
+    load_phases: dict[str, float] = field(default_factory=dict)  # the slowest worker's model load, by step
+    config_imports: dict[str, float] = field(default_factory=dict)  # the worker's config check, by step
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = time.perf_counter() - self.started
+
+    def config_check(self, got: dict[str, Any]) -> None:
+        """The worker's config check: when it began and was answered, and its imports (``load_phases``)."""
+        if "began_at" in got:
+            self.phases["config_check_began"] = got["began_at"] - self.started_at
+            self.phases["config_checked"] = got["checked_at"] - self.started_at
+            self.config_imports = {"config_check_torch_import": got["torch_import"],
+                                   "config_check_rest": got["config"]}
+
+    def workers(self, preloads: list[Any]) -> list[dict[str, Any]]:
+        """The workers' start, from their preloads (those done; wall clock, so on one host or NTP-close ones):
+        when the last worker process began, the last preload began, the last replica was ready. Returns the
+        preloads' reports."""
+        got = [f.result() for f in preloads if f.done() and f.status == "finished"]
+        got = [g for g in got if isinstance(g, dict) and "error" not in g]
+        for phase, key in (("worker_processes", "process_started_at"), ("preloads_began", "began_at"),
+                           ("replicas_ready", "ready_at")):
+            stamps = [g[key] for g in got if g.get(key)]
+            if stamps:
+                self.phases[phase] = max(stamps) - self.started_at
+        if got and not self.load_phases:
+            self.load_phases = max(got, key=lambda g: g["load_seconds"]).get("load_phases") or {}
+        return got
+
+    def first_row(self) -> None:
+        if self.first_row_at is None:
+            self.first_row_at = time.time()
+            self.mark("first_row")
