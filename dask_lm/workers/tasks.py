@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from dask_lm.data.messages import Request, ScoreOptions
 
 __all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "serve", "settled", "unwrap",
-           "zmq_address", "profiler", "score_partition", "check_model_config", "preload_scorer", "release_scorers", "shutdown_policy",
-           "Failed", "PeerFailedError", "loglikelihood_requests", "generate_requests"]
+           "zmq_address", "profiler", "score_partition", "check_model_config", "preload_scorer", "release_scorers",
+           "shutdown_policy", "Failed", "PeerFailedError", "loglikelihood_requests", "generate_requests"]
 
 
 def find_free_port(_prev: Any = None) -> tuple[str, int]:
@@ -212,14 +212,15 @@ def sampling_profiler_paused() -> Iterator[None]:
     except (ImportError, ValueError):
         yield
         return
-    paused = [pc for name, pc in worker.periodic_callbacks.items() if name == "profile" and pc.is_running()]
-    for pc in paused:  # tornado's callbacks belong to the event loop's thread; add_callback is the thread-safe way
-        worker.loop.add_callback(pc.stop)
+    pc = worker.periodic_callbacks.get("profile")
+    if pc is None or not pc.is_running():
+        yield
+        return
+    worker.loop.add_callback(pc.stop)  # tornado's callbacks belong to the loop's thread: add_callback is thread-safe
     try:
         yield
     finally:
-        for pc in paused:
-            worker.loop.add_callback(pc.start)
+        worker.loop.add_callback(pc.start)
 
 
 def check_model_config(model: str) -> dict[str, Any]:
@@ -243,7 +244,7 @@ def preload_scorer(model: str, tokenizer: str, precision: str | None, compile: b
                    ) -> dict[str, Any]:
     """``score_parquet``: load this worker's replica while the driver checks
     (:func:`dask_lm.workers.scorer.preload_replica`)."""
-    with sampling_profiler_paused():  # the model's modeling module is imported here
+    with sampling_profiler_paused():  # the model's modeling module is imported here, once per worker process
         from dask_lm.workers import scorer
 
         return scorer.preload_replica(model, tokenizer, precision, compile, compile_head)
