@@ -82,29 +82,6 @@ def _run_spans(plan: list, inputs: Any, opts: Any, scorer: Any) -> tuple[dict[st
     return dict(phases), time.perf_counter() - t0, tokens
 
 
-def _liger_layers(model: Any) -> int:
-    """Patch ``model``'s RMSNorms and gated MLPs (this instance only) to liger-kernel's fused kernels; how many."""
-    import types
-
-    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-
-    def norm(self: Any, x: torch.Tensor) -> torch.Tensor:  # HF's (llama) casting: the statistics in float32
-        return LigerRMSNormFunction.apply(x, self.weight, self.variance_epsilon, 0.0, "llama", False)
-
-    def mlp(self: Any, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
-
-    n = 0
-    for m in model.modules():
-        kind = type(m).__name__
-        if kind.endswith("RMSNorm"):
-            m.forward, n = types.MethodType(norm, m), n + 1
-        elif kind.endswith("MLP") and hasattr(m, "gate_proj"):
-            m.forward, n = types.MethodType(mlp, m), n + 1
-    return n
-
-
 @click.command()
 @click.option("--shape", type=click.Choice(SHAPE_CHOICES), default="qwen2.5-0.5b", show_default=True)
 @click.option("--num-rows", type=int, default=8192, show_default=True)
@@ -117,8 +94,9 @@ def _liger_layers(model: Any) -> int:
 @click.option("--profile", "profile", is_flag=True, help="Also trace one span's task with torch.profiler.")
 @click.option("--user/--no-user", default=True, show_default=True,
               help="Also time the competent user's batches on the same rows (about as long as the job).")
-@click.option("--liger-layers", is_flag=True, help="Experiment: the replica's RMSNorms and SwiGLU MLPs run "
-              "liger-kernel's fused Triton kernels (patched on this instance only; not what dask-lm does today).")
+@click.option("--liger-layers/--no-liger-layers", default=True, show_default=True,
+              help="Uncompiled layers' RMSNorms and SwiGLU products through liger-kernel's kernels, as the replica "
+              "does by default (dask_lm/workers/liger_layers.py); --no-liger-layers: HF's eager modules.")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def main(shape: str, num_rows: int, files: int, compile_: bool, head: bool, batch_tokens: int | None, chunk_size: int,
          profile: bool, user: bool, liger_layers: bool, json_out: str | None) -> None:
@@ -144,12 +122,15 @@ def main(shape: str, num_rows: int, files: int, compile_: bool, head: bool, batc
         t = time.perf_counter()
         rep = scorer._Replica(model_dir, model_dir, "bfloat16", compile=compile_, compile_head=head)
         res["replica_seconds"] = time.perf_counter() - t
-        if liger_layers:
-            res["liger_layers"] = _liger_layers(rep.model)
+        if not liger_layers:
+            from dask_lm.workers import liger_layers as liger
+
+            liger.unpatch(rep.model)
+        res["liger_layers"] = rep.liger_layers if liger_layers else 0
         rep.last_used = time.monotonic()
         scorer._replica = lambda _opts: rep  # no worker plugin here: every span uses this process's replica
         print(f"{shape}: {num_rows} rows, {int(lens.sum())} tokens, {len(plan)} spans; replica in "
-              f"{res['replica_seconds']:.1f} s (compile {rep.compile_seconds:.1f} s); peak {peak / 1e12:.0f} "
+              f"{res['replica_seconds']:.1f} s (compile {rep.compile_seconds:.1f} s, {res['liger_layers']} liger modules); peak {peak / 1e12:.0f} "
               f"TFLOP/s ({peak_what})", flush=True)
 
         weights = torch.cuda.memory_allocated()

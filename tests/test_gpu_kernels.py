@@ -112,3 +112,29 @@ def test_training_head_gradients_in_bf16_against_float64():
     assert gh.dtype == gw.dtype == torch.bfloat16
     torch.testing.assert_close(gh.double(), wh, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(gw.double(), ww, atol=2e-2, rtol=2e-2)
+
+
+def test_liger_layers_match_hf_modules_in_bf16(tiny):
+    """The scoring replica's liger RMSNorm / SwiGLU patch (workers/liger_layers.py): every norm and MLP of a Qwen2
+    model is patched, its bf16 logits are no further from a float32 HF forward than HF's own bf16 modules are (and
+    within bf16 rounding of them), and unpatching restores HF's bits exactly."""
+    from dask_lm.workers import liger_layers
+
+    fp32 = transformers.AutoModelForCausalLM.from_pretrained(tiny["qwen2"], dtype=torch.float32).cuda().eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny["qwen2"], dtype=torch.bfloat16).cuda().eval()
+    layers = model.config.num_hidden_layers
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (4, 300), device="cuda", generator=g)
+    with torch.no_grad():
+        want = fp32(ids).logits
+        eager = model(ids).logits.float()
+        assert liger_layers.patch(model) == 3 * layers + 1  # two norms and an MLP per layer, and the final norm
+        assert all("forward" in m.__dict__ for m in liger_layers.targets(model)[0] + liger_layers.targets(model)[1])
+        patched = model(ids).logits.float()
+        assert liger_layers.unpatch(model) == 3 * layers + 1
+        again = model(ids).logits.float()
+    assert torch.equal(again, eager)
+    err_eager, err_patched = (eager - want).abs().max().item(), (patched - want).abs().max().item()
+    assert err_patched <= 1.25 * err_eager + 1e-3, (err_patched, err_eager)
+    torch.testing.assert_close(patched, eager, atol=4 * err_eager + 1e-3, rtol=0)
+    assert not torch.equal(patched, want)  # the comparison is of two bf16 forwards, not of a tensor with itself

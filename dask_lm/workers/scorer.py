@@ -30,7 +30,7 @@ from dask_lm.data.packing import longest_first
 from dask_lm.data.rows import BadRowError, PreparedRows, prepare_rows
 from dask_lm.errors import NonFiniteError
 from dask_lm.io.fingerprint import _RACY_NS, Stamp, verify
-from dask_lm.workers import device, fused, varlen
+from dask_lm.workers import device, fused, liger_layers, varlen
 from dask_lm.workers.inference import forward_rows
 from dask_lm.workers.logprobs import next_token_logprobs_greedy, output_head, topk_logits
 from dask_lm.workers.model_load import load_causal_lm
@@ -86,6 +86,12 @@ class _Replica:
         self.fresh = True  # the first partition of this replica reports the two timings
         self.compile_requested = False
         self.head_compiled = False  # the head's fused reductions run compiled (_score_rows says why)
+        # uncompiled layers' RMSNorms and SwiGLU products as liger's one-pass kernels (liger_layers.py says why);
+        # compile() puts the class forwards back for Inductor to fuse
+        t_liger = time.perf_counter()
+        self.liger_layers = 0 if compile else liger_layers.patch(self.model)
+        if self.liger_layers:
+            self.load_phases["liger_layers"] = time.perf_counter() - t_liger
         if compile_head or compile:
             self.compile_head()
         if compile:
@@ -104,10 +110,13 @@ class _Replica:
     def compile(self) -> None:
         """Compile the decoder layers, paid here on two short rows so that no partition's timing carries it."""
         self.compile_requested = True
+        liger_layers.unpatch(self.model)
         if fused.compile_decoder_layers(self.model) > 0:
             t0 = time.perf_counter()
             _, self.compiled = fused.call(True, self._warm_up, "the scoring forward")
             self.compile_seconds += time.perf_counter() - t0
+        # compiling is off here, or failed: the layers run eagerly, so with liger's kernels where they can
+        self.liger_layers = 0 if self.compiled else liger_layers.patch(self.model)
         self.ready_at = time.time()
 
     @torch.no_grad()
