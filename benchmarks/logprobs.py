@@ -12,6 +12,11 @@ one worker (``tokens/s(N) / (N x tokens/s(1))``) and the per-call driver overhea
 slowest rank's time inside its ``get_logprobs``). FLOPs follow perf_anchors.md section 2 (forward, causal half, real
 tokens only).
 
+With ``--processes`` (the default) both users also run as whole processes first, on the same rows written to
+parquet, while no cluster holds the GPU: the competent user's script (``user_score.py``) and a Policy user's
+(``policy_logprobs.py``: ``connect()``, ``Policy``, one ``get_logprobs``, exit), imports, cluster start and model
+load included. Their wall-time ratio is what a user who times the two scripts sees.
+
 Examples
 --------
     python benchmarks/logprobs.py                                  # CPU: tiny random llama, about 1-2 minutes
@@ -128,6 +133,41 @@ def run_competent(model_dir: str, dtype: torch.dtype, device: torch.device, ids:
     return out, seconds
 
 
+def run_processes(root: str, model_dir: str, ids: torch.Tensor, lens: torch.Tensor, n_workers: int
+                  ) -> dict[str, Any]:
+    """The two users as whole processes on the same parquet files: wall seconds, time to the first result, and
+    how far the Policy's per-row sums are from the competent script's (relative)."""
+    import sys
+
+    import pyarrow.parquet as pq
+    from score import _last_json, _process, max_rel_diff, user_process, write_dataset
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    data = write_dataset(root, ids, lens, 4, None)
+    # one throw-away process first: both find torch's and transformers' files in the page cache alike
+    _process([sys.executable, "-c", "import torch, transformers, pyarrow.parquet; "
+              "from transformers import AutoModelForCausalLM"], "warming the page cache")
+    user = user_process(model_dir, data, os.path.join(root, "user.parquet"))
+    out = os.path.join(root, "policy.parquet")
+    cmd = [sys.executable, os.path.join(here, "policy_logprobs.py"), model_dir, data, out, "--ids-column", "ids",
+           "--id-column", "id", "--n-workers", str(n_workers)]
+    started, wall, stdout = _process(cmd, "policy_logprobs.py")
+    info = _last_json(stdout)
+    t = pq.read_table(out, columns=["id", "sum_logprob"]).to_pydict()
+    res = {"user_seconds": user["seconds"], "user_first_result_seconds": user["first_row_seconds"],
+           "user_phases_at": user["phases_at"], "policy_seconds": wall,
+           "policy_first_result_seconds": info["first_result_at"] - started, "policy_phases_at": info["phases_at"],
+           "ratio": user["seconds"] / wall,
+           "max_rel_sum_diff": max_rel_diff(dict(zip(t["id"], t["sum_logprob"])), user["sums"])}
+    for who in ("user", "policy"):
+        print(f"{who} process: {res[who + '_seconds']:.2f}s, result at {res[who + '_first_result_seconds']:.2f}s; "
+              "phases ended at " + ", ".join(f"{k} {v:.2f}s" for k, v in res[who + "_phases_at"].items()),
+              flush=True)
+    print(f"whole processes: user script {res['user_seconds']:.2f}s, Policy script {wall:.2f}s: "
+          f"**{res['ratio']:.2f}x**; sums agree to {res['max_rel_sum_diff']:.2g} (relative)", flush=True)
+    return res
+
+
 def run_dask(model_dir: str, precision: str, tokenizer: Any, ids: torch.Tensor, lens: torch.Tensor, *, mode: Mode,
              n_workers: int, mb_tokens: int, hf_batch_size: int, max_len: int,
              compile_: bool | None = None) -> tuple[torch.Tensor, float, int, int, dict[str, float]]:
@@ -197,11 +237,13 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, ids: torch.Tensor, 
 @click.option("--mb-tokens", type=int, default=None, help="dask-lm token budget [default: 8192 CPU, 32768 GPU].")
 @click.option("--n-workers", "n_workers_spec", default=None,
               help=f"{N_WORKERS_HELP} [default: all on a GPU machine, 1 on a CPU one].")
+@click.option("--processes/--no-processes", default=True, show_default=True,
+              help="Also time both users as whole processes (user_score.py, policy_logprobs.py) first.")
 @click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="policy.inference_compile: auto = compiled on GPU ranks.")
 def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows: int | None, min_len: int,
          max_len: int, median_len: int, sigma: float, seed: int, hf_batch_size: int, mb_tokens: int | None,
-         n_workers_spec: str | None, compile_: str) -> None:
+         n_workers_spec: str | None, processes: bool, compile_: str) -> None:
     import transformers
 
     from dask_lm.engine.cluster import count_gpus
@@ -231,6 +273,7 @@ def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows
               f"min/median/mean/max {int(lens.min())}/{int(lens.median())}/{useful / num_rows:.0f}/{int(lens.max())}, "
               f"forward {flops / 1e12:.3f} TFLOP; setup {time.perf_counter() - t0:.1f}s", flush=True)
 
+        whole = run_processes(root, model_dir, ids, lens, counts[0]) if processes else None
         arms: list[dict[str, Any]] = []
         for n in counts:  # each on a fresh cluster of n workers, closed before the next (and before arm A)
             print(f"--- dask-lm, {n} worker(s) ---", flush=True)
@@ -303,7 +346,7 @@ def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows
         "hf_peak_gib": peak_a / GIB, "dask_lm_peak_gib": peak_b / GIB,
         "measured_peak_tflops": peak_flops / 1e12, "measured_peak_kind": peak_what,
         "hf_mfu_measured": mfu["hf"], "dask_lm_mfu_measured": mfu["dask_lm"], "max_abs_logprob_diff": diff,
-        "efficiency_base_workers": n0, "scaling": scaling,
+        "efficiency_base_workers": n0, "scaling": scaling, "processes": whole,
     }
     if device.type == "cuda":
         res["hf_mfu_989"] = flops / sec_a / H200_BF16_DENSE
@@ -322,6 +365,9 @@ def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows
           + (f" (vs 989.5 datasheet: HF {res['hf_mfu_989']:.1%}, dask-lm {res['dask_lm_mfu_989']:.1%})"
              if device.type == "cuda" else f" on {torch.get_num_threads()} thread(s)"))
     print(f"max |logprob(HF) - logprob(dask-lm)| over real positions = {diff:.3g} ({precision})")
+    if whole:
+        print(f"whole processes (imports, cluster, load included): competent script {whole['user_seconds']:.2f}s, "
+              f"Policy script {whole['policy_seconds']:.2f}s: {whole['ratio']:.2f}x")
     if accuracy:
         print(f"against a float32 forward ({min(64, num_rows)} rows): plain HF {precision} max "
               f"{accuracy['hf_vs_fp32_max']:.3g} / mean {accuracy['hf_vs_fp32_mean']:.3g}; dask-lm max "
