@@ -261,8 +261,9 @@ def sft(ctx: click.Context, /, inputs: tuple[str, ...], no_shuffle: bool, no_pro
                    f"loss        {first:.4f} -> {last:.4f}\ncheckpoint  {result.checkpoint}\n"
                    f"seconds     {result.seconds:.1f} (training {result.train_seconds:.1f}, checkpoints "
                    f"{result.checkpoint_seconds:.1f})\n"
-                   f"tokens      {result.tokens} ({result.tokens / max(result.train_seconds, 1e-9):,.0f} per "
-                   "second of training)")
+                   f"tokens      {result.tokens:,}"
+                   + (f" ({result.run_tokens:,} by this run)" if result.resumed_from is not None else "")
+                   + f" ({result.run_tokens / max(result.train_seconds, 1e-9):,.0f} per second of training)")
 
     _exit_codes(ctx, run)
 

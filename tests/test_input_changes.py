@@ -135,7 +135,7 @@ def test_an_input_changed_after_its_last_read_fails_before_success(client, tiny,
         f.write(original)
     result = dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text",
                                    progress=False, resume=True, task_tokens=0)
-    assert result.rows == 0 and result.parts_skipped == 4 and (out / "_SUCCESS").exists()
+    assert (result.run_rows, result.rows) == (0, 20) and result.parts_skipped == 4 and (out / "_SUCCESS").exists()
 
 
 def test_a_model_file_changed_during_the_job_fails_before_success(client, tiny, tmp_path, monkeypatch):

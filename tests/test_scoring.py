@@ -197,7 +197,16 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
     kept = os.stat(out / "part-00000.parquet").st_mtime_ns
     again = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text",
                                   resume=True, progress=False, task_tokens=0)
-    assert again.parts_skipped == 3 and again.rows == 6 and first.rows == 30  # row groups of 7, 7, 6 and 10
+    # row groups of 7, 7, 6 and 10: the totals are the output's (all 30 rows), this run's 6 apart
+    assert again.parts_skipped == 3 and (again.rows, again.run_rows) == (30, 6) and first.rows == first.run_rows == 30
+    parts = pa.concat_tables(pq.read_table(out / f"part-{i:05d}.parquet") for i in range(4))
+    success = json.loads((out / "_SUCCESS").read_text())
+    assert (success["rows"], success["tokens"]) == (parts.num_rows, sum(parts.column("num_tokens").to_pylist()))
+    assert (again.tokens, success["run_rows"]) == (success["tokens"], 6) and again.tokens > again.run_tokens > 0
+    assert dict(again.summary())["rows"] == "30 (6 scored by this run)"
+    done = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text",
+                                 resume=True, progress=False, task_tokens=0)
+    assert done.already_complete and (done.rows, done.tokens, done.run_rows) == (30, success["tokens"], 0)
     assert os.stat(out / "part-00000.parquet").st_mtime_ns == kept
     assert pq.read_table(out / "part-00002.parquet").equals(pq.read_table(pa.BufferReader(before["part-00002.parquet"])))
     assert (out / "_SUCCESS").exists()

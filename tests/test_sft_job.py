@@ -51,6 +51,12 @@ def test_interrupted_then_resumed_equals_one_run(client, tiny, data, tmp_path):
     resumed = _run(data, tmp_path / "part", tiny, client, resume=True)
     assert resumed.resumed_from == 4
     assert resumed.losses == pytest.approx(whole.losses, abs=1e-5)
+    # the totals are the trained model's (all 9 steps), this run's 5 steps apart; _SUCCESS says the same
+    assert resumed.tokens == whole.tokens == whole.run_tokens and resumed.run_tokens == whole.tokens - part.tokens
+    assert 0 < part.tokens < whole.tokens
+    assert json.loads((tmp_path / "part" / "_SUCCESS").read_text())["tokens"] == whole.tokens
+    done = _run(data, tmp_path / "part", tiny, client, resume=True)
+    assert done.already_complete and done.tokens == whole.tokens
     steps = sorted(d for d in os.listdir(tmp_path / "part") if d.startswith("step_"))
     assert steps == ["step_8", "step_9"]  # keep=2
     a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "step_9" / "weights").state_dict()

@@ -48,15 +48,17 @@ logger = logging.getLogger("dask_lm")
 
 @dataclass
 class ScoreResult:
-    """What a scoring job did: ``rows`` / ``tokens`` / ``seconds`` count this run only (a resumed job's earlier
-    parts are in ``parts_skipped``; an ``already_complete`` one reports the finished job's rows and tokens and 0
-    seconds); ``perplexity``, ``corpus_perplexity`` and the row counts below cover every part
-    of the output. ``tokens_per_s`` is over ``scoring_seconds``: the model loads and compilations are reported
-    apart, not averaged into the rate."""
+    """What a scoring job did. ``rows``, ``tokens``, the perplexities and the row counts cover the whole output,
+    summed from its part files (a resumed job's earlier parts included: what ``_SUCCESS`` says is what the folder
+    holds); ``run_rows`` / ``run_tokens`` / ``seconds`` are this run's alone (``parts_skipped`` of the parts were
+    already there; an ``already_complete`` resume ran nothing). ``tokens_per_s`` is this run's tokens over
+    ``scoring_seconds``: the model loads and compilations are reported apart, not averaged into the rate."""
 
     output: str
     rows: int
+    """Rows in the output's part files (bad rows skipped with ``skip_bad_rows`` are in ``bad_rows`` instead)."""
     tokens: int
+    """Tokens of those rows (``num_tokens``, prompt tokens included)."""
     parts: int
     parts_skipped: int
     bad_rows: int
@@ -105,12 +107,16 @@ class ScoreResult:
     began, its replica was ready: the workers' own clocks), ``first_row`` (the first part written)."""
     model_load_phases: dict[str, float] = field(default_factory=dict)
     """The slowest worker's model load (``model_load_seconds``) by step, and the config check's imports."""
+    run_rows: int = 0
+    """Rows scored by this run (``rows`` less those of the ``parts_skipped`` parts)."""
+    run_tokens: int = 0
+    """Tokens scored by this run."""
 
     @property
     def tokens_per_s(self) -> float:
         """Tokens scored in this run per second of scoring (``scoring_seconds``)."""
         seconds = self.scoring_seconds or self.seconds
-        return self.tokens / seconds if seconds else 0.0
+        return self.run_tokens / seconds if seconds else 0.0
 
     def _repr_html_(self) -> str:
         from dask_lm.engine.reprs import table
@@ -127,7 +133,9 @@ class ScoreResult:
                                  + (f", first rows written at {first:.1f}" if first is not None else "")
                                  + f"; on the workers, beside the checks: model load {self.model_load_seconds:.1f}, "
                                  f"compile {self.compile_seconds:.1f}; then scoring {self.scoring_seconds:.1f}")]
-        return [("rows", f"{self.rows:,}"), ("tokens", f"{self.tokens:,}"), *speed,
+        resumed = self.parts_skipped and not self.already_complete
+        return [("rows", f"{self.rows:,}" + (f" ({self.run_rows:,} scored by this run)" if resumed else "")),
+                ("tokens", f"{self.tokens:,}" + (f" ({self.run_tokens:,} by this run)" if resumed else "")), *speed,
                 ("perplexity", f"{self.corpus_perplexity:.3f} (corpus: exp of minus the mean scored logprob; "
                                f"mean of rows {self.perplexity:.3f})"),
                 ("scored tokens", f"{self.scored_tokens:,}"),
@@ -170,9 +178,8 @@ def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
     parts = int(manifest["partitions"])
     summary = jobdir.read_summary(output)
     totals = _output_totals(output, parts)  # from the parts themselves: they are what the output holds
-    return ScoreResult(output=output, rows=int(summary.get("rows") or 0), tokens=int(summary.get("tokens") or 0),
-                       parts=parts, parts_skipped=parts, bad_rows=int(summary.get("bad_rows") or 0), seconds=0.0,
-                       already_complete=True, **totals)
+    return ScoreResult(output=output, parts=parts, parts_skipped=parts, bad_rows=int(summary.get("bad_rows") or 0),
+                       seconds=0.0, already_complete=True, **totals)
 
 
 def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str], client: Any = None,
@@ -505,7 +512,7 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
     pio.remove_debris(opts.output)
     bad_total = pio.merge_errors(opts.output)
     totals = _output_totals(opts.output, len(plan))
-    result = ScoreResult(output=opts.output, rows=rows, tokens=tokens, parts=len(plan),
+    result = ScoreResult(output=opts.output, run_rows=rows, run_tokens=tokens, parts=len(plan),
                          parts_skipped=len(done), bad_rows=bad_total, seconds=seconds,
                          scoring_seconds=max(t0_wall + seconds - ready_at, 0.0),
                          dashboard=getattr(client, "dashboard_link", None), prepare_seconds=clock.phases["checks"],
@@ -537,6 +544,7 @@ def _pieces(span: spans.Span, inputs: pio.ScoreInputs, reads: list[Any]) -> tupl
 def _output_totals(output: str, parts: int) -> dict[str, Any]:
     """Totals over every part of the output (resumed parts included), read from the part files:
 
+    - ``rows`` and ``tokens`` (the sum of ``num_tokens``);
     - ``perplexity``: the mean of the rows' perplexities; rows with nothing scored (null perplexity) are left out,
       a NaN / inf one (kept with ``allow_nonfinite``) is not, so the mean says so too;
     - ``corpus_perplexity`` and ``scored_tokens``: ``exp(-sum(sum_logprob) / sum(num_scored))``;
@@ -546,10 +554,12 @@ def _output_totals(output: str, parts: int) -> dict[str, Any]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    total, count, empty, truncated, logprob, scored = 0.0, 0, 0, 0, 0.0, 0
+    total, count, empty, truncated, logprob, scored, rows, tokens = 0.0, 0, 0, 0, 0.0, 0, 0, 0
     for i in range(parts):
         t = pq.read_table(os.path.join(output, pio.part_name(i)),
-                          columns=["perplexity", "truncated", "sum_logprob", "num_scored"])
+                          columns=["num_tokens", "perplexity", "truncated", "sum_logprob", "num_scored"])
+        rows += t.num_rows
+        tokens += int(pc.sum(t["num_tokens"]).as_py() or 0)
         ppl = t["perplexity"]
         total += float(pc.sum(ppl).as_py() or 0.0)  # sum and count skip nulls
         count += len(ppl) - ppl.null_count
@@ -560,5 +570,5 @@ def _output_totals(output: str, parts: int) -> dict[str, Any]:
     mean = total / count if count else float("nan")
     nll = -logprob / scored if scored else float("nan")
     corpus = math.exp(nll) if nll < 709 else float("inf") if nll >= 709 else float("nan")  # exp overflows past 709
-    return {"perplexity": mean, "corpus_perplexity": corpus, "scored_tokens": scored, "empty_rows": empty,
-            "truncated_rows": truncated}
+    return {"rows": rows, "tokens": tokens, "perplexity": mean, "corpus_perplexity": corpus, "scored_tokens": scored,
+            "empty_rows": empty, "truncated_rows": truncated}

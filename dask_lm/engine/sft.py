@@ -60,7 +60,10 @@ class SFTResult:
     seconds: float
     checkpoint: str
     tokens: int = 0
-    """Real tokens of the rows trained on by this run (prompt tokens included: the forward runs over them)."""
+    """Real tokens of the rows trained on in every step up to ``steps`` (prompt tokens included: the forward runs
+    over them), a resumed run's earlier steps too: the trained model's total."""
+    run_tokens: int = 0
+    """Of ``tokens``, those trained on by this run."""
     train_seconds: float = 0.0
     """Of ``seconds``, the time inside ``Policy.train`` (the rest: model load, tokenizing, checkpoints)."""
     checkpoint_seconds: float = 0.0
@@ -76,7 +79,7 @@ def _finished(output: str, newest: tuple[int, str]) -> SFTResult:
     summary = jobdir.read_summary(output)
     return SFTResult(output=output, steps=int(state["step"]), epochs_completed=int(summary.get("epochs_completed", 0)),
                      losses=list(state.get("losses", [])), resumed_from=newest[0], seconds=0.0,
-                     checkpoint=newest[1], already_complete=True)
+                     checkpoint=newest[1], tokens=int(summary.get("tokens") or 0), already_complete=True)
 
 
 def _tokenize_partition(pdf: Any, text_column: str | None, prompt_column: str | None, response_column: str | None,
@@ -133,6 +136,16 @@ def _order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
         return list(range(n))
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return torch.randperm(n, generator=g).tolist()
+
+
+def _step_rows(rows: list[tuple[list[int], int]], step: int, global_batch_size: int, seed: int, shuffle: bool
+               ) -> list[tuple[list[int], int]]:
+    """The rows of optimizer step ``step`` (0-based): a function of the step alone, so a resumed run trains on the
+    rows the uninterrupted run would have, and can count what its earlier steps trained on."""
+    steps_per_epoch = math.ceil(len(rows) / global_batch_size)
+    epoch, within = divmod(step, steps_per_epoch)
+    order = _order(len(rows), epoch, seed, shuffle)
+    return [rows[i] for i in order[within * global_batch_size:(within + 1) * global_batch_size]]
 
 
 def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str], client: Any = None,
@@ -211,14 +224,15 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                 paths = {"weights_path": os.path.join(start[1], "weights"),
                          "optimizer_path": os.path.join(start[1], "optimizer")}
             t0 = time.perf_counter()
+            # the checkpoint's earlier steps count in the total: what the trained model has seen
+            earlier = sum(len(ids) for step in range(state["step"])
+                          for ids, _first in _step_rows(rows, step, global_batch_size, seed, shuffle))
             tokens, train_s, save_s = 0, 0.0, 0.0
             with dask_lm.Policy(dask_client, cfg, tokenizer, init_reference_model=False, **paths) as policy:
                 last = state["step"]
                 while state["step"] < total:
                     step = state["step"]
-                    epoch, within = divmod(step, steps_per_epoch)
-                    order = _order(len(rows), epoch, seed, shuffle)
-                    chunk = [rows[i] for i in order[within * global_batch_size:(within + 1) * global_batch_size]]
+                    chunk = _step_rows(rows, step, global_batch_size, seed, shuffle)
                     t_step = time.perf_counter()
                     result = policy.train(_batch(chunk, global_batch_size, pad_id), dask_lm.NLLLoss())
                     train_s += time.perf_counter() - t_step
@@ -238,7 +252,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
             seconds = time.perf_counter() - t0
             done = SFTResult(output=out.path, steps=state["step"], epochs_completed=state["step"] // steps_per_epoch,
                              losses=state["losses"], resumed_from=start[0] if start else None, seconds=seconds,
-                             checkpoint=os.path.join(out.path, f"step_{state['step']}"), tokens=tokens,
+                             checkpoint=os.path.join(out.path, f"step_{state['step']}"), tokens=earlier + tokens, run_tokens=tokens,
                              train_seconds=train_s, checkpoint_seconds=save_s)
             out.finish(done.__dict__)
             return done
