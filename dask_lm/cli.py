@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+import traceback
 from typing import Any
 
 import click
@@ -86,19 +87,20 @@ def main(ctx: click.Context, verbose: bool) -> None:
 
 
 def _exit_codes(ctx: click.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn``: bad usage or input (``ValueError``) exits 2 with one line, any other failure exits 1."""
+    """Run ``fn``: bad usage or input (``ValueError``) exits 2 with one line, any other failure exits 1. With
+    ``--verbose`` the full traceback comes first, and the exit code is the same."""
     verbose = ctx.obj["verbose"]
     try:
         return fn(*args, **kwargs)
     except (ValueError, FileNotFoundError) as e:
         if verbose:
-            raise
+            traceback.print_exc()
         raise _CliError(str(e)) from None
     except KeyboardInterrupt:
         raise
     except Exception as e:  # a runtime failure: one line, exit 1
         if verbose:
-            raise
+            traceback.print_exc()
         click.echo(f"Error: {type(e).__name__}: {e}", err=True)
         sys.exit(1)
 
@@ -137,7 +139,9 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
   dask-lm score data/ --model M --ids-column input_ids --prompt-length-column prompt_len --output scores/
   dask-lm score data/ --model M --text-column text --output scores/ --overwrite --precision fp32
 
-Exit codes: 0 done, 2 bad usage or input (before any work), 1 a runtime failure.""")
+Exit codes: 0 done; 2 bad usage or input: refused before anything is written, or a bad row found while scoring
+(the parts written are kept: --resume --skip-bad-rows finishes the job); 1 a runtime failure.
+--verbose adds the traceback and keeps the code.""")
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("--model", required=True, help="Hugging Face Hub id (e.g. Qwen/Qwen2.5-0.5B; downloaded once into "
               "the Hugging Face cache, HF_HUB_OFFLINE=1: the cache only) or model directory.")
@@ -154,7 +158,7 @@ Exit codes: 0 done, 2 bad usage or input (before any work), 1 a runtime failure.
 @click.option("--convention", type=click.Choice(["lm-eval", "separate"]), default="lm-eval", show_default=True,
               help="How text is tokenized. lm-eval: as lm-evaluation-harness does (the response encoded in context, "
               "trailing prompt whitespace moved to it, one BOS at most, an empty prompt or a text conditioned on "
-              "BOS/EOS). separate: prompt and response encoded apart, a text's first token unscored (dask-lm < 0.5).")
+              "BOS/EOS). separate: prompt and response encoded apart, a text's first token unscored (the outputs of earlier dask-lm releases).")
 @click.option("--id-column", default=None, help="Keep only this input column in the output (default: all).")
 @click.option("--topk", type=int, default=0, show_default=True, help="Also write the k most likely tokens.")
 @click.option("--max-length", type=int, default=None, help="Longest row in tokens (default and upper bound: the "
@@ -209,7 +213,8 @@ def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str, output: st
       --output runs/sft-1 --epochs 2 --global-batch-size 64 --lr 1e-5 --save-every 100 --resume
   dask-lm score eval/ --model runs/sft-1/step_200/weights --text-column text --output eval-scores/
 
-Exit codes: 0 done, 2 bad usage or input (before any work), 1 a runtime failure.""")
+Exit codes: 0 done; 2 bad usage or input (refused before any training step), 1 a runtime failure. --verbose adds
+the traceback and keeps the code.""")
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("--model", required=True, help="Hugging Face Hub id or model directory to start from.")
 @click.option("--revision", default=None, help=_REVISION_HELP)

@@ -158,6 +158,10 @@ def test_bad_input_exit_2_and_nothing_written(tiny, dataset, tmp_path):
         result = runner.invoke(cli, ["score", *args, "--model", tiny["llama"], "--output", str(out)])
         assert result.exit_code == 2, (args, result.output)
         assert message in result.output and "Traceback" not in result.output, result.output
+    # --verbose adds the traceback, not another exit code
+    result = runner.invoke(cli, ["-v", "score", str(dataset), "--text-column", "body", "--model", tiny["llama"],
+                                 "--output", str(out)])
+    assert result.exit_code == 2 and "Traceback" in result.output and "column 'body' is missing" in result.output
     result = runner.invoke(cli, ["score", str(dataset), "--text-column", "text", "--model", str(no_weights),
                                  "--output", str(out)])
     assert result.exit_code == 2 and "has no weights" in result.output

@@ -198,7 +198,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     ``ids_column`` or ``prompt_column`` + ``response_column`` says what to score. Text is tokenized in
     ``convention`` (:mod:`dask_lm.data.continuation`): ``"lm-eval"``, lm-evaluation-harness's (the response
     encoded in context, trailing prompt whitespace moved to it, one BOS at most, an empty prompt conditioned on
-    BOS / EOS), or ``"separate"`` (prompt and response encoded apart, as dask-lm did before 0.5). With
+    BOS / EOS), or ``"separate"`` (prompt and response encoded apart, as earlier dask-lm releases did). With
     ``ids_column``, ``prompt_length_column`` (integers) says how many leading ids of each row are context: only
     the rest is scored. ``client`` is a Dask client (default: ``connect(scheduler_address,
     n_workers=n_workers)``, started at once, beside the checks, and closed here); its workers load the model while
