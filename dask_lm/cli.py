@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from dask_lm import __version__  # the package imports its heavy modules lazily: --help stays fast
+from dask_lm.engine import interrupts  # signal and threading only
 
 __all__ = ["main"]
 
@@ -91,13 +92,17 @@ def _exit_codes(ctx: click.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
     ``--verbose`` the full traceback comes first, and the exit code is the same."""
     verbose = ctx.obj["verbose"]
     try:
-        return fn(*args, **kwargs)
+        with interrupts.terminate_as_interrupt():  # a scheduler's SIGTERM gets Ctrl-C's cleanup and one line
+            return fn(*args, **kwargs)
+    except KeyboardInterrupt as e:  # the job's own line (what it kept), else a bare one; 130 / 143 as shells do
+        if verbose:
+            traceback.print_exc()
+        click.echo(str(e) if isinstance(e, interrupts.JobInterrupted) else "interrupted", err=True)
+        sys.exit(interrupts.exit_code(e))
     except (ValueError, FileNotFoundError) as e:
         if verbose:
             traceback.print_exc()
         raise _CliError(str(e)) from None
-    except KeyboardInterrupt:
-        raise
     except Exception as e:  # a runtime failure: one line, exit 1
         if verbose:
             traceback.print_exc()

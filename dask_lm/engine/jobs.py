@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,6 +156,8 @@ class JobOutput:
     state: jobdir.OutputState
     pins: list[fingerprint.Pin] = field(default_factory=list)
     """What :meth:`pin` pinned: :meth:`finish` confirms every file still holds it."""
+    created: bool = False
+    """The output folder did not exist before this job: an interrupted job that kept nothing removes it."""
 
     @classmethod
     def open(cls, kind: JobKind, input: Any, output: str | os.PathLike[str], *, resume: bool, overwrite: bool
@@ -164,7 +167,8 @@ class JobOutput:
         path = os.path.abspath(os.fspath(output))
         files = pio.resolve_input_files(input)
         jobdir.check_output_location(path, input, files)
-        out = cls(kind, path, files, resume, overwrite, jobdir.output_state(path, kind.owned))
+        out = cls(kind, path, files, resume, overwrite, jobdir.output_state(path, kind.owned),
+                  created=not os.path.exists(path))
         out._refuse_occupied()
         return out
 
@@ -190,7 +194,24 @@ class JobOutput:
                 old = jobdir.read_manifest(self.path)
                 assert old is not None  # output_state calls an output without one foreign
             self.kind.debris(self.path)
-            yield old
+            try:
+                yield old
+            except KeyboardInterrupt:
+                if old is None and not self.kept():  # a new job stopped before it kept anything: as if never run
+                    jobdir.clear_output(self.path, self.kind.owned)
+                    with contextlib.suppress(OSError):  # still ours: unlinked under the lock, which closes after
+                        os.remove(os.path.join(self.path, jobdir.LOCK))
+                    if self.created:
+                        with contextlib.suppress(OSError):
+                            os.rmdir(self.path)
+                raise
+
+    def kept(self) -> list[str]:
+        """The job's own results in the output: its entries that are not empty folders (parts, checkpoints)."""
+        regex = re.compile(self.kind.owned)
+        names = [n for n in os.listdir(self.path) if regex.fullmatch(n)] if os.path.isdir(self.path) else []
+        return sorted(n for n in names if not (os.path.isdir(os.path.join(self.path, n))
+                                               and not os.listdir(os.path.join(self.path, n))))
 
     def pin(self, new: dict[str, Any], old: dict[str, Any] | None, pins: list[fingerprint.Pin], *,
             ignore: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -292,8 +313,11 @@ class ClusterStart:
             raise self._error
         return self.client
 
-    def close(self) -> None:
-        """The job will not run: cancel the warm-up and close what this start opened (a given client stays)."""
+    def close(self, *, interrupted: bool = False) -> None:
+        """The job will not run: cancel the warm-up and close what this start opened (a given client stays).
+        ``interrupted`` (Ctrl-C, SIGTERM): a local cluster's worker processes are killed first rather than
+        drained (a graceful close takes 3-4 s), as what they hold is written already or lost anyway: every part
+        is written under a temporary name and renamed, so a killed task leaves only debris that resume removes."""
         from dask_lm.engine import cluster
 
         if self._thread.ident is None:  # never started
@@ -303,6 +327,8 @@ class ClusterStart:
             if self.warm_futures:
                 self.client.cancel(self.warm_futures)
             if self.opened is not None:
+                if interrupted:
+                    cluster.kill_local_workers(self.opened)
                 cluster.close(self.opened)
                 self.opened = None
 
@@ -319,6 +345,10 @@ def running(start: ClusterStart, *, total: int, desc: str, unit: str, progress: 
         if getattr(client, "dashboard_link", None):
             bar.write(f"dask-lm: watch the job on the Dask dashboard at {client.dashboard_link}")
         yield client, bar
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: a local cluster's workers are stopped at once, not drained
+        bar.close()
+        start.close(interrupted=True)
+        raise
     finally:
         bar.close()
         start.close()

@@ -27,13 +27,14 @@ import contextlib
 import logging
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
-from dask_lm.engine import jobs, prescan
+from dask_lm.engine import interrupts, jobs, prescan
 from dask_lm.engine.progress import JobBar
 from dask_lm.engine.start_clock import StartClock
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck, spans
@@ -263,8 +264,21 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     try:
         return _pinned_run(start, warm, out, finished, source, info, inputs, plan, opts, started, started_at,
                            compile=compile, progress=progress, performance_report=performance_report)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the workers stopped at once, one line says what is kept
+        start.close(interrupted=True)
+        raise _interrupted(out, len(plan), e) from None
     finally:
         start.close()
+
+
+def _interrupted(out: jobs.JobOutput, parts: int, e: BaseException) -> interrupts.JobInterrupted:
+    kept = sum(1 for n in out.kept() if n.startswith("part-"))
+    if not os.path.exists(os.path.join(out.path, pio.MANIFEST)):  # a new job that kept nothing was removed
+        message = f"interrupted: nothing was written to {out.path}; run the same command again to start over"
+    else:
+        message = (f"interrupted: {kept} of {parts} parts kept in {out.path}; run the same command with --resume "
+                   "to score the rest")
+    return interrupts.JobInterrupted(message, interrupts.signum_of(e))
 
 
 def _precheck_resume(out: jobs.JobOutput, opts: ScoreOptions, inputs: pio.ScoreInputs, plan: list[spans.Span]
@@ -352,19 +366,15 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
                 performance_report: str | None) -> ScoreResult:
     """``score_parquet`` from the costly checks on, while ``start`` brings the cluster up: the config through
     transformers (asked of a worker, waited for in a thread) beside the row scan and the content hashes, then the manifest under the output's lock, then the run."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from dask_lm.engine.worker_group import _scheduler_info
 
     scan = not finished and not opts.skip_bad_rows and sum(inputs.group_tokens) <= prescan.PRESCAN_MAX_TOKENS
-    with ThreadPoolExecutor(2, thread_name_prefix="dask-lm-check") as pool:
-        loads = pool.submit(warm.check_config, start) if warm is not None else None
-        # every bad row of the job, found while the workers load (dask_lm.engine.prescan)
-        rows = pool.submit(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan \
-            else None
-        manifest, pins = _manifest(opts, inputs, source, info, plan)
-        checked = loads.result() if loads is not None else {}  # transformers' ValueError naming config.json
-        bad = rows.result() if rows is not None else None
+    loads = _in_thread(warm.check_config, start) if warm is not None else None
+    # every bad row of the job, found while the workers load (dask_lm.engine.prescan)
+    rows = _in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan else None
+    manifest, pins = _manifest(opts, inputs, source, info, plan)
+    checked = loads.result() if loads is not None else {}  # transformers' ValueError naming config.json
+    bad = rows.result() if rows is not None else None
     if bad:
         raise BadRowError(prescan.message(bad))
     opts = replace(opts, model_pins=tuple(pins[:len(pins) - len(inputs.files)]))
@@ -394,6 +404,24 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
                                compile_head=worth_compiling_head(sum(inputs.group_tokens), workers))
             return _run(dask_client, out, inputs, plan, opts, done, start.warm_futures, bar, performance_report,
                         clock)
+
+
+def _in_thread(fn: Any, *args: Any) -> Future[Any]:
+    """``fn(*args)`` in a daemon thread, as a future: a check the job no longer waits for (a Ctrl-C, a refusal
+    by the other check) does not hold the process's exit, as a pool's threads would (an import of transformers
+    cannot be interrupted, and the interpreter joins a ThreadPoolExecutor's threads at exit)."""
+    import threading
+
+    fut: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # re-raised in the driver's thread by result()
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="dask-lm-check", daemon=True).start()
+    return fut
 
 
 def _sizeof_log_level(level: int) -> int:

@@ -36,7 +36,7 @@ import torch
 
 from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.rows import tokenize_rows
-from dask_lm.engine import jobs
+from dask_lm.engine import interrupts, jobs
 from dask_lm.io import jobdir
 from dask_lm.io import parquet as pio
 
@@ -198,64 +198,79 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
     # every row trains (a bad one fails the run), so the run's length is known from the footers' row counts
     planned = math.ceil(inputs.num_rows / global_batch_size) * epochs
     planned = planned if max_steps is None else min(max_steps, planned)
-    with out.locked() as old:
-        out.pin(manifest, old, pins)
-        start = _newest_checkpoint(out.path) if old is not None else None
-        if start is not None and start[0] >= planned and out.finished:
-            return _finished(out.path, start)
-        out.reopen()
-        cluster = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers)
-        with jobs.running(cluster, total=planned, desc="sft", unit="step", progress=progress) as (dask_client, bar):
-            precision = fixed_precision or jobs.worker_precision(dask_client)
-            out.pin_precision(precision)
-            bar.wait("tokenizing the rows")
-            rows = _tokenize_all(dask_client, inputs, pins, text_column, prompt_column, response_column, model,
-                                 max_length, truncate, conv)
-            steps_per_epoch = math.ceil(len(rows) / global_batch_size)
-            total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
-            bar.wait("loading the model", total=total)
-            cfg = _policy_config(model, precision, global_batch_size, micro_batch_size, max_length, lr, weight_decay,
-                                 warmup_steps)
-            state: dict[str, Any] = {"step": 0, "losses": []}  # what training_state.json holds
-            paths: dict[str, Any] = {}
-            if start is not None:
-                with open(os.path.join(start[1], "training_state.json")) as f:
-                    state = json.load(f)
-                paths = {"weights_path": os.path.join(start[1], "weights"),
-                         "optimizer_path": os.path.join(start[1], "optimizer")}
-            t0 = time.perf_counter()
-            # the checkpoint's earlier steps count in the total: what the trained model has seen
-            earlier = sum(len(ids) for step in range(state["step"])
-                          for ids, _first in _step_rows(rows, step, global_batch_size, seed, shuffle))
-            tokens, train_s, save_s = 0, 0.0, 0.0
-            with dask_lm.Policy(dask_client, cfg, tokenizer, init_reference_model=False, **paths) as policy:
-                last = state["step"]
-                while state["step"] < total:
-                    step = state["step"]
-                    chunk = _step_rows(rows, step, global_batch_size, seed, shuffle)
-                    t_step = time.perf_counter()
-                    result = policy.train(_batch(chunk, global_batch_size, pad_id), dask_lm.NLLLoss())
-                    train_s += time.perf_counter() - t_step
-                    tokens += sum(len(ids) for ids, _first in chunk)
-                    state["step"] = step + 1
-                    state["losses"].append(float(result["loss"][0]))
-                    # to the step reached: a resumed run's bar starts at its checkpoint
-                    bar.update(state["step"] - bar.n, f"loss {state['losses'][-1]:.4f}")
-                    if state["step"] % save_every == 0 or state["step"] == total:
-                        t_save = time.perf_counter()
+    try:
+        with out.locked() as old:
+            out.pin(manifest, old, pins)
+            start = _newest_checkpoint(out.path) if old is not None else None
+            if start is not None and start[0] >= planned and out.finished:
+                return _finished(out.path, start)
+            out.reopen()
+            cluster = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers)
+            with jobs.running(cluster, total=planned, desc="sft", unit="step", progress=progress) as (dask_client, bar):
+                precision = fixed_precision or jobs.worker_precision(dask_client)
+                out.pin_precision(precision)
+                bar.wait("tokenizing the rows")
+                rows = _tokenize_all(dask_client, inputs, pins, text_column, prompt_column, response_column, model,
+                                     max_length, truncate, conv)
+                steps_per_epoch = math.ceil(len(rows) / global_batch_size)
+                total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
+                bar.wait("loading the model", total=total)
+                cfg = _policy_config(model, precision, global_batch_size, micro_batch_size, max_length, lr, weight_decay,
+                                     warmup_steps)
+                state: dict[str, Any] = {"step": 0, "losses": []}  # what training_state.json holds
+                paths: dict[str, Any] = {}
+                if start is not None:
+                    with open(os.path.join(start[1], "training_state.json")) as f:
+                        state = json.load(f)
+                    paths = {"weights_path": os.path.join(start[1], "weights"),
+                             "optimizer_path": os.path.join(start[1], "optimizer")}
+                t0 = time.perf_counter()
+                # the checkpoint's earlier steps count in the total: what the trained model has seen
+                earlier = sum(len(ids) for step in range(state["step"])
+                              for ids, _first in _step_rows(rows, step, global_batch_size, seed, shuffle))
+                tokens, train_s, save_s = 0, 0.0, 0.0
+                with dask_lm.Policy(dask_client, cfg, tokenizer, init_reference_model=False, **paths) as policy:
+                    last = state["step"]
+                    while state["step"] < total:
+                        step = state["step"]
+                        chunk = _step_rows(rows, step, global_batch_size, seed, shuffle)
+                        t_step = time.perf_counter()
+                        result = policy.train(_batch(chunk, global_batch_size, pad_id), dask_lm.NLLLoss())
+                        train_s += time.perf_counter() - t_step
+                        tokens += sum(len(ids) for ids, _first in chunk)
+                        state["step"] = step + 1
+                        state["losses"].append(float(result["loss"][0]))
+                        # to the step reached: a resumed run's bar starts at its checkpoint
+                        bar.update(state["step"] - bar.n, f"loss {state['losses'][-1]:.4f}")
+                        if state["step"] % save_every == 0 or state["step"] == total:
+                            t_save = time.perf_counter()
+                            _save(policy, out.path, state, keep)
+                            save_s += time.perf_counter() - t_save
+                            last = state["step"]
+                    bar.close()
+                    if last != state["step"]:  # nothing to train (resumed at the end): make sure a checkpoint exists
                         _save(policy, out.path, state, keep)
-                        save_s += time.perf_counter() - t_save
-                        last = state["step"]
-                bar.close()
-                if last != state["step"]:  # nothing to train (resumed at the end): make sure a checkpoint exists
-                    _save(policy, out.path, state, keep)
-            seconds = time.perf_counter() - t0
-            done = SFTResult(output=out.path, steps=state["step"], epochs_completed=state["step"] // steps_per_epoch,
-                             losses=state["losses"], resumed_from=start[0] if start else None, seconds=seconds,
-                             checkpoint=os.path.join(out.path, f"step_{state['step']}"), tokens=earlier + tokens, run_tokens=tokens,
-                             train_seconds=train_s, checkpoint_seconds=save_s)
-            out.finish(done.__dict__)
-            return done
+                seconds = time.perf_counter() - t0
+                done = SFTResult(output=out.path, steps=state["step"], epochs_completed=state["step"] // steps_per_epoch,
+                                 losses=state["losses"], resumed_from=start[0] if start else None, seconds=seconds,
+                                 checkpoint=os.path.join(out.path, f"step_{state['step']}"), tokens=earlier + tokens, run_tokens=tokens,
+                                 train_seconds=train_s, checkpoint_seconds=save_s)
+                out.finish(done.__dict__)
+                return done
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the cluster is closed; one line says what is kept
+        raise _interrupted(out, e) from None
+
+
+def _interrupted(out: jobs.JobOutput, e: BaseException) -> interrupts.JobInterrupted:
+    newest = _newest_checkpoint(out.path) if os.path.exists(os.path.join(out.path, pio.MANIFEST)) else None
+    if newest is not None:
+        message = (f"interrupted: checkpoint step_{newest[0]} kept in {out.path}; run the same command with "
+                   "--resume to train on from it")
+    elif os.path.exists(os.path.join(out.path, pio.MANIFEST)):
+        message = f"interrupted: no checkpoint yet in {out.path}; run the same command with --resume to start it"
+    else:
+        message = f"interrupted: nothing was written to {out.path}; run the same command again to start over"
+    return interrupts.JobInterrupted(message, interrupts.signum_of(e))
 
 
 def _policy_config(model: str, precision: str, global_batch_size: int, micro_batch_size: int, max_length: int,

@@ -1,0 +1,72 @@
+"""Ctrl-C and SIGTERM: one line, the conventional exit code, nothing left behind that blocks running again.
+
+Three pieces, each where the process model puts it:
+
+- **Local workers do not take the terminal's Ctrl-C.** A terminal sends SIGINT to its whole foreground process
+  group, so a local cluster's worker processes got it too, and each printed its own ``KeyboardInterrupt``
+  traceback (25 lines a worker) while the driver cleaned up. They now ignore it (:mod:`dask_lm.workers.preload`,
+  a Dask preload that ``connect()`` gives its local clusters); the driver closes them.
+- **SIGTERM is a Ctrl-C.** What a batch scheduler (SLURM, Kubernetes) sends before it kills a job. Python's default
+  is to die at once, with no cleanup and no message. :func:`terminate_as_interrupt` turns it into
+  :class:`Terminated` (a ``KeyboardInterrupt``) in the main thread, so the same cleanup runs; exit 143.
+- **The job says what it kept.** A job interrupted mid-run raises :class:`JobInterrupted` with one line: how many
+  of its parts (or checkpoints) are kept and that the same command with ``--resume`` continues it; the CLI prints
+  it and exits ``128 + signal`` (130 for SIGINT, 143 for SIGTERM), as shells do. A new job that kept nothing removes
+  its own entries (:meth:`dask_lm.engine.jobs.JobOutput.locked`), so the same command runs again as if it never ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["JobInterrupted", "Terminated", "exit_code", "signum_of", "terminate_as_interrupt"]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by :func:`terminate_as_interrupt`."""
+
+    signum = signal.SIGTERM
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """A job stopped by Ctrl-C or SIGTERM; ``str()`` is the one line to show, ``signum`` the signal."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.message, self.signum = message, signum
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def signum_of(e: BaseException) -> int:
+    """The signal behind a ``KeyboardInterrupt`` (SIGINT unless it says otherwise)."""
+    return int(getattr(e, "signum", signal.SIGINT))
+
+
+def exit_code(e: BaseException) -> int:
+    """The shell's exit code for a process ended by ``e``'s signal: 128 + its number."""
+    return 128 + signum_of(e)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """For the block, SIGTERM raises :class:`Terminated` in the main thread (elsewhere, or where another handler
+    than the default is installed, nothing changes)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,0 +1,111 @@
+"""Ctrl-C and SIGTERM (dask_lm/engine/interrupts.py): ``dask-lm score`` as a real process in its own session, the
+signal sent to its whole process group as a terminal (or a batch scheduler) does; then ``--resume`` finishes the
+job exactly once. And a job interrupted before it kept anything leaves no trace, so the same call runs again."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import dask_lm
+from dask_lm.engine import interrupts, jobs
+
+pytestmark = pytest.mark.cluster
+
+ROWS = 900
+
+
+@pytest.fixture(scope="module")
+def long_job(tmp_path_factory):
+    """A job of many small parts (about 60), long enough on 2 CPU workers to be interrupted mid-way."""
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while dask schedules tasks on workers".split()
+    path = tmp_path_factory.mktemp("interrupts") / "data.parquet"
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(40, 160))) for _ in range(ROWS)]
+    pq.write_table(pa.table({"id": list(range(ROWS)), "text": texts}), path, row_group_size=100)
+    return str(path)
+
+
+def _score(data, model, out, *extra):
+    return [sys.executable, "-m", "dask_lm", "score", data, "--model", model, "--text-column", "text",
+            "--id-column", "id", "--output", str(out), "--task-tokens", "3000", "--no-progress", *extra]
+
+
+def _interrupt_after_first_part(cmd, out, sig):
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while not glob.glob(os.path.join(out, "part-*.parquet")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "no part was written"
+        time.sleep(0.05)
+    sent = time.perf_counter()
+    os.killpg(proc.pid, sig)  # the whole group: the driver and the local cluster's worker processes
+    stdout, stderr = proc.communicate(timeout=120)
+    print(f"{signal.Signals(sig).name}: exited {proc.returncode} after {time.perf_counter() - sent:.2f} s")
+    return proc.returncode, stdout, stderr
+
+
+def _ids(out):
+    return [i for f in sorted(glob.glob(os.path.join(out, "part-*.parquet"))) for i in pq.read_table(f).column("id").to_pylist()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_mid_job_says_what_is_kept_and_resume_finishes_exactly_once(tiny, long_job, tmp_path, sig):
+    out = tmp_path / "out"
+    code, stdout, stderr = _interrupt_after_first_part(_score(long_job, tiny["llama"], out), str(out), sig)
+    assert code == 128 + sig, (code, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    kept = len(glob.glob(str(out / "part-*.parquet")))
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert lines[0] == (f"interrupted: {kept} of {manifest['partitions']} parts kept in {out}; run the same "
+                        "command with --resume to score the rest")
+    time.sleep(1.0)  # the workers are gone: nothing more is written after the command has exited
+    assert len(glob.glob(str(out / "part-*.parquet"))) == kept
+    assert not (out / "_SUCCESS").exists()
+    done = subprocess.run(_score(long_job, tiny["llama"], out, "--resume"), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ids = _ids(out)
+    assert sorted(ids) == list(range(ROWS))  # every row once: the kept parts were not scored again
+    success = json.loads((out / "_SUCCESS").read_text())
+    assert success["rows"] == ROWS and success["parts_skipped"] == kept
+
+
+def test_an_interrupted_start_leaves_nothing_and_the_same_call_runs_again(client, tiny, tmp_path, monkeypatch):
+    """Ctrl-C while the cluster starts (here: as the job asks for its client, under the output's lock, with
+    the manifest written): the output folder is gone again, and the same call then succeeds."""
+    data = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"id": [0, 1, 2], "text": ["a b c", "dask scores rows", "the quick fox"]}), data)
+    out = tmp_path / "out"
+
+    def interrupted(self):
+        assert (out / "_manifest.json").exists() and (out / "_errors").is_dir()  # the job had begun writing
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jobs.ClusterStart, "result", interrupted)
+    with pytest.raises(interrupts.JobInterrupted, match="nothing was written") as e:
+        dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text", progress=False)
+    assert e.value.signum == signal.SIGINT and interrupts.exit_code(e.value) == 130
+    assert not out.exists()
+    monkeypatch.undo()
+    res = dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text", progress=False)
+    assert res.rows == 3 and (out / "_SUCCESS").exists()
+
+
+def test_sigterm_becomes_an_interrupt_in_the_main_thread():
+    with pytest.raises(interrupts.Terminated) as e, interrupts.terminate_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises at the next bytecode
+    assert interrupts.exit_code(e.value) == 143
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
