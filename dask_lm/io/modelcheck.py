@@ -25,12 +25,13 @@ import json
 import math
 import os
 import struct
+import threading
 import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["weight_files", "stated_vocab", "stated_positions", "config_vocab", "ModelInfo", "check_model", "check_safetensors",
-           "check_tokenizer", "tokenizer_files", "TOKENIZER_FILES"]
+__all__ = ["weight_files", "stated_vocab", "stated_positions", "config_vocab", "transformers_module", "ModelInfo",
+           "check_model", "check_safetensors", "check_tokenizer", "tokenizer_files", "TOKENIZER_FILES"]
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -138,9 +139,24 @@ def config_vocab(model: str) -> int | None:
     return _auto_config_vocab(model, os.path.join(model, CONFIG))
 
 
-def _auto_config_vocab(model: str, config_path: str) -> int | None:
-    import transformers
+_IMPORT_LOCK = threading.Lock()
 
+
+def transformers_module() -> Any:
+    """``transformers`` with ``AutoConfig`` and ``AutoTokenizer`` resolved, imported by one thread at a time. Its
+    lazy module is not safe to import from two threads at once: the second sees a half-initialised
+    ``transformers.models.auto`` and fails with ``AttributeError: module 'transformers' has no attribute
+    'AutoConfig'``. Seen when the driver's own config check (an attached cluster without workers yet) ran beside
+    the row pre-scan's tokenizer load, each in its thread."""
+    with _IMPORT_LOCK:
+        import transformers
+
+        transformers.AutoConfig, transformers.AutoTokenizer  # noqa: B018 (resolved here, under the lock)
+    return transformers
+
+
+def _auto_config_vocab(model: str, config_path: str) -> int | None:
+    transformers = transformers_module()
     try:
         cfg = transformers.AutoConfig.from_pretrained(model)
     except Exception as e:  # transformers raises ValueError, KeyError, OSError, ... for a config it cannot use

@@ -405,6 +405,22 @@ def _row_sums(lp: torch.Tensor, greedy: torch.Tensor, start: int
     return n, total, mean, ppl, bool(greedy[start:].all())
 
 
+def _refuse_if_cancelled(index: int) -> None:
+    """Raise instead of writing part ``index`` when its job was cancelled while the task ran (the driver was
+    interrupted, or its client closed): on an attached cluster the task runs on after the command has gone, and a
+    part written then would appear in an output its user believes stopped. Dask marks a running task whose
+    result nobody wants any more ``cancelled`` on its worker; outside a worker there is nothing to ask."""
+    try:
+        from distributed import get_worker
+        from distributed.worker import thread_state
+
+        task = get_worker().state.tasks.get(thread_state.key)
+    except (ValueError, AttributeError):  # not in a worker's task thread (a test calling this directly)
+        return
+    if task is not None and task.state == "cancelled":
+        raise RuntimeError(f"part {index}: its job was cancelled while it ran; not written")
+
+
 def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], index: int, file: str,
                     opts: ScoreOptions) -> dict[str, Any]:
     """Score one span of rows (:mod:`dask_lm.io.spans`) and write ``part-<index>.parquet`` (and its bad rows)
@@ -484,6 +500,7 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
     for name, type_ in pio.output_schema_columns(opts.topk):
         column = values[name]
         table = table.append_column(name, column if isinstance(column, pa.Array) else pa.array(column, type_))
+    _refuse_if_cancelled(index)
     # the bad rows first: a part file under its final name is what --resume skips, so it must come last
     if bad or lost_rows:
         bad_errors = [e for e in rows.errors if e is not None]  # those of `bad`, in order
@@ -538,6 +555,7 @@ def _unreadable(schema: Any, rows: list[int], errors: list[str], index: int, fil
     table = schema.empty_table()
     for name, type_ in pio.output_schema_columns(opts.topk):
         table = table.append_column(name, pa.array([], type_))
+    _refuse_if_cancelled(index)
     pio.write_part(pio.errors_table(index, file, rows, errors), pio.errors_dir(opts.output), pio.part_name(index))
     pio.write_part(table, opts.output, pio.part_name(index))  # last: it marks the part done
     return {"part": index, "rows": 0, "tokens": 0, "bad_rows": len(rows), "empty_rows": 0, "truncated_rows": 0,
