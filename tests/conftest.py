@@ -55,3 +55,35 @@ def client():
     yield c
     c.close()
     c.cluster.close()
+
+
+@pytest.fixture()
+def attached_cluster(tmp_path):
+    """A cluster started apart from the job, as a user's is (``dask scheduler`` and ``dask worker`` processes):
+    ``attached_cluster(nworkers)`` starts it and returns its scheduler file; it is stopped after the test."""
+    import subprocess
+    import sys
+    import time
+
+    procs = []
+    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+
+    def start(nworkers=1):
+        sched = tmp_path / "scheduler.json"
+        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                       "--port", "0", "--dashboard-address", ":0", "--scheduler-file", str(sched)],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.time() + 60
+        while not sched.exists():
+            assert time.time() < deadline, "the scheduler did not start"
+            time.sleep(0.2)
+        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
+                                       str(sched), "--nthreads", "1", "--nworkers", str(nworkers)],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        return sched
+
+    yield start
+    for p in reversed(procs):
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=30)

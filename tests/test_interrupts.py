@@ -82,42 +82,27 @@ def test_a_signal_mid_job_says_what_is_kept_and_resume_finishes_exactly_once(tin
     assert success["rows"] == ROWS and success["parts_skipped"] == kept
 
 
-def test_on_an_attached_cluster_no_part_appears_after_the_command_has_gone(tiny, long_job, tmp_path):
+def test_on_an_attached_cluster_no_part_appears_after_the_command_has_gone(tiny, long_job, tmp_path,
+                                                                           attached_cluster):
     """The cluster outlives the command: its in-flight task must not write a part once the job is cancelled
     (workers/scorer.py: _refuse_if_cancelled). Text rows, so that the driver's own config check runs beside the
     row pre-scan's tokenizer load, as it does when the cluster has no worker yet (modelcheck.transformers_module)."""
-    sched = tmp_path / "scheduler.json"
-    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
-    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                               "--port", "0", "--dashboard-address", ":0", "--scheduler-file", str(sched)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        deadline = time.time() + 60
-        while not sched.exists():
-            assert time.time() < deadline, "the scheduler did not start"
-            time.sleep(0.2)
-        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
-                                       str(sched), "--nthreads", "1", "--nworkers", "2"],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        out = tmp_path / "out"
-        # parts of several seconds each: the other worker's is still running when the command exits
-        cmd = _score(long_job, tiny["llama"], out, "--scheduler-address", str(sched), task_tokens=30000)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        while not glob.glob(str(out / "part-*.parquet")):
-            assert proc.poll() is None, proc.communicate()
-            assert time.time() < deadline + 240, "no part was written"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)  # the command alone: the cluster is not its to stop
-        _, stderr = proc.communicate(timeout=120)
-        assert proc.returncode == 130 and stderr.strip().startswith("interrupted: "), stderr
-        kept = sorted(glob.glob(str(out / "part-*.parquet")))
-        time.sleep(8)  # long enough for an in-flight part of the job to have finished on the surviving workers
-        assert sorted(glob.glob(str(out / "part-*.parquet"))) == kept
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+    sched = attached_cluster(2)
+    out = tmp_path / "out"
+    # parts of several seconds each: the other worker's is still running when the command exits
+    cmd = _score(long_job, tiny["llama"], out, "--scheduler-address", str(sched), task_tokens=30000)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not glob.glob(str(out / "part-*.parquet")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "no part was written"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)  # the command alone: the cluster is not its to stop
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and stderr.strip().startswith("interrupted: "), stderr
+    kept = sorted(glob.glob(str(out / "part-*.parquet")))
+    time.sleep(8)  # long enough for an in-flight part of the job to have finished on the surviving workers
+    assert sorted(glob.glob(str(out / "part-*.parquet"))) == kept
 
 
 def test_an_interrupted_start_leaves_nothing_and_the_same_call_runs_again(client, tiny, tmp_path, monkeypatch):

@@ -265,31 +265,14 @@ def test_a_killed_worker_costs_a_retry_not_a_row(tiny, tmp_path):
     assert not [f for f in os.listdir(out) if ".tmp-" in f]
 
 
-def test_cli_attaches_to_a_separately_started_cluster(tiny, dataset, tmp_path):
-    sched_file = tmp_path / "scheduler.json"
-    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
-    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                               "--port", "0", "--dashboard-address", ":0", "--scheduler-file", str(sched_file)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        deadline = time.time() + 60
-        while not sched_file.exists():
-            assert time.time() < deadline, "the scheduler did not start"
-            time.sleep(0.2)
-        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
-                                       str(sched_file), "--nthreads", "1", "--nworkers", "1", "--name", "w0"],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        out = tmp_path / "out"
-        result = CliRunner().invoke(cli, ["score", str(dataset), "--model", tiny["llama"], "--text-column", "text",
-                                          "--output", str(out), "--scheduler-address", str(sched_file),
-                                          "--no-progress"])
-        assert result.exit_code == 0, result.output
-        assert "rows" in result.output and json.loads((out / "_SUCCESS").read_text())["rows"] == 30
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+def test_cli_attaches_to_a_separately_started_cluster(tiny, dataset, tmp_path, attached_cluster):
+    sched_file = attached_cluster(1)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["score", str(dataset), "--model", tiny["llama"], "--text-column", "text",
+                                      "--output", str(out), "--scheduler-address", str(sched_file),
+                                      "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "rows" in result.output and json.loads((out / "_SUCCESS").read_text())["rows"] == 30
 
 
 def test_demo_runs_and_prints_its_summary(tmp_path):
@@ -301,3 +284,24 @@ def test_demo_runs_and_prints_its_summary(tmp_path):
     for key in ("rows", "tokens/s", "perplexity", "output", "dashboard"):
         assert key in proc.stdout
     assert (tmp_path / "dask-lm" / "demo" / "scores" / "_SUCCESS").exists()
+
+
+def test_a_file_without_rows_adds_nothing_whatever_its_column_types(client, tiny, tmp_path):
+    """pandas writes an empty object column with arrow's ``null`` type: such a file holds no row to score, so it
+    neither fails the job nor changes what the other files give. A column it lacks is still named."""
+    import pandas as pd
+
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"id": [0, 1, 2], "text": ["a b c", "dask scores rows", "the quick fox"]}),
+                   data / "a.parquet")
+    pd.DataFrame({"id": pd.Series([], dtype="int64"), "text": pd.Series([], dtype=object)}).to_parquet(
+        data / "b.parquet", index=False)
+    assert pq.read_schema(data / "b.parquet").field("text").type == pa.null()
+    res = dask_lm.score_parquet(data, tmp_path / "out", model=tiny["llama"], client=client, text_column="text",
+                                id_column="id", progress=False)
+    assert res.rows == 3 and sorted(_read(tmp_path / "out")[0]["id"].to_pylist()) == [0, 1, 2]
+    pd.DataFrame({"id": pd.Series([], dtype="int64")}).to_parquet(data / "c.parquet", index=False)
+    with pytest.raises(ValueError, match="c.parquet.*'text'"):
+        dask_lm.score_parquet(data, tmp_path / "out2", model=tiny["llama"], client=client, text_column="text",
+                              progress=False)

@@ -250,6 +250,12 @@ def test_a_second_job_on_a_locked_output_is_refused(tiny, tmp_path, no_cluster):
         finally:
             lock.close()
         assert os.listdir(out) == [".dask-lm.lock"]  # the refused job wrote nothing
+    lock = _hold_lock(tmp_path / "score")
+    try:  # said first: before a model that does not even exist is looked at
+        with pytest.raises(ValueError, match="is in use by another dask-lm job"):
+            _score(data, tmp_path / "score", str(tmp_path / "no-such-model"), resume=True)
+    finally:
+        lock.close()
     result = CliRunner().invoke(cli, ["score", str(data), "--model", tiny["llama"], "--text-column", "text",
                                       "--output", str(out), "--no-progress"])
     assert result.exit_code == 1 and "connect() was called" in result.output  # unlocked: the job goes on

@@ -94,7 +94,8 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
         # workers' own "Compute Failed" record with its traceback would come first and bury it
         cluster_kwargs.setdefault("silence_logs", logging.CRITICAL)
     # the workers leave a terminal's Ctrl-C to this process, which closes them (dask_lm/workers/preload.py)
-    cluster_kwargs["preload"] = [*cluster_kwargs.get("preload", []), "dask_lm.workers.preload"]
+    given = cluster_kwargs.get("preload") or []
+    cluster_kwargs["preload"] = [*([given] if isinstance(given, str) else given), "dask_lm.workers.preload"]
     if use_cuda:
         if gpus == 0:
             raise ValueError("cluster='cuda' but no GPU is visible on this machine; use cluster='cpu'")

@@ -170,6 +170,7 @@ class JobOutput:
         out = cls(kind, path, files, resume, overwrite, jobdir.output_state(path, kind.owned),
                   created=not os.path.exists(path))
         out._refuse_occupied()
+        jobdir.refuse_if_locked(path)  # another job writing there: said first, before the model is looked at
         return out
 
     def _refuse_occupied(self) -> None:

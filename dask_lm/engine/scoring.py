@@ -251,7 +251,6 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                         max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
                         skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite, compile=bool(compile),
                         compile_head=bool(compile))
-    jobdir.refuse_if_locked(out.path)
     if out.state.kind != "new" and resume:
         _precheck_resume(out, opts, inputs, plan)
     # 2. the cluster starts, and each worker loads its replica, while this process does the costly checks: the

@@ -147,8 +147,10 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
                    response_column: str | None, id_column: str | None, prompt_length_column: str | None = None
                    ) -> ScoreInputs:
     """Read every file's footer: it must be parquet, hold the needed columns with the right types, and agree on
-    the schema. Row groups become partitions."""
+    the schema. Row groups become partitions. A file without rows adds none and is held to nothing but being
+    parquet and naming the columns: its types may be anything (pandas writes an empty object column as ``null``)."""
     out = ScoreInputs(files=files)
+    empty: list[tuple[str, pa.Schema]] = []
     for file in files:
         try:
             out.stamps[file] = stamp(file)
@@ -156,6 +158,9 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
         except (pa.ArrowInvalid, OSError) as e:
             raise ValueError(f"{file} is not a readable parquet file: {e}") from None
         schema = meta.schema_arrow
+        if meta.metadata.num_rows == 0:
+            empty.append((file, schema))
+            continue
         if out.schema is None:
             out.schema = schema
         elif not schema.equals(out.schema):
@@ -176,8 +181,14 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
             out.group_tokens.append(float(sum(c.num_values for c in columns)) if ids_column is not None else
                                     sum(c.total_uncompressed_size for c in columns) / 4)
         out.num_rows += meta.metadata.num_rows
-    assert out.schema is not None
-    first = files[0]
+    for file, schema in empty:  # the columns must be there, whatever their type
+        for name in (text_column, ids_column, prompt_column, response_column, prompt_length_column, id_column):
+            if name is not None:
+                _column_type(schema, name, file)
+    if out.schema is None:  # no file has a row: nothing to score, nothing whose type matters
+        out.schema = empty[0][1]
+        return out
+    first = next(f for f in files if f not in {e for e, _ in empty})
     for name in (text_column, prompt_column, response_column):
         if name is not None:
             t = _column_type(out.schema, name, first)
