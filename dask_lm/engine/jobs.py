@@ -27,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +39,7 @@ from dask_lm.io import fingerprint, hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 
 __all__ = ["JobKind", "JobOutput", "check_columns", "precision_name", "worker_precision", "resolve_model",
-           "resolve_tokenizer", "manifest", "ClusterStart", "running", "located_partitions", "publishing"]
+           "resolve_tokenizer", "manifest", "ClusterStart", "in_thread", "running", "located_partitions", "publishing"]
 
 _PRECISIONS = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 # what AutoTokenizer needs at least one of; the other tokenizer files only complete these
@@ -332,6 +334,22 @@ class ClusterStart:
                     cluster.kill_local_workers(self.opened)
                 cluster.close(self.opened)
                 self.opened = None
+
+
+def in_thread(fn: Any, *args: Any) -> Future[Any]:
+    """``fn(*args)`` in a daemon thread, as a future: a check the job no longer waits for (a Ctrl-C, a refusal
+    by the other check) does not hold the process's exit, as a pool's threads would (an import of transformers
+    cannot be interrupted, and the interpreter joins a ThreadPoolExecutor's threads at exit)."""
+    fut: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # re-raised in the driver's thread by result()
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="dask-lm-check", daemon=True).start()
+    return fut
 
 
 @contextlib.contextmanager

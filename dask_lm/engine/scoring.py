@@ -27,7 +27,6 @@ import contextlib
 import logging
 import os
 import time
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -368,9 +367,10 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
     from dask_lm.engine.worker_group import _scheduler_info
 
     scan = not finished and not opts.skip_bad_rows and sum(inputs.group_tokens) <= prescan.PRESCAN_MAX_TOKENS
-    loads = _in_thread(warm.check_config, start) if warm is not None else None
+    loads = jobs.in_thread(warm.check_config, start) if warm is not None else None
     # every bad row of the job, found while the workers load (dask_lm.engine.prescan)
-    rows = _in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan else None
+    rows = (jobs.in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan
+            else None)
     manifest, pins = _manifest(opts, inputs, source, info, plan)
     checked = loads.result() if loads is not None else {}  # transformers' ValueError naming config.json
     bad = rows.result() if rows is not None else None
@@ -403,24 +403,6 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
                                compile_head=worth_compiling_head(sum(inputs.group_tokens), workers))
             return _run(dask_client, out, inputs, plan, opts, done, start.warm_futures, bar, performance_report,
                         clock)
-
-
-def _in_thread(fn: Any, *args: Any) -> Future[Any]:
-    """``fn(*args)`` in a daemon thread, as a future: a check the job no longer waits for (a Ctrl-C, a refusal
-    by the other check) does not hold the process's exit, as a pool's threads would (an import of transformers
-    cannot be interrupted, and the interpreter joins a ThreadPoolExecutor's threads at exit)."""
-    import threading
-
-    fut: Future[Any] = Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # re-raised in the driver's thread by result()
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name="dask-lm-check", daemon=True).start()
-    return fut
 
 
 def _sizeof_log_level(level: int) -> int:

@@ -62,8 +62,8 @@ def targets(model: torch.nn.Module) -> tuple[list[Any], list[Any]]:
         if kind in _NORMS and isinstance(weight, torch.Tensor) and weight.dim() == 1 \
                 and isinstance(getattr(m, "variance_epsilon", None), float):
             norms.append(m)
-        elif kind in _MLPS and all(isinstance(getattr(m, p, None), torch.nn.Linear)
-                                   for p in ("gate_proj", "up_proj", "down_proj")) and _silu(getattr(m, "act_fn", None)):
+        elif kind in _MLPS and _silu(getattr(m, "act_fn", None)) and all(
+                isinstance(getattr(m, p, None), torch.nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
             mlps.append(m)
     return norms, mlps
 
