@@ -23,6 +23,8 @@ _EXPORTS: dict[str, str] = {
     "SequencePackingArgs": "dask_lm.data.batch",
     "SlicedDataDict": "dask_lm.data.batch",
     "connect": "dask_lm.engine.cluster",
+    "demo_data": "dask_lm.demo",
+    "demo_model": "dask_lm.demo",
     "PackingAlgorithm": "dask_lm.data.packing",
     "get_packer": "dask_lm.data.packing",
     "Policy": "dask_lm.engine.policy",
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from dask_lm.config import PolicyConfig
     from dask_lm.data.batch import BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs, SlicedDataDict
     from dask_lm.data.packing import PackingAlgorithm, get_packer
+    from dask_lm.demo import demo_data, demo_model
     from dask_lm.engine.cluster import connect
     from dask_lm.engine.metrics import FLOPTracker, Timer
     from dask_lm.engine.policy import Policy

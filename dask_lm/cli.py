@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import traceback
 from typing import Any
 
@@ -20,31 +19,6 @@ from dask_lm import __version__  # the package imports its heavy modules lazily:
 from dask_lm.engine import interrupts  # signal and threading only
 
 __all__ = ["main"]
-
-
-def _tiny_model_dir() -> str:
-    """A tiny random model + tokenizer, built once under the cache directory (no download)."""
-    import transformers
-
-    from dask_lm.io.local_cache import cache_root
-    from dask_lm.tiny import build_tiny_model, train_tiny_tokenizer
-
-    transformers.utils.logging.disable_progress_bar()
-
-    root = os.path.join(cache_root(), "tiny-llama")
-    if os.path.exists(os.path.join(root, "config.json")):
-        return root
-    parent = os.path.dirname(root)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)  # built aside, renamed into place when complete
-    tok = train_tiny_tokenizer(os.path.join(tmp, "tokenizer"))
-    build_tiny_model(os.path.join(tmp, "model"), family="llama", tokenizer_path=tok)
-    try:
-        os.replace(os.path.join(tmp, "model"), root)
-    except OSError:  # another process finished first
-        pass
-    shutil.rmtree(tmp, ignore_errors=True)
-    return root
 
 
 class _CliError(click.ClickException):
@@ -291,12 +265,14 @@ def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
 
     def run() -> None:
         import dask_lm
+        from dask_lm.demo import demo_data, demo_model
         from dask_lm.io.local_cache import cache_root
 
-        model_dir = _tiny_model_dir()
-        root = os.path.join(cache_root(), "demo")
-        data = _demo_dataset(os.path.join(root, "data"), rows)
-        output = os.path.join(root, "scores")
+        if rows < 2:
+            raise ValueError("--rows must be >= 2")
+        model_dir = demo_model()
+        data = demo_data(rows)
+        output = os.path.join(cache_root(), "demo", "scores")
         shutil.rmtree(output, ignore_errors=True)  # the demo's own output from an earlier run
         click.echo(f"model   {model_dir} (tiny random llama)\ndata    {data} ({rows} rows)")
         client = dask_lm.connect(n_workers=n_workers)
@@ -310,35 +286,6 @@ def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
         _print_summary(result)
 
     _exit_codes(ctx, run)
-
-
-def _demo_dataset(directory: str, rows: int) -> str:
-    """Sample sentences in two parquet files (several row groups), built once per row count."""
-    import random
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if rows < 2:
-        raise ValueError("--rows must be >= 2")
-    target = f"{directory}-{rows}"
-    if os.path.isdir(target):
-        return target
-    words = ("dask cluster worker task graph token model parquet column row score batch gpu rank shard log "
-             "probability language the a of and to in is on with for").split()
-    rng = random.Random(0)
-    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 60))) for _ in range(rows)]
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".demo-", dir=os.path.dirname(target))  # complete before it gets its name
-    half = rows // 2
-    for name, lo, hi in (("a.parquet", 0, half), ("b.parquet", half, rows)):
-        pq.write_table(pa.table({"id": list(range(lo, hi)), "text": texts[lo:hi]}), os.path.join(tmp, name),
-                       row_group_size=64)
-    try:
-        os.replace(tmp, target)
-    except OSError:  # built by a concurrent demo
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _close(client: Any) -> None:
@@ -358,11 +305,12 @@ def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: st
     import transformers
 
     import dask_lm
+    from dask_lm.demo import demo_model
     from dask_lm.engine.cluster import count_gpus
     from dask_lm.io.hub import resolve_model
 
     # a Hub id becomes its local snapshot (downloaded once, on this machine); the workers load that directory
-    model_dir = resolve_model(model_dir, revision=revision).path if model_dir is not None else _tiny_model_dir()
+    model_dir = resolve_model(model_dir, revision=revision).path if model_dir is not None else demo_model()
     if precision == "auto":
         precision = "bfloat16" if count_gpus() and not scheduler_address else "float32"
     precision = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(precision, precision)
