@@ -33,7 +33,7 @@ from typing import Any
 from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
-from dask_lm.engine import interrupts, jobs, prescan
+from dask_lm.engine import interrupts, jobs, prescan, resumed
 from dask_lm.engine.progress import JobBar
 from dask_lm.engine.start_clock import StartClock
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck, spans
@@ -182,13 +182,13 @@ def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
                        seconds=0.0, already_complete=True, **totals)
 
 
-def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str], client: Any = None,
-                  text_column: str | None = None, ids_column: str | None = None, prompt_column: str | None = None,
-                  response_column: str | None = None, id_column: str | None = None,
-                  prompt_length_column: str | None = None, convention: str = "lm-eval", topk: int = 0,
-                  max_length: int | None = None, truncate: bool = False, batch_tokens: int | None = None,
+def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str] | None = None,
+                  client: Any = None, text_column: str | None = None, ids_column: str | None = None,
+                  prompt_column: str | None = None, response_column: str | None = None, id_column: str | None = None,
+                  prompt_length_column: str | None = None, convention: str | None = None, topk: int | None = None,
+                  max_length: int | None = None, truncate: bool | None = None, batch_tokens: int | None = None,
                   precision: str | None = None, resume: bool = False, progress: bool = True,
-                  skip_bad_rows: bool = False, allow_nonfinite: bool = False, compile: bool | None = None,
+                  skip_bad_rows: bool | None = None, allow_nonfinite: bool | None = None, compile: bool | None = None,
                   tokenizer: str | os.PathLike[str] | None = None, revision: str | None = None,
                   overwrite: bool = False, performance_report: str | None = None, n_workers: int | None = None,
                   scheduler_address: str | None = None, task_tokens: int | None = None) -> ScoreResult:
@@ -212,10 +212,32 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     An output that already holds a job is refused unless ``resume`` (finish it with the same pins; a finished one
     returns its summary at once, without a cluster) or ``overwrite`` (delete that job's files and score again);
     files dask-lm did not write are never deleted.
+    With ``resume``, what is not given (``None``) is the manifest's (:mod:`dask_lm.engine.resumed`): ``input``,
+    ``model``, the columns and every other option, so ``score_parquet(None, output, resume=True)`` finishes a job;
+    a given option that differs from the pinned one is refused, naming it (``skip_bad_rows=True`` may be added to a
+    job that stopped at a bad row). Otherwise, or on a new output, ``model`` is required and the defaults are
+    ``convention="lm-eval"``, ``topk=0``, ``truncate=False``, ``skip_bad_rows=False``, ``allow_nonfinite=False``.
     Raises ``ValueError`` for bad usage or input (damaged model files, a changed input on ``resume``, an output
     another job holds), before anything is written (a cluster this call started is closed again).
     """
     started, started_at = time.perf_counter(), time.time()
+    settings: dict[str, Any] = {"task_tokens": task_tokens, "batch_tokens": batch_tokens, "allow_nonfinite": allow_nonfinite,
+                "compile": compile}
+    got = resumed.fill(output, resume=resume, job=_KIND.name, given=dict(
+        input=input, model=model, tokenizer=tokenizer, text_column=text_column, ids_column=ids_column,
+        prompt_column=prompt_column, response_column=response_column, id_column=id_column,
+        prompt_length_column=prompt_length_column, convention=convention, topk=topk, max_length=max_length,
+        truncate=truncate, precision=precision, skip_bad_rows=skip_bad_rows, **settings),
+        defaults=dict(convention="lm-eval", topk=0, truncate=False, skip_bad_rows=False, allow_nonfinite=False))
+    input, model, tokenizer, text_column, ids_column, prompt_column, response_column, id_column = (
+        got["input"], got["model"], got["tokenizer"], got["text_column"], got["ids_column"], got["prompt_column"],
+        got["response_column"], got["id_column"])
+    prompt_length_column, convention, topk, max_length, truncate, precision, skip_bad_rows = (
+        got["prompt_length_column"], got["convention"], got["topk"], got["max_length"], got["truncate"],
+        got["precision"], got["skip_bad_rows"])
+    settings = {key: got[key] for key in settings}
+    task_tokens, batch_tokens, allow_nonfinite, compile = (settings["task_tokens"], settings["batch_tokens"],
+                                                           settings["allow_nonfinite"], settings["compile"])
     jobs.check_columns(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
                        response_column=response_column)
     conv = check_convention(convention, "--convention")
@@ -248,7 +270,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                         response_column=response_column, id_column=id_column,
                         prompt_length_column=prompt_length_column, convention=conv, topk=topk,
                         max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
-                        skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite, compile=bool(compile),
+                        skip_bad_rows=skip_bad_rows, allow_nonfinite=bool(allow_nonfinite), compile=bool(compile),
                         compile_head=bool(compile))
     if out.state.kind != "new" and resume:
         _precheck_resume(out, opts, inputs, plan)
@@ -261,7 +283,8 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                               warm=warm)
     try:
         return _pinned_run(start, warm, out, finished, source, info, inputs, plan, opts, started, started_at,
-                           compile=compile, progress=progress, performance_report=performance_report)
+                           compile=compile, progress=progress, performance_report=performance_report,
+                           settings=settings)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the workers stopped at once, one line says what is kept
         start.close(interrupted=True)
         raise _interrupted(out, len(plan), e) from None
@@ -361,7 +384,7 @@ class _Preload:
 def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOutput, finished: bool, source: hub.ModelSource,
                 info: modelcheck.ModelInfo, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
                 started: float, started_at: float, *, compile: bool | None, progress: bool,
-                performance_report: str | None) -> ScoreResult:
+                performance_report: str | None, settings: dict[str, Any]) -> ScoreResult:
     """``score_parquet`` from the costly checks on, while ``start`` brings the cluster up: the config through
     transformers (asked of a worker, waited for in a thread) beside the row scan and the content hashes, then the manifest under the output's lock, then the run."""
     from dask_lm.engine.worker_group import _scheduler_info
@@ -372,6 +395,7 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
     rows = (jobs.in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan
             else None)
     manifest, pins = _manifest(opts, inputs, source, info, plan)
+    manifest["settings"] = settings  # recorded, not compared: what a later --resume that is not given them takes
     checked = loads.result() if loads is not None else {}  # transformers' ValueError naming config.json
     bad = rows.result() if rows is not None else None
     if bad:
@@ -385,8 +409,13 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
         pinned = out.pin(manifest, old, pins, ignore=("skip_bad_rows",) if added_skip else ())
         if old is not None and out.finished:
             return _finished(out.path, old)
+        recorded = pinned
         if added_skip:  # from now on the output may leave rows out: its manifest says so
-            out.write_manifest({**pinned, "options": {**pinned["options"], "skip_bad_rows": True}})
+            recorded = {**recorded, "options": {**pinned["options"], "skip_bad_rows": True}}
+        if recorded.get("settings") != settings:  # a resume that gave other settings: the next one takes these
+            recorded = {**recorded, "settings": settings}
+        if recorded is not pinned:
+            out.write_manifest(recorded)
         os.makedirs(pio.errors_dir(out.path), exist_ok=True)
         done = [i for i in range(len(plan)) if os.path.exists(os.path.join(out.path, pio.part_name(i)))]
         clock = StartClock(started, started_at, {"checks": prepare_seconds})

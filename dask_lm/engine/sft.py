@@ -36,7 +36,8 @@ import torch
 
 from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.rows import tokenize_rows
-from dask_lm.engine import interrupts, jobs
+from dask_lm.engine import interrupts, jobs, resumed
+from dask_lm.engine import progress as progress_bars
 from dask_lm.io import jobdir
 from dask_lm.io import parquet as pio
 
@@ -148,25 +149,52 @@ def _step_rows(rows: list[tuple[list[int], int]], step: int, global_batch_size: 
     return [rows[i] for i in order[within * global_batch_size:(within + 1) * global_batch_size]]
 
 
-def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str], client: Any = None,
-                text_column: str | None = None, prompt_column: str | None = None,
-                response_column: str | None = None, epochs: int = 1, max_steps: int | None = None,
-                global_batch_size: int = 32, micro_batch_size: int = 4, lr: float = 1e-5,
-                weight_decay: float = 0.01, warmup_steps: int = 0, max_length: int = 1024, truncate: bool = False,
-                precision: str | None = None, save_every: int = 100, keep: int = 2, seed: int = 0,
-                shuffle: bool = True, resume: bool = False, progress: bool = True,
-                scheduler_address: str | None = None, n_workers: int | None = None,
-                revision: str | None = None, overwrite: bool = False, convention: str = "lm-eval") -> SFTResult:
+def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str] | None = None,
+                client: Any = None, text_column: str | None = None, prompt_column: str | None = None,
+                response_column: str | None = None, epochs: int | None = None, max_steps: int | None = None,
+                global_batch_size: int | None = None, micro_batch_size: int | None = None, lr: float | None = None,
+                weight_decay: float | None = None, warmup_steps: int | None = None, max_length: int | None = None,
+                truncate: bool | None = None, precision: str | None = None, save_every: int | None = None,
+                keep: int | None = None, seed: int | None = None, shuffle: bool | None = None, resume: bool = False,
+                progress: bool = True, scheduler_address: str | None = None, n_workers: int | None = None,
+                revision: str | None = None, overwrite: bool = False, convention: str | None = None) -> SFTResult:
     """Fine-tune ``model`` with NLL on a parquet dataset; see the module docstring. ``ValueError`` on bad input
     (before any cluster starts), a resumable checkpoint every ``save_every`` steps. An output holding a run is
     refused unless ``resume`` (continue it; one that already reached its last step returns at once, without a
     cluster) or ``overwrite`` (delete that run's checkpoints and train again). Rows are tokenized in
     ``convention``, as :func:`~dask_lm.score_parquet` does (:mod:`dask_lm.data.continuation`), so a row trained on
-    and the same row scored are the same ids."""
+    and the same row scored are the same ids.
+
+    With ``resume``, what is not given (``None``) is the manifest's (:mod:`dask_lm.engine.resumed`): ``input``,
+    ``model`` and every option, so ``sft_parquet(None, output, resume=True)`` continues a run; a given option that
+    differs from a pinned one is refused, naming it, and a given ``max_steps`` (or ``save_every``, ``keep``,
+    ``micro_batch_size``) replaces the recorded one. Otherwise ``model`` is required and the defaults are
+    ``epochs=1``, ``max_steps=None`` (every epoch's steps), ``global_batch_size=32``, ``micro_batch_size=4``,
+    ``lr=1e-5``, ``weight_decay=0.01``, ``warmup_steps=0``, ``max_length=1024``, ``truncate=False``,
+    ``save_every=100``, ``keep=2``, ``seed=0``, ``shuffle=True``, ``convention="lm-eval"``."""
     import transformers
 
     import dask_lm
 
+    settings: dict[str, Any] = {"max_steps": max_steps, "micro_batch_size": micro_batch_size,
+                                "save_every": save_every, "keep": keep}
+    got = resumed.fill(output, resume=resume, job=_KIND.name, given=dict(
+        input=input, model=model, text_column=text_column, prompt_column=prompt_column,
+        response_column=response_column, epochs=epochs, global_batch_size=global_batch_size, lr=lr,
+        weight_decay=weight_decay, warmup_steps=warmup_steps, max_length=max_length, truncate=truncate, seed=seed,
+        shuffle=shuffle, precision=precision, convention=convention, **settings),
+        defaults=dict(epochs=1, micro_batch_size=4, global_batch_size=32, lr=1e-5, weight_decay=0.01,
+                      warmup_steps=0, max_length=1024, truncate=False, save_every=100, keep=2, seed=0, shuffle=True,
+                      convention="lm-eval"))
+    input, model, text_column, prompt_column, response_column, epochs, global_batch_size, lr = (
+        got["input"], got["model"], got["text_column"], got["prompt_column"], got["response_column"], got["epochs"],
+        got["global_batch_size"], got["lr"])
+    weight_decay, warmup_steps, max_length, truncate, seed, shuffle, precision, convention = (
+        got["weight_decay"], got["warmup_steps"], got["max_length"], got["truncate"], got["seed"], got["shuffle"],
+        got["precision"], got["convention"])
+    settings = {key: got[key] for key in settings}
+    max_steps, micro_batch_size, save_every, keep = (settings["max_steps"], settings["micro_batch_size"],
+                                                     settings["save_every"], settings["keep"])
     jobs.check_columns(text_column=text_column, prompt_column=prompt_column, response_column=response_column,
                        takes_ids=False)
     conv = check_convention(convention, "--convention")
@@ -192,18 +220,21 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                "epochs": epochs, "global_batch_size": global_batch_size, "lr": lr, "weight_decay": weight_decay,
                "warmup_steps": warmup_steps, "max_length": max_length, "truncate": truncate, "seed": seed,
                "shuffle": shuffle, "precision": fixed_precision, "convention": conv}
-    manifest, pins = jobs.manifest(source, info, inputs, options)
+    # settings: recorded, not compared; what a later --resume that is not given them takes
+    manifest, pins = jobs.manifest(source, info, inputs, options, settings=settings)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
     # every row trains (a bad one fails the run), so the run's length is known from the footers' row counts
     planned = math.ceil(inputs.num_rows / global_batch_size) * epochs
     planned = planned if max_steps is None else min(max_steps, planned)
     try:
-        with out.locked() as old:
-            out.pin(manifest, old, pins)
+        with progress_bars.quiet(not progress), out.locked() as old:  # no bar at all: the Policy's load has one
+            pinned = out.pin(manifest, old, pins)
             start = _newest_checkpoint(out.path) if old is not None else None
             if start is not None and start[0] >= planned and out.finished:
                 return _finished(out.path, start)
+            if pinned.get("settings") != settings:  # a resume given another --max-steps: the next one takes it
+                out.write_manifest({**pinned, "settings": settings})
             out.reopen()
             cluster = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers)
             with jobs.running(cluster, total=planned, desc="sft", unit="step", progress=progress) as (dask_client, bar):
