@@ -78,6 +78,8 @@ def test_read_scores_to_pandas_to_arrow_and_read_parquet_give_the_parts_rows_in_
     assert res.to_arrow(columns=["id"]).column_names == ["id"]
     with pytest.raises(ValueError, match="no column 'nope'"):
         dask_lm.read_scores(out, columns=["id", "nope"])
+    with pytest.raises(ValueError, match=r"not the string 'id': pass \['id'\]"):
+        dask_lm.read_scores(out, columns="id")
 
 
 def test_topk_tokens_are_the_tokenizers_strings_of_topk_ids(job, tok):
@@ -154,7 +156,7 @@ def test_the_demos_next_commands_run_as_printed(tmp_path):
     the machine the demo ran on (the environment's bin directory on PATH, as an activated virtualenv has it)."""
     cwd, cache = tmp_path / "work", tmp_path / "cache"
     cwd.mkdir()
-    env = {**os.environ, "DASK_LM_CACHE_DIR": str(cache),
+    env = {**os.environ, "DASK_LM_CACHE_DIR": str(cache), "COLUMNS": "80", "LINES": "24",  # pandas' print width
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     proc = subprocess.run([sys.executable, "-m", "dask_lm", "demo", "--rows", "64"], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -175,4 +177,24 @@ def test_the_demos_next_commands_run_as_printed(tmp_path):
     # the second printed those rows: the frame pandas itself reads from the folder, printed alike
     reference = subprocess.run([sys.executable, "-c", "import pandas as pd; print(pd.read_parquet('my-scores', "
                                 "dtype_backend='pyarrow'))"], cwd=cwd, env=env, capture_output=True, text=True)
-    assert ran[1].stdout == reference.stdout and "[32 rows x 11 columns]" in ran[1].stdout
+    assert reference.returncode == 0 and ran[1].stdout == reference.stdout
+    assert "[32 rows x 11 columns]" in ran[1].stdout  # the id and text columns, and the 9 scoring columns
+
+
+def test_the_next_commands_name_this_python_where_dask_lm_is_not_on_path(tmp_path, monkeypatch):
+    """Outside an activated environment (nothing of it on PATH) the commands name this interpreter by its path, and
+    an ``--output`` already in the directory is not reused; ``demo --help`` says the demo ends with them."""
+    import shlex
+
+    from dask_lm.cli import _next_steps
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    (tmp_path / "my-scores").mkdir()
+    lines = _next_steps("/models/tiny llama", "/data/demo")
+    python = shlex.quote(sys.executable)
+    assert lines[3] == (f"  {python} -m dask_lm score /data/demo/a.parquet --model '/models/tiny llama' "
+                        "--text-column text --output my-scores-2")
+    assert lines[5] == f'''  {python} -c "import dask_lm; print(dask_lm.read_scores('my-scores-2'))"'''
+    help_text = CliRunner().invoke(cli, ["demo", "--help"]).output
+    assert "next commands" in help_text and "read the scores back" in help_text

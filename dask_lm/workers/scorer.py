@@ -499,7 +499,8 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
         values["topk_ids"] = _list_column([t[0] for t in tops], pa.list_(pa.list_(pa.int32())))
         values["topk_logprobs"] = _list_column([t[1] for t in tops], pa.list_(pa.list_(pa.float32())))
         if opts.decode_topk:  # here, where the tokenizer is loaded: the strings travel no further than the part
-            values["topk_tokens"] = decode_topk_column(rep.tokenizer, values["topk_ids"])
+            with rep.lock:  # a fast tokenizer used by two threads at once may raise "Already borrowed"
+                values["topk_tokens"] = decode_topk_column(rep.tokenizer, values["topk_ids"])
     for name, type_ in pio.output_schema_columns(opts.topk, opts.decode_topk):
         column = values[name]
         table = table.append_column(name, column if isinstance(column, pa.Array) else pa.array(column, type_))
