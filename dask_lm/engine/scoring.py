@@ -38,6 +38,7 @@ from dask_lm.engine.progress import JobBar
 from dask_lm.engine.start_clock import StartClock
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck, spans
 from dask_lm.io import parquet as pio
+from dask_lm.io.results import ScoreRows
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
 from dask_lm.workers.tasks import release_scorers, score_partition
 
@@ -47,7 +48,7 @@ logger = logging.getLogger("dask_lm")
 
 
 @dataclass
-class ScoreResult:
+class ScoreResult(ScoreRows):
     """What a scoring job did. ``rows``, ``tokens``, the perplexities and the row counts cover the whole output,
     summed from its part files (a resumed job's earlier parts included: what ``_SUCCESS`` says is what the folder
     holds); ``run_rows`` / ``run_tokens`` / ``seconds`` are this run's alone (``parts_skipped`` of the parts were
@@ -151,6 +152,8 @@ def _options(opts: ScoreOptions) -> dict[str, Any]:
     options = {k: v for k, v in asdict(opts).items() if k not in ("output", "model", "tokenizer", "batch_tokens",
                                                                    "chunk_size", "allow_nonfinite", "compile",
                                                                    "compile_head", "model_pins")}
+    if not opts.decode_topk:  # pinned once set: a manifest from before the option resumes as it was written
+        del options["decode_topk"]
     options["precision"] = None if opts.precision == "auto" else opts.precision  # pinned once the workers are known
     return options
 
@@ -186,6 +189,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                   text_column: str | None = None, ids_column: str | None = None, prompt_column: str | None = None,
                   response_column: str | None = None, id_column: str | None = None,
                   prompt_length_column: str | None = None, convention: str = "lm-eval", topk: int = 0,
+                  decode_topk: bool = False,
                   max_length: int | None = None, truncate: bool = False, batch_tokens: int | None = None,
                   precision: str | None = None, resume: bool = False, progress: bool = True,
                   skip_bad_rows: bool = False, allow_nonfinite: bool = False, compile: bool | None = None,
@@ -200,7 +204,8 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     encoded in context, trailing prompt whitespace moved to it, one BOS at most, an empty prompt conditioned on
     BOS / EOS), or ``"separate"`` (prompt and response encoded apart, as earlier dask-lm releases did). With
     ``ids_column``, ``prompt_length_column`` (integers) says how many leading ids of each row are context: only
-    the rest is scored. ``client`` is a Dask client (default: ``connect(scheduler_address,
+    the rest is scored. ``topk``: the k likeliest tokens at each position, ``decode_topk``: their strings too.
+    ``client`` is a Dask client (default: ``connect(scheduler_address,
     n_workers=n_workers)``, started at once, beside the checks, and closed here); its workers load the model while
     the checks run. The rows are cut into tasks (and part files) of about ``task_tokens`` tokens, estimated from
     the footers (default: about 1/32 of the job, within 16k-1M: :mod:`dask_lm.io.spans`): a large row group is
@@ -224,6 +229,8 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                          "length from --prompt-column)")
     if topk < 0 or (task_tokens or 0) < 0 or any(v is not None and v < 1 for v in (max_length, batch_tokens)):
         raise ValueError("--topk and --task-tokens must be >= 0, --max-length and --batch-tokens >= 1")
+    if decode_topk and not topk:
+        raise ValueError("--decode-topk decodes the top-k ids: it needs --topk K (e.g. --topk 5)")
     fixed_precision = jobs.precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
     # 1. the checks that cost no more than a few small reads, before anything starts: the output folder, the model's
     #    files (config JSON, weight headers, --topk against the vocabulary it states), the tokenizer's, the inputs'
@@ -237,8 +244,9 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     if stated is not None and topk > stated:
         raise ValueError(f"--topk {topk} is larger than the model's vocabulary ({stated} tokens, vocab_size in "
                          f"{os.path.join(model, modelcheck.CONFIG)}); pass --topk {stated} or less")
-    tokenizer = jobs.resolve_tokenizer(tokenizer, model, check=not finished, fix=None if ids_column else
-                                       "pass --tokenizer, or score token ids with --ids-column")
+    tokenizer = jobs.resolve_tokenizer(tokenizer, model, check=not finished, fix=None if ids_column and not decode_topk
+                                       else "pass --tokenizer, or score token ids with --ids-column" if not ids_column
+                                       else "--decode-topk decodes with it: pass --tokenizer")
     inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=ids_column,
                                 prompt_column=prompt_column, response_column=response_column, id_column=id_column,
                                 prompt_length_column=prompt_length_column)
@@ -246,7 +254,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=fixed_precision or "auto", output=out.path,
                         text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
                         response_column=response_column, id_column=id_column,
-                        prompt_length_column=prompt_length_column, convention=conv, topk=topk,
+                        prompt_length_column=prompt_length_column, convention=conv, topk=topk, decode_topk=decode_topk,
                         max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
                         skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite, compile=bool(compile),
                         compile_head=bool(compile))

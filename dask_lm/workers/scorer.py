@@ -433,6 +433,7 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
     import pyarrow as pa
 
     from dask_lm.io import parquet as pio
+    from dask_lm.io.results import decode_topk_column
 
     t0 = time.perf_counter()
     for piece, first, n in zip(pieces, firsts, counts):
@@ -452,7 +453,7 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
         startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds,
                    "load_phases": rep.load_phases, "ready_at": rep.ready_at} if rep.fresh else {}
         rep.fresh = False
-        if rep.tokenizer is None and not opts.ids_column:
+        if rep.tokenizer is None and (not opts.ids_column or opts.decode_topk):
             raise ValueError(rep.tokenizer_error)
         t_rows = time.perf_counter()
         rows = PreparedRows([], [], [], [])
@@ -497,7 +498,10 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
     if tops is not None:
         values["topk_ids"] = _list_column([t[0] for t in tops], pa.list_(pa.list_(pa.int32())))
         values["topk_logprobs"] = _list_column([t[1] for t in tops], pa.list_(pa.list_(pa.float32())))
-    for name, type_ in pio.output_schema_columns(opts.topk):
+        if opts.decode_topk:  # here, where the tokenizer is loaded: the strings travel no further than the part
+            with rep.lock:  # a fast tokenizer used by two threads at once may raise "Already borrowed"
+                values["topk_tokens"] = decode_topk_column(rep.tokenizer, values["topk_ids"])
+    for name, type_ in pio.output_schema_columns(opts.topk, opts.decode_topk):
         column = values[name]
         table = table.append_column(name, column if isinstance(column, pa.Array) else pa.array(column, type_))
     _refuse_if_cancelled(index)
@@ -553,7 +557,7 @@ def _unreadable(schema: Any, rows: list[int], errors: list[str], index: int, fil
     if opts.id_column is not None:
         schema = pa.schema([schema.field(opts.id_column)])
     table = schema.empty_table()
-    for name, type_ in pio.output_schema_columns(opts.topk):
+    for name, type_ in pio.output_schema_columns(opts.topk, opts.decode_topk):
         table = table.append_column(name, pa.array([], type_))
     _refuse_if_cancelled(index)
     pio.write_part(pio.errors_table(index, file, rows, errors), pio.errors_dir(opts.output), pio.part_name(index))
