@@ -53,9 +53,8 @@ class ScoreResult(ScoreRows):
     summed from its part files (a resumed job's earlier parts included: what ``_SUCCESS`` says is what the folder
     holds); ``run_rows`` / ``run_tokens`` / ``seconds`` are this run's alone (``parts_skipped`` of the parts were
     already there; an ``already_complete`` resume ran nothing). ``tokens_per_s`` is this run's tokens over
-    ``scoring_seconds``: the model loads and compilations are reported apart, not averaged into the rate; the
-    progress bar's last figure is the same. ``wall_seconds`` is what the caller waited, and ``wall_phases`` says
-    where it went, in steps that add up to it."""
+    ``scoring_seconds`` (the bar ends on it too): the loads and compilations are reported apart, not averaged into
+    the rate. ``wall_phases`` cut ``wall_seconds`` into the steps the caller waited for."""
 
     output: str
     rows: int
@@ -428,9 +427,10 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
                                compile_head=worth_compiling_head(sum(inputs.group_tokens), workers))
             result = _run(dask_client, out, inputs, plan, opts, done, start.warm_futures, bar, performance_report,
                           clock)
-            cluster_closed = bool(getattr(start.opened, "_dask_lm_owns_cluster", False))
+            closed = bool(getattr(start.opened, "_dask_lm_owns_cluster", False))
         # the cluster this call started is closed by now: that counts in the wall time, and its dashboard is gone
-        result = _closed(result, clock, cluster_closed)
+        wall, steps = clock.closed(result.wall_phases)
+        result = replace(result, wall_seconds=wall, wall_phases=steps, dashboard=None if closed else result.dashboard)
         out.finish(asdict(result))  # the counts cover every part, like bad_rows (resumed parts included)
         return result
 
@@ -552,14 +552,6 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
                       "single token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null",
                       UserWarning, stacklevel=3)
     return result
-
-
-def _closed(result: ScoreResult, clock: StartClock, cluster_closed: bool) -> ScoreResult:
-    """``result`` once the call's cluster is closed: its wall time to here, with the closing as its last step, and
-    no dashboard address where the cluster closed was this call's own (it was shown while the job ran)."""
-    wall, phases = clock.closed(result.wall_phases)
-    return replace(result, wall_seconds=wall, wall_phases=phases,
-                   dashboard=None if cluster_closed else result.dashboard)
 
 
 def _pieces(span: spans.Span, inputs: pio.ScoreInputs, reads: list[Any]) -> tuple[list[Any], list[int], list[int]]:
