@@ -290,6 +290,7 @@ def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
                                            id_column="id")
         finally:
             _close(client)
+        result.dashboard = None  # its cluster is closed: the address was printed above, while it was up
         _print_summary(result)
         click.echo("\n".join(_next_steps(model_dir, data)))
 
