@@ -75,6 +75,7 @@ html_theme_options = {
     # nothing fetched at build or view time: no version switcher, no icon links to external sites, no analytics
     "icon_links": [],
 }
-html_sidebars = {"**": ["sidebar-nav-bs"]}
+# the section's pages on the left; the top-level pages without sub-pages get no (empty) left column
+html_sidebars = {"**": ["sidebar-nav-bs"], "index": [], "quickstart": [], "benchmarks": []}
 html_show_sourcelink = False
 html_copy_source = False
