@@ -67,7 +67,8 @@ autodoc_default_options = {"show-inheritance": False}
 
 html_theme = "pydata_sphinx_theme"
 html_title = f"dask-lm {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["dask-lm.css"]
 html_theme_options = {
     "navbar_align": "left",
     "show_toc_level": 2,
@@ -76,6 +77,7 @@ html_theme_options = {
     "icon_links": [],
 }
 # the section's pages on the left; the top-level pages without sub-pages get no (empty) left column
-html_sidebars = {"**": ["sidebar-nav-bs"], "index": [], "quickstart": [], "benchmarks": []}
+html_sidebars = {"**": ["sidebar-nav-bs"], "index": [], "quickstart": [], "benchmarks": [],
+                 "reference/config": []}  # its wide tables need the room; the navbar still leads to Reference
 html_show_sourcelink = False
 html_copy_source = False

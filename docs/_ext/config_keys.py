@@ -97,7 +97,7 @@ def section_rst(prefix: str, cls: type, unhonoured: dict[str, tuple[str, str]]) 
     lines = [f".. _{_label(prefix)}:", "", title, "~" * len(title), ""]
     if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):  # not the dataclass-generated signature
         lines += [inspect.cleandoc(cls.__doc__), ""]
-    lines += [".. list-table::", "   :header-rows: 1", "   :widths: 30 20 15 35", "",
+    lines += [".. list-table::", "   :header-rows: 1", "   :widths: 36 16 12 36", "   :class: config-keys", "",
               "   * - key", "     - type", "     - default", "     - meaning"]
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.metadata.get('key', f.name)}"
