@@ -52,6 +52,11 @@ nitpick_ignore = [
     ("py:class", "torch.Tensor"),
     ("py:class", "torch.device"),
     ("py:class", "distributed.client.Client"),
+    # pandas' and pyarrow's, as our signatures spell them (read_scores, ScoreResult.to_pandas / to_arrow)
+    ("py:class", "pd.DataFrame"),
+    ("py:class", "pandas.DataFrame"),
+    ("py:class", "pa.Table"),
+    ("py:class", "pyarrow.Table"),
     # Python's own (the standard library's inventory, likewise not fetched): base classes and annotations
     ("py:class", "os.PathLike"),
     ("py:class", "enum.Enum"),

@@ -52,7 +52,7 @@ def read_scores(output: str | os.PathLike[str], *, columns: Sequence[str] | None
 
     ``pd.read_parquet(output)`` gives the same rows in the same order (pyarrow skips the ``_``- and ``.``-prefixed
     files beside the parts), with NumPy-backed columns unless ``dtype_backend="pyarrow"`` (then the very same
-    frame), but checks none of the above. :meth:`ScoreResult.to_pandas` / ``to_arrow`` read a job's output
+    frame), but checks none of the above. ``ScoreResult.to_pandas()`` / ``to_arrow()`` read a job's output
     from its result."""
     import pandas as pd
 
