@@ -30,7 +30,8 @@ def fill(output: str | os.PathLike[str], *, resume: bool, given: dict[str, Any],
     """``given`` (a job function's arguments, ``None`` where not given: ``input``, ``model``, options) completed:
     on ``resume`` from the manifest in ``output``, then from ``defaults``. ``ValueError`` when the inputs or the
     model are still missing: "nothing to resume" on a ``resume`` of a folder without a manifest. ``job`` names
-    what the folder would hold ("scoring job", "sft run")."""
+    what the folder would hold ("scoring job", "sft run"). Returns ``given``'s keys, in its order."""
+    assert set(defaults) <= set(given), "a default for an argument not given"
     values = dict(given)
     path = os.path.abspath(os.fspath(output))
     manifest = jobdir.read_manifest(path) if resume and os.path.isdir(path) else None
