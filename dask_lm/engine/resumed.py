@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from dask_lm.engine import jobs
 from dask_lm.io import jobdir
 from dask_lm.io.parquet import MANIFEST
 
-__all__ = ["fill"]
+__all__ = ["fill", "precheck", "added_skip_bad_rows"]
 
 # the columns that say how rows are read: one way only, so a resume that names one takes none of the others from
 # the manifest (a job read by --ids-column resumed with --text-column is refused naming both, not given both)
@@ -60,3 +61,23 @@ def fill(output: str | os.PathLike[str], *, resume: bool, given: dict[str, Any],
         if values.get(key) is None:
             values[key] = default
     return values
+
+
+def added_skip_bad_rows(old: dict[str, Any] | None, skip_bad_rows: bool) -> bool:
+    """``--skip-bad-rows`` added by a resume of a job that stopped at a bad row: allowed, as the parts written
+    before hold every row of their row groups, which is what skipping would have written for them too."""
+    return old is not None and skip_bad_rows and not (old.get("options") or {}).get("skip_bad_rows")
+
+
+def precheck(out: jobs.JobOutput, probe: dict[str, Any], *, skip_bad_rows: bool) -> None:
+    """A resume's options (and a job's own entries, such as a scoring job's plan) in ``probe`` against the
+    manifest it resumes, before any cluster starts (the files' content is compared once hashed, by
+    :meth:`~dask_lm.engine.jobs.JobOutput.pin`)."""
+    old = jobdir.read_manifest(out.path)
+    if old is None:
+        return
+    probe = {**old, **probe}
+    ignore: tuple[str, ...] = ("skip_bad_rows",) if added_skip_bad_rows(old, skip_bad_rows) else ()
+    if None in ((old.get("options") or {}).get("precision"), probe["options"].get("precision")):
+        ignore += ("precision",)
+    jobdir.check_resume(old, probe, output=out.path, what=out.kind.did, ignore=ignore, flags=out.kind.flags)

@@ -186,12 +186,6 @@ _KIND = jobs.JobKind(name="scoring job", did="scored", owned=r"part-\d{5}\.parqu
                      resume_hint=" (add --skip-bad-rows to leave out the bad rows that stopped it)")
 
 
-def _added_skip_bad_rows(old: dict[str, Any] | None, skip_bad_rows: bool) -> bool:
-    """``--skip-bad-rows`` added by a resume of a job that stopped at a bad row: allowed, as the parts written
-    before hold every row of their row groups, which is what skipping would have written for them too."""
-    return old is not None and skip_bad_rows and not (old.get("options") or {}).get("skip_bad_rows")
-
-
 def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
     """``--resume`` of a complete output: nothing to score and no cluster to start; the summary is ``_SUCCESS``'s."""
     parts = int(manifest["partitions"])
@@ -233,12 +227,10 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     An output that already holds a job is refused unless ``resume`` (finish it with the same pins; a finished one
     returns its summary at once, without a cluster) or ``overwrite`` (delete that job's files and score again);
     files dask-lm did not write are never deleted.
-    With ``resume``, what is not given (``None``) is the manifest's (:mod:`dask_lm.engine.resumed`): ``input``,
-    ``model``, the columns and every other option, so ``score_parquet(None, output, resume=True)`` finishes a job;
-    a given option that differs from the pinned one is refused, naming it (``skip_bad_rows=True`` may be added to a
-    job that stopped at a bad row). Otherwise, or on a new output, ``model`` is required and the defaults are
-    ``convention="lm-eval"``, ``topk=0``, ``decode_topk=False``, ``truncate=False``, ``skip_bad_rows=False``,
-    ``allow_nonfinite=False``.
+    With ``resume``, what is not given (``None``) is the manifest's, ``input`` and ``model`` too
+    (:mod:`dask_lm.engine.resumed`: ``score_parquet(None, output, resume=True)``); a given option that differs is
+    refused, naming it. Else ``model`` is required, and the defaults are ``convention="lm-eval"``, ``topk=0``, and
+    ``False`` for ``decode_topk``, ``truncate``, ``skip_bad_rows`` and ``allow_nonfinite``.
     Raises ``ValueError`` for bad usage or input (damaged model files, a changed input on ``resume``, an output
     another job holds), before anything is written (a cluster this call started is closed again).
     """
@@ -254,8 +246,6 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
         task_tokens=task_tokens, batch_tokens=batch_tokens, allow_nonfinite=allow_nonfinite, compile=compile),
         defaults=dict(convention="lm-eval", topk=0, decode_topk=False, truncate=False, skip_bad_rows=False,
                       allow_nonfinite=False)).values()
-    settings = dict(task_tokens=task_tokens, batch_tokens=batch_tokens, allow_nonfinite=allow_nonfinite,
-                    compile=compile)  # recorded in the manifest, not compared
     jobs.check_columns(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
                        response_column=response_column)
     conv = check_convention(convention, "--convention")
@@ -271,6 +261,8 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     #    files (config JSON, weight headers, --topk against the vocabulary it states), the tokenizer's, the inputs'
     #    footers and columns, and a resume's options against the manifest it resumes
     out = jobs.JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
+    out.settings = dict(task_tokens=task_tokens, batch_tokens=batch_tokens, allow_nonfinite=allow_nonfinite,
+                        compile=compile)
     finished = resume and out.state.kind == "finished"  # nothing will be loaded or tokenized: its files are compared
     source = hub.resolve_model(model, revision=revision)
     model = source.path
@@ -293,8 +285,9 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                         max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
                         skip_bad_rows=skip_bad_rows, allow_nonfinite=bool(allow_nonfinite), compile=bool(compile),
                         compile_head=bool(compile))
-    if out.state.kind != "new" and resume:
-        _precheck_resume(out, opts, inputs, plan)
+    if out.state.kind != "new" and resume:  # the options and the plan, before any cluster starts
+        resumed.precheck(out, {"options": _options(opts), "partitions": len(plan),
+                               "partition_plan": spans.plan_digest(plan, inputs.files)}, skip_bad_rows=skip_bad_rows)
     # 2. the cluster starts, and each worker loads its replica, while this process does the costly checks: the
     #    config through transformers (on a worker) and the content hashes. Nothing reaches the output before
     #    they pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is
@@ -304,8 +297,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                               warm=warm)
     try:
         return _pinned_run(start, warm, out, finished, source, info, inputs, plan, opts, started, started_at,
-                           compile=compile, progress=progress, performance_report=performance_report,
-                           settings=settings)
+                           compile=compile, progress=progress, performance_report=performance_report)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the workers stopped at once, one line says what is kept
         start.close(interrupted=True)
         raise _interrupted(out, len(plan), e) from None
@@ -321,21 +313,6 @@ def _interrupted(out: jobs.JobOutput, parts: int, e: BaseException) -> interrupt
         message = (f"interrupted: {kept} of {parts} parts kept in {out.path}; run the same command with --resume "
                    "to score the rest")
     return interrupts.JobInterrupted(message, interrupts.signum_of(e))
-
-
-def _precheck_resume(out: jobs.JobOutput, opts: ScoreOptions, inputs: pio.ScoreInputs, plan: list[spans.Span]
-                     ) -> None:
-    """A resume's options and plan against the manifest it resumes, before any cluster starts (the files' content
-    is compared once hashed, by :meth:`~dask_lm.engine.jobs.JobOutput.pin`)."""
-    old = jobdir.read_manifest(out.path)
-    if old is None:
-        return
-    probe = {**old, "options": _options(opts), "partitions": len(plan),
-             "partition_plan": spans.plan_digest(plan, inputs.files)}
-    ignore: tuple[str, ...] = ("skip_bad_rows",) if _added_skip_bad_rows(old, opts.skip_bad_rows) else ()
-    if None in ((old.get("options") or {}).get("precision"), probe["options"].get("precision")):
-        ignore += ("precision",)
-    jobdir.check_resume(old, probe, output=out.path, what=_KIND.did, ignore=ignore, flags=_KIND.flags)
 
 
 # How long the driver waits for a worker's config check before it checks itself (a fresh worker answers in 8-18 s,
@@ -405,7 +382,7 @@ class _Preload:
 def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOutput, finished: bool, source: hub.ModelSource,
                 info: modelcheck.ModelInfo, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
                 started: float, started_at: float, *, compile: bool | None, progress: bool,
-                performance_report: str | None, settings: dict[str, Any]) -> ScoreResult:
+                performance_report: str | None) -> ScoreResult:
     """``score_parquet`` from the costly checks on, while ``start`` brings the cluster up: the config through
     transformers (asked of a worker, waited for in a thread) beside the row scan and the content hashes, then the manifest under the output's lock, then the run."""
     from dask_lm.engine.worker_group import _scheduler_info
@@ -416,7 +393,6 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
     rows = (jobs.in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan
             else None)
     manifest, pins = _manifest(opts, inputs, source, info, plan)
-    manifest["settings"] = settings  # recorded, not compared: what a later --resume that is not given them takes
     checked = loads.result() if loads is not None else {}  # transformers' ValueError naming config.json
     bad = rows.result() if rows is not None else None
     if bad:
@@ -426,17 +402,12 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
     fixed_precision = None if opts.precision == "auto" else opts.precision
     prepare_seconds = time.perf_counter() - started
     with out.locked() as old:
-        added_skip = _added_skip_bad_rows(old, skip_bad_rows)
+        added_skip = resumed.added_skip_bad_rows(old, skip_bad_rows)
         pinned = out.pin(manifest, old, pins, ignore=("skip_bad_rows",) if added_skip else ())
         if old is not None and out.finished:
             return _finished(out.path, old)
-        recorded = pinned
         if added_skip:  # from now on the output may leave rows out: its manifest says so
-            recorded = {**recorded, "options": {**pinned["options"], "skip_bad_rows": True}}
-        if recorded.get("settings") != settings:  # a resume that gave other settings: the next one takes these
-            recorded = {**recorded, "settings": settings}
-        if recorded is not pinned:
-            out.write_manifest(recorded)
+            out.write_manifest({**pinned, "options": {**pinned["options"], "skip_bad_rows": True}})
         os.makedirs(pio.errors_dir(out.path), exist_ok=True)
         done = [i for i in range(len(plan)) if os.path.exists(os.path.join(out.path, pio.part_name(i)))]
         clock = StartClock(started, started_at, {"checks": prepare_seconds})

@@ -176,25 +176,18 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
 
     import dask_lm
 
-    settings: dict[str, Any] = {"max_steps": max_steps, "micro_batch_size": micro_batch_size,
-                                "save_every": save_every, "keep": keep}
-    got = resumed.fill(output, resume=resume, job=_KIND.name, given=dict(
+    # what is not given (None): a resume's manifest's, else the defaults; in the order given
+    (input, model, text_column, prompt_column, response_column, epochs, global_batch_size, lr, weight_decay,
+     warmup_steps, max_length, truncate, seed, shuffle, precision, convention, max_steps, micro_batch_size, save_every,
+     keep) = resumed.fill(output, resume=resume, job=_KIND.name, given=dict(
         input=input, model=model, text_column=text_column, prompt_column=prompt_column,
         response_column=response_column, epochs=epochs, global_batch_size=global_batch_size, lr=lr,
         weight_decay=weight_decay, warmup_steps=warmup_steps, max_length=max_length, truncate=truncate, seed=seed,
-        shuffle=shuffle, precision=precision, convention=convention, **settings),
-        defaults=dict(epochs=1, micro_batch_size=4, global_batch_size=32, lr=1e-5, weight_decay=0.01,
-                      warmup_steps=0, max_length=1024, truncate=False, save_every=100, keep=2, seed=0, shuffle=True,
-                      convention="lm-eval"))
-    input, model, text_column, prompt_column, response_column, epochs, global_batch_size, lr = (
-        got["input"], got["model"], got["text_column"], got["prompt_column"], got["response_column"], got["epochs"],
-        got["global_batch_size"], got["lr"])
-    weight_decay, warmup_steps, max_length, truncate, seed, shuffle, precision, convention = (
-        got["weight_decay"], got["warmup_steps"], got["max_length"], got["truncate"], got["seed"], got["shuffle"],
-        got["precision"], got["convention"])
-    settings = {key: got[key] for key in settings}
-    max_steps, micro_batch_size, save_every, keep = (settings["max_steps"], settings["micro_batch_size"],
-                                                     settings["save_every"], settings["keep"])
+        shuffle=shuffle, precision=precision, convention=convention, max_steps=max_steps,
+        micro_batch_size=micro_batch_size, save_every=save_every, keep=keep),
+        defaults=dict(epochs=1, global_batch_size=32, lr=1e-5, weight_decay=0.01, warmup_steps=0, max_length=1024,
+                      truncate=False, seed=0, shuffle=True, convention="lm-eval", micro_batch_size=4, save_every=100,
+                      keep=2)).values()
     jobs.check_columns(text_column=text_column, prompt_column=prompt_column, response_column=response_column,
                        takes_ids=False)
     conv = check_convention(convention, "--convention")
@@ -205,6 +198,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
     fixed_precision = jobs.precision_name(precision, allowed=("bf16", "fp32"))  # None: the workers decide
     out = jobs.JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
+    out.settings = dict(max_steps=max_steps, micro_batch_size=micro_batch_size, save_every=save_every, keep=keep)
     source, info = jobs.resolve_model(model, revision=revision)
     model = source.path
     jobs.resolve_tokenizer(None, model, fix="sft trains with the model's own tokenizer: put its files beside the "
@@ -220,8 +214,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                "epochs": epochs, "global_batch_size": global_batch_size, "lr": lr, "weight_decay": weight_decay,
                "warmup_steps": warmup_steps, "max_length": max_length, "truncate": truncate, "seed": seed,
                "shuffle": shuffle, "precision": fixed_precision, "convention": conv}
-    # settings: recorded, not compared; what a later --resume that is not given them takes
-    manifest, pins = jobs.manifest(source, info, inputs, options, settings=settings)
+    manifest, pins = jobs.manifest(source, info, inputs, options)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
     # every row trains (a bad one fails the run), so the run's length is known from the footers' row counts
@@ -229,12 +222,10 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
     planned = planned if max_steps is None else min(max_steps, planned)
     try:
         with progress_bars.quiet(not progress), out.locked() as old:  # no bar at all: the Policy's load has one
-            pinned = out.pin(manifest, old, pins)
+            out.pin(manifest, old, pins)
             start = _newest_checkpoint(out.path) if old is not None else None
             if start is not None and start[0] >= planned and out.finished:
                 return _finished(out.path, start)
-            if pinned.get("settings") != settings:  # a resume given another --max-steps: the next one takes it
-                out.write_manifest({**pinned, "settings": settings})
             out.reopen()
             cluster = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers)
             with jobs.running(cluster, total=planned, desc="sft", unit="step", progress=progress) as (dask_client, bar):
