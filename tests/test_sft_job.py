@@ -95,6 +95,13 @@ def test_cli_prompt_response_and_bad_input(client, tiny, data, tmp_path):
     resumed = runner.invoke(cli, ["sft", "--output", str(out), "--resume", "--scheduler-address",
                                   client.scheduler.address])
     assert resumed.exit_code == 0 and resumed.output.startswith(f"already complete: the run in {out} reached step 2")
+    # a larger --max-steps trains on, and is what the next --resume goes by
+    longer = runner.invoke(cli, ["sft", "--output", str(out), "--resume", "--max-steps", "3", "--no-progress",
+                                 "--scheduler-address", client.scheduler.address])
+    assert longer.exit_code == 0 and "steps       3 " in longer.output and "resumed from step 2" in longer.output
+    again = runner.invoke(cli, ["sft", "--output", str(out), "--resume", "--scheduler-address",
+                                client.scheduler.address])
+    assert again.exit_code == 0 and again.output.startswith(f"already complete: the run in {out} reached step 3")
     again = runner.invoke(cli, ["sft", str(data), "--model", tiny["llama"], "--output", str(out), "--text-column",
                                 "text", "--scheduler-address", client.scheduler.address])
     assert again.exit_code == 2 and "holds a finished dask-lm sft run" in again.output, again.output

@@ -7,7 +7,8 @@ function takes ``None`` as "not given": on ``resume`` such an option takes the m
 given is kept, so the job's own check (:func:`dask_lm.io.jobdir.check_resume`) refuses it, naming it, when it
 differs from the pinned one. What is still ``None`` then gets the function's default. So
 ``dask-lm score --output scores/ --resume`` alone finishes a job, while ``--resume --skip-bad-rows`` may still add
-the flag to a job that stopped at a bad row.
+the flag to a job that stopped at a bad row (:func:`added_skip_bad_rows`). :func:`precheck` compares a resume's
+options with the manifest's before any cluster starts.
 """
 
 from __future__ import annotations
