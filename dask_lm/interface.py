@@ -126,9 +126,16 @@ def _user_stacklevel(start: int) -> int:
     first frame outside this package: the line of the caller's code that called into dask-lm."""
     frame = sys._getframe(start)
     level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and _ours(frame):
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
     return level if frame is not None else 2
+
+
+def _ours(frame: Any) -> bool:
+    # by module too: a dataclass's generated __init__ (which calls a config's __post_init__) is "<string>" code
+    # run in the globals of the module that defined the class
+    name = str(frame.f_globals.get("__name__") or "")
+    return frame.f_code.co_filename.startswith(_PACKAGE) or name == "dask_lm" or name.startswith("dask_lm.")
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
