@@ -195,7 +195,7 @@ def test_a_ranks_warning_reaches_the_callers_line_once(client, tiny):
     # both ranks filtered tokens out; the caller hears it once, at their get_logprobs line
     assert len(filtered) == 1 and filtered[0].filename == __file__, [str(w.message) for w in caught]
     assert str(filtered[0].message) == (
-        "generation.top_p = 0.5 filter the logprobs too, as NeMo RL applies the sampler's filters to them: a token "
+        "generation.top_p = 0.5 filters the logprobs too, as NeMo RL applies the sampler's filters to them: a token "
         "outside the filter gets logprob 0 (as if its probability were 1), and the others are renormalised within "
         "it; set generation.top_p = 1.0 and generation.top_k = None for the model's own logprobs "
         "(get_reference_policy_logprobs never filters)")

@@ -189,7 +189,8 @@ def topk_logits(
 def _filtered_message(top_k: int | None, top_p: float) -> str:
     keys = ([f"generation.top_k = {top_k}"] if top_k is not None and top_k > 0 else []) + (
         [f"generation.top_p = {top_p}"] if top_p < 1.0 else [])
-    return (f"{' and '.join(keys)} filter the logprobs too, as NeMo RL applies the sampler's filters to them: a "
+    return (f"{' and '.join(keys)} filter{'s' * (len(keys) == 1)} the logprobs too, as NeMo RL applies the "
+            "sampler's filters to them: a "
             "token outside the filter gets logprob 0 (as if its probability were 1), and the others are "
             "renormalised within it; set generation.top_p = 1.0 and generation.top_k = None for the model's own "
             "logprobs (get_reference_policy_logprobs never filters)")
