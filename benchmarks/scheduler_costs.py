@@ -1,4 +1,4 @@
-"""What the Dask scheduler and the driver cost per task and per call: the inputs of ``docs/scaling.md``.
+"""What the Dask scheduler and the driver cost per task and per call: the inputs of ``docs/internals/scaling.md``.
 
 A benchmark, not a test: it prints numbers and asserts nothing. On a local cluster of ``--n-workers`` processes
 (one thread each, CPU: no model is involved, only the machinery that a dask-lm call or a scoring job goes

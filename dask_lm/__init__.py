@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "set_progress": "dask_lm.engine.progress",
     "ScoreResult": "dask_lm.engine.scoring",
     "score_parquet": "dask_lm.engine.scoring",
+    "read_scores": "dask_lm.io.results",
     "BatchError": "dask_lm.errors",
     "FLOPTracker": "dask_lm.engine.metrics",
     "Timer": "dask_lm.engine.metrics",
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     from dask_lm.engine.progress import set_progress
     from dask_lm.engine.scoring import ScoreResult, score_parquet
     from dask_lm.errors import BatchError, RankFailedError, RefitError, WorkerLostError
+    from dask_lm.io.results import read_scores
     from dask_lm.losses import (
         ClippedPGLossConfig,
         ClippedPGLossFn,

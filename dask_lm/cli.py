@@ -116,6 +116,7 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
 \b
   dask-lm score data/*.parquet --model Qwen/Qwen2.5-0.5B --text-column text --id-column id --output scores/
   dask-lm score data/ --model M --prompt-column prompt --response-column response --output scores/ --topk 20
+  dask-lm score data/ --model M --text-column text --output scores/ --topk 5 --decode-topk
   dask-lm score data/ --model M --ids-column input_ids --output scores/ --resume
   dask-lm score data/ --model M --ids-column input_ids --prompt-length-column prompt_len --output scores/
   dask-lm score data/ --model M --text-column text --output scores/ --overwrite --precision fp32
@@ -142,6 +143,8 @@ Exit codes: 0 done; 2 bad usage or input: refused before anything is written, or
               "BOS/EOS). separate: prompt and response encoded apart, a text's first token unscored (the outputs of earlier dask-lm releases).")
 @click.option("--id-column", default=None, help="Keep only this input column in the output (default: all).")
 @click.option("--topk", type=int, default=0, show_default=True, help="Also write the k most likely tokens.")
+@click.option("--decode-topk", is_flag=True, help="With --topk: also write their strings (topk_tokens, each id as "
+              "the tokenizer decodes it alone).")
 @click.option("--max-length", type=int, default=None, help="Longest row in tokens (default and upper bound: the "
               "model's max_position_embeddings); longer rows are bad rows.")
 @click.option("--truncate", is_flag=True, help="Keep the last --max-length tokens of a longer row (cuts the context "
@@ -258,12 +261,16 @@ def sft(ctx: click.Context, /, inputs: tuple[str, ...], no_shuffle: bool, no_pro
 
 \b
   dask-lm demo
-  dask-lm demo --rows 4096 --n-workers 4""")
+  dask-lm demo --rows 4096 --n-workers 4
+
+It ends with the next commands, for this machine: score a parquet file of your own with the model it built, then
+read the scores back with pandas.""")
 @click.option("--rows", type=int, default=512, show_default=True, help="Rows in the sample dataset.")
 @click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
 @click.pass_context
 def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
-    """Build a tiny model and a sample parquet dataset, score it on a local cluster, print a summary."""
+    """Build a tiny model and a sample parquet dataset, score it on a local cluster, print a summary and what to
+    run next."""
 
     def run() -> None:
         import dask_lm
@@ -285,9 +292,52 @@ def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
                                            id_column="id")
         finally:
             _close(client)
+        result.dashboard = None  # its cluster is closed: the address was printed above, while it was up
         _print_summary(result)
+        click.echo("\n".join(_next_steps(model_dir, data)))
 
     _exit_codes(ctx, run)
+
+
+def _next_steps(model_dir: str, data: str) -> list[str]:
+    """The demo's last lines: what to type next on this machine, as printed (a shell runs them, comments and all;
+    tests/test_first_day.py does): score a file with the demo's model, shown on one of the demo's own files, into a
+    new folder of the current directory, then read it back."""
+    import shlex
+
+    output = next(name for name in ("my-scores", *(f"my-scores-{i}" for i in range(2, 1000)))
+                  if not os.path.exists(name))
+    python = _python()
+    # ``dask-lm`` where the one on PATH is this environment's (beside this python, or the script running now);
+    # else the module, run by this interpreter
+    script = shutil.which("dask-lm")
+    here = script is not None and (os.path.dirname(os.path.abspath(script)) == os.path.dirname(sys.executable)
+                                   or os.path.abspath(script) == os.path.abspath(sys.argv[0]))
+    command = "dask-lm" if here else f"{python} -m dask_lm"
+    read = f"import dask_lm; print(dask_lm.read_scores({output!r}))"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a clone's, where dask-lm runs from one
+    where = (os.path.join(repo, "docs", "quickstart.md") if os.path.isfile(os.path.join(repo, "pyproject.toml"))
+             and os.path.isdir(os.path.join(repo, "docs")) else "docs/quickstart.md in the dask-lm repository")
+    sample, model = (shlex.quote(os.path.abspath(p)) for p in (os.path.join(data, "a.parquet"), model_dir))
+    return ["", "next:",
+            "  # score a parquet file of your own with this model (--text-column names your text column); on a demo file:",
+            f"  {command} score {sample} --model {model} --text-column text --output {output}",
+            "  # read the scores back as a pandas DataFrame (one row per input row, in input order):",
+            f'  {python} -c "{read}"',
+            f"  # more: {where}"]
+
+
+def _python() -> str:
+    """This interpreter as the shell should name it: ``python`` / ``python3`` where that is the one on PATH (an
+    activated environment), else its full path. Paths are compared unresolved: a virtualenv's python is a symlink
+    to the system's, whose packages differ."""
+    import shlex
+
+    for name in ("python", "python3"):
+        found = shutil.which(name)
+        if found is not None and os.path.abspath(found) == os.path.abspath(sys.executable):
+            return name
+    return shlex.quote(sys.executable)
 
 
 def _close(client: Any) -> None:
@@ -333,20 +383,23 @@ def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: st
             ranks = policy.data_parallel_size
     finally:
         _close(client)
+    from dask_lm.io.results import token_strings  # the strings of score --decode-topk (that module says why)
+
     for b, text in enumerate(texts):
         n = int(lengths[b])
-        tokens = tokenizer.convert_ids_to_tokens(ids[b, :n].tolist())
+        tokens = token_strings(tokenizer, ids[b, :n].tolist())
         values = lp[b, :n].tolist()
         record: dict[str, Any] = {"text": text, "tokens": tokens, "logprobs": values,
                                   "sum_logprob": sum(values[1:]), "num_tokens": n}
         if tk is not None:
-            record["topk"] = [tokenizer.convert_ids_to_tokens(tk["topk_indices"][b, i].tolist()) for i in range(n)]
+            record["topk"] = [token_strings(tokenizer, tk["topk_indices"][b, i].tolist()) for i in range(n)]
         if as_json:
             click.echo(json.dumps(record))
             continue
         click.echo(f"\n{text!r}  ({n} tokens, sum logprob {record['sum_logprob']:.3f}, {ranks} rank(s))")
         for i, (tok, value) in enumerate(zip(tokens, values)):
-            extra = f"  top: {' '.join(record['topk'][i - 1])}" if tk is not None and i else ""
+            # the strings the model ranked first for this position (a token's own leading space shows in repr)
+            extra = f"  top: {', '.join(map(repr, record['topk'][i - 1]))}" if tk is not None and i else ""
             click.echo(f"  {i:4d}  {tok!r:>20}  {value:10.4f}{extra}")
 
 

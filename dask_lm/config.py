@@ -173,8 +173,12 @@ class TokenizerConfig(_Section):
     name: str | None = None
     """Tokenizer path or id; defaults to ``model_name``."""
     chat_template: str | None = None
+    """NeMo RL's chat template for the tokenizer (its ``get_tokenizer`` applies it before the Policy sees the
+    tokenizer)."""
     chat_template_kwargs: dict[str, Any] | None = None
+    """Extra arguments of ``apply_chat_template`` where NeMo RL tokenizes."""
     use_processor: bool = False
+    """Load a multimodal processor instead of a tokenizer (NeMo RL)."""
     use_fastokens: bool = False
     audio: dict[str, Any] | None = None
     video: dict[str, Any] | None = None
@@ -185,52 +189,80 @@ class DTensorConfig(_Section):
     enabled: bool = True
     """FSDP2 (``fully_shard``) over the ranks; the only backend dask-lm has."""
     v2: bool = field(default=True, metadata={"key": "_v2"})
+    """NeMo RL's choice between its two DTensor workers."""
     tensor_parallel_size: int = 1
+    """Tensor-parallel ranks per model replica (NeMo RL); dask-lm shards with FSDP2 alone."""
     context_parallel_size: int = 1
+    """Context-parallel ranks, which split each sequence (NeMo RL)."""
     expert_parallel_size: int = 1
+    """Expert-parallel ranks for MoE layers (NeMo RL)."""
     dp_replicate_size: int = 1
+    """Replica groups of hybrid sharding (HSDP) in NeMo RL."""
     sequence_parallel: bool = False
+    """Split activations over the tensor-parallel ranks (NeMo RL)."""
     activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them: less memory, more
+    compute."""
     reshard_after_forward: bool | None = None
     """dask-lm's: whether FSDP2 frees each block's gathered parameters after its forward (``fully_shard``'s
     ``reshard_after_forward``). false keeps them from a block's forward to its backward, which saves one all-gather
     per block per micro-batch at the cost of a full copy of the weights (compute dtype) per GPU. null (auto): false
     on GPU ranks where that copy takes at most an eighth of the device's memory, else true."""
     cpu_offload: bool = False
+    """FSDP's offload of parameters to CPU memory (NeMo RL)."""
     custom_parallel_plan: str | None = None
+    """Import path of a custom tensor-parallel plan (NeMo RL)."""
     defer_fsdp_grad_sync: bool = False
+    """Reduce gradients once per global batch instead of after every micro-batch (NeMo RL)."""
     clear_cache_every_n_steps: int | None = None
+    """Empty the CUDA cache every N micro-batches (NeMo RL)."""
     env_vars: dict[str, Any] | None = None
+    """Environment variables set in every rank's worker process when the Policy starts."""
     lora_cfg: dict[str, Any] | None = None
+    """NeMo RL's LoRA adapter settings."""
     automodel_kwargs: dict[str, Any] | None = None
+    """NeMo Automodel's model-building options."""
     moe_parallelizer: dict[str, Any] | None = None
+    """NeMo RL's options for sharding MoE layers."""
 
 
 @dataclass(kw_only=True)
 class MegatronConfig(_Section):
     _UNKNOWN_KEYS_INTO: ClassVar[str] = "extra"  # Megatron's own keys, kept as they are (the backend is refused)
     enabled: bool = False
+    """Run NeMo RL's Megatron backend instead of DTensor (FSDP2)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """The section's other keys (Megatron's own), kept as they are."""
 
 
 @dataclass(kw_only=True)
 class DynamicBatchingConfig(_Section):
     enabled: bool = False
+    """Cut micro-batches by a token budget (``train_mb_tokens``, ``logprob_mb_tokens``) instead of a row count; not
+    together with ``sequence_packing``."""
     train_mb_tokens: int | None = None
     """Token budget of a training micro-batch (default: max_total_sequence_length x train_micro_batch_size)."""
     logprob_mb_tokens: int | None = None
     """Token budget of a logprob / top-k / score micro-batch (default: max_total_sequence_length x logprob_batch_size)."""
     sequence_length_round: int = 64
+    """A micro-batch's padded width is rounded up to a multiple of this."""
 
 
 @dataclass(kw_only=True)
 class SequencePackingConfig(_Section):
     enabled: bool = False
+    """Pack rows end to end into micro-batches of a token budget, without padding between them; not together with
+    ``dynamic_batching``."""
     train_mb_tokens: int | None = None
+    """Token budget of a packed training micro-batch (default: max_total_sequence_length x train_micro_batch_size)."""
     logprob_mb_tokens: int | None = None
+    """Token budget of a packed logprob / top-k / score micro-batch (default: max_total_sequence_length x
+    logprob_batch_size)."""
     algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle",
                        "concatenative"] = "modified_first_fit_decreasing"
+    """The bin-packing algorithm that groups rows into micro-batches."""
     microbatch_order: Literal["packer", "largest_first"] = "packer"
+    """The order of the packed micro-batches: as the packer made them, or the largest first."""
     sequence_length_round: int | None = None
     """Accepted for NeMo RL compatibility and, as there, unused: the pad multiple is
     ``make_sequence_length_divisible_by``."""
@@ -239,18 +271,33 @@ class SequencePackingConfig(_Section):
 @dataclass(kw_only=True)
 class GenerationConfig(_Section):
     backend: str = "hf"
+    """Where ``generate()`` decodes: ``hf`` on the policy's own workers, ``sglang`` on the SGLang servers of
+    ``sglang_cfg``."""
     max_new_tokens: int | None = None
+    """Most tokens ``generate()`` adds to a row; ``generate()`` needs it."""
     temperature: float = 1.0
+    """Sampling temperature; logprobs, top-k logits and training losses divide the logits by it too, as NeMo RL does."""
     top_p: float = 1.0
+    """Nucleus sampling threshold (1.0: off); below 1, logprobs and training use the filtered distribution too (a
+    filtered-out token's logprob is 0)."""
     top_k: int | None = None
+    """Sample among the k most likely tokens (null or -1: off); like ``top_p``, it filters logprobs and training too."""
     stop_token_ids: list[int] | None = None
+    """Token ids that end a row's generation, besides the model's EOS."""
     stop_strings: list[str] | None = None
+    """Strings that end a row's generation once its generated text ends with one."""
     model_name: str | None = None
+    """The generation engine's model (NeMo RL)."""
     colocated: dict[str, Any] | None = None
+    """NeMo RL's placement of generation: on the training GPUs or on GPUs of its own."""
     vllm_cfg: dict[str, Any] | None = None
+    """Settings of NeMo RL's vLLM backend."""
     sglang_cfg: dict[str, Any] | None = None
+    """The ``sglang`` backend's settings: ``server_urls`` lists the SGLang servers."""
     vllm_kwargs: dict[str, Any] | None = None
+    """Extra keyword arguments of NeMo RL's vLLM engine."""
     pad_token_id: int | None = field(default=None, metadata={"key": "_pad_token_id"})
+    """Filled in from the tokenizer by NeMo RL's setup; dask-lm pads with the tokenizer's pad (else EOS) id."""
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -268,7 +315,9 @@ class GenerationConfig(_Section):
 @dataclass(kw_only=True)
 class RewardModelConfig(_Section):
     enabled: bool = False
+    """Load the model as a reward model (a sequence-classification head): ``Policy.score`` returns its scores."""
     reward_model_type: Literal["bradley_terry"] = "bradley_terry"
+    """The reward model's kind."""
 
 
 @dataclass(kw_only=True)
@@ -277,6 +326,7 @@ class OptimizerConfig(_Section):
     """Import path of the optimizer class."""
     kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 5e-6, "weight_decay": 0.01,
                                                             "betas": [0.9, 0.999], "eps": 1e-8})
+    """Keyword arguments of the optimizer class (learning rate, weight decay, ...)."""
 
 
 @dataclass(kw_only=True)
@@ -288,8 +338,11 @@ class PolicyConfig(_Section):
     local snapshot in the Hugging Face cache (downloading what is missing; ``HF_HUB_OFFLINE=1``: the cache only)
     and the workers load that directory (:mod:`dask_lm.io.hub`)."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """The tokenizer section; ``name`` defaults to ``model_name``."""
     train_global_batch_size: int = 32
+    """Rows per optimizer step, over all ranks together."""
     train_micro_batch_size: int = 4
+    """Rows per forward / backward pass on a rank; gradients add up over a global batch."""
     logprob_batch_size: int | None = None
     """Rows per logprob / top-k / score micro-batch (default: ``train_micro_batch_size``)."""
     logprob_chunk_size: int | None = 1024
@@ -297,27 +350,48 @@ class PolicyConfig(_Section):
     (NeMo RL chunks along the sequence), so peak memory is ``chunk x vocab x 4`` bytes whatever the batch shape.
     null computes a whole micro-batch at once."""
     generation_batch_size: int = 32
+    """Batch size of NeMo RL's legacy HF generation."""
     max_total_sequence_length: int = 512
+    """Longest row in tokens; the default micro-batch token budgets are multiples of it."""
     precision: Precision = "bfloat16"
+    """Dtype of the model's weights and compute."""
     offload_optimizer_for_logprob: bool = False
+    """Move the optimizer state to CPU memory while logprobs are computed."""
     dtensor_cfg: DTensorConfig = field(default_factory=DTensorConfig)
+    """The DTensor (FSDP2) backend, the one dask-lm runs."""
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
+    """NeMo RL's Megatron backend."""
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
+    """Micro-batches cut by a token budget."""
     sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
+    """Micro-batches of rows packed end to end."""
     make_sequence_length_divisible_by: int = 1
+    """A batch's padded width is rounded up to a multiple of this; under sequence packing, each row's."""
     max_grad_norm: float | None = 1.0
+    """Clip the gradients' global norm to this before each optimizer step (null: no clipping)."""
     refit_buffer_size_gb: float | None = None
+    """Size cap of a refit bucket in GiB (null: 0.3 x the smallest free device memory)."""
     optimizer: OptimizerConfig | None = field(default_factory=OptimizerConfig)
+    """The optimizer's class and keyword arguments."""
     scheduler: dict[str, Any] | list[Any] | None = None
+    """Learning-rate scheduler: ``{name, kwargs}``, or a list of them plus one ``{milestones: [...]}`` entry saying
+    when each takes over."""
     generation: GenerationConfig | None = None
+    """Generation settings (null: ``generate()`` is refused)."""
     reward_model_cfg: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Load the model as a reward model."""
     hf_config_overrides: dict[str, Any] | None = None
+    """Entries that replace those of the model's ``config.json`` when it loads."""
     quant_cfg: dict[str, Any] | None = None
+    """NeMo RL's quantised-training settings."""
     draft: dict[str, Any] | None = None
+    """NeMo RL's Eagle draft model, trained alongside the policy."""
     router_replay: dict[str, Any] | None = None
+    """NeMo RL's replay of the generation's MoE routing in training."""
     pretrained_checkpoint: dict[str, Any] | str | None = None
     """NeMo RL's ``{path: ...}`` (Megatron backend only); accepted and, as under NeMo's DTensor backend, unused."""
     is_vlm: bool = False
+    """The model is a vision-language model (NeMo RL)."""
     # dask-lm keys
     model_revision: str | None = None
     """Branch, tag or commit of a Hub ``model_name`` (null: the repository's default branch)."""

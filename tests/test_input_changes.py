@@ -161,11 +161,11 @@ def test_cli_input_replaced_mid_job_exits_1_without_success(client, tiny, tmp_pa
     replaced = []
     real = dask_lm.engine.progress.JobBar.update
 
-    def update(self, n, postfix=None):
+    def update(self, n, postfix=None, **kwargs):
         if not replaced:  # the first partition is done; 19 are still to come
             replaced.append(True)
             _replace_same_size(data, _texts(500, "r"), row_group_size=25)
-        return real(self, n, postfix)
+        return real(self, n, postfix, **kwargs)
 
     monkeypatch.setattr(dask_lm.engine.progress.JobBar, "update", update)
     result = CliRunner().invoke(cli, ["score", data, "--model", tiny["llama"], "--text-column", "text", "--output",

@@ -235,6 +235,7 @@ class ScoreOptions:
     response_column: str | None = None
     id_column: str | None = None
     topk: int = 0
+    decode_topk: bool = False  # also write topk_tokens, decoded on the worker (dask_lm.io.results.token_strings)
     max_length: int | None = None
     truncate: bool = False
     batch_tokens: int | None = None  # None: PACKED_BATCH_TOKENS where rows are packed, else PADDED_BATCH_TOKENS

@@ -15,7 +15,7 @@ from distributed import Client
 
 from dask_lm.interface import current, opt
 
-__all__ = ["connect", "close", "count_gpus", "as_client"]
+__all__ = ["connect", "close", "count_gpus", "as_client", "performance_report"]
 
 logger = logging.getLogger("dask_lm")
 
@@ -171,3 +171,29 @@ def close(client: Client) -> None:
     client.close()
     if cluster is not None:
         cluster.close()
+
+
+def _sizeof_log_level(level: int) -> int:
+    """Set the ``distributed.sizeof`` logger's level in this process; the level it had."""
+    log = logging.getLogger("distributed.sizeof")
+    before = log.level
+    log.setLevel(level)
+    return before
+
+
+@contextlib.contextmanager
+def performance_report(client: Any, filename: str) -> Any:
+    """Dask's performance report, without the warnings it causes: the profiles the workers send for it are nested
+    deeper than ``dask.sizeof`` recurses, so every worker logs "Sizeof calculation for object of type 'dict'
+    failed" (distributed's ``comm.utils.to_frames`` then just serialises the message off the event loop). The
+    workers' ``distributed.sizeof`` logger is quieted for the report's duration and restored after."""
+    import distributed
+
+    before = client.run(_sizeof_log_level, logging.ERROR)
+    try:
+        with distributed.performance_report(filename=filename):
+            yield
+    finally:
+        for address, level in before.items():
+            with contextlib.suppress(Exception):  # a worker that left since
+                client.run(_sizeof_log_level, level, workers=[address])

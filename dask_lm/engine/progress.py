@@ -41,8 +41,20 @@ def _on_event(event: Any) -> None:
     with _lock:
         progress_id = msg.get("id") if isinstance(msg, dict) else None
         b = _bars.get(progress_id) if isinstance(progress_id, str) else None
-        if b is not None and msg.get("done", 0) > b.n:
+        if isinstance(b, JobBar):
+            b.on_event(msg)
+        elif b is not None and msg.get("done", 0) > b.n:
             b.update(int(msg["done"]) - b.n)
+
+
+def _subscribe(client: Any) -> None:
+    """This process's handler for :data:`TOPIC`, once per client."""
+    if client not in _subscribed:
+        try:
+            client.subscribe_topic(TOPIC, _on_event)
+            _subscribed.add(client)
+        except Exception:  # an old scheduler without topics: the bar still shows start and end
+            pass
 
 
 def open_bar(client: Any, total: int, desc: str, unit: str, **tqdm_kwargs: Any) -> tuple[str | None, Any]:
@@ -51,12 +63,7 @@ def open_bar(client: Any, total: int, desc: str, unit: str, **tqdm_kwargs: Any) 
         return None, None
     from tqdm.auto import tqdm
 
-    if client not in _subscribed:
-        try:
-            client.subscribe_topic(TOPIC, _on_event)
-            _subscribed.add(client)
-        except Exception:  # an old scheduler without topics: the bar still shows start and end
-            pass
+    _subscribe(client)
     progress_id = uuid.uuid4().hex
     b = tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True, **tqdm_kwargs)
     with _lock:
@@ -84,15 +91,24 @@ def bar(client: Any, total: int, desc: str, unit: str) -> Iterator[tuple[str | N
 class JobBar:
     """A job's bar in two phases, so that neither the wait nor the rate misleads.
 
-    Until the first unit of work is done it says what the job waits for (``waiting``, e.g. "loading the model on
-    2 workers") and how long it has waited, with no count and no ETA: an ETA from a rate that includes model loads
-    would promise minutes for a job of seconds. At the first :meth:`update` it becomes a counting bar whose rate
-    (and so its ETA) leaves that first unit out: tqdm's ``initial`` is not counted in the rate."""
+    Until a worker scores it says what the job waits for (``waiting``, e.g. "loading the model on 2 workers") and
+    how long it has waited for that (the clock starts again at each new wait), with no count and no ETA: an ETA
+    from a rate that includes model loads would promise minutes for a job of seconds. It becomes a counting bar at
+    the first sign of scoring: a worker's event that it began a part (its replica ready; see :meth:`listen`), or
+    the first :meth:`update`. Rows scored inside a part still running count too, from the same events, so a job
+    of one large part moves; the part's :meth:`update` when it is done replaces them. The rate (and so its ETA)
+    leaves out what was done before the bar began to count: tqdm's ``initial`` is not counted in the rate.
+
+    The events arrive on the client's event-loop thread, the updates on the job's: one lock orders them."""
 
     def __init__(self, total: int, desc: str, unit: str, waiting: str, enabled: bool = True) -> None:
         self.total, self.desc, self.unit, self.n = total, desc, unit, 0
         self._bar: Any = None
         self._wait: Any = None
+        self._lock = threading.RLock()
+        self._running: dict[int, int] = {}  # rows scored so far in the parts still running, by part
+        self._finished: set[int] = set()
+        self.progress_id: str | None = None
         if enabled and progress_enabled() and total > 0:
             from tqdm.auto import tqdm
 
@@ -100,34 +116,72 @@ class JobBar:
             self._wait = tqdm(total=None, desc=f"{desc}: {waiting}", bar_format="{desc} ({elapsed})",
                               dynamic_ncols=True)
 
+    def listen(self, client: Any) -> str | None:
+        """The id under which the workers report this job's parts (``{"id": ..., "part": i, "done": rows}`` on
+        :data:`TOPIC`: :func:`dask_lm.workers.tasks.report_progress`); ``None`` when the bar is off."""
+        if self._wait is None and self._bar is None:
+            return None
+        _subscribe(client)
+        self.progress_id = uuid.uuid4().hex
+        with _lock:
+            _bars[self.progress_id] = self
+        return self.progress_id
+
     def wait(self, waiting: str, total: int | None = None) -> None:
         """Say what the job waits for now (before the first update); ``total`` corrects the count to come."""
-        if total is not None:
-            self.total = total
-        if self._wait is not None:
-            self._wait.set_description_str(f"{self.desc}: {waiting}")
+        with self._lock:
+            if total is not None:
+                self.total = total
+            if self._wait is not None and self._wait.desc != f"{self.desc}: {waiting}":
+                self._wait.reset()  # the time shown is this wait's, as the summary's phases count it
+                self._wait.set_description_str(f"{self.desc}: {waiting}")
 
     def write(self, line: str) -> None:
         """A line above the bar (the dashboard's address while the job runs); nothing when the bar is off."""
-        if self._wait is not None or self._bar is not None:
-            import sys
+        with self._lock:
+            if self._wait is not None or self._bar is not None:
+                import sys
 
-            self._tqdm.write(line, file=sys.stderr)  # with the bar, off stdout (which a script may parse)
+                self._tqdm.write(line, file=sys.stderr)  # with the bar, off stdout (which a script may parse)
 
-    def update(self, n: int, postfix: str | None = None) -> None:
-        self.n += n
+    def on_event(self, msg: dict[str, Any]) -> None:
+        """A worker's report: it began part ``msg["part"]`` (``done`` 0), or has scored ``done`` of its rows."""
+        part = msg.get("part")
+        if not isinstance(part, int):
+            return
+        with self._lock:
+            if part in self._finished:  # an event that arrived after the part's own result
+                return
+            self._running[part] = max(self._running.get(part, 0), int(msg.get("done", 0)))
+            self._show()
+
+    def update(self, n: int, postfix: str | None = None, part: int | None = None) -> None:
+        """``n`` more units done (those of ``part``, when it is given: its running count goes)."""
+        with self._lock:
+            self.n += n
+            if part is not None:
+                self._finished.add(part)
+                self._running.pop(part, None)
+            self._show()
+            if self._bar is not None and postfix:
+                self._bar.set_postfix_str(postfix)
+
+    def _show(self) -> None:
+        shown = min(self.n + sum(self._running.values()), self.total)
         if self._wait is not None:
             self._wait.close()
             self._wait = None
-            self._bar = self._tqdm(total=self.total, initial=self.n, desc=self.desc, unit=self.unit,
+            self._bar = self._tqdm(total=self.total, initial=shown, desc=self.desc, unit=self.unit,
                                    dynamic_ncols=True)
-        elif self._bar is not None:
-            self._bar.update(n)
-        if self._bar is not None and postfix:
-            self._bar.set_postfix_str(postfix)
+        elif self._bar is not None and shown > self._bar.n:
+            self._bar.update(shown - self._bar.n)
 
     def close(self) -> None:
-        for b in (self._wait, self._bar):
-            if b is not None:
-                b.close()
-        self._wait = self._bar = None
+        if self.progress_id is not None:
+            with _lock:
+                _bars.pop(self.progress_id, None)
+        with self._lock:
+            for b in (self._wait, self._bar):
+                if b is not None:
+                    b.close()
+            self._wait = self._bar = None

@@ -30,17 +30,17 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dask_lm import interface
 from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
-from dask_lm.engine import interrupts, jobs, prescan
+from dask_lm.interface import again, current, opt, warn
+from dask_lm.engine import cluster, interrupts, jobs, prescan
 from dask_lm.engine.progress import JobBar
 from dask_lm.engine.start_clock import StartClock
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck, spans
 from dask_lm.io import parquet as pio
+from dask_lm.io.results import ScoreRows
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
-from dask_lm.interface import again, opt
 from dask_lm.workers.tasks import release_scorers, score_partition
 
 __all__ = ["score_parquet", "ScoreResult"]
@@ -49,12 +49,13 @@ logger = logging.getLogger("dask_lm")
 
 
 @dataclass
-class ScoreResult:
+class ScoreResult(ScoreRows):
     """What a scoring job did. ``rows``, ``tokens``, the perplexities and the row counts cover the whole output,
     summed from its part files (a resumed job's earlier parts included: what ``_SUCCESS`` says is what the folder
     holds); ``run_rows`` / ``run_tokens`` / ``seconds`` are this run's alone (``parts_skipped`` of the parts were
     already there; an ``already_complete`` resume ran nothing). ``tokens_per_s`` is this run's tokens over
-    ``scoring_seconds``: the model loads and compilations are reported apart, not averaged into the rate."""
+    ``scoring_seconds`` (the bar ends on it too): the loads and compilations are reported apart, not averaged into
+    the rate. ``wall_phases`` cut ``wall_seconds`` into the steps the caller waited for."""
 
     output: str
     rows: int
@@ -70,6 +71,8 @@ class ScoreResult:
     perplexity: float
     """The mean of the rows' perplexities (rows with nothing scored left out)."""
     dashboard: str | None = None
+    """The Dask dashboard's address, while its cluster is up: ``None`` once this call has closed the local
+    cluster it started (the address was shown while the job ran)."""
     empty_rows: int = 0
     """Rows with no token to score (null sums, ``num_scored`` 0), over every part."""
     truncated_rows: int = 0
@@ -87,7 +90,7 @@ class ScoreResult:
     """Tokens in the sums (``num_scored``) over the whole output."""
     scoring_seconds: float = 0.0
     """The time rows were being scored and written: from when the last worker's replica was ready (loaded and
-    compiled, in its first partition or while the driver checked) to the end of ``seconds``."""
+    compiled, in its first partition or while the driver checked) to when the last part was written."""
     already_complete: bool = False
     """A ``resume`` of a finished output: nothing ran; the totals are the finished job's."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
@@ -97,7 +100,7 @@ class ScoreResult:
     started_at: float = 0.0
     """``time.time()`` when the call began."""
     wall_seconds: float = 0.0
-    """From the call's start to its end: what the caller waited, checks included."""
+    """From the call's start to its end: what the caller waited, checks and the cluster's closing included."""
     first_row_at: float | None = None
     """``time.time()`` when the first part file of this run was written (its rows scored): with ``started_at``,
     what a user waits for the first results."""
@@ -113,6 +116,13 @@ class ScoreResult:
     """Rows scored by this run (``rows`` less those of the ``parts_skipped`` parts)."""
     run_tokens: int = 0
     """Tokens scored by this run."""
+    wall_phases: dict[str, float] = field(default_factory=dict)
+    """``wall_seconds`` cut into the steps the caller waited for, in order, adding up to it: ``checks`` (the
+    driver's checks and fingerprints), ``cluster_start`` (the cluster up, or reached, after them),
+    ``model_load`` and ``compile`` (what was left of the last worker's load and compilation: they run beside the
+    checks, and ``model_load_seconds`` / ``compile_seconds`` give their whole length), ``scoring`` (scoring and
+    writing: ``scoring_seconds``), ``closing`` (the replicas freed, the totals read back, the cluster this call
+    started closed)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -130,11 +140,13 @@ class ScoreResult:
             speed = [("status", f"already complete: nothing was run (pass {opt('overwrite', True)} to score again)")]
         else:
             first = self.start_phases.get("first_row")
-            speed = [("tokens/s", f"{self.tokens_per_s:,.0f} (over {self.scoring_seconds:.1f} s of scoring)"),
-                     ("seconds", f"{self.wall_seconds:.1f} from the call's start: checks {self.prepare_seconds:.1f}"
-                                 + (f", first rows written at {first:.1f}" if first is not None else "")
-                                 + f"; on the workers, beside the checks: model load {self.model_load_seconds:.1f}, "
-                                 f"compile {self.compile_seconds:.1f}; then scoring {self.scoring_seconds:.1f}")]
+            steps = " + ".join(f"{_PHASE_LABELS.get(k, k)} {v:.1f}" for k, v in self.wall_phases.items())
+            speed = [("tokens/s", f"{self.tokens_per_s:,.0f} (this run's {self.run_tokens:,} tokens over "
+                                  f"{self.scoring_seconds:.1f} s of scoring and writing)"),
+                     ("seconds", f"{self.wall_seconds:.1f} from the call's start" + (f" = {steps}" if steps else "")),
+                     ("workers", f"model load {self.model_load_seconds:.1f} s, compile {self.compile_seconds:.1f} s "
+                                 "(the slowest worker's, mostly beside the checks)"
+                                 + (f"; first rows written at {first:.1f} s" if first is not None else ""))]
         resumed = self.parts_skipped and not self.already_complete
         return [("rows", f"{self.rows:,}" + (f" ({self.run_rows:,} scored by this run)" if resumed else "")),
                 ("tokens", f"{self.tokens:,}" + (f" ({self.run_tokens:,} by this run)" if resumed else "")), *speed,
@@ -143,7 +155,11 @@ class ScoreResult:
                 ("scored tokens", f"{self.scored_tokens:,}"),
                 ("parts", f"{self.parts} ({self.parts_skipped} already done)"), ("bad rows", str(self.bad_rows)),
                 ("empty rows", str(self.empty_rows)), ("truncated rows", str(self.truncated_rows)),
-                ("output", self.output), ("dashboard", self.dashboard or "-")]
+                ("output", self.output), *([("dashboard", self.dashboard)] if self.dashboard else [])]
+
+
+# the summary's names of ScoreResult.wall_phases
+_PHASE_LABELS = {"cluster_start": "cluster start", "model_load": "model load", "scoring": "scoring and writing"}
 
 
 def _options(opts: ScoreOptions) -> dict[str, Any]:
@@ -153,6 +169,8 @@ def _options(opts: ScoreOptions) -> dict[str, Any]:
     options = {k: v for k, v in asdict(opts).items() if k not in ("output", "model", "tokenizer", "batch_tokens",
                                                                    "chunk_size", "allow_nonfinite", "compile",
                                                                    "compile_head", "model_pins", "interface")}
+    if not opts.decode_topk:  # pinned once set: a manifest from before the option resumes as it was written
+        del options["decode_topk"]
     options["precision"] = None if opts.precision == "auto" else opts.precision  # pinned once the workers are known
     return options
 
@@ -188,6 +206,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                   text_column: str | None = None, ids_column: str | None = None, prompt_column: str | None = None,
                   response_column: str | None = None, id_column: str | None = None,
                   prompt_length_column: str | None = None, convention: str = "lm-eval", topk: int = 0,
+                  decode_topk: bool = False,
                   max_length: int | None = None, truncate: bool = False, batch_tokens: int | None = None,
                   precision: str | None = None, resume: bool = False, progress: bool = True,
                   skip_bad_rows: bool = False, allow_nonfinite: bool = False, compile: bool | None = None,
@@ -202,7 +221,8 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     encoded in context, trailing prompt whitespace moved to it, one BOS at most, an empty prompt conditioned on
     BOS / EOS), or ``"separate"`` (prompt and response encoded apart, as earlier dask-lm releases did). With
     ``ids_column``, ``prompt_length_column`` (integers) says how many leading ids of each row are context: only
-    the rest is scored. ``client`` is a Dask client (default: ``connect(scheduler_address,
+    the rest is scored. ``topk``: the k likeliest tokens at each position, ``decode_topk``: their strings too.
+    ``client`` is a Dask client (default: ``connect(scheduler_address,
     n_workers=n_workers)``, started at once, beside the checks, and closed here); its workers load the model while
     the checks run. The rows are cut into tasks (and part files) of about ``task_tokens`` tokens, estimated from
     the footers (default: about 1/32 of the job, within 16k-1M: :mod:`dask_lm.io.spans`): a large row group is
@@ -227,6 +247,9 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     if topk < 0 or (task_tokens or 0) < 0 or any(v is not None and v < 1 for v in (max_length, batch_tokens)):
         raise ValueError(f"{opt('topk')} and {opt('task_tokens')} must be >= 0, {opt('max_length')} and "
                          f"{opt('batch_tokens')} >= 1")
+    if decode_topk and not topk:
+        raise ValueError(f"{opt('decode_topk', True)} decodes the top-k ids: it needs {opt('topk', meta='K')} (e.g. "
+                         f"{opt('topk', 5)})")
     fixed_precision = jobs.precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
     # 1. the checks that cost no more than a few small reads, before anything starts: the output folder, the model's
     #    files (config JSON, weight headers, --topk against the vocabulary it states), the tokenizer's, the inputs'
@@ -240,8 +263,10 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     if stated is not None and topk > stated:
         raise ValueError(f"{opt('topk', topk)} is larger than the model's vocabulary ({stated} tokens, vocab_size "
                          f"in {os.path.join(model, modelcheck.CONFIG)}); pass {opt('topk', stated)} or less")
-    tokenizer = jobs.resolve_tokenizer(tokenizer, model, check=not finished, fix=None if ids_column else
-                                       f"pass {opt('tokenizer')}, or score token ids with {opt('ids_column')}")
+    tokenizer = jobs.resolve_tokenizer(tokenizer, model, check=not finished, fix=None if ids_column and not decode_topk
+                                       else f"pass {opt('tokenizer')}, or score token ids with {opt('ids_column')}"
+                                       if not ids_column else f"{opt('decode_topk', True)} decodes with it: pass "
+                                       f"{opt('tokenizer')}")
     inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=ids_column,
                                 prompt_column=prompt_column, response_column=response_column, id_column=id_column,
                                 prompt_length_column=prompt_length_column)
@@ -249,10 +274,10 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=fixed_precision or "auto", output=out.path,
                         text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
                         response_column=response_column, id_column=id_column,
-                        prompt_length_column=prompt_length_column, convention=conv, topk=topk,
+                        prompt_length_column=prompt_length_column, convention=conv, topk=topk, decode_topk=decode_topk,
                         max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
                         skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite, compile=bool(compile),
-                        compile_head=bool(compile), interface=interface.current())
+                        compile_head=bool(compile), interface=current())
     if out.state.kind != "new" and resume:
         _precheck_resume(out, opts, inputs, plan)
     # 2. the cluster starts, and each worker loads its replica, while this process does the costly checks: the
@@ -403,34 +428,14 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
                 workers = len(_scheduler_info(dask_client)["workers"])
                 opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers),
                                compile_head=worth_compiling_head(sum(inputs.group_tokens), workers))
-            return _run(dask_client, out, inputs, plan, opts, done, start.warm_futures, bar, performance_report,
-                        clock)
-
-
-def _sizeof_log_level(level: int) -> int:
-    """Set the ``distributed.sizeof`` logger's level in this process; the level it had."""
-    log = logging.getLogger("distributed.sizeof")
-    before = log.level
-    log.setLevel(level)
-    return before
-
-
-@contextlib.contextmanager
-def _performance_report(client: Any, filename: str) -> Any:
-    """Dask's performance report, without the warnings it causes: the profiles the workers send for it are nested
-    deeper than ``dask.sizeof`` recurses, so every worker logs "Sizeof calculation for object of type 'dict'
-    failed" (distributed's ``comm.utils.to_frames`` then just serialises the message off the event loop). The
-    workers' ``distributed.sizeof`` logger is quieted for the report's duration and restored after."""
-    from distributed import performance_report
-
-    before = client.run(_sizeof_log_level, logging.ERROR)
-    try:
-        with performance_report(filename=filename):
-            yield
-    finally:
-        for address, level in before.items():
-            with contextlib.suppress(Exception):  # a worker that left since
-                client.run(_sizeof_log_level, level, workers=[address])
+            result = _run(dask_client, out, inputs, plan, opts, done, start.warm_futures, bar, performance_report,
+                          clock)
+            closed = bool(getattr(start.opened, "_dask_lm_owns_cluster", False))
+        # the cluster this call started is closed by now: that counts in the wall time, and its dashboard is gone
+        wall, steps = clock.closed(result.wall_phases)
+        result = replace(result, wall_seconds=wall, wall_phases=steps, dashboard=None if closed else result.dashboard)
+        out.finish(asdict(result))  # the counts cover every part, like bad_rows (resumed parts included)
+        return result
 
 
 # Compiling the decoder layers costs a fresh worker 6.6 s and saves 2.1 s per 1.6M tokens at 0.5B on an H200
@@ -476,17 +481,25 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
                                       opts.response_column, opts.prompt_length_column) if c})
     todo = [i for i in range(len(plan)) if i not in set(done)]
     reads = jobs.located_partitions(inputs, columns, out.pins)  # one per row group, computed where a span needs it
-    report = _performance_report(client, performance_report) if performance_report else contextlib.nullcontext()
+    report = (cluster.performance_report(client, performance_report) if performance_report
+              else contextlib.nullcontext())
     t0, t0_wall = time.perf_counter(), time.time()
     ready_at = t0_wall  # when the last worker's replica became ready (loaded, compiled): scoring starts there
-    rows = tokens = bad = 0
+    ready_compile = 0.0  # that replica's compilation, the end of its readiness
+    scored_at = t0_wall  # when the last part came back: scoring ends there, for the bar and the summary alike
+    rows = tokens = bad = returned = 0
     load = compile_s = 0.0
     phases: dict[str, float] = {}
     total_rows = sum(plan[i].num_rows for i in todo)
     workers = len(_scheduler_info(client)["workers"])
-    bar.wait(f"loading the model on {workers} worker{'s' * (workers != 1)}", total=total_rows)
+    preloaded = any(f.done() and f.status == "finished" and "error" not in (f.result() or {}) for f in preloads)
+    # until a worker reports that it began a part (its replica ready), the bar says what the job waits for
+    bar.wait("starting the first parts" if preloaded else
+             f"loading the model on {workers} worker{'s' * (workers != 1)}", total=total_rows)
+    progress_id = bar.listen(client)
     with report, span("dask-lm/score"):
-        tasks = [dask.delayed(score_partition, pure=False)(*_pieces(plan[i], inputs, reads), i, plan[i].file, opts)
+        tasks = [dask.delayed(score_partition, pure=False)(*_pieces(plan[i], inputs, reads), i, plan[i].file, opts,
+                                                           progress_id)
                  for i in todo]
         # the workers' dask-lm plugin holds their model replicas and frees those left idle (a dead driver's job)
         client.register_plugin(DaskLMWorkerState(), name=PLUGIN_NAME)
@@ -502,12 +515,17 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
                     load = stats["load_seconds"]
                     clock.load_phases = stats.get("load_phases") or {}
                 compile_s = max(compile_s, stats.get("compile_seconds", 0.0))
-                ready_at = max(ready_at, stats.get("ready_at", ready_at))
+                if stats.get("ready_at", 0.0) > ready_at:
+                    ready_at, ready_compile = stats["ready_at"], stats.get("compile_seconds", 0.0)
                 for k, v in stats.get("phases", {}).items():
                     phases[k] = phases.get(k, 0.0) + v
-                scoring = time.time() - ready_at
+                scored_at = time.time()
+                scoring = scored_at - ready_at
+                returned += 1
+                last = returned == len(futures)  # the rate the summary gives, shown as the bar closes
                 bar.update(stats["rows"] + stats["bad_rows"],
-                           f"{tokens / scoring:,.0f} tok/s" if scoring > 0.5 else None)
+                           f"{tokens / scoring:,.0f} tok/s" if scoring > 0.5 or (last and scoring > 0) else None,
+                           part=stats["part"])
         except BaseException:
             client.cancel(futures)
             raise
@@ -523,16 +541,16 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
     totals = _output_totals(opts.output, len(plan))
     result = ScoreResult(output=opts.output, run_rows=rows, run_tokens=tokens, parts=len(plan),
                          parts_skipped=len(done), bad_rows=bad_total, seconds=seconds,
-                         scoring_seconds=max(t0_wall + seconds - ready_at, 0.0),
+                         scoring_seconds=max(scored_at - ready_at, 0.0),
+                         wall_phases=clock.steps(ready_at, ready_compile, scored_at),
                          dashboard=getattr(client, "dashboard_link", None), prepare_seconds=clock.phases["checks"],
                          started_at=clock.started_at, first_row_at=clock.first_row_at,
                          wall_seconds=time.time() - clock.started_at,
                          start_phases=dict(clock.phases), model_load_phases={**clock.config_imports, **clock.load_phases},
                          model_load_seconds=load, compile_seconds=compile_s, phase_seconds=phases, **totals)
     if result.empty_rows:
-        interface.warn(f"{result.empty_rows} rows had nothing to score (an empty text, response or id list, or a "
-                       "single token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null")
-    out.finish(asdict(result))  # the counts cover every part, like bad_rows (resumed parts included)
+        warn(f"{result.empty_rows} rows had nothing to score (an empty text, response or id list, or a single "
+             "token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null")
     return result
 
 

@@ -1,6 +1,7 @@
 """When a scoring job's start steps ended: the driver's checks, the worker's config check, the workers' processes,
 preloads and replicas, the first part written. ``score_parquet`` reports them as ``ScoreResult.start_phases``,
-in seconds from the call's start, and the slowest worker's load steps as ``model_load_phases``."""
+in seconds from the call's start, and the slowest worker's load steps as ``model_load_phases``; and the whole call
+cut into the steps the caller waited for, which add up to its wall time (``ScoreResult.wall_phases``)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,24 @@ class StartClock:
         if self.first_row_at is None:
             self.first_row_at = time.time()
             self.mark("first_row")
+
+    def steps(self, ready_at: float, compile_s: float, scored_at: float) -> dict[str, float]:
+        """Where the call's time went up to ``scored_at`` (wall clock, the last part back), in steps that follow
+        one another; ``ready_at`` is when the last replica was ready, ``compile_s`` its compilation. Each step is
+        the wait for it once the ones before had ended: the loads run beside the checks and the cluster's start,
+        so only what is left of them counts as ``model_load`` (their whole length is the result's
+        ``model_load_seconds``). :meth:`closed` adds the last step."""
+        ends, at = {}, 0.0
+        for phase, end in (("checks", self.phases["checks"]), ("cluster_start", self.phases["cluster"]),
+                           ("model_load", ready_at - compile_s - self.started_at),
+                           ("compile", ready_at - self.started_at), ("scoring", scored_at - self.started_at)):
+            at = ends[phase] = max(at, end)  # the driver's clocks and the workers' wall clocks may differ a little
+        steps, before = {}, 0.0
+        for phase, end in ends.items():
+            steps[phase], before = end - before, end
+        return steps
+
+    def closed(self, steps: dict[str, float]) -> tuple[float, dict[str, float]]:
+        """The call's wall time, now that it ends, and ``steps`` with ``closing`` (what came after them) added."""
+        wall = time.time() - self.started_at
+        return wall, {**steps, "closing": max(wall - sum(steps.values()), 0.0)}

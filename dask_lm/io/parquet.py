@@ -204,14 +204,14 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
                              "an integer column (how many leading ids of the row are context)")
     if id_column is not None:
         _column_type(out.schema, id_column, first)
-    for reserved in [name for name, _type in output_schema_columns(1)]:
+    for reserved in [name for name, _type in output_schema_columns(1, decode_topk=True)]:
         if id_column is None and reserved in out.schema.names:
             raise ValueError(f"{first}: input column {reserved!r} would collide with the output column of the same "
                              f"name; pass {interface.opt('id_column')} to keep only an id column")
     return out
 
 
-def output_schema_columns(topk: int) -> list[tuple[str, pa.DataType]]:
+def output_schema_columns(topk: int, decode_topk: bool = False) -> list[tuple[str, pa.DataType]]:
     """The columns scoring appends to the input's, in order. ``num_tokens`` and ``logprobs`` describe the row as
     the model saw it (after ``--truncate``): the prompt too, in prompt + response mode. ``prompt_tokens`` is where
     the scored tokens start: the tokens before the first scored one (the prompt's, or 1 for a text / ids row,
@@ -219,13 +219,17 @@ def output_schema_columns(topk: int) -> list[tuple[str, pa.DataType]]:
     are ``logprobs[prompt_tokens:]``. ``num_scored`` counts the tokens in the sums, and where it is 0 the sums,
     mean and perplexity are null: an empty response scores no token, which is not a log-likelihood of 0.
     ``is_greedy`` is lm-evaluation-harness's: every scored token is the argmax of the model's distribution before
-    it (greedy decoding would have produced the scored text); null where nothing is scored."""
+    it (greedy decoding would have produced the scored text); null where nothing is scored. With ``topk``,
+    ``topk_ids`` / ``topk_logprobs`` at position t are the k most likely tokens after token t, and with
+    ``decode_topk`` ``topk_tokens`` holds their strings, each id as ``tokenizer.decode([id])`` gives it."""
     cols = [("num_tokens", pa.int32()), ("prompt_tokens", pa.int32()), ("num_scored", pa.int32()),
             ("truncated", pa.bool_()),
             ("logprobs", pa.list_(pa.float32())), ("sum_logprob", pa.float64()), ("mean_logprob", pa.float64()),
             ("perplexity", pa.float64()), ("is_greedy", pa.bool_())]
     if topk:
         cols += [("topk_ids", pa.list_(pa.list_(pa.int32()))), ("topk_logprobs", pa.list_(pa.list_(pa.float32())))]
+        if decode_topk:
+            cols.append(("topk_tokens", pa.list_(pa.list_(pa.string()))))
     return cols
 
 

@@ -298,11 +298,12 @@ def release_scorers(dask_worker: Any = None) -> int:
 
 
 @torch.no_grad()
-def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions
+def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions, on_rows: Any = None
                 ) -> tuple[list[torch.Tensor], list | None, list[bool], list[torch.Tensor]]:
     """Per row: logprobs (position 0 = 0), topk per position (ids, logprobs) when ``opts.topk``, whether every value
     is finite, and per position whether the token is the argmax of the model's distribution before it (bool, true
-    at position 0). A row without tokens gets empty results without a forward.
+    at position 0). A row without tokens gets empty results without a forward. ``on_rows(k)``, if given, is told
+    after each micro-batch how many rows have their results.
 
     The GPU never waits for the host between micro-batches: a micro-batch's results are copied to the host
     asynchronously and cut into rows only after the next micro-batch has been launched (one micro-batch of lag, as
@@ -313,6 +314,7 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions
     out = _RowResults(len(ids), opts.topk)
     rows = [i for i in range(len(ids)) if ids[i]]
     pending: _Pending | None = None
+    collected = 0
     for part in longest_first([len(ids[i]) for i in rows], opts.micro_batch_tokens(rep.packed),
                               padded=not rep.packed):
         batch = [rows[j] for j in part]
@@ -340,6 +342,9 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions
         done = device.record_event()
         if pending is not None:
             out.collect(pending, rep.packed)
+            collected += len(pending.batch)
+            if on_rows is not None:
+                on_rows(collected)
         pending = _Pending(batch, lens, layout.host.cu, host, done)
     if pending is not None:
         out.collect(pending, rep.packed)
@@ -422,18 +427,38 @@ def _refuse_if_cancelled(index: int) -> None:
         raise RuntimeError(f"part {index}: its job was cancelled while it ran; not written")
 
 
+def _rows_reporter(progress_id: str | None, index: int, every_s: float = 0.5) -> Any:
+    """``report(rows)``: part ``index``'s rows scored so far, as an event for the job's bar
+    (:func:`dask_lm.workers.tasks.report_progress`), the first at once and then at most every ``every_s`` (an
+    event per micro-batch would be hundreds a second on a GPU, each a message through the scheduler)."""
+    from dask_lm.workers.tasks import report_progress
+
+    last = -math.inf
+
+    def report(rows: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= every_s:
+            last = now
+            report_progress(progress_id, rows, part=index)
+
+    return report
+
+
 def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], index: int, file: str,
-                    opts: ScoreOptions) -> dict[str, Any]:
+                    opts: ScoreOptions, progress_id: str | None = None) -> dict[str, Any]:
     """Score one span of rows (:mod:`dask_lm.io.spans`) and write ``part-<index>.parquet`` (and its bad rows)
     atomically.
 
     ``pieces`` are the span's rows as read: consecutive row groups of ``file`` (or one group's slice), each a
     pandas frame of Arrow-backed columns starting at file row ``firsts[k]`` with ``counts[k]`` rows, or an
     :class:`~dask_lm.io.parquet.UnreadableRowGroup` where the group could not be decoded: then every row of it is a
-    bad row."""
+    bad row. With ``progress_id``, the job's bar hears when the replica is ready and the rows begin, and how many
+    are scored, about twice a second (:func:`_rows_reporter`)."""
     import pyarrow as pa
 
     from dask_lm.io import parquet as pio
+    from dask_lm.io.results import decode_topk_column
 
     t0 = time.perf_counter()
     for piece, first, n in zip(pieces, firsts, counts):
@@ -453,7 +478,9 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
         startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds,
                    "load_phases": rep.load_phases, "ready_at": rep.ready_at} if rep.fresh else {}
         rep.fresh = False
-        if rep.tokenizer is None and not opts.ids_column:
+        report = _rows_reporter(progress_id, index)
+        report(0)  # the replica is ready: the bar stops saying that the model loads
+        if rep.tokenizer is None and (not opts.ids_column or opts.decode_topk):
             raise ValueError(f"{rep.tokenizer_error}, or pass {opt('tokenizer')}")
         t_rows = time.perf_counter()
         rows = PreparedRows([], [], [], [])
@@ -473,7 +500,8 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
             raise BadRowError(f"{rows.errors[bad[0]]}{more}; fix the data, or {again(resume=True, skip_bad_rows=True)} "
                               "to leave bad rows out (the parts already written are kept)")
         keep = [i for i in range(len(row_no)) if rows.errors[i] is None]
-        lps, tops, finite, greedy = _score_rows(rep, [rows.ids[i] for i in keep], opts)  # type: ignore[misc]
+        lps, tops, finite, greedy = _score_rows(rep, [rows.ids[i] for i in keep], opts,  # type: ignore[misc]
+                                                report)
     t_write = time.perf_counter()
     nonfinite = [row_no[keep[j]] for j, ok in enumerate(finite) if not ok]
     if nonfinite and not opts.allow_nonfinite:
@@ -499,7 +527,10 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
     if tops is not None:
         values["topk_ids"] = _list_column([t[0] for t in tops], pa.list_(pa.list_(pa.int32())))
         values["topk_logprobs"] = _list_column([t[1] for t in tops], pa.list_(pa.list_(pa.float32())))
-    for name, type_ in pio.output_schema_columns(opts.topk):
+        if opts.decode_topk:  # here, where the tokenizer is loaded: the strings travel no further than the part
+            with rep.lock:  # a fast tokenizer used by two threads at once may raise "Already borrowed"
+                values["topk_tokens"] = decode_topk_column(rep.tokenizer, values["topk_ids"])
+    for name, type_ in pio.output_schema_columns(opts.topk, opts.decode_topk):
         column = values[name]
         table = table.append_column(name, column if isinstance(column, pa.Array) else pa.array(column, type_))
     _refuse_if_cancelled(index)
@@ -555,7 +586,7 @@ def _unreadable(schema: Any, rows: list[int], errors: list[str], index: int, fil
     if opts.id_column is not None:
         schema = pa.schema([schema.field(opts.id_column)])
     table = schema.empty_table()
-    for name, type_ in pio.output_schema_columns(opts.topk):
+    for name, type_ in pio.output_schema_columns(opts.topk, opts.decode_topk):
         table = table.append_column(name, pa.array([], type_))
     _refuse_if_cancelled(index)
     pio.write_part(pio.errors_table(index, file, rows, errors), pio.errors_dir(opts.output), pio.part_name(index))

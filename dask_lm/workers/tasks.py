@@ -36,14 +36,17 @@ def find_free_port(_prev: Any = None) -> tuple[str, int]:
     return host, rendezvous.find_free_port(host)
 
 
-def report_progress(progress_id: str | None, done: int) -> None:
-    """Move the driver's progress bar for call ``progress_id`` to ``done`` (a Dask event; see engine/progress.py)."""
+def report_progress(progress_id: str | None, done: int, part: int | None = None) -> None:
+    """Move the driver's progress bar for call ``progress_id`` to ``done`` (a Dask event; see engine/progress.py);
+    with ``part``, ``done`` counts the rows of that part of a job (:class:`~dask_lm.engine.progress.JobBar`)."""
     if progress_id is None:
         return
     from distributed import get_worker
 
+    msg = {"id": progress_id, "done": int(done)} if part is None else {"id": progress_id, "done": int(done),
+                                                                       "part": int(part)}
     try:
-        get_worker().log_event("dask-lm-progress", {"id": progress_id, "done": int(done)})
+        get_worker().log_event("dask-lm-progress", msg)
     except ValueError:  # not on a worker (direct calls in tests)
         pass
 
@@ -205,13 +208,13 @@ def profiler(_prev: Any, start: bool) -> bool:
 
 
 def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], index: int, file: str,
-                    opts: ScoreOptions) -> dict[str, Any]:
+                    opts: ScoreOptions, progress_id: str | None = None) -> dict[str, Any]:
     """``score_parquet``: score one span on this worker (:func:`dask_lm.workers.scorer.score_partition`)."""
     from dask_lm import interface
     from dask_lm.workers import scorer
 
     with interface.speaking(opts.interface):  # a bad row's message names options as the job's caller spells them
-        return scorer.score_partition(pieces, firsts, counts, index, file, opts)
+        return scorer.score_partition(pieces, firsts, counts, index, file, opts, progress_id)
 
 
 @contextlib.contextmanager
