@@ -183,7 +183,7 @@ def test_bad_rows_fail_or_are_skipped(client, tiny, tok, tmp_path):
     errors = pq.read_table(tmp_path / "o2" / "_errors.parquet").to_pylist()
     long_rows = {i for i, t in enumerate(texts) if t is not None and 1 + len(tok(t)["input_ids"]) > 3}  # + BOS
     assert {e["row"] for e in errors} == {1} | long_rows and res.bad_rows == len(errors)
-    assert all("more than --max-length 3" in e["error"] for e in errors if e["row"] != 1)
+    assert all("more than max_length=3" in e["error"] for e in errors if e["row"] != 1)
     # the empty text is not a bad row: it is written, flagged by num_scored 0 and null sums
     assert sorted(table.column("id").to_pylist()) == sorted(set(range(5)) - {1} - long_rows)
     (empty,) = [r for r in table.to_pylist() if r["id"] == 2]
@@ -214,13 +214,13 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
     assert os.stat(out / "part-00000.parquet").st_mtime_ns == kept
     assert pq.read_table(out / "part-00002.parquet").equals(pq.read_table(pa.BufferReader(before["part-00002.parquet"])))
     assert (out / "_SUCCESS").exists()
-    with pytest.raises(ValueError, match="--resume refused.*options"):
+    with pytest.raises(ValueError, match="resume=True refused.*options"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=2,
                               resume=True, progress=False, task_tokens=0)
-    with pytest.raises(ValueError, match="--resume refused.*model"):
+    with pytest.raises(ValueError, match="resume=True refused.*model"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama_tuned"], client=client, text_column="text",
                               resume=True, progress=False, task_tokens=0)
-    with pytest.raises(ValueError, match="holds a finished dask-lm scoring job.*--resume.*--overwrite"):
+    with pytest.raises(ValueError, match="holds a finished dask-lm scoring job.*resume=True.*overwrite=True"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", progress=False,
                               task_tokens=0)
 

@@ -65,7 +65,7 @@ def test_interrupted_then_resumed_equals_one_run(client, tiny, data, tmp_path):
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0)
     state = json.loads((tmp_path / "part" / "step_9" / "training_state.json").read_text())
     assert state["step"] == 9
-    with pytest.raises(ValueError, match="--resume refused.*options"):
+    with pytest.raises(ValueError, match="resume=True refused.*options"):
         _run(data, tmp_path / "part", tiny, client, resume=True, lr=1e-3)
 
 

@@ -10,13 +10,13 @@ import glob
 import json
 import os
 import uuid
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dask_lm import interface
 from dask_lm.io.fingerprint import Pin, stamp, verify
 
 __all__ = ["ScoreInputs", "resolve_input_files", "inspect_inputs", "part_name", "write_part", "write_json_atomic",
@@ -107,8 +107,7 @@ def _once(files: list[str]) -> list[str]:
             out.append(f)
     if twice:
         shown = "; ".join(twice[:3]) + (f" and {len(twice) - 3} more" if len(twice) > 3 else "")
-        warnings.warn(f"{len(twice)} input paths lead to a file already in the input, each read once: {shown}",
-                      UserWarning, stacklevel=3)
+        interface.warn(f"{len(twice)} input paths lead to a file already in the input, each read once: {shown}")
     return out
 
 
@@ -132,8 +131,8 @@ def _walk_parquet(directory: str) -> list[str]:
                   if f.endswith((".parquet", ".parq", ".pq")) and not f.startswith(("_", "."))]
     if again:
         shown = ", ".join(again[:3]) + (f" and {len(again) - 3} more" if len(again) > 3 else "")
-        warnings.warn(f"{len(again)} directories of input {directory} are reached a second way (a symlink loop, or two "
-                      f"links to one directory), each walked once: {shown}", UserWarning, stacklevel=4)
+        interface.warn(f"{len(again)} directories of input {directory} are reached a second way (a symlink loop, or "
+                       f"two links to one directory), each walked once: {shown}")
     return found
 
 
@@ -208,7 +207,7 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
     for reserved in [name for name, _type in output_schema_columns(1, decode_topk=True)]:
         if id_column is None and reserved in out.schema.names:
             raise ValueError(f"{first}: input column {reserved!r} would collide with the output column of the same "
-                             "name; pass --id-column to keep only an id column")
+                             f"name; pass {interface.opt('id_column')} to keep only an id column")
     return out
 
 
