@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from dask_lm import __version__  # the package imports its heavy modules lazily: --help stays fast
+from dask_lm import interface  # the standard library only
 from dask_lm.engine import interrupts  # signal and threading only
 
 __all__ = ["main"]
@@ -66,7 +67,8 @@ def _exit_codes(ctx: click.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
     ``--verbose`` the full traceback comes first, and the exit code is the same."""
     verbose = ctx.obj["verbose"]
     try:
-        with interrupts.terminate_as_interrupt():  # a scheduler's SIGTERM gets Ctrl-C's cleanup and one line
+        # a scheduler's SIGTERM gets Ctrl-C's cleanup and one line; messages name flags, not keyword arguments
+        with interrupts.terminate_as_interrupt(), interface.cli():
             return fn(*args, **kwargs)
     except KeyboardInterrupt as e:  # the job's own line (what it kept), else a bare one; 130 / 143 as shells do
         if verbose:

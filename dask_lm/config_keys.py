@@ -127,7 +127,7 @@ def _inert(value: Any, inert: Any) -> bool:
 
 def _check_unhonoured(cfg: PolicyConfig) -> None:
     """Refuse or warn about :data:`_UNHONOURED` keys set to a value that would change behaviour under NeMo RL."""
-    import warnings
+    from dask_lm import interface
 
     for key, action, inert, reason in _UNHONOURED:
         if action == "accept":
@@ -139,7 +139,6 @@ def _check_unhonoured(cfg: PolicyConfig) -> None:
             continue
         if action == "refuse":
             raise ValueError(f"`policy.{key}` = {value!r} is not supported: {reason}")
-        # attributed to this module (stacklevel=1), so Python's default filter shows each key's warning once per
-        # process (a Policy builds its config again on every worker and for every call that reads it)
-        warnings.warn(f"`policy.{key}` = {value!r} is accepted for NeMo RL compatibility and ignored: {reason}",
-                      UserWarning, stacklevel=1)
+        # at the user's line (their Policy(...) or PolicyConfig call), so Python's default filter shows it once
+        # there; the ranks build the config again without warning (workers/tasks.py: _init_policy)
+        interface.warn(f"`policy.{key}` = {value!r} is accepted for NeMo RL compatibility and ignored: {reason}")

@@ -129,7 +129,7 @@ def test_read_scores_refuses_what_is_not_a_finished_scoring_output(job, tmp_path
 def test_decode_topk_needs_topk(tiny, tmp_path):
     data = tmp_path / "d.parquet"
     pq.write_table(pa.table({"text": ["a b c"]}), data)
-    with pytest.raises(ValueError, match="--decode-topk .* needs --topk K"):
+    with pytest.raises(ValueError, match="decode_topk=True .* needs topk=K"):
         dask_lm.score_parquet(data, tmp_path / "out", model=tiny["llama"], text_column="text", decode_topk=True)
     result = CliRunner().invoke(cli, ["score", str(data), "--model", tiny["llama"], "--text-column", "text",
                                       "--output", str(tmp_path / "out"), "--decode-topk"])

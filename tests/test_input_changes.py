@@ -58,7 +58,7 @@ def test_verify_passes_a_touch_and_refuses_new_bytes(tmp_path):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with the old mtime put back (ctime moves)
     with pytest.raises(InputChangedError, match="same size, different content") as e:
         fingerprint.verify(pin)
-    assert path in str(e.value) and "--resume" in str(e.value) and "--overwrite" in str(e.value)
+    assert path in str(e.value) and "resume=True" in str(e.value) and "overwrite=True" in str(e.value)
     _write(path, _texts(9))
     with pytest.raises(InputChangedError, match="bytes when the job pinned it"):
         fingerprint.verify(pin)

@@ -184,6 +184,6 @@ def test_the_separate_convention_encodes_prompt_and_response_apart(client, tiny,
         assert (row["prompt_tokens"], row["num_scored"]) == (len(ctx), len(cont))
         total, greedy = _hf_sum(model, ctx + cont, len(ctx))
         assert row["sum_logprob"] == pytest.approx(total, abs=1e-4) and row["is_greedy"] == greedy
-    with pytest.raises(ValueError, match="--convention must be one of 'lm-eval', 'separate'"):
+    with pytest.raises(ValueError, match="convention must be one of 'lm-eval', 'separate'"):
         dask_lm.score_parquet(data, tmp_path / "x", model=tiny["llama"], prompt_column="prompt",
                               response_column="response", convention="lm_eval")

@@ -57,12 +57,12 @@ def test_a_bad_row_then_resume_with_skip_bad_rows_keeps_the_good_part(client, ti
     # a job too large for the driver's pre-scan (engine/prescan.py): its worker finds the bad row mid-job, after
     # the parts before it were written
     monkeypatch.setattr(prescan, "PRESCAN_MAX_TOKENS", 0)
-    with pytest.raises(ValueError, match=r"row 2, column 'text'.*--resume --skip-bad-rows"):
+    with pytest.raises(ValueError, match=r"row 2, column 'text'.*call again with resume=True, skip_bad_rows=True"):
         _score(bad_data, out, tiny["llama"], client)
     # the retry the first error suggests, without --resume: refused, naming what to type, before any model check
     with monkeypatch.context() as m:
         m.setattr(cluster, "connect", lambda *a, **k: pytest.fail("a cluster was started"))
-        with pytest.raises(ValueError, match=r"unfinished dask-lm scoring job.*--resume.*--skip-bad-rows.*--overwrite"):
+        with pytest.raises(ValueError, match=r"unfinished dask-lm scoring job.*resume=True.*skip_bad_rows=True.*overwrite=True"):
             _score(bad_data, out, str(tmp_path / "no-such-model"), None, skip_bad_rows=True)
     result = _score(bad_data, out, tiny["llama"], client, skip_bad_rows=True, resume=True)
     assert result.bad_rows == 1 and not result.already_complete
@@ -100,13 +100,13 @@ def test_a_finished_job_resumes_at_once_and_overwrite_runs_again(client, tiny, t
     success = (out / "_SUCCESS").read_bytes()
     with monkeypatch.context() as m:
         m.setattr(cluster, "connect", lambda *a, **k: pytest.fail("a cluster was started"))
-        with pytest.raises(ValueError, match=r"finished dask-lm scoring job \(3 rows\).*--resume.*--overwrite"):
+        with pytest.raises(ValueError, match=r"finished dask-lm scoring job \(3 rows\).*resume=True.*overwrite=True"):
             _score(data, out, str(tmp_path / "no-such-model"), None)
         again = _score(data, out, tiny["llama"], None, resume=True)
     assert again.already_complete and (again.rows, again.tokens) == (first.rows, first.tokens)
     assert again.corpus_perplexity == pytest.approx(first.corpus_perplexity, rel=1e-12)
     assert (out / "_SUCCESS").read_bytes() == success
-    with pytest.raises(ValueError, match="--resume and --overwrite exclude each other"):
+    with pytest.raises(ValueError, match="resume=True and overwrite=True exclude each other"):
         _score(data, out, tiny["llama"], client, resume=True, overwrite=True)
     # --overwrite with other options: a new job, its manifest and parts replace the old ones
     redone = _score(data, out, tiny["llama"], client, topk=2, overwrite=True)
@@ -140,7 +140,7 @@ def test_sft_finished_run_resumes_at_once_overwrite_retrains_and_weights_are_sel
     success = (out / "_SUCCESS").read_bytes()
     with monkeypatch.context() as m:
         m.setattr(cluster, "connect", lambda *a, **k: pytest.fail("a cluster was started"))
-        with pytest.raises(ValueError, match=r"finished dask-lm sft run.*--resume.*--overwrite"):
+        with pytest.raises(ValueError, match=r"finished dask-lm sft run.*resume=True.*overwrite=True"):
             sft_parquet(data, out, client=None, **{**args, "model": str(tmp_path / "no-such-model")})
         again = sft_parquet(data, out, client=None, resume=True, **args)
     assert again.already_complete and again.steps == 2 and again.losses == pytest.approx(done.losses)

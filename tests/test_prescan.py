@@ -96,4 +96,4 @@ def test_large_jobs_and_skipping_jobs_leave_the_checks_to_the_workers(client, ti
     with pytest.raises(BadRowError) as e:
         dask_lm.score_parquet(text_data, tmp_path / "out", model=tiny["llama"], client=client, text_column="text",
                               max_length=24, progress=False)
-    assert "found before scoring" not in str(e.value) and "--skip-bad-rows" in str(e.value)  # a worker's
+    assert "found before scoring" not in str(e.value) and "skip_bad_rows=True" in str(e.value)  # a worker's

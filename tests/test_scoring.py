@@ -194,7 +194,7 @@ def test_bad_rows_fail_or_are_skipped(client, tiny, tok, tmp_path):
     errors = pq.read_table(tmp_path / "o2" / "_errors.parquet").to_pylist()
     long_rows = {i for i, t in enumerate(texts) if t is not None and 1 + len(tok(t)["input_ids"]) > 3}  # + BOS
     assert {e["row"] for e in errors} == {1} | long_rows and res.bad_rows == len(errors)
-    assert all("more than --max-length 3" in e["error"] for e in errors if e["row"] != 1)
+    assert all("more than max_length=3" in e["error"] for e in errors if e["row"] != 1)
     # the empty text is not a bad row: it is written, flagged by num_scored 0 and null sums
     assert sorted(table.column("id").to_pylist()) == sorted(set(range(5)) - {1} - long_rows)
     (empty,) = [r for r in table.to_pylist() if r["id"] == 2]
@@ -212,7 +212,7 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
     os.remove(out / "_SUCCESS")  # as if the job had died before its last part
     kept = os.stat(out / "part-00000.parquet").st_mtime_ns
     # a given option that differs is refused, naming it, before anything starts
-    with pytest.raises(ValueError, match=r"--resume refused: .* different options: --topk was 2, now 3 "):
+    with pytest.raises(ValueError, match=r"resume=True refused: .* different options: topk was 2, now 3 "):
         dask_lm.score_parquet(None, out, client=None, resume=True, topk=3, progress=False)
     again = dask_lm.score_parquet(None, out, client=client, resume=True, progress=False)
     # the part scored again is the uninterrupted run's, value for value, and every row is there once
@@ -231,7 +231,7 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
     assert os.stat(out / "part-00000.parquet").st_mtime_ns == kept
     assert pq.read_table(out / "part-00002.parquet").equals(pq.read_table(pa.BufferReader(before["part-00002.parquet"])))
     assert (out / "_SUCCESS").exists()
-    with pytest.raises(ValueError, match="--resume refused.*options"):
+    with pytest.raises(ValueError, match="resume=True refused.*options"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=3,
                               resume=True, progress=False, task_tokens=0)
     # the CLI alike: `--output DIR --resume` alone finishes the job (the cluster from DASK_SCHEDULER_ADDRESS)
@@ -245,10 +245,10 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
     assert "30 (7 scored by this run)" in result.output and re.search(r"parts +4 \(3 already done\)", result.output)
     assert pq.read_table(out / "part-00001.parquet").equals(pq.read_table(pa.BufferReader(before["part-00001.parquet"])))
     assert sorted(_read(out)[0].column("id").to_pylist()) == list(range(30))
-    with pytest.raises(ValueError, match="--resume refused.*model"):
+    with pytest.raises(ValueError, match="resume=True refused.*model"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama_tuned"], client=client, text_column="text",
                               resume=True, progress=False, task_tokens=0)
-    with pytest.raises(ValueError, match="holds a finished dask-lm scoring job.*--resume.*--overwrite"):
+    with pytest.raises(ValueError, match="holds a finished dask-lm scoring job.*resume=True.*overwrite=True"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", progress=False,
                               task_tokens=0)
 
@@ -267,8 +267,6 @@ def test_a_part_that_cannot_be_written_is_named_with_the_fix(client, tiny, datas
     """The workers' part writes fail in the operating system (a 1 KiB file size limit: every part file is
     larger), through the real writer: exit 1 and one line naming the part, its path, the reason and the fix; no
     temporary file left, nothing under a part's name; once there is room, `--resume` scores every row once."""
-    from dask_lm.io.parquet import WRITE_FIX
-
     out = tmp_path / "out"
     limits = client.run(_limit_file_size, 1024)
     try:
@@ -288,8 +286,8 @@ def test_a_part_that_cannot_be_written_is_named_with_the_fix(client, tiny, datas
     assert match, result.output
     name = match.group(1)
     assert result.output == (f"Error: PartWriteError: could not write {name} ({out / name}): "
-                             f"{os.strerror(errno.EFBIG)}; {WRITE_FIX}\n")
-    assert WRITE_FIX.startswith("free space (or fix what the reason names), then run the same command with --resume")
+                             f"{os.strerror(errno.EFBIG)}; free space (or fix what the reason names), then run the "
+                             "same command with --resume; the parts already written are kept\n")
     assert sorted(os.listdir(out)) == [".dask-lm.lock", "_errors", "_manifest.json"]  # no part, no temporary
     assert os.listdir(out / "_errors") == []
     done = CliRunner().invoke(cli, ["score", "--output", str(out), "--resume", "--no-progress",

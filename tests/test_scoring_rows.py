@@ -317,7 +317,7 @@ def test_ids_mode_prompt_lengths_set_the_first_scored_id_and_are_checked():
     # 8 ids, 6 of them context, limit 5: the first 3 ids go, the 2 scored ones stay whole after 3 context ids
     assert rows.errors[5] is None and rows.ids[5] == [4, 5, 6, 7, 8] and rows.start[5] == 3 and rows.truncated[5]
     assert rows.errors[6] == ("f.parquet: row 6, columns 'ids' + 'plen': the response alone is 6 tokens, and "
-                              "scoring it needs it plus at least one context token within --max-length 5; --truncate "
+                              "scoring it needs it plus at least one context token within max_length=5; truncate=True "
                               "cannot keep it whole: shorten the response or use a model with more positions")
 
 

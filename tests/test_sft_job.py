@@ -77,7 +77,7 @@ def test_interrupted_then_resumed_equals_one_run(client, tiny, data, tmp_path, m
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0)
     state = json.loads((tmp_path / "part" / "step_9" / "training_state.json").read_text())
     assert state["step"] == 9
-    with pytest.raises(ValueError, match=r"--resume refused: .* different options: --lr was 0.003, now 0.001 "):
+    with pytest.raises(ValueError, match=r"resume=True refused: .* different options: lr was 0.003, now 0.001 "):
         sft_parquet(None, tmp_path / "part", client=client, resume=True, lr=1e-3)
 
 

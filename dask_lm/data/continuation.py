@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from dask_lm.interface import opt
+
 __all__ = ["CONVENTIONS", "Convention", "check_convention", "encode_pairs", "encode_texts", "prefix_token_id"]
 
 Convention = Literal["lm-eval", "separate"]
@@ -54,7 +56,8 @@ def prefix_token_id(tokenizer: Any) -> int:
             return value
     raise ValueError(f"the tokenizer {type(tokenizer).__name__} has neither a BOS nor an EOS token, so an empty prompt "
                      "(or a text row) has nothing to condition its first token on; give the tokenizer a bos_token or "
-                     "eos_token, or use the 'separate' convention (--convention separate), which leaves that token "
+                     f"eos_token, or use the 'separate' convention ({opt('convention', 'separate')}), which leaves "
+                     "that token "
                      "unscored")
 
 

@@ -250,6 +250,9 @@ class ScoreOptions:
     # the model and tokenizer files as the job pinned them (dask_lm.io.fingerprint.Pin): a replica is loaded only
     # from files that still hold that content, and is kept apart from one loaded from another version
     model_pins: tuple[Any, ...] = ()
+    # who started the job ("python" or "cli"): a worker's messages name options as that caller spells them
+    # (dask_lm.interface); not pinned by the manifest, as it changes no value
+    interface: Literal["python", "cli"] = "python"
 
     def micro_batch_tokens(self, packed: bool) -> int:
         """Tokens per micro-batch: ``batch_tokens``, else the default for the worker's layout."""

@@ -18,6 +18,7 @@ from typing import Any
 from dask_lm.data.continuation import Convention, encode_pairs, encode_texts
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
+from dask_lm.interface import opt
 
 __all__ = ["BadRowError", "PreparedRows", "position_limit", "prepare_rows", "tokenize_rows"]
 
@@ -39,7 +40,7 @@ def position_limit(max_positions: int | None, max_length: int | None) -> tuple[i
     were never trained there, and learned-position models fail with an index error that names no row: either way a
     longer row is a bad row, not a silently wrong score."""
     if max_length is not None and (max_positions is None or max_length <= max_positions):
-        return max_length, f"--max-length {max_length}"
+        return max_length, opt("max_length", max_length)
     if max_positions is not None:
         return max_positions, f"the model's {max_positions} positions (max_position_embeddings in its config.json)"
     return None, ""
@@ -268,16 +269,18 @@ def _cut(toks: list[int], limit: int, limit_why: str, truncate: bool, prompt_len
     n = len(toks)
     if prompt_len is None:
         if not truncate:
-            return (f"{n} tokens, more than {limit_why}; pass --truncate to keep the last {limit} tokens (or "
-                    "--max-length N to choose where to cut)")
+            return (f"{n} tokens, more than {limit_why}; pass {opt('truncate', True)} to keep the last {limit} "
+                    f"tokens (or {opt('max_length', meta='N')} to choose where to cut)")
         return toks[n - limit:], 1
     response = n - prompt_len
     if response >= limit:
         return (f"the response alone is {response} tokens, and scoring it needs it plus at least one context token "
-                f"within {limit_why}; --truncate cannot keep it whole: shorten the response or use a model with "
+                f"within {limit_why}; {opt('truncate', True)} cannot keep it whole: shorten the response or use a "
+                "model with "
                 "more positions")
     if not truncate:
-        return (f"prompt + response are {n} tokens, more than {limit_why}; pass --truncate to drop the first "
+        return (f"prompt + response are {n} tokens, more than {limit_why}; pass {opt('truncate', True)} to drop the "
+                "first "
                 f"{n - limit} prompt tokens (the response is kept whole)")
     drop = n - limit
     return toks[drop:], prompt_len - drop

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from distributed import Client
 
+from dask_lm.interface import current, opt
+
 __all__ = ["connect", "close", "count_gpus", "as_client", "performance_report"]
 
 logger = logging.getLogger("dask_lm")
@@ -37,6 +39,11 @@ def count_gpus() -> int:
         pass
     gpus_dir = "/proc/driver/nvidia/gpus"
     return len(os.listdir(gpus_dir)) if os.path.isdir(gpus_dir) else 0
+
+
+def _name(key: str) -> str:
+    """An argument's name in a message: ``--n-workers`` to the CLI's user, `` `n_workers` `` to a Python caller."""
+    return opt(key) if current() == "cli" else f"`{key}`"
 
 
 def _scheduler_file(address: str) -> bool:
@@ -86,7 +93,7 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
     gpus = count_gpus()
     use_cuda = cluster == "cuda" or (cluster == "auto" and gpus > 0)
     if n_workers is not None and n_workers < 1:
-        raise ValueError(f"`n_workers` must be >= 1, got {n_workers}")
+        raise ValueError(f"{_name('n_workers')} must be >= 1, got {n_workers}")
     if dashboard_address is None:
         dashboard_address = f"[{host}]:0" if ":" in host else f"{host}:0"
     if os.environ.get("DASK_LM_QUIET_WORKERS") == "1":
@@ -106,7 +113,7 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
                              "or pass cluster='cpu'") from e
         n = n_workers or gpus
         if n > gpus:
-            raise ValueError(f"`n_workers`={n} but only {gpus} GPUs are visible: one worker per GPU")
+            raise ValueError(f"{opt('n_workers', n)} but only {gpus} GPUs are visible: one worker per GPU")
         devices = os.environ.get("CUDA_VISIBLE_DEVICES")
         visible = devices.split(",")[:n] if devices else list(range(n))
         # model weights and pinned buffers are unmanaged memory: Dask's pause / terminate thresholds would

@@ -35,6 +35,7 @@ from typing import Any
 
 from dask_lm.engine.progress import JobBar
 from dask_lm.errors import InputChangedError
+from dask_lm.interface import opt
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 
@@ -42,6 +43,7 @@ __all__ = ["JobKind", "JobOutput", "check_columns", "precision_name", "worker_pr
            "resolve_tokenizer", "manifest", "ClusterStart", "in_thread", "running", "located_partitions", "publishing"]
 
 _PRECISIONS = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+_SHORT = {name: short for short, name in _PRECISIONS.items()}  # what --precision takes, for messages
 # what AutoTokenizer needs at least one of; the other tokenizer files only complete these
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -49,16 +51,16 @@ _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
 def check_columns(*, text_column: str | None, prompt_column: str | None, response_column: str | None,
                   ids_column: str | None = None, takes_ids: bool = True) -> None:
     """Exactly one way to read the rows: a text column, token ids (jobs that ``takes_ids``), or prompt + response."""
-    modes = [("--text-column", text_column), ("--prompt-column with --response-column",
-                                              prompt_column or response_column)]
+    modes = [(opt("text_column"), text_column), (f"{opt('prompt_column')} with {opt('response_column')}",
+                                                 prompt_column or response_column)]
     if takes_ids:
-        modes.insert(1, ("--ids-column", ids_column))
+        modes.insert(1, (opt("ids_column"), ids_column))
     given = [flag for flag, on in modes if on]
     if len(given) != 1:
         flags = [flag for flag, _ in modes]
         raise ValueError(f"give exactly one of {', '.join(flags[:-1])} or {flags[-1]} (got {given or 'none'})")
     if (prompt_column is None) != (response_column is None):
-        raise ValueError("--prompt-column and --response-column go together")
+        raise ValueError(f"{opt('prompt_column')} and {opt('response_column')} go together")
 
 
 def precision_name(precision: str | None, allowed: tuple[str, ...] = ("bf16", "fp32", "fp16")) -> str | None:
@@ -68,7 +70,8 @@ def precision_name(precision: str | None, allowed: tuple[str, ...] = ("bf16", "f
         return None
     name = _PRECISIONS.get(precision, precision)
     if name not in [_PRECISIONS[a] for a in allowed]:
-        raise ValueError(f"--precision must be auto, {', '.join(allowed[:-1])} or {allowed[-1]}, got {precision!r}")
+        raise ValueError(f"{opt('precision')} must be auto, {', '.join(allowed[:-1])} or {allowed[-1]}, got "
+                         f"{precision!r}")
     return name
 
 
@@ -94,7 +97,7 @@ def resolve_tokenizer(tokenizer: str | os.PathLike[str] | None, model: str, *, f
     ``ValueError`` for a directory without tokenizer files; ``None`` when the job needs no tokenizer (token-id
     input), and nothing is checked. With ``check`` its JSON files must parse (a garbled one would fail on every
     worker instead)."""
-    path = hub.resolve_model(tokenizer, what="--tokenizer").path if tokenizer else model
+    path = hub.resolve_model(tokenizer, what=opt("tokenizer")).path if tokenizer else model
     if fix is None:
         return path
     if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_MARKERS):
@@ -139,8 +142,8 @@ class JobKind:
     ``--overwrite`` may delete)."""
     debris: Callable[[str], Any]
     """Deletes, from the output, the temporaries a killed job left (called under the lock: nothing writes them)."""
-    resume_hint: str = ""
-    """Added to the advice for an unfinished output."""
+    resume_hint: Callable[[], str] = str
+    """Added to the advice for an unfinished output (rendered when refused: it may name an option)."""
     flags: dict[str, str] = field(default_factory=dict)
     """Option keys to the names users know them by, where not ``--key-with-dashes``."""
 
@@ -181,7 +184,7 @@ class JobOutput:
 
     def _refuse_occupied(self) -> None:
         jobdir.refuse_occupied(self.path, self.state, job=self.kind.name, resume=self.resume,
-                               overwrite=self.overwrite, resume_hint=self.kind.resume_hint)
+                               overwrite=self.overwrite, resume_hint=self.kind.resume_hint())
 
     @property
     def finished(self) -> bool:
@@ -254,9 +257,10 @@ class JobOutput:
             pinned["options"]["precision"] = precision
             self.write_manifest(pinned)
         elif was != precision:
-            raise ValueError(f"--resume refused: {self.path} was {self.kind.did} in {was}, and these workers would "
-                             f"run in {precision} (--precision was {was}, now {precision}); resume on workers like "
-                             f"the first run's or pass --precision {was}, or write into a new --output")
+            raise ValueError(f"{opt('resume', True)} refused: {self.path} was {self.kind.did} in {was}, and these "
+                             f"workers would run in {precision} ({opt('precision')} was {was}, now {precision}); "
+                             f"resume on workers like the first run's or pass {opt('precision', _SHORT.get(was, was))}, "
+                             f"or write into a new {opt('output')}")
 
     def reopen(self) -> None:
         """The job goes on (a resumed run given more steps): its output is no longer finished."""

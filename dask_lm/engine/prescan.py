@@ -18,6 +18,7 @@ import logging
 
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.data.rows import prepare_rows
+from dask_lm.interface import opt
 from dask_lm.io import modelcheck
 from dask_lm.io import parquet as pio
 from dask_lm.io.spans import Span
@@ -65,4 +66,4 @@ def message(errors: list[str]) -> str:
     shown = "; ".join(errors[:SHOWN])
     more = f" (and {len(errors) - SHOWN} more)" if len(errors) > SHOWN else ""
     return (f"{len(errors)} bad row{'s' * (len(errors) != 1)} in the input, found before scoring: {shown}{more}; "
-            "fix the data, or pass --skip-bad-rows to leave bad rows out (listed in _errors.parquet)")
+            f"fix the data, or pass {opt('skip_bad_rows', True)} to leave bad rows out (listed in _errors.parquet)")

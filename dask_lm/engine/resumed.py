@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from dask_lm.engine import jobs
+from dask_lm.interface import current, opt
 from dask_lm.io import jobdir
 from dask_lm.io.parquet import MANIFEST
 
@@ -50,14 +51,16 @@ def fill(output: str | os.PathLike[str], *, resume: bool, given: dict[str, Any],
         for key, value in values.items():
             if value is None and key in pinned and not (mode_given and key in _MODE_COLUMNS):
                 values[key] = pinned[key]
-    missing = [name for key, name in (("input", "the inputs"), ("model", "--model")) if values.get(key) is None]
+    inputs = "the inputs" if current() == "cli" else "input"
+    missing = [name for key, name in (("input", inputs), ("model", opt("model"))) if values.get(key) is None]
     if missing and resume and manifest is None:
-        raise ValueError(f"--resume: nothing to resume in {path}: it holds no {MANIFEST} (no dask-lm {job} was "
-                         f"started there), so {' and '.join(missing)} cannot be taken from it; pass the --output of "
-                         "the job to resume, or give the inputs, --model and the options to start one")
+        raise ValueError(f"{opt('resume', True)}: nothing to resume in {path}: it holds no {MANIFEST} (no dask-lm "
+                         f"{job} was started there), so {' and '.join(missing)} cannot be taken from it; pass the "
+                         f"{opt('output')} of the job to resume, or give {inputs}, {opt('model')} and the options to "
+                         "start one")
     if missing:
-        raise ValueError(f"{' and '.join(missing)} must be given (only --resume takes them from the {MANIFEST} of "
-                         "the job in --output)")
+        raise ValueError(f"{' and '.join(missing)} must be given (only {opt('resume', True)} takes them from the "
+                         f"{MANIFEST} of the job in {opt('output')})")
     for key, default in defaults.items():
         if values.get(key) is None:
             values[key] = default

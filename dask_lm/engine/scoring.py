@@ -33,6 +33,7 @@ from typing import Any
 from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
+from dask_lm.interface import again, current, opt, warn
 from dask_lm.engine import cluster, interrupts, jobs, prescan, resumed
 from dask_lm.engine.progress import JobBar
 from dask_lm.engine.start_clock import StartClock
@@ -136,7 +137,7 @@ class ScoreResult(ScoreRows):
 
     def summary(self) -> list[tuple[str, str]]:
         if self.already_complete:
-            speed = [("status", "already complete: nothing was run (pass --overwrite to score again)")]
+            speed = [("status", f"already complete: nothing was run (pass {opt('overwrite', True)} to score again)")]
         else:
             first = self.start_phases.get("first_row")
             steps = " + ".join(f"{_PHASE_LABELS.get(k, k)} {v:.1f}" for k, v in self.wall_phases.items())
@@ -167,7 +168,7 @@ def _options(opts: ScoreOptions) -> dict[str, Any]:
     (a job refused for NaN may be resumed keeping them; parts written before hold only finite values)."""
     options = {k: v for k, v in asdict(opts).items() if k not in ("output", "model", "tokenizer", "batch_tokens",
                                                                    "chunk_size", "allow_nonfinite", "compile",
-                                                                   "compile_head", "model_pins")}
+                                                                   "compile_head", "model_pins", "interface")}
     if not opts.decode_topk:  # pinned once set: a manifest from before the option resumes as it was written
         del options["decode_topk"]
     options["precision"] = None if opts.precision == "auto" else opts.precision  # pinned once the workers are known
@@ -183,7 +184,7 @@ def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, source: hub.ModelSour
 
 _KIND = jobs.JobKind(name="scoring job", did="scored", owned=r"part-\d{5}\.parquet|_errors\.parquet|_errors",
                      debris=pio.remove_debris,
-                     resume_hint=" (add --skip-bad-rows to leave out the bad rows that stopped it)")
+                     resume_hint=lambda: f" (add {opt('skip_bad_rows', True)} to leave out the bad rows that stopped it)")
 
 
 def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
@@ -248,14 +249,16 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                       allow_nonfinite=False)).values()
     jobs.check_columns(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
                        response_column=response_column)
-    conv = check_convention(convention, "--convention")
+    conv = check_convention(convention, opt("convention"))
     if prompt_length_column is not None and ids_column is None:
-        raise ValueError("--prompt-length-column goes with --ids-column (prompt + response text has its prompt "
-                         "length from --prompt-column)")
+        raise ValueError(f"{opt('prompt_length_column')} goes with {opt('ids_column')} (prompt + response text has "
+                         f"its prompt length from {opt('prompt_column')})")
     if topk < 0 or (task_tokens or 0) < 0 or any(v is not None and v < 1 for v in (max_length, batch_tokens)):
-        raise ValueError("--topk and --task-tokens must be >= 0, --max-length and --batch-tokens >= 1")
+        raise ValueError(f"{opt('topk')} and {opt('task_tokens')} must be >= 0, {opt('max_length')} and "
+                         f"{opt('batch_tokens')} >= 1")
     if decode_topk and not topk:
-        raise ValueError("--decode-topk decodes the top-k ids: it needs --topk K (e.g. --topk 5)")
+        raise ValueError(f"{opt('decode_topk', True)} decodes the top-k ids: it needs {opt('topk', meta='K')} (e.g. "
+                         f"{opt('topk', 5)})")
     fixed_precision = jobs.precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
     # 1. the checks that cost no more than a few small reads, before anything starts: the output folder, the model's
     #    files (config JSON, weight headers, --topk against the vocabulary it states), the tokenizer's, the inputs'
@@ -269,11 +272,12 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     info = modelcheck.check_model(model, load_config=False)
     stated = modelcheck.stated_vocab(model)
     if stated is not None and topk > stated:
-        raise ValueError(f"--topk {topk} is larger than the model's vocabulary ({stated} tokens, vocab_size in "
-                         f"{os.path.join(model, modelcheck.CONFIG)}); pass --topk {stated} or less")
+        raise ValueError(f"{opt('topk', topk)} is larger than the model's vocabulary ({stated} tokens, vocab_size "
+                         f"in {os.path.join(model, modelcheck.CONFIG)}); pass {opt('topk', stated)} or less")
     tokenizer = jobs.resolve_tokenizer(tokenizer, model, check=not finished, fix=None if ids_column and not decode_topk
-                                       else "pass --tokenizer, or score token ids with --ids-column" if not ids_column
-                                       else "--decode-topk decodes with it: pass --tokenizer")
+                                       else f"pass {opt('tokenizer')}, or score token ids with {opt('ids_column')}"
+                                       if not ids_column else f"{opt('decode_topk', True)} decodes with it: pass "
+                                       f"{opt('tokenizer')}")
     inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=ids_column,
                                 prompt_column=prompt_column, response_column=response_column, id_column=id_column,
                                 prompt_length_column=prompt_length_column)
@@ -284,7 +288,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                         prompt_length_column=prompt_length_column, convention=conv, topk=topk, decode_topk=decode_topk,
                         max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
                         skip_bad_rows=skip_bad_rows, allow_nonfinite=bool(allow_nonfinite), compile=bool(compile),
-                        compile_head=bool(compile))
+                        compile_head=bool(compile), interface=current())
     if out.state.kind != "new" and resume:  # the options and the plan, before any cluster starts
         resumed.precheck(out, {"options": _options(opts), "partitions": len(plan),
                                "partition_plan": spans.plan_digest(plan, inputs.files)}, skip_bad_rows=skip_bad_rows)
@@ -308,10 +312,9 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
 def _interrupted(out: jobs.JobOutput, parts: int, e: BaseException) -> interrupts.JobInterrupted:
     kept = sum(1 for n in out.kept() if n.startswith("part-"))
     if not os.path.exists(os.path.join(out.path, pio.MANIFEST)):  # a new job that kept nothing was removed
-        message = f"interrupted: nothing was written to {out.path}; run the same command again to start over"
+        message = f"interrupted: nothing was written to {out.path}; {again()} to start over"
     else:
-        message = (f"interrupted: {kept} of {parts} parts kept in {out.path}; run the same command with --resume "
-                   "to score the rest")
+        message = f"interrupted: {kept} of {parts} parts kept in {out.path}; {again(resume=True)} to score the rest"
     return interrupts.JobInterrupted(message, interrupts.signum_of(e))
 
 
@@ -464,8 +467,6 @@ def worth_compiling(inputs: pio.ScoreInputs, ids_column: str | None, workers: in
 def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
          done: list[int], preloads: list[Any],
          bar: JobBar, performance_report: str | None, clock: StartClock) -> ScoreResult:
-    import warnings
-
     import dask
     from distributed import as_completed, span
 
@@ -545,9 +546,8 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
                          start_phases=dict(clock.phases), model_load_phases={**clock.config_imports, **clock.load_phases},
                          model_load_seconds=load, compile_seconds=compile_s, phase_seconds=phases, **totals)
     if result.empty_rows:
-        warnings.warn(f"{result.empty_rows} rows had nothing to score (an empty text, response or id list, or a "
-                      "single token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null",
-                      UserWarning, stacklevel=3)
+        warn(f"{result.empty_rows} rows had nothing to score (an empty text, response or id list, or a single "
+             "token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null")
     return result
 
 

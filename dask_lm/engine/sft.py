@@ -38,6 +38,7 @@ from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.rows import tokenize_rows
 from dask_lm.engine import interrupts, jobs, resumed
 from dask_lm.engine import progress as progress_bars
+from dask_lm.interface import again, opt
 from dask_lm.io import jobdir
 from dask_lm.io import parquet as pio
 
@@ -190,12 +191,12 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                       keep=2)).values()
     jobs.check_columns(text_column=text_column, prompt_column=prompt_column, response_column=response_column,
                        takes_ids=False)
-    conv = check_convention(convention, "--convention")
+    conv = check_convention(convention, opt("convention"))
     for key, value in (("epochs", epochs), ("global_batch_size", global_batch_size),
                        ("micro_batch_size", micro_batch_size), ("max_length", max_length), ("save_every", save_every),
                        ("keep", keep)):
         if value < 1:
-            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+            raise ValueError(f"{opt(key)} must be >= 1, got {value}")
     fixed_precision = jobs.precision_name(precision, allowed=("bf16", "fp32"))  # None: the workers decide
     out = jobs.JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
     out.settings = dict(max_steps=max_steps, micro_batch_size=micro_batch_size, save_every=save_every, keep=keep)
@@ -286,12 +287,12 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
 def _interrupted(out: jobs.JobOutput, e: BaseException) -> interrupts.JobInterrupted:
     newest = _newest_checkpoint(out.path) if os.path.exists(os.path.join(out.path, pio.MANIFEST)) else None
     if newest is not None:
-        message = (f"interrupted: checkpoint step_{newest[0]} kept in {out.path}; run the same command with "
-                   "--resume to train on from it")
+        message = (f"interrupted: checkpoint step_{newest[0]} kept in {out.path}; {again(resume=True)} to train on "
+                   "from it")
     elif os.path.exists(os.path.join(out.path, pio.MANIFEST)):
-        message = f"interrupted: no checkpoint yet in {out.path}; run the same command with --resume to start it"
+        message = f"interrupted: no checkpoint yet in {out.path}; {again(resume=True)} to start it"
     else:
-        message = f"interrupted: nothing was written to {out.path}; run the same command again to start over"
+        message = f"interrupted: nothing was written to {out.path}; {again()} to start over"
     return interrupts.JobInterrupted(message, interrupts.signum_of(e))
 
 
@@ -331,11 +332,12 @@ def _tokenize_all(client: Any, inputs: pio.ScoreInputs, pins: list[Any], text_co
                 raise ValueError(f"{file}: row {first + i}: {len(ids)} token(s), nothing to train on")
             if len(ids) > max_length:
                 if not truncate:
-                    raise ValueError(f"{file}: row {first + i}: {len(ids)} tokens, more than --max-length "
-                                     f"{max_length}; pass --truncate or raise --max-length")
+                    raise ValueError(f"{file}: row {first + i}: {len(ids)} tokens, more than "
+                                     f"{opt('max_length', max_length)}; pass {opt('truncate', True)} or raise "
+                                     f"{opt('max_length')}")
                 ids = ids[:max_length]
             if start >= len(ids):
-                raise ValueError(f"{file}: row {first + i}: no response token within --max-length {max_length}")
+                raise ValueError(f"{file}: row {first + i}: no response token within {opt('max_length', max_length)}")
             rows.append((ids, start))
     if not rows:
         raise ValueError("the input has no rows")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import Client, Future, Lock, as_completed, wait
 
+from dask_lm import interface
 from dask_lm.errors import RankFailedError, WorkerLostError
 from dask_lm.workers import lease, tasks
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
@@ -266,7 +267,8 @@ class WorkerGroup:
                 raise exc
             raise RankFailedError(f"{what} failed on rank {rank} (worker {self.names[rank]!r}): "
                                   f"{type(exc).__name__}: {exc}") from exc
-        results: list[Any] = self.client.gather(list(futures))
+        # the ranks' warnings, raised again at the user's call: once, not once per rank (dask_lm.interface)
+        results: list[Any] = interface.reissue(self.client.gather(list(futures)))
         # a finished call needs no successor chained on it (the next call is submitted after this one ended), and a
         # held future of a finished task is one the scheduler recomputes when its worker dies — a model load or a
         # train step re-run on a restarted worker. So the chain lets go of what it gathered.

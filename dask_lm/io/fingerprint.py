@@ -168,11 +168,14 @@ def _rehash(path: str, now: Stamp) -> str:
 
 def _changed(pin: Pin, why: str) -> InputChangedError:
     return InputChangedError(f"{pin.path} changed while the job ran ({why}); results from two versions of a file "
-                             f"would be mixed, so the job stops without {_SUCCESS}. {_RESUME_FIX}")
+                             f"would be mixed, so the job stops without {_SUCCESS}. {_resume_fix()}")
 
 
-_RESUME_FIX = ("Restore the file as it was and run the same command with --resume (the parts written so far came "
-              "from the pinned content), or run with --overwrite to start again from the new content")
+def _resume_fix() -> str:
+    from dask_lm.interface import again, opt
+
+    return (f"Restore the file as it was and {again(resume=True)} (the parts written so far came from the pinned "
+            f"content), or pass {opt('overwrite', True)} to start again from the new content")
 
 
 def verify(pin: Pin, *, since: Stamp | None = None, rehash_racy: bool = False) -> Stamp:

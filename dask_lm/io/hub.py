@@ -70,11 +70,15 @@ def _cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
-def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None, what: str = "--model") -> ModelSource:
+def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None, what: str | None = None
+                  ) -> ModelSource:
     """A local model directory as it is, or a Hub id resolved to its local snapshot (downloading what is missing).
 
     ``what`` names the setting in errors (``--model``, ``policy.model_name``, ``--tokenizer``). Raises
     ``ValueError`` that says which name was tried, where it was looked for, and how to fix it."""
+    from dask_lm.interface import opt
+
+    what = what or opt("model")
     text = os.fspath(name)
     if os.path.exists(text):
         if not os.path.isdir(text):

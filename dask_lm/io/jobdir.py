@@ -36,6 +36,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
+from dask_lm.interface import current, opt
 from dask_lm.io.parquet import MANIFEST, SUCCESS
 
 __all__ = ["FORMAT", "LOCK", "OutputState", "output_state", "read_summary", "refuse_occupied", "clear_output",
@@ -60,7 +61,7 @@ def locked_output(output: str) -> Iterator[str]:
     """Create ``output`` if needed and hold its job lock until the block ends; ``ValueError`` when another job
     holds it. Yields the lock file's path."""
     if os.path.exists(output) and not os.path.isdir(output):
-        raise ValueError(f"--output {output!r} exists and is not a directory")
+        raise ValueError(f"{opt('output')} {output!r} exists and is not a directory")
     os.makedirs(output, exist_ok=True)
     path = os.path.join(output, LOCK)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec'd children (PEP 446)
@@ -86,8 +87,8 @@ def locked_output(output: str) -> Iterator[str]:
 
 def _in_use(output: str, fd: int) -> ValueError:
     holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown process"
-    return ValueError(f"--output {output} is in use by another dask-lm job ({holder} holds {LOCK}); wait for it to "
-                      "finish, or choose another --output")
+    return ValueError(f"{opt('output')} {output} is in use by another dask-lm job ({holder} holds {LOCK}); wait for "
+                      f"it to finish, or choose another {opt('output')}")
 
 
 def refuse_if_locked(output: str) -> None:
@@ -162,24 +163,27 @@ def refuse_occupied(output: str, state: OutputState, *, job: str, resume: bool, 
     an occupied one without ``--resume`` / ``--overwrite``, a foreign one, both flags at once. ``job`` names what
     the output holds ("scoring job", "sft run"); ``resume_hint`` adds to the unfinished case's advice."""
     if resume and overwrite:
-        raise ValueError("--resume and --overwrite exclude each other: --resume continues the job in --output, "
-                         "--overwrite deletes it and starts again; pass one of them")
+        raise ValueError(f"{opt('resume', True)} and {opt('overwrite', True)} exclude each other: "
+                         f"{opt('resume', True)} continues the job in {opt('output')}, {opt('overwrite', True)} "
+                         "deletes it and starts again; pass one of them")
     if state.kind == "new":
         return
     if state.kind == "foreign":
         shown = ", ".join(state.foreign[:3]) + (f" and {len(state.foreign) - 3} more" if len(state.foreign) > 3 else "")
-        raise ValueError(f"--output {output} holds files that are not a dask-lm {job}'s ({shown}); dask-lm "
-                         "deletes nothing it did not write: choose a new --output, or move those files away")
+        raise ValueError(f"{opt('output')} {output} holds files that are not a dask-lm {job}'s ({shown}); dask-lm "
+                         f"deletes nothing it did not write: choose a new {opt('output')}, or move those files away")
     if resume or overwrite:
         return
     if state.kind == "finished":
         rows = (state.summary or {}).get("rows")
         done = f" ({rows:,} rows)" if isinstance(rows, int) and job == "scoring job" else ""
-        raise ValueError(f"--output {output} holds a finished dask-lm {job}{done}; pass --resume to keep it (returns "
-                         "its summary at once), --overwrite to run again into it, or choose a new --output")
-    raise ValueError(f"--output {output} holds an unfinished dask-lm {job} (no {SUCCESS}); pass --resume to finish it "
-                     f"with the options {MANIFEST} pins{resume_hint}, --overwrite to discard it and start again with "
-                     "these options, or choose a new --output")
+        raise ValueError(f"{opt('output')} {output} holds a finished dask-lm {job}{done}; pass {opt('resume', True)} "
+                         f"to keep it (returns its summary at once), {opt('overwrite', True)} to run again into it, "
+                         f"or choose a new {opt('output')}")
+    raise ValueError(f"{opt('output')} {output} holds an unfinished dask-lm {job} (no {SUCCESS}); pass "
+                     f"{opt('resume', True)} to finish it with the options {MANIFEST} pins{resume_hint}, "
+                     f"{opt('overwrite', True)} to discard it and start again with these options, or choose a new "
+                     f"{opt('output')}")
 
 
 def clear_output(output: str, owned: str) -> list[str]:
@@ -209,7 +213,7 @@ def read_manifest(output: str) -> dict[str, Any] | None:
     if not os.path.exists(path):
         return None
     fix = (f"it is not a dask-lm manifest, so what {output} holds cannot be checked: move {output} aside (or delete "
-           "it) and run again, or choose another --output")
+           f"it) and run again, or choose another {opt('output')}")
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
@@ -227,17 +231,18 @@ def check_resume(old: dict[str, Any], new: dict[str, Any], *, output: str, what:
     ``what`` completes "was ... with different ...", e.g. "scored" or "trained". Option keys in ``ignore`` are
     not compared (one not known yet, like an automatic precision before the cluster is up). ``flags`` maps an option
     key to the name users know it by (default: ``--key-with-dashes``)."""
-    fix = (f"resume with the files and options {MANIFEST} pins, pass --overwrite instead of --resume to discard "
-           f"what {output} holds and start again with these, or write into a new --output")
+    resume, overwrite, out_opt = opt("resume", True), opt("overwrite", True), opt("output")
+    fix = (f"resume with the files and options {MANIFEST} pins, pass {overwrite} instead of {resume} to discard "
+           f"what {output} holds and start again with these, or write into a new {out_opt}")
     if old.get("format") != new.get("format"):
-        raise ValueError(f"--resume refused: {output} was {what} by dask-lm {old.get('dask_lm_version', '?')} "
+        raise ValueError(f"{resume} refused: {output} was {what} by dask-lm {old.get('dask_lm_version', '?')} "
                          f"(manifest format {old.get('format', 1)}); this dask-lm writes format {new.get('format')}, "
-                         f"whose pins and results may differ; pass --overwrite instead of --resume to run it again with this "
-                         "dask-lm, or write into a new --output")
+                         f"whose pins and results may differ; pass {overwrite} instead of {resume} to run it again "
+                         f"with this dask-lm, or write into a new {out_opt}")
     diffs = _differences(old, new, ignore, flags or {})
     if diffs:
         kinds = list(dict.fromkeys(kind for kind, _ in diffs))
-        raise ValueError(f"--resume refused: {output} was {what} with different {', '.join(kinds)}: "
+        raise ValueError(f"{resume} refused: {output} was {what} with different {', '.join(kinds)}: "
                          f"{'; '.join(text for _, text in diffs)} (see {MANIFEST}); {fix}")
 
 
@@ -253,12 +258,12 @@ def _differences(old: dict[str, Any], new: dict[str, Any], ignore: tuple[str, ..
         files = _file_differences(f"{label} file", old.get(f"{key}_files"), new.get(f"{key}_files"),
                                   new.get(key) or "")
         if files and old.get(key) != new.get(key):
-            files.insert(0, f"--{key} was {_show(old.get(key))}, now {_show(new.get(key))}")
+            files.insert(0, f"{opt(key)} was {_show(old.get(key))}, now {_show(new.get(key))}")
         out += [(label, text) for text in files]
     old_opts, new_opts = old.get("options") or {}, new.get("options") or {}
     for key in sorted(set(old_opts) | set(new_opts)):
         if key not in ignore and old_opts.get(key) != new_opts.get(key):
-            flag = flags.get(key, f"--{key.replace('_', '-')}")
+            flag = flags.get(key) if key in flags and current() == "cli" else opt(key)
             out.append(("options", f"{flag} was {_show(old_opts.get(key))}, now {_show(new_opts.get(key))}"))
     inputs = _file_differences("input file", old.get("inputs"), new.get("inputs"), "")
     old_paths = [e.get("path") for e in old.get("inputs") or []]
@@ -268,7 +273,7 @@ def _differences(old: dict[str, Any], new: dict[str, Any], ignore: tuple[str, ..
     if not inputs and (old.get("partitions"), old.get("partition_plan")) != (new.get("partitions"),
                                                                              new.get("partition_plan")):
         inputs.append(f"the rows were cut into parts another way ({old.get('partitions')} parts, now "
-                      f"{new.get('partitions')}: another --task-tokens, or another dask-lm version)")
+                      f"{new.get('partitions')}: another {opt('task_tokens')}, or another dask-lm version)")
     out += [("inputs", text) for text in inputs]
     return out
 
@@ -323,15 +328,16 @@ def check_output_location(output: str, input: Any, files: list[str]) -> None:
         path = os.fspath(item)
         if any(c in path for c in "*?["):
             if _glob_reaches(os.path.abspath(path), os.path.abspath(output)):
-                raise ValueError(f"--output {output} is where the input pattern {path!r} matches files: its own "
-                                 "files would be read as input by the next run or --resume; choose an output "
-                                 "directory the pattern does not reach")
+                raise ValueError(f"{opt('output')} {output} is where the input pattern {path!r} matches files: its "
+                                 f"own files would be read as input by the next run or {opt('resume', True)}; choose "
+                                 "an output directory the pattern does not reach")
         elif os.path.isdir(path) and _within(out, os.path.realpath(path)):
-            raise ValueError(f"--output {output} is inside the input directory {path}: its own files would be read "
-                             f"as input by the next run or --resume; choose an output directory outside {path}")
+            raise ValueError(f"{opt('output')} {output} is inside the input directory {path}: its own files would be "
+                             f"read as input by the next run or {opt('resume', True)}; choose an output directory "
+                             f"outside {path}")
     for f in files:
         if _within(os.path.realpath(f), out):
-            raise ValueError(f"input {f} is inside --output {output}; keep inputs and outputs in separate "
+            raise ValueError(f"input {f} is inside {opt('output')} {output}; keep inputs and outputs in separate "
                              "directories")
 
 

@@ -30,6 +30,8 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from dask_lm.interface import opt
+
 __all__ = ["weight_files", "stated_vocab", "stated_positions", "config_vocab", "transformers_module", "ModelInfo",
            "check_model", "check_safetensors", "check_tokenizer", "tokenizer_files", "TOKENIZER_FILES"]
 
@@ -64,10 +66,10 @@ def check_model(model: str, *, load_config: bool = True) -> ModelInfo:
     vocabulary size: for a job that will not load the model (a finished one's ``--resume``, whose files are
     still compared by content)."""
     if not os.path.isdir(model):
-        raise ValueError(f"--model {model!r} is not a directory")
+        raise ValueError(f"{opt('model')} {model!r} is not a directory")
     config_path = os.path.join(model, CONFIG)
     if not os.path.isfile(config_path):
-        raise ValueError(f"--model {model!r} has no config.json: not a Hugging Face model directory")
+        raise ValueError(f"{opt('model')} {model!r} has no config.json: not a Hugging Face model directory")
     _read_json(config_path, "a model config")
     weights = weight_files(model)
     vocab_size = _auto_config_vocab(model, config_path) if load_config else None
@@ -176,7 +178,7 @@ def weight_files(model: str) -> list[str]:
             return [index, *sorted(set(_index_map(model, index).values()))]
     if os.path.isfile(os.path.join(model, BIN)):
         return [BIN]
-    raise ValueError(f"--model {model!r} has no weights (*.safetensors or pytorch_model*.bin): from_pretrained "
+    raise ValueError(f"{opt('model')} {model!r} has no weights (*.safetensors or pytorch_model*.bin): from_pretrained "
                      f"loads {SAFETENSORS}, {SAFETENSORS_INDEX} with its shards, or {BIN}")
 
 

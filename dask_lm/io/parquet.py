@@ -11,19 +11,19 @@ import glob
 import json
 import os
 import uuid
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dask_lm import interface
 from dask_lm.errors import PartWriteError
 from dask_lm.io.fingerprint import Pin, stamp, verify
 
 __all__ = ["ScoreInputs", "resolve_input_files", "inspect_inputs", "part_name", "write_part", "write_json_atomic",
            "output_schema_columns", "UnreadableRowGroup", "slice_rows", "read_partition",
-           "errors_table", "errors_dir", "merge_errors", "remove_debris", "WRITE_FIX", "MANIFEST", "SUCCESS", "ERRORS"]
+           "errors_table", "errors_dir", "merge_errors", "remove_debris", "write_fix", "MANIFEST", "SUCCESS", "ERRORS"]
 
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS"
@@ -109,8 +109,7 @@ def _once(files: list[str]) -> list[str]:
             out.append(f)
     if twice:
         shown = "; ".join(twice[:3]) + (f" and {len(twice) - 3} more" if len(twice) > 3 else "")
-        warnings.warn(f"{len(twice)} input paths lead to a file already in the input, each read once: {shown}",
-                      UserWarning, stacklevel=3)
+        interface.warn(f"{len(twice)} input paths lead to a file already in the input, each read once: {shown}")
     return out
 
 
@@ -134,8 +133,8 @@ def _walk_parquet(directory: str) -> list[str]:
                   if f.endswith((".parquet", ".parq", ".pq")) and not f.startswith(("_", "."))]
     if again:
         shown = ", ".join(again[:3]) + (f" and {len(again) - 3} more" if len(again) > 3 else "")
-        warnings.warn(f"{len(again)} directories of input {directory} are reached a second way (a symlink loop, or two "
-                      f"links to one directory), each walked once: {shown}", UserWarning, stacklevel=4)
+        interface.warn(f"{len(again)} directories of input {directory} are reached a second way (a symlink loop, or "
+                       f"two links to one directory), each walked once: {shown}")
     return found
 
 
@@ -210,7 +209,7 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
     for reserved in [name for name, _type in output_schema_columns(1, decode_topk=True)]:
         if id_column is None and reserved in out.schema.names:
             raise ValueError(f"{first}: input column {reserved!r} would collide with the output column of the same "
-                             "name; pass --id-column to keep only an id column")
+                             f"name; pass {interface.opt('id_column')} to keep only an id column")
     return out
 
 
@@ -313,7 +312,7 @@ def _fsync(path: str) -> None:
 
 def write_part(table: pa.Table, directory: str, name: str) -> str:
     """Write ``table`` as ``directory/name``: a hidden temporary file first, then an atomic rename. An ``OSError``
-    (a full disk) becomes a :class:`~dask_lm.errors.PartWriteError` naming the part and the path (:data:`WRITE_FIX`);
+    (a full disk) becomes a :class:`~dask_lm.errors.PartWriteError` naming the part and the path (:func:`write_fix`);
     the temporary file is removed, and nothing appears under the final name."""
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
@@ -331,10 +330,12 @@ def write_part(table: pa.Table, directory: str, name: str) -> str:
     return final
 
 
-# What a failed part write tells the user to do. The parts written before it are complete (each renamed into place
-# whole), so the job resumes where it stopped. One place, for a caller who wants it said another way.
-WRITE_FIX = ("free space (or fix what the reason names), then run the same command with --resume (from Python: "
-             "resume=True); the parts already written are kept")
+def write_fix() -> str:
+    """What a failed part write tells the user to do, as the caller spells it (:mod:`dask_lm.interface`: a worker
+    task speaks as its job's caller). The parts written before it are complete (each renamed into place whole), so
+    the job resumes where it stopped."""
+    return f"free space (or fix what the reason names), then {interface.again(resume=True)}; the parts already " \
+           "written are kept"
 
 
 def part_write_error(exc: OSError, path: str) -> PartWriteError:
@@ -343,7 +344,7 @@ def part_write_error(exc: OSError, path: str) -> PartWriteError:
     part = os.path.basename(path)
     where = os.path.basename(os.path.dirname(path))
     shown = f"{where}/{part}" if where == _ERRORS_DIR else part  # the bad-row list of a part lies in _errors/
-    return PartWriteError(exc.errno, f"could not write {shown} ({path}): {reason}; {WRITE_FIX}")
+    return PartWriteError(exc.errno, f"could not write {shown} ({path}): {reason}; {write_fix()}")
 
 
 def write_json_atomic(obj: Any, path: str) -> None:

@@ -128,7 +128,7 @@ def _part_files(output: str, allow_incomplete: bool) -> tuple[list[str], dict[st
         if missing:
             raise ValueError(f"{output} is a finished dask-lm scoring job that lost {len(missing)} of its {planned} "
                              f"parts ({part_name(missing[0])} first) since it finished: run its command again with "
-                             "--overwrite to score it again")
+                             "--overwrite (score_parquet(..., overwrite=True)) to score it again")
     return [found[i] for i in sorted(found)], manifest
 
 

@@ -20,11 +20,11 @@ sampler's), r = ``reference_policy_logprobs``, A = ``advantages``; mask = token_
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, ClassVar
 
 import torch
 
+from dask_lm import interface
 from dask_lm.losses.base import (
     BaseLoss,
     LossConfig,
@@ -132,8 +132,8 @@ class ClippedPGLossFn(BaseLoss):
                        "ratios; turn `sequence_level_importance_ratios` off")
             self.tis_min = 0.0 if self.tis_min is None else self.tis_min
         elif self.tis_min is not None:
-            warnings.warn("`truncated_importance_sampling_ratio_min` is ignored without "
-                          "`truncated_importance_sampling_type`", stacklevel=2)
+            interface.warn("`truncated_importance_sampling_ratio_min` is ignored without "
+                           "`truncated_importance_sampling_type`")
         if self.ratio_clip_c is not None:
             _check(self.ratio_clip_c > 1, f"`ratio_clip_c` (dual clip) must be > 1, got {self.ratio_clip_c}")
         keys = ["token_mask", "sample_mask", "advantages", "generation_logprobs"]

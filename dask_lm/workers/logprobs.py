@@ -139,8 +139,9 @@ def _next_token(hidden: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tens
     if filtering:
         bad = ~torch.isfinite(values)
         if bool(bad.any()):
-            warnings.warn(f"{int(bad.sum())} valid tokens fall outside the generation top-k/top-p filter; "
-                          "their logprobs are set to 0", stacklevel=3)
+            # attributed to this module: tasks.serve sends dask-lm's own warnings to the driver, which raises it at
+            # the user's call, once for all ranks (so the text names no per-rank count)
+            warnings.warn(_filtered_message(top_k, top_p), UserWarning, stacklevel=1)
             values = values.masked_fill(bad, 0.0)
     out[rows, cols + 1] = values
     if is_max is not None and argmax is not None:
@@ -183,6 +184,16 @@ def topk_logits(
     values[rows, cols] = flat_v
     indices[rows, cols] = flat_i
     return values, indices
+
+
+def _filtered_message(top_k: int | None, top_p: float) -> str:
+    keys = ([f"generation.top_k = {top_k}"] if top_k is not None and top_k > 0 else []) + (
+        [f"generation.top_p = {top_p}"] if top_p < 1.0 else [])
+    return (f"{' and '.join(keys)} filter{'s' * (len(keys) == 1)} the logprobs too, as NeMo RL applies the "
+            "sampler's filters to them: a "
+            "token outside the filter gets logprob 0 (as if its probability were 1), and the others are "
+            "renormalised within it; set generation.top_p = 1.0 and generation.top_k = None for the model's own "
+            "logprobs (get_reference_policy_logprobs never filters)")
 
 
 def _chunk_logprobs(h: torch.Tensor, targets: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],

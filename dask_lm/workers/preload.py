@@ -1,4 +1,5 @@
-"""The Dask preload of a local cluster's worker processes (``connect()`` passes it): they ignore SIGINT.
+"""The Dask preload of a local cluster's worker processes (``connect()`` passes it): they ignore SIGINT, and do not
+log the failures of dask-lm's own tasks.
 
 A terminal sends Ctrl-C's SIGINT to its whole foreground process group: the driver and, on a local cluster, every
 worker process it spawned. Each worker then printed its own ``KeyboardInterrupt`` traceback (25 lines a worker)
@@ -7,10 +8,18 @@ stops the workers through their nannies (SIGTERM and the close RPC, not SIGINT).
 leaves that to it. A blocked signal mask would not carry over: ``multiprocessing``'s spawn clears it in the child,
 so the disposition is set here, in the worker process, before its worker starts. Workers of an attached cluster
 (``dask worker``) load no preload of ours and keep Dask's own handling.
+
+A failed task is logged by its worker (``distributed.worker - ERROR - Compute Failed``, with the task's repr and
+its traceback) to the terminal the local cluster shares with the driver, in the middle of the progress bar; and
+the same error reaches the caller, whom Dask gives every failed task's exception. For dask-lm's own tasks the
+caller is dask-lm, which says it once, as the error (a bad row: one line naming file, row and column). So that
+record is dropped for tasks whose function is dask-lm's; a failure of the user's own tasks on the same cluster,
+and every other record of the worker (memory, lost peers, an unresponsive event loop), is logged as Dask does.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from typing import Any
@@ -22,3 +31,22 @@ def dask_setup(worker: Any) -> None:
     """Called by Dask in the worker process as the worker starts."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.getLogger("distributed.worker").addFilter(_OwnFailures(worker))
+
+
+class _OwnFailures(logging.Filter):
+    """Drops the worker's "Compute Failed" record of a task whose function is dask-lm's (the job reports it)."""
+
+    def __init__(self, worker: Any) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Compute Failed") or not record.args:
+            return True
+        key = record.args[0] if isinstance(record.args, tuple) else None
+        try:
+            func = self.worker.state.tasks[key].run_spec.func
+        except Exception:  # noqa: BLE001 - not a task this worker knows, or another kind of spec: keep the record
+            return True
+        return not str(getattr(func, "__module__", "") or "").startswith("dask_lm.")

@@ -29,6 +29,7 @@ from dask_lm.data.messages import ScoreOptions
 from dask_lm.data.packing import longest_first
 from dask_lm.data.rows import BadRowError, PreparedRows, prepare_rows
 from dask_lm.errors import NonFiniteError
+from dask_lm.interface import again, opt
 from dask_lm.io.fingerprint import _RACY_NS, Stamp, verify
 from dask_lm.workers import device, fused, liger_layers, varlen
 from dask_lm.workers.inference import forward_rows
@@ -67,7 +68,7 @@ class _Replica:
             self.tokenizer = None
             self.tokenizer_error = (f"the tokenizer in {tokenizer_dir} cannot be loaded on this worker: "
                                     f"{' '.join(str(e).split())}; install what it needs (e.g. sentencepiece) on the "
-                                    "workers, or pass --tokenizer")
+                                    "workers")  # the way on, naming an option, is added when raised
         cfg = self.model.config
         candidates = (getattr(self.tokenizer, "pad_token_id", None), getattr(self.tokenizer, "eos_token_id", None),
                       getattr(cfg, "pad_token_id", None), getattr(cfg, "eos_token_id", None))
@@ -466,7 +467,7 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
                                f"footer says {n}: the reader split the dataset differently than planned")
     unreadable = [p for p in pieces if isinstance(p, pio.UnreadableRowGroup)]
     if unreadable and not opts.skip_bad_rows:
-        raise BadRowError(f"{unreadable[0].message()}, or pass --skip-bad-rows to leave its rows out")
+        raise BadRowError(f"{unreadable[0].message()}, or pass {opt('skip_bad_rows', True)} to leave its rows out")
     lost_rows = [r for g in unreadable for r in range(g.first_row, g.first_row + g.num_rows)]
     lost_errors = [g.message() for g in unreadable for _ in range(g.num_rows)]
     readable = [(p, first) for p, first in zip(pieces, firsts) if not isinstance(p, pio.UnreadableRowGroup)]
@@ -480,7 +481,7 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
         report = _rows_reporter(progress_id, index)
         report(0)  # the replica is ready: the bar stops saying that the model loads
         if rep.tokenizer is None and (not opts.ids_column or opts.decode_topk):
-            raise ValueError(rep.tokenizer_error)
+            raise ValueError(f"{rep.tokenizer_error}, or pass {opt('tokenizer')}")
         t_rows = time.perf_counter()
         rows = PreparedRows([], [], [], [])
         row_no: list[int] = []  # each row's number in the file, for messages and _errors.parquet
@@ -496,8 +497,8 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
         bad = [i for i, e in enumerate(rows.errors) if e is not None]
         if bad and not opts.skip_bad_rows:
             more = f" (and {len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
-            raise BadRowError(f"{rows.errors[bad[0]]}{more}; fix the data, or run again with --resume "
-                              "--skip-bad-rows to leave bad rows out (the parts already written are kept)")
+            raise BadRowError(f"{rows.errors[bad[0]]}{more}; fix the data, or {again(resume=True, skip_bad_rows=True)} "
+                              "to leave bad rows out (the parts already written are kept)")
         keep = [i for i in range(len(row_no)) if rows.errors[i] is None]
         lps, tops, finite, greedy = _score_rows(rep, [rows.ids[i] for i in keep], opts,  # type: ignore[misc]
                                                 report)
@@ -507,7 +508,8 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
         # raised before anything is written: no part under its final name, so the job ends without _SUCCESS
         raise NonFiniteError(f"the model produced non-finite logprobs (NaN/inf) on {len(nonfinite)} of {len(keep)} "
                              f"rows of {file} (first: row {nonfinite[0]}): its weights may hold NaN/inf, or the "
-                             "precision overflows (try --precision fp32); pass --allow-nonfinite to keep them")
+                             f"precision overflows (try {opt('precision', 'fp32')}); pass "
+                             f"{opt('allow_nonfinite', True)} to keep them")
     import pandas as pd
 
     pdf = readable[0][0] if len(readable) == 1 else pd.concat([f for f, _ in readable], ignore_index=True)

@@ -8,6 +8,7 @@ keeps two all-gathers from pairing up across different calls.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +90,9 @@ def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: 
     lease.reap_now(state)
     if policy_id in state.policies:  # a retried init on the same worker; should not happen with retries=0
         state.shutdown_policy(policy_id)
-    cfg = PolicyConfig.from_dict(cfg_dict)
+    with warnings.catch_warnings():  # the driver warned at the user's Policy(...) call already: not once per rank
+        warnings.simplefilter("ignore", UserWarning)
+        cfg = PolicyConfig.from_dict(cfg_dict)
     env = (cfg.dtensor_cfg.env_vars or {})
     if env:
         import os
@@ -149,9 +152,15 @@ def _policy(policy_id: str) -> Any:
 def serve(_prev: Any, policy_id: str, request: Request) -> Any:
     """Answer one request of :mod:`dask_lm.data.messages` with this rank's PolicyWorker, through the endpoint
     table (:data:`dask_lm.workers.endpoints.ENDPOINTS`)."""
+    from dask_lm import interface
     from dask_lm.workers.endpoints import handle
 
-    return handle(_policy(policy_id), request)
+    # dask-lm's warnings go back with the answer, to be raised at the user's call once for all ranks (a warning
+    # printed here would land in the worker's log, or in the middle of the driver's progress bar)
+    warned: list[tuple[type[Warning], str]] = []
+    with interface.caught(warned):
+        result = handle(_policy(policy_id), request)
+    return interface.Warned(result, tuple(warned)) if warned else result
 
 
 class Failed:
@@ -173,9 +182,14 @@ def settled(_prev: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> An
 
 def unwrap(result: Any) -> Any:
     """The caller's view of a settled call: its result, or its error raised again."""
+    from dask_lm import interface
+
     if isinstance(result, Failed):
         raise result.error
-    return result
+    value, warned = interface.strip(result)
+    for category, text in warned:  # a future the caller gathers itself: shown where it ran, as other warnings are
+        warnings.warn(text, category, stacklevel=2)
+    return value
 
 
 def zmq_address(_prev: Any, policy_id: str) -> str:
@@ -196,9 +210,11 @@ def profiler(_prev: Any, start: bool) -> bool:
 def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], index: int, file: str,
                     opts: ScoreOptions, progress_id: str | None = None) -> dict[str, Any]:
     """``score_parquet``: score one span on this worker (:func:`dask_lm.workers.scorer.score_partition`)."""
+    from dask_lm import interface
     from dask_lm.workers import scorer
 
-    return scorer.score_partition(pieces, firsts, counts, index, file, opts, progress_id)
+    with interface.speaking(opts.interface):  # a bad row's message names options as the job's caller spells them
+        return scorer.score_partition(pieces, firsts, counts, index, file, opts, progress_id)
 
 
 @contextlib.contextmanager
