@@ -117,16 +117,17 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
   dask-lm score data/*.parquet --model Qwen/Qwen2.5-0.5B --text-column text --id-column id --output scores/
   dask-lm score data/ --model M --prompt-column prompt --response-column response --output scores/ --topk 20
   dask-lm score data/ --model M --text-column text --output scores/ --topk 5 --decode-topk
-  dask-lm score data/ --model M --ids-column input_ids --output scores/ --resume
+  dask-lm score --output scores/ --resume
   dask-lm score data/ --model M --ids-column input_ids --prompt-length-column prompt_len --output scores/
   dask-lm score data/ --model M --text-column text --output scores/ --overwrite --precision fp32
 
 Exit codes: 0 done; 2 bad usage or input: refused before anything is written, or a bad row found while scoring
 (the parts written are kept: --resume --skip-bad-rows finishes the job); 1 a runtime failure.
 --verbose adds the traceback and keeps the code.""")
-@click.argument("inputs", nargs=-1, required=True)
-@click.option("--model", required=True, help="Hugging Face Hub id (e.g. Qwen/Qwen2.5-0.5B; downloaded once into "
-              "the Hugging Face cache, HF_HUB_OFFLINE=1: the cache only) or model directory.")
+@click.argument("inputs", nargs=-1, metavar="INPUTS...")  # required, unless --resume (checked in the command)
+@click.option("--model", help="Hugging Face Hub id (e.g. Qwen/Qwen2.5-0.5B; downloaded once into the Hugging Face "
+              "cache, HF_HUB_OFFLINE=1: the cache only) or model directory. Required, as INPUTS are, except with "
+              "--resume.")
 @click.option("--revision", default=None, help=_REVISION_HELP)
 @click.option("--output", required=True, help="Output directory (part-NNNNN.parquet, _manifest.json, _SUCCESS).")
 @click.option("--text-column", default=None, help="Score this string column (every token, the first one "
@@ -163,8 +164,9 @@ Exit codes: 0 done; 2 bad usage or input: refused before anything is written, or
 @click.option("--tokenizer", default=None, help="Tokenizer directory or Hub id (default: the model's).")
 @click.option("--scheduler-address", default=None, help=_SCHEDULER_HELP)
 @click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
-@click.option("--resume", is_flag=True, help="Finish the job in --output with the options its _manifest.json pins: "
-              "parts already written are kept (a finished job returns at once). May add --skip-bad-rows.")
+@click.option("--resume", is_flag=True, help="Finish the job in --output: INPUTS, --model and every option not "
+              "given are its _manifest.json's (--output DIR --resume alone will do); a given option that differs is "
+              "refused. Parts already written are kept (a finished job returns at once). May add --skip-bad-rows.")
 @click.option("--overwrite", is_flag=True, help="Delete the earlier job's files in --output and score again with "
               "these options (files dask-lm did not write are never deleted).")
 @click.option("--skip-bad-rows", is_flag=True, help="Leave bad rows out (listed in _errors.parquet) instead of "
@@ -172,16 +174,19 @@ Exit codes: 0 done; 2 bad usage or input: refused before anything is written, or
 @click.option("--performance-report", default=None, help="Write Dask's HTML performance report to this file.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (also: DASK_LM_PROGRESS=0).")
 @click.pass_context
-def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str, output: str, scheduler_address: str | None,
-          n_workers: int | None, no_progress: bool, compile_: bool | None, **options: Any) -> None:
+def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str | None, output: str,
+          scheduler_address: str | None, n_workers: int | None, no_progress: bool, compile_: bool | None,
+          **options: Any) -> None:
     """Per-token logprobs, log-likelihood and perplexity of every row of parquet INPUTS (files, directories,
     globs)."""
+    _job_given(ctx, options, resume=options["resume"])
+    compile_ = None if _not_given(ctx, "compile_") else compile_
 
     def run() -> None:
         import dask_lm
 
         # the checks run before any cluster starts; score_parquet then connects, and closes what it started
-        result = dask_lm.score_parquet(list(inputs), output, model=model, scheduler_address=scheduler_address,
+        result = dask_lm.score_parquet(list(inputs) or None, output, model=model, scheduler_address=scheduler_address,
                                        n_workers=n_workers, progress=not no_progress, compile=compile_, **options)
         _print_summary(result)
 
@@ -193,14 +198,14 @@ def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str, output: st
 \b
   dask-lm sft data/ --model Qwen/Qwen2.5-0.5B --prompt-column prompt --response-column response \\
       --output runs/sft-1 --epochs 2 --global-batch-size 64 --lr 1e-5 --save-every 100
-  dask-lm sft data/ --model Qwen/Qwen2.5-0.5B --prompt-column prompt --response-column response \\
-      --output runs/sft-1 --epochs 2 --global-batch-size 64 --lr 1e-5 --save-every 100 --resume
+  dask-lm sft --output runs/sft-1 --resume
   dask-lm score eval/ --model runs/sft-1/step_200/weights --text-column text --output eval-scores/
 
 Exit codes: 0 done; 2 bad usage or input (refused before any training step), 1 a runtime failure. --verbose adds
 the traceback and keeps the code.""")
-@click.argument("inputs", nargs=-1, required=True)
-@click.option("--model", required=True, help="Hugging Face Hub id or model directory to start from.")
+@click.argument("inputs", nargs=-1, metavar="INPUTS...")  # required, unless --resume (checked in the command)
+@click.option("--model", help="Hugging Face Hub id or model directory to start from. Required, as INPUTS are, "
+              "except with --resume.")
 @click.option("--revision", default=None, help=_REVISION_HELP)
 @click.option("--output", required=True, help="Run directory: step_N/ checkpoints, _manifest.json, _SUCCESS.")
 @click.option("--text-column", default=None, help="Train on every token of this string column.")
@@ -226,7 +231,9 @@ the traceback and keeps the code.""")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the per-epoch row order.")
 @click.option("--no-shuffle", is_flag=True, help="Walk the rows in input order.")
 @click.option("--resume", is_flag=True, help="Continue the run in --output from its newest complete checkpoint (a "
-              "run that reached its last step returns at once).")
+              "run that reached its last step returns at once): INPUTS, --model and every option not given are its "
+              "_manifest.json's (--output DIR --resume alone will do); a given option that differs is refused, a "
+              "larger --max-steps trains on.")
 @click.option("--overwrite", is_flag=True, help="Delete the earlier run's checkpoints in --output and train again "
               "(files dask-lm did not write are never deleted).")
 @click.option("--scheduler-address", default=None, help=_SCHEDULER_HELP)
@@ -235,11 +242,13 @@ the traceback and keeps the code.""")
 @click.pass_context
 def sft(ctx: click.Context, /, inputs: tuple[str, ...], no_shuffle: bool, no_progress: bool, **options: Any) -> None:
     """Supervised fine-tuning (NLL) on parquet INPUTS, with periodic resumable checkpoints."""
+    _job_given(ctx, options, resume=options["resume"])
+    shuffle = None if _not_given(ctx, "no_shuffle") else not no_shuffle
 
     def run() -> None:
         from dask_lm.engine.sft import sft_parquet
 
-        result = sft_parquet(list(inputs), shuffle=not no_shuffle, progress=not no_progress, **options)
+        result = sft_parquet(list(inputs) or None, shuffle=shuffle, progress=not no_progress, **options)
         if result.already_complete:
             click.echo(f"already complete: the run in {result.output} reached step {result.steps}; nothing was "
                        f"run (pass --overwrite to train again)\ncheckpoint  {result.checkpoint}")
@@ -297,6 +306,30 @@ def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
         click.echo("\n".join(_next_steps(model_dir, data)))
 
     _exit_codes(ctx, run)
+
+
+def _not_given(ctx: click.Context, name: str) -> bool:
+    from click.core import ParameterSource
+
+    return ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None)
+
+
+# what a job command passes on as it was typed even when left at its default: not options of the job itself
+_NOT_PINNED = ("resume", "overwrite", "revision", "performance_report")
+
+
+def _job_given(ctx: click.Context, options: dict[str, Any], *, resume: bool) -> None:
+    """A job's options left at their defaults become ``None``, "not given", so that ``--resume`` takes them from
+    the manifest (and a plain run gets the same defaults from the job function). Without ``--resume`` INPUTS and
+    --model stay required: click's own usage error (exit 2) names the one missing."""
+    for name in list(options):
+        if name not in _NOT_PINNED and _not_given(ctx, name):
+            options[name] = None
+    if not resume:
+        for name in ("inputs", "model"):
+            if _not_given(ctx, name):
+                param = next(p for p in ctx.command.params if p.name == name)
+                raise click.MissingParameter(ctx=ctx, param=param)
 
 
 def _next_steps(model_dir: str, data: str) -> list[str]:

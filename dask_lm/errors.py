@@ -8,6 +8,7 @@ modules that raise them import them from here; the public ones are also ``dask_l
 from __future__ import annotations
 
 __all__ = ["BatchError", "LossConfigError", "BadRowError", "UnsafeCheckpointError", "CheckpointWriteError",
+           "PartWriteError",
            "RankFailedError", "WorkerLostError", "PeerFailedError", "RefitError", "NonFiniteError",
            "InputChangedError"]
 
@@ -34,6 +35,15 @@ class UnsafeCheckpointError(ValueError):
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written. One line: the path, the operating system's reason, the fix; ``errno``
     is set when the reason is known."""
+
+    def __str__(self) -> str:
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
+
+class PartWriteError(OSError):
+    """A scoring job's part file could not be written (a full disk, a quota, a folder that cannot be written). One
+    line: the part, its path, the operating system's reason, the fix (the parts written before are kept, so the
+    job resumes); ``errno`` is set when the reason is known. A runtime failure: the CLI exits 1."""
 
     def __str__(self) -> str:
         return str(self.args[1]) if len(self.args) > 1 else super().__str__()

@@ -70,6 +70,13 @@ def test_a_bad_row_then_resume_with_skip_bad_rows_keeps_the_good_part(client, ti
     assert table["id"].tolist() == [0, 1, 3, 4, 5]
     assert pq.read_table(out / "_errors.parquet").to_pylist()[0]["row"] == 2
     assert json.loads((out / "_manifest.json").read_text())["options"]["skip_bad_rows"] is True
+    # finished with skip_bad_rows, it resumes without re-typing it (nor anything else: the CLI's `--output --resume`)
+    with monkeypatch.context() as m:
+        m.setattr(cluster, "connect", lambda *a, **k: pytest.fail("a cluster was started"))
+        again = _score(bad_data, out, tiny["llama"], None, resume=True)
+        shown = CliRunner().invoke(cli, ["score", "--output", str(out), "--resume"])
+    assert again.already_complete and (again.rows, again.bad_rows) == (5, 1)
+    assert shown.exit_code == 0 and "already complete" in shown.output, shown.output
     # the sums are the model's: a single-process HF forward of the same rows
     tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
     texts = [TEXTS[i] for i in range(5)]

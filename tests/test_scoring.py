@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,6 +167,15 @@ def test_bad_input_exit_2_and_nothing_written(tiny, dataset, tmp_path):
     result = runner.invoke(cli, ["score", str(dataset), "--text-column", "text", "--model", str(no_weights),
                                  "--output", str(out)])
     assert result.exit_code == 2 and "has no weights" in result.output
+    # without --resume INPUTS and --model are required (click's usage error); with it, a folder that holds no
+    # job has nothing to take them from
+    result = runner.invoke(cli, ["score", str(dataset), "--text-column", "text", "--output", str(out)])
+    assert result.exit_code == 2 and "Missing option '--model'" in result.output
+    result = runner.invoke(cli, ["score", "--output", str(out), "--resume"])
+    assert result.exit_code == 2 and result.output.strip() == (
+        f"Error: --resume: nothing to resume in {out}: it holds no _manifest.json (no dask-lm scoring job was "
+        "started there), so the inputs and --model cannot be taken from it; pass the --output of the job to resume, "
+        "or give the inputs, --model and the options to start one")
     assert not out.exists()
 
 
@@ -191,16 +202,22 @@ def test_bad_rows_fail_or_are_skipped(client, tiny, tok, tmp_path):
 
 
 def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, dataset, tmp_path):
-    """One part per row group as written (task_tokens=0), so that the parts are known to the test."""
+    """One part per row group as written (task_tokens=0), so that the parts are known to the test. The resumes
+    give nothing but the output: inputs, model, columns, --topk and --task-tokens are the manifest's."""
     out = tmp_path / "out"
-    first = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text",
+    first = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=2,
                                   progress=False, task_tokens=0)
     before = {f: (out / f).read_bytes() for f in os.listdir(out) if f.startswith("part-")}
     os.remove(out / "part-00002.parquet")
     os.remove(out / "_SUCCESS")  # as if the job had died before its last part
     kept = os.stat(out / "part-00000.parquet").st_mtime_ns
-    again = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text",
-                                  resume=True, progress=False, task_tokens=0)
+    # a given option that differs is refused, naming it, before anything starts
+    with pytest.raises(ValueError, match=r"resume=True refused: .* different options: topk was 2, now 3 "):
+        dask_lm.score_parquet(None, out, client=None, resume=True, topk=3, progress=False)
+    again = dask_lm.score_parquet(None, out, client=client, resume=True, progress=False)
+    # the part scored again is the uninterrupted run's, value for value, and every row is there once
+    assert pq.read_table(out / "part-00002.parquet").equals(pq.read_table(pa.BufferReader(before["part-00002.parquet"])))
+    assert sorted(_read(out)[0].column("id").to_pylist()) == list(range(30))
     # row groups of 7, 7, 6 and 10: the totals are the output's (all 30 rows), this run's 6 apart
     assert again.parts_skipped == 3 and (again.rows, again.run_rows) == (30, 6) and first.rows == first.run_rows == 30
     parts = pa.concat_tables(pq.read_table(out / f"part-{i:05d}.parquet") for i in range(4))
@@ -215,14 +232,68 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
     assert pq.read_table(out / "part-00002.parquet").equals(pq.read_table(pa.BufferReader(before["part-00002.parquet"])))
     assert (out / "_SUCCESS").exists()
     with pytest.raises(ValueError, match="resume=True refused.*options"):
-        dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=2,
+        dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=3,
                               resume=True, progress=False, task_tokens=0)
+    # the CLI alike: `--output DIR --resume` alone finishes the job (the cluster from DASK_SCHEDULER_ADDRESS)
+    os.remove(out / "part-00001.parquet")
+    os.remove(out / "_SUCCESS")
+    env = {"DASK_SCHEDULER_ADDRESS": client.scheduler.address, "DASK_LM_PROGRESS": "0"}
+    refused = CliRunner().invoke(cli, ["score", "--output", str(out), "--resume", "--text-column", "lang"], env=env)
+    assert refused.exit_code == 2 and "--text-column was 'text', now 'lang'" in refused.output, refused.output
+    result = CliRunner().invoke(cli, ["score", "--output", str(out), "--resume"], env=env)
+    assert result.exit_code == 0, result.output
+    assert "30 (7 scored by this run)" in result.output and re.search(r"parts +4 \(3 already done\)", result.output)
+    assert pq.read_table(out / "part-00001.parquet").equals(pq.read_table(pa.BufferReader(before["part-00001.parquet"])))
+    assert sorted(_read(out)[0].column("id").to_pylist()) == list(range(30))
     with pytest.raises(ValueError, match="resume=True refused.*model"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama_tuned"], client=client, text_column="text",
                               resume=True, progress=False, task_tokens=0)
     with pytest.raises(ValueError, match="holds a finished dask-lm scoring job.*resume=True.*overwrite=True"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", progress=False,
                               task_tokens=0)
+
+
+def _limit_file_size(limit):
+    """Set this process's file size limit (RLIMIT_FSIZE); the limit it had. A write past it fails with EFBIG,
+    as one on a full disk fails with ENOSPC (Python ignores the SIGXFSZ that comes with it)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    return soft
+
+
+def test_a_part_that_cannot_be_written_is_named_with_the_fix(client, tiny, dataset, tmp_path):
+    """The workers' part writes fail in the operating system (a 1 KiB file size limit: every part file is
+    larger), through the real writer: exit 1 and one line naming the part, its path, the reason and the fix; no
+    temporary file left, nothing under a part's name; once there is room, `--resume` scores every row once."""
+    out = tmp_path / "out"
+    limits = client.run(_limit_file_size, 1024)
+    try:
+        result = CliRunner().invoke(cli, ["score", str(dataset), "--model", tiny["llama"], "--text-column", "text",
+                                          "--output", str(out), "--task-tokens", "0", "--no-progress",
+                                          "--scheduler-address", client.scheduler.address])
+    finally:
+        # the job's other task may still be running (a cancelled task is not stopped): the limit stays until the
+        # workers are idle, so that no part appears, and no temporary is seen half-written, after the command
+        deadline = time.time() + 120
+        while any(client.processing().values()) and time.time() < deadline:
+            time.sleep(0.1)
+        for address, soft in limits.items():
+            client.run(_limit_file_size, soft, workers=[address])
+    assert result.exit_code == 1, result.output
+    match = re.match(r"Error: PartWriteError: could not write (part-\d{5}\.parquet) ", result.output)
+    assert match, result.output
+    name = match.group(1)
+    assert result.output == (f"Error: PartWriteError: could not write {name} ({out / name}): "
+                             f"{os.strerror(errno.EFBIG)}; free space (or fix what the reason names), then run the "
+                             "same command with --resume; the parts already written are kept\n")
+    assert sorted(os.listdir(out)) == [".dask-lm.lock", "_errors", "_manifest.json"]  # no part, no temporary
+    assert os.listdir(out / "_errors") == []
+    done = CliRunner().invoke(cli, ["score", "--output", str(out), "--resume", "--no-progress",
+                                    "--scheduler-address", client.scheduler.address])
+    assert done.exit_code == 0, done.output
+    assert sorted(_read(out)[0].column("id").to_pylist()) == list(range(30))
 
 
 def test_a_killed_worker_costs_a_retry_not_a_row(tiny, tmp_path):

@@ -13,6 +13,7 @@ import transformers
 from click.testing import CliRunner
 
 from dask_lm.cli import main as cli
+from dask_lm.engine import interrupts, sft
 from dask_lm.engine.sft import sft_parquet
 
 pytestmark = pytest.mark.cluster
@@ -38,22 +39,33 @@ def _run(data, out, tiny, client, **kw):
     return sft_parquet(data, out, **args)
 
 
-def test_interrupted_then_resumed_equals_one_run(client, tiny, data, tmp_path):
-    """Stop after 4 of 9 steps, resume: the losses and the final weights equal one uninterrupted run."""
+def test_interrupted_then_resumed_equals_one_run(client, tiny, data, tmp_path, monkeypatch):
+    """Interrupted once step 4 of 9 is saved, resumed given nothing but the output (the options are the
+    manifest's): the losses and the final weights equal one uninterrupted run."""
     whole = _run(data, tmp_path / "whole", tiny, client)
     assert whole.steps == 9 and whole.losses[-1] < whole.losses[0]
     # three epochs of every row's tokens (the padding rows of a short last batch are not counted)
     tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
     assert whole.tokens == 3 * sum(1 + len(ids) for ids in tok(CORPUS)["input_ids"])  # each text after BOS
     assert 0 < whole.checkpoint_seconds < whole.seconds and 0 < whole.train_seconds < whole.seconds
-    part = _run(data, tmp_path / "part", tiny, client, max_steps=4)
-    assert part.steps == 4
-    resumed = _run(data, tmp_path / "part", tiny, client, resume=True)
+    save = sft._save
+
+    def save_then_interrupt(policy, output, state, keep):  # Ctrl-C just after step 4's checkpoint
+        save(policy, output, state, keep)
+        if state["step"] == 4:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(sft, "_save", save_then_interrupt)
+        with pytest.raises(interrupts.JobInterrupted, match="checkpoint step_4 kept"):
+            _run(data, tmp_path / "part", tiny, client)
+    resumed = sft_parquet(None, tmp_path / "part", client=client, resume=True, progress=False)
     assert resumed.resumed_from == 4
     assert resumed.losses == pytest.approx(whole.losses, abs=1e-5)
     # the totals are the trained model's (all 9 steps), this run's 5 steps apart; _SUCCESS says the same
-    assert resumed.tokens == whole.tokens == whole.run_tokens and resumed.run_tokens == whole.tokens - part.tokens
-    assert 0 < part.tokens < whole.tokens
+    first4 = sum(1 + len(ids) for s in range(4) for ids, _ in sft._step_rows(
+        [(tok(c)["input_ids"], 1) for c in CORPUS], s, 4, 0, True))
+    assert resumed.tokens == whole.tokens == whole.run_tokens and resumed.run_tokens == whole.tokens - first4
     assert json.loads((tmp_path / "part" / "_SUCCESS").read_text())["tokens"] == whole.tokens
     done = _run(data, tmp_path / "part", tiny, client, resume=True)
     assert done.already_complete and done.tokens == whole.tokens
@@ -65,8 +77,8 @@ def test_interrupted_then_resumed_equals_one_run(client, tiny, data, tmp_path):
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0)
     state = json.loads((tmp_path / "part" / "step_9" / "training_state.json").read_text())
     assert state["step"] == 9
-    with pytest.raises(ValueError, match="resume=True refused.*options"):
-        _run(data, tmp_path / "part", tiny, client, resume=True, lr=1e-3)
+    with pytest.raises(ValueError, match=r"resume=True refused: .* different options: lr was 0.003, now 0.001 "):
+        sft_parquet(None, tmp_path / "part", client=client, resume=True, lr=1e-3)
 
 
 def test_cli_prompt_response_and_bad_input(client, tiny, data, tmp_path):
@@ -78,6 +90,18 @@ def test_cli_prompt_response_and_bad_input(client, tiny, data, tmp_path):
                                  "--no-progress", "--scheduler-address", client.scheduler.address])
     assert result.exit_code == 0, result.output
     assert "steps       2" in result.output and (out / "step_2" / "weights" / "config.json").exists()
+    assert result.output.startswith("steps ") and "loading the model" not in result.output  # --no-progress: no bar
+    # --resume alone: the run reached its --max-steps 2, so it returns at once
+    resumed = runner.invoke(cli, ["sft", "--output", str(out), "--resume", "--scheduler-address",
+                                  client.scheduler.address])
+    assert resumed.exit_code == 0 and resumed.output.startswith(f"already complete: the run in {out} reached step 2")
+    # a larger --max-steps trains on, and is what the next --resume goes by
+    longer = runner.invoke(cli, ["sft", "--output", str(out), "--resume", "--max-steps", "3", "--no-progress",
+                                 "--scheduler-address", client.scheduler.address])
+    assert longer.exit_code == 0 and "steps       3 " in longer.output and "resumed from step 2" in longer.output
+    again = runner.invoke(cli, ["sft", "--output", str(out), "--resume", "--scheduler-address",
+                                client.scheduler.address])
+    assert again.exit_code == 0 and again.output.startswith(f"already complete: the run in {out} reached step 3")
     again = runner.invoke(cli, ["sft", str(data), "--model", tiny["llama"], "--output", str(out), "--text-column",
                                 "text", "--scheduler-address", client.scheduler.address])
     assert again.exit_code == 2 and "holds a finished dask-lm sft run" in again.output, again.output

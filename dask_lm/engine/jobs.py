@@ -163,6 +163,10 @@ class JobOutput:
     """What :meth:`pin` pinned: :meth:`finish` confirms every file still holds it."""
     created: bool = False
     """The output folder did not exist before this job: an interrupted job that kept nothing removes it."""
+    settings: dict[str, Any] | None = None
+    """How the job runs without changing what it writes (``--task-tokens``, ``--max-steps``, ...): recorded in the
+    manifest by :meth:`pin`, not compared; what a later resume that is not given them takes
+    (:mod:`dask_lm.engine.resumed`)."""
 
     @classmethod
     def open(cls, kind: JobKind, input: Any, output: str | os.PathLike[str], *, resume: bool, overwrite: bool
@@ -224,14 +228,20 @@ class JobOutput:
         """Under the lock: write the manifest of a new output, or refuse (``ValueError``) to resume one whose
         pins differ from ``new`` (options in ``ignore`` aside). Returns the manifest in force. A precision that
         one side leaves automatic (``None``) is compared by :meth:`pin_precision` once the workers are known.
-        ``pins`` are the files behind ``new`` as this run hashed them (equal to ``old``'s when it resumes)."""
+        ``pins`` are the files behind ``new`` as this run hashed them (equal to ``old``'s when it resumes).
+        :attr:`settings` are recorded, a resume's replacing the old ones (another ``--max-steps``, for the next)."""
         self.pins = pins
+        if self.settings is not None:
+            new = {**new, "settings": self.settings}
         if old is None:
             self.write_manifest(new)
             return new
         if None in ((old.get("options") or {}).get("precision"), new["options"].get("precision")):
             ignore += ("precision",)
         jobdir.check_resume(old, new, output=self.path, what=self.kind.did, ignore=ignore, flags=self.kind.flags)
+        if "settings" in new and new["settings"] != old.get("settings"):
+            old = {**old, "settings": new["settings"]}
+            self.write_manifest(old)
         return old
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:

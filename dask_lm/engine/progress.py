@@ -10,6 +10,7 @@ Work inside a rank reports progress as a Dask event on the topic ``"dask-lm-prog
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import threading
 import uuid
@@ -17,7 +18,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["TOPIC", "set_progress", "progress_enabled", "bar", "open_bar", "close_bar", "JobBar"]
+__all__ = ["TOPIC", "set_progress", "progress_enabled", "quiet", "bar", "open_bar", "close_bar", "JobBar"]
 
 TOPIC = "dask-lm-progress"
 _enabled: bool = True
@@ -32,8 +33,24 @@ def set_progress(enabled: bool) -> None:
     _enabled = bool(enabled)
 
 
+# a job run with progress=False: no bar of any call it makes (its Policy's "loading the model" too), and only
+# in its own thread, so a job beside it keeps its bars
+_quiet: contextvars.ContextVar[bool] = contextvars.ContextVar("dask_lm_quiet", default=False)
+
+
 def progress_enabled() -> bool:
-    return _enabled and os.environ.get("DASK_LM_PROGRESS", "1") != "0"
+    return _enabled and not _quiet.get() and os.environ.get("DASK_LM_PROGRESS", "1") != "0"
+
+
+@contextlib.contextmanager
+def quiet(on: bool = True) -> Iterator[None]:
+    """No dask-lm bar in this thread while the block runs (with ``on``; else nothing changes)."""
+    token = _quiet.set(True) if on else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _quiet.reset(token)
 
 
 def _on_event(event: Any) -> None:

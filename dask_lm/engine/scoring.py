@@ -34,7 +34,7 @@ from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
 from dask_lm.interface import again, current, opt, warn
-from dask_lm.engine import cluster, interrupts, jobs, prescan
+from dask_lm.engine import cluster, interrupts, jobs, prescan, resumed
 from dask_lm.engine.progress import JobBar
 from dask_lm.engine.start_clock import StartClock
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck, spans
@@ -187,12 +187,6 @@ _KIND = jobs.JobKind(name="scoring job", did="scored", owned=r"part-\d{5}\.parqu
                      resume_hint=lambda: f" (add {opt('skip_bad_rows', True)} to leave out the bad rows that stopped it)")
 
 
-def _added_skip_bad_rows(old: dict[str, Any] | None, skip_bad_rows: bool) -> bool:
-    """``--skip-bad-rows`` added by a resume of a job that stopped at a bad row: allowed, as the parts written
-    before hold every row of their row groups, which is what skipping would have written for them too."""
-    return old is not None and skip_bad_rows and not (old.get("options") or {}).get("skip_bad_rows")
-
-
 def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
     """``--resume`` of a complete output: nothing to score and no cluster to start; the summary is ``_SUCCESS``'s."""
     parts = int(manifest["partitions"])
@@ -202,14 +196,14 @@ def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
                        seconds=0.0, already_complete=True, **totals)
 
 
-def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str], client: Any = None,
-                  text_column: str | None = None, ids_column: str | None = None, prompt_column: str | None = None,
-                  response_column: str | None = None, id_column: str | None = None,
-                  prompt_length_column: str | None = None, convention: str = "lm-eval", topk: int = 0,
-                  decode_topk: bool = False,
-                  max_length: int | None = None, truncate: bool = False, batch_tokens: int | None = None,
+def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str] | None = None,
+                  client: Any = None, text_column: str | None = None, ids_column: str | None = None,
+                  prompt_column: str | None = None, response_column: str | None = None, id_column: str | None = None,
+                  prompt_length_column: str | None = None, convention: str | None = None, topk: int | None = None,
+                  decode_topk: bool | None = None,
+                  max_length: int | None = None, truncate: bool | None = None, batch_tokens: int | None = None,
                   precision: str | None = None, resume: bool = False, progress: bool = True,
-                  skip_bad_rows: bool = False, allow_nonfinite: bool = False, compile: bool | None = None,
+                  skip_bad_rows: bool | None = None, allow_nonfinite: bool | None = None, compile: bool | None = None,
                   tokenizer: str | os.PathLike[str] | None = None, revision: str | None = None,
                   overwrite: bool = False, performance_report: str | None = None, n_workers: int | None = None,
                   scheduler_address: str | None = None, task_tokens: int | None = None) -> ScoreResult:
@@ -234,10 +228,25 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     An output that already holds a job is refused unless ``resume`` (finish it with the same pins; a finished one
     returns its summary at once, without a cluster) or ``overwrite`` (delete that job's files and score again);
     files dask-lm did not write are never deleted.
+    With ``resume``, what is not given (``None``) is the manifest's, ``input`` and ``model`` too
+    (:mod:`dask_lm.engine.resumed`: ``score_parquet(None, output, resume=True)``); a given option that differs is
+    refused, naming it. Else ``model`` is required, and the defaults are ``convention="lm-eval"``, ``topk=0``, and
+    ``False`` for ``decode_topk``, ``truncate``, ``skip_bad_rows`` and ``allow_nonfinite``.
     Raises ``ValueError`` for bad usage or input (damaged model files, a changed input on ``resume``, an output
     another job holds), before anything is written (a cluster this call started is closed again).
     """
     started, started_at = time.perf_counter(), time.time()
+    # what is not given (None): a resume's manifest's, else the defaults; in the order given
+    (input, model, tokenizer, text_column, ids_column, prompt_column, response_column, id_column, prompt_length_column,
+     convention, topk, decode_topk, max_length, truncate, precision, skip_bad_rows, task_tokens, batch_tokens,
+     allow_nonfinite, compile) = resumed.fill(output, resume=resume, job=_KIND.name, given=dict(
+        input=input, model=model, tokenizer=tokenizer, text_column=text_column, ids_column=ids_column,
+        prompt_column=prompt_column, response_column=response_column, id_column=id_column,
+        prompt_length_column=prompt_length_column, convention=convention, topk=topk, decode_topk=decode_topk,
+        max_length=max_length, truncate=truncate, precision=precision, skip_bad_rows=skip_bad_rows,
+        task_tokens=task_tokens, batch_tokens=batch_tokens, allow_nonfinite=allow_nonfinite, compile=compile),
+        defaults=dict(convention="lm-eval", topk=0, decode_topk=False, truncate=False, skip_bad_rows=False,
+                      allow_nonfinite=False)).values()
     jobs.check_columns(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
                        response_column=response_column)
     conv = check_convention(convention, opt("convention"))
@@ -255,6 +264,8 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     #    files (config JSON, weight headers, --topk against the vocabulary it states), the tokenizer's, the inputs'
     #    footers and columns, and a resume's options against the manifest it resumes
     out = jobs.JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
+    out.settings = dict(task_tokens=task_tokens, batch_tokens=batch_tokens, allow_nonfinite=allow_nonfinite,
+                        compile=compile)
     finished = resume and out.state.kind == "finished"  # nothing will be loaded or tokenized: its files are compared
     source = hub.resolve_model(model, revision=revision)
     model = source.path
@@ -276,10 +287,11 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                         response_column=response_column, id_column=id_column,
                         prompt_length_column=prompt_length_column, convention=conv, topk=topk, decode_topk=decode_topk,
                         max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
-                        skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite, compile=bool(compile),
+                        skip_bad_rows=skip_bad_rows, allow_nonfinite=bool(allow_nonfinite), compile=bool(compile),
                         compile_head=bool(compile), interface=current())
-    if out.state.kind != "new" and resume:
-        _precheck_resume(out, opts, inputs, plan)
+    if out.state.kind != "new" and resume:  # the options and the plan, before any cluster starts
+        resumed.precheck(out, {"options": _options(opts), "partitions": len(plan),
+                               "partition_plan": spans.plan_digest(plan, inputs.files)}, skip_bad_rows=skip_bad_rows)
     # 2. the cluster starts, and each worker loads its replica, while this process does the costly checks: the
     #    config through transformers (on a worker) and the content hashes. Nothing reaches the output before
     #    they pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is
@@ -304,21 +316,6 @@ def _interrupted(out: jobs.JobOutput, parts: int, e: BaseException) -> interrupt
     else:
         message = f"interrupted: {kept} of {parts} parts kept in {out.path}; {again(resume=True)} to score the rest"
     return interrupts.JobInterrupted(message, interrupts.signum_of(e))
-
-
-def _precheck_resume(out: jobs.JobOutput, opts: ScoreOptions, inputs: pio.ScoreInputs, plan: list[spans.Span]
-                     ) -> None:
-    """A resume's options and plan against the manifest it resumes, before any cluster starts (the files' content
-    is compared once hashed, by :meth:`~dask_lm.engine.jobs.JobOutput.pin`)."""
-    old = jobdir.read_manifest(out.path)
-    if old is None:
-        return
-    probe = {**old, "options": _options(opts), "partitions": len(plan),
-             "partition_plan": spans.plan_digest(plan, inputs.files)}
-    ignore: tuple[str, ...] = ("skip_bad_rows",) if _added_skip_bad_rows(old, opts.skip_bad_rows) else ()
-    if None in ((old.get("options") or {}).get("precision"), probe["options"].get("precision")):
-        ignore += ("precision",)
-    jobdir.check_resume(old, probe, output=out.path, what=_KIND.did, ignore=ignore, flags=_KIND.flags)
 
 
 # How long the driver waits for a worker's config check before it checks itself (a fresh worker answers in 8-18 s,
@@ -408,7 +405,7 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
     fixed_precision = None if opts.precision == "auto" else opts.precision
     prepare_seconds = time.perf_counter() - started
     with out.locked() as old:
-        added_skip = _added_skip_bad_rows(old, skip_bad_rows)
+        added_skip = resumed.added_skip_bad_rows(old, skip_bad_rows)
         pinned = out.pin(manifest, old, pins, ignore=("skip_bad_rows",) if added_skip else ())
         if old is not None and out.finished:
             return _finished(out.path, old)

@@ -36,7 +36,8 @@ import torch
 
 from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.rows import tokenize_rows
-from dask_lm.engine import interrupts, jobs
+from dask_lm.engine import interrupts, jobs, resumed
+from dask_lm.engine import progress as progress_bars
 from dask_lm.interface import again, opt
 from dask_lm.io import jobdir
 from dask_lm.io import parquet as pio
@@ -149,25 +150,45 @@ def _step_rows(rows: list[tuple[list[int], int]], step: int, global_batch_size: 
     return [rows[i] for i in order[within * global_batch_size:(within + 1) * global_batch_size]]
 
 
-def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str], client: Any = None,
-                text_column: str | None = None, prompt_column: str | None = None,
-                response_column: str | None = None, epochs: int = 1, max_steps: int | None = None,
-                global_batch_size: int = 32, micro_batch_size: int = 4, lr: float = 1e-5,
-                weight_decay: float = 0.01, warmup_steps: int = 0, max_length: int = 1024, truncate: bool = False,
-                precision: str | None = None, save_every: int = 100, keep: int = 2, seed: int = 0,
-                shuffle: bool = True, resume: bool = False, progress: bool = True,
-                scheduler_address: str | None = None, n_workers: int | None = None,
-                revision: str | None = None, overwrite: bool = False, convention: str = "lm-eval") -> SFTResult:
+def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str] | None = None,
+                client: Any = None, text_column: str | None = None, prompt_column: str | None = None,
+                response_column: str | None = None, epochs: int | None = None, max_steps: int | None = None,
+                global_batch_size: int | None = None, micro_batch_size: int | None = None, lr: float | None = None,
+                weight_decay: float | None = None, warmup_steps: int | None = None, max_length: int | None = None,
+                truncate: bool | None = None, precision: str | None = None, save_every: int | None = None,
+                keep: int | None = None, seed: int | None = None, shuffle: bool | None = None, resume: bool = False,
+                progress: bool = True, scheduler_address: str | None = None, n_workers: int | None = None,
+                revision: str | None = None, overwrite: bool = False, convention: str | None = None) -> SFTResult:
     """Fine-tune ``model`` with NLL on a parquet dataset; see the module docstring. ``ValueError`` on bad input
     (before any cluster starts), a resumable checkpoint every ``save_every`` steps. An output holding a run is
     refused unless ``resume`` (continue it; one that already reached its last step returns at once, without a
     cluster) or ``overwrite`` (delete that run's checkpoints and train again). Rows are tokenized in
     ``convention``, as :func:`~dask_lm.score_parquet` does (:mod:`dask_lm.data.continuation`), so a row trained on
-    and the same row scored are the same ids."""
+    and the same row scored are the same ids.
+
+    With ``resume``, what is not given (``None``) is the manifest's (:mod:`dask_lm.engine.resumed`): ``input``,
+    ``model`` and every option, so ``sft_parquet(None, output, resume=True)`` continues a run; a given option that
+    differs from a pinned one is refused, naming it, and a given ``max_steps`` (or ``save_every``, ``keep``,
+    ``micro_batch_size``) replaces the recorded one. Otherwise ``model`` is required and the defaults are
+    ``epochs=1``, ``max_steps=None`` (every epoch's steps), ``global_batch_size=32``, ``micro_batch_size=4``,
+    ``lr=1e-5``, ``weight_decay=0.01``, ``warmup_steps=0``, ``max_length=1024``, ``truncate=False``,
+    ``save_every=100``, ``keep=2``, ``seed=0``, ``shuffle=True``, ``convention="lm-eval"``."""
     import transformers
 
     import dask_lm
 
+    # what is not given (None): a resume's manifest's, else the defaults; in the order given
+    (input, model, text_column, prompt_column, response_column, epochs, global_batch_size, lr, weight_decay,
+     warmup_steps, max_length, truncate, seed, shuffle, precision, convention, max_steps, micro_batch_size, save_every,
+     keep) = resumed.fill(output, resume=resume, job=_KIND.name, given=dict(
+        input=input, model=model, text_column=text_column, prompt_column=prompt_column,
+        response_column=response_column, epochs=epochs, global_batch_size=global_batch_size, lr=lr,
+        weight_decay=weight_decay, warmup_steps=warmup_steps, max_length=max_length, truncate=truncate, seed=seed,
+        shuffle=shuffle, precision=precision, convention=convention, max_steps=max_steps,
+        micro_batch_size=micro_batch_size, save_every=save_every, keep=keep),
+        defaults=dict(epochs=1, global_batch_size=32, lr=1e-5, weight_decay=0.01, warmup_steps=0, max_length=1024,
+                      truncate=False, seed=0, shuffle=True, convention="lm-eval", micro_batch_size=4, save_every=100,
+                      keep=2)).values()
     jobs.check_columns(text_column=text_column, prompt_column=prompt_column, response_column=response_column,
                        takes_ids=False)
     conv = check_convention(convention, opt("convention"))
@@ -178,6 +199,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
             raise ValueError(f"{opt(key)} must be >= 1, got {value}")
     fixed_precision = jobs.precision_name(precision, allowed=("bf16", "fp32"))  # None: the workers decide
     out = jobs.JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
+    out.settings = dict(max_steps=max_steps, micro_batch_size=micro_batch_size, save_every=save_every, keep=keep)
     source, info = jobs.resolve_model(model, revision=revision)
     model = source.path
     jobs.resolve_tokenizer(None, model, fix="sft trains with the model's own tokenizer: put its files beside the "
@@ -200,7 +222,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
     planned = math.ceil(inputs.num_rows / global_batch_size) * epochs
     planned = planned if max_steps is None else min(max_steps, planned)
     try:
-        with out.locked() as old:
+        with progress_bars.quiet(not progress), out.locked() as old:  # no bar at all: the Policy's load has one
             out.pin(manifest, old, pins)
             start = _newest_checkpoint(out.path) if old is not None else None
             if start is not None and start[0] >= planned and out.finished:

@@ -6,6 +6,7 @@ workers use the writers to publish each part under its final name only once it i
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -17,11 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dask_lm import interface
+from dask_lm.errors import PartWriteError
 from dask_lm.io.fingerprint import Pin, stamp, verify
 
 __all__ = ["ScoreInputs", "resolve_input_files", "inspect_inputs", "part_name", "write_part", "write_json_atomic",
            "output_schema_columns", "UnreadableRowGroup", "slice_rows", "read_partition",
-           "errors_table", "errors_dir", "merge_errors", "remove_debris", "MANIFEST", "SUCCESS", "ERRORS"]
+           "errors_table", "errors_dir", "merge_errors", "remove_debris", "write_fix", "MANIFEST", "SUCCESS", "ERRORS"]
 
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS"
@@ -309,18 +311,40 @@ def _fsync(path: str) -> None:
 
 
 def write_part(table: pa.Table, directory: str, name: str) -> str:
-    """Write ``table`` as ``directory/name``: a hidden temporary file first, then an atomic rename."""
+    """Write ``table`` as ``directory/name``: a hidden temporary file first, then an atomic rename. An ``OSError``
+    (a full disk) becomes a :class:`~dask_lm.errors.PartWriteError` naming the part and the path (:func:`write_fix`);
+    the temporary file is removed, and nothing appears under the final name."""
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         pq.write_table(table, tmp)
         _fsync(tmp)
         os.replace(tmp, final)  # a retried partition replaces its own earlier copy: every row exactly once
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # a temporary that cannot be removed must not hide why the write failed
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+        if isinstance(e, OSError) and not isinstance(e, PartWriteError):
+            raise part_write_error(e, final) from e
         raise
     return final
+
+
+def write_fix() -> str:
+    """What a failed part write tells the user to do, as the caller spells it (:mod:`dask_lm.interface`: a worker
+    task speaks as its job's caller). The parts written before it are complete (each renamed into place whole), so
+    the job resumes where it stopped."""
+    return f"free space (or fix what the reason names), then {interface.again(resume=True)}; the parts already " \
+           "written are kept"
+
+
+def part_write_error(exc: OSError, path: str) -> PartWriteError:
+    """``exc``, raised while writing the part file ``path``, as one line: which part, where, why, what to do."""
+    reason = os.strerror(exc.errno) if exc.errno else (str(exc) or type(exc).__name__)
+    part = os.path.basename(path)
+    where = os.path.basename(os.path.dirname(path))
+    shown = f"{where}/{part}" if where == _ERRORS_DIR else part  # the bad-row list of a part lies in _errors/
+    return PartWriteError(exc.errno, f"could not write {shown} ({path}): {reason}; {write_fix()}")
 
 
 def write_json_atomic(obj: Any, path: str) -> None:
