@@ -112,3 +112,20 @@ def sft_batch(tokenizer, texts, pad_to: int | None = None):
     token_mask = (torch.arange(ids.shape[1])[None, :] < lens[:, None]).float()
     return BatchedDataDict(input_ids=ids, input_lengths=lens, token_mask=token_mask,
                            sample_mask=torch.ones(ids.shape[0]))
+
+
+def launch_chromium(playwright: Any) -> Any:
+    """Debian's headless Chromium under Playwright, with the flags this machine's closed network needs (no
+    background connections, no QUIC), as both browser tests launch it. Fails under CI when it is missing
+    (``.ci/run`` installs it); skips elsewhere."""
+    import os
+    import shutil
+
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package")
+        pytest.skip("needs Debian's chromium (apt-get install chromium); .ci/run installs it")
+    return playwright.chromium.launch(executable_path=chromium, args=[
+        "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"])

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import time
 
 import pytest
 import torch
 import transformers
-from helpers import TEXTS, make_batch, sft_batch
+from helpers import TEXTS, launch_chromium, make_batch, sft_batch
 
 import dask_lm
 from dask_lm import BatchedDataDict
@@ -112,11 +111,6 @@ def test_workers_table_gauges_and_policy_repr(client, policy):
 
 
 def test_dashboard_workers_page_shows_the_dask_lm_columns_in_a_browser(client, policy, tmp_path_factory):
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package")
-        pytest.skip("needs Debian's chromium (apt-get install chromium); .ci/run installs it")
     from playwright.sync_api import sync_playwright
 
     ids, lens = make_batch(policy.tok, TEXTS)
@@ -125,9 +119,7 @@ def test_dashboard_workers_page_shows_the_dask_lm_columns_in_a_browser(client, p
     shot = os.path.join(os.environ.get("DASK_LM_TEST_ARTIFACTS") or str(tmp_path_factory.mktemp("artifacts")),
                         "dashboard-workers.png")
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1800, "height": 900})
             page.goto(url)

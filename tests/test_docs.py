@@ -17,7 +17,6 @@ import http.server
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ import urllib.parse
 from html.parser import HTMLParser
 
 import pytest
+from helpers import launch_chromium
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -252,11 +252,6 @@ def _colours(png: pathlib.Path) -> int:
 
 
 def test_the_quickstart_page_renders_with_its_navigation_in_a_browser(site):
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package")
-        pytest.skip("needs Debian's chromium (apt-get install chromium); .ci/run installs it")
     from playwright.sync_api import sync_playwright
 
     _, _, out = site
@@ -267,9 +262,7 @@ def test_the_quickstart_page_renders_with_its_navigation_in_a_browser(site):
     shot = artifacts / "docs-quickstart.png"
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, args=[
-                "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync"])
+            browser = launch_chromium(p)
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.goto(f"http://127.0.0.1:{server.server_address[1]}/quickstart.html", wait_until="load")
