@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -161,6 +162,12 @@ def test_the_demos_next_commands_run_as_printed(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dask_lm", "demo", "--rows", "64"], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the summary, and the dashboard's address while its cluster was up (the summary, printed after the demo's
+    # cluster closed, leaves it out)
+    for key in ("rows", "tokens/s", "perplexity", "output"):
+        assert re.search(rf"^{re.escape(key)} ", proc.stdout, flags=re.M), key
+    assert "dashboard at http://127.0.0.1:" in proc.stderr and "dashboard" not in proc.stdout
+    assert (cache / "demo" / "scores" / "_SUCCESS").exists()
     block = proc.stdout.split("\nnext:\n", 1)[1].splitlines()
     assert len(block) < 10 and "--text-column names your text column" in proc.stdout
     assert "docs" in block[-1] and "quickstart.md" in block[-1]

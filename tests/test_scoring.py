@@ -346,17 +346,6 @@ def test_cli_attaches_to_a_separately_started_cluster(tiny, dataset, tmp_path, a
     assert "rows" in result.output and json.loads((out / "_SUCCESS").read_text())["rows"] == 30
 
 
-def test_demo_runs_and_prints_its_summary(tmp_path):
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    env.pop("DASK_LM_CACHE_DIR", None)  # the default place, under XDG_CACHE_HOME
-    proc = subprocess.run([sys.executable, "-m", "dask_lm", "demo", "--rows", "96"], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for key in ("rows", "tokens/s", "perplexity", "output", "dashboard"):
-        assert key in proc.stdout
-    assert (tmp_path / "dask-lm" / "demo" / "scores" / "_SUCCESS").exists()
-
-
 def test_a_file_without_rows_adds_nothing_whatever_its_column_types(client, tiny, tmp_path):
     """pandas writes an empty object column with arrow's ``null`` type: such a file holds no row to score, so it
     neither fails the job nor changes what the other files give. A column it lacks is still named."""
