@@ -155,6 +155,10 @@ def kill_local_workers(client: Client) -> int:
     import signal
 
     cluster = client.cluster if getattr(client, "_dask_lm_owns_cluster", False) else None
+    if cluster is not None:
+        # the scheduler and the nannies live in this process: with their workers gone they log each closed comm,
+        # with a traceback, between the interrupt and the exit; the one line the interrupt prints says what matters
+        _silence("distributed", "tornado")
     killed = 0
     for nanny in list(getattr(cluster, "workers", {}).values()):
         pid = getattr(getattr(nanny, "process", None), "pid", None)
@@ -163,6 +167,17 @@ def kill_local_workers(client: Client) -> int:
                 os.kill(pid, signal.SIGKILL)
                 killed += 1
     return killed
+
+
+def _silence(*prefixes: str) -> None:
+    """Quiet this process's loggers under ``prefixes``: every existing one disabled (a logger's ``disabled`` and
+    level do not reach children that set their own level, as distributed's config does), and the prefixes' levels
+    above CRITICAL for the loggers created later, which inherit them."""
+    names = [n for n in logging.root.manager.loggerDict if any(n == p or n.startswith(p + ".") for p in prefixes)]
+    for name in names:
+        logging.getLogger(name).disabled = True
+    for prefix in prefixes:
+        logging.getLogger(prefix).setLevel(logging.CRITICAL + 1)
 
 
 def close(client: Client) -> None:
