@@ -142,6 +142,25 @@ def test_a_worker_without_the_plugin_installs_it(client, tiny, frame):
     assert any(client.run(has_plugin).values())
 
 
+def test_without_a_client_a_local_cluster_is_started_and_closed(client, tiny, monkeypatch):
+    """No client given and none current: ``dask_lm.connect()``'s, closed before the result is returned (here a
+    second client of the session's cluster stands in for the local cluster, which takes seconds to start)."""
+    import distributed
+
+    from dask_lm.engine import cluster
+
+    def no_default():
+        raise ValueError("No clients found")
+
+    started = []
+    monkeypatch.setattr(distributed, "default_client", no_default)
+    monkeypatch.setattr(cluster, "connect", lambda *a, **k: started.append(distributed.Client(client.cluster))
+                        or started[-1])
+    got = dask_lm.score(["a dask cluster scores the rows"], model=tiny["llama"])
+    assert len(got) == 1 and got.num_tokens[0] > 1
+    assert len(started) == 1 and started[0].status == "closed"
+
+
 def test_it_composes_with_a_filter_before_and_a_groupby_after(client, tiny, tok, hf, frame, tmp_path):
     pdf, ddf = frame
     kept = pdf[pdf.group != "c"]

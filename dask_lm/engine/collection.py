@@ -104,7 +104,7 @@ def score(data: Any, *, model: str | os.PathLike[str], tokenizer: str | os.PathL
         known = _known_client(client)
         if known is not None:  # else each worker installs it with its first partition
             _register_state(known)
-        return data.map_partitions(score_frame, opts, True, meta=output_meta(data._meta, opts),
+        return data.map_partitions(score_frame, opts, warn_dropped=True, meta=output_meta(data._meta, opts),
                                    token=TOKEN)
     return _score_pandas(data, opts, client)
 
@@ -209,7 +209,8 @@ def _score_pandas(pdf: Any, opts: ScoreOptions, client: Any) -> Any:
         with dask.config.set({"dataframe.convert-string": False}):
             ddf = dd.from_pandas(pdf, npartitions=max(1, min(len(pdf), workers)), sort=False)
         # the workers warn nothing: the total is said once, here
-        lazy = ddf.map_partitions(score_frame, opts, False, meta=output_meta(ddf._meta, opts), token=TOKEN)
+        lazy = ddf.map_partitions(score_frame, opts, warn_dropped=False, meta=output_meta(ddf._meta, opts),
+                                  token=TOKEN)
         out = dask_client.compute(lazy).result()
     finally:
         if opened is not None:
