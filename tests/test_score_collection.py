@@ -213,6 +213,8 @@ def test_usage_errors_come_before_any_graph(tiny, frame):
         dask_lm.score(ddf, model=tiny["llama"], text_column="text", ids_column="text")
     with pytest.raises(ValueError, match="takes a dask or pandas DataFrame"):
         dask_lm.score({"text": ["a"]}, model=tiny["llama"])
+    with pytest.raises(ValueError, match=r"^for a Dask DataFrame, client is a distributed.Client .*got str$"):
+        dask_lm.score(ddf, model=tiny["llama"], text_column="text", client="tcp://127.0.0.1:1")
 
 
 def test_local_schedulers_are_refused_with_the_way_on(tiny, frame):

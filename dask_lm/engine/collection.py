@@ -63,6 +63,12 @@ def score(data: Any, *, model: str | os.PathLike[str], tokenizer: str | os.PathL
     and float32 on CPU ones, decided by each worker. ``compile`` compiles each worker's forward once (it pays on
     long jobs only).
 
+    ``client``: for a pandas input, the cluster to compute on (a ``distributed.Client``, a Dask cluster or a
+    scheduler address); for a Dask DataFrame, the ``distributed.Client`` whose workers are readied for it at once
+    (default: the current client; a worker that was not, installs what holds its replica with its first
+    partition). A Dask result is computed wherever the caller computes it, on a Dask cluster's workers: dask's
+    local schedulers are refused, as they would load the model in this process.
+
     A row that cannot be scored faithfully (a null or non-string text, a token id outside the vocabulary, a row
     longer than the model's positions or ``max_length`` without ``truncate``) raises
     :class:`~dask_lm.errors.BadRowError` when its partition is computed, naming the partition, the row's position in
@@ -101,6 +107,11 @@ def score(data: Any, *, model: str | os.PathLike[str], tokenizer: str | os.PathL
                     precision=precision, skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite,
                     compile=compile)
     if isinstance(data, dd.DataFrame):
+        from distributed import Client
+
+        if client is not None and not isinstance(client, Client):
+            raise ValueError(f"for a Dask DataFrame, {opt('client')} is a distributed.Client (the frame is computed "
+                             f"where you compute it), got {type(client).__name__}")
         known = _known_client(client)
         if known is not None:  # else each worker installs it with its first partition
             _register_state(known)
