@@ -198,6 +198,27 @@ def test_a_bad_row_names_partition_row_and_label_and_skip_drops_it(client, tiny,
     assert list(got.index) == [k for k in pdf.index if k != "r5"]
     lazy = dask_lm.score(ddf, model=tiny["llama"], text_column="text", skip_bad_rows=True).compute()
     assert list(lazy.index) == list(got.index)
+    # a Dask result's partition warns from its worker (distributed.warn): the event reached the scheduler on the
+    # worker's stream before the partition's result did
+    import pickle
+
+    said = [pickle.loads(event["message"]) for _, event in client.get_events("warn")]
+    assert ("dask_lm.score: 1 bad row of partition 1 left out (skip_bad_rows=True); the first: partition 1: row 1 "
+            "(index 'r5'), column 'text': expected a string, got null") in [str(w) for w in said]
+
+
+def test_a_long_pandas_input_is_cut_finer_than_a_partition_per_worker(client, tiny, frame, monkeypatch):
+    from dask_lm.engine import collection
+
+    monkeypatch.setattr(collection, "PANDAS_PARTITION_ROWS", 2)  # 12 rows: 6 partitions of 2, not 2 of 6
+    pdf, _ = frame
+    pdf = pdf.astype({"text": object})
+    pdf.loc["r5", "text"] = None
+    with pytest.raises(BadRowError, match=r"^partition 2: row 1 \(index 'r5'\), column 'text'"):
+        dask_lm.score(pdf, model=tiny["llama"], text_column="text", client=client)
+    rest = pdf.drop(index="r5")
+    got = dask_lm.score(rest, model=tiny["llama"], text_column="text", client=client)
+    assert list(got.index) == list(rest.index) and got.sum_logprob.notna().all()  # in the input's order
 
 
 def test_usage_errors_come_before_any_graph(tiny, frame):

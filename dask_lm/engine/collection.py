@@ -35,6 +35,10 @@ __all__ = ["score", "output_meta"]
 # the key prefix of the scoring tasks, as the dashboard's task stream and progress bars show them
 TOKEN = "dask-lm-score"
 
+# A pandas input is cut into a partition per worker, or more where it is long: a partition's rows and results are
+# held whole by its task, and smaller ones keep the workers evenly busy to the end
+PANDAS_PARTITION_ROWS = 8192
+
 
 def score(data: Any, *, model: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | None = None,
           text_column: str | None = None, ids_column: str | None = None, prompt_column: str | None = None,
@@ -200,7 +204,8 @@ def _register_state(client: Any) -> None:
 
 
 def _score_pandas(pdf: Any, opts: ScoreOptions, client: Any) -> Any:
-    """A pandas frame scored on the cluster, cut into a partition per worker; pandas back, in the input's order."""
+    """A pandas frame scored on the cluster, cut into a partition per worker (or per :data:`PANDAS_PARTITION_ROWS`
+    rows, where that is more); pandas back, in the input's order."""
     import dask
     import dask.dataframe as dd
 
@@ -218,7 +223,8 @@ def _score_pandas(pdf: Any, opts: ScoreOptions, client: Any) -> Any:
         workers = len(_scheduler_info(dask_client)["workers"])
         # the rows as given: Dask would turn object columns into strings, a column of token-id lists included
         with dask.config.set({"dataframe.convert-string": False}):
-            ddf = dd.from_pandas(pdf, npartitions=max(1, min(len(pdf), workers)), sort=False)
+            parts = min(len(pdf), max(workers, -(-len(pdf) // PANDAS_PARTITION_ROWS)))
+            ddf = dd.from_pandas(pdf, npartitions=max(parts, 1), sort=False)
         # the workers warn nothing: the total is said once, here
         lazy = ddf.map_partitions(score_frame, opts, warn_dropped=False, meta=output_meta(ddf._meta, opts),
                                   token=TOKEN)
