@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "set_progress": "dask_lm.engine.progress",
     "ScoreResult": "dask_lm.engine.scoring",
     "score_parquet": "dask_lm.engine.scoring",
+    "score": "dask_lm.engine.collection",
     "read_scores": "dask_lm.io.results",
     "BatchError": "dask_lm.errors",
     "FLOPTracker": "dask_lm.engine.metrics",
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     from dask_lm.data.packing import PackingAlgorithm, get_packer
     from dask_lm.demo import demo_data, demo_model
     from dask_lm.engine.cluster import connect
+    from dask_lm.engine.collection import score
     from dask_lm.engine.metrics import FLOPTracker, Timer
     from dask_lm.engine.policy import Policy
     from dask_lm.engine.progress import set_progress

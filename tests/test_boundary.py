@@ -25,6 +25,8 @@ PUBLIC_NAMES = [
     "prepare_loss_input", "score_parquet", "set_progress",
     # added since, on purpose: the demo's model and data (issue 27), reading a scoring output back
     "demo_data", "demo_model", "read_scores",
+    # issue 28: a Dask (or pandas) DataFrame scored in memory, a lazy Dask DataFrame back
+    "score",
 ]
 POLICY_SIGNATURES = {
     'broadcast_weights_for_collective': '(self, kv_scales=None, *, buffer_size_bytes=None, num_buffers=None)',

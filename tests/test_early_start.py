@@ -57,7 +57,7 @@ def test_a_preloaded_replica_is_adopted_only_under_the_pinned_stamps():
 
 def _count_loads(racy_ns: int) -> None:
     """On a worker: count replica loads, and take stamps as settled after ``racy_ns``."""
-    from dask_lm.workers import scorer as s
+    from dask_lm.workers import replicas as s
 
     if not hasattr(s, "_real_init"):
         s._real_init = s._Replica.__init__
@@ -72,14 +72,14 @@ def _count_loads(racy_ns: int) -> None:
 
 
 def _loads() -> int:
-    from dask_lm.workers import scorer as s
+    from dask_lm.workers import replicas as s
 
     return getattr(s, "_loads", 0)
 
 
 def _restore() -> None:
     from dask_lm.io.fingerprint import _RACY_NS
-    from dask_lm.workers import scorer as s
+    from dask_lm.workers import replicas as s
 
     if hasattr(s, "_real_init"):
         s._Replica.__init__ = s._real_init

@@ -1,25 +1,26 @@
-"""The worker half of offline scoring: a model replica per worker, and one task per input partition.
+"""The worker half of scoring: a partition's rows in, their score columns out, for both ways of asking.
 
-Scoring needs no collectives, so unlike a Policy it does not shard the model: each worker loads a full replica
-once (cached in the worker's dask-lm plugin state, ``DaskLMWorkerState.scorers``, keyed by model and
-precision) and scores whichever partition the scheduler hands it. Partitions therefore balance across GPUs by
-themselves, and a partition whose worker dies is simply recomputed elsewhere; its part file is written under a
-temporary name and renamed, so a retry replaces it and every row appears exactly once.
+:func:`score_rows` is the one scoring code path. It takes the rows of one partition (pandas frames of
+Arrow-backed columns), reads and checks them (:mod:`dask_lm.data.rows`), scores them with this worker's model
+replica (:mod:`dask_lm.workers.replicas`) and returns the score columns as an Arrow table, with the rows it kept,
+the bad ones and the partition's numbers. ``score_parquet``'s file job (:func:`score_partition`) writes that table
+as ``part-<index>.parquet`` beside the input's columns, atomically; ``dask_lm.score``
+(:mod:`dask_lm.workers.collection`) returns it as a pandas frame with the input's index. The row rules (bad rows,
+lengths, empty rows, non-finite values) are therefore the same for both.
 
-Inside a partition, rows are read and checked by :mod:`dask_lm.data.rows`, sorted longest first and cut into
-micro-batches of at most ``batch_tokens`` tokens: on a GPU they are packed (real tokens only, varlen attention,
-compiled decoder layers, as in a Policy's inference pass), elsewhere padded to the longest row; logprobs and top-k
-come from the chunked head of :mod:`dask_lm.workers.logprobs`. A part whose logprobs are not all finite is not
-written (NaN weights or an fp16 overflow would otherwise pass as scores) unless ``allow_nonfinite``.
+Inside a partition, rows are sorted longest first and cut into micro-batches of at most ``batch_tokens`` tokens:
+on a GPU they are packed (real tokens only, varlen attention, compiled decoder layers, as in a Policy's inference
+pass), elsewhere padded to the longest row; logprobs and top-k come from the chunked head of
+:mod:`dask_lm.workers.logprobs`. A partition whose logprobs are not all finite is refused (NaN weights or an fp16
+overflow would otherwise pass as scores) unless ``allow_nonfinite``. A part file is written under a temporary name
+and renamed, so a retried partition replaces it and every row appears exactly once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,271 +31,23 @@ from dask_lm.data.packing import longest_first
 from dask_lm.data.rows import BadRowError, PreparedRows, prepare_rows
 from dask_lm.errors import NonFiniteError
 from dask_lm.interface import again, opt
-from dask_lm.io.fingerprint import _RACY_NS, Stamp, verify
-from dask_lm.workers import device, fused, liger_layers, varlen
+from dask_lm.workers import device, fused
 from dask_lm.workers.inference import forward_rows
 from dask_lm.workers.logprobs import next_token_logprobs_greedy, output_head, topk_logits
-from dask_lm.workers.model_load import load_causal_lm
 
-__all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "score_partition", "release_scorers", "preload_replica"]
+# the replica cache lives in its own module; its names stay importable from here, where tasks, the lm-eval
+# request engine, benchmarks and tests have always found them
+from dask_lm.workers.replicas import (  # noqa: F401
+    _adopt,
+    _Replica,
+    _replica,
+    preload_replica,
+    release_idle,
+    release_scorers,
+)
 
-
-class _Replica:
-    last_used: float  # time.monotonic() of the last partition that picked it (set by _replica)
-    stamps: dict[str, Stamp]  # a preloaded replica's files, settled and unchanged over its load (preload_replica)
-
-    def __init__(self, model_dir: str, tokenizer_dir: str, precision: str, *, compile: bool = True,
-                 compile_head: bool = False) -> None:
-        t0 = time.perf_counter()
-        import transformers
-
-        transformers.utils.logging.disable_progress_bar()  # one bar per worker would garble the job's own bar
-        self.device = device.local_device()
-        device.synchronize()  # CUDA initialised here, so that the load's own timing is the weights'
-        t_weights = time.perf_counter()
-        dtype = device.torch_dtype(precision)
-        self.model = load_causal_lm(model_dir, dtype, self.device)
-        device.synchronize()
-        self.load_phases = {"imports_and_device": t_weights - t0, "weights": time.perf_counter() - t_weights}
-        # the fast path of a Policy's inference pass: packed rows through varlen attention, compiled layers
-        self.varlen = varlen.available(dtype) and self.model.config._attn_implementation == "sdpa"
-        self.packed = self.varlen  # packing pays only with the varlen kernel (a dense [T, T] mask costs more)
-        self.compiled = False
-        self.tokenizer: transformers.PreTrainedTokenizerBase | None
-        try:
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-            self.tokenizer_error: str | None = None
-        except (OSError, ValueError, ImportError) as e:  # token-id input needs no tokenizer; text input says why
-            self.tokenizer = None
-            self.tokenizer_error = (f"the tokenizer in {tokenizer_dir} cannot be loaded on this worker: "
-                                    f"{' '.join(str(e).split())}; install what it needs (e.g. sentencepiece) on the "
-                                    "workers")  # the way on, naming an option, is added when raised
-        cfg = self.model.config
-        candidates = (getattr(self.tokenizer, "pad_token_id", None), getattr(self.tokenizer, "eos_token_id", None),
-                      getattr(cfg, "pad_token_id", None), getattr(cfg, "eos_token_id", None))
-        pad = next((v for v in candidates if isinstance(v, int)), 0)
-        self.pad_id = int(pad)
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        positions = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
-        self.max_positions = int(positions) if positions else None  # None: the model has no position limit
-        self.lock = threading.Lock()  # a worker with several threads runs one forward at a time per replica
-        # what a job's cold start is made of (ScoreResult reports the longest over the workers): imports, CUDA
-        # initialisation and the weights' load; then the compilation, paid here on two short rows so that no
-        # partition's timing carries it
-        self.load_seconds = time.perf_counter() - t0
-        self.compile_seconds = 0.0
-        self.fresh = True  # the first partition of this replica reports the two timings
-        self.compile_requested = False
-        self.head_compiled = False  # the head's fused reductions run compiled (_score_rows says why)
-        # uncompiled layers' RMSNorms and SwiGLU products as liger's one-pass kernels (liger_layers.py says why);
-        # compile() puts the class forwards back for Inductor to fuse
-        t_liger = time.perf_counter()
-        self.liger_layers = 0 if compile else liger_layers.patch(self.model)
-        if self.liger_layers:
-            self.load_phases["liger_layers"] = time.perf_counter() - t_liger
-        if compile_head or compile:
-            self.compile_head()
-        if compile:
-            self.compile()
-        self.ready_at = time.time()  # wall clock: the driver compares it with its own (one host, or NTP-close)
-
-    def compile_head(self) -> None:
-        """Compile the head's fused reductions (on a GPU; a no-op elsewhere), paid here on two short rows."""
-        if fused.enabled() and not self.head_compiled:
-            t0 = time.perf_counter()
-            self.head_compiled = True
-            self._warm_up()
-            self.compile_seconds += time.perf_counter() - t0
-            self.ready_at = time.time()  # only when it compiled: an adopted replica's readiness is its load's
-
-    def compile(self) -> None:
-        """Compile the decoder layers, paid here on two short rows so that no partition's timing carries it."""
-        self.compile_requested = True
-        liger_layers.unpatch(self.model)
-        if fused.compile_decoder_layers(self.model) > 0:
-            t0 = time.perf_counter()
-            _, self.compiled = fused.call(True, self._warm_up, "the scoring forward")
-            self.compile_seconds += time.perf_counter() - t0
-        # compiling is off here, or failed: the layers run eagerly, so with liger's kernels where they can
-        self.liger_layers = 0 if self.compiled else liger_layers.patch(self.model)
-        self.ready_at = time.time()
-
-    @torch.no_grad()
-    def _warm_up(self) -> None:
-        """Two short rows through the forward and head (no longer than the model's positions allow)."""
-        n1, n2 = (min(n, self.max_positions or n) for n in (61, 37))
-        x = (torch.arange(2 * n1).reshape(2, n1) % max(self.vocab_size - 3, 1) + 3).clamp(max=self.vocab_size - 1)
-        x[1, n2:] = self.pad_id
-        hidden, layout = forward_rows(self.model, x, torch.tensor([n1, n2]), packed=self.packed,
-                                    varlen_ok=self.varlen, where=self.device)
-        with fused.use_compiled(self.head_compiled):
-            next_token_logprobs_greedy(hidden, layout.ids, layout.targets_valid, output_head(self.model),
-                                       index=layout.scored)[0].cpu()
-
-
-# one lock for the replica caches of this process: a worker with several threads loads a model once, and the
-# lease check never frees a replica while a partition picks it
-_CACHE_LOCK = threading.Lock()
-
-
-def _replica(opts: ScoreOptions) -> _Replica:
-    """This worker's replica for ``opts``, loaded on first use into the worker's dask-lm plugin state (or the one
-    :func:`preload_replica` loaded while the driver checked, where it was loaded from the pinned bytes)."""
-    from dask_lm.workers.state import get_state
-
-    cache = get_state().scorers
-    # the pins in the key: a replica of the same path loaded from other bytes (an earlier job's) is another model
-    key = (opts.model, opts.tokenizer, opts.precision, opts.compile, opts.model_pins)
-    with _CACHE_LOCK:
-        rep = cache.get(key)
-        if rep is None:
-            preloaded = cache.pop(_preload_key(opts.model, opts.tokenizer, opts.precision), None)
-            rep = _adopt(preloaded, opts)
-            if preloaded is not None and rep is None:  # loaded from other bytes: its memory goes before the reload
-                del preloaded
-                _free()
-        if rep is None:
-            before = [verify(pin) for pin in opts.model_pins]
-            rep = _Replica(opts.model, opts.tokenizer, opts.precision, compile=opts.compile,
-                           compile_head=opts.compile_head)
-            for pin, was in zip(opts.model_pins, before):  # written during the load: the weights may mix versions
-                verify(pin, since=was)
-        cache[key] = rep
-        rep.last_used = time.monotonic()
-        return rep
-
-
-# ------------------------------------------------------------------------------------------- preloading
-def _preload_key(model: str, tokenizer: str, precision: str) -> tuple:
-    return ("preloaded", model, tokenizer, precision)
-
-
-def _settled_stamps(directories: set[str], now_ns: int) -> dict[str, Stamp]:
-    """The stamp of every file directly in ``directories`` whose last change is at least ``_RACY_NS`` old: a file
-    changed within the filesystem clock's tick of ``now_ns`` could change again under the same stamp."""
-    stamps: dict[str, Stamp] = {}
-    for d in directories:
-        with contextlib.suppress(OSError):
-            for e in os.scandir(d):
-                with contextlib.suppress(OSError):
-                    if e.is_file():
-                        st = e.stat()
-                        s = Stamp(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-                        if now_ns - max(s.mtime_ns, s.ctime_ns) >= _RACY_NS:
-                            stamps[os.path.abspath(e.path)] = s
-    return stamps
-
-
-def preload_replica(model: str, tokenizer: str, precision: str | None, compile: bool, compile_head: bool = False
-                    ) -> dict[str, Any]:
-    """Load this worker's replica before the job's pins exist: ``score_parquet`` submits this to every worker
-    as soon as the cluster is up, so that imports, CUDA initialisation, the weights' load and the compilation
-    happen while the driver checks the inputs and hashes the files.
-
-    The replica is adopted by the job's first partition only if every pinned file kept one settled stamp from
-    before this load began, through its end, to the driver's hash (:func:`_adopt`): then the bytes loaded are the
-    bytes pinned. Otherwise that partition loads the model again, as without a preload. ``precision`` ``None``
-    is the worker's automatic one (as :func:`dask_lm.engine.jobs.worker_precision` decides it)."""
-    from dask_lm.workers.state import get_state
-
-    began = time.time()
-    precision = precision or ("bfloat16" if device.is_cuda() else "float32")
-    dirs = {os.path.abspath(model), os.path.abspath(tokenizer)}
-    # under the cache lock, as _replica loads: a partition that starts meanwhile on another thread of this worker
-    # waits for this replica instead of loading a second one beside it
-    with _CACHE_LOCK:
-        before = _settled_stamps(dirs, time.time_ns())
-        try:
-            rep = _Replica(model, tokenizer, precision, compile=compile, compile_head=compile_head)
-        except Exception as e:  # a model the driver's checks will refuse, or one the job's first partition loads
-            return {"error": f"{type(e).__name__}: {e}"}  # again and reports: not a failed task in the logs
-        after = _settled_stamps(dirs, time.time_ns())
-        rep.stamps = {p: s for p, s in before.items() if after.get(p) == s}
-        rep.last_used = time.monotonic()  # an unadopted preload is freed by the lease check like any idle replica
-        get_state().scorers[_preload_key(model, tokenizer, precision)] = rep
-    # when this worker's start went where (wall clock, for ScoreResult.start_phases): its process began, this task
-    # began (the worker up and registered, this module and torch imported), the replica was ready
-    return {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds, "precision": precision,
-            "process_started_at": _process_started_at(), "began_at": began, "ready_at": rep.ready_at,
-            "load_phases": rep.load_phases}
-
-
-def _process_started_at() -> float | None:
-    try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:  # no psutil (it comes with distributed), or a platform without process times
-        return None
-
-
-def _adopt(rep: _Replica | None, opts: ScoreOptions) -> _Replica | None:
-    """``rep`` (a preloaded replica) if it was loaded from the pinned bytes: each pinned file's settled stamp
-    before and after its load is the stamp the driver hashed it under. ``None`` (load again) otherwise."""
-    if rep is None or not opts.model_pins:
-        return None
-    for pin in opts.model_pins:
-        if pin.racy or rep.stamps.get(pin.path) != pin.stamp:
-            return None
-    if opts.compile_head:  # before the layers: their warm-up then runs the compiled head too
-        rep.compile_head()
-    if opts.compile and not rep.compile_requested:  # the job chose to compile once it knew its size
-        rep.compile()
-    return rep
-
-
-def _caches(dask_worker: Any = None) -> list[dict[tuple, Any]]:
-    """The replica caches to look at: ``dask_worker``'s (``client.run`` and the lease check pass it), else the
-    current task's worker's, else none (no worker: no replica)."""
-    from distributed import get_worker
-
-    from dask_lm.workers.state import PLUGIN_NAME
-
-    if dask_worker is None:
-        try:
-            dask_worker = get_worker()
-        except ValueError:
-            return []
-    plugin = dask_worker.plugins.get(PLUGIN_NAME)
-    return [plugin.scorers] if plugin is not None else []
-
-
-def _free() -> None:
-    """Give the freed replicas' memory back: their tensors go with the last reference, the allocator's cache with
-    ``empty_cache``."""
-    import gc
-
-    gc.collect()
-    device.empty_cache()
-
-
-def release_idle(max_idle_s: float, dask_worker: Any = None) -> int:
-    """Free replicas no partition has used for ``max_idle_s`` (the worker's lease check calls this). A job frees
-    its replicas when it ends; a job whose driver died cannot, and its model must not hold the device for good."""
-    now = time.monotonic()
-    idle = 0
-    with _CACHE_LOCK:
-        for cache in _caches(dask_worker):
-            keys = [k for k, rep in cache.items()
-                    if now - getattr(rep, "last_used", now) > max_idle_s and not rep.lock.locked()]
-            for k in keys:
-                del cache[k]
-            idle += len(keys)
-    if idle:
-        _free()
-    return idle
-
-
-def release_scorers(dask_worker: Any = None) -> int:
-    """Free this worker's replicas (run with ``client.run`` when a job ends)."""
-    with _CACHE_LOCK:
-        caches = _caches(dask_worker)
-        n = sum(len(c) for c in caches)
-        for cache in caches:
-            cache.clear()
-    _free()
-    return n
+__all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "ScoredRows", "score_rows", "score_partition",
+           "release_scorers", "preload_replica"]
 
 
 @torch.no_grad()
@@ -445,10 +198,127 @@ def _rows_reporter(progress_id: str | None, index: int, every_s: float = 0.5) ->
     return report
 
 
+@dataclass
+class ScoredRows:
+    """What :func:`score_rows` made of one partition's rows."""
+
+    keep: list[int]
+    """The rows scored, as positions in the partition's rows (its frames one after another), in order."""
+    table: Any
+    """A ``pyarrow.Table`` of the score columns (:func:`dask_lm.io.parquet.output_schema_columns`), one row per
+    kept row, in the order of ``keep``."""
+    bad: list[int]
+    """The positions of the bad rows left out (``skip_bad_rows``; without it the first one raised)."""
+    errors: list[str]
+    """The bad rows' errors, in the order of ``bad``."""
+    stats: dict[str, Any]
+    """``rows`` (kept), ``tokens``, ``empty_rows``, ``truncated_rows``, ``nonfinite_rows``, ``phases`` (``rows``,
+    ``model``, ``output``: seconds); and, in the first partition of a replica, its ``load_seconds``,
+    ``compile_seconds``, ``load_phases`` and ``ready_at``."""
+
+
+def _row_name(row: int, label: Any = None, labelled: bool = False) -> str:
+    return f"row {row} (index {label!r})" if labelled else f"row {row}"
+
+
+def _labelled(error: str, where: str, row: int, label: Any) -> str:
+    """A bad row's error with its index label beside its position: ``partition 3: row 5 (index 'a'), ...``."""
+    prefix = f"{where}: row {row}, "
+    assert error.startswith(prefix), (error, prefix)  # every row error is made by dask_lm.data.rows._bad
+    return f"{where}: {_row_name(row, label, True)}, {error[len(prefix):]}"
+
+
+def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: str, bad_fix: str,
+               labels: Sequence[Any] | None = None, report: Callable[[int], None] | None = None) -> ScoredRows:
+    """Read, check, tokenize and score one partition's rows with this worker's replica for ``opts``; write nothing.
+
+    ``frames`` are the partition's rows: pandas frames (Arrow-backed columns, or Python objects), each with the
+    number its first row has in ``where`` (a file for ``score_parquet``, ``"partition N"`` for ``dask_lm.score``),
+    which every message names. A bad row raises :class:`BadRowError` naming ``where``, the row (with ``labels``,
+    the rows' index labels, its label too) and the column, ending in ``bad_fix``; with ``skip_bad_rows`` the bad
+    rows are left out and returned with their errors. Rows whose logprobs are not all finite raise
+    :class:`NonFiniteError` unless ``allow_nonfinite``. ``report(k)`` hears when the replica is ready (``k`` = 0)
+    and how many rows have been scored."""
+    import pyarrow as pa
+
+    from dask_lm.io import parquet as pio
+    from dask_lm.io.results import decode_topk_column
+
+    rep = _replica(opts)
+    with rep.lock:
+        startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds,
+                   "load_phases": rep.load_phases, "ready_at": rep.ready_at} if rep.fresh else {}
+        rep.fresh = False
+        if report is not None:
+            report(0)  # the replica is ready: the job's bar stops saying that the model loads
+        if rep.tokenizer is None and (not opts.ids_column or opts.decode_topk):
+            raise ValueError(f"{rep.tokenizer_error}, or pass {opt('tokenizer')}")
+        t_rows = time.perf_counter()
+        rows = PreparedRows([], [], [], [])
+        row_no: list[int] = []  # each row's number in `where`, for messages and _errors.parquet
+        for frame, first in frames:
+            got = prepare_rows(frame, opts, tokenizer=rep.tokenizer, vocab_size=rep.vocab_size,
+                               max_positions=rep.max_positions, file=where, first_row=first)
+            rows.ids += got.ids
+            rows.start += got.start
+            rows.truncated += got.truncated
+            rows.errors += got.errors
+            row_no += range(first, first + len(frame))
+        if labels is not None:
+            rows.errors = [e if e is None else _labelled(e, where, row_no[i], labels[i])
+                           for i, e in enumerate(rows.errors)]
+        t_model = time.perf_counter()
+        bad = [i for i, e in enumerate(rows.errors) if e is not None]
+        if bad and not opts.skip_bad_rows:
+            more = f" (and {len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
+            raise BadRowError(f"{rows.errors[bad[0]]}{more}; {bad_fix}")
+        keep = [i for i in range(len(row_no)) if rows.errors[i] is None]
+        lps, tops, finite, greedy = _score_rows(rep, [rows.ids[i] for i in keep], opts,  # type: ignore[misc]
+                                                report)
+    t_output = time.perf_counter()
+    nonfinite = [keep[j] for j, ok in enumerate(finite) if not ok]
+    if nonfinite and not opts.allow_nonfinite:
+        first_bad = _row_name(row_no[nonfinite[0]], labels[nonfinite[0]] if labels is not None else None,
+                              labels is not None)
+        # raised before anything is written: no part under its final name, so the job ends without _SUCCESS
+        raise NonFiniteError(f"the model produced non-finite logprobs (NaN/inf) on {len(nonfinite)} of {len(keep)} "
+                             f"rows of {where} (first: {first_bad}): its weights may hold NaN/inf, or the "
+                             f"precision overflows (try {opt('precision', 'fp32')}); pass "
+                             f"{opt('allow_nonfinite', True)} to keep them")
+    sums = [_row_sums(lps[j], greedy[j], rows.start[i]) for j, i in enumerate(keep)]
+    counts = [len(rows.ids[i]) for i in keep]  # type: ignore[arg-type]
+    values: dict[str, Any] = {
+        "num_tokens": counts, "prompt_tokens": [min(rows.start[i], n) for i, n in zip(keep, counts)],
+        "num_scored": [s[0] for s in sums], "truncated": [rows.truncated[i] for i in keep],
+        "logprobs": _list_column(lps, pa.list_(pa.float32())), "sum_logprob": [s[1] for s in sums],
+        "mean_logprob": [s[2] for s in sums], "perplexity": [s[3] for s in sums], "is_greedy": [s[4] for s in sums]}
+    if tops is not None:
+        values["topk_ids"] = _list_column([t[0] for t in tops], pa.list_(pa.list_(pa.int32())))
+        values["topk_logprobs"] = _list_column([t[1] for t in tops], pa.list_(pa.list_(pa.float32())))
+        if opts.decode_topk:  # here, where the tokenizer is loaded: the strings travel no further than the output
+            with rep.lock:  # a fast tokenizer used by two threads at once may raise "Already borrowed"
+                values["topk_tokens"] = decode_topk_column(rep.tokenizer, values["topk_ids"])
+    columns = pio.output_schema_columns(opts.topk, opts.decode_topk)
+    table = pa.table({name: values[name] if isinstance(values[name], pa.Array) else pa.array(values[name], type_)
+                      for name, type_ in columns})
+    tokens = sum(counts)
+    from distributed.metrics import context_meter
+
+    context_meter.digest_metric("tokens", tokens, "count")  # summed per span on the dashboard
+    stats = {"rows": len(keep), "tokens": tokens, "empty_rows": sum(1 for s in sums if s[0] == 0),
+             "truncated_rows": sum(values["truncated"]), "nonfinite_rows": len(nonfinite), **startup,
+             # where a partition's time goes (ScoreResult.phase_seconds sums them over the job): reading and
+             # checking the rows, the model (forwards, heads, results to the host), building (and writing) the output
+             "phases": {"rows": t_model - t_rows, "model": t_output - t_model,
+                        "output": time.perf_counter() - t_output}}
+    return ScoredRows(keep=keep, table=table, bad=bad, errors=[rows.errors[i] for i in bad],  # type: ignore[misc]
+                      stats=stats)
+
+
 def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], index: int, file: str,
                     opts: ScoreOptions, progress_id: str | None = None) -> dict[str, Any]:
     """Score one span of rows (:mod:`dask_lm.io.spans`) and write ``part-<index>.parquet`` (and its bad rows)
-    atomically.
+    atomically: ``score_parquet``'s file job over :func:`score_rows`.
 
     ``pieces`` are the span's rows as read: consecutive row groups of ``file`` (or one group's slice), each a
     pandas frame of Arrow-backed columns starting at file row ``firsts[k]`` with ``counts[k]`` rows, or an
@@ -458,7 +328,6 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
     import pyarrow as pa
 
     from dask_lm.io import parquet as pio
-    from dask_lm.io.results import decode_topk_column
 
     t0 = time.perf_counter()
     for piece, first, n in zip(pieces, firsts, counts):
@@ -473,85 +342,30 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
     readable = [(p, first) for p, first in zip(pieces, firsts) if not isinstance(p, pio.UnreadableRowGroup)]
     if not readable:
         return _unreadable(unreadable[0].schema, lost_rows, lost_errors, index, file, opts, t0)
-    rep = _replica(opts)
-    with rep.lock:
-        startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds,
-                   "load_phases": rep.load_phases, "ready_at": rep.ready_at} if rep.fresh else {}
-        rep.fresh = False
-        report = _rows_reporter(progress_id, index)
-        report(0)  # the replica is ready: the bar stops saying that the model loads
-        if rep.tokenizer is None and (not opts.ids_column or opts.decode_topk):
-            raise ValueError(f"{rep.tokenizer_error}, or pass {opt('tokenizer')}")
-        t_rows = time.perf_counter()
-        rows = PreparedRows([], [], [], [])
-        row_no: list[int] = []  # each row's number in the file, for messages and _errors.parquet
-        for frame, first in readable:
-            got = prepare_rows(frame, opts, tokenizer=rep.tokenizer, vocab_size=rep.vocab_size,
-                               max_positions=rep.max_positions, file=file, first_row=first)
-            rows.ids += got.ids
-            rows.start += got.start
-            rows.truncated += got.truncated
-            rows.errors += got.errors
-            row_no += range(first, first + len(frame))
-        t_model = time.perf_counter()
-        bad = [i for i, e in enumerate(rows.errors) if e is not None]
-        if bad and not opts.skip_bad_rows:
-            more = f" (and {len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
-            raise BadRowError(f"{rows.errors[bad[0]]}{more}; fix the data, or {again(resume=True, skip_bad_rows=True)} "
-                              "to leave bad rows out (the parts already written are kept)")
-        keep = [i for i in range(len(row_no)) if rows.errors[i] is None]
-        lps, tops, finite, greedy = _score_rows(rep, [rows.ids[i] for i in keep], opts,  # type: ignore[misc]
-                                                report)
+    scored = score_rows(readable, opts, where=file, report=_rows_reporter(progress_id, index),
+                        bad_fix=f"fix the data, or {again(resume=True, skip_bad_rows=True)} to leave bad rows out "
+                                "(the parts already written are kept)")
     t_write = time.perf_counter()
-    nonfinite = [row_no[keep[j]] for j, ok in enumerate(finite) if not ok]
-    if nonfinite and not opts.allow_nonfinite:
-        # raised before anything is written: no part under its final name, so the job ends without _SUCCESS
-        raise NonFiniteError(f"the model produced non-finite logprobs (NaN/inf) on {len(nonfinite)} of {len(keep)} "
-                             f"rows of {file} (first: row {nonfinite[0]}): its weights may hold NaN/inf, or the "
-                             f"precision overflows (try {opt('precision', 'fp32')}); pass "
-                             f"{opt('allow_nonfinite', True)} to keep them")
     import pandas as pd
 
     pdf = readable[0][0] if len(readable) == 1 else pd.concat([f for f, _ in readable], ignore_index=True)
-    source = pdf.iloc[keep]
+    source = pdf.iloc[scored.keep]
     if opts.id_column is not None:
         source = source[[opts.id_column]]
     table = pa.Table.from_pandas(source.reset_index(drop=True), preserve_index=False)
-    sums = [_row_sums(lps[j], greedy[j], rows.start[i]) for j, i in enumerate(keep)]
-    counts = [len(rows.ids[i]) for i in keep]  # type: ignore[arg-type]
-    values: dict[str, Any] = {
-        "num_tokens": counts, "prompt_tokens": [min(rows.start[i], n) for i, n in zip(keep, counts)],
-        "num_scored": [s[0] for s in sums], "truncated": [rows.truncated[i] for i in keep],
-        "logprobs": _list_column(lps, pa.list_(pa.float32())), "sum_logprob": [s[1] for s in sums],
-        "mean_logprob": [s[2] for s in sums], "perplexity": [s[3] for s in sums], "is_greedy": [s[4] for s in sums]}
-    if tops is not None:
-        values["topk_ids"] = _list_column([t[0] for t in tops], pa.list_(pa.list_(pa.int32())))
-        values["topk_logprobs"] = _list_column([t[1] for t in tops], pa.list_(pa.list_(pa.float32())))
-        if opts.decode_topk:  # here, where the tokenizer is loaded: the strings travel no further than the part
-            with rep.lock:  # a fast tokenizer used by two threads at once may raise "Already borrowed"
-                values["topk_tokens"] = decode_topk_column(rep.tokenizer, values["topk_ids"])
-    for name, type_ in pio.output_schema_columns(opts.topk, opts.decode_topk):
-        column = values[name]
-        table = table.append_column(name, column if isinstance(column, pa.Array) else pa.array(column, type_))
+    for name in scored.table.column_names:
+        table = table.append_column(name, scored.table.column(name))
     _refuse_if_cancelled(index)
     # the bad rows first: a part file under its final name is what --resume skips, so it must come last
-    if bad or lost_rows:
-        bad_errors = [e for e in rows.errors if e is not None]  # those of `bad`, in order
-        listed = sorted(zip(lost_rows + [row_no[i] for i in bad], lost_errors + bad_errors))
+    if scored.bad or lost_rows:
+        row_no = [r for frame, first in readable for r in range(first, first + len(frame))]
+        listed = sorted(zip(lost_rows + [row_no[i] for i in scored.bad], lost_errors + scored.errors))
         err = pio.errors_table(index, file, [r for r, _ in listed], [e for _, e in listed])
         pio.write_part(err, pio.errors_dir(opts.output), pio.part_name(index))
     pio.write_part(table, opts.output, pio.part_name(index))
-    tokens = sum(counts)
-    from distributed.metrics import context_meter
-
-    context_meter.digest_metric("tokens", tokens, "count")  # summed per span on the dashboard
-    return {"part": index, "rows": len(keep), "tokens": tokens, "bad_rows": len(bad) + len(lost_rows),
-            "empty_rows": sum(1 for s in sums if s[0] == 0), "truncated_rows": sum(values["truncated"]),
-            "nonfinite_rows": len(nonfinite), "seconds": time.perf_counter() - t0, **startup,
-            # where a partition's time goes (ScoreResult.phase_seconds sums them over the job): reading and checking
-            # the rows, the model (forwards, heads, results to the host), building and writing the output
-            "phases": {"rows": t_model - t_rows, "model": t_write - t_model, "output": time.perf_counter() - t_write}}
-
+    stats = scored.stats
+    stats["phases"]["output"] += time.perf_counter() - t_write
+    return {"part": index, **stats, "bad_rows": len(scored.bad) + len(lost_rows), "seconds": time.perf_counter() - t0}
 
 def _list_column(rows: list[torch.Tensor], type_: Any) -> Any:
     """Per row a ``[n]`` (or ``[n, k]``) tensor, as the Arrow column of type ``type_`` (``list<...>`` or

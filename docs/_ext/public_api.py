@@ -19,8 +19,10 @@ from sphinx.util.nodes import nested_parse_with_titles
 
 # (title, what it is for, names claimed, defining-module prefixes claimed)
 GROUPS: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
-    ("Jobs", "Start or reach a cluster, score parquet datasets, read the scores back, the demo's model and data.",
-     ("connect", "score_parquet", "ScoreResult", "read_scores", "demo_model", "demo_data", "set_progress"), ()),
+    ("Jobs", "Start or reach a cluster, score parquet datasets or Dask DataFrames, read the scores back, the demo's "
+     "model and data.",
+     ("connect", "score_parquet", "ScoreResult", "read_scores", "score", "demo_model", "demo_data", "set_progress"),
+     ()),
     ("The Policy", "NeMo RL's ``Policy`` on a Dask cluster, its configuration and its batches.",
      ("Policy", "PolicyConfig"), ("dask_lm.engine.policy", "dask_lm.config", "dask_lm.data")),
     ("Losses", "NeMo RL's loss functions for ``Policy.train``.", (), ("dask_lm.losses",)),
