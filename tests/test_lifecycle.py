@@ -169,3 +169,16 @@ def test_shutdown_with_a_worker_gone_for_good_returns_in_seconds(own_client, tin
 
 def _address(client, name) -> str:
     return next(a for a, w in client.scheduler_info()["workers"].items() if w["name"] == name)
+
+
+def test_closing_a_connect_client_closes_the_local_cluster_it_started():
+    """`client.close()` on a client of `dask_lm.connect()` stops the worker processes connect started (as for a bare
+    `Client()`), so a script's exit does not kill them; a client attached to that cluster's scheduler leaves the
+    cluster up when it closes."""
+    client = dask_lm.connect(n_workers=1, cluster="cpu")
+    cluster = client.cluster
+    other = dask_lm.connect(cluster.scheduler_address)
+    other.close()
+    assert cluster.status.name == "running" and len(client.scheduler_info()["workers"]) == 1
+    client.close()
+    assert cluster.status.name == "closed"

@@ -127,6 +127,10 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
                           dashboard_address=dashboard_address, memory_limit=memory_limit, **cluster_kwargs)
     client = Client(lc)
     client._dask_lm_owns_cluster = True  # type: ignore[attr-defined]
+    # `client.close()` (and `with connect() as client:`) then closes this cluster too, as it does for the cluster
+    # a bare `Client()` starts: a script that closes its client does not leave worker processes for the
+    # interpreter's exit to kill ("Worker process still alive after 4 seconds, killing")
+    client._start_arg = None
     return client
 
 
@@ -181,7 +185,8 @@ def _silence(*prefixes: str) -> None:
 
 
 def close(client: Client) -> None:
-    """Close ``client``, and its cluster too when ``connect`` started that cluster (an attached one stays up)."""
+    """Close ``client``, and its cluster too when ``connect`` started that cluster (an attached one stays up).
+    ``client.close()`` does the same for a client of ``connect``; this also takes a client made elsewhere."""
     cluster = client.cluster if getattr(client, "_dask_lm_owns_cluster", False) else None
     client.close()
     if cluster is not None:
