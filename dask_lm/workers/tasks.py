@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "serve", "settled", "unwrap",
            "zmq_address", "profiler", "score_partition", "check_model_config", "preload_scorer", "release_scorers",
-           "shutdown_policy", "Failed", "PeerFailedError", "loglikelihood_requests", "generate_requests"]
+           "shutdown_policy", "Failed", "PeerFailedError", "loglikelihood_requests", "generate_requests", "combine",
+           "warnings_of"]
 
 
 def find_free_port(_prev: Any = None) -> tuple[str, int]:
@@ -161,6 +162,25 @@ def serve(_prev: Any, policy_id: str, request: Request) -> Any:
     with interface.caught(warned):
         result = handle(_policy(policy_id), request)
     return interface.Warned(result, tuple(warned)) if warned else result
+
+
+def combine(kind: str, params: dict[str, Any], *answers: Any) -> Any:
+    """A PolicyFuture's key: the ranks' answers to one call joined into its result
+    (:func:`dask_lm.workers.combine.combine`); their warnings go apart (:func:`warnings_of`)."""
+    from dask_lm import interface
+    from dask_lm.workers.combine import combine as join
+
+    return join(kind, params, [interface.strip(a)[0] for a in answers])
+
+
+def warnings_of(*answers: Any) -> list[tuple[type[Warning], str]]:
+    """The distinct warnings the ranks raised in one call, for ``PolicyFuture.result()`` to raise again."""
+    from dask_lm import interface
+
+    seen: list[tuple[type[Warning], str]] = []
+    for a in answers:
+        seen += [w for w in interface.strip(a)[1] if w not in seen]
+    return seen
 
 
 class Failed:

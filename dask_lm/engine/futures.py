@@ -1,0 +1,105 @@
+"""``PolicyFuture``: the future of one Policy call (``Policy.submit``), a ``distributed.Future`` of a real task.
+
+One Policy call is one pinned task per rank (:class:`~dask_lm.engine.worker_group.WorkerGroup`); the ranks' answers
+are parts (each rank's rows, or each rank's view of a train step). The future's key is a small *combine* task pinned
+to rank 0's worker that depends on every rank's task and joins their answers into the call's result
+(:mod:`dask_lm.workers.combine`): so the future works wherever Dask takes one — ``distributed.wait``,
+``as_completed``, ``client.gather``, as an argument of ``client.submit`` or of another ``Policy.submit`` — and its
+task shows on the dashboard's task stream under the call's name.
+
+``result()`` first waits on the ranks themselves, with the group's rules for a failed call
+(:meth:`WorkerGroup.settle`): the first failure wins, its peers get a few seconds to fail too, a peer still running
+after that sits in a collective (the Policy is then broken), a lost worker is :class:`~dask_lm.WorkerLostError`,
+a ``ValueError`` comes as it was raised and any other error as :class:`~dask_lm.RankFailedError` naming the call,
+rank and worker: the text the blocking method raises, since the blocking method *is* ``submit(...).result()``.
+
+``wait`` / ``as_completed`` see the combine task, which Dask marks failed as soon as one rank's task fails (a
+dependent of a failed task fails at once, whatever its other dependencies are doing), so they do not hang on a peer
+stuck in a collective either; ``client.gather`` of such a future raises the rank's own exception, unwrapped.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from distributed import Future
+
+from dask_lm import interface
+from dask_lm.workers import tasks
+
+if TYPE_CHECKING:
+    from dask_lm.engine.worker_group import WorkerGroup
+
+__all__ = ["PolicyFuture"]
+
+
+class PolicyFuture(Future):  # type: ignore[misc]
+    """The future of a Policy call: ``.result()`` is what the blocking method returns (and raises).
+
+    Made by :meth:`dask_lm.Policy.submit`; ``call`` names the method, ``ranks`` are the per-rank futures it joins.
+    """
+
+    def __init__(self, key: str, client: Any, *, group: WorkerGroup | None = None,
+                 ranks: Sequence[Future] = (), call: str = "", warnings: Future | None = None,
+                 done: Callable[[Any, BaseException | None], None] | None = None) -> None:
+        super().__init__(key, client)
+        self.call = call
+        self._group = group
+        self._ranks: list[Future] | None = list(ranks)
+        self._warnings = warnings
+        self._done = done
+
+    @classmethod
+    def combine(cls, group: WorkerGroup, ranks: Sequence[Future], kind: str, params: dict[str, Any], *,
+                call: str, key_name: str, done: Callable[[Any, BaseException | None], None] | None = None
+                ) -> PolicyFuture:
+        """The future of :func:`dask_lm.workers.tasks.combine` of ``ranks``' answers, pinned to rank 0's worker.
+        ``done(value, error)`` runs once, at the first ``result()`` (the call's event, its progress bar closed)."""
+        client = group.client
+        token = uuid.uuid4().hex[:6]
+        where = {"workers": [group.names[0]], "allow_other_workers": True, "pure": False, "retries": 0}
+        joined = client.submit(tasks.combine, kind, params, *ranks, key=f"{key_name}-{group.policy_id}-{token}",
+                               **where)
+        # the ranks' warnings travel apart from the result (a few strings), so that the result stays the plain value
+        # for wait / gather / a dependent task, and .result() raises them again at the user's line
+        warned = client.submit(tasks.warnings_of, *ranks, key=f"{key_name}-warnings-{group.policy_id}-{token}",
+                               **where)
+        fut = cls(joined.key, client, group=group, ranks=ranks, call=call, warnings=warned, done=done)
+        joined.release()  # the PolicyFuture holds the key now
+        return fut
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The call's result; a failure on a rank raises here with the blocking method's error."""
+        try:
+            value = self._policy_result(timeout)
+        except BaseException as e:
+            self._call_done(None, e)
+            raise
+        self._call_done(value, None)
+        return value
+
+    def _policy_result(self, timeout: float | None) -> Any:
+        ranks, group = self._ranks, self._group
+        if ranks is not None and group is not None:
+            group.settle(ranks, what=self.call, timeout=timeout)
+        if self._warnings is not None:
+            value, warned = self.client.gather([self, self._warnings])
+            interface.reissue([interface.Warned(None, tuple(warned))])
+        else:
+            value = super().result(timeout=timeout)
+        if ranks is not None and group is not None:
+            group.release(ranks)
+            # the rank tasks' results are only inputs of the combine task: let the scheduler free them
+            self._ranks, self._warnings = None, None
+        return value
+
+    def _call_done(self, value: Any, error: BaseException | None) -> None:
+        done, self._done = self._done, None
+        if done is not None and not isinstance(error, TimeoutError):
+            done(value, error)
+
+    def __repr__(self) -> str:
+        return f"<PolicyFuture: {self.call}, status: {self.status}, key: {self.key}>"
+

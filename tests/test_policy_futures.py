@@ -1,0 +1,176 @@
+"""Policy.submit: futures of Policy calls on a real 2-process LocalCluster, against the blocking calls and
+single-process Hugging Face."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from distributed import Future, as_completed, wait
+from helpers import TEXTS, hf_logprobs, hf_nll_steps, make_batch, model_logprobs, sft_batch
+
+import dask_lm
+from dask_lm import BatchedDataDict
+
+pytestmark = pytest.mark.cluster
+
+CORPUS = TEXTS + ["Tokens flow through the cluster.", "Every rank runs the same steps.", "Short one."]
+
+
+def _cfg(model_dir, **extra):
+    cfg = {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 8, "train_micro_batch_size": 2,
+           "logprob_batch_size": 2, "logprob_chunk_size": 5, "max_total_sequence_length": 128, "max_grad_norm": 1.0,
+           "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+           "generation": {"max_new_tokens": 4, "temperature": 1.0}}
+    cfg.update(extra)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return transformers.AutoTokenizer.from_pretrained(tiny["llama"])
+
+
+@pytest.fixture(scope="module")
+def batch(tok):
+    return sft_batch(tok, CORPUS)
+
+
+@pytest.fixture(scope="module")
+def policy(client, tiny, tok):
+    """Reference weights stay those of tiny["llama"]: tests that train restore nothing, so they compare against
+    what the policy itself gives before and after."""
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as p:
+        assert p.data_parallel_size == 2
+        yield p
+
+
+def _same(a, b):
+    assert set(a) == set(b)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_futures_equal_the_blocking_calls(policy, batch):
+    """Each inference method: the future's result is the blocking method's, exactly (the weights do not change)."""
+    fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
+    calls = [("get_logprobs", (fwd,), {}), ("get_reference_policy_logprobs", (fwd,), {"micro_batch_size": 1}),
+             ("get_topk_logits", (fwd,), {"k": 3}), ("generate", (fwd,), {"greedy": True})]
+    futures = [policy.submit(name, *args, **kwargs) for name, args, kwargs in calls]
+    assert all(isinstance(f, Future) and isinstance(f, dask_lm.PolicyFuture) for f in futures)
+    wait(futures)
+    assert [f.status for f in futures] == ["finished"] * len(futures)
+    for (name, args, kwargs), fut in zip(calls, futures):
+        _same(fut.result(), getattr(policy, name)(*args, **kwargs))
+    expected, _ = hf_logprobs(policy.cfg.model_name, fwd["input_ids"], fwd["input_lengths"])
+    torch.testing.assert_close(futures[0].result()["logprobs"], expected, atol=1e-4, rtol=0)
+
+
+def test_as_completed_and_gather_take_policy_futures(policy, batch, client):
+    fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
+    futures = [policy.submit("get_logprobs", fwd), policy.submit("get_topk_logits", fwd, 2)]
+    done = {f.key for f in as_completed(futures)}
+    assert done == {f.key for f in futures}
+    gathered = client.gather(futures)
+    _same(gathered[0], futures[0].result())
+    _same(gathered[1], futures[1].result())
+
+
+def test_submission_order_holds_for_interleaved_train_and_logprobs(client, tiny, tok, batch):
+    """get_logprobs submitted before a train step finished sees the trained weights; one submitted before the
+    step sees the weights before it: both against single-process HF."""
+    losses, norms, ref_model = hf_nll_steps(tiny["llama"], [(batch["input_ids"], batch["input_lengths"],
+                                                             batch["token_mask"], batch["sample_mask"])],
+                                            lr=0.5, max_grad_norm=1.0)
+    fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
+    before, _ = hf_logprobs(tiny["llama"], fwd["input_ids"], fwd["input_lengths"])
+    after = model_logprobs(ref_model, fwd["input_ids"], fwd["input_lengths"])
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as p:
+        first = p.submit("get_logprobs", fwd)
+        step = p.submit("train", batch, dask_lm.NLLLoss())
+        second = p.submit("get_logprobs", fwd)
+        assert step.status == "pending"  # submitted while the step had not run yet
+        torch.testing.assert_close(second.result()["logprobs"], after, atol=1e-4, rtol=0)
+        torch.testing.assert_close(first.result()["logprobs"], before, atol=1e-4, rtol=0)
+        out = step.result()
+    assert abs(float(out["loss"][0]) - losses[0]) < 1e-5
+    assert abs(float(out["grad_norm"][0]) - norms[0]) < 1e-5 * norms[0]
+
+
+def test_a_future_train_step_equals_the_blocking_step(client, tiny, tok, batch):
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as p:
+        blocking = p.train(batch, dask_lm.NLLLoss())
+        lp_blocking = p.get_logprobs(batch)["logprobs"]
+    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as p:
+        fut = p.submit("train", batch, dask_lm.NLLLoss())
+        lp = p.submit("get_logprobs", batch)
+        out = fut.result()
+        torch.testing.assert_close(lp.result()["logprobs"], lp_blocking, rtol=0, atol=0)
+    torch.testing.assert_close(out["loss"], blocking["loss"], rtol=0, atol=0)
+    torch.testing.assert_close(out["grad_norm"], blocking["grad_norm"], rtol=0, atol=0)
+    assert out["all_mb_metrics"] == blocking["all_mb_metrics"]
+
+
+def test_submit_names_the_methods_it_takes_and_validates_before_any_work(policy, batch):
+    with pytest.raises(ValueError, match="get_logprobs.*train"):
+        policy.submit("save_checkpoint", "/tmp/x")
+    bad = BatchedDataDict(input_ids=batch["input_ids"].float(), input_lengths=batch["input_lengths"])
+    with pytest.raises(ValueError, match="get_logprobs: `input_ids` has dtype torch.float32"):
+        policy.submit("get_logprobs", bad)
+
+
+class _FailingLoss(dask_lm.NLLLoss):
+    """NLL, except that rank 1 raises in its first micro-batch; with ``peer_too`` rank 0 raises PeerFailedError
+    (as a rank told of its peer's failure does), else it goes on into the step's collectives and waits there."""
+
+    def __init__(self, peer_too: bool) -> None:
+        super().__init__()
+        self.peer_too = peer_too
+
+    def __call__(self, *args, **kwargs):
+        from distributed import get_worker
+
+        from dask_lm.errors import PeerFailedError
+
+        if str(get_worker().name) == "1":
+            raise RuntimeError("boom on rank 1")
+        if self.peer_too:
+            raise PeerFailedError("a peer failed")
+        return super().__call__(*args, **kwargs)
+
+
+def test_a_rank_error_surfaces_at_result_with_the_blocking_text(policy, batch):
+    with pytest.raises(dask_lm.RankFailedError) as blocking:
+        policy.train(batch, _FailingLoss(peer_too=True))
+    fut = policy.submit("train", batch, _FailingLoss(peer_too=True))
+    with pytest.raises(dask_lm.RankFailedError) as future:
+        fut.result()
+    assert str(future.value) == str(blocking.value)
+    assert str(future.value) == "train failed on rank 1 (worker 1): RuntimeError: boom on rank 1"
+    assert fut.status == "error"
+    # the Policy keeps working after a failed call, in both forms
+    fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
+    _same(policy.submit("get_logprobs", fwd).result(), policy.get_logprobs(fwd))
+
+
+def test_an_error_on_one_rank_does_not_hang_result_wait_or_as_completed(tiny, tok, batch):
+    """Rank 1 fails while rank 0 waits in the step's collectives: .result() raises rank 1's error after the group's
+    settle time, not after the collective timeout (the Policy is then broken, as a blocking call leaves it), and
+    wait / as_completed return as soon as rank 1's task failed."""
+    client = dask_lm.connect(n_workers=2, cluster="cpu")
+    try:
+        with dask_lm.Policy(client, _cfg(tiny["llama"], collective_timeout_s=20.0), tok) as p:
+            fut = p.submit("train", batch, _FailingLoss(peer_too=False))
+            wait([fut], timeout=600)  # a guard against a hang only: it returns when rank 1 fails
+            assert fut.status == "error"
+            assert list(as_completed([fut], timeout=600)) == [fut]
+            ranks = list(fut._ranks)
+            with pytest.raises(dask_lm.RankFailedError, match=r"^train failed on rank 1 \(worker 1\): RuntimeError: "
+                                                              r"boom on rank 1$"):
+                fut.result()
+            assert ranks[0].status == "pending"  # rank 0 was still in its collective when .result() raised
+            with pytest.raises(dask_lm.RankFailedError, match="did not finish train after a peer failed"):
+                p.submit("get_logprobs", batch)
+    finally:
+        client.close()
+        client.cluster.close()
