@@ -174,3 +174,84 @@ def test_an_error_on_one_rank_does_not_hang_result_wait_or_as_completed(tiny, to
     finally:
         client.close()
         client.cluster.close()
+
+
+# ------------------------------------------------------------------------------------------- rows on the workers
+def _frame(batch, npartitions=3):
+    """The batch's rows as a Dask DataFrame of token-id lists (plus train's per-token / per-row columns)."""
+    import dask.dataframe as dd
+    import pandas as pd
+    import pyarrow as pa
+
+    lens = batch["input_lengths"].tolist()
+    ids = pd.ArrowDtype(pa.list_(pa.int64()))
+    cols = {"input_ids": pd.Series([batch["input_ids"][i, :n].tolist() for i, n in enumerate(lens)], dtype=ids)}
+    if "token_mask" in batch:
+        cols["token_mask"] = pd.Series([batch["token_mask"][i, :n].tolist() for i, n in enumerate(lens)],
+                                       dtype=pd.ArrowDtype(pa.list_(pa.float32())))
+        cols["sample_mask"] = batch["sample_mask"].numpy()
+    return dd.from_pandas(pd.DataFrame(cols), npartitions=npartitions, sort=False)
+
+
+@pytest.mark.parametrize("mode", ["plain", "packed"])
+def test_a_train_step_fed_by_a_dask_dataframe_equals_the_step_fed_by_a_batch(client, tiny, tok, batch, mode):
+    extra = {"sequence_packing": {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64}} \
+        if mode == "packed" else {}
+    fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
+    with dask_lm.Policy(client, _cfg(tiny["llama"], **extra), tok) as p:
+        expected = p.train(batch, dask_lm.NLLLoss())
+        lp_expected = p.get_logprobs(fwd)["logprobs"]
+    frame = _frame(batch)
+    assert frame.npartitions == 3
+    with dask_lm.Policy(client, _cfg(tiny["llama"], **extra), tok) as p:
+        out = p.submit("train", frame, dask_lm.NLLLoss()).result()
+        lp = p.submit("get_logprobs", frame[["input_ids"]]).result()["logprobs"]
+    torch.testing.assert_close(out["loss"], expected["loss"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out["grad_norm"], expected["grad_norm"], rtol=0, atol=1e-6)
+    assert out["all_mb_metrics"].keys() == expected["all_mb_metrics"].keys()
+    for key, values in expected["all_mb_metrics"].items():
+        assert out["all_mb_metrics"][key] == pytest.approx(values, rel=1e-6, abs=1e-6), key
+    assert out["num_tokens"] == expected["num_tokens"]
+    torch.testing.assert_close(lp, lp_expected, rtol=0, atol=1e-6)
+
+
+def test_dataframes_and_futures_as_inference_data(policy, batch, client):
+    """get_logprobs / top-k of a Dask DataFrame, of a future of a batch, and of generate's PolicyFuture equal the
+    blocking calls on the same rows."""
+    fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
+    frame = _frame(fwd, npartitions=2)
+    _same(policy.submit("get_logprobs", frame).result(), policy.get_logprobs(fwd))
+    _same(policy.submit("get_topk_logits", frame, 2).result(), policy.get_topk_logits(fwd, 2))
+    [remote] = client.scatter([fwd])
+    _same(policy.submit("get_reference_policy_logprobs", remote).result(), policy.get_reference_policy_logprobs(fwd))
+    prompts = BatchedDataDict(input_ids=fwd["input_ids"][:5, :6], input_lengths=fwd["input_lengths"][:5].clamp(max=6))
+    generated = policy.submit("generate", prompts, greedy=True)
+    scored = policy.submit("get_logprobs", generated)  # the generated rows go from rank 0's worker to the ranks
+    gen = generated.result()
+    expected = policy.get_logprobs(BatchedDataDict(input_ids=gen["output_ids"],
+                                                   input_lengths=gen["unpadded_sequence_lengths"]))
+    _same(scored.result(), expected)
+
+
+def test_rows_on_the_workers_are_checked_there_with_partition_and_row(policy, batch):
+    fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
+    frame = _frame(fwd, npartitions=2)
+    pdf = frame.compute()
+    import dask.dataframe as dd
+    import pandas as pd
+    import pyarrow as pa
+
+    rows = pdf["input_ids"].tolist()
+    rows[-1] = [3, 4, policy.vocab_size + 7]
+    pdf["input_ids"] = pd.Series(rows, dtype=pd.ArrowDtype(pa.list_(pa.int64())), index=pdf.index)
+
+    bad = dd.from_pandas(pdf, npartitions=2, sort=False)
+    last = len(bad.partitions[1].compute()) - 1
+    with pytest.raises(ValueError, match=rf"get_logprobs \(partition 1 of the Dask DataFrame\): `input_ids\[{last}, 2\]`"
+                                         rf" = {policy.vocab_size + 7} is outside the model's vocabulary"):
+        policy.submit("get_logprobs", bad)
+    with pytest.raises(ValueError, match=r"train \(partition 0 of the Dask DataFrame\): NLLLoss needs the data keys "
+                                         r"\['token_mask'\]"):
+        policy.submit("train", frame, dask_lm.NLLLoss())
+    # nothing ran: the Policy is as it was
+    _same(policy.submit("get_logprobs", frame).result(), policy.get_logprobs(fwd))

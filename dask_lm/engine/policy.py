@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -34,6 +35,7 @@ from dask_lm.data.messages import (
 )
 from dask_lm.engine import progress
 from dask_lm.engine.cluster import as_client
+from dask_lm.engine.dataflow import RemoteRows, is_remote
 from dask_lm.engine.events import log_call
 from dask_lm.engine.futures import PolicyFuture
 from dask_lm.engine.metrics import timed
@@ -176,11 +178,15 @@ class Policy(TrainingMixin, RefitMixin):
         restores input order (or None) and what to log when the call is done. ``rows_per_mb``: the call names a
         micro_batch_size, so no packing."""
         start = time.perf_counter()
-        data = validate_input_batch(data, what=what, vocab_size=self.vocab_size,
-                                    max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
         group = self.group
-        # the forward needs only these two keys; other per-row data (masks, advantages) stays on the driver
-        data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
+        remote = RemoteRows(self, data, call=what) if is_remote(data) else None
+        if remote is not None:  # checked on the workers; planned here from the rows' lengths
+            data = remote.skeleton()
+        else:
+            data = validate_input_batch(data, what=what, vocab_size=self.vocab_size,
+                                        max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
+            # the forward needs only these two keys; other per-row data (masks, advantages) stays on the driver
+            data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
         with timed(timer, f"{what}/shard_data"):
             if contiguous:  # rows stay in order, a contiguous slice per rank (generation decodes whole rows)
                 shards, order, packed = data.shard_by_batch_size(self.data_parallel_size, allow_uneven_shards=True), \
@@ -189,7 +195,9 @@ class Policy(TrainingMixin, RefitMixin):
                 # rows per micro-batch were asked for when the call names a micro_batch_size: no packing then
                 shards, order, packed = self._shard(data, auto_pack=not rows_per_mb)
         with timed(timer, f"{what}/submit_logprob_futures"), span(f"dask-lm/{what}"):
-            futures = self._post_requests(request, [Shard.of(s, packed=packed) for s in shards], what=what)
+            source = remote.bind(shards, packed=packed) if remote is not None else \
+                [Shard.of(s, packed=packed) for s in shards]
+            futures = self._post_requests(request, source, what=what)
         tokens, rows = int(data["input_lengths"].sum()), int(data["input_lengths"].shape[0])
         return Posted(futures, order, self._logger(what, start, tokens=tokens, rows=rows, ranks=group.world_size))
 
@@ -228,7 +236,7 @@ class Policy(TrainingMixin, RefitMixin):
                                               timer: Any = None) -> PolicyFuture:
         what = "get_reference_policy_logprobs"
         posted = self._post_sharded(
-            lambda shard: ForwardRequest(shard, "reference_logprobs", micro_batch_size=micro_batch_size), data,
+            functools.partial(ForwardRequest, head="reference_logprobs", micro_batch_size=micro_batch_size), data,
             what=what, timer=timer, rows_per_mb=micro_batch_size is not None)
         return self._rows_future(posted, what, ("reference_logprobs",))
 
@@ -244,7 +252,7 @@ class Policy(TrainingMixin, RefitMixin):
             raise ValueError(f"get_topk_logits: `k` must be a positive integer, got {k!r}")
         if self.vocab_size is not None and k > self.vocab_size:
             raise ValueError(f"get_topk_logits: `k`={k} exceeds the vocabulary size {self.vocab_size}")
-        posted = self._post_sharded(lambda shard: ForwardRequest(shard, "topk", k=k, micro_batch_size=micro_batch_size),
+        posted = self._post_sharded(functools.partial(ForwardRequest, head="topk", k=k, micro_batch_size=micro_batch_size),
                                     data, what="get_topk_logits", timer=timer, rows_per_mb=micro_batch_size is not None)
         return self._rows_future(posted, "get_topk_logits", ("topk_logits", "topk_indices"), cat=True)
 
@@ -256,7 +264,7 @@ class Policy(TrainingMixin, RefitMixin):
         if not self.cfg.reward_model_cfg.enabled:
             raise ValueError("score() needs a reward model: set `policy.reward_model_cfg.enabled: true` and point "
                              "`policy.model_name` at a sequence-classification checkpoint")
-        posted = self._post_sharded(lambda shard: ForwardRequest(shard, "score"), data, what="score")
+        posted = self._post_sharded(functools.partial(ForwardRequest, head="score"), data, what="score")
         return self._rows_future(posted, "score", ("scores",), cat=True)
 
     def generate(self, data: BatchedDataDict[Any], greedy: bool = False,
@@ -287,7 +295,7 @@ class Policy(TrainingMixin, RefitMixin):
             raise ValueError("Policy.submit('generate') runs on the policy's own workers; with "
                              "`policy.generation.backend: sglang` the driver sends the prompts to the SGLang servers "
                              "itself: call policy.generate(data), which blocks")
-        posted = self._post_sharded(lambda shard: GenerateRequest(shard, greedy=greedy, seed=seed), data,
+        posted = self._post_sharded(functools.partial(GenerateRequest, greedy=greedy, seed=seed), data,
                                     what="generate", contiguous=True)
         return PolicyFuture.combine(self.group, posted.futures, "generate", {"pad_token_id": self.pad_token_id},
                                     call="generate", key_name="generate", done=posted.done)

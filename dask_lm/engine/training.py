@@ -25,6 +25,7 @@ from dask_lm.data.messages import (
     TrainRequest,
 )
 from dask_lm.engine import progress
+from dask_lm.engine.dataflow import RemoteRows, is_remote
 from dask_lm.engine.events import log_call
 from dask_lm.engine.futures import PolicyFuture
 from dask_lm.engine.metrics import FLOPTracker, aggregate_flops_metrics, timed
@@ -96,6 +97,14 @@ class TrainingMixin(PolicyBase):
         cfg = self.cfg
         gbs, mbs = self._train_sizes(loss_fn, eval_mode, gbs, mbs)
         start = time.perf_counter()
+        if is_remote(data):  # checked on the workers; planned here from the rows' lengths
+            remote = RemoteRows(self, data, call="train", train=(loss_fn, check_dim_skip_keys))
+            num_global_batches = self._global_batches(remote.rows, gbs)
+            with timed(timer, "policy_training/sharding_data"):
+                shards, _order, packed = self._shard(remote.skeleton(), gbs)
+            return self._post_train(remote.bind(shards, packed=packed), [s["input_lengths"] for s in shards], loss_fn,
+                                    eval_mode=eval_mode, gbs=gbs, mbs=mbs, num_global_batches=num_global_batches,
+                                    rows=remote.rows, start=start, timer=timer)
         data = validate_input_batch(data, what="train", vocab_size=self.vocab_size,
                                     max_length=cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
         data = validate_train_batch(data, loss_fn, check_dim_skip_keys=check_dim_skip_keys, vocab_size=self.vocab_size)
@@ -107,10 +116,11 @@ class TrainingMixin(PolicyBase):
                                 loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, num_global_batches=num_global_batches,
                                 rows=rows, start=start, timer=timer)
 
-    def _post_train(self, shards: list[Any], lengths: list[Any], loss_fn: Any, *, eval_mode: bool, gbs: int, mbs: int,
+    def _post_train(self, shards: Any, lengths: list[Any], loss_fn: Any, *, eval_mode: bool, gbs: int, mbs: int,
                     num_global_batches: int, rows: int, start: float, timer: Any) -> PolicyFuture:
-        """Post a :class:`TrainRequest` of ``shards[r]`` (a Shard, or a future of one) to each rank r; ``lengths``:
-        each rank's row lengths, for the FLOP count."""
+        """Post a :class:`TrainRequest` of each rank's shard (``shards``: a list of Shards, or rows that stay on the
+        workers, :class:`~dask_lm.engine.dataflow.RemoteRows`); ``lengths``: each rank's row lengths, for the FLOP
+        count."""
         tracker = (FLOPTracker.from_config(self.hf_config, training=not eval_mode) if self.hf_config is not None
                    else None)
         if tracker is not None:
