@@ -36,17 +36,20 @@ __all__ = ["PolicyFuture"]
 
 
 class PolicyFuture(Future):  # type: ignore[misc]
-    """The future of a Policy call: ``.result()`` is what the blocking method returns (and raises).
+    """The future of a Policy call, made by :meth:`dask_lm.Policy.submit`: a ``distributed.Future`` whose
+    ``.result()`` is what the blocking method returns (and raises). ``call`` names the method.
 
-    Made by :meth:`dask_lm.Policy.submit`; ``call`` names the method, ``ranks`` are the per-rank futures it joins.
+    It works with ``distributed.wait``, ``as_completed`` and ``client.gather``, and as an argument of
+    ``client.submit`` or of another ``Policy.submit``; see the Policy guide's "Futures" section for how errors
+    surface through each.
     """
 
-    def __init__(self, key: str, client: Any, *, group: WorkerGroup | None = None,
+    def __init__(self, key: str, client: Any, *, group: Any = None,  # the call's WorkerGroup
                  ranks: Sequence[Future] = (), call: str = "", warnings: Future | None = None,
                  done: Callable[[Any, BaseException | None], None] | None = None) -> None:
         super().__init__(key, client)
         self.call = call
-        self._group = group
+        self._group: WorkerGroup | None = group
         self._ranks: list[Future] | None = list(ranks)
         self._warnings = warnings
         self._done = done
@@ -55,8 +58,11 @@ class PolicyFuture(Future):  # type: ignore[misc]
     def combine(cls, group: WorkerGroup, ranks: Sequence[Future], kind: str, params: dict[str, Any], *,
                 call: str, key_name: str, done: Callable[[Any, BaseException | None], None] | None = None
                 ) -> PolicyFuture:
-        """The future of :func:`dask_lm.workers.tasks.combine` of ``ranks``' answers, pinned to rank 0's worker.
-        ``done(value, error)`` runs once, at the first ``result()`` (the call's event, its progress bar closed)."""
+        """The future of ``dask_lm.workers.tasks.combine`` of ``ranks``' answers, pinned to rank 0's worker.
+        ``done(value, error)`` runs once, at the first ``result()`` (the call's event, its progress bar closed).
+
+        :meta private:
+        """
         client = group.client
         token = uuid.uuid4().hex[:6]
         where = {"workers": [group.names[0]], "allow_other_workers": True, "pure": False, "retries": 0}

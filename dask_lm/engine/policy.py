@@ -160,8 +160,9 @@ class Policy(TrainingMixin, RefitMixin):
 
     # ----------------------------------------------------------------------------------------- futures
     def submit(self, method: str, /, *args: Any, **kwargs: Any) -> PolicyFuture:
-        """Start ``method`` (one of :data:`SUBMITTABLE`) with the blocking method's arguments and return its
-        :class:`~dask_lm.engine.futures.PolicyFuture` at once; the blocking method is ``submit(...).result()``.
+        """Start ``method`` (``"get_logprobs"``, ``"get_reference_policy_logprobs"``, ``"get_topk_logits"``,
+        ``"score"``, ``"generate"`` or ``"train"``) with the blocking method's arguments and return its
+        :class:`~dask_lm.PolicyFuture` at once; the blocking method is ``submit(...).result()``.
 
         Input checks run here, before any work. Calls on one Policy run on the ranks in the order they were
         submitted. ``data`` may also be a ``distributed.Future`` of a batch (e.g. another call's PolicyFuture) or a
