@@ -61,7 +61,7 @@ POLICY_SIGNATURES = {
     'shutdown': '(self)',
     'start_gpu_profiling': '(self)',
     'stop_gpu_profiling': '(self)',
-    'submit': '(self, method, /, *args, **kwargs)',
+    'submit': '(self, method, /, *args, collect=True, **kwargs)',
     'stream_weights_via_http': '(self, rollout_engine_urls, buffer_size_bytes=None, *, weight_version=None, timeout_s=600.0, transport=None)',
     'stream_weights_via_ipc_zmq': '(self, buffer_size_bytes=None, kv_scales=None, *, timeout_s=120.0)',
     'train': '(self, data, loss_fn, eval_mode=False, gbs=None, mbs=None, timer=None, check_dim_skip_keys=None)',

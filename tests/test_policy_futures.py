@@ -255,3 +255,51 @@ def test_rows_on_the_workers_are_checked_there_with_partition_and_row(policy, ba
         policy.submit("train", frame, dask_lm.NLLLoss())
     # nothing ran: the Policy is as it was
     _same(policy.submit("get_logprobs", frame).result(), policy.get_logprobs(fwd))
+
+
+def test_collect_false_leaves_the_outputs_on_the_workers_as_a_dask_dataframe(policy, batch, client):
+    """Each partition is one rank's rows, made on its worker; sorted by `row`, the values are the blocking call's
+    cut to each row's length."""
+    import dask.dataframe as dd
+
+    fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
+    lens = fwd["input_lengths"].tolist()
+    frame = policy.submit("get_logprobs", _frame(fwd, npartitions=2), collect=False)
+    assert isinstance(frame, dd.DataFrame) and frame.npartitions == policy.data_parallel_size
+    top = policy.submit("get_topk_logits", fwd, 2, collect=False)
+    got, got_top = frame.compute().sort_values("row"), top.compute().sort_values("row")
+    assert got["row"].tolist() == list(range(len(lens)))
+    assert dict(got.dtypes) == dict(frame._meta.dtypes) and dict(got_top.dtypes) == dict(top._meta.dtypes)
+    expected = policy.get_logprobs(fwd)["logprobs"]
+    expected_top = policy.get_topk_logits(fwd, 2)
+    for i, n in enumerate(lens):
+        torch.testing.assert_close(torch.tensor(got["logprobs"].iloc[i], dtype=torch.float32), expected[i, :n],
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(torch.tensor(list(got_top["topk_logits"].iloc[i]), dtype=torch.float32),
+                                   expected_top["topk_logits"][i, :n], rtol=0, atol=0)
+        assert list(got_top["topk_indices"].iloc[i]) == expected_top["topk_indices"][i, :n].tolist()
+    with pytest.raises(ValueError, match="collect=False"):
+        policy.submit("train", batch, dask_lm.NLLLoss(), collect=False)
+
+
+def _wanted(dask_scheduler, keys):
+    return [k for k in keys if k in dask_scheduler.tasks and dask_scheduler.tasks[k].who_wants]
+
+
+def test_a_finished_future_lets_go_of_its_rank_tasks(policy, batch, client):
+    """Neither the future nor the rank chain keeps the rank tasks of a finished call, even when its result is never
+    taken with .result() (wait and gather only): no client wants them on the scheduler."""
+    import time
+
+    fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
+    fut = policy.submit("get_logprobs", fwd)
+    rank_keys = [f.key for f in fut._ranks]
+    wait([fut])
+    _same(client.gather(fut), policy.get_logprobs(fwd))
+    # the release travels from distributed's callback thread to the scheduler: poll for it (a hang guard only)
+    deadline = time.monotonic() + 60
+    while (fut._ranks is not None or client.run_on_scheduler(_wanted, keys=rank_keys)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert fut._ranks is None and all(last is None for last in policy.group._last)
+    assert client.run_on_scheduler(_wanted, keys=rank_keys) == []
+    assert fut.status == "finished"

@@ -21,7 +21,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import torch
-from distributed import Future
+from distributed import Future, wait
 
 from dask_lm.data import shard_plan
 from dask_lm.workers import tasks
@@ -65,8 +65,13 @@ class RemoteRows:
         self.prepared = [client.submit(tasks.prepare_rows, p, source=source, index=i, pure=False,
                                        key=f"prepare-rows-{self.token}-{i}", **opts) for i, p in enumerate(parts)]
         del parts  # the prepared batches hold the rows from here on
-        lens = client.gather([client.submit(tasks.row_lengths, b, pure=False, key=f"row-lengths-{self.token}-{i}")
-                              for i, b in enumerate(self.prepared)])
+        futures = [client.submit(tasks.row_lengths, b, pure=False, key=f"row-lengths-{self.token}-{i}")
+                   for i, b in enumerate(self.prepared)]
+        wait(futures)
+        for fut in futures:  # the first bad partition in order (not the first to fail), the same on every run
+            if fut.status == "error":
+                fut.result()
+        lens = client.gather(futures)
         self.counts = [int(n.shape[0]) for n, _w in lens]
         if not sum(self.counts):
             what = "the future's batch" if source == "future" else "the Dask DataFrame"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from distributed import Future
 
@@ -32,7 +32,7 @@ from dask_lm.workers import tasks
 if TYPE_CHECKING:
     from dask_lm.engine.worker_group import WorkerGroup
 
-__all__ = ["PolicyFuture"]
+__all__ = ["PolicyFuture", "Pending"]
 
 
 class PolicyFuture(Future):  # type: ignore[misc]
@@ -74,6 +74,7 @@ class PolicyFuture(Future):  # type: ignore[misc]
                                **where)
         fut = cls(joined.key, client, group=group, ranks=ranks, call=call, warnings=warned, done=done)
         joined.release()  # the PolicyFuture holds the key now
+        fut.add_done_callback(_let_go_of_ranks)
         return fut
 
     def result(self, timeout: float | None = None) -> Any:
@@ -109,3 +110,64 @@ class PolicyFuture(Future):  # type: ignore[misc]
     def __repr__(self) -> str:
         return f"<PolicyFuture: {self.call}, status: {self.status}, key: {self.key}>"
 
+
+
+def _let_go_of_ranks(fut: PolicyFuture) -> None:
+    """Once the combined result is in, the rank tasks' answers are needed by nothing: neither this future (whose
+    ``.result()`` settles the ranks only to explain a failure) nor the rank chain. Held, they would stay in the
+    workers' memory for as long as the caller keeps the future (``wait`` and ``gather`` never call ``.result()``),
+    and a held finished task is one the scheduler re-runs when its worker dies. Runs on distributed's callback
+    thread."""
+    ranks, group = fut._ranks, fut._group
+    if fut.status == "finished" and ranks is not None and group is not None:
+        fut._ranks = None
+        group.release(ranks)
+
+
+class Pending(NamedTuple):
+    """A call posted to the ranks, before its answers are joined: what ``Policy._submit_<method>`` returns.
+    ``rows`` / ``lengths``: each rank's input row numbers and lengths (inference calls, for :meth:`frame`)."""
+
+    futures: list[Future]
+    kind: str  # how dask_lm.workers.combine joins the answers
+    params: dict[str, Any]
+    call: str
+    done: Callable[[Any, BaseException | None], None]
+    rows: list[list[int]] | None = None
+    lengths: list[list[int]] | None = None
+
+    def future(self, group: WorkerGroup) -> PolicyFuture:
+        """The answers joined into the call's result by a task on rank 0's worker (``collect=True``)."""
+        return PolicyFuture.combine(group, self.futures, self.kind, self.params, call=self.call,
+                                    key_name=self.call.replace("_", "-"), done=self.done)
+
+    def frame(self, group: WorkerGroup) -> Any:
+        """The answers left where they are (``collect=False``): a Dask DataFrame, one partition per rank made on
+        its worker (:func:`dask_lm.workers.combine.rank_frame`), a row per input row in the rank's order."""
+        import dask.dataframe as dd
+
+        assert self.kind == "rows" and self.rows is not None and self.lengths is not None, "an inference call"
+        keys = tuple(self.params["keys"])
+        client, token = group.client, uuid.uuid4().hex[:6]
+        parts = [client.submit(tasks.rank_frame, answer, rows=rows, lengths=lens, keys=keys,
+                               key=f"{self.call.replace('_', '-')}-frame-{group.policy_id}-{token}-r{r}",
+                               workers=[group.names[r]], allow_other_workers=True, pure=False, retries=0)
+                 for r, (answer, rows, lens) in enumerate(zip(self.futures, self.rows, self.lengths))]
+        # the rank chain must not keep these answers (they are the frame's inputs now, held by its tasks)
+        group.release(self.futures)
+        return dd.from_delayed(parts, meta=frame_meta(keys), verify_meta=False)
+
+
+def frame_meta(keys: tuple[str, ...]) -> Any:
+    """The empty pandas frame a ``collect=False`` result's partitions look like: ``row`` (int64), then per key a
+    list of float32 per token (logprobs), a list of k-lists per token (top-k) or a float32 per row (scores)."""
+    import pandas as pd
+    import pyarrow as pa
+
+    types = {"logprobs": pa.list_(pa.float32()), "reference_logprobs": pa.list_(pa.float32()),
+             "topk_logits": pa.list_(pa.list_(pa.float32())), "topk_indices": pa.list_(pa.list_(pa.int64())),
+             "scores": pa.float32()}
+    columns = {"row": pd.Series([], dtype="int64")}
+    for key in keys:
+        columns[key] = pd.Series([], dtype=pd.ArrowDtype(types[key]))
+    return pd.DataFrame(columns)

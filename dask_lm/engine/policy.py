@@ -37,7 +37,7 @@ from dask_lm.engine import progress
 from dask_lm.engine.cluster import as_client
 from dask_lm.engine.dataflow import RemoteRows, is_remote
 from dask_lm.engine.events import log_call
-from dask_lm.engine.futures import PolicyFuture
+from dask_lm.engine.futures import Pending, PolicyFuture
 from dask_lm.engine.metrics import timed
 from dask_lm.engine.refit import RefitMixin
 from dask_lm.engine.training import TrainingMixin
@@ -56,11 +56,14 @@ SUBMITTABLE = ("get_logprobs", "get_reference_policy_logprobs", "get_topk_logits
 
 
 class Posted(NamedTuple):
-    """One call's rank futures, the permutation that restores input order (or None), and its ``done`` hook."""
+    """One call's rank futures, the permutation that restores input order (or None), its ``done`` hook, and each
+    rank's input rows (row numbers and lengths, for ``collect=False``)."""
 
     futures: list[Any]
     order: list[int] | None
     done: Callable[[Any, BaseException | None], None]
+    rows: list[list[int]]
+    lengths: list[list[int]]
 
 logger = logging.getLogger("dask_lm")
 
@@ -159,7 +162,7 @@ class Policy(TrainingMixin, RefitMixin):
         self._finalizer = weakref.finalize(self, _shutdown_quietly, group)
 
     # ----------------------------------------------------------------------------------------- futures
-    def submit(self, method: str, /, *args: Any, **kwargs: Any) -> PolicyFuture:
+    def submit(self, method: str, /, *args: Any, collect: bool = True, **kwargs: Any) -> Any:
         """Start ``method`` (``"get_logprobs"``, ``"get_reference_policy_logprobs"``, ``"get_topk_logits"``,
         ``"score"``, ``"generate"`` or ``"train"``) with the blocking method's arguments and return its
         :class:`~dask_lm.PolicyFuture` at once; the blocking method is ``submit(...).result()``.
@@ -167,11 +170,18 @@ class Policy(TrainingMixin, RefitMixin):
         Input checks run here, before any work. Calls on one Policy run on the ranks in the order they were
         submitted. ``data`` may also be a ``distributed.Future`` of a batch (e.g. another call's PolicyFuture) or a
         Dask DataFrame of token ids: the rows then go from the workers that hold them to the ranks, not through
-        this process (docs/guides/policy.md, "Futures")."""
+        this process. ``collect=False`` (the four inference methods): the ranks' outputs stay on their workers, as
+        a lazy Dask DataFrame with a partition per rank, a row per input row (``row``: its number in the input)
+        (docs/guides/policy.md, "Futures")."""
         if method not in SUBMITTABLE:
             raise ValueError(f"Policy.submit: {method!r} cannot be submitted; use one of {list(SUBMITTABLE)}")
-        fn: Callable[..., PolicyFuture] = getattr(self, f"_submit_{method}")
-        return fn(*args, **kwargs)
+        if not collect and method in ("generate", "train"):
+            raise ValueError(f"Policy.submit({method!r}, collect=False): only the inference calls "
+                             "(get_logprobs, get_reference_policy_logprobs, get_topk_logits, score) give rows that "
+                             "can stay on the workers; leave collect=True")
+        fn: Callable[..., Pending] = getattr(self, f"_submit_{method}")
+        pending = fn(*args, **kwargs)
+        return pending.future(self.group) if collect else pending.frame(self.group)
 
     def _post_sharded(self, request: Callable[[Shard], Request], data: Any, *, what: str, timer: Any = None,
                       contiguous: bool = False, rows_per_mb: bool = False) -> Posted:
@@ -200,7 +210,16 @@ class Policy(TrainingMixin, RefitMixin):
                 [Shard.of(s, packed=packed) for s in shards]
             futures = self._post_requests(request, source, what=what)
         tokens, rows = int(data["input_lengths"].sum()), int(data["input_lengths"].shape[0])
-        return Posted(futures, order, self._logger(what, start, tokens=tokens, rows=rows, ranks=group.world_size))
+        # each rank's rows as input row numbers: the shards in rank order are the input rows permuted by `order`
+        numbers = list(range(rows)) if order is None else list(order)
+        per_rank, lens, at = [], [], 0
+        for s in shards:
+            n = int(s["input_lengths"].shape[0])
+            per_rank.append(numbers[at:at + n])
+            lens.append(s["input_lengths"].tolist())
+            at += n
+        return Posted(futures, order, self._logger(what, start, tokens=tokens, rows=rows, ranks=group.world_size),
+                      per_rank, lens)
 
     def _logger(self, what: str, start: float, **fields: Any) -> Callable[[Any, BaseException | None], None]:
         """The call's event (:func:`dask_lm.engine.events.log_call`), logged when its result is taken."""
@@ -212,17 +231,16 @@ class Policy(TrainingMixin, RefitMixin):
 
         return done
 
-    def _rows_future(self, posted: Posted, what: str, keys: tuple[str, ...], cat: bool = False) -> PolicyFuture:
-        return PolicyFuture.combine(self.group, posted.futures, "rows",
-                                    {"order": posted.order, "keys": keys, "cat": cat}, call=what,
-                                    key_name=what.replace("_", "-"), done=posted.done)
+    def _rows_future(self, posted: Posted, what: str, keys: tuple[str, ...], cat: bool = False) -> Pending:
+        return Pending(posted.futures, "rows", {"order": posted.order, "keys": keys, "cat": cat}, what, posted.done,
+                       posted.rows, posted.lengths)
 
     # ----------------------------------------------------------------------------------------- inference
     def get_logprobs(self, data: BatchedDataDict[Any], timer: Any = None) -> BatchedDataDict[Any]:
         """Per-token log-probabilities: ``{"logprobs": float32 [B, S]}``; position 0 and padding hold 0."""
         return self.submit("get_logprobs", data, timer=timer).result()
 
-    def _submit_get_logprobs(self, data: Any, timer: Any = None) -> PolicyFuture:
+    def _submit_get_logprobs(self, data: Any, timer: Any = None) -> Pending:
         posted = self._post_sharded(ForwardRequest, data, what="get_logprobs", timer=timer)
         return self._rows_future(posted, "get_logprobs", ("logprobs",))
 
@@ -234,7 +252,7 @@ class Policy(TrainingMixin, RefitMixin):
                            timer=timer).result()
 
     def _submit_get_reference_policy_logprobs(self, data: Any, micro_batch_size: int | None = None,
-                                              timer: Any = None) -> PolicyFuture:
+                                              timer: Any = None) -> Pending:
         what = "get_reference_policy_logprobs"
         posted = self._post_sharded(
             functools.partial(ForwardRequest, head="reference_logprobs", micro_batch_size=micro_batch_size), data,
@@ -248,7 +266,7 @@ class Policy(TrainingMixin, RefitMixin):
         return self.submit("get_topk_logits", data, k, micro_batch_size=micro_batch_size, timer=timer).result()
 
     def _submit_get_topk_logits(self, data: Any, k: int, micro_batch_size: int | None = None,
-                                timer: Any = None) -> PolicyFuture:
+                                timer: Any = None) -> Pending:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"get_topk_logits: `k` must be a positive integer, got {k!r}")
         if self.vocab_size is not None and k > self.vocab_size:
@@ -261,7 +279,7 @@ class Policy(TrainingMixin, RefitMixin):
         """Reward-model scores ``{"scores": float32 [B]}`` (needs ``reward_model_cfg.enabled``)."""
         return self.submit("score", data).result()
 
-    def _submit_score(self, data: Any) -> PolicyFuture:
+    def _submit_score(self, data: Any) -> Pending:
         if not self.cfg.reward_model_cfg.enabled:
             raise ValueError("score() needs a reward model: set `policy.reward_model_cfg.enabled: true` and point "
                              "`policy.model_name` at a sequence-classification checkpoint")
@@ -290,7 +308,7 @@ class Policy(TrainingMixin, RefitMixin):
                              "or 'sglang' (servers listed in `policy.generation.sglang_cfg.server_urls`)")
         return gen
 
-    def _submit_generate(self, data: Any, greedy: bool = False, seed: int | None = None) -> PolicyFuture:
+    def _submit_generate(self, data: Any, greedy: bool = False, seed: int | None = None) -> Pending:
         gen = self._generation_config()
         if gen.backend == "sglang":
             raise ValueError("Policy.submit('generate') runs on the policy's own workers; with "
@@ -298,8 +316,7 @@ class Policy(TrainingMixin, RefitMixin):
                              "itself: call policy.generate(data), which blocks")
         posted = self._post_sharded(functools.partial(GenerateRequest, greedy=greedy, seed=seed), data,
                                     what="generate", contiguous=True)
-        return PolicyFuture.combine(self.group, posted.futures, "generate", {"pad_token_id": self.pad_token_id},
-                                    call="generate", key_name="generate", done=posted.done)
+        return Pending(posted.futures, "generate", {"pad_token_id": self.pad_token_id}, "generate", posted.done)
 
     def _generate_sglang(self, data: BatchedDataDict[Any], *, greedy: bool,
                          seed: int | None) -> BatchedDataDict[Any]:

@@ -27,7 +27,7 @@ from dask_lm.data.messages import (
 from dask_lm.engine import progress
 from dask_lm.engine.dataflow import RemoteRows, is_remote
 from dask_lm.engine.events import log_call
-from dask_lm.engine.futures import PolicyFuture
+from dask_lm.engine.futures import Pending
 from dask_lm.engine.metrics import FLOPTracker, aggregate_flops_metrics, timed
 from dask_lm.engine.policy_base import PolicyBase
 from dask_lm.engine.validation import validate_input_batch, validate_train_batch
@@ -93,7 +93,7 @@ class TrainingMixin(PolicyBase):
         return rows // gbs
 
     def _submit_train(self, data: Any, loss_fn: Any, eval_mode: bool = False, gbs: int | None = None,
-                      mbs: int | None = None, timer: Any = None, check_dim_skip_keys: Any = None) -> PolicyFuture:
+                      mbs: int | None = None, timer: Any = None, check_dim_skip_keys: Any = None) -> Pending:
         cfg = self.cfg
         gbs, mbs = self._train_sizes(loss_fn, eval_mode, gbs, mbs)
         start = time.perf_counter()
@@ -117,7 +117,7 @@ class TrainingMixin(PolicyBase):
                                 rows=rows, start=start, timer=timer)
 
     def _post_train(self, shards: Any, lengths: list[Any], loss_fn: Any, *, eval_mode: bool, gbs: int, mbs: int,
-                    num_global_batches: int, rows: int, start: float, timer: Any) -> PolicyFuture:
+                    num_global_batches: int, rows: int, start: float, timer: Any) -> Pending:
         """Post a :class:`TrainRequest` of each rank's shard (``shards``: a list of Shards, or rows that stay on the
         workers, :class:`~dask_lm.engine.dataflow.RemoteRows`); ``lengths``: each rank's row lengths, for the FLOP
         count."""
@@ -151,9 +151,8 @@ class TrainingMixin(PolicyBase):
                      grad_norm=None if out["grad_norm"] is None else float(out["grad_norm"]),
                      lr=lr[-1] if lr else None, mfu=out.get("mfu"))
 
-        return PolicyFuture.combine(group, futures, "train",
-                                    {"total_flops": tracker.total_flops if tracker is not None else None},
-                                    call=label, key_name=label, done=done)
+        return Pending(futures, "train", {"total_flops": tracker.total_flops if tracker is not None else None}, label,
+                       done)
 
     # ----------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, weights_path: str | os.PathLike[str], optimizer_path: str | os.PathLike[str] | None = None,

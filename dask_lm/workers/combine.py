@@ -19,7 +19,7 @@ import torch
 from dask_lm.data.batch import BatchedDataDict
 from dask_lm.data.messages import ForwardOutput, TrainResult
 
-__all__ = ["combine", "join_rows", "join_generated", "reduce_train"]
+__all__ = ["combine", "join_rows", "join_generated", "reduce_train", "rank_frame"]
 
 
 def join_rows(results: list[ForwardOutput], order: list[int] | None, keys: tuple[str, ...],
@@ -81,3 +81,33 @@ def combine(kind: str, params: dict[str, Any], results: list[Any]) -> Any:
     if kind == "list":  # one answer per rank, as they are (run_all_workers_*)
         return list(results)
     raise AssertionError(f"unknown combine kind {kind!r}")
+
+
+def rank_frame(answer: ForwardOutput, rows: list[int], lengths: list[int], keys: tuple[str, ...]) -> Any:
+    """One rank's answer as a pandas partition (``Policy.submit(..., collect=False)``): ``row`` (the input row
+    number), then per key one value per row: per-token values cut to the row's length (position 0 included, as
+    in the [B, S] tensor), as Arrow lists; scores as float32. Columns as
+    :func:`dask_lm.engine.futures.frame_meta` declares them."""
+    import pandas as pd
+    import pyarrow as pa
+
+    lens = torch.as_tensor(lengths, dtype=torch.int64)
+    columns: dict[str, Any] = {"row": pd.Series(rows, dtype="int64")}
+    for key in keys:
+        t = answer.tensors[key]
+        if t.dim() == 1:  # scores
+            columns[key] = pd.Series(pd.array(t.to(torch.float32).numpy(), dtype=pd.ArrowDtype(pa.float32())))
+            continue
+        valid = torch.arange(t.shape[1])[None, :] < lens[:, None]
+        flat = t[valid]  # the real positions of every row, row after row
+        offsets = pa.array(torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).numpy().astype("int32"))
+        if t.dim() == 2:
+            values = pa.array(flat.to(torch.float32).numpy())
+        else:  # top-k: [tokens, k] -> a k-list per token
+            k = t.shape[2]
+            inner = flat.reshape(-1).numpy().astype("float32" if t.is_floating_point() else "int64")
+            inner_offsets = pa.array((torch.arange(flat.shape[0] + 1, dtype=torch.int64) * k).numpy().astype("int32"))
+            values = pa.ListArray.from_arrays(inner_offsets, pa.array(inner))
+        arr = pa.ListArray.from_arrays(offsets, values)
+        columns[key] = pd.Series(pd.arrays.ArrowExtensionArray(arr))
+    return pd.DataFrame(columns)

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "serve", "settled", "unwrap",
            "zmq_address", "profiler", "score_partition", "check_model_config", "preload_scorer", "release_scorers",
            "shutdown_policy", "Failed", "PeerFailedError", "loglikelihood_requests", "generate_requests", "combine",
-           "warnings_of", "prepare_rows", "row_lengths", "cut_rows", "assemble_rows"]
+           "warnings_of", "prepare_rows", "row_lengths", "cut_rows", "assemble_rows",
+           "rank_frame"]
 
 
 def find_free_port(_prev: Any = None) -> tuple[str, int]:
@@ -171,6 +172,14 @@ def combine(kind: str, params: dict[str, Any], *answers: Any) -> Any:
     from dask_lm.workers.combine import combine as join
 
     return join(kind, params, [interface.strip(a)[0] for a in answers])
+
+
+def rank_frame(answer: Any, **kwargs: Any) -> Any:
+    """One rank's answer as a pandas partition, left on its worker (:func:`dask_lm.workers.combine.rank_frame`)."""
+    from dask_lm import interface
+    from dask_lm.workers.combine import rank_frame as frame
+
+    return frame(interface.strip(answer)[0], **kwargs)
 
 
 def warnings_of(*answers: Any) -> list[tuple[type[Warning], str]]:
