@@ -105,3 +105,35 @@ def _worker_last_call_seconds(dask_worker) -> float:  # noqa: ANN001 (client.run
     from dask_lm.workers.state import PLUGIN_NAME
 
     return float(dask_worker.plugins[PLUGIN_NAME].last_call["seconds"])
+
+
+class DriverBytes:
+    """Bytes this process (the driver) writes to the scheduler over TCP while the block runs: what a Policy call
+    sends, tasks, scattered rows and plans alike (``distributed.comm.tcp.TCP.write`` returns the bytes of the
+    frames it wrote). Only writes to the scheduler's address count, so a LocalCluster's scheduler, which runs in
+    this same process and forwards what it received to the workers, is not counted twice. The client sends through
+    the scheduler unless ``distributed.client.direct-to-workers`` is set: off by default, so every byte it sends is
+    here."""
+
+    def __init__(self, client) -> None:
+        self.address = client.scheduler.address
+        self.total = 0
+
+    def __enter__(self) -> DriverBytes:
+        from distributed.comm.tcp import TCP
+
+        original, counter = TCP.write, self
+
+        async def write(comm, *args, **kwargs):
+            n = await original(comm, *args, **kwargs)
+            if comm.peer_address == counter.address:
+                counter.total += int(n or 0)
+            return n
+
+        self._original, TCP.write = original, write
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from distributed.comm.tcp import TCP
+
+        TCP.write = self._original

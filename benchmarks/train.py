@@ -44,6 +44,7 @@ from common import (  # benchmarks/ is on sys.path when a script in it runs
     GIB,
     H200_BF16_DENSE,
     SHAPE_CHOICES,
+    DriverBytes,
     _worker_last_call_seconds,
     _worker_peak_bytes,
     _worker_reset_peak,
@@ -103,9 +104,32 @@ def run_hf(model_dir: str, precision: str, device: torch.device, steps: list[tup
     return losses, seconds, peak
 
 
+def step_frame(ids: torch.Tensor, lens: torch.Tensor, root: str, parts: int) -> Any:
+    """A step's rows as a Dask DataFrame read from parquet files (``parts`` of them) by the workers: ``input_ids``
+    and ``token_mask`` as lists per row, ``sample_mask`` a number per row. Only the file paths reach the graph."""
+    import os
+
+    import dask.dataframe as dd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(root, exist_ok=True)
+    rows = [ids[i, :n].tolist() for i, n in enumerate(lens.tolist())]
+    for p in range(parts):
+        mine = rows[p::parts]
+        table = pa.table({"input_ids": pa.array(mine, pa.list_(pa.int64())),
+                          "token_mask": pa.array([[1.0] * len(r) for r in mine], pa.list_(pa.float32())),
+                          "sample_mask": pa.array([1.0] * len(mine), pa.float32())})
+        pq.write_table(table, f"{root}/part-{p:03d}.parquet")
+    return dd.read_parquet(root)
+
+
 def run_dask(model_dir: str, precision: str, tokenizer: Any, steps: list[tuple[torch.Tensor, torch.Tensor]], *,
-             mode: str, n_workers: int, mb_tokens: int, max_len: int, lr: float) -> dict[str, Any]:
-    """Arm B: losses, seconds and the train() FLOP figures of the timed steps; ``steps[0]`` is the warm-up."""
+             mode: str, n_workers: int, mb_tokens: int, max_len: int, lr: float, input_kind: str = "batch",
+             scratch: str | None = None) -> dict[str, Any]:
+    """Arm B: losses, seconds and the train() FLOP figures of the timed steps; ``steps[0]`` is the warm-up.
+    ``input_kind``: a BatchedDataDict from this process, or a Dask DataFrame read from parquet by the workers
+    (written under ``scratch``, one directory per step)."""
     import dask_lm
     from dask_lm import BatchedDataDict
 
@@ -124,13 +148,18 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, steps: list[tuple[t
     try:
         policy = dask_lm.Policy(client, config, tokenizer, init_reference_model=False)
         for i, (ids, lens) in enumerate(steps):
-            mask = (torch.arange(ids.shape[1])[None, :] < lens[:, None]).float()
-            data = BatchedDataDict(input_ids=ids, input_lengths=lens, token_mask=mask,
-                                   sample_mask=torch.ones(ids.shape[0]))
+            if input_kind == "dataframe":  # the rows go from the files to the workers, never through here
+                # one file per worker, the rows dealt round-robin (so that a row's file says nothing of its rank)
+                data = step_frame(ids, lens, f"{scratch}/step-{i}", parts=n_workers)
+            else:
+                mask = (torch.arange(ids.shape[1])[None, :] < lens[:, None]).float()
+                data = BatchedDataDict(input_ids=ids, input_lengths=lens, token_mask=mask,
+                                       sample_mask=torch.ones(ids.shape[0]))
             if i == 1:
                 threads.extend(client.run(_worker_reset_peak).values())
             t0 = time.perf_counter()
-            out = policy.train(data, dask_lm.NLLLoss())
+            with DriverBytes(client) as sent:
+                out = policy.submit("train", data, dask_lm.NLLLoss()).result()  # = policy.train(data, ...)
             elapsed = time.perf_counter() - t0
             if i >= 1:
                 losses.append(float(out["loss"][0]))
@@ -140,7 +169,8 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, steps: list[tuple[t
                 # outside the timing: the slowest rank's time inside its train() for this step; the rest of the
                 # call's wall time is the driver's (sharding, scheduling, transfers, gathering the results)
                 rank = max(client.run(_worker_last_call_seconds).values())
-                overhead.append({"seconds": elapsed, "rank_seconds": rank, "driver_overhead_seconds": elapsed - rank})
+                overhead.append({"seconds": elapsed, "rank_seconds": rank, "driver_overhead_seconds": elapsed - rank,
+                                 "driver_bytes": sent.total, "tokens": int(lens.sum()), "rows": int(lens.shape[0])})
         peak = max(client.run(_worker_peak_bytes).values())
         policy.shutdown()
     finally:
@@ -149,6 +179,35 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, steps: list[tuple[t
             cluster.close()
     return {"losses": losses, "seconds": seconds, "flops": flops, "peak": peak, "per_call": per_call,
             "threads": min(threads) if threads else torch.get_num_threads(), "steps": overhead}
+
+
+def compare_driver_bytes(model_dir: str, precision: str, tokenizer: Any, rows_list: list[int], make_batches: Any, *,
+                         mode: str, n_workers: int, mb_tokens: int, max_len: int, lr: float, scratch: str) -> None:
+    """``--driver-bytes``: the bytes the driver writes per train() step, with a BatchedDataDict made here and with a
+    Dask DataFrame the workers read, at each global batch size of ``rows_list``: the first grows with the tokens
+    (the driver scatters every one), the second only with the rows (the plan: lengths, order, micro-batches)."""
+    table = []
+    for rows in rows_list:
+        batches = make_batches(rows)
+        for kind in ("batch", "dataframe"):
+            print(f"--- {kind} input, {rows} rows a step, {n_workers} worker(s) ---", flush=True)
+            arm = run_dask(model_dir, precision, tokenizer, batches, mode=mode, n_workers=n_workers, mb_tokens=mb_tokens,
+                           max_len=max_len, lr=lr, input_kind=kind, scratch=f"{scratch}/bytes-{rows}-{kind}")
+            st = arm["steps"]
+            table.append({"input": kind, "rows": rows, "tokens": sum(s["tokens"] for s in st) / len(st),
+                          "driver_bytes": sum(s["driver_bytes"] for s in st) / len(st),
+                          "seconds": sum(s["seconds"] for s in st) / len(st), "losses": arm["losses"]})
+    for row in table:
+        row["bytes_per_token"] = row["driver_bytes"] / row["tokens"]
+        row["bytes_per_row"] = row["driver_bytes"] / row["rows"]
+    print_table(f"driver bytes per train() step ({mode}, {n_workers} worker(s), timed steps after a warm-up)",
+                [("input", "input", "{}"), ("rows", "rows", "{}"), ("tokens", "tokens", "{:,.0f}"),
+                 ("driver bytes/step", "driver_bytes", "{:,.0f}"), ("bytes/token", "bytes_per_token", "{:.1f}"),
+                 ("bytes/row", "bytes_per_row", "{:.0f}"), ("step s", "seconds", "{:.2f}")],
+                table, ["driver bytes: written by the driver process to the scheduler during the call (tasks, "
+                        "scattered rows, plans); the losses of both inputs are the same steps': "
+                        + "; ".join(f"{r['input']}@{r['rows']}: {[round(x, 5) for x in r['losses']]}" for r in table)])
+    print(json.dumps({"driver_bytes": table, "mode": mode, "n_workers": n_workers}))
 
 
 @click.command()
@@ -170,9 +229,15 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, steps: list[tuple[t
               help="Weak scaling: a global batch of --rows-per-step x N rows on N workers (default: strong, the "
               "same global batch on every count).")
 @click.option("--lr", type=float, default=1e-5, show_default=True)
+@click.option("--input", "input_kind", type=click.Choice(["batch", "dataframe"]), default="batch", show_default=True,
+              help="What train() is given: a BatchedDataDict made here, or a Dask DataFrame the workers read from "
+              "parquet (the rows then never pass through the driver).")
+@click.option("--driver-bytes", "driver_bytes_rows", default=None,
+              help="Only compare the driver's bytes per step of both --input kinds at these global batch sizes "
+              "(comma-separated rows per step, e.g. 32,128) on the first worker count, and print a table.")
 def main(shape: str, precision: str, mode: str, rows_per_step: int | None, steps: int, min_len: int, max_len: int,
          median_len: int | None, sigma: float, hf_batch_size: int, mb_tokens: int | None, n_workers_spec: str | None,
-         weak: bool, lr: float) -> None:
+         weak: bool, lr: float, input_kind: str, driver_bytes_rows: str | None) -> None:
     import transformers
 
     from dask_lm.engine.cluster import count_gpus
@@ -208,6 +273,11 @@ def main(shape: str, precision: str, mode: str, rows_per_step: int | None, steps
             return (sum(int(lens.sum()) for _ids, lens in batches[1:]),
                     sum(flops_per_sequence(cfg, int(n)) for _ids, lens in batches[1:] for n in lens))
 
+        if driver_bytes_rows:
+            compare_driver_bytes(model_dir, precision, tokenizer, [int(r) for r in driver_bytes_rows.split(",")],
+                                 make_batches, mode=mode, n_workers=counts[0], mb_tokens=mb_tokens, max_len=max_len,
+                                 lr=lr, scratch=root)
+            return
         # arm A's batches; strong scaling trains these on every count, weak scaling N x as many rows on N workers
         batches = make_batches(rows_per_step)
         useful, flops = totals(batches)
@@ -220,9 +290,9 @@ def main(shape: str, precision: str, mode: str, rows_per_step: int | None, steps
             batches_n = make_batches(rows_per_step * n) if weak and n > 1 else batches
             useful_n, flops_n = totals(batches_n)
             arm = run_dask(model_dir, precision, tokenizer, batches_n, mode=mode, n_workers=n, mb_tokens=mb_tokens,
-                           max_len=max_len, lr=lr)
-            print(f"dask-lm ({mode}, {n} worker(s), {batches_n[0][0].shape[0]} rows a step): {arm['seconds']:.2f}s",
-                  flush=True)
+                           max_len=max_len, lr=lr, input_kind=input_kind, scratch=f"{root}/frames-{n}")
+            print(f"dask-lm ({mode}, {n} worker(s), {batches_n[0][0].shape[0]} rows a step, {input_kind} input): "
+                  f"{arm['seconds']:.2f}s", flush=True)
             arms.append({"workers": n, "global_batch": batches_n[0][0].shape[0], "useful": useful_n,
                          "flops": flops_n, "same_rows_as_hf": batches_n is batches, **arm})
         # the existing single-arm figures (ratio lines, top-level JSON) are the smallest count's
@@ -255,6 +325,8 @@ def main(shape: str, precision: str, mode: str, rows_per_step: int | None, steps
             "rank_seconds": [s["rank_seconds"] for s in a["steps"]],
             # what a scaling model takes as measured: a step's wall time outside the slowest rank's train()
             "driver_overhead_seconds": over, "mean_driver_overhead_seconds": sum(over) / len(over),
+            "driver_bytes": [s["driver_bytes"] for s in a["steps"]],
+            "mean_driver_bytes": sum(s["driver_bytes"] for s in a["steps"]) / len(a["steps"]),
             "mean_rank_seconds": sum(s["rank_seconds"] for s in a["steps"]) / len(a["steps"]),
             "peak_gib": a["peak"] / GIB, "losses": a["losses"],
             # only arms that trained arm A's rows (every arm under strong scaling) have comparable losses
@@ -263,6 +335,7 @@ def main(shape: str, precision: str, mode: str, rows_per_step: int | None, steps
     n0 = add_efficiency(scaling, "tok_per_s", "efficiency")
     res: dict[str, Any] = {
         "shape": shape, "precision": precision, "device": str(device), "mode": mode, "n_workers": n_workers,
+        "input": input_kind,
         "n_workers_list": counts, "scaling_kind": "weak" if weak else "strong",
         "rows_per_step": rows_per_step, "steps": steps, "useful_tokens": useful, "train_tflop": flops / 1e12,
         "hf_seconds": sec_a, "dask_lm_seconds": b["seconds"], "hf_tok_per_s": tps_a, "dask_lm_tok_per_s": tps_b,
@@ -299,11 +372,14 @@ def main(shape: str, precision: str, mode: str, rows_per_step: int | None, steps
          *mfu_columns(device.type == "cuda", "mfu_989", "mfu_measured", peak_what),
          (efficiency_header(n0), "efficiency", "{:.1%}"), ("vs HF (1 device)", "ratio_over_hf", "{:.2f}x"),
          ("driver overhead/step s", "mean_driver_overhead_seconds", "{:.3f}"),
+         ("driver bytes/step", "mean_driver_bytes", "{:,.0f}"),
          ("slowest rank in train s", "mean_rank_seconds", "{:.3f}"),
          ("max rel loss diff vs HF", "max_rel_loss_diff_vs_hf", "{:.2g}")],
         scaling,
         [("tokens/s = useful tokens of the timed steps / their wall time; driver overhead/step = a train() call's "
-          "wall time less the slowest rank's time inside its train() (mean over the timed steps)")]
+          "wall time less the slowest rank's time inside its train() (mean over the timed steps)"),
+         f"driver bytes/step: what the driver process wrote to the scheduler during a train() call ({input_kind} "
+         "input; see --driver-bytes)"]
         + (["vs HF under --weak: arm A trains the 1-worker batches; losses compare only arms on the same rows"]
            if weak else []))
     print(json.dumps(res))

@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "PackingAlgorithm": "dask_lm.data.packing",
     "get_packer": "dask_lm.data.packing",
     "Policy": "dask_lm.engine.policy",
+    "PolicyFuture": "dask_lm.engine.futures",
     "set_progress": "dask_lm.engine.progress",
     "ScoreResult": "dask_lm.engine.scoring",
     "score_parquet": "dask_lm.engine.scoring",
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     from dask_lm.data.packing import PackingAlgorithm, get_packer
     from dask_lm.demo import demo_data, demo_model
     from dask_lm.engine.cluster import connect
+    from dask_lm.engine.futures import PolicyFuture
     from dask_lm.engine.collection import score
     from dask_lm.engine.metrics import FLOPTracker, Timer
     from dask_lm.engine.policy import Policy

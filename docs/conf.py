@@ -52,6 +52,8 @@ nitpick_ignore = [
     ("py:class", "torch.Tensor"),
     ("py:class", "torch.device"),
     ("py:class", "distributed.client.Client"),
+    ("py:class", "distributed.client.Future"),
+    ("py:class", "Future"),  # dask_lm.PolicyFuture's base and argument types, as distributed names them
     # pandas' and pyarrow's, as our signatures spell them (read_scores, ScoreResult.to_pandas / to_arrow)
     ("py:class", "pd.DataFrame"),
     ("py:class", "pandas.DataFrame"),

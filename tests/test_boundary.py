@@ -27,6 +27,8 @@ PUBLIC_NAMES = [
     "demo_data", "demo_model", "read_scores",
     # issue 28: a Dask (or pandas) DataFrame scored in memory, a lazy Dask DataFrame back
     "score",
+    # issue 28: the future of a Policy call (Policy.submit)
+    "PolicyFuture",
 ]
 POLICY_SIGNATURES = {
     'broadcast_weights_for_collective': '(self, kv_scales=None, *, buffer_size_bytes=None, num_buffers=None)',
@@ -59,6 +61,7 @@ POLICY_SIGNATURES = {
     'shutdown': '(self)',
     'start_gpu_profiling': '(self)',
     'stop_gpu_profiling': '(self)',
+    'submit': '(self, method, /, *args, collect=True, **kwargs)',
     'stream_weights_via_http': '(self, rollout_engine_urls, buffer_size_bytes=None, *, weight_version=None, timeout_s=600.0, transport=None)',
     'stream_weights_via_ipc_zmq': '(self, buffer_size_bytes=None, kv_scales=None, *, timeout_s=120.0)',
     'train': '(self, data, loss_fn, eval_mode=False, gbs=None, mbs=None, timer=None, check_dim_skip_keys=None)',

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
-import torch
 from distributed import span, wait
 
 from dask_lm.config import PolicyConfig
@@ -27,7 +27,6 @@ from dask_lm.data.batch import BatchedDataDict
 from dask_lm.data.messages import (
     ActionRequest,
     ExtensionCall,
-    ForwardOutput,
     ForwardRequest,
     GenerateRequest,
     PlacementAction,
@@ -36,7 +35,9 @@ from dask_lm.data.messages import (
 )
 from dask_lm.engine import progress
 from dask_lm.engine.cluster import as_client
+from dask_lm.engine.dataflow import RemoteRows, is_remote
 from dask_lm.engine.events import log_call
+from dask_lm.engine.futures import Pending, PolicyFuture
 from dask_lm.engine.metrics import timed
 from dask_lm.engine.refit import RefitMixin
 from dask_lm.engine.training import TrainingMixin
@@ -48,7 +49,21 @@ from dask_lm.io.hub import ModelSource
 from dask_lm.optim_config import check_optim_config
 from dask_lm.workers import tasks
 
-__all__ = ["Policy"]
+__all__ = ["Policy", "SUBMITTABLE"]
+
+# the methods Policy.submit takes: the calls whose work is rows on the ranks
+SUBMITTABLE = ("get_logprobs", "get_reference_policy_logprobs", "get_topk_logits", "score", "generate", "train")
+
+
+class Posted(NamedTuple):
+    """One call's rank futures, the permutation that restores input order (or None), its ``done`` hook, and each
+    rank's input rows (row numbers and lengths, for ``collect=False``)."""
+
+    futures: list[Any]
+    order: list[int] | None
+    done: Callable[[Any, BaseException | None], None]
+    rows: list[list[int]]
+    lengths: list[list[int]]
 
 logger = logging.getLogger("dask_lm")
 
@@ -146,17 +161,43 @@ class Policy(TrainingMixin, RefitMixin):
                 raise
         self._finalizer = weakref.finalize(self, _shutdown_quietly, group)
 
-    # ----------------------------------------------------------------------------------------- helpers
-    def _run_sharded(self, request: Callable[[Shard], Request], data: Any, *, what: str, timer: Any = None,
-                     contiguous: bool = False, rows_per_mb: bool = False) -> tuple[list[Any], Any]:
-        """Validate, shard, send each rank ``request(its shard)``, return the ranks' answers and the permutation
-        that restores input order (or None). ``rows_per_mb``: the call names a micro_batch_size, so no packing."""
+    # ----------------------------------------------------------------------------------------- futures
+    def submit(self, method: str, /, *args: Any, collect: bool = True, **kwargs: Any) -> Any:
+        """Start ``method`` (``"get_logprobs"``, ``"get_reference_policy_logprobs"``, ``"get_topk_logits"``,
+        ``"score"``, ``"generate"`` or ``"train"``) with the blocking method's arguments and return its
+        :class:`~dask_lm.PolicyFuture` at once; the blocking method is ``submit(...).result()``.
+
+        Input checks run here, before any work. Calls on one Policy run on the ranks in the order they were
+        submitted. ``data`` may also be a ``distributed.Future`` of a batch (e.g. another call's PolicyFuture) or a
+        Dask DataFrame of token ids: the rows then go from the workers that hold them to the ranks, not through
+        this process. ``collect=False`` (the four inference methods): the ranks' outputs stay on their workers, as
+        a lazy Dask DataFrame with a partition per rank, a row per input row (``row``: its number in the input)
+        (docs/guides/policy.md, "Futures")."""
+        if method not in SUBMITTABLE:
+            raise ValueError(f"Policy.submit: {method!r} cannot be submitted; use one of {list(SUBMITTABLE)}")
+        if not collect and method in ("generate", "train"):
+            raise ValueError(f"Policy.submit({method!r}, collect=False): only the inference calls "
+                             "(get_logprobs, get_reference_policy_logprobs, get_topk_logits, score) give rows that "
+                             "can stay on the workers; leave collect=True")
+        fn: Callable[..., Pending] = getattr(self, f"_submit_{method}")
+        pending = fn(*args, **kwargs)
+        return pending.future(self.group) if collect else pending.frame(self.group)
+
+    def _post_sharded(self, request: Callable[[Shard], Request], data: Any, *, what: str, timer: Any = None,
+                      contiguous: bool = False, rows_per_mb: bool = False) -> Posted:
+        """Validate, shard and post ``request(its shard)`` to each rank: the ranks' futures, the permutation that
+        restores input order (or None) and what to log when the call is done. ``rows_per_mb``: the call names a
+        micro_batch_size, so no packing."""
         start = time.perf_counter()
-        data = validate_input_batch(data, what=what, vocab_size=self.vocab_size,
-                                    max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
         group = self.group
-        # the forward needs only these two keys; other per-row data (masks, advantages) stays on the driver
-        data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
+        remote = RemoteRows(self, data, call=what) if is_remote(data) else None
+        if remote is not None:  # checked on the workers; planned here from the rows' lengths
+            data = remote.skeleton()
+        else:
+            data = validate_input_batch(data, what=what, vocab_size=self.vocab_size,
+                                        max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
+            # the forward needs only these two keys; other per-row data (masks, advantages) stays on the driver
+            data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
         with timed(timer, f"{what}/shard_data"):
             if contiguous:  # rows stay in order, a contiguous slice per rank (generation decodes whole rows)
                 shards, order, packed = data.shard_by_batch_size(self.data_parallel_size, allow_uneven_shards=True), \
@@ -165,61 +206,85 @@ class Policy(TrainingMixin, RefitMixin):
                 # rows per micro-batch were asked for when the call names a micro_batch_size: no packing then
                 shards, order, packed = self._shard(data, auto_pack=not rows_per_mb)
         with timed(timer, f"{what}/submit_logprob_futures"), span(f"dask-lm/{what}"):
-            results = group.run([request(Shard.of(s, packed=packed)) for s in shards], what=what,
-                                key_name=what.replace("_", "-"))
-        log_call(self.client, group.policy_id, what, start=start, tokens=int(data["input_lengths"].sum()),
-                 rows=int(data["input_lengths"].shape[0]), ranks=group.world_size)
-        return results, order
+            source = remote.bind(shards, packed=packed) if remote is not None else \
+                [Shard.of(s, packed=packed) for s in shards]
+            futures = self._post_requests(request, source, what=what)
+        tokens, rows = int(data["input_lengths"].sum()), int(data["input_lengths"].shape[0])
+        # each rank's rows as input row numbers: the shards in rank order are the input rows permuted by `order`
+        numbers = list(range(rows)) if order is None else list(order)
+        per_rank, lens, at = [], [], 0
+        for s in shards:
+            n = int(s["input_lengths"].shape[0])
+            per_rank.append(numbers[at:at + n])
+            lens.append(s["input_lengths"].tolist())
+            at += n
+        return Posted(futures, order, self._logger(what, start, tokens=tokens, rows=rows, ranks=group.world_size),
+                      per_rank, lens)
 
-    @staticmethod
-    def _join(results: list[ForwardOutput], order: list[int] | None, key: str, cat: bool = False) -> torch.Tensor:
-        joined: BatchedDataDict[Any]
-        if cat:
-            joined = BatchedDataDict({key: torch.cat([r.tensors[key] for r in results], dim=0)})
-        else:
-            joined = BatchedDataDict.from_batches([BatchedDataDict({key: r.tensors[key]}) for r in results])
-        if order is not None:
-            joined.reorder_data(order)
-        out: torch.Tensor = joined[key]
-        return out
+    def _logger(self, what: str, start: float, **fields: Any) -> Callable[[Any, BaseException | None], None]:
+        """The call's event (:func:`dask_lm.engine.events.log_call`), logged when its result is taken."""
+        client, policy_id = self.client, self.group.policy_id
+
+        def done(value: Any, error: BaseException | None) -> None:
+            if error is None:
+                log_call(client, policy_id, what, start=start, **fields)
+
+        return done
+
+    def _rows_future(self, posted: Posted, what: str, keys: tuple[str, ...], cat: bool = False) -> Pending:
+        return Pending(posted.futures, "rows", {"order": posted.order, "keys": keys, "cat": cat}, what, posted.done,
+                       posted.rows, posted.lengths)
 
     # ----------------------------------------------------------------------------------------- inference
     def get_logprobs(self, data: BatchedDataDict[Any], timer: Any = None) -> BatchedDataDict[Any]:
         """Per-token log-probabilities: ``{"logprobs": float32 [B, S]}``; position 0 and padding hold 0."""
-        results, order = self._run_sharded(ForwardRequest, data, what="get_logprobs", timer=timer)
-        return BatchedDataDict(logprobs=self._join(results, order, "logprobs"))
+        return self.submit("get_logprobs", data, timer=timer).result()
+
+    def _submit_get_logprobs(self, data: Any, timer: Any = None) -> Pending:
+        posted = self._post_sharded(ForwardRequest, data, what="get_logprobs", timer=timer)
+        return self._rows_future(posted, "get_logprobs", ("logprobs",))
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None,
                                       timer: Any = None) -> BatchedDataDict[Any]:
         """Log-probabilities under the weights as first loaded (before training or a ``weights_path`` restore):
         ``{"reference_logprobs": float32 [B, S]}``; the generation temperature applies, top-k/top-p do not."""
-        results, order = self._run_sharded(
-            lambda shard: ForwardRequest(shard, "reference_logprobs", micro_batch_size=micro_batch_size), data,
-            what="get_reference_policy_logprobs", timer=timer, rows_per_mb=micro_batch_size is not None)
-        return BatchedDataDict(reference_logprobs=self._join(results, order, "reference_logprobs"))
+        return self.submit("get_reference_policy_logprobs", data, micro_batch_size=micro_batch_size,
+                           timer=timer).result()
+
+    def _submit_get_reference_policy_logprobs(self, data: Any, micro_batch_size: int | None = None,
+                                              timer: Any = None) -> Pending:
+        what = "get_reference_policy_logprobs"
+        posted = self._post_sharded(
+            functools.partial(ForwardRequest, head="reference_logprobs", micro_batch_size=micro_batch_size), data,
+            what=what, timer=timer, rows_per_mb=micro_batch_size is not None)
+        return self._rows_future(posted, what, ("reference_logprobs",))
 
     def get_topk_logits(self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None,
                         timer: Any = None) -> BatchedDataDict[Any]:
         """The k largest temperature-scaled logits at every position: ``topk_logits`` float32 [B, S, k] and
         ``topk_indices`` int64 [B, S, k] (padding positions hold 0)."""
+        return self.submit("get_topk_logits", data, k, micro_batch_size=micro_batch_size, timer=timer).result()
+
+    def _submit_get_topk_logits(self, data: Any, k: int, micro_batch_size: int | None = None,
+                                timer: Any = None) -> Pending:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"get_topk_logits: `k` must be a positive integer, got {k!r}")
         if self.vocab_size is not None and k > self.vocab_size:
             raise ValueError(f"get_topk_logits: `k`={k} exceeds the vocabulary size {self.vocab_size}")
-        results, order = self._run_sharded(lambda shard: ForwardRequest(shard, "topk", k=k,
-                                                                        micro_batch_size=micro_batch_size),
-                                           data, what="get_topk_logits", timer=timer,
-                                           rows_per_mb=micro_batch_size is not None)
-        return BatchedDataDict(topk_logits=self._join(results, order, "topk_logits", cat=True),
-                               topk_indices=self._join(results, order, "topk_indices", cat=True))
+        posted = self._post_sharded(functools.partial(ForwardRequest, head="topk", k=k, micro_batch_size=micro_batch_size),
+                                    data, what="get_topk_logits", timer=timer, rows_per_mb=micro_batch_size is not None)
+        return self._rows_future(posted, "get_topk_logits", ("topk_logits", "topk_indices"), cat=True)
 
     def score(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
         """Reward-model scores ``{"scores": float32 [B]}`` (needs ``reward_model_cfg.enabled``)."""
+        return self.submit("score", data).result()
+
+    def _submit_score(self, data: Any) -> Pending:
         if not self.cfg.reward_model_cfg.enabled:
             raise ValueError("score() needs a reward model: set `policy.reward_model_cfg.enabled: true` and point "
                              "`policy.model_name` at a sequence-classification checkpoint")
-        results, order = self._run_sharded(lambda shard: ForwardRequest(shard, "score"), data, what="score")
-        return BatchedDataDict(scores=self._join(results, order, "scores", cat=True))
+        posted = self._post_sharded(functools.partial(ForwardRequest, head="score"), data, what="score")
+        return self._rows_future(posted, "score", ("scores",), cat=True)
 
     def generate(self, data: BatchedDataDict[Any], greedy: bool = False,
                  seed: int | None = None) -> BatchedDataDict[Any]:
@@ -229,28 +294,29 @@ class Policy(TrainingMixin, RefitMixin):
         [B, S_out] (the sampled tokens' logprobs under the generation temperature / top-k / top-p, 0 on prompt
         and padding), ``generation_lengths``, ``unpadded_sequence_lengths`` and ``truncated`` (hit
         ``max_new_tokens`` without a stop)."""
+        gen = self._generation_config()
+        if gen.backend == "sglang":  # the driver talks to the servers itself: there is no future of it
+            return self._generate_sglang(data, greedy=greedy, seed=seed)
+        return self.submit("generate", data, greedy=greedy, seed=seed).result()
+
+    def _generation_config(self) -> Any:
         gen = self.cfg.generation
         if gen is None or not gen.max_new_tokens or gen.max_new_tokens < 1:
             raise ValueError("generate() needs `policy.generation.max_new_tokens` (>= 1)")
-        if gen.backend == "sglang":
-            return self._generate_sglang(data, greedy=greedy, seed=seed)
-        if gen.backend not in ("hf", "dtensor", "megatron"):
+        if gen.backend not in ("hf", "dtensor", "megatron", "sglang"):
             raise ValueError(f"`policy.generation.backend` = {gen.backend!r}: use 'hf' (the policy's own workers) "
                              "or 'sglang' (servers listed in `policy.generation.sglang_cfg.server_urls`)")
-        answers, _order = self._run_sharded(lambda shard: GenerateRequest(shard, greedy=greedy, seed=seed), data,
-                                            what="generate", contiguous=True)
-        results = [a.tensors for a in answers]
-        width = max((r["output_ids"].shape[1] for r in results), default=0)
-        pad = self.pad_token_id
+        return gen
 
-        def cat(key: str, fill: float) -> torch.Tensor:
-            parts = [torch.nn.functional.pad(r[key], (0, width - r[key].shape[1]), value=fill) for r in results]
-            return torch.cat(parts, dim=0)
-
-        return BatchedDataDict(output_ids=cat("output_ids", pad), logprobs=cat("logprobs", 0.0),
-                               generation_lengths=torch.cat([r["generation_lengths"] for r in results]),
-                               unpadded_sequence_lengths=torch.cat([r["unpadded_sequence_lengths"] for r in results]),
-                               truncated=torch.cat([r["truncated"] for r in results]))
+    def _submit_generate(self, data: Any, greedy: bool = False, seed: int | None = None) -> Pending:
+        gen = self._generation_config()
+        if gen.backend == "sglang":
+            raise ValueError("Policy.submit('generate') runs on the policy's own workers; with "
+                             "`policy.generation.backend: sglang` the driver sends the prompts to the SGLang servers "
+                             "itself: call policy.generate(data), which blocks")
+        posted = self._post_sharded(functools.partial(GenerateRequest, greedy=greedy, seed=seed), data,
+                                    what="generate", contiguous=True)
+        return Pending(posted.futures, "generate", {"pad_token_id": self.pad_token_id}, "generate", posted.done)
 
     def _generate_sglang(self, data: BatchedDataDict[Any], *, greedy: bool,
                          seed: int | None) -> BatchedDataDict[Any]:

@@ -5,6 +5,7 @@ and :class:`dask_lm.Policy` derive from it, so each half sees the same typed att
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from dask_lm.config import PolicyConfig
@@ -109,6 +110,17 @@ class PolicyBase:
         if isinstance(out, tuple):
             return out
         return out, None
+
+    def _post_requests(self, make: Callable[[Any], Any], shards: Any, *, what: str) -> list[Any]:
+        """``make(shard)`` to :func:`tasks.serve` on each rank: ``shards`` is a list of Shards (built here, scattered
+        to their ranks) or rows that live on the workers (:class:`dask_lm.engine.dataflow.RemoteRows`), whose
+        requests are built on each rank's worker."""
+        key_name = what.replace("_", "-")
+        if isinstance(shards, list):
+            return self.group.post([make(s) for s in shards], what=what, key_name=key_name)
+        requests = shards.requests(make)
+        return self.group.submit(tasks.serve, self.group.policy_id, per_rank=[(r,) for r in requests],
+                                 key_name=key_name)
 
     def get_free_memory_bytes(self) -> int:
         """The smallest free device memory over the workers (host RAM on CPU workers)."""

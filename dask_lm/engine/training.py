@@ -8,6 +8,7 @@ preference losses, checkpoint paths. The ranks then run :mod:`dask_lm.workers.tr
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -22,10 +23,11 @@ from dask_lm.data.messages import (
     SaveRequest,
     Shard,
     TrainRequest,
-    TrainResult,
 )
 from dask_lm.engine import progress
+from dask_lm.engine.dataflow import RemoteRows, is_remote
 from dask_lm.engine.events import log_call
+from dask_lm.engine.futures import Pending
 from dask_lm.engine.metrics import FLOPTracker, aggregate_flops_metrics, timed
 from dask_lm.engine.policy_base import PolicyBase
 from dask_lm.engine.validation import validate_input_batch, validate_train_batch
@@ -55,6 +57,11 @@ class TrainingMixin(PolicyBase):
         None in eval), ``all_mb_metrics`` (metric -> one value per micro-batch and rank) and FLOP figures
         (``total_flops``, ``achieved_tflops``, ``mfu``, ...; None where they cannot be known).
         """
+        return self.submit("train", data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, timer=timer,
+                           check_dim_skip_keys=check_dim_skip_keys).result()
+
+    def _train_sizes(self, loss_fn: Any, eval_mode: bool, gbs: int | None, mbs: int | None) -> tuple[int, int]:
+        """``(gbs, mbs)`` after the checks that need no data."""
         cfg = self.cfg
         dp = self.data_parallel_size
         gbs = int(gbs or cfg.train_global_batch_size)
@@ -74,53 +81,78 @@ class TrainingMixin(PolicyBase):
             if mbs % 2 or (gbs // dp) % 2:
                 raise ValueError(f"train: {type(loss_fn).__name__} takes (chosen, rejected) pairs: the micro-batch "
                                  f"size ({mbs}) and the rows per rank per step ({gbs // dp}) must be even")
+        if gbs % dp:
+            raise ValueError(f"train: the global batch size {gbs} must be a multiple of the {dp} ranks")
+        return gbs, mbs
+
+    @staticmethod
+    def _global_batches(rows: int, gbs: int) -> int:
+        if rows % gbs:
+            raise ValueError(f"train: the batch has {rows} rows, not a multiple of the global batch size {gbs}; pass "
+                             "gbs=, or pad the batch with rows whose sample_mask is 0")
+        return rows // gbs
+
+    def _submit_train(self, data: Any, loss_fn: Any, eval_mode: bool = False, gbs: int | None = None,
+                      mbs: int | None = None, timer: Any = None, check_dim_skip_keys: Any = None) -> Pending:
+        cfg = self.cfg
+        gbs, mbs = self._train_sizes(loss_fn, eval_mode, gbs, mbs)
         start = time.perf_counter()
+        if is_remote(data):  # checked on the workers; planned here from the rows' lengths
+            remote = RemoteRows(self, data, call="train", train=(loss_fn, check_dim_skip_keys))
+            num_global_batches = self._global_batches(remote.rows, gbs)
+            with timed(timer, "policy_training/sharding_data"):
+                shards, _order, packed = self._shard(remote.skeleton(), gbs)
+            return self._post_train(remote.bind(shards, packed=packed), [s["input_lengths"] for s in shards], loss_fn,
+                                    eval_mode=eval_mode, gbs=gbs, mbs=mbs, num_global_batches=num_global_batches,
+                                    rows=remote.rows, start=start, timer=timer)
         data = validate_input_batch(data, what="train", vocab_size=self.vocab_size,
                                     max_length=cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
         data = validate_train_batch(data, loss_fn, check_dim_skip_keys=check_dim_skip_keys, vocab_size=self.vocab_size)
         rows = data.size
-        if gbs % dp:
-            raise ValueError(f"train: the global batch size {gbs} must be a multiple of the {dp} ranks")
-        if rows % gbs:
-            raise ValueError(f"train: the batch has {rows} rows, not a multiple of the global batch size {gbs}; pass "
-                             "gbs=, or pad the batch with rows whose sample_mask is 0")
-        num_global_batches = rows // gbs
+        num_global_batches = self._global_batches(rows, gbs)
         with timed(timer, "policy_training/sharding_data"):
             shards, _order, packed = self._shard(data, gbs)
+        return self._post_train([Shard.of(s, packed=packed) for s in shards], [s["input_lengths"] for s in shards],
+                                loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, num_global_batches=num_global_batches,
+                                rows=rows, start=start, timer=timer)
+
+    def _post_train(self, shards: Any, lengths: list[Any], loss_fn: Any, *, eval_mode: bool, gbs: int, mbs: int,
+                    num_global_batches: int, rows: int, start: float, timer: Any) -> Pending:
+        """Post a :class:`TrainRequest` of each rank's shard (``shards``: a list of Shards, or rows that stay on the
+        workers, :class:`~dask_lm.engine.dataflow.RemoteRows`); ``lengths``: each rank's row lengths, for the FLOP
+        count."""
         tracker = (FLOPTracker.from_config(self.hf_config, training=not eval_mode) if self.hf_config is not None
                    else None)
         if tracker is not None:
-            for shard in shards:
-                tracker.track_batch(shard["input_lengths"])
+            for lens in lengths:
+                tracker.track_batch(lens)
         label = "eval" if eval_mode else "train"
         # a bar only when there is something to follow: RL loops call train() once per step with one global batch
         show = num_global_batches if num_global_batches > 1 else 0
-        with timed(timer, "policy_training/submit_training_futures"), span(f"dask-lm/{label}"), \
-                progress.bar(self.client, show, label, "global batch") as (progress_id, _bar):
-            group = self.group
-            results = group.run([TrainRequest(Shard.of(s, packed=packed), loss_fn, eval_mode=eval_mode, gbs=gbs,
-                                              mbs=mbs, num_global_batches=num_global_batches,
-                                              progress_id=progress_id) for s in shards], what=label, key_name=label)
-        out = self._train_results(results, tracker.total_flops if tracker is not None else None)
-        lr = out["all_mb_metrics"].get("lr")
-        log_call(self.client, group.policy_id, label, start=start, tokens=out["num_tokens"], rows=int(data.size),
-                 global_batches=num_global_batches, loss=out["loss"],
-                 grad_norm=None if out["grad_norm"] is None else float(out["grad_norm"]),
-                 lr=lr[-1] if lr else None, mfu=out.get("mfu"))
-        return out
+        group = self.group
+        progress_id, _bar = progress.open_bar(self.client, show, label, "global batch")
+        try:
+            with timed(timer, "policy_training/submit_training_futures"), span(f"dask-lm/{label}"):
+                make = functools.partial(TrainRequest, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
+                                         num_global_batches=num_global_batches, progress_id=progress_id)
+                futures = self._post_requests(make, shards, what=label)
+        except BaseException:
+            progress.close_bar(progress_id)
+            raise
+        client, policy_id = self.client, group.policy_id
 
-    def _train_results(self, results: list[TrainResult], total_flops: float | None) -> dict[str, Any]:
-        metrics: dict[str, list[Any]] = {}
-        for r in results:  # rank order, as NeMo RL concatenates them
-            for key, values in r.all_mb_metrics.items():
-                metrics.setdefault(key, []).extend(values)
-        first = results[0]
-        out: dict[str, Any] = {"loss": first.loss, "grad_norm": first.grad_norm, "grad_norms": first.grad_norms,
-                               "all_mb_metrics": metrics, "gpu_name": first.gpu_name,
-                               "model_dtype": first.model_dtype, "num_tokens": sum(r.num_tokens for r in results)}
-        out.update(aggregate_flops_metrics([r.train_elapsed_seconds for r in results], [r.gpu_name for r in results],
-                                           self.data_parallel_size, total_flops))
-        return out
+        def done(out: Any, error: BaseException | None) -> None:
+            progress.close_bar(progress_id)
+            if error is not None:
+                return
+            lr = out["all_mb_metrics"].get("lr")
+            log_call(client, policy_id, label, start=start, tokens=out["num_tokens"], rows=rows,
+                     global_batches=num_global_batches, loss=out["loss"],
+                     grad_norm=None if out["grad_norm"] is None else float(out["grad_norm"]),
+                     lr=lr[-1] if lr else None, mfu=out.get("mfu"))
+
+        return Pending(futures, "train", {"total_flops": tracker.total_flops if tracker is not None else None}, label,
+                       done)
 
     # ----------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, weights_path: str | os.PathLike[str], optimizer_path: str | os.PathLike[str] | None = None,

@@ -223,6 +223,26 @@ class WorkerGroup:
                progress: Any = None) -> list[Any]:
         """Results of one SPMD call; a failure names the rank and worker and keeps the root cause. ``progress``
         (a tqdm bar, or None) moves by one per finished rank."""
+        self.settle(futures, what=what, timeout=timeout, progress=progress)
+        # the ranks' warnings, raised again at the user's call: once, not once per rank (dask_lm.interface)
+        results: list[Any] = interface.reissue(self.client.gather(list(futures)))
+        self.release(futures)
+        return results
+
+    def release(self, futures: Sequence[Future[Any]]) -> None:
+        """Let the rank chains go of ``futures`` (a finished call)."""
+        # a finished call needs no successor chained on it (the next call is submitted after this one ended), and a
+        # held future of a finished task is one the scheduler recomputes when its worker dies — a model load or a
+        # train step re-run on a restarted worker. So the chain lets go of what it gathered.
+        with self._submit_lock:
+            for r, last in enumerate(self._last):
+                if last is not None and any(last is f for f in futures):
+                    self._last[r] = None
+
+    def settle(self, futures: Sequence[Future[Any]], *, what: str, timeout: float | None = None,
+               progress: Any = None) -> None:
+        """Wait until every rank of one SPMD call finished, or raise its failure as :meth:`gather` does (without
+        fetching the results: :class:`dask_lm.engine.futures.PolicyFuture` fetches only the combined one)."""
         # stop at the first failure: its peers may sit in a collective until the collective timeout
         for fut in as_completed(list(futures), timeout=timeout):
             if fut.status != "finished":
@@ -267,15 +287,6 @@ class WorkerGroup:
                 raise exc
             raise RankFailedError(f"{what} failed on rank {rank} (worker {self.names[rank]!r}): "
                                   f"{type(exc).__name__}: {exc}") from exc
-        # the ranks' warnings, raised again at the user's call: once, not once per rank (dask_lm.interface)
-        results: list[Any] = interface.reissue(self.client.gather(list(futures)))
-        # a finished call needs no successor chained on it (the next call is submitted after this one ended), and a
-        # held future of a finished task is one the scheduler recomputes when its worker dies — a model load or a
-        # train step re-run on a restarted worker. So the chain lets go of what it gathered.
-        for r, last in enumerate(self._last):
-            if last is not None and any(last is f for f in futures):
-                self._last[r] = None
-        return results
 
     def rendezvous(self) -> tuple[str, int] | None:
         """Rank 0's host and a free port there, found by a task on rank 0 (None for one rank)."""

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "serve", "settled", "unwrap",
            "zmq_address", "profiler", "score_partition", "check_model_config", "preload_scorer", "release_scorers",
-           "shutdown_policy", "Failed", "PeerFailedError", "loglikelihood_requests", "generate_requests"]
+           "shutdown_policy", "Failed", "PeerFailedError", "loglikelihood_requests", "generate_requests", "combine",
+           "warnings_of", "prepare_rows", "row_lengths", "cut_rows", "assemble_rows",
+           "rank_frame"]
 
 
 def find_free_port(_prev: Any = None) -> tuple[str, int]:
@@ -161,6 +163,62 @@ def serve(_prev: Any, policy_id: str, request: Request) -> Any:
     with interface.caught(warned):
         result = handle(_policy(policy_id), request)
     return interface.Warned(result, tuple(warned)) if warned else result
+
+
+def combine(kind: str, params: dict[str, Any], *answers: Any) -> Any:
+    """A PolicyFuture's key: the ranks' answers to one call joined into its result
+    (:func:`dask_lm.workers.combine.combine`); their warnings go apart (:func:`warnings_of`)."""
+    from dask_lm import interface
+    from dask_lm.workers.combine import combine as join
+
+    return join(kind, params, [interface.strip(a)[0] for a in answers])
+
+
+def rank_frame(answer: Any, **kwargs: Any) -> Any:
+    """One rank's answer as a pandas partition, left on its worker (:func:`dask_lm.workers.combine.rank_frame`)."""
+    from dask_lm import interface
+    from dask_lm.workers.combine import rank_frame as frame
+
+    return frame(interface.strip(answer)[0], **kwargs)
+
+
+def warnings_of(*answers: Any) -> list[tuple[type[Warning], str]]:
+    """The distinct warnings the ranks raised in one call, for ``PolicyFuture.result()`` to raise again."""
+    from dask_lm import interface
+
+    seen: list[tuple[type[Warning], str]] = []
+    for a in answers:
+        seen += [w for w in interface.strip(a)[1] if w not in seen]
+    return seen
+
+
+def prepare_rows(value: Any, **kwargs: Any) -> Any:
+    """A partition (or a future's batch) checked and made a batch where it lives
+    (:func:`dask_lm.workers.dataflow.prepare`)."""
+    from dask_lm.workers import dataflow
+
+    return dataflow.prepare(value, **kwargs)
+
+
+def row_lengths(batch: Any) -> Any:
+    """A prepared partition's row lengths and width (:func:`dask_lm.workers.dataflow.lengths`)."""
+    from dask_lm.workers import dataflow
+
+    return dataflow.lengths(batch)
+
+
+def cut_rows(batch: Any, rows: list[int]) -> Any:
+    """One rank's rows of a prepared partition (:func:`dask_lm.workers.dataflow.cut`)."""
+    from dask_lm.workers import dataflow
+
+    return dataflow.cut(batch, rows)
+
+
+def assemble_rows(*pieces: Any, **kwargs: Any) -> Any:
+    """A rank's request from its pieces, on its worker (:func:`dask_lm.workers.dataflow.assemble`)."""
+    from dask_lm.workers import dataflow
+
+    return dataflow.assemble(*pieces, **kwargs)
 
 
 class Failed:

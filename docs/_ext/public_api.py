@@ -24,7 +24,7 @@ GROUPS: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
      ("connect", "score_parquet", "ScoreResult", "read_scores", "score", "demo_model", "demo_data", "set_progress"),
      ()),
     ("The Policy", "NeMo RL's ``Policy`` on a Dask cluster, its configuration and its batches.",
-     ("Policy", "PolicyConfig"), ("dask_lm.engine.policy", "dask_lm.config", "dask_lm.data")),
+     ("Policy", "PolicyFuture", "PolicyConfig"), ("dask_lm.engine.policy", "dask_lm.config", "dask_lm.data")),
     ("Losses", "NeMo RL's loss functions for ``Policy.train``.", (), ("dask_lm.losses",)),
     ("Metrics", "Timers and FLOP counts.", (), ("dask_lm.engine.metrics",)),
     ("Errors", "", (), ("dask_lm.errors",)),
