@@ -1,0 +1,314 @@
+"""Workers that come and go during a scoring job (issue 28): a real ``dask scheduler`` and ``dask worker`` processes
+(``--no-nanny``, one thread each), a worker that joins mid-job, one retired mid-job (``client.retire_workers``), and
+a job started before any worker. Each output is compared, exactly, with an undisturbed run on the same scheduler,
+and holds every row once.
+
+The workers order their partitions through files (tests/elastic_worker.py, their preload): the first worker waits,
+after its first partition, until the joiner has begun one, so the join is mid-job by construction rather than by a
+sleep; a worker to be retired holds its partition until it is retiring. A wait that never ends fails the job after
+two minutes, and the test waits for the job with a timeout: a hang fails, it never blocks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import TEXTS
+
+import dask_lm
+from dask_lm.engine.worker_group import _scheduler_info
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+ROWS = [f"{TEXTS[i % len(TEXTS)]} ({i})" for i in range(10)]  # one row group, and so one part, each
+JOB_S = 180.0  # a job waited for longer than this has hung: the test fails
+
+
+def _tests_path() -> str:
+    """PYTHONPATH with tests/ on it: the workers' preload (elastic_worker) and this module's functions are found."""
+    return os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _until(ready: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (got := ready()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
+        time.sleep(0.1)
+    return got
+
+
+def _background(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
+    """``fn`` in a daemon thread: a hung job fails its test through ``result(timeout=)`` and holds no exit."""
+    fut: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # re-raised by result() in the test
+            fut.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return fut
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def scheduler(tmp_path_factory) -> Iterator[tuple[str, Any]]:
+    """A ``dask scheduler`` process on a free port and a client of it; no worker (each test starts its own)."""
+    logs = tmp_path_factory.mktemp("elastic_logs")
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    with open(logs / "scheduler.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                 "--port", address.rsplit(":", 1)[1], "--dashboard-address", "127.0.0.1:0",
+                                 "--idle-timeout", "600"], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": _tests_path()})  # run_on_scheduler(_clients)
+    client = None
+    try:
+        deadline = time.monotonic() + 60
+        while client is None:
+            assert proc.poll() is None and time.monotonic() < deadline, (logs / "scheduler.log").read_text()
+            try:
+                client = dask_lm.connect(address)
+            except OSError:
+                time.sleep(0.3)
+        yield address, client
+    finally:
+        if client is not None:
+            client.close()
+        _stop([proc])
+
+
+class Workers:
+    """``dask worker`` processes of one test, started with :meth:`start` and stopped when the test ends."""
+
+    def __init__(self, address: str, client: Any, root: Path) -> None:
+        self.address, self.client, self.root = address, client, root
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+                    # one thread each, on the CPU: every worker computes the same bits as the undisturbed run's
+                    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "DASK_LM_FORCE_CPU": "1",
+                    "CUDA_VISIBLE_DEVICES": "",
+                    "PYTHONPATH": _tests_path()}
+
+    def start(self, name: str, **env: str | Path) -> subprocess.Popen[bytes]:
+        log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 (the child holds it; closed with the process)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", self.address, "--name", name, "--nthreads", "1",
+             "--no-nanny", "--no-dashboard", "--memory-limit", "0", "--death-timeout", "60",
+             "--preload", "elastic_worker", "--local-directory", str(self.root / name)],
+            stdout=log, stderr=subprocess.STDOUT, env={**self.env, **{k: str(v) for k, v in env.items()}})
+        log.close()
+        return self.procs[name]
+
+    def addresses(self) -> dict[str, str]:
+        return {w["name"]: a for a, w in _scheduler_info(self.client)["workers"].items()}
+
+    def joined(self, *names: str) -> dict[str, str]:
+        return _until(lambda: set(names) <= set(self.addresses()) and self.addresses(), f"workers {names} to join")
+
+    def logs(self) -> str:
+        return "\n".join(f"----- {f.name}\n{f.read_text(errors='replace')[-3000:]}"
+                         for f in sorted(self.root.glob("*.log")))
+
+    def stop(self) -> None:
+        _stop(list(self.procs.values()))
+        _until(lambda: not _scheduler_info(self.client)["workers"], "the scheduler to see its workers gone", 60)
+
+
+@pytest.fixture()
+def workers(scheduler, tmp_path) -> Iterator[Workers]:
+    root = tmp_path / "workers"
+    root.mkdir()
+    w = Workers(*scheduler, root)
+    try:
+        yield w
+    except BaseException:
+        print(w.logs())
+        raise
+    finally:
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("elastic_data") / "rows.parquet"
+    pq.write_table(pa.table({"id": list(range(len(ROWS))), "text": ROWS}), path, row_group_size=1)
+    return path
+
+
+def _frame() -> Any:
+    import dask.dataframe as dd
+
+    return dd.from_pandas(pd.DataFrame({"id": list(range(len(ROWS))), "text": ROWS}), npartitions=5)
+
+
+def _score(data: Path, out: Path, model: str, **kwargs: Any) -> Any:
+    kwargs.setdefault("precision", "float32")
+    return dask_lm.score_parquet(data, out, model=model, text_column="text", id_column="id", progress=False,
+                                 task_tokens=0, **kwargs)  # a part per row group: 10 parts
+
+
+def _parts(out: Path) -> list[pa.Table]:
+    return [pq.read_table(out / f"part-{i:05d}.parquet") for i in range(len(ROWS))]
+
+
+@pytest.fixture(scope="module")
+def reference(scheduler, data, tiny, tmp_path_factory) -> dict[str, Any]:
+    """The undisturbed runs, on one worker of the same scheduler: score_parquet's parts and dask_lm.score's frame."""
+    address, client = scheduler
+    root = tmp_path_factory.mktemp("elastic_reference")
+    (root / "workers").mkdir()
+    w = Workers(address, client, root / "workers")
+    try:
+        w.start("ref")
+        w.joined("ref")
+        res = _score(data, root / "scored", tiny["llama"], client=client)
+        assert res.parts == len(ROWS) and res.rows == len(ROWS)
+        frame = dask_lm.score(_frame(), model=tiny["llama"], client=client, text_column="text",
+                              precision="float32").compute()
+    finally:
+        w.stop()
+    return {"parts": _parts(root / "scored"), "frame": frame}
+
+
+def _check_output(out: Path, reference: dict[str, Any]) -> None:
+    """Every row once, in its part, with the undisturbed run's values bit for bit."""
+    parts = _parts(out)
+    ids = [i for t in parts for i in t.column("id").to_pylist()]
+    assert ids == list(range(len(ROWS)))
+    assert sorted(p.name for p in out.glob("part-*.parquet")) == [f"part-{i:05d}.parquet" for i in range(len(ROWS))]
+    for i, (got, want) in enumerate(zip(parts, reference["parts"])):
+        assert got.equals(want), f"part {i} differs from the undisturbed run's"
+    assert not list(out.glob(".*.tmp-*")), "a temporary part file was left behind"
+
+
+def test_a_worker_that_joins_mid_job_scores_parts_and_the_output_is_the_undisturbed_one(
+        scheduler, workers, reference, data, tiny, tmp_path):
+    _, client = scheduler
+    joined = tmp_path / "b.began"  # b's partitions mark it; a's wait for it after a's first
+    workers.start("a", ELASTIC_WAIT_FOR=joined)
+    workers.joined("a")
+    out = tmp_path / "scored"
+    job = _background(_score, data, out, tiny["llama"], client=client)
+    _until(lambda: list(out.glob("part-*.parquet")) or job.done(), "the first part")
+    assert not job.done()  # a waits for b: the job is mid-way when b starts
+    workers.start("b", ELASTIC_MARK=joined)
+    res = job.result(timeout=JOB_S)
+    addresses = workers.joined("a", "b")
+    _check_output(out, reference)
+    # b began a partition (its own mark) and the job counts the parts b wrote
+    assert addresses["b"] in joined.read_text().split()
+    assert res.parts_by_worker.get(addresses["b"], 0) >= 1, res.parts_by_worker
+    assert set(res.parts_by_worker) <= {addresses["a"], addresses["b"]}
+    assert sum(res.parts_by_worker.values()) == res.parts == len(ROWS)
+    # b's replica was loaded after the first part came back: no part of the caller's wait for the model. The
+    # phases still add up to the wall time, and the start's end no later than the first part.
+    assert sum(res.wall_phases.values()) == pytest.approx(res.wall_seconds, abs=1e-6)
+    start = sum(res.wall_phases[k] for k in ("checks", "cluster_start", "model_load", "compile"))
+    assert start <= res.start_phases["first_row"] + 0.05, (res.wall_phases, res.start_phases)
+    assert res.wall_phases["scoring"] == pytest.approx(res.scoring_seconds, abs=0.05)
+
+
+def test_a_worker_retired_mid_job_hands_its_partition_back(scheduler, workers, reference, data, tiny, tmp_path):
+    _, client = scheduler
+    began = tmp_path / "b.began"
+    workers.start("a", ELASTIC_WAIT_FOR=began)
+    b = workers.start("b", ELASTIC_MARK=began, ELASTIC_HOLD="1")  # holds its partition until it is retiring
+    addresses = workers.joined("a", "b")
+    out = tmp_path / "scored"
+    job = _background(_score, data, out, tiny["llama"], client=client)
+    _until(lambda: began.exists() or job.done(), "b to begin a partition")
+    assert not job.done()
+    client.retire_workers([addresses["b"]], close_workers=True)
+    assert b.wait(60) == 0  # b left (a --no-nanny worker's process ends with it)
+    res = job.result(timeout=JOB_S)
+    _check_output(out, reference)
+    assert addresses["b"] not in workers.addresses()
+    assert set(res.parts_by_worker) <= {addresses["a"], addresses["b"]}
+    assert res.parts_by_worker.get(addresses["a"], 0) >= len(ROWS) - 1, res.parts_by_worker
+    assert sum(res.parts_by_worker.values()) == res.parts == len(ROWS)
+
+
+def test_a_job_started_before_any_worker_waits_for_one_and_completes(scheduler, workers, reference, data, tiny,
+                                                                     tmp_path):
+    address, client = scheduler
+    out = tmp_path / "scored"
+    assert not _scheduler_info(client)["workers"]
+    # its own client of the scheduler, as `dask-lm score --scheduler-address` has; the precision is the workers'
+    job = _background(_score, data, out, tiny["llama"], scheduler_address=address, precision=None)
+    _until(lambda: client.run_on_scheduler(_clients) >= 2 or job.done(), "the job's client")
+    time.sleep(2.0)  # the job's checks of a tiny model end well before: it now waits for a worker
+    assert not job.done()
+    spawned = time.time()
+    workers.start("late")
+    res = job.result(timeout=JOB_S)
+    _check_output(out, reference)
+    assert res.start_phases["cluster"] >= spawned - res.started_at  # the cluster was up once the worker was
+    assert jobdir_precision(out) == "float32"  # asked of the worker that came (a CPU one)
+    assert list(res.parts_by_worker) == [workers.joined("late")["late"]]
+
+
+def _clients(dask_scheduler: Any) -> int:
+    return len(dask_scheduler.clients)
+
+
+def jobdir_precision(out: Path) -> str:
+    from dask_lm.io import jobdir
+
+    manifest = jobdir.read_manifest(str(out))
+    assert manifest is not None
+    return manifest["options"]["precision"]
+
+
+def test_a_dask_frame_scored_while_a_worker_joins_equals_the_undisturbed_one(scheduler, workers, reference, tiny,
+                                                                            tmp_path):
+    from distributed import get_task_stream
+
+    _, client = scheduler
+    began, joined = tmp_path / "a.began", tmp_path / "b.began"
+    workers.start("a", ELASTIC_MARK=began, ELASTIC_WAIT_FOR=joined)
+    workers.joined("a")
+    lazy = dask_lm.score(_frame(), model=tiny["llama"], client=client, text_column="text", precision="float32")
+    with get_task_stream(client=client) as stream:
+        fut = client.compute(lazy)
+        _until(lambda: began.exists() or fut.done(), "a to begin a partition")
+        assert not fut.done()
+        workers.start("b", ELASTIC_MARK=joined)
+        got = fut.result(timeout=JOB_S)
+    addresses = workers.joined("a", "b")
+    pd.testing.assert_frame_equal(got, reference["frame"], check_exact=True)
+    assert addresses["b"] in joined.read_text().split()
+    ran = {t["worker"] for t in stream.data if t.get("status") == "OK"}
+    assert addresses["b"] in ran, stream.data
