@@ -10,8 +10,9 @@ two minutes, and the test waits for the job with a timeout: a hang fails, it nev
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -72,46 +73,57 @@ def _background(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any
     return fut
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL: a worker that imported transformers spends many seconds of a loaded 2-core machine in the
+    interpreter's final garbage collection after a SIGTERM, and nothing here needs a graceful end (the scheduler
+    drops a killed worker as its connection closes)."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
             p.kill()
-            p.wait(10)
+        p.wait(30)
 
 
-@pytest.fixture(scope="module")
-def scheduler(tmp_path_factory) -> Iterator[tuple[str, Any]]:
-    """A ``dask scheduler`` process on a free port and a client of it; no worker (each test starts its own)."""
-    logs = tmp_path_factory.mktemp("elastic_logs")
+def _start_scheduler(logs: Path) -> tuple[subprocess.Popen[bytes], str]:
     address = f"tcp://127.0.0.1:{_free_port()}"
     with open(logs / "scheduler.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
                                  "--port", address.rsplit(":", 1)[1], "--dashboard-address", "127.0.0.1:0",
                                  "--idle-timeout", "600"], stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": _tests_path()})  # run_on_scheduler(_clients)
+    return proc, address
+
+
+@contextlib.contextmanager
+def _cluster(root: Path) -> Iterator[Workers]:
+    """A ``dask scheduler`` process on a free port, a client of it, and no worker yet: :meth:`Workers.start`."""
+    root.mkdir(parents=True, exist_ok=True)
+    proc, address = _start_scheduler(root)
     client = None
+    workers = None
     try:
         deadline = time.monotonic() + 60
         while client is None:
-            assert proc.poll() is None and time.monotonic() < deadline, (logs / "scheduler.log").read_text()
+            assert proc.poll() is None and time.monotonic() < deadline, (root / "scheduler.log").read_text()
             try:
                 client = dask_lm.connect(address)
             except OSError:
                 time.sleep(0.3)
-        yield address, client
+        workers = Workers(address, client, root)
+        yield workers
+    except BaseException:
+        print(workers.logs() if workers is not None else "")
+        raise
     finally:
+        if workers is not None:
+            workers.stop()
         if client is not None:
             client.close()
-        _stop([proc])
+        _kill([proc])
 
 
 class Workers:
-    """``dask worker`` processes of one test, started with :meth:`start` and stopped when the test ends."""
+    """The ``dask worker`` processes of a scheduler (``address``, with ``client``), started with :meth:`start`; each
+    reads its settings for tests/elastic_worker.py from ``root/NAME.json``, which :meth:`arm` rewrites."""
 
     def __init__(self, address: str, client: Any, root: Path) -> None:
         self.address, self.client, self.root = address, client, root
@@ -119,16 +131,21 @@ class Workers:
         self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
                     # one thread each, on the CPU: every worker computes the same bits as the undisturbed run's
                     "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "DASK_LM_FORCE_CPU": "1",
-                    "CUDA_VISIBLE_DEVICES": "",
-                    "PYTHONPATH": _tests_path()}
+                    "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": _tests_path()}
 
-    def start(self, name: str, **env: str | Path) -> subprocess.Popen[bytes]:
-        log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 (the child holds it; closed with the process)
+    def arm(self, name: str, **settings: Any) -> None:
+        tmp = self.root / f".{name}.json"
+        tmp.write_text(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}))
+        os.replace(tmp, self.root / f"{name}.json")  # read whole by the worker, never half written
+
+    def start(self, name: str, **settings: Any) -> subprocess.Popen[bytes]:
+        self.arm(name, **settings)
+        log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 (the child holds it; closed here after)
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "distributed.cli.dask_worker", self.address, "--name", name, "--nthreads", "1",
              "--no-nanny", "--no-dashboard", "--memory-limit", "0", "--death-timeout", "60",
              "--preload", "elastic_worker", "--local-directory", str(self.root / name)],
-            stdout=log, stderr=subprocess.STDOUT, env={**self.env, **{k: str(v) for k, v in env.items()}})
+            stdout=log, stderr=subprocess.STDOUT, env={**self.env, "ELASTIC_CONFIG": str(self.root / f"{name}.json")})
         log.close()
         return self.procs[name]
 
@@ -142,23 +159,33 @@ class Workers:
         return "\n".join(f"----- {f.name}\n{f.read_text(errors='replace')[-3000:]}"
                          for f in sorted(self.root.glob("*.log")))
 
-    def stop(self) -> None:
-        _stop(list(self.procs.values()))
-        _until(lambda: not _scheduler_info(self.client)["workers"], "the scheduler to see its workers gone", 60)
+    def stop(self, *names: str) -> None:
+        """Kill the workers ``names`` (all without), and wait until the scheduler has dropped them."""
+        names = names or tuple(self.procs)
+        _kill([self.procs.pop(n) for n in names if n in self.procs])
+        _until(lambda: not set(names) & set(self.addresses()), f"the scheduler to drop {names}", 60)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Workers]:
+    """The module's scheduler with one worker, ``a``, that outlives the tests (each arms it as it needs)."""
+    with _cluster(tmp_path_factory.mktemp("elastic_cluster")) as workers:
+        workers.start("a")
+        workers.joined("a")
+        yield workers
 
 
 @pytest.fixture()
-def workers(scheduler, tmp_path) -> Iterator[Workers]:
-    root = tmp_path / "workers"
-    root.mkdir()
-    w = Workers(*scheduler, root)
+def workers(cluster) -> Iterator[Workers]:
+    """The module's cluster for one test: the workers it starts are stopped after it, and ``a`` disarmed."""
     try:
-        yield w
+        yield cluster
     except BaseException:
-        print(w.logs())
+        print(cluster.logs())
         raise
     finally:
-        w.stop()
+        cluster.stop(*(n for n in cluster.procs if n != "a"))
+        cluster.arm("a")
 
 
 @pytest.fixture(scope="module")
@@ -185,22 +212,15 @@ def _parts(out: Path) -> list[pa.Table]:
 
 
 @pytest.fixture(scope="module")
-def reference(scheduler, data, tiny, tmp_path_factory) -> dict[str, Any]:
-    """The undisturbed runs, on one worker of the same scheduler: score_parquet's parts and dask_lm.score's frame."""
-    address, client = scheduler
-    root = tmp_path_factory.mktemp("elastic_reference")
-    (root / "workers").mkdir()
-    w = Workers(address, client, root / "workers")
-    try:
-        w.start("ref")
-        w.joined("ref")
-        res = _score(data, root / "scored", tiny["llama"], client=client)
-        assert res.parts == len(ROWS) and res.rows == len(ROWS)
-        frame = dask_lm.score(_frame(), model=tiny["llama"], client=client, text_column="text",
-                              precision="float32").compute()
-    finally:
-        w.stop()
-    return {"parts": _parts(root / "scored"), "frame": frame}
+def reference(cluster, data, tiny, tmp_path_factory) -> dict[str, Any]:
+    """The undisturbed runs, on worker ``a`` alone: score_parquet's parts and dask_lm.score's frame."""
+    out = tmp_path_factory.mktemp("elastic_reference") / "scored"
+    assert list(cluster.addresses()) == ["a"]
+    res = _score(data, out, tiny["llama"], client=cluster.client)
+    assert res.parts == len(ROWS) and res.rows == len(ROWS)
+    frame = dask_lm.score(_frame(), model=tiny["llama"], client=cluster.client, text_column="text",
+                          precision="float32").compute()
+    return {"parts": _parts(out), "frame": frame}
 
 
 def _check_output(out: Path, reference: dict[str, Any]) -> None:
@@ -215,16 +235,14 @@ def _check_output(out: Path, reference: dict[str, Any]) -> None:
 
 
 def test_a_worker_that_joins_mid_job_scores_parts_and_the_output_is_the_undisturbed_one(
-        scheduler, workers, reference, data, tiny, tmp_path):
-    _, client = scheduler
+        workers, reference, data, tiny, tmp_path):
     joined = tmp_path / "b.began"  # b's partitions mark it; a's wait for it after a's first
-    workers.start("a", ELASTIC_WAIT_FOR=joined)
-    workers.joined("a")
+    workers.arm("a", wait_for=joined)
     out = tmp_path / "scored"
-    job = _background(_score, data, out, tiny["llama"], client=client)
+    job = _background(_score, data, out, tiny["llama"], client=workers.client)
     _until(lambda: list(out.glob("part-*.parquet")) or job.done(), "the first part")
     assert not job.done()  # a waits for b: the job is mid-way when b starts
-    workers.start("b", ELASTIC_MARK=joined)
+    workers.start("b", mark=joined)
     res = job.result(timeout=JOB_S)
     addresses = workers.joined("a", "b")
     _check_output(out, reference)
@@ -241,74 +259,69 @@ def test_a_worker_that_joins_mid_job_scores_parts_and_the_output_is_the_undistur
     assert res.wall_phases["scoring"] == pytest.approx(res.scoring_seconds, abs=0.05)
 
 
-def test_a_worker_retired_mid_job_hands_its_partition_back(scheduler, workers, reference, data, tiny, tmp_path):
-    _, client = scheduler
+def test_a_worker_retired_mid_job_hands_its_partition_back(workers, reference, data, tiny, tmp_path):
     began = tmp_path / "b.began"
-    workers.start("a", ELASTIC_WAIT_FOR=began)
-    b = workers.start("b", ELASTIC_MARK=began, ELASTIC_HOLD="1")  # holds its partition until it is retiring
+    workers.arm("a", wait_for=began)
+    workers.start("b", mark=began, hold=True)  # b holds its partition until it is retiring
     addresses = workers.joined("a", "b")
     out = tmp_path / "scored"
-    job = _background(_score, data, out, tiny["llama"], client=client)
+    job = _background(_score, data, out, tiny["llama"], client=workers.client)
     _until(lambda: began.exists() or job.done(), "b to begin a partition")
     assert not job.done()
-    client.retire_workers([addresses["b"]], close_workers=True)
-    assert b.wait(60) == 0  # b left (a --no-nanny worker's process ends with it)
+    workers.client.retire_workers([addresses["b"]], close_workers=True)
+    _until(lambda: "b" not in workers.addresses(), "b to leave")
     res = job.result(timeout=JOB_S)
     _check_output(out, reference)
-    assert addresses["b"] not in workers.addresses()
     assert set(res.parts_by_worker) <= {addresses["a"], addresses["b"]}
     assert res.parts_by_worker.get(addresses["a"], 0) >= len(ROWS) - 1, res.parts_by_worker
     assert sum(res.parts_by_worker.values()) == res.parts == len(ROWS)
 
 
-def test_a_job_started_before_any_worker_waits_for_one_and_completes(scheduler, workers, reference, data, tiny,
-                                                                     tmp_path):
-    address, client = scheduler
-    out = tmp_path / "scored"
-    assert not _scheduler_info(client)["workers"]
-    # its own client of the scheduler, as `dask-lm score --scheduler-address` has; the precision is the workers'
-    job = _background(_score, data, out, tiny["llama"], scheduler_address=address, precision=None)
-    _until(lambda: client.run_on_scheduler(_clients) >= 2 or job.done(), "the job's client")
-    time.sleep(2.0)  # the job's checks of a tiny model end well before: it now waits for a worker
-    assert not job.done()
-    spawned = time.time()
-    workers.start("late")
-    res = job.result(timeout=JOB_S)
-    _check_output(out, reference)
-    assert res.start_phases["cluster"] >= spawned - res.started_at  # the cluster was up once the worker was
-    assert jobdir_precision(out) == "float32"  # asked of the worker that came (a CPU one)
-    assert list(res.parts_by_worker) == [workers.joined("late")["late"]]
-
-
-def _clients(dask_scheduler: Any) -> int:
-    return len(dask_scheduler.clients)
-
-
-def jobdir_precision(out: Path) -> str:
-    from dask_lm.io import jobdir
-
-    manifest = jobdir.read_manifest(str(out))
-    assert manifest is not None
-    return manifest["options"]["precision"]
-
-
-def test_a_dask_frame_scored_while_a_worker_joins_equals_the_undisturbed_one(scheduler, workers, reference, tiny,
-                                                                            tmp_path):
+def test_a_dask_frame_scored_while_a_worker_joins_equals_the_undisturbed_one(workers, reference, tiny, tmp_path):
     from distributed import get_task_stream
 
-    _, client = scheduler
     began, joined = tmp_path / "a.began", tmp_path / "b.began"
-    workers.start("a", ELASTIC_MARK=began, ELASTIC_WAIT_FOR=joined)
-    workers.joined("a")
-    lazy = dask_lm.score(_frame(), model=tiny["llama"], client=client, text_column="text", precision="float32")
-    with get_task_stream(client=client) as stream:
-        fut = client.compute(lazy)
+    workers.arm("a", mark=began, wait_for=joined)
+    lazy = dask_lm.score(_frame(), model=tiny["llama"], client=workers.client, text_column="text",
+                         precision="float32")
+    with get_task_stream(client=workers.client) as stream:
+        fut = workers.client.compute(lazy)
         _until(lambda: began.exists() or fut.done(), "a to begin a partition")
         assert not fut.done()
-        workers.start("b", ELASTIC_MARK=joined)
+        workers.start("b", mark=joined)
         got = fut.result(timeout=JOB_S)
     addresses = workers.joined("a", "b")
     pd.testing.assert_frame_equal(got, reference["frame"], check_exact=True)
     assert addresses["b"] in joined.read_text().split()
     ran = {t["worker"] for t in stream.data if t.get("status") == "OK"}
     assert addresses["b"] in ran, stream.data
+
+
+def test_a_job_started_before_any_worker_waits_for_one_and_completes(reference, data, tiny, tmp_path):
+    # a scheduler of its own, with no worker; the job connects a client of its own, as `dask-lm score
+    # --scheduler-address` does, and its precision is the workers' (automatic)
+    with _cluster(tmp_path / "cluster") as workers:
+        out = tmp_path / "scored"
+        job = _background(_score, data, out, tiny["llama"], scheduler_address=workers.address, precision=None)
+        _until(lambda: workers.client.run_on_scheduler(_clients) >= 2 or job.done(), "the job's client")
+        time.sleep(2.0)  # the job's checks of a tiny model end well before: it now waits for a worker
+        assert not job.done()
+        spawned = time.time()
+        workers.start("late")
+        res = job.result(timeout=JOB_S)
+        _check_output(out, reference)
+        assert res.start_phases["cluster"] >= spawned - res.started_at  # the cluster was up once the worker was
+        assert _precision(out) == "float32"  # asked of the worker that came (a CPU one)
+        assert list(res.parts_by_worker) == [workers.joined("late")["late"]]
+
+
+def _clients(dask_scheduler: Any) -> int:
+    return len(dask_scheduler.clients)
+
+
+def _precision(out: Path) -> str:
+    from dask_lm.io import jobdir
+
+    manifest = jobdir.read_manifest(str(out))
+    assert manifest is not None
+    return str(manifest["options"]["precision"])
