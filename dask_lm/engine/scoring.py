@@ -90,7 +90,9 @@ class ScoreResult(ScoreRows):
     """Tokens in the sums (``num_scored``) over the whole output."""
     scoring_seconds: float = 0.0
     """The time rows were being scored and written: from when the last worker's replica was ready (loaded and
-    compiled, in its first partition or while the driver checked) to when the last part was written."""
+    compiled, in its first partition or while the driver checked) to when the last part was written. A replica
+    ready only after the first part came back (a worker that joined mid-job) does not move its start: the job was
+    scoring already (:meth:`~dask_lm.engine.start_clock.StartClock.waited_for`)."""
     already_complete: bool = False
     """A ``resume`` of a finished output: nothing ran; the totals are the finished job's."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
