@@ -95,8 +95,15 @@ def worker_precision(client: Any, bar: JobBar | None = None) -> str:
     once there is one: :func:`wait_for_workers`)."""
     from dask_lm.workers.tasks import rank_info
 
-    wait_for_workers(client, bar)
-    infos = client.run(rank_info)
+    while True:
+        wait_for_workers(client, bar)
+        # a worker that leaves while asked (retired, scaled down) answers with its connection's error: not counted
+        infos = {w: i for w, i in client.run(rank_info, on_error="return").items() if not isinstance(i, OSError)}
+        for i in infos.values():
+            if isinstance(i, BaseException):
+                raise i
+        if infos:
+            break
     return "bfloat16" if any(i.get("device") == "cuda" for i in infos.values()) else "float32"
 
 

@@ -540,7 +540,8 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
             raise
         finally:
             bar.close()
-        client.run(release_scorers)
+        # a worker retired as the job ends (adapt scales down the idle ones) freed its replica by leaving
+        client.run(release_scorers, on_error="ignore")
     seconds = time.perf_counter() - t0
     for started in clock.workers(preloads):  # the loads that ran beside the checks count as loads too
         load = max(load, started["load_seconds"])
