@@ -72,3 +72,16 @@ def dask_setup(worker: Any) -> None:
         return original(*args, **kwargs)
 
     scorer.score_rows = score_rows
+
+
+def hold_until_retiring(mark: str) -> str:
+    """A task that keeps its worker's one thread busy until the worker is retiring (what runs after it waits),
+    appending the worker's address to ``mark`` as it begins."""
+    from distributed import get_worker
+    from distributed.core import Status
+
+    worker = get_worker()
+    with open(mark, "a") as f:
+        f.write(f"{worker.address}\n")
+    _wait("this worker's retirement", lambda: worker.status != Status.running)
+    return str(worker.address)

@@ -325,3 +325,36 @@ def _precision(out: Path) -> str:
     manifest = jobdir.read_manifest(str(out))
     assert manifest is not None
     return str(manifest["options"]["precision"])
+
+
+def test_the_config_check_and_preload_of_a_worker_retired_before_they_ran_run_on_another(workers, reference, data,
+                                                                                        tiny, tmp_path):
+    """The job's config check and preload go to the workers there are at its start; one retired before they ran
+    (here ``a``, busy with another task) hands them to a worker that joined, so the job's start does not wait out
+    its config check's timeout (CONFIG_CHECK_WAIT_S) for a worker that is gone. Last in this module: ``a`` leaves."""
+    from elastic_worker import hold_until_retiring
+
+    client = workers.client
+    busy = tmp_path / "a.busy"
+    a = workers.addresses()["a"]
+    blocker = client.submit(hold_until_retiring, str(busy), workers=[a], pure=False)
+    _until(busy.exists, "a's other task to begin")
+    out = tmp_path / "scored"
+    job = _background(_score, data, out, tiny["llama"], client=client)
+    # the job's warm-up is queued on a, behind the other task
+    _until(lambda: client.run_on_scheduler(_queued_on, a) >= 2 or job.done(), "the job's warm-up on a")
+    workers.start("b")
+    b = workers.joined("b")["b"]
+    client.retire_workers([a], close_workers=True)
+    assert blocker.result(timeout=JOB_S) == a
+    res = job.result(timeout=JOB_S)
+    _check_output(out, reference)
+    assert res.parts_by_worker == {b: len(ROWS)}
+    # the worker's config check answered (the driver's own check, after the timeout, records no such phases)
+    assert "config_check_began" in res.start_phases, res.start_phases
+
+
+def _queued_on(dask_scheduler: Any, address: str) -> int:
+    """The job's warm-up tasks (config check, preload) in processing on the worker at ``address``."""
+    ws = dask_scheduler.workers.get(address)
+    return sum(1 for ts in (ws.processing if ws else ()) if str(ts.key).startswith(("dask-lm-config", "dask-lm-preload")))
