@@ -39,7 +39,8 @@ from dask_lm.interface import opt
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 
-__all__ = ["JobKind", "JobOutput", "check_columns", "precision_name", "worker_precision", "resolve_model",
+__all__ = ["JobKind", "JobOutput", "check_columns", "precision_name", "wait_for_workers", "worker_precision",
+           "resolve_model",
            "resolve_tokenizer", "manifest", "ClusterStart", "in_thread", "running", "located_partitions", "publishing"]
 
 _PRECISIONS = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
@@ -75,11 +76,34 @@ def precision_name(precision: str | None, allowed: tuple[str, ...] = ("bf16", "f
     return name
 
 
-def worker_precision(client: Any) -> str:
-    """An automatic precision: bfloat16 when a worker has a GPU, else float32."""
+def wait_for_workers(client: Any, bar: JobBar | None = None) -> None:
+    """Return once the scheduler has a worker: a job may be started against a scheduler whose workers come later
+    (``dask worker`` processes still starting, an adaptive cluster scaled to zero). ``bar`` says so meanwhile. No
+    timeout: the job cannot run without a worker, and the caller stops it (Ctrl-C) if none will come."""
+    from dask_lm.engine.worker_group import _scheduler_info
+
+    if _scheduler_info(client)["workers"]:
+        return
+    if bar is not None:
+        address = getattr(getattr(client, "scheduler", None), "address", None)
+        bar.wait(f"waiting for workers to join the scheduler{f' at {address}' if address else ''}")
+    client.wait_for_workers(1)
+
+
+def worker_precision(client: Any, bar: JobBar | None = None) -> str:
+    """An automatic precision: bfloat16 when a worker has a GPU, else float32 (asked of the workers there are,
+    once there is one: :func:`wait_for_workers`)."""
     from dask_lm.workers.tasks import rank_info
 
-    infos = client.run(rank_info)
+    while True:
+        wait_for_workers(client, bar)
+        # a worker that leaves while asked (retired, scaled down) answers with its connection's error: not counted
+        infos = {w: i for w, i in client.run(rank_info, on_error="return").items() if not isinstance(i, OSError)}
+        for i in infos.values():
+            if isinstance(i, BaseException):
+                raise i
+        if infos:
+            break
     return "bfloat16" if any(i.get("device") == "cuda" for i in infos.values()) else "float32"
 
 

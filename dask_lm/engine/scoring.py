@@ -90,7 +90,9 @@ class ScoreResult(ScoreRows):
     """Tokens in the sums (``num_scored``) over the whole output."""
     scoring_seconds: float = 0.0
     """The time rows were being scored and written: from when the last worker's replica was ready (loaded and
-    compiled, in its first partition or while the driver checked) to when the last part was written."""
+    compiled, in its first partition or while the driver checked) to when the last part was written. A replica
+    ready only after the first part came back (a worker that joined mid-job) does not move its start: the job was
+    scoring already (:meth:`~dask_lm.engine.start_clock.StartClock.waited_for`)."""
     already_complete: bool = False
     """A ``resume`` of a finished output: nothing ran; the totals are the finished job's."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
@@ -110,6 +112,9 @@ class ScoreResult(ScoreRows):
     ``config_checked`` (the first worker's config check, see ``_Preload``: most of it the worker's imports),
     ``worker_processes`` / ``preloads_began`` / ``replicas_ready`` (the last worker's process began, its preload
     began, its replica was ready: the workers' own clocks), ``first_row`` (the first part written)."""
+    parts_by_worker: dict[str, int] = field(default_factory=dict)
+    """How many of this run's parts each worker (by address) scored: workers that joined mid-job included, one
+    retired mid-job only for the parts whose results it handed back."""
     model_load_phases: dict[str, float] = field(default_factory=dict)
     """The slowest worker's model load (``model_load_seconds``) by step, and the config check's imports."""
     run_rows: int = 0
@@ -325,7 +330,10 @@ CONFIG_CHECK_WAIT_S = 60.0
 
 class _Preload:
     """The warm-up :class:`~dask_lm.engine.jobs.ClusterStart` submits: the config check on the first worker, then
-    one replica load per worker, pinned to it.
+    one replica load per worker there is, each on its worker. Neither is pinned hard (``allow_other_workers``): a
+    worker retired before its task ran hands it to another, where a preload finds the replica loaded, rather than
+    leaving it to wait for a worker that is gone (the config check's would cost :data:`CONFIG_CHECK_WAIT_S`). A
+    worker that joins later gets no preload: its first partition loads its replica (:mod:`dask_lm.workers.replicas`).
 
     The config check runs where the model will load, through the workers' transformers: the driver then imports
     neither transformers nor torch for it (4-10 s of imports it had done beside the workers' start, which made it
@@ -353,11 +361,12 @@ class _Preload:
         tag = uuid.uuid4().hex[:8]
         workers = list(_scheduler_info(client)["workers"])
         if workers:
-            self.config = client.submit(check_model_config, self.model, workers=[workers[0]], pure=False,
-                                        key=f"dask-lm-config-{tag}", priority=1)
+            self.config = client.submit(check_model_config, self.model, workers=[workers[0]],
+                                        allow_other_workers=True, pure=False, key=f"dask-lm-config-{tag}",
+                                        priority=1)
         head = bool(self.compile) if self.compile is not None else worth_compiling_head(self.tokens, len(workers))
         return [client.submit(preload_scorer, self.model, self.tokenizer, self.precision, bool(self.compile), head,
-                              workers=[w], allow_other_workers=False, pure=False, key=f"dask-lm-preload-{tag}-{i}")
+                              workers=[w], allow_other_workers=True, pure=False, key=f"dask-lm-preload-{tag}-{i}")
                 for i, w in enumerate(workers)]
 
     def check_config(self, start: jobs.ClusterStart) -> dict[str, Any]:
@@ -417,6 +426,7 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
         clock.config_check(checked)
         with jobs.running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress
                           ) as (dask_client, bar):
+            jobs.wait_for_workers(dask_client, bar)  # a scheduler whose workers are still to come
             clock.mark("cluster")
             if fixed_precision is None:
                 opts = replace(opts, precision=jobs.worker_precision(dask_client))
@@ -487,6 +497,7 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
     rows = tokens = bad = returned = 0
     load = compile_s = 0.0
     phases: dict[str, float] = {}
+    by_worker: dict[str, int] = {}
     total_rows = sum(plan[i].num_rows for i in todo)
     workers = len(_scheduler_info(client)["workers"])
     preloaded = any(f.done() and f.status == "finished" and "error" not in (f.result() or {}) for f in preloads)
@@ -512,8 +523,9 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
                     load = stats["load_seconds"]
                     clock.load_phases = stats.get("load_phases") or {}
                 compile_s = max(compile_s, stats.get("compile_seconds", 0.0))
-                if stats.get("ready_at", 0.0) > ready_at:
+                if clock.waited_for(stats) and stats["ready_at"] > ready_at:  # not a late joiner's
                     ready_at, ready_compile = stats["ready_at"], stats.get("compile_seconds", 0.0)
+                by_worker[stats.get("worker")] = by_worker.get(stats.get("worker"), 0) + 1
                 for k, v in stats.get("phases", {}).items():
                     phases[k] = phases.get(k, 0.0) + v
                 scored_at = time.time()
@@ -528,7 +540,8 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
             raise
         finally:
             bar.close()
-        client.run(release_scorers)
+        # a worker retired as the job ends (adapt scales down the idle ones) freed its replica by leaving
+        client.run(release_scorers, on_error="ignore")
     seconds = time.perf_counter() - t0
     for started in clock.workers(preloads):  # the loads that ran beside the checks count as loads too
         load = max(load, started["load_seconds"])
@@ -544,7 +557,8 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
                          started_at=clock.started_at, first_row_at=clock.first_row_at,
                          wall_seconds=time.time() - clock.started_at,
                          start_phases=dict(clock.phases), model_load_phases={**clock.config_imports, **clock.load_phases},
-                         model_load_seconds=load, compile_seconds=compile_s, phase_seconds=phases, **totals)
+                         model_load_seconds=load, compile_seconds=compile_s, phase_seconds=phases,
+                         parts_by_worker=by_worker, **totals)
     if result.empty_rows:
         warn(f"{result.empty_rows} rows had nothing to score (an empty text, response or id list, or a single "
              "token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null")

@@ -54,6 +54,13 @@ class StartClock:
             self.first_row_at = time.time()
             self.mark("first_row")
 
+    def waited_for(self, stats: dict[str, Any]) -> bool:
+        """Whether the caller waited for the replica a part's ``stats`` report: one ready (``ready_at``, wall
+        clock) after the first part came back belongs to a worker that joined (or loaded) while rows were being
+        written already, so its load is no part of the start (``wall_phases`` count it as scoring)."""
+        ready = stats.get("ready_at")
+        return ready is not None and (self.first_row_at is None or ready <= self.first_row_at)
+
     def steps(self, ready_at: float, compile_s: float, scored_at: float) -> dict[str, float]:
         """Where the call's time went up to ``scored_at`` (wall clock, the last part back), in steps that follow
         one another; ``ready_at`` is when the last replica was ready, ``compile_s`` its compilation. Each step is

@@ -365,7 +365,18 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
     pio.write_part(table, opts.output, pio.part_name(index))
     stats = scored.stats
     stats["phases"]["output"] += time.perf_counter() - t_write
-    return {"part": index, **stats, "bad_rows": len(scored.bad) + len(lost_rows), "seconds": time.perf_counter() - t0}
+    return {"part": index, **stats, "bad_rows": len(scored.bad) + len(lost_rows), "seconds": time.perf_counter() - t0,
+            "worker": _worker_address()}
+
+
+def _worker_address() -> str | None:
+    """The address of the Dask worker running this task (``ScoreResult.parts_by_worker``); ``None`` outside one."""
+    try:
+        from distributed import get_worker
+
+        return str(get_worker().address)
+    except ValueError:  # not in a worker's task (a test calling score_partition directly)
+        return None
 
 def _list_column(rows: list[torch.Tensor], type_: Any) -> Any:
     """Per row a ``[n]`` (or ``[n, k]``) tensor, as the Arrow column of type ``type_`` (``list<...>`` or
@@ -406,4 +417,4 @@ def _unreadable(schema: Any, rows: list[int], errors: list[str], index: int, fil
     pio.write_part(pio.errors_table(index, file, rows, errors), pio.errors_dir(opts.output), pio.part_name(index))
     pio.write_part(table, opts.output, pio.part_name(index))  # last: it marks the part done
     return {"part": index, "rows": 0, "tokens": 0, "bad_rows": len(rows), "empty_rows": 0, "truncated_rows": 0,
-            "nonfinite_rows": 0, "seconds": time.perf_counter() - t0}
+            "nonfinite_rows": 0, "seconds": time.perf_counter() - t0, "worker": _worker_address()}
