@@ -117,6 +117,16 @@ def test_submit_names_the_methods_it_takes_and_validates_before_any_work(policy,
     bad = BatchedDataDict(input_ids=batch["input_ids"].float(), input_lengths=batch["input_lengths"])
     with pytest.raises(ValueError, match="get_logprobs: `input_ids` has dtype torch.float32"):
         policy.submit("get_logprobs", bad)
+    # SGLang generation runs from the driver: there is no future of it, and submit says so
+    import dataclasses
+
+    cfg = policy.cfg
+    policy.cfg = dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, backend="sglang"))
+    try:
+        with pytest.raises(ValueError, match="call policy.generate"):
+            policy.submit("generate", batch)
+    finally:
+        policy.cfg = cfg
 
 
 class _FailingLoss(dask_lm.NLLLoss):
@@ -268,6 +278,9 @@ def test_collect_false_leaves_the_outputs_on_the_workers_as_a_dask_dataframe(pol
     assert isinstance(frame, dd.DataFrame) and frame.npartitions == policy.data_parallel_size
     top = policy.submit("get_topk_logits", fwd, 2, collect=False)
     got, got_top = frame.compute().sort_values("row"), top.compute().sort_values("row")
+    # once done, the ranks' answers are the frame's alone: the rank chain lets go of them (a done callback)
+    _poll(lambda: all(last is None for last in policy.group._last))
+    assert all(last is None for last in policy.group._last)
     assert got["row"].tolist() == list(range(len(lens)))
     assert dict(got.dtypes) == dict(frame._meta.dtypes) and dict(got_top.dtypes) == dict(top._meta.dtypes)
     expected = policy.get_logprobs(fwd)["logprobs"]
@@ -282,6 +295,15 @@ def test_collect_false_leaves_the_outputs_on_the_workers_as_a_dask_dataframe(pol
         policy.submit("train", batch, dask_lm.NLLLoss(), collect=False)
 
 
+def _poll(done, seconds=60.0):
+    """Until ``done()``: releases travel through distributed's callback thread (a hang guard, not a timing)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _wanted(dask_scheduler, keys):
     return [k for k in keys if k in dask_scheduler.tasks and dask_scheduler.tasks[k].who_wants]
 
@@ -289,17 +311,12 @@ def _wanted(dask_scheduler, keys):
 def test_a_finished_future_lets_go_of_its_rank_tasks(policy, batch, client):
     """Neither the future nor the rank chain keeps the rank tasks of a finished call, even when its result is never
     taken with .result() (wait and gather only): no client wants them on the scheduler."""
-    import time
-
     fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
     fut = policy.submit("get_logprobs", fwd)
     rank_keys = [f.key for f in fut._ranks]
     wait([fut])
     _same(client.gather(fut), policy.get_logprobs(fwd))
-    # the release travels from distributed's callback thread to the scheduler: poll for it (a hang guard only)
-    deadline = time.monotonic() + 60
-    while (fut._ranks is not None or client.run_on_scheduler(_wanted, keys=rank_keys)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _poll(lambda: fut._ranks is None and not client.run_on_scheduler(_wanted, keys=rank_keys))
     assert fut._ranks is None and all(last is None for last in policy.group._last)
     assert client.run_on_scheduler(_wanted, keys=rank_keys) == []
     assert fut.status == "finished"

@@ -153,8 +153,10 @@ class Pending(NamedTuple):
                                key=f"{self.call.replace('_', '-')}-frame-{group.policy_id}-{token}-r{r}",
                                workers=[group.names[r]], allow_other_workers=True, pure=False, retries=0)
                  for r, (answer, rows, lens) in enumerate(zip(self.futures, self.rows, self.lengths))]
-        # the rank chain must not keep these answers (they are the frame's inputs now, held by its tasks)
-        group.release(self.futures)
+        # the rank chain lets go of each answer once it is done (the frame's tasks hold it from then on); not
+        # before: until then the next call's task on that rank must wait for it
+        for answer in self.futures:
+            answer.add_done_callback(lambda f: group.release([f]) if f.status == "finished" else None)
         return dd.from_delayed(parts, meta=frame_meta(keys), verify_meta=False)
 
 
