@@ -66,6 +66,28 @@ def test_futures_equal_the_blocking_calls(policy, batch):
     torch.testing.assert_close(futures[0].result()["logprobs"], expected, atol=1e-4, rtol=0)
 
 
+def test_score_futures_equal_the_blocking_scores(client, tiny, tok, batch):
+    """A reward model's score: the future, a Dask DataFrame as data and collect=False give the blocking scores,
+    and those are the sequence-classification model's."""
+    fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tiny["llama_rm"], dtype=torch.float32)
+    model.config.pad_token_id = tok.pad_token_id
+    with torch.no_grad():
+        ids = fwd["input_ids"]
+        expected = model(ids, attention_mask=(ids != tok.pad_token_id).long()).logits.float().squeeze(-1)
+    cfg = _cfg(tiny["llama_rm"], reward_model_cfg={"enabled": True})
+    with dask_lm.Policy(client, cfg, tok, init_reference_model=False) as p:
+        fut, from_frame = p.submit("score", fwd), p.submit("score", _frame(fwd, npartitions=2))
+        frame = p.submit("score", fwd, collect=False)
+        blocking = p.score(fwd)
+        _same(fut.result(), blocking)
+        _same(from_frame.result(), blocking)
+        kept = frame.compute().sort_values("row")
+    assert kept["row"].tolist() == list(range(ids.shape[0]))
+    torch.testing.assert_close(torch.tensor(kept["scores"].tolist()), blocking["scores"], rtol=0, atol=0)
+    torch.testing.assert_close(blocking["scores"], expected, atol=1e-4, rtol=0)
+
+
 def test_as_completed_and_gather_take_policy_futures(policy, batch, client):
     fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
     futures = [policy.submit("get_logprobs", fwd), policy.submit("get_topk_logits", fwd, 2)]
@@ -95,20 +117,6 @@ def test_submission_order_holds_for_interleaved_train_and_logprobs(client, tiny,
         out = step.result()
     assert abs(float(out["loss"][0]) - losses[0]) < 1e-5
     assert abs(float(out["grad_norm"][0]) - norms[0]) < 1e-5 * norms[0]
-
-
-def test_a_future_train_step_equals_the_blocking_step(client, tiny, tok, batch):
-    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as p:
-        blocking = p.train(batch, dask_lm.NLLLoss())
-        lp_blocking = p.get_logprobs(batch)["logprobs"]
-    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as p:
-        fut = p.submit("train", batch, dask_lm.NLLLoss())
-        lp = p.submit("get_logprobs", batch)
-        out = fut.result()
-        torch.testing.assert_close(lp.result()["logprobs"], lp_blocking, rtol=0, atol=0)
-    torch.testing.assert_close(out["loss"], blocking["loss"], rtol=0, atol=0)
-    torch.testing.assert_close(out["grad_norm"], blocking["grad_norm"], rtol=0, atol=0)
-    assert out["all_mb_metrics"] == blocking["all_mb_metrics"]
 
 
 def test_submit_names_the_methods_it_takes_and_validates_before_any_work(policy, batch):

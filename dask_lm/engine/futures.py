@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["PolicyFuture", "Pending"]
 
 
-class PolicyFuture(Future):  # type: ignore[misc]
+class PolicyFuture(Future[Any]):
     """The future of a Policy call, made by :meth:`dask_lm.Policy.submit`: a ``distributed.Future`` whose
     ``.result()`` is what the blocking method returns (and raises). ``call`` names the method.
 
@@ -44,18 +44,18 @@ class PolicyFuture(Future):  # type: ignore[misc]
     surface through each.
     """
 
-    def __init__(self, key: str, client: Any, *, group: Any = None,  # the call's WorkerGroup
-                 ranks: Sequence[Future] = (), call: str = "", warnings: Future | None = None,
+    def __init__(self, key: Any, client: Any, *, group: Any = None,  # the call's WorkerGroup
+                 ranks: Sequence[Future[Any]] = (), call: str = "", warnings: Future[Any] | None = None,
                  done: Callable[[Any, BaseException | None], None] | None = None) -> None:
         super().__init__(key, client)
         self.call = call
         self._group: WorkerGroup | None = group
-        self._ranks: list[Future] | None = list(ranks)
+        self._ranks: list[Future[Any]] | None = list(ranks)
         self._warnings = warnings
         self._done = done
 
     @classmethod
-    def combine(cls, group: WorkerGroup, ranks: Sequence[Future], kind: str, params: dict[str, Any], *,
+    def combine(cls, group: WorkerGroup, ranks: Sequence[Future[Any]], kind: str, params: dict[str, Any], *,
                 call: str, key_name: str, done: Callable[[Any, BaseException | None], None] | None = None
                 ) -> PolicyFuture:
         """The future of ``dask_lm.workers.tasks.combine`` of ``ranks``' answers, pinned to rank 0's worker.
@@ -128,7 +128,7 @@ class Pending(NamedTuple):
     """A call posted to the ranks, before its answers are joined: what ``Policy._submit_<method>`` returns.
     ``rows`` / ``lengths``: each rank's input row numbers and lengths (inference calls, for :meth:`frame`)."""
 
-    futures: list[Future]
+    futures: list[Future[Any]]
     kind: str  # how dask_lm.workers.combine joins the answers
     params: dict[str, Any]
     call: str
