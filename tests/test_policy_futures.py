@@ -177,19 +177,22 @@ def test_an_error_on_one_rank_does_not_hang_result_wait_or_as_completed(tiny, to
     wait / as_completed return as soon as rank 1's task failed."""
     client = dask_lm.connect(n_workers=2, cluster="cpu")
     try:
-        with dask_lm.Policy(client, _cfg(tiny["llama"], collective_timeout_s=20.0), tok) as p:
-            fut = p.submit("train", batch, _FailingLoss(peer_too=False))
-            wait([fut], timeout=600)  # a guard against a hang only: it returns when rank 1 fails
-            assert fut.status == "error"
-            assert list(as_completed([fut], timeout=600)) == [fut]
-            ranks = list(fut._ranks)
-            with pytest.raises(dask_lm.RankFailedError, match=r"^train failed on rank 1 \(worker 1\): RuntimeError: "
-                                                              r"boom on rank 1$"):
-                fut.result()
-            assert ranks[0].status == "pending"  # rank 0 was still in its collective when .result() raised
-            with pytest.raises(dask_lm.RankFailedError, match="did not finish train after a peer failed"):
-                p.submit("get_logprobs", batch)
+        # a collective timeout far beyond the settle time: rank 0 is certainly still waiting when .result() raises
+        p = dask_lm.Policy(client, _cfg(tiny["llama"], collective_timeout_s=300.0), tok)
+        p.group.settle_timeout_s = 3.0
+        fut = p.submit("train", batch, _FailingLoss(peer_too=False))
+        wait([fut], timeout=600)  # a guard against a hang only: it returns when rank 1 fails
+        assert fut.status == "error"
+        assert list(as_completed([fut], timeout=600)) == [fut]
+        ranks = list(fut._ranks)
+        with pytest.raises(dask_lm.RankFailedError, match=r"^train failed on rank 1 \(worker 1\): RuntimeError: "
+                                                          r"boom on rank 1$"):
+            fut.result()
+        assert ranks[0].status == "pending"  # rank 0 was still in its collective when .result() raised
+        with pytest.raises(dask_lm.RankFailedError, match="did not finish train after a peer failed"):
+            p.submit("get_logprobs", batch)
     finally:
+        # no graceful shutdown: rank 0 waits in its collective; closing the cluster ends its process
         client.close()
         client.cluster.close()
 
