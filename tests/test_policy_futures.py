@@ -254,6 +254,15 @@ def test_dataframes_and_futures_as_inference_data(policy, batch, client):
     _same(scored.result(), expected)
 
 
+def test_an_eval_step_fed_by_a_future_of_a_batch_made_by_a_task(policy, batch, client):
+    """train(eval_mode=True) of a batch a task made on a worker equals the same call on the batch (nothing trains)."""
+    made = client.submit(BatchedDataDict, dict(batch), pure=False)
+    out = policy.submit("train", made, dask_lm.NLLLoss(), eval_mode=True).result()
+    expected = policy.train(batch, dask_lm.NLLLoss(), eval_mode=True)
+    torch.testing.assert_close(out["loss"], expected["loss"], rtol=0, atol=0)
+    assert out["all_mb_metrics"] == expected["all_mb_metrics"] and out["grad_norm"] is None
+
+
 def test_rows_on_the_workers_are_checked_there_with_partition_and_row(policy, batch):
     fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
     frame = _frame(fwd, npartitions=2)
