@@ -277,8 +277,9 @@ def test_rows_on_the_workers_are_checked_there_with_partition_and_row(policy, ba
 
     bad = dd.from_pandas(pdf, npartitions=2, sort=False)
     last = len(bad.partitions[1].compute()) - 1
-    with pytest.raises(ValueError, match=rf"get_logprobs \(partition 1 of the Dask DataFrame\): `input_ids\[{last}, 2\]`"
-                                         rf" = {policy.vocab_size + 7} is outside the model's vocabulary"):
+    with pytest.raises(ValueError, match=rf"get_logprobs \(partition 1 of the Dask DataFrame\): "
+                                         rf"`input_ids\[{last}, 2\]` = {policy.vocab_size + 7} is outside the "
+                                         "model's vocabulary"):
         policy.submit("get_logprobs", bad)
     with pytest.raises(ValueError, match=r"train \(partition 0 of the Dask DataFrame\): NLLLoss needs the data keys "
                                          r"\['token_mask'\]"):

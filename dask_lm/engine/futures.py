@@ -98,8 +98,9 @@ class PolicyFuture(Future[Any]):
             value = super().result(timeout=timeout)
         if ranks is not None and group is not None:
             group.release(ranks)
-            # the rank tasks' results are only inputs of the combine task: let the scheduler free them
-            self._ranks, self._warnings = None, None
+        # the rank tasks' results were only inputs of the combine task: let the scheduler free them; the warnings
+        # were raised once, here
+        self._ranks, self._warnings = None, None
         return value
 
     def _call_done(self, value: Any, error: BaseException | None) -> None:
@@ -109,7 +110,6 @@ class PolicyFuture(Future[Any]):
 
     def __repr__(self) -> str:
         return f"<PolicyFuture: {self.call}, status: {self.status}, key: {self.key}>"
-
 
 
 def _let_go_of_ranks(fut: PolicyFuture) -> None:

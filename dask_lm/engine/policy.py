@@ -275,8 +275,9 @@ class Policy(TrainingMixin, RefitMixin):
             raise ValueError(f"get_topk_logits: `k` must be a positive integer, got {k!r}")
         if self.vocab_size is not None and k > self.vocab_size:
             raise ValueError(f"get_topk_logits: `k`={k} exceeds the vocabulary size {self.vocab_size}")
-        posted = self._post_sharded(functools.partial(ForwardRequest, head="topk", k=k, micro_batch_size=micro_batch_size),
-                                    data, what="get_topk_logits", timer=timer, rows_per_mb=micro_batch_size is not None)
+        request = functools.partial(ForwardRequest, head="topk", k=k, micro_batch_size=micro_batch_size)
+        posted = self._post_sharded(request, data, what="get_topk_logits", timer=timer,
+                                    rows_per_mb=micro_batch_size is not None)
         return self._rows_future(posted, "get_topk_logits", ("topk_logits", "topk_indices"), cat=True)
 
     def score(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
