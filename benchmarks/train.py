@@ -191,8 +191,9 @@ def compare_driver_bytes(model_dir: str, precision: str, tokenizer: Any, rows_li
         batches = make_batches(rows)
         for kind in ("batch", "dataframe"):
             print(f"--- {kind} input, {rows} rows a step, {n_workers} worker(s) ---", flush=True)
-            arm = run_dask(model_dir, precision, tokenizer, batches, mode=mode, n_workers=n_workers, mb_tokens=mb_tokens,
-                           max_len=max_len, lr=lr, input_kind=kind, scratch=f"{scratch}/bytes-{rows}-{kind}")
+            arm = run_dask(model_dir, precision, tokenizer, batches, mode=mode, n_workers=n_workers,
+                           mb_tokens=mb_tokens, max_len=max_len, lr=lr, input_kind=kind,
+                           scratch=f"{scratch}/bytes-{rows}-{kind}")
             st = arm["steps"]
             table.append({"input": kind, "rows": rows, "tokens": sum(s["tokens"] for s in st) / len(st),
                           "driver_bytes": sum(s["driver_bytes"] for s in st) / len(st),

@@ -66,6 +66,28 @@ def test_futures_equal_the_blocking_calls(policy, batch):
     torch.testing.assert_close(futures[0].result()["logprobs"], expected, atol=1e-4, rtol=0)
 
 
+def test_score_futures_equal_the_blocking_scores(client, tiny, tok, batch):
+    """A reward model's score: the future, a Dask DataFrame as data and collect=False give the blocking scores,
+    and those are the sequence-classification model's."""
+    fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tiny["llama_rm"], dtype=torch.float32)
+    model.config.pad_token_id = tok.pad_token_id
+    with torch.no_grad():
+        ids = fwd["input_ids"]
+        expected = model(ids, attention_mask=(ids != tok.pad_token_id).long()).logits.float().squeeze(-1)
+    cfg = _cfg(tiny["llama_rm"], reward_model_cfg={"enabled": True})
+    with dask_lm.Policy(client, cfg, tok, init_reference_model=False) as p:
+        fut, from_frame = p.submit("score", fwd), p.submit("score", _frame(fwd, npartitions=2))
+        frame = p.submit("score", fwd, collect=False)
+        blocking = p.score(fwd)
+        _same(fut.result(), blocking)
+        _same(from_frame.result(), blocking)
+        kept = frame.compute().sort_values("row")
+    assert kept["row"].tolist() == list(range(ids.shape[0]))
+    torch.testing.assert_close(torch.tensor(kept["scores"].tolist()), blocking["scores"], rtol=0, atol=0)
+    torch.testing.assert_close(blocking["scores"], expected, atol=1e-4, rtol=0)
+
+
 def test_as_completed_and_gather_take_policy_futures(policy, batch, client):
     fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
     futures = [policy.submit("get_logprobs", fwd), policy.submit("get_topk_logits", fwd, 2)]
@@ -97,26 +119,22 @@ def test_submission_order_holds_for_interleaved_train_and_logprobs(client, tiny,
     assert abs(float(out["grad_norm"][0]) - norms[0]) < 1e-5 * norms[0]
 
 
-def test_a_future_train_step_equals_the_blocking_step(client, tiny, tok, batch):
-    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as p:
-        blocking = p.train(batch, dask_lm.NLLLoss())
-        lp_blocking = p.get_logprobs(batch)["logprobs"]
-    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as p:
-        fut = p.submit("train", batch, dask_lm.NLLLoss())
-        lp = p.submit("get_logprobs", batch)
-        out = fut.result()
-        torch.testing.assert_close(lp.result()["logprobs"], lp_blocking, rtol=0, atol=0)
-    torch.testing.assert_close(out["loss"], blocking["loss"], rtol=0, atol=0)
-    torch.testing.assert_close(out["grad_norm"], blocking["grad_norm"], rtol=0, atol=0)
-    assert out["all_mb_metrics"] == blocking["all_mb_metrics"]
-
-
 def test_submit_names_the_methods_it_takes_and_validates_before_any_work(policy, batch):
     with pytest.raises(ValueError, match="get_logprobs.*train"):
         policy.submit("save_checkpoint", "/tmp/x")
     bad = BatchedDataDict(input_ids=batch["input_ids"].float(), input_lengths=batch["input_lengths"])
     with pytest.raises(ValueError, match="get_logprobs: `input_ids` has dtype torch.float32"):
         policy.submit("get_logprobs", bad)
+    # SGLang generation runs from the driver: there is no future of it, and submit says so
+    import dataclasses
+
+    cfg = policy.cfg
+    policy.cfg = dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, backend="sglang"))
+    try:
+        with pytest.raises(ValueError, match="call policy.generate"):
+            policy.submit("generate", batch)
+    finally:
+        policy.cfg = cfg
 
 
 class _FailingLoss(dask_lm.NLLLoss):
@@ -159,19 +177,22 @@ def test_an_error_on_one_rank_does_not_hang_result_wait_or_as_completed(tiny, to
     wait / as_completed return as soon as rank 1's task failed."""
     client = dask_lm.connect(n_workers=2, cluster="cpu")
     try:
-        with dask_lm.Policy(client, _cfg(tiny["llama"], collective_timeout_s=20.0), tok) as p:
-            fut = p.submit("train", batch, _FailingLoss(peer_too=False))
-            wait([fut], timeout=600)  # a guard against a hang only: it returns when rank 1 fails
-            assert fut.status == "error"
-            assert list(as_completed([fut], timeout=600)) == [fut]
-            ranks = list(fut._ranks)
-            with pytest.raises(dask_lm.RankFailedError, match=r"^train failed on rank 1 \(worker 1\): RuntimeError: "
-                                                              r"boom on rank 1$"):
-                fut.result()
-            assert ranks[0].status == "pending"  # rank 0 was still in its collective when .result() raised
-            with pytest.raises(dask_lm.RankFailedError, match="did not finish train after a peer failed"):
-                p.submit("get_logprobs", batch)
+        # a collective timeout far beyond the settle time: rank 0 is certainly still waiting when .result() raises
+        p = dask_lm.Policy(client, _cfg(tiny["llama"], collective_timeout_s=300.0), tok)
+        p.group.settle_timeout_s = 3.0
+        fut = p.submit("train", batch, _FailingLoss(peer_too=False))
+        wait([fut], timeout=600)  # a guard against a hang only: it returns when rank 1 fails
+        assert fut.status == "error"
+        assert list(as_completed([fut], timeout=600)) == [fut]
+        ranks = list(fut._ranks)
+        with pytest.raises(dask_lm.RankFailedError, match=r"^train failed on rank 1 \(worker 1\): RuntimeError: "
+                                                          r"boom on rank 1$"):
+            fut.result()
+        assert ranks[0].status == "pending"  # rank 0 was still in its collective when .result() raised
+        with pytest.raises(dask_lm.RankFailedError, match="did not finish train after a peer failed"):
+            p.submit("get_logprobs", batch)
     finally:
+        # no graceful shutdown: rank 0 waits in its collective; closing the cluster ends its process
         client.close()
         client.cluster.close()
 
@@ -233,6 +254,15 @@ def test_dataframes_and_futures_as_inference_data(policy, batch, client):
     _same(scored.result(), expected)
 
 
+def test_an_eval_step_fed_by_a_future_of_a_batch_made_by_a_task(policy, batch, client):
+    """train(eval_mode=True) of a batch a task made on a worker equals the same call on the batch (nothing trains)."""
+    made = client.submit(BatchedDataDict, dict(batch), pure=False)
+    out = policy.submit("train", made, dask_lm.NLLLoss(), eval_mode=True).result()
+    expected = policy.train(batch, dask_lm.NLLLoss(), eval_mode=True)
+    torch.testing.assert_close(out["loss"], expected["loss"], rtol=0, atol=0)
+    assert out["all_mb_metrics"] == expected["all_mb_metrics"] and out["grad_norm"] is None
+
+
 def test_rows_on_the_workers_are_checked_there_with_partition_and_row(policy, batch):
     fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
     frame = _frame(fwd, npartitions=2)
@@ -247,8 +277,9 @@ def test_rows_on_the_workers_are_checked_there_with_partition_and_row(policy, ba
 
     bad = dd.from_pandas(pdf, npartitions=2, sort=False)
     last = len(bad.partitions[1].compute()) - 1
-    with pytest.raises(ValueError, match=rf"get_logprobs \(partition 1 of the Dask DataFrame\): `input_ids\[{last}, 2\]`"
-                                         rf" = {policy.vocab_size + 7} is outside the model's vocabulary"):
+    with pytest.raises(ValueError, match=rf"get_logprobs \(partition 1 of the Dask DataFrame\): "
+                                         rf"`input_ids\[{last}, 2\]` = {policy.vocab_size + 7} is outside the "
+                                         "model's vocabulary"):
         policy.submit("get_logprobs", bad)
     with pytest.raises(ValueError, match=r"train \(partition 0 of the Dask DataFrame\): NLLLoss needs the data keys "
                                          r"\['token_mask'\]"):
@@ -268,6 +299,9 @@ def test_collect_false_leaves_the_outputs_on_the_workers_as_a_dask_dataframe(pol
     assert isinstance(frame, dd.DataFrame) and frame.npartitions == policy.data_parallel_size
     top = policy.submit("get_topk_logits", fwd, 2, collect=False)
     got, got_top = frame.compute().sort_values("row"), top.compute().sort_values("row")
+    # once done, the ranks' answers are the frame's alone: the rank chain lets go of them (a done callback)
+    _poll(lambda: all(last is None for last in policy.group._last))
+    assert all(last is None for last in policy.group._last)
     assert got["row"].tolist() == list(range(len(lens)))
     assert dict(got.dtypes) == dict(frame._meta.dtypes) and dict(got_top.dtypes) == dict(top._meta.dtypes)
     expected = policy.get_logprobs(fwd)["logprobs"]
@@ -282,6 +316,15 @@ def test_collect_false_leaves_the_outputs_on_the_workers_as_a_dask_dataframe(pol
         policy.submit("train", batch, dask_lm.NLLLoss(), collect=False)
 
 
+def _poll(done, seconds=60.0):
+    """Until ``done()``: releases travel through distributed's callback thread (a hang guard, not a timing)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _wanted(dask_scheduler, keys):
     return [k for k in keys if k in dask_scheduler.tasks and dask_scheduler.tasks[k].who_wants]
 
@@ -289,17 +332,12 @@ def _wanted(dask_scheduler, keys):
 def test_a_finished_future_lets_go_of_its_rank_tasks(policy, batch, client):
     """Neither the future nor the rank chain keeps the rank tasks of a finished call, even when its result is never
     taken with .result() (wait and gather only): no client wants them on the scheduler."""
-    import time
-
     fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
     fut = policy.submit("get_logprobs", fwd)
     rank_keys = [f.key for f in fut._ranks]
     wait([fut])
     _same(client.gather(fut), policy.get_logprobs(fwd))
-    # the release travels from distributed's callback thread to the scheduler: poll for it (a hang guard only)
-    deadline = time.monotonic() + 60
-    while (fut._ranks is not None or client.run_on_scheduler(_wanted, keys=rank_keys)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _poll(lambda: fut._ranks is None and not client.run_on_scheduler(_wanted, keys=rank_keys))
     assert fut._ranks is None and all(last is None for last in policy.group._last)
     assert client.run_on_scheduler(_wanted, keys=rank_keys) == []
     assert fut.status == "finished"

@@ -93,7 +93,7 @@ class RemoteRows:
         self.plans = shard_plan.rank_plans(shards, self.counts, packed=packed)
         return self
 
-    def requests(self, make: Any) -> list[Future]:
+    def requests(self, make: Any) -> list[Future[Any]]:
         """Per rank, the future of ``make(its shard)`` on its worker (cut and assemble tasks)."""
         assert self.plans is not None and len(self.plans) == self.group.world_size, "bind() the plan first"
         client, out = self.client, []

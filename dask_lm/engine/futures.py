@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["PolicyFuture", "Pending"]
 
 
-class PolicyFuture(Future):  # type: ignore[misc]
+class PolicyFuture(Future[Any]):
     """The future of a Policy call, made by :meth:`dask_lm.Policy.submit`: a ``distributed.Future`` whose
     ``.result()`` is what the blocking method returns (and raises). ``call`` names the method.
 
@@ -44,18 +44,18 @@ class PolicyFuture(Future):  # type: ignore[misc]
     surface through each.
     """
 
-    def __init__(self, key: str, client: Any, *, group: Any = None,  # the call's WorkerGroup
-                 ranks: Sequence[Future] = (), call: str = "", warnings: Future | None = None,
+    def __init__(self, key: Any, client: Any, *, group: Any = None,  # the call's WorkerGroup
+                 ranks: Sequence[Future[Any]] = (), call: str = "", warnings: Future[Any] | None = None,
                  done: Callable[[Any, BaseException | None], None] | None = None) -> None:
         super().__init__(key, client)
         self.call = call
         self._group: WorkerGroup | None = group
-        self._ranks: list[Future] | None = list(ranks)
+        self._ranks: list[Future[Any]] | None = list(ranks)
         self._warnings = warnings
         self._done = done
 
     @classmethod
-    def combine(cls, group: WorkerGroup, ranks: Sequence[Future], kind: str, params: dict[str, Any], *,
+    def combine(cls, group: WorkerGroup, ranks: Sequence[Future[Any]], kind: str, params: dict[str, Any], *,
                 call: str, key_name: str, done: Callable[[Any, BaseException | None], None] | None = None
                 ) -> PolicyFuture:
         """The future of ``dask_lm.workers.tasks.combine`` of ``ranks``' answers, pinned to rank 0's worker.
@@ -98,8 +98,9 @@ class PolicyFuture(Future):  # type: ignore[misc]
             value = super().result(timeout=timeout)
         if ranks is not None and group is not None:
             group.release(ranks)
-            # the rank tasks' results are only inputs of the combine task: let the scheduler free them
-            self._ranks, self._warnings = None, None
+        # the rank tasks' results were only inputs of the combine task: let the scheduler free them; the warnings
+        # were raised once, here
+        self._ranks, self._warnings = None, None
         return value
 
     def _call_done(self, value: Any, error: BaseException | None) -> None:
@@ -109,7 +110,6 @@ class PolicyFuture(Future):  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"<PolicyFuture: {self.call}, status: {self.status}, key: {self.key}>"
-
 
 
 def _let_go_of_ranks(fut: PolicyFuture) -> None:
@@ -128,7 +128,7 @@ class Pending(NamedTuple):
     """A call posted to the ranks, before its answers are joined: what ``Policy._submit_<method>`` returns.
     ``rows`` / ``lengths``: each rank's input row numbers and lengths (inference calls, for :meth:`frame`)."""
 
-    futures: list[Future]
+    futures: list[Future[Any]]
     kind: str  # how dask_lm.workers.combine joins the answers
     params: dict[str, Any]
     call: str
@@ -153,8 +153,10 @@ class Pending(NamedTuple):
                                key=f"{self.call.replace('_', '-')}-frame-{group.policy_id}-{token}-r{r}",
                                workers=[group.names[r]], allow_other_workers=True, pure=False, retries=0)
                  for r, (answer, rows, lens) in enumerate(zip(self.futures, self.rows, self.lengths))]
-        # the rank chain must not keep these answers (they are the frame's inputs now, held by its tasks)
-        group.release(self.futures)
+        # the rank chain lets go of each answer once it is done (the frame's tasks hold it from then on); not
+        # before: until then the next call's task on that rank must wait for it
+        for answer in self.futures:
+            answer.add_done_callback(lambda f: group.release([f]) if f.status == "finished" else None)
         return dd.from_delayed(parts, meta=frame_meta(keys), verify_meta=False)
 
 

@@ -238,7 +238,8 @@ class Policy(TrainingMixin, RefitMixin):
     # ----------------------------------------------------------------------------------------- inference
     def get_logprobs(self, data: BatchedDataDict[Any], timer: Any = None) -> BatchedDataDict[Any]:
         """Per-token log-probabilities: ``{"logprobs": float32 [B, S]}``; position 0 and padding hold 0."""
-        return self.submit("get_logprobs", data, timer=timer).result()
+        out: BatchedDataDict[Any] = self.submit("get_logprobs", data, timer=timer).result()
+        return out
 
     def _submit_get_logprobs(self, data: Any, timer: Any = None) -> Pending:
         posted = self._post_sharded(ForwardRequest, data, what="get_logprobs", timer=timer)
@@ -248,8 +249,9 @@ class Policy(TrainingMixin, RefitMixin):
                                       timer: Any = None) -> BatchedDataDict[Any]:
         """Log-probabilities under the weights as first loaded (before training or a ``weights_path`` restore):
         ``{"reference_logprobs": float32 [B, S]}``; the generation temperature applies, top-k/top-p do not."""
-        return self.submit("get_reference_policy_logprobs", data, micro_batch_size=micro_batch_size,
-                           timer=timer).result()
+        out: BatchedDataDict[Any] = self.submit("get_reference_policy_logprobs", data,
+                                                micro_batch_size=micro_batch_size, timer=timer).result()
+        return out
 
     def _submit_get_reference_policy_logprobs(self, data: Any, micro_batch_size: int | None = None,
                                               timer: Any = None) -> Pending:
@@ -263,7 +265,9 @@ class Policy(TrainingMixin, RefitMixin):
                         timer: Any = None) -> BatchedDataDict[Any]:
         """The k largest temperature-scaled logits at every position: ``topk_logits`` float32 [B, S, k] and
         ``topk_indices`` int64 [B, S, k] (padding positions hold 0)."""
-        return self.submit("get_topk_logits", data, k, micro_batch_size=micro_batch_size, timer=timer).result()
+        out: BatchedDataDict[Any] = self.submit("get_topk_logits", data, k, micro_batch_size=micro_batch_size,
+                                                timer=timer).result()
+        return out
 
     def _submit_get_topk_logits(self, data: Any, k: int, micro_batch_size: int | None = None,
                                 timer: Any = None) -> Pending:
@@ -271,13 +275,15 @@ class Policy(TrainingMixin, RefitMixin):
             raise ValueError(f"get_topk_logits: `k` must be a positive integer, got {k!r}")
         if self.vocab_size is not None and k > self.vocab_size:
             raise ValueError(f"get_topk_logits: `k`={k} exceeds the vocabulary size {self.vocab_size}")
-        posted = self._post_sharded(functools.partial(ForwardRequest, head="topk", k=k, micro_batch_size=micro_batch_size),
-                                    data, what="get_topk_logits", timer=timer, rows_per_mb=micro_batch_size is not None)
+        request = functools.partial(ForwardRequest, head="topk", k=k, micro_batch_size=micro_batch_size)
+        posted = self._post_sharded(request, data, what="get_topk_logits", timer=timer,
+                                    rows_per_mb=micro_batch_size is not None)
         return self._rows_future(posted, "get_topk_logits", ("topk_logits", "topk_indices"), cat=True)
 
     def score(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
         """Reward-model scores ``{"scores": float32 [B]}`` (needs ``reward_model_cfg.enabled``)."""
-        return self.submit("score", data).result()
+        out: BatchedDataDict[Any] = self.submit("score", data).result()
+        return out
 
     def _submit_score(self, data: Any) -> Pending:
         if not self.cfg.reward_model_cfg.enabled:
@@ -297,7 +303,8 @@ class Policy(TrainingMixin, RefitMixin):
         gen = self._generation_config()
         if gen.backend == "sglang":  # the driver talks to the servers itself: there is no future of it
             return self._generate_sglang(data, greedy=greedy, seed=seed)
-        return self.submit("generate", data, greedy=greedy, seed=seed).result()
+        out: BatchedDataDict[Any] = self.submit("generate", data, greedy=greedy, seed=seed).result()
+        return out
 
     def _generation_config(self) -> Any:
         gen = self.cfg.generation

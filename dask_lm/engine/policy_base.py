@@ -111,6 +111,10 @@ class PolicyBase:
             return out
         return out, None
 
+    def submit(self, method: str, /, *args: Any, collect: bool = True, **kwargs: Any) -> Any:
+        """A call's future (:meth:`dask_lm.Policy.submit`)."""
+        raise NotImplementedError  # Policy defines it; the training half's blocking train() calls it
+
     def _post_requests(self, make: Callable[[Any], Any], shards: Any, *, what: str) -> list[Any]:
         """``make(shard)`` to :func:`tasks.serve` on each rank: ``shards`` is a list of Shards (built here, scattered
         to their ranks) or rows that live on the workers (:class:`dask_lm.engine.dataflow.RemoteRows`), whose

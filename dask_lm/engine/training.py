@@ -57,8 +57,9 @@ class TrainingMixin(PolicyBase):
         None in eval), ``all_mb_metrics`` (metric -> one value per micro-batch and rank) and FLOP figures
         (``total_flops``, ``achieved_tflops``, ``mfu``, ...; None where they cannot be known).
         """
-        return self.submit("train", data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, timer=timer,
-                           check_dim_skip_keys=check_dim_skip_keys).result()
+        out: dict[str, Any] = self.submit("train", data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, timer=timer,
+                                          check_dim_skip_keys=check_dim_skip_keys).result()
+        return out
 
     def _train_sizes(self, loss_fn: Any, eval_mode: bool, gbs: int | None, mbs: int | None) -> tuple[int, int]:
         """``(gbs, mbs)`` after the checks that need no data."""

@@ -29,7 +29,7 @@ def join_rows(results: list[ForwardOutput], order: list[int] | None, keys: tuple
     out: BatchedDataDict[Any] = BatchedDataDict()
     for key in keys:
         if cat:
-            joined = BatchedDataDict({key: torch.cat([r.tensors[key] for r in results], dim=0)})
+            joined: BatchedDataDict[Any] = BatchedDataDict({key: torch.cat([r.tensors[key] for r in results], dim=0)})
         else:
             joined = BatchedDataDict.from_batches([BatchedDataDict({key: r.tensors[key]}) for r in results])
         if order is not None:

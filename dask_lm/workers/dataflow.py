@@ -155,7 +155,7 @@ def assemble(*pieces: Shard, order: list[int], plan: MicroBatchPlan, width: int,
     pads them, wrapped by ``make`` (the call's request type, with its options)."""
     batches = [p.rows() for p in pieces]
     keys = list(batches[0])
-    joined = BatchedDataDict.from_batches(batches, pad_value_dict={"input_ids": pad_token_id})
+    joined: BatchedDataDict[Any] = BatchedDataDict.from_batches(batches, pad_value_dict={"input_ids": pad_token_id})
     data: BatchedDataDict[Any] = BatchedDataDict({k: joined[k] for k in keys})
     if order != list(range(len(order))):
         data = data.select_indices(order)
