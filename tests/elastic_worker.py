@@ -9,6 +9,8 @@ re-arm a worker that outlives it), with the keys (each optional):
   for it);
 - ``wait_for``: a file this worker's partitions wait for, all but the first since the file's settings changed
   (another worker's mark);
+- ``distinct``: with ``mark``, this worker's partitions after its first wait until ``mark`` lists that many
+  workers (one that an adaptive cluster started has begun a partition);
 - ``hold``: true: each partition waits until this worker is retiring (``client.retire_workers``), then goes on,
   as a partition running when its worker is retired does.
 
@@ -67,6 +69,9 @@ def dask_setup(worker: Any) -> None:
         other = cfg.get("wait_for")
         if other and not first:
             _wait(other, lambda: os.path.exists(other))
+        if cfg.get("distinct") and not first:
+            _wait(f"{cfg['distinct']} workers in {cfg['mark']}",
+                  lambda: len(set(open(cfg["mark"]).read().split())) >= int(cfg["distinct"]))
         if cfg.get("hold"):
             _wait("this worker's retirement", lambda: worker.status != Status.running)
         return original(*args, **kwargs)
@@ -85,3 +90,11 @@ def hold_until_retiring(mark: str) -> str:
         f.write(f"{worker.address}\n")
     _wait("this worker's retirement", lambda: worker.status != Status.running)
     return str(worker.address)
+
+
+class Gate:
+    """The same hook as a worker plugin (``client.register_plugin(Gate())``), for the workers of a cluster whose
+    worker processes this test does not start itself (an adaptive LocalCluster's)."""
+
+    def setup(self, worker: Any) -> None:
+        dask_setup(worker)

@@ -362,3 +362,28 @@ def _queued_on(address: str, dask_scheduler: Any = None) -> int:
     ws = dask_scheduler.workers.get(address)
     keys = [str(ts.key) for ts in (ws.processing if ws is not None else ())]
     return sum(1 for k in keys if k.startswith(("dask-lm-config", "dask-lm-preload")))
+
+
+def test_an_adaptive_cluster_scales_up_mid_job_and_the_output_is_the_undisturbed_one(reference, data, tiny, tmp_path,
+                                                                                    monkeypatch):
+    """``LocalCluster.adapt(minimum=1, maximum=2)``: the job's queued parts make the scheduler ask for a second
+    worker, which joins and scores some; the first waits, after its first part, until the second has begun one."""
+    from elastic_worker import Gate
+
+    began = tmp_path / "began"
+    config = tmp_path / "gate.json"
+    config.write_text(json.dumps({"mark": str(began), "distinct": 2}))
+    monkeypatch.setenv("ELASTIC_CONFIG", str(config))  # the cluster's worker processes inherit it
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the same bits as the reference's workers
+    client = dask_lm.connect(n_workers=1, cluster="cpu")
+    try:
+        client.register_plugin(Gate(), name="elastic-gate")
+        client.cluster.adapt(minimum=1, maximum=2, interval="200ms")
+        out = tmp_path / "scored"
+        res = _score(data, out, tiny["llama"], client=client)
+        _check_output(out, reference)
+        assert len(set(began.read_text().split())) == 2
+        assert len(res.parts_by_worker) == 2 and sum(res.parts_by_worker.values()) == len(ROWS), res.parts_by_worker
+    finally:
+        client.close()
+        client.cluster.close()
