@@ -366,24 +366,28 @@ def _queued_on(address: str, dask_scheduler: Any = None) -> int:
 
 def test_an_adaptive_cluster_scales_up_mid_job_and_the_output_is_the_undisturbed_one(reference, data, tiny, tmp_path,
                                                                                     monkeypatch):
-    """``LocalCluster.adapt(minimum=1, maximum=2)``: the job's queued parts make the scheduler ask for a second
-    worker, which joins and scores some; the first waits, after its first part, until the second has begun one."""
+    """``LocalCluster.adapt(minimum=1, maximum=2)`` (in-process workers, which start at once): the job's queued
+    parts make the scheduler ask for a second worker, which joins and scores some; the first waits, after its
+    first part, until the second has begun one."""
+    import torch
+    from distributed import Client, LocalCluster
     from elastic_worker import Gate
 
     began = tmp_path / "began"
     config = tmp_path / "gate.json"
     config.write_text(json.dumps({"mark": str(began), "distinct": 2}))
-    monkeypatch.setenv("ELASTIC_CONFIG", str(config))  # the cluster's worker processes inherit it
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the same bits as the reference's workers
-    client = dask_lm.connect(n_workers=1, cluster="cpu")
+    monkeypatch.setenv("ELASTIC_CONFIG", str(config))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same bits as the reference's one-thread worker processes
     try:
-        client.register_plugin(Gate(), name="elastic-gate")
-        client.cluster.adapt(minimum=1, maximum=2, interval="200ms")
-        out = tmp_path / "scored"
-        res = _score(data, out, tiny["llama"], client=client)
-        _check_output(out, reference)
-        assert len(set(began.read_text().split())) == 2
-        assert len(res.parts_by_worker) == 2 and sum(res.parts_by_worker.values()) == len(ROWS), res.parts_by_worker
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+                Client(cluster) as client:
+            client.register_plugin(Gate(), name="elastic-gate")
+            cluster.adapt(minimum=1, maximum=2, interval="200ms")
+            out = tmp_path / "scored"
+            res = _score(data, out, tiny["llama"], client=client)
     finally:
-        client.close()
-        client.cluster.close()
+        torch.set_num_threads(threads)
+    _check_output(out, reference)
+    assert len(set(began.read_text().split())) == 2
+    assert len(res.parts_by_worker) == 2 and sum(res.parts_by_worker.values()) == len(ROWS), res.parts_by_worker
