@@ -37,8 +37,11 @@ def _scheduler_info(client: Client) -> dict[str, Any]:
     # which the client's periodic refresh (every 2 s, without the workers) may overwrite in between, so that it
     # listed no worker now and then (distributed 2026.8: a scoring job then preloaded nothing). Recent distributed
     # lists only 5 workers unless asked for all.
+    scheduler = client.scheduler
+    if scheduler is None:  # a closed client: what it last knew
+        return dict(client.scheduler_info())
     try:
-        return dict(client.sync(client.scheduler.identity, n_workers=-1))
+        return dict(client.sync(scheduler.identity, n_workers=-1))
     except TypeError:  # a scheduler without n_workers lists them all
         return dict(client.scheduler_info())
 
