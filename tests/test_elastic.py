@@ -1,6 +1,7 @@
 """Workers that come and go during a scoring job (issue 28): a real ``dask scheduler`` and ``dask worker`` processes
-(``--no-nanny``, one thread each), a worker that joins mid-job, one retired mid-job (``client.retire_workers``), and
-a job started before any worker. Each output is compared, exactly, with an undisturbed run on the same scheduler,
+(``--no-nanny``, one thread each), a worker that joins mid-job, one retired mid-job (``client.retire_workers``), one
+retired before the job's warm-up ran on it, a job started before any worker; and an in-process
+``LocalCluster.adapt`` that scales up mid-job. Each output is compared, exactly, with an undisturbed run on the same scheduler,
 and holds every row once.
 
 The workers order their partitions through files (tests/elastic_worker.py, their preload): the first worker waits,
