@@ -9,6 +9,8 @@ re-arm a worker that outlives it), with the keys (each optional):
   for it);
 - ``wait_for``: a file this worker's partitions wait for, all but the first since the file's settings changed
   (another worker's mark);
+- ``distinct``: with ``mark``, this worker's partitions after its first wait until ``mark`` lists that many
+  workers (one that an adaptive cluster started has begun a partition);
 - ``hold``: true: each partition waits until this worker is retiring (``client.retire_workers``), then goes on,
   as a partition running when its worker is retired does.
 
@@ -25,10 +27,12 @@ import threading
 import time
 from typing import Any
 
+from distributed import WorkerPlugin
+
 WAIT_S = 120.0
 
 _lock = threading.Lock()
-_begun: dict[str, int] = {}  # partitions this worker began, by the settings in force
+_begun: dict[str, int] = {}  # partitions each worker began, by the settings in force
 
 
 def _wait(what: str, ready: Any) -> None:
@@ -48,29 +52,39 @@ def _settings() -> dict[str, Any]:
 
 
 def dask_setup(worker: Any) -> None:
+    """Wrap :func:`dask_lm.workers.scorer.score_rows` once per process (in-process workers share the module); the
+    wrapper acts for the worker running the partition."""
+    from distributed import get_worker
     from distributed.core import Status
 
     from dask_lm.workers import scorer
 
+    if getattr(scorer.score_rows, "_elastic", False):
+        return
     original = scorer.score_rows
 
     @functools.wraps(original)
     def score_rows(*args: Any, **kwargs: Any) -> Any:
+        me = get_worker()
         cfg = _settings()
-        key = json.dumps(cfg, sort_keys=True)
+        key = me.address + json.dumps(cfg, sort_keys=True)
         with _lock:
             first = _begun.get(key, 0) == 0
             _begun[key] = _begun.get(key, 0) + 1
         if cfg.get("mark"):
             with open(cfg["mark"], "a") as f:
-                f.write(f"{worker.address}\n")
+                f.write(f"{me.address}\n")
         other = cfg.get("wait_for")
         if other and not first:
             _wait(other, lambda: os.path.exists(other))
+        if cfg.get("distinct") and not first:
+            _wait(f"{cfg['distinct']} workers in {cfg['mark']}",
+                  lambda: len(set(open(cfg["mark"]).read().split())) >= int(cfg["distinct"]))
         if cfg.get("hold"):
-            _wait("this worker's retirement", lambda: worker.status != Status.running)
+            _wait("this worker's retirement", lambda: me.status != Status.running)
         return original(*args, **kwargs)
 
+    score_rows._elastic = True  # type: ignore[attr-defined]
     scorer.score_rows = score_rows
 
 
@@ -85,3 +99,11 @@ def hold_until_retiring(mark: str) -> str:
         f.write(f"{worker.address}\n")
     _wait("this worker's retirement", lambda: worker.status != Status.running)
     return str(worker.address)
+
+
+class Gate(WorkerPlugin):
+    """The same hook as a worker plugin (``client.register_plugin(Gate())``), for the workers of a cluster whose
+    worker processes this test does not start itself (an adaptive LocalCluster's)."""
+
+    def setup(self, worker: Any) -> None:
+        dask_setup(worker)

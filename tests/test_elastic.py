@@ -1,6 +1,7 @@
 """Workers that come and go during a scoring job (issue 28): a real ``dask scheduler`` and ``dask worker`` processes
-(``--no-nanny``, one thread each), a worker that joins mid-job, one retired mid-job (``client.retire_workers``), and
-a job started before any worker. Each output is compared, exactly, with an undisturbed run on the same scheduler,
+(``--no-nanny``, one thread each), a worker that joins mid-job, one retired mid-job (``client.retire_workers``), one
+retired before the job's warm-up ran on it, a job started before any worker; and an in-process
+``LocalCluster.adapt`` that scales up mid-job. Each output is compared, exactly, with an undisturbed run on the same scheduler,
 and holds every row once.
 
 The workers order their partitions through files (tests/elastic_worker.py, their preload): the first worker waits,
@@ -343,10 +344,13 @@ def test_the_config_check_and_preload_of_a_worker_retired_before_they_ran_run_on
     job = _background(_score, data, out, tiny["llama"], client=client)
     # the job's warm-up is queued on a, behind the other task
     _until(lambda: client.run_on_scheduler(_queued_on, a) >= 2 or job.done(), "the job's warm-up on a")
+    assert not job.done(), job.exception()
     workers.start("b")
     b = workers.joined("b")["b"]
     client.retire_workers([a], close_workers=True)
-    assert blocker.result(timeout=JOB_S) == a
+    _until(lambda: "a" not in workers.addresses(), "a to leave")
+    # the other task was pinned hard, as the warm-up was before: with a gone it waits for a worker that is not there
+    blocker.cancel()
     res = job.result(timeout=JOB_S)
     _check_output(out, reference)
     assert res.parts_by_worker == {b: len(ROWS)}
@@ -354,7 +358,37 @@ def test_the_config_check_and_preload_of_a_worker_retired_before_they_ran_run_on
     assert "config_check_began" in res.start_phases, res.start_phases
 
 
-def _queued_on(dask_scheduler: Any, address: str) -> int:
+def _queued_on(address: str, dask_scheduler: Any = None) -> int:
     """The job's warm-up tasks (config check, preload) in processing on the worker at ``address``."""
     ws = dask_scheduler.workers.get(address)
-    return sum(1 for ts in (ws.processing if ws else ()) if str(ts.key).startswith(("dask-lm-config", "dask-lm-preload")))
+    keys = [str(ts.key) for ts in (ws.processing if ws is not None else ())]
+    return sum(1 for k in keys if k.startswith(("dask-lm-config", "dask-lm-preload")))
+
+
+def test_an_adaptive_cluster_scales_up_mid_job_and_the_output_is_the_undisturbed_one(reference, data, tiny, tmp_path,
+                                                                                    monkeypatch):
+    """``LocalCluster.adapt(minimum=1, maximum=2)`` (in-process workers, which start at once): the job's queued
+    parts make the scheduler ask for a second worker, which joins and scores some; the first waits, after its
+    first part, until the second has begun one."""
+    import torch
+    from distributed import Client, LocalCluster
+    from elastic_worker import Gate
+
+    began = tmp_path / "began"
+    config = tmp_path / "gate.json"
+    config.write_text(json.dumps({"mark": str(began), "distinct": 2}))
+    monkeypatch.setenv("ELASTIC_CONFIG", str(config))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same bits as the reference's one-thread worker processes
+    try:
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+                Client(cluster) as client:
+            client.register_plugin(Gate(), name="elastic-gate")
+            cluster.adapt(minimum=1, maximum=2, interval="200ms")
+            out = tmp_path / "scored"
+            res = _score(data, out, tiny["llama"], client=client)
+    finally:
+        torch.set_num_threads(threads)
+    _check_output(out, reference)
+    assert len(set(began.read_text().split())) == 2
+    assert len(res.parts_by_worker) == 2 and sum(res.parts_by_worker.values()) == len(ROWS), res.parts_by_worker

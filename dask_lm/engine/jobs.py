@@ -40,8 +40,8 @@ from dask_lm.io import fingerprint, hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 
 __all__ = ["JobKind", "JobOutput", "check_columns", "precision_name", "wait_for_workers", "worker_precision",
-           "resolve_model",
-           "resolve_tokenizer", "manifest", "ClusterStart", "in_thread", "running", "located_partitions", "publishing"]
+           "resolve_model", "resolve_tokenizer", "manifest", "ClusterStart", "in_thread", "running",
+           "located_partitions", "publishing"]
 
 _PRECISIONS = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 _SHORT = {name: short for short, name in _PRECISIONS.items()}  # what --precision takes, for messages

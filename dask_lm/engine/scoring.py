@@ -113,8 +113,9 @@ class ScoreResult(ScoreRows):
     ``worker_processes`` / ``preloads_began`` / ``replicas_ready`` (the last worker's process began, its preload
     began, its replica was ready: the workers' own clocks), ``first_row`` (the first part written)."""
     parts_by_worker: dict[str, int] = field(default_factory=dict)
-    """How many of this run's parts each worker (by address) scored: workers that joined mid-job included, one
-    retired mid-job only for the parts whose results it handed back."""
+    """How many of this run's parts each worker (by address) scored: workers that joined mid-job included; one
+    retired mid-job counts for the parts whose results reached the job before it left (the others were scored
+    again elsewhere, and count there)."""
     model_load_phases: dict[str, float] = field(default_factory=dict)
     """The slowest worker's model load (``model_load_seconds``) by step, and the config check's imports."""
     run_rows: int = 0
@@ -125,7 +126,8 @@ class ScoreResult(ScoreRows):
     """``wall_seconds`` cut into the steps the caller waited for, in order, adding up to it: ``checks`` (the
     driver's checks and fingerprints), ``cluster_start`` (the cluster up, or reached, after them),
     ``model_load`` and ``compile`` (what was left of the last worker's load and compilation: they run beside the
-    checks, and ``model_load_seconds`` / ``compile_seconds`` give their whole length), ``scoring`` (scoring and
+    checks, and ``model_load_seconds`` / ``compile_seconds`` give their whole length; a worker whose replica was
+    ready only after the first part came back, one that joined mid-job, is scoring time), ``scoring`` (scoring and
     writing: ``scoring_seconds``), ``closing`` (the replicas freed, the totals read back, the cluster this call
     started closed)."""
 

@@ -33,11 +33,17 @@ logger = logging.getLogger("dask_lm")
 
 
 def _scheduler_info(client: Client) -> dict[str, Any]:
-    # recent distributed lists only 5 workers unless asked for all
+    # asked of the scheduler itself: Client.scheduler_info() fetches, then returns the client's cached identity,
+    # which the client's periodic refresh (every 2 s, without the workers) may overwrite in between, so that it
+    # listed no worker now and then (distributed 2026.8: a scoring job then preloaded nothing). Recent distributed
+    # lists only 5 workers unless asked for all.
+    scheduler = client.scheduler
+    if scheduler is None:  # a closed client: what it last knew
+        return dict(client.scheduler_info())
     try:
-        return client.scheduler_info(n_workers=-1)
-    except TypeError:
-        return client.scheduler_info()
+        return dict(client.sync(scheduler.identity, n_workers=-1))
+    except TypeError:  # a scheduler without n_workers lists them all
+        return dict(client.scheduler_info())
 
 
 def _live_workers(client: Client, timeout_s: float = 120.0) -> dict[str, Any]:

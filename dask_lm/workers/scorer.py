@@ -378,6 +378,7 @@ def _worker_address() -> str | None:
     except ValueError:  # not in a worker's task (a test calling score_partition directly)
         return None
 
+
 def _list_column(rows: list[torch.Tensor], type_: Any) -> Any:
     """Per row a ``[n]`` (or ``[n, k]``) tensor, as the Arrow column of type ``type_`` (``list<...>`` or
     ``list<list<...>>``) built from one flat buffer and its offsets: no Python float per value (4M of them took
