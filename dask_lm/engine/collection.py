@@ -22,11 +22,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dask_lm.data.continuation import check_convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.engine import cluster, jobs
 from dask_lm.interface import current, opt, warn
-from dask_lm.io import hub, modelcheck
+from dask_lm.io import hub
 from dask_lm.io.parquet import output_schema_columns
 from dask_lm.workers.collection import score_frame
 
@@ -142,17 +141,10 @@ def _options(columns: Any, *, model: Any, tokenizer: Any, text_column: str | Non
              ) -> ScoreOptions:
     """The cheap checks (``score_parquet``'s own: options, model files, tokenizer files), and the columns against
     ``columns``, the input's; the options the partitions are scored with."""
-    jobs.check_columns(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                       response_column=response_column)
-    conv = check_convention(convention, opt("convention"))
-    if prompt_length_column is not None and ids_column is None:
-        raise ValueError(f"{opt('prompt_length_column')} goes with {opt('ids_column')} (prompt + response text has "
-                         f"its prompt length from {opt('prompt_column')})")
-    if topk < 0 or any(v is not None and v < 1 for v in (max_length, batch_tokens)):
-        raise ValueError(f"{opt('topk')} must be >= 0, {opt('max_length')} and {opt('batch_tokens')} >= 1")
-    if decode_topk and not topk:
-        raise ValueError(f"{opt('decode_topk', True)} decodes the top-k ids: it needs {opt('topk', meta='K')} (e.g. "
-                         f"{opt('topk', 5)})")
+    conv = jobs.check_score_options(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
+                                    response_column=response_column, prompt_length_column=prompt_length_column,
+                                    convention=convention, topk=topk, decode_topk=decode_topk,
+                                    max_length=max_length, batch_tokens=batch_tokens)
     fixed_precision = jobs.precision_name(precision)  # None: each worker's own (bf16 on a GPU, fp32 elsewhere)
     have = list(columns)
     for key, name in (("text_column", text_column), ("ids_column", ids_column), ("prompt_column", prompt_column),
@@ -166,15 +158,7 @@ def _options(columns: Any, *, model: Any, tokenizer: Any, text_column: str | Non
                          f"rename it first, e.g. data.rename(columns={{{clash[0]!r}: {clash[0] + '_in'!r}}})")
     source = hub.resolve_model(model)
     path = source.path
-    modelcheck.check_model(path, load_config=False)
-    stated = modelcheck.stated_vocab(path)
-    if stated is not None and topk > stated:
-        raise ValueError(f"{opt('topk', topk)} is larger than the model's vocabulary ({stated} tokens, vocab_size "
-                         f"in {os.path.join(path, modelcheck.CONFIG)}); pass {opt('topk', stated)} or less")
-    tok = jobs.resolve_tokenizer(tokenizer, path, fix=None if ids_column and not decode_topk
-                                 else f"pass {opt('tokenizer')}, or score token ids with {opt('ids_column')}"
-                                 if not ids_column else f"{opt('decode_topk', True)} decodes with it: pass "
-                                 f"{opt('tokenizer')}")
+    _info, tok = jobs.check_score_model(path, topk=topk, tokenizer=tokenizer, ids_column=ids_column, decode_topk=decode_topk)
     # output is the file job's folder: a collection has none (score_frame returns its rows)
     return ScoreOptions(model=path, tokenizer=tok, precision=fixed_precision or "auto", output="",
                         text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,

@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dask_lm.data.continuation import Convention, check_convention
+from dask_lm.data.continuation import Convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
 from dask_lm.interface import again, current, opt, warn
@@ -254,18 +254,10 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
         task_tokens=task_tokens, batch_tokens=batch_tokens, allow_nonfinite=allow_nonfinite, compile=compile),
         defaults=dict(convention="lm-eval", topk=0, decode_topk=False, truncate=False, skip_bad_rows=False,
                       allow_nonfinite=False)).values()
-    jobs.check_columns(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                       response_column=response_column)
-    conv = check_convention(convention, opt("convention"))
-    if prompt_length_column is not None and ids_column is None:
-        raise ValueError(f"{opt('prompt_length_column')} goes with {opt('ids_column')} (prompt + response text has "
-                         f"its prompt length from {opt('prompt_column')})")
-    if topk < 0 or (task_tokens or 0) < 0 or any(v is not None and v < 1 for v in (max_length, batch_tokens)):
-        raise ValueError(f"{opt('topk')} and {opt('task_tokens')} must be >= 0, {opt('max_length')} and "
-                         f"{opt('batch_tokens')} >= 1")
-    if decode_topk and not topk:
-        raise ValueError(f"{opt('decode_topk', True)} decodes the top-k ids: it needs {opt('topk', meta='K')} (e.g. "
-                         f"{opt('topk', 5)})")
+    conv = jobs.check_score_options(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
+                                    response_column=response_column, prompt_length_column=prompt_length_column,
+                                    convention=convention, topk=topk, decode_topk=decode_topk,
+                                    max_length=max_length, batch_tokens=batch_tokens, task_tokens=task_tokens or 0)
     fixed_precision = jobs.precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
     # 1. the checks that cost no more than a few small reads, before anything starts: the output folder, the model's
     #    files (config JSON, weight headers, --topk against the vocabulary it states), the tokenizer's, the inputs'
@@ -276,15 +268,8 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     finished = resume and out.state.kind == "finished"  # nothing will be loaded or tokenized: its files are compared
     source = hub.resolve_model(model, revision=revision)
     model = source.path
-    info = modelcheck.check_model(model, load_config=False)
-    stated = modelcheck.stated_vocab(model)
-    if stated is not None and topk > stated:
-        raise ValueError(f"{opt('topk', topk)} is larger than the model's vocabulary ({stated} tokens, vocab_size "
-                         f"in {os.path.join(model, modelcheck.CONFIG)}); pass {opt('topk', stated)} or less")
-    tokenizer = jobs.resolve_tokenizer(tokenizer, model, check=not finished, fix=None if ids_column and not decode_topk
-                                       else f"pass {opt('tokenizer')}, or score token ids with {opt('ids_column')}"
-                                       if not ids_column else f"{opt('decode_topk', True)} decodes with it: pass "
-                                       f"{opt('tokenizer')}")
+    info, tokenizer = jobs.check_score_model(model, topk=topk, tokenizer=tokenizer, ids_column=ids_column,
+                                             decode_topk=decode_topk, check_tokenizer=not finished)
     inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=ids_column,
                                 prompt_column=prompt_column, response_column=response_column, id_column=id_column,
                                 prompt_length_column=prompt_length_column)
