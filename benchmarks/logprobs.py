@@ -133,8 +133,8 @@ def run_competent(model_dir: str, dtype: torch.dtype, device: torch.device, ids:
     return out, seconds
 
 
-def run_processes(root: str, model_dir: str, ids: torch.Tensor, lens: torch.Tensor, n_workers: int
-                  ) -> dict[str, Any]:
+def run_processes(root: str, model_dir: str, ids: torch.Tensor, lens: torch.Tensor, n_workers: int,
+                  hf_budget: int) -> dict[str, Any]:
     """The two users as whole processes on the same parquet files: wall seconds, time to the first result, and
     how far the Policy's per-row sums are from the competent script's (relative)."""
     import sys
@@ -147,7 +147,7 @@ def run_processes(root: str, model_dir: str, ids: torch.Tensor, lens: torch.Tens
     # one throw-away process first: both find torch's and transformers' files in the page cache alike
     _process([sys.executable, "-c", "import torch, transformers, pyarrow.parquet; "
               "from transformers import AutoModelForCausalLM"], "warming the page cache")
-    user = user_process(model_dir, data, os.path.join(root, "user.parquet"))
+    user = user_process(model_dir, data, os.path.join(root, "user.parquet"), hf_budget)
     out = os.path.join(root, "policy.parquet")
     cmd = [sys.executable, os.path.join(here, "policy_logprobs.py"), model_dir, data, out, "--ids-column", "ids",
            "--id-column", "id", "--n-workers", str(n_workers)]
@@ -234,6 +234,10 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, ids: torch.Tensor, 
 @click.option("--sigma", type=float, default=1.0, show_default=True, help="Log-space spread of the lengths.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--hf-batch-size", type=int, default=16, show_default=True)
+@click.option("--hf-budget", type=int, default=65536, show_default=True,
+              help="Padded tokens per batch of the competent HF loop. 64k fits an H200 (139 GiB) at 0.5B; its "
+                   "fp32 head slice of 64 rows x 1024 positions x 152k vocab alone is 37 GiB, so an 80 GB card "
+                   "needs 32768 or less, as its user would pick.")
 @click.option("--mb-tokens", type=int, default=None, help="dask-lm token budget [default: 8192 CPU, 32768 GPU].")
 @click.option("--n-workers", "n_workers_spec", default=None,
               help=f"{N_WORKERS_HELP} [default: all on a GPU machine, 1 on a CPU one].")
@@ -242,7 +246,8 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, ids: torch.Tensor, 
 @click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="policy.inference_compile: auto = compiled on GPU ranks.")
 def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows: int | None, min_len: int,
-         max_len: int, median_len: int, sigma: float, seed: int, hf_batch_size: int, mb_tokens: int | None,
+         max_len: int, median_len: int, sigma: float, seed: int, hf_batch_size: int, hf_budget: int,
+         mb_tokens: int | None,
          n_workers_spec: str | None, processes: bool, compile_: str) -> None:
     import transformers
 
@@ -273,7 +278,7 @@ def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows
               f"min/median/mean/max {int(lens.min())}/{int(lens.median())}/{useful / num_rows:.0f}/{int(lens.max())}, "
               f"forward {flops / 1e12:.3f} TFLOP; setup {time.perf_counter() - t0:.1f}s", flush=True)
 
-        whole = run_processes(root, model_dir, ids, lens, counts[0]) if processes else None
+        whole = run_processes(root, model_dir, ids, lens, counts[0], hf_budget) if processes else None
         arms: list[dict[str, Any]] = []
         for n in counts:  # each on a fresh cluster of n workers, closed before the next (and before arm A)
             print(f"--- dask-lm, {n} worker(s) ---", flush=True)
@@ -294,8 +299,8 @@ def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows
             torch.set_num_threads(threads)
         peak_flops, peak_what = measured_peak(device)
         dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
-        lp_c, sec_c = run_competent(model_dir, dtype, device, ids, lens)
-        print(f"competent HF loop (longest first, 64k-token batches, sdpa, chunked fp32 head): {sec_c:.2f}s",
+        lp_c, sec_c = run_competent(model_dir, dtype, device, ids, lens, budget=hf_budget)
+        print(f"competent HF loop (longest first, {hf_budget:,}-token batches, sdpa, chunked fp32 head): {sec_c:.2f}s",
               flush=True)
         lp_a, sec_a, peak_a, computed_a = run_hf(model_dir, dtype, device, ids, lens, hf_batch_size)
         print(f"plain HF loop: {sec_a:.2f}s", flush=True)
@@ -338,7 +343,7 @@ def main(shape: str, model_dir: str | None, precision: str, mode: Mode, num_rows
         "n_workers": n_workers, "n_workers_list": counts, "compile": compile_, "rows": num_rows,
         "useful_tokens": useful,
         "hf_computed_tokens": computed_a,
-        "hf_batch_size": hf_batch_size, "mb_tokens": mb_tokens, "forward_tflop": flops / 1e12,
+        "hf_batch_size": hf_batch_size, "hf_budget": hf_budget, "mb_tokens": mb_tokens, "forward_tflop": flops / 1e12,
         "competent_seconds": sec_c, "ratio_dask_lm_over_competent": sec_c / sec_b,
         "max_abs_logprob_diff_vs_competent": diff_c,
         "hf_seconds": sec_a, "dask_lm_seconds": sec_b, "hf_tok_per_s": tps_a, "dask_lm_tok_per_s": tps_b,

@@ -112,12 +112,14 @@ def _process(cmd: list[str], what: str) -> tuple[float, float, str]:
     return started, wall, proc.stdout
 
 
-def user_process(model_dir: str, data: str, out: str) -> dict[str, Any]:
-    """The competent user's script (``user_score.py``) as a whole process: wall time, first batch, its sums."""
+def user_process(model_dir: str, data: str, out: str, budget: int | None = None) -> dict[str, Any]:
+    """The competent user's script (``user_score.py``) as a whole process: wall time, first batch, its sums;
+    ``budget``: its padded tokens per batch (None: the script's default)."""
     import pyarrow.parquet as pq
 
-    started, wall, stdout = _process([sys.executable, os.path.join(HERE, "user_score.py"), model_dir, data, out,
-                                      "--ids-column", "ids", "--id-column", "id"], "user_score.py")
+    cmd = [sys.executable, os.path.join(HERE, "user_score.py"), model_dir, data, out, "--ids-column", "ids",
+           "--id-column", "id"]
+    started, wall, stdout = _process(cmd + (["--budget", str(budget)] if budget else []), "user_score.py")
     info = _last_json(stdout)
     t = pq.read_table(out, columns=["id", "sum_logprob"]).to_pydict()
     return {"seconds": wall, "first_row_seconds": info["first_batch_at"] - started,

@@ -329,12 +329,20 @@ def _precision(out: Path) -> str:
 
 
 def test_the_config_check_and_preload_of_a_worker_retired_before_they_ran_run_on_another(workers, reference, data,
-                                                                                        tiny, tmp_path):
+                                                                                        tiny, tmp_path, monkeypatch):
     """The job's config check and preload go to the workers there are at its start; one retired before they ran
     (here ``a``, busy with another task) hands them to a worker that joined, so the job's start does not wait out
-    its config check's timeout (CONFIG_CHECK_WAIT_S) for a worker that is gone. Last in this module: ``a`` leaves."""
+    its config check's timeout (CONFIG_CHECK_WAIT_S) for a worker that is gone. Last in this module: ``a`` leaves.
+
+    The check's timeout is raised to the test's own deadline: its clock runs from the job's start, through ``b``'s
+    process start and its first imports of torch and transformers, which on a loaded 2-core CI machine took more
+    than the default 60 s (the driver then checked itself and the test failed on a slow machine, not on a lost
+    task). A check left waiting for ``a`` would still time out before the job's deadline, and fail the test."""
     from elastic_worker import hold_until_retiring
 
+    from dask_lm.engine import scoring
+
+    monkeypatch.setattr(scoring, "CONFIG_CHECK_WAIT_S", JOB_S)
     client = workers.client
     busy = tmp_path / "a.busy"
     a = workers.addresses()["a"]
