@@ -80,13 +80,30 @@ def test_training_over_several_global_batches_reports_progress(client, policy):
     _wait_for(lambda: len(progress_events()) - before >= 2, "two progress events")
     new = progress_events()[before:]
     assert [e["done"] for e in new] == [1, 2] and len({e["id"] for e in new}) == 1  # rank 0 only, one call
+
+
+def test_a_quiet_call_reports_no_progress(client, policy):
+    """With progress off, a train call reports nothing: proven by the next, loud, call's events being the first
+    to arrive after it, so a late event of the quiet call cannot slip past the check.
+
+    Progress events are sent by rank 0 only (dask_lm.engine.progress), each through its worker's batched stream
+    to the scheduler, which keeps them in the order they came. The quiet call finished on rank 0 before the loud
+    one started there, so any event the quiet call sent is ahead of the loud call's in that one stream: once the
+    loud call's last event is in, all of the quiet call's are too."""
+    def progress_events():
+        return [e for _, e in client.get_events("dask-lm-progress")]
+
+    before = len(progress_events())
     dask_lm.set_progress(False)
     try:
-        policy.train(data, dask_lm.NLLLoss())
-        time.sleep(1.5)  # worker events travel with the batched stream
-        assert len(progress_events()) == before + 2  # quiet: nothing reported
+        policy.train(sft_batch(policy.tok, TEXTS[:4] * 2), dask_lm.NLLLoss())  # two global batches, quiet
     finally:
         dask_lm.set_progress(True)
+    # three global batches: its last event ("done": 3) is one the quiet call of two could not have sent
+    policy.train(sft_batch(policy.tok, TEXTS[:4] * 3), dask_lm.NLLLoss())
+    _wait_for(lambda: any(e["done"] == 3 for e in progress_events()[before:]), "the loud call's last event")
+    new = progress_events()[before:]
+    assert [e["done"] for e in new] == [1, 2, 3] and len({e["id"] for e in new}) == 1, new
 
 
 def test_workers_table_gauges_and_policy_repr(client, policy):
