@@ -18,7 +18,8 @@ from helpers import TEXTS, model_logprobs, sft_batch
 import dask_lm
 from dask_lm.io import checkpoint as ckpt
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 CORPUS = TEXTS + ["Checkpoints appear whole or not at all.", "Resume continues the same run.", "Eight rows."]
 
@@ -45,6 +46,7 @@ def batches(tok):
     return sft_batch(tok, CORPUS), sft_batch(tok, list(reversed(CORPUS)))
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("save_ranks,load_ranks", [(2, 2), (2, 1), (1, 2)])
 def test_round_trip_continues_identically(client, tiny, tok, batches, tmp_path, save_ranks, load_ranks):
     """Save after a step; a new Policy restored from it gives the same logprobs, keeps the base model as its
@@ -77,6 +79,7 @@ def test_round_trip_continues_identically(client, tiny, tok, batches, tmp_path, 
     assert again["all_mb_metrics"]["lr"][0] == pytest.approx(cont["all_mb_metrics"]["lr"][0])
 
 
+@pytest.mark.cluster
 def test_sharded_async_save_appears_only_when_complete(client, tiny, tok, batches, tmp_path):
     first, _ = batches
     w, o = tmp_path / "ckpt" / "weights", tmp_path / "ckpt" / "optimizer"
@@ -96,6 +99,7 @@ def test_sharded_async_save_appears_only_when_complete(client, tiny, tok, batche
     torch.testing.assert_close(model_logprobs(hf, first["input_ids"], first["input_lengths"]), lp, atol=1e-5, rtol=0)
 
 
+@pytest.mark.cluster
 def test_bf16_policy_keeps_fp32_masters(client, tiny, tok, batches, tmp_path):
     """A bf16 policy trains fp32 master weights: an AdamW step of 1e-5 moves weights by ~1e-5, far below bf16's
     resolution, and the saved checkpoint (fp32) shows it on one rank and on two."""
@@ -115,6 +119,7 @@ def test_bf16_policy_keeps_fp32_masters(client, tiny, tok, batches, tmp_path):
         assert float(delta.median()) > 1e-6
 
 
+@pytest.mark.cluster
 def test_bad_checkpoint_arguments(client, tiny, tok, tmp_path):
     (tmp_path / "file").write_text("x")
     with dask_lm.Policy(client, _cfg(tiny["llama"]), tok, init_optimizer=False) as policy:
@@ -187,6 +192,7 @@ def test_publish_replaces_only_when_complete(tmp_path):
         ckpt.parse_size("lots")
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_failure_on_one_rank_discards_everything_and_the_policy_saves_again(client, tiny, tok, batches, tmp_path,
                                                                                async_save):
@@ -211,6 +217,7 @@ def test_a_failure_on_one_rank_discards_everything_and_the_policy_saves_again(cl
     assert sorted(os.listdir(tmp_path)) == ["o", "t", "w"]
 
 
+@pytest.mark.cluster
 def test_nested_or_foreign_directories_are_refused(client, tiny, tok, tmp_path):
     foreign = tmp_path / "results"
     foreign.mkdir()
@@ -224,6 +231,7 @@ def test_nested_or_foreign_directories_are_refused(client, tiny, tok, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["results"]
 
 
+@pytest.mark.cluster
 def test_optimizer_saved_before_any_step_restores_the_same_first_step(client, tiny, tok, batches, tmp_path):
     first, _ = batches
     with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as policy:
@@ -271,6 +279,7 @@ def _restore(client, tiny, tok, w, o):
         pass
 
 
+@pytest.mark.cluster
 def test_tampered_scheduler_state_is_refused_not_run(client, tiny, tok, saved, tmp_path):
     import re
 
@@ -283,6 +292,7 @@ def test_tampered_scheduler_state_is_refused_not_run(client, tiny, tok, saved, t
     assert not marker.exists()
 
 
+@pytest.mark.cluster
 def test_tampered_dcp_metadata_is_refused_not_run(client, tiny, tok, saved, tmp_path):
     """DCP's .metadata is a plain pickle (torch reads it with pickle.load): one that names anything beyond DCP's
     metadata classes is refused before torch reads it."""
@@ -302,6 +312,7 @@ def test_tampered_dcp_metadata_is_refused_not_run(client, tiny, tok, saved, tmp_
     assert not marker.exists()
 
 
+@pytest.mark.cluster
 def test_tampered_optimizer_item_is_refused_not_run(client, tiny, tok, saved, tmp_path):
     """Non-tensor optimizer state (lr, betas, ...) is a torch.save blob inside a .distcp file, which DCP's own
     planner loads with weights_only=False: one holding code is refused."""
@@ -365,6 +376,7 @@ def full_disk(tmp_path):
         subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.cluster
 def test_async_save_to_a_full_disk_fails_with_one_clear_line(client, tiny, tok, batches, full_disk):
     first, _ = batches
     w, o = full_disk / "w", full_disk / "o"

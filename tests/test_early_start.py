@@ -24,7 +24,8 @@ from dask_lm.io import fingerprint
 from dask_lm.io.fingerprint import Pin, Stamp
 from dask_lm.workers import scorer
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 IDS = [[3 + (7 * i + 5 * j) % 90 for j in range(4 + i)] for i in range(12)]
 
@@ -121,6 +122,7 @@ def _check_against_hf(model: str, out: str) -> None:
         assert rows[i]["sum_logprob"] == pytest.approx(total, abs=1e-3)
 
 
+@pytest.mark.cluster
 def test_the_workers_load_once_while_the_driver_checks(client, settled_model, data, tmp_path):
     client.run(_count_loads, 0)
     try:
@@ -135,6 +137,7 @@ def test_the_workers_load_once_while_the_driver_checks(client, settled_model, da
     _check_against_hf(settled_model, str(tmp_path / "out"))
 
 
+@pytest.mark.cluster
 def test_a_replica_whose_files_were_not_settled_is_loaded_again(client, settled_model, data, tmp_path):
     client.run(_count_loads, 3600 * 10**9)  # on the workers no stamp is settled: the preload cannot vouch
     try:
@@ -149,6 +152,7 @@ def test_a_replica_whose_files_were_not_settled_is_loaded_again(client, settled_
     _check_against_hf(settled_model, str(tmp_path / "out"))
 
 
+@pytest.mark.cluster
 def test_a_refused_job_closes_the_cluster_it_started_and_writes_nothing(tiny, data, tmp_path):
     import distributed
 
@@ -161,6 +165,7 @@ def test_a_refused_job_closes_the_cluster_it_started_and_writes_nothing(tiny, da
     assert after <= before  # no client (and so no cluster) left running
 
 
+@pytest.mark.cluster
 def test_a_config_transformers_cannot_load_is_refused_by_a_worker_before_anything_is_written(client, tiny, data,
                                                                                               tmp_path):
     """The config check runs on a worker (engine/scoring.py: _Preload), through the workers' transformers; its
@@ -188,6 +193,7 @@ except ValueError as e:
     assert out.stdout.strip().splitlines()[-1] == "refused True False", out.stderr[-3000:]
 
 
+@pytest.mark.cluster
 def test_the_driver_checks_the_config_itself_when_no_worker_answers_in_time(client, tiny, data, tmp_path,
                                                                             monkeypatch):
     """A worker busy with another task does not hold the job's checks: past CONFIG_CHECK_WAIT_S the driver loads the
@@ -219,6 +225,7 @@ def _profiler_states() -> tuple[bool, bool, bool]:
     return before, during, pc.is_running()
 
 
+@pytest.mark.cluster
 def test_the_worker_profiler_pauses_for_the_imports_and_resumes(client):
     """The one-time imports run without the worker's stack sampling (workers/tasks.py), which then resumes."""
     assert client.submit(_profiler_states, pure=False).result() == (True, False, True)

@@ -22,7 +22,8 @@ from click.testing import CliRunner
 import dask_lm
 from dask_lm.cli import main as cli
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 TEXTS = [f"row {i}: " + " ".join(["the dask", "tokens of", "a score", "parquet", "model"][: 1 + i % 5]) * (1 + i % 3)
          for i in range(24)]
@@ -54,6 +55,7 @@ def _parts(out):
     return pa.concat_tables([pq.read_table(out / f) for f in names]), names
 
 
+@pytest.mark.cluster
 def test_read_scores_to_pandas_to_arrow_and_read_parquet_give_the_parts_rows_in_order(job):
     res, out = job
     direct, names = _parts(out)
@@ -83,6 +85,7 @@ def test_read_scores_to_pandas_to_arrow_and_read_parquet_give_the_parts_rows_in_
         dask_lm.read_scores(out, columns="id")
 
 
+@pytest.mark.cluster
 def test_topk_tokens_are_the_tokenizers_strings_of_topk_ids(job, tok):
     res, out = job
     direct, _ = _parts(out)
@@ -96,6 +99,7 @@ def test_topk_tokens_are_the_tokenizers_strings_of_topk_ids(job, tok):
     assert differs  # the choice is visible with this tokenizer: decode's text, not the vocabulary's spelling
 
 
+@pytest.mark.cluster
 def test_read_scores_refuses_what_is_not_a_finished_scoring_output(job, tmp_path):
     _res, out = job
     direct, names = _parts(out)
@@ -138,6 +142,7 @@ def test_decode_topk_needs_topk(tiny, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.cluster
 def test_logprobs_cli_shows_the_topk_as_the_tokenizers_strings(client, tiny, tok):
     text = "the dask tokens of a score"
     result = CliRunner().invoke(cli, ["logprobs", "--model", tiny["llama"], "--scheduler-address",
@@ -152,6 +157,7 @@ def test_logprobs_cli_shows_the_topk_as_the_tokenizers_strings(client, tiny, tok
     assert record["topk"] == [[tok.decode([i]) for i in position] for position in top]
 
 
+@pytest.mark.cluster
 def test_the_demos_next_commands_run_as_printed(tmp_path):
     """``dask-lm demo`` ends with what to type next; a shell runs each line as printed, in the user's directory, on
     the machine the demo ran on (the environment's bin directory on PATH, as an activated virtualenv has it)."""

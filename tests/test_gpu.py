@@ -42,6 +42,7 @@ def _hf_bf16_logprobs(model_dir, ids, lens):
     return out * (torch.arange(ids.shape[1])[None, :] < lens[:, None])
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("mode", ["plain", "dynamic", "packed", "auto"])
 def test_bf16_logprobs_on_cuda_cluster(gpu_client, tiny, mode):
     tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
@@ -107,6 +108,7 @@ def test_compiled_training_layers_do_not_recompile_across_token_counts():
     assert counters["stats"]["unique_graphs"] == before, "a later token count recompiled the layers"
 
 
+@pytest.mark.cluster
 def test_fp32_on_gpu_matches_cpu_reference_and_topk_and_scores(gpu_client, tiny):
     tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
     ids, lens = make_batch(tok, TEXTS)
@@ -177,6 +179,7 @@ def _hf_bf16_master_step(model_dir, batch, lr, max_norm):
     return loss, norm, bf16_after, fp32_after
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("n_ranks", [1, 2])
 @pytest.mark.parametrize("mode", ["dynamic", "packed"])
 def test_bf16_train_step_on_cuda_cluster(gpu_client, tiny, n_ranks, mode):
@@ -213,6 +216,7 @@ def test_bf16_train_step_on_cuda_cluster(gpu_client, tiny, n_ranks, mode):
     assert out["theoretical_tflops"] and out["mfu"] is not None and out["total_flops"] > 0
 
 
+@pytest.mark.cluster
 def test_offload_frees_and_restores_device_memory(gpu_client, tmp_path):
     """offload_before_refit moves the optimizer state off the GPUs, offload_to_cpu the weights too, and
     prepare_for_training brings both back: measured by get_free_memory_bytes (NVML's view of each device)."""
@@ -251,6 +255,7 @@ def test_offload_frees_and_restores_device_memory(gpu_client, tmp_path):
     assert torch.isfinite(lp).all()
 
 
+@pytest.mark.cluster
 def test_async_checkpoint_on_gpus_round_trips(gpu_client, tiny, tmp_path):
     """Async save on the GPUs (DCP in a background thread on the gloo group while NCCL training goes on), then a
     restore on the same ranks reproduces the logprobs and the next step."""
@@ -273,6 +278,7 @@ def test_async_checkpoint_on_gpus_round_trips(gpu_client, tiny, tmp_path):
     assert float(got["loss"][0]) == pytest.approx(float(nxt["loss"][0]), rel=1e-6)
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
 def test_score_parquet_on_gpus_matches_hf_bf16(gpu_client, tiny, tmp_path, compile):
     """score_parquet on the GPU workers (a bf16 replica each) against a same-GPU bf16 HF forward: compiled layers
@@ -303,6 +309,7 @@ def test_score_parquet_on_gpus_matches_hf_bf16(gpu_client, tiny, tmp_path, compi
     assert (res.compile_seconds > 0) == compile  # compiled layers and head, or nothing compiled
 
 
+@pytest.mark.cluster
 def test_lm_eval_requests_on_gpus_match_hf_fp32(gpu_client, tiny):
     """The lm-eval request engine on the GPU workers in float32 (the compiled greedy head included) against a
     single-process float32 HF forward on the CPU: sums within 1e-3 and the same is_greedy, in request order."""
@@ -331,6 +338,7 @@ def test_lm_eval_requests_on_gpus_match_hf_fp32(gpu_client, tiny):
     assert got[-1][1]
 
 
+@pytest.mark.cluster
 def test_generate_on_gpus(gpu_client, tiny):
     """fp32 greedy decoding on the GPU ranks (NCCL-synchronised steps) equals HF generate on one GPU; bf16 sampled
     logprobs equal get_logprobs on the returned sequences."""
@@ -379,6 +387,7 @@ def _worker_allocated():
     return int(torch.cuda.memory_allocated()) if torch.cuda.is_initialized() else 0
 
 
+@pytest.mark.cluster
 def test_cuda_ipc_http_refit_into_sglang_decoder(gpu_client, tiny, tmp_path):
     """Each GPU rank feeds its own fake SGLang server (a separate process that sees every GPU) by CUDA IPC handles
     that SGLang's own patched rebuild opens by GPU UUID; the weights arrive bit-identical, and the exported bucket
@@ -413,6 +422,7 @@ def test_cuda_ipc_http_refit_into_sglang_decoder(gpu_client, tiny, tmp_path):
     assert before == after
 
 
+@pytest.mark.cluster
 def test_zmq_ipc_refit_on_gpus_is_bit_identical(gpu_client, tiny, tmp_path):
     import multiprocessing as mp
     import stat
@@ -476,6 +486,7 @@ def test_cuda_ipc_handle_travels_as_plain_data(tmp_path):
     assert proc.exitcode == 0
 
 
+@pytest.mark.cluster
 def test_nccl_broadcast_to_a_second_gpu(gpu_client, tiny, tmp_path):
     import multiprocessing as mp
     import socket
@@ -513,6 +524,7 @@ def test_nccl_broadcast_to_a_second_gpu(gpu_client, tiny, tmp_path):
     print(f"NCCL refit to a second GPU: {stats[0]['buckets']} buckets, {stats[0]['bytes']} bytes")
 
 
+@pytest.mark.cluster
 def test_every_listener_of_a_cuda_cluster_and_nccl_policy_is_on_loopback(gpu_client, tiny):
     """The driver (scheduler, dashboard, nannies) and every worker (Dask, rank 0's store, NCCL's bootstrap) listen
     on loopback only while a Policy over every GPU is loaded."""

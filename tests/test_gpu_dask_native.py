@@ -18,7 +18,7 @@ from test_gpu import _hf_bf16_logprobs, gpu_client  # noqa: F401  (the module's 
 import dask_lm
 from dask_lm import BatchedDataDict
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.cluster]
 
 
 def _frame(ids, lens, npartitions, **columns):

@@ -67,6 +67,7 @@ def test_missing_names_say_what_was_tried_and_the_fix(hub_cache, tmp_path):
     assert not any(looks_like_hub_id(p) for p in ("/models/qwen", "./m", "~/m", "a/b/c", "../m"))
 
 
+@pytest.mark.cluster
 def test_policy_and_score_parquet_take_a_hub_id_and_the_manifest_records_it(hub_cache, client, tiny, tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(tiny["tokenizer"])
     texts = ["the cat sat on the mat", "dask schedules tasks on workers"]

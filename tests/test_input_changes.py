@@ -22,7 +22,8 @@ from dask_lm.errors import InputChangedError
 from dask_lm.io import fingerprint
 from dask_lm.io import parquet as pio
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 
 def _texts(n, letter="a", start=0):
@@ -119,6 +120,7 @@ def _after_last_part(monkeypatch, action):
     monkeypatch.setattr(scoring, "_output_totals", totals)
 
 
+@pytest.mark.cluster
 def test_an_input_changed_after_its_last_read_fails_before_success(client, tiny, tmp_path, monkeypatch):
     data = _write(tmp_path / "a.parquet", _texts(20), row_group_size=5)
     out = tmp_path / "out"
@@ -138,6 +140,7 @@ def test_an_input_changed_after_its_last_read_fails_before_success(client, tiny,
     assert (result.run_rows, result.rows) == (0, 20) and result.parts_skipped == 4 and (out / "_SUCCESS").exists()
 
 
+@pytest.mark.cluster
 def test_a_model_file_changed_during_the_job_fails_before_success(client, tiny, tmp_path, monkeypatch):
     model = tmp_path / "model"
     shutil.copytree(tiny["llama"], model)
@@ -154,6 +157,7 @@ def test_a_model_file_changed_during_the_job_fails_before_success(client, tiny, 
     assert str(config) in str(e.value) and not (out / "_SUCCESS").exists()
 
 
+@pytest.mark.cluster
 def test_cli_input_replaced_mid_job_exits_1_without_success(client, tiny, tmp_path, monkeypatch):
     """The issue's attack: a 500-row file replaced (same size, new content) while its partitions are scored."""
     data = _write(tmp_path / "a.parquet", _texts(500), row_group_size=25)
@@ -180,6 +184,7 @@ def test_cli_input_replaced_mid_job_exits_1_without_success(client, tiny, tmp_pa
         assert all(" aaaaaaaaaaaa " in t for t in pq.read_table(part, columns=["text"]).column("text").to_pylist())
 
 
+@pytest.mark.cluster
 def test_sft_input_changed_during_the_run_fails_before_success(client, tiny, tmp_path, monkeypatch):
     data = _write(tmp_path / "a.parquet", _texts(8))
     out = tmp_path / "run"
@@ -197,6 +202,7 @@ def test_sft_input_changed_during_the_run_fails_before_success(client, tiny, tmp
 
 
 # ----------------------------------------------------------------------------------------- discovery
+@pytest.mark.cluster
 def test_a_symlinked_directory_of_rows_is_scored(client, tiny, tmp_path):
     """100 rows in the input directory and 400 in a directory it links to: 500 rows scored, each once, and a
     symlink loop inside the input is survived without scoring anything twice."""

@@ -20,7 +20,8 @@ import pytest
 import dask_lm
 from dask_lm.engine import interrupts, jobs
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 ROWS = 900
 
@@ -59,6 +60,7 @@ def _ids(out):
     return [i for f in sorted(glob.glob(os.path.join(out, "part-*.parquet"))) for i in pq.read_table(f).column("id").to_pylist()]
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_mid_job_says_what_is_kept_and_resume_finishes_exactly_once(tiny, long_job, tmp_path, sig):
     out = tmp_path / "out"
@@ -84,6 +86,7 @@ def test_a_signal_mid_job_says_what_is_kept_and_resume_finishes_exactly_once(tin
     assert success["rows"] == ROWS and success["parts_skipped"] == kept
 
 
+@pytest.mark.cluster
 def test_on_an_attached_cluster_no_part_appears_after_the_command_has_gone(tiny, long_job, tmp_path,
                                                                            attached_cluster):
     """The cluster outlives the command: its in-flight task must not write a part once the job is cancelled
@@ -107,6 +110,7 @@ def test_on_an_attached_cluster_no_part_appears_after_the_command_has_gone(tiny,
     assert sorted(glob.glob(str(out / "part-*.parquet"))) == kept
 
 
+@pytest.mark.cluster
 def test_an_interrupted_start_leaves_nothing_and_the_same_call_runs_again(client, tiny, tmp_path, monkeypatch):
     """Ctrl-C while the cluster starts (here: as the job asks for its client, under the output's lock, with
     the manifest written): the output folder is gone again, and the same call then succeeds."""

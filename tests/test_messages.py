@@ -25,7 +25,8 @@ from dask_lm.engine import prescan
 from dask_lm.engine.sft import sft_parquet
 from dask_lm.errors import BadRowError
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 ROWS = ["the cat sat on the mat", "a dog ran in the park", "dask runs tasks", "tokens have logprobs",
         None, "the loss goes down"]
@@ -80,6 +81,7 @@ def test_bad_arguments_name_keyword_arguments_to_python_and_flags_to_the_cli(tin
     assert interface.current() == "python" and not os.path.exists(out)
 
 
+@pytest.mark.cluster
 def test_a_bad_row_found_by_a_worker_is_named_in_the_callers_terms(client, tiny, bad_data, tmp_path, monkeypatch):
     # a job too large for the driver's pre-scan: the worker scoring the second row group finds the bad row, in a
     # process of its own, told how the job's caller spells options by the job's options (an attached cluster)
@@ -131,6 +133,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.cluster
 def test_a_failing_job_prints_no_worker_log_lines_into_its_progress(tiny, bad_data, tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(_FAILING_JOB.format(data=str(bad_data), out=str(tmp_path / "out"),
@@ -149,6 +152,7 @@ def test_a_failing_job_prints_no_worker_log_lines_into_its_progress(tiny, bad_da
     assert "users_own_task" in err.split(records[0], 1)[1]
 
 
+@pytest.mark.cluster
 def test_warnings_point_at_the_callers_line_once(client, tiny, tmp_path):
     data = tmp_path / "data.parquet"
     pq.write_table(pa.table({"text": ["the cat sat", "", "a dog ran"]}), data)
@@ -176,6 +180,7 @@ def test_warnings_point_at_the_callers_line_once(client, tiny, tmp_path):
     assert "UserWarning" not in result.output and ".py:" not in result.output
 
 
+@pytest.mark.cluster
 def test_a_ranks_warning_reaches_the_callers_line_once(client, tiny):
     tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
     ids, lens = make_batch(tok, TEXTS)

@@ -6,7 +6,8 @@ import pathlib
 
 import pytest
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -15,6 +16,7 @@ def test_there_are_notebooks():
     assert NOTEBOOKS, "notebooks/ is empty"
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     import nbformat

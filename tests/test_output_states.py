@@ -22,7 +22,8 @@ from dask_lm.cli import main as cli
 from dask_lm.engine import cluster, prescan
 from dask_lm.engine.sft import sft_parquet
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 TEXTS = ["the cat sat on the mat", "a dog ran in the park today", "dask runs tasks on workers", "tokens have logprobs",
          "gradients flow backwards through layers", "the loss goes down", "two ranks agree on it", "parquet has columns"]
@@ -51,6 +52,7 @@ def _score(data, out, model, client, **kw):
                                  progress=False, **kw)
 
 
+@pytest.mark.cluster
 def test_a_bad_row_then_resume_with_skip_bad_rows_keeps_the_good_part(client, tiny, bad_data, tmp_path,
                                                                       monkeypatch):
     out = tmp_path / "out"
@@ -92,6 +94,7 @@ def test_a_bad_row_then_resume_with_skip_bad_rows_keeps_the_good_part(client, ti
     assert result.perplexity == pytest.approx(table["perplexity"].mean(), rel=1e-9)
 
 
+@pytest.mark.cluster
 def test_a_finished_job_resumes_at_once_and_overwrite_runs_again(client, tiny, tmp_path, monkeypatch):
     data = tmp_path / "d.parquet"
     pq.write_table(pa.table({"id": [0, 1, 2], "text": TEXTS[:3]}), data)
@@ -115,6 +118,7 @@ def test_a_finished_job_resumes_at_once_and_overwrite_runs_again(client, tiny, t
     assert json.loads((out / "_manifest.json").read_text())["options"]["topk"] == 2
 
 
+@pytest.mark.cluster
 def test_overwrite_never_deletes_files_dask_lm_did_not_write(client, tiny, tmp_path, no_cluster):
     data = tmp_path / "d.parquet"
     pq.write_table(pa.table({"id": [0], "text": TEXTS[:1]}), data)
@@ -128,6 +132,7 @@ def test_overwrite_never_deletes_files_dask_lm_did_not_write(client, tiny, tmp_p
     assert (out / "notes.txt").read_text() == "keep me" and (out / "part-00000.parquet").exists()
 
 
+@pytest.mark.cluster
 def test_sft_finished_run_resumes_at_once_overwrite_retrains_and_weights_are_self_contained(client, tiny, tmp_path,
                                                                                             monkeypatch):
     data = tmp_path / "sft.parquet"

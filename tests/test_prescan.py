@@ -13,7 +13,8 @@ from dask_lm.cli import main as cli
 from dask_lm.engine import prescan
 from dask_lm.errors import BadRowError
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 WORDS = "dask scores parquet rows on its workers"
 
@@ -38,6 +39,7 @@ def _errors(out):
     return sorted(pq.read_table(out / "_errors.parquet").column("error").to_pylist())
 
 
+@pytest.mark.cluster
 def test_every_bad_row_is_named_in_one_refusal_before_anything_is_written(client, tiny, text_data, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(BadRowError) as e:
@@ -91,6 +93,7 @@ def test_ids_rows_are_counted_past_the_first_few_and_the_cli_exits_2(tiny, tmp_p
     assert "--skip-bad-rows" in result.output and not out.exists()
 
 
+@pytest.mark.cluster
 def test_large_jobs_and_skipping_jobs_leave_the_checks_to_the_workers(client, tiny, text_data, tmp_path, monkeypatch):
     monkeypatch.setattr(prescan, "PRESCAN_MAX_TOKENS", 1)  # every job is "large"
     with pytest.raises(BadRowError) as e:

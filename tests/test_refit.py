@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 import dask_lm
 from dask_lm.workers import buckets as bk
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 
 def _cfg(model_dir):
@@ -61,6 +62,7 @@ def _check_identical(got, saved):
         assert torch.equal(got[name], t), f"{name} differs"
 
 
+@pytest.mark.cluster
 def test_refit_info_names_shapes_dtypes(trained, tiny):
     policy, saved = trained
     info = policy.prepare_refit_info()
@@ -71,6 +73,7 @@ def test_refit_info_names_shapes_dtypes(trained, tiny):
         assert tuple(shape) == tuple(hf[name].shape) and dtype == torch.float32
 
 
+@pytest.mark.cluster
 def test_zmq_stream_is_bit_identical(trained, tmp_path):
     import refit_peers
 
@@ -98,6 +101,7 @@ def test_zmq_stream_is_bit_identical(trained, tmp_path):
     assert policy.client.get_events("dask-lm-progress")[-1][1]["done"] == total
 
 
+@pytest.mark.cluster
 def test_zmq_without_receiver_times_out(trained):
     policy, _ = trained
     with pytest.raises(TimeoutError, match="inference worker on"):
@@ -145,6 +149,7 @@ def _pickle_answering_peer(address, answer):
         sock.close(linger=0)
 
 
+@pytest.mark.cluster
 def test_a_pickled_answer_on_the_policy_socket_is_never_read(trained, tmp_path):
     """Whatever answers on a rank's socket with a pickle (one that would create a file when unpickled): the stream
     fails with an error naming the socket, and no file appears (the worker never deserialised it)."""
@@ -163,6 +168,7 @@ def test_a_pickled_answer_on_the_policy_socket_is_never_read(trained, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.cluster
 def test_zmq_socket_is_private_to_the_user_and_removed_at_shutdown(client, tiny):
     """The rank's socket sits in a directory of its own (0700) and is itself 0600 while weights stream; shutdown
     removes both."""
@@ -197,6 +203,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.cluster
 def test_collective_broadcast_is_bit_identical(trained, tmp_path):
     import refit_peers
 
@@ -222,6 +229,7 @@ def test_collective_broadcast_is_bit_identical(trained, tmp_path):
         assert len(results[0]["messages"]) == first[0]["buckets"] and len(results[1]["messages"]) == 1
 
 
+@pytest.mark.cluster
 def test_collective_store_listens_only_on_the_given_address(trained, tmp_path):
     """Rank 0's rendezvous store accepts connections on the ``ip`` it was given, not on every interface."""
     import psutil
@@ -252,6 +260,7 @@ def test_collective_store_port_in_use_is_a_clear_error():
             listen_fd("127.0.0.1", taken.getsockname()[1], what="init_collective")
 
 
+@pytest.mark.cluster
 def test_collective_receiver_with_other_refit_info_fails_loudly(trained, tmp_path):
     import refit_peers
 

@@ -18,7 +18,8 @@ from sglang_server import start_server
 import dask_lm
 from dask_lm import BatchedDataDict
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 BUFFER = 64 * 1024  # several buckets for the tiny model; its 96 KiB embedding is alone in one
 
 
@@ -61,6 +62,7 @@ def _assert_serves_policy(server, policy, tok):
     torch.testing.assert_close(server.logprobs(ids, lens), want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.cluster
 def test_refit_after_train_serves_the_policys_weights(policy, tiny, tok, tmp_path):
     with start_server(tiny["llama"]) as server:
         _train_step(policy, tok, TEXTS[:4])
@@ -91,6 +93,7 @@ def test_refit_after_train_serves_the_policys_weights(policy, tiny, tok, tmp_pat
         assert st2["sessions_begun"] == 2 and int(st2["weight_version"]) == int(st["weight_version"]) + 1
 
 
+@pytest.mark.cluster
 def test_tp2_engine_gets_one_entry_per_rank(policy, tiny, tok):
     # 2 policy ranks colocated with one TP=2 server: each rank shares its own bucket (shared memory), rank 0 gathers
     # the two entries and posts them; the server decodes each as its own TP rank and checks they agree bit for bit
@@ -101,6 +104,7 @@ def test_tp2_engine_gets_one_entry_per_rank(policy, tiny, tok):
         assert st["updates"] and all(u["num_entries"] == 2 for u in st["updates"])
 
 
+@pytest.mark.cluster
 def test_two_engines_one_per_rank(policy, tiny, tok):
     with start_server(tiny["llama"]) as a, start_server(tiny["llama"]) as b:
         _refit(policy, [a.url, b.url], 1)
@@ -109,6 +113,7 @@ def test_two_engines_one_per_rank(policy, tiny, tok):
             assert server.state()["sessions_ended"] == 1
 
 
+@pytest.mark.cluster
 def test_single_rank_feeds_a_tp2_engine(client, tiny, tok):
     with dask_lm.Policy(client, _cfg(tiny["llama"]), tok, workers_per_node=1) as one, \
             start_server(tiny["llama"], tp=2) as server:
@@ -118,6 +123,7 @@ def test_single_rank_feeds_a_tp2_engine(client, tiny, tok):
         assert all(u["num_entries"] == 2 for u in server.state()["updates"])
 
 
+@pytest.mark.cluster
 def test_refused_bucket_raises_the_servers_message_and_ends_the_session(policy, tiny, tok):
     with start_server(tiny["llama"], extra_args=["--fail-update", "2"]) as server:
         with pytest.raises(dask_lm.RefitError, match="injected failure on bucket 2"):
@@ -130,6 +136,7 @@ def test_refused_bucket_raises_the_servers_message_and_ends_the_session(policy, 
         _assert_serves_policy(server, policy, tok)
 
 
+@pytest.mark.cluster
 def test_server_down_names_the_url(policy):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -139,6 +146,7 @@ def test_server_down_names_the_url(policy):
         _refit(policy, [url], 1)
 
 
+@pytest.mark.cluster
 def test_older_server_without_sessions_and_busy_flushes(policy, tiny, tok):
     with start_server(tiny["llama"], extra_args=["--no-sessions", "--busy-flushes", "2"]) as server:
         _refit(policy, [server.url], 1)
@@ -147,6 +155,7 @@ def test_older_server_without_sessions_and_busy_flushes(policy, tiny, tok):
         assert st["sessions_begun"] == 0 and st["flushes"] == 3
 
 
+@pytest.mark.cluster
 def test_bad_arguments_fail_before_any_work(policy):
     policy._rollout_gpus_per_engine = None
     with pytest.raises(ValueError, match="set_rollout_num_gpus_per_engine"):
@@ -167,6 +176,7 @@ def _sglang_policy(client, tiny, tok, urls, **generation):
                           init_reference_model=False, workers_per_node=1)
 
 
+@pytest.mark.cluster
 def test_sglang_generate_greedy_equals_hf_generate(client, tiny, tok):
     ids, lens = make_batch(tok, TEXTS)
     with start_server(tiny["llama"]) as a, start_server(tiny["llama"]) as b, \
@@ -194,6 +204,7 @@ def test_sglang_generate_greedy_equals_hf_generate(client, tiny, tok):
     assert (out["logprobs"][~gen_mask] == 0).all()
 
 
+@pytest.mark.cluster
 def test_sglang_generate_sends_only_keys_sglang_accepts(client, tiny, tok):
     ids, lens = make_batch(tok, TEXTS[:3])
     with start_server(tiny["llama"], extra_args=["--drop-first-generate", "1"]) as server, \
@@ -209,6 +220,7 @@ def test_sglang_generate_sends_only_keys_sglang_accepts(client, tiny, tok):
     assert reqs[0]["sampling_params"] == [dict(common, sampling_seed=3 + r) for r in range(3)]
 
 
+@pytest.mark.cluster
 def test_sglang_generate_server_down(client, tiny, tok):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

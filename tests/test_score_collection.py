@@ -19,7 +19,8 @@ import dask_lm
 from dask_lm.errors import BadRowError
 from dask_lm.io.parquet import output_schema_columns
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,7 @@ def frame():
     return pdf, dd.from_pandas(pdf, npartitions=3, sort=False)
 
 
+@pytest.mark.cluster
 def test_dask_frame_matches_score_parquet_and_hf(client, tiny, tok, hf, tmp_path):
     data = tmp_path / "data.parquet"
     pq.write_table(pa.table({"id": list(range(20)), "text": TEXTS[:20]}), data, row_group_size=7)
@@ -76,6 +78,7 @@ def _close(a, b, tol=1e-4):
     return a == b
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("topk,decode", [(0, False), (2, True)])
 def test_meta_equals_the_computed_frame(client, tiny, frame, topk, decode):
     pdf, ddf = frame
@@ -92,6 +95,7 @@ def test_meta_equals_the_computed_frame(client, tiny, frame, topk, decode):
     pd.testing.assert_series_equal(empty.dtypes, meta.dtypes)  # a partition left empty by a filter, too
 
 
+@pytest.mark.cluster
 def test_pandas_and_a_list_of_texts_give_pandas(client, tiny, tok, hf, frame):
     pdf, _ = frame
     got = dask_lm.score(pdf, model=tiny["llama"], text_column="text", client=client)
@@ -107,6 +111,7 @@ def test_pandas_and_a_list_of_texts_give_pandas(client, tiny, tok, hf, frame):
         assert row.sum_logprob == pytest.approx(_reference(hf, tok, text)[3], abs=1e-3)
 
 
+@pytest.mark.cluster
 def test_ids_and_prompt_response_columns(client, tiny, tok, hf):
     prompts, responses = TEXTS[:4], [t.upper()[:20] for t in TEXTS[4:8]]
     pdf = pd.DataFrame({"prompt": prompts, "response": responses,
@@ -124,6 +129,7 @@ def test_ids_and_prompt_response_columns(client, tiny, tok, hf):
             assert got.sum_logprob[i] == pytest.approx(total, abs=1e-3)
 
 
+@pytest.mark.cluster
 def test_a_worker_without_the_plugin_installs_it(client, tiny, frame):
     """A lazy frame computed on workers that were never told of dask-lm (it was built before they joined, or for
     another client): each installs the plugin that holds its replica with its first partition."""
@@ -142,6 +148,7 @@ def test_a_worker_without_the_plugin_installs_it(client, tiny, frame):
     assert any(client.run(has_plugin).values())
 
 
+@pytest.mark.cluster
 def test_without_a_client_a_local_cluster_is_started_and_closed(client, tiny, monkeypatch):
     """No client given and none current: ``dask_lm.connect()``'s, closed before the result is returned (here a
     second client of the session's cluster stands in for the local cluster, which takes seconds to start)."""
@@ -161,6 +168,7 @@ def test_without_a_client_a_local_cluster_is_started_and_closed(client, tiny, mo
     assert len(started) == 1 and started[0].status == "closed"
 
 
+@pytest.mark.cluster
 def test_it_composes_with_a_filter_before_and_a_groupby_after(client, tiny, tok, hf, frame, tmp_path):
     pdf, ddf = frame
     kept = pdf[pdf.group != "c"]
@@ -183,6 +191,7 @@ def test_it_composes_with_a_filter_before_and_a_groupby_after(client, tiny, tok,
     assert back["sum_logprob"].tolist() == pytest.approx(expected.tolist(), abs=1e-3)
 
 
+@pytest.mark.cluster
 def test_a_bad_row_names_partition_row_and_label_and_skip_drops_it(client, tiny, frame):
     pdf, _ = frame
     pdf = pdf.astype({"text": object})
@@ -207,6 +216,7 @@ def test_a_bad_row_names_partition_row_and_label_and_skip_drops_it(client, tiny,
             "(index 'r5'), column 'text': expected a string, got null") in [str(w) for w in said]
 
 
+@pytest.mark.cluster
 def test_a_long_pandas_input_is_cut_finer_than_a_partition_per_worker(client, tiny, frame, monkeypatch):
     from dask_lm.engine import collection
 

@@ -22,7 +22,8 @@ from click.testing import CliRunner
 import dask_lm
 from dask_lm.cli import main as cli
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 TEXTS = [f"row {i}: " + " ".join(["dask", "tokens", "score", "parquet", "model"][: 1 + i % 5]) * (1 + i % 4)
          for i in range(30)]
@@ -63,6 +64,7 @@ def _read(out):
     return pa.concat_tables([pq.read_table(out / f) for f in parts]), parts
 
 
+@pytest.mark.cluster
 def test_text_mode_matches_hf_with_schema_and_topk(client, tiny, tok, hf, dataset, tmp_path):
     out = tmp_path / "out"
     res = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=3,
@@ -101,6 +103,7 @@ def test_text_mode_matches_hf_with_schema_and_topk(client, tiny, tok, hf, datase
         torch.testing.assert_close(torch.tensor(r["topk_logprobs"]), top.values, atol=1e-4, rtol=0)
 
 
+@pytest.mark.cluster
 def test_job_is_a_dask_span_with_its_tokens_and_writes_a_performance_report(client, tiny, dataset, tmp_path):
     report = tmp_path / "report.html"
     res = dask_lm.score_parquet(dataset, tmp_path / "out", model=tiny["llama"], client=client, text_column="text",
@@ -118,6 +121,7 @@ def test_job_is_a_dask_span_with_its_tokens_and_writes_a_performance_report(clie
     assert client.run_on_scheduler(span_tokens) >= res.tokens > 0
 
 
+@pytest.mark.cluster
 def test_ids_and_prompt_response_modes(client, tiny, tok, hf, tmp_path):
     data = tmp_path / "pr.parquet"
     prompts, responses = TEXTS[:6], [t.upper()[:20] for t in TEXTS[6:12]]
@@ -179,6 +183,7 @@ def test_bad_input_exit_2_and_nothing_written(tiny, dataset, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.cluster
 def test_bad_rows_fail_or_are_skipped(client, tiny, tok, tmp_path):
     data = tmp_path / "bad.parquet"
     texts = ["fine text", None, "", "also fine", "ok"]
@@ -201,6 +206,7 @@ def test_bad_rows_fail_or_are_skipped(client, tiny, tok, tmp_path):
     assert empty["num_scored"] == 0 and empty["num_tokens"] == 1 and empty["sum_logprob"] is None  # BOS alone
 
 
+@pytest.mark.cluster
 def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, dataset, tmp_path):
     """One part per row group as written (task_tokens=0), so that the parts are known to the test. The resumes
     give nothing but the output: inputs, model, columns, --topk and --task-tokens are the manifest's."""
@@ -263,6 +269,7 @@ def _limit_file_size(limit):
     return soft
 
 
+@pytest.mark.cluster
 def test_a_part_that_cannot_be_written_is_named_with_the_fix(client, tiny, dataset, tmp_path):
     """The workers' part writes fail in the operating system (a 1 KiB file size limit: every part file is
     larger), through the real writer: exit 1 and one line naming the part, its path, the reason and the fix; no
@@ -296,6 +303,7 @@ def test_a_part_that_cannot_be_written_is_named_with_the_fix(client, tiny, datas
     assert sorted(_read(out)[0].column("id").to_pylist()) == list(range(30))
 
 
+@pytest.mark.cluster
 def test_a_killed_worker_costs_a_retry_not_a_row(tiny, tmp_path):
     """SIGKILL one of two workers mid-job: its partitions run again (elsewhere, or on it after the nanny restarts
     it) and the output holds every input row exactly once. The rows are one row group, as pandas writes a file,
@@ -336,6 +344,7 @@ def test_a_killed_worker_costs_a_retry_not_a_row(tiny, tmp_path):
     assert not [f for f in os.listdir(out) if ".tmp-" in f]
 
 
+@pytest.mark.cluster
 def test_cli_attaches_to_a_separately_started_cluster(tiny, dataset, tmp_path, attached_cluster):
     sched_file = attached_cluster(1)
     out = tmp_path / "out"
@@ -346,6 +355,7 @@ def test_cli_attaches_to_a_separately_started_cluster(tiny, dataset, tmp_path, a
     assert "rows" in result.output and json.loads((out / "_SUCCESS").read_text())["rows"] == 30
 
 
+@pytest.mark.cluster
 def test_a_file_without_rows_adds_nothing_whatever_its_column_types(client, tiny, tmp_path):
     """pandas writes an empty object column with arrow's ``null`` type: such a file holds no row to score, so it
     neither fails the job nor changes what the other files give. A column it lacks is still named."""

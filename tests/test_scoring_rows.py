@@ -19,7 +19,8 @@ import dask_lm
 from dask_lm.cli import main as cli
 from dask_lm.tiny import build_tiny_model
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 WORDS = "dask tokens score parquet model cluster worker"
 
@@ -59,6 +60,7 @@ def _cli(client, args):
                                     "--no-progress"])
 
 
+@pytest.mark.cluster
 def test_rows_longer_than_the_model_are_bad_rows_or_keep_their_last_tokens(client, short, tmp_path):
     model, limit = short
     rows = [[3 + (7 * k) % 300 for k in range(limit + 11)], [5, 6, 7, 8, 9, 10], list(range(10, 10 + limit))]
@@ -88,6 +90,7 @@ def test_rows_longer_than_the_model_are_bad_rows_or_keep_their_last_tokens(clien
     assert got[0]["sum_logprob"] == pytest.approx(float(want[1:].double().sum()), abs=1e-3)
 
 
+@pytest.mark.cluster
 def test_truncated_prompt_response_rows_keep_the_whole_response(client, short, tok, tmp_path):
     model, limit = short
     prompt = " ".join([WORDS] * 12)
@@ -133,6 +136,7 @@ def _nan_model(src, dst):
     return dst
 
 
+@pytest.mark.cluster
 def test_nan_weights_fail_the_job_unless_allowed(client, tiny, tmp_path):
     model = _nan_model(tiny["llama"], str(tmp_path / "nan_model"))
     data = tmp_path / "d.parquet"
@@ -152,6 +156,7 @@ def test_nan_weights_fail_the_job_unless_allowed(client, tiny, tmp_path):
     assert all(torch.isnan(torch.tensor(r["logprobs"][1:])).all() for r in got)
 
 
+@pytest.mark.cluster
 def test_rows_with_nothing_to_score_have_null_sums_and_are_counted(client, tiny, tok, tmp_path):
     model = tiny["llama"]
     texts = ["dask tokens score", "a", "", "parquet model"]
@@ -227,6 +232,7 @@ BAD_ROWS = [
 ]
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("name,columns,mode,row,column,what", BAD_ROWS, ids=[c[0] for c in BAD_ROWS])
 def test_bad_rows_are_located_and_skippable(client, tiny, tmp_path, name, columns, mode, row, column, what):
     data = tmp_path / f"{name}.parquet"
@@ -244,6 +250,7 @@ def test_bad_rows_are_located_and_skippable(client, tiny, tmp_path, name, column
     assert [r["id"] for r in _read(tmp_path / "o2")] == [i for i in range(3) if i != row]
 
 
+@pytest.mark.cluster
 def test_a_corrupt_data_page_names_its_row_group_and_skips_its_rows(client, tiny, tmp_path):
     data = tmp_path / "corrupt.parquet"
     pq.write_table(pa.table({"id": list(range(12)), "text": [f"{WORDS} {i}" for i in range(12)]}), data,

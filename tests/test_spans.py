@@ -86,6 +86,7 @@ def _hf_sums(model_dir, rows):
     return sums
 
 
+@pytest.mark.cluster
 def test_one_row_group_is_scored_by_every_worker_and_resumed_by_span(client, tiny, one_group, tmp_path):
     from distributed import get_task_stream
 

@@ -19,7 +19,8 @@ from dask_lm.cli import main as cli
 from dask_lm.engine.sft import sft_parquet
 from dask_lm.io.parquet import resolve_input_files
 
-pytestmark = pytest.mark.cluster
+# `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
+# (pytest -m "not cluster")
 
 TEXTS = [f"sample {i:04d}: dask scores parquet rows with a model" for i in range(12)]
 MiB = 1 << 20
@@ -63,6 +64,7 @@ def _copy_output(out, tmp_path):
     return copy
 
 
+@pytest.mark.cluster
 def test_same_size_rewrite_of_an_input_refuses_resume(client, tiny, tmp_path, no_cluster):
     data = tmp_path / "data.parquet"
     plain = dict(compression="none", use_dictionary=False, write_statistics=False)  # bytes follow the values
@@ -104,6 +106,7 @@ def wide_model(tiny, tmp_path_factory):
     return path
 
 
+@pytest.mark.cluster
 def test_weights_changed_mid_file_refuse_resume(client, wide_model, tmp_path, no_cluster):
     model = tmp_path / "model"
     shutil.copytree(wide_model, model)
@@ -125,6 +128,7 @@ def test_weights_changed_mid_file_refuse_resume(client, wide_model, tmp_path, no
     assert _snapshot(out) == before  # refused after hashing, beside the cluster's start: nothing written
 
 
+@pytest.mark.cluster
 def test_option_change_names_the_option_and_both_values(scored, tiny, no_cluster):
     data, out = scored
     with pytest.raises(ValueError, match=r"resume=True refused.*: topk was 0, now 2"):
@@ -134,6 +138,7 @@ def test_option_change_names_the_option_and_both_values(scored, tiny, no_cluster
     assert not no_cluster
 
 
+@pytest.mark.cluster
 def test_finished_resume_returns_at_once_without_a_cluster(scored, tiny, tmp_path, no_cluster):
     data, out = scored
     done = json.loads((out / "_SUCCESS").read_text())
@@ -147,6 +152,7 @@ def test_finished_resume_returns_at_once_without_a_cluster(scored, tiny, tmp_pat
     assert not no_cluster
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]"])
 def test_damaged_manifest_is_named(scored, tiny, tmp_path, no_cluster, content):
     data, out = scored
@@ -262,6 +268,7 @@ def test_a_second_job_on_a_locked_output_is_refused(tiny, tmp_path, no_cluster):
     assert len(no_cluster) == 1
 
 
+@pytest.mark.cluster
 def test_next_sft_start_removes_stale_checkpoint_temporaries(client, tiny, tmp_path):
     data = _write(tmp_path / "data.parquet", TEXTS[:4])
     out = tmp_path / "run"
