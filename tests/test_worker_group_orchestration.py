@@ -71,6 +71,13 @@ def wait_then_whoami(prev, hold, tag=None):
     return whoami(prev, tag)
 
 
+def set_then_whoami(prev, release, tag=None):
+    """Sets ``release`` (an Event's name) once its result is ready: its peers may go on."""
+    out = whoami(prev, tag)
+    Event(release).set()
+    return out
+
+
 def fail(prev, kind="runtime"):
     if kind == "value":
         raise ValueError("bad input on this rank")
@@ -178,16 +185,19 @@ def test_a_peer_stuck_after_a_failure_breaks_the_group_for_every_later_call(clie
     error, and after ``settle_timeout_s`` the group is broken, naming the stuck worker. Every later call then
     refuses with the same class and text; the remedy the message names is a new group,
     and one made on the same workers runs."""
-    stuck = events()
-    group.settle_timeout_s = 0.5  # how long a failed call's peers get to fail too (10 s in real use)
-    args = [("fail", None), ("hold", stuck.name), ("ok", None)]
+    stuck, rank2_done = events(), events()
+    group.settle_timeout_s = 1.0  # how long a failed call's peers get to fail too (10 s in real use)
+    # rank 0 fails only once rank 2 has finished, so that rank 1 is the one rank still running, however slow the
+    # machine
+    args = [("fail", rank2_done.name), ("hold", stuck.name), ("ok", rank2_done.name)]
 
-    def mixed(prev, what, hold):
+    def mixed(prev, what, event):
         if what == "fail":
+            assert Event(event).wait(BOUND_S)
             return fail(prev)
         if what == "hold":
-            return wait_then_whoami(prev, hold)
-        return whoami(prev)
+            return wait_then_whoami(prev, event)
+        return set_then_whoami(prev, event)
 
     with pytest.raises(RankFailedError, match=r"^train failed on rank 0 \(worker 0\)"):
         group.gather(group.submit(mixed, key_name="stuck", per_rank=args), what="train", timeout=BOUND_S)
