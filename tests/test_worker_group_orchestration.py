@@ -4,7 +4,7 @@ No model and no torch work: trivial rank functions on an in-process ``LocalClust
 threads in this process), driven through the real ``WorkerGroup`` with its real worker plugin and lease. Each test
 compares with what ``dask_lm/engine/worker_group.py`` documents. Ranks are held mid-call with
 ``distributed.Event`` (the blocked-handler pattern of ``distributed.utils_test``, for a running task), so an order
-is forced, never waited for by the clock. No ``cluster`` marker: this tier starts no worker processes.
+is forced by events, never hoped for after a sleep. No ``cluster`` marker: this tier starts no worker processes.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def cluster():
 
 @pytest.fixture()
 def client(cluster):
+    # shadows conftest's `client` (a cluster of worker processes): this module never starts one
     with Client(cluster) as c:
         yield c
 
