@@ -18,6 +18,7 @@ import click
 
 from dask_lm import __version__  # the package imports its heavy modules lazily: --help stays fast
 from dask_lm import interface  # the standard library only
+from dask_lm.config.defaults import PACKED_BATCH_TOKENS, PADDED_BATCH_TOKENS  # constants only
 from dask_lm.engine import interrupts  # signal and threading only
 
 __all__ = ["main"]
@@ -153,8 +154,8 @@ Exit codes: 0 done; 2 bad usage or input: refused before anything is written, or
               "side; a response is kept whole) instead of failing on it; such rows have truncated=true.")
 @click.option("--allow-nonfinite", is_flag=True, help="Keep NaN/inf logprobs instead of failing the job on them.")
 @click.option("--batch-tokens", type=int, default=None,
-              help="Tokens per micro-batch: real tokens where GPU workers pack rows (default 32768), padded ones "
-              "elsewhere (default 16384).")
+              help=f"Tokens per micro-batch: real tokens where GPU workers pack rows (default {PACKED_BATCH_TOKENS}), "
+              f"padded ones elsewhere (default {PADDED_BATCH_TOKENS}).")
 @click.option("--task-tokens", type=int, default=None, help="Tokens per task and part file, estimated from the "
               "footers (default: about 1/32 of the job, 16k to 1M): large row groups are split, small ones merged; "
               "0: one task per row group, as written.")

@@ -43,6 +43,7 @@ try:
 except ImportError as e:  # pragma: no cover - the eval extra is missing
     raise ImportError('dask_lm.harness needs lm-evaluation-harness 0.4: pip install "dask-lm[eval]"') from e
 
+from dask_lm.config.defaults import PADDED_BATCH_TOKENS
 from dask_lm.data.continuation import encode_pairs
 from dask_lm.data.continuation import prefix_token_id as _prefix_token_id
 from dask_lm.engine.requests import DEFAULT_TASK_TOKENS, RequestEngine
@@ -97,7 +98,7 @@ class DaskLM(TemplateLM):
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, revision: str | None = None,
                  scheduler_address: str | None = None, n_workers: int | str | None = None, client: Any = None,
-                 dtype: str | None = None, precision: str | None = None, batch_tokens: int | str = 16384,
+                 dtype: str | None = None, precision: str | None = None, batch_tokens: int | str = PADDED_BATCH_TOKENS,
                  task_tokens: int | str = DEFAULT_TASK_TOKENS, max_length: int | str | None = None,
                  max_gen_toks: int | str = 256, add_bos_token: bool | str | None = None,
                  compile: bool | str = False, trust_remote_code: bool | str = False,

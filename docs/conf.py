@@ -5,9 +5,9 @@ cross-reference, a page outside every toctree, a bad directive) fails the build.
 ``python -m sphinx -W --keep-going -b html docs docs/_build/html``.
 
 Pages are MyST Markdown; the reference pages are generated: the CLI from the click commands (sphinx-click), the
-API from the docstrings (autodoc), the Policy config keys from the dataclasses of ``dask_lm/config.py``
-(``_ext/config_keys.py``). No intersphinx: CI reaches no network but the package index, so references to other
-projects' types cannot be linked (``nitpick_ignore`` below lists the ones our public signatures name).
+API from the docstrings (autodoc). The Policy config keys (``reference/config.md``) are a Markdown table that
+``python -m dask_lm.config.doc --write`` generates from the dataclasses of ``dask_lm/config/``. No intersphinx: CI
+reaches no network but the package index, so references to other projects' types cannot be linked (``nitpick_ignore`` below lists the ones our public signatures name).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx_click",
     "cli_examples",  # _ext/cli_examples.py: the commands' "Examples:" epilogs as shell code blocks
-    "config_keys",  # _ext/config_keys.py: the {dask-lm-config} directive
     "public_api",  # _ext/public_api.py: the {dask-lm-api} directive (autodoc over dask_lm.__all__)
     "internal_refs",  # _ext/internal_refs.py: references by defining module, resolved to the public entries
 ]

@@ -21,7 +21,6 @@ from packaging.version import Version
 
 import dask_lm
 import dask_lm.data.arrow
-import dask_lm.io
 from dask_lm.data import messages
 
 
@@ -76,7 +75,6 @@ def hostile(tmp_path):
 
 ENTRY_POINTS = {
     "BatchedDataDict.from_arrow": lambda t: dask_lm.BatchedDataDict.from_arrow(t),
-    "dask_lm.io.from_arrow": lambda t: dask_lm.io.from_arrow(t),
     "dask_lm.data.arrow.from_arrow": lambda t: dask_lm.data.arrow.from_arrow(t),
 }
 

@@ -68,6 +68,15 @@ def test_public_names():
     assert {"Policy", "PolicyConfig", "BatchedDataDict", "connect"} <= set(dask_lm.__all__)
 
 
+def test_driver_modules_import_without_torch():
+    """``dask_lm.io`` re-exports nothing (it once re-exported ``data.arrow``, which imports torch), and the config
+    package is dataclasses only: a driver that resolves a model or reads a config does not pay for torch."""
+    for module in ("dask_lm.io.hub", "dask_lm.config"):
+        code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == "[]", (module, out.stdout, out.stderr)
+
+
 def test_the_package_and_the_command_import_no_heavy_module():
     """``import dask_lm`` and the ``dask-lm`` entry point load neither torch, transformers nor distributed (the
     public names import on first use), so ``dask-lm --help`` / ``--version`` answer at once; a public name still

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from dask_lm.config.defaults import PACKED_BATCH_TOKENS, PADDED_BATCH_TOKENS
 from dask_lm.data.continuation import Convention
 
 if TYPE_CHECKING:
@@ -259,14 +260,6 @@ class ScoreOptions:
         if self.batch_tokens is not None:
             return self.batch_tokens
         return PACKED_BATCH_TOKENS if packed else PADDED_BATCH_TOKENS
-
-
-# Micro-batch sizes by default. Packed rows (GPU workers: real tokens only, varlen attention) run 32k tokens per
-# forward, as a Policy's inference pass does (benchmarks/logprobs.py): at 16k a 0.5B forward is short enough that
-# the head's and the layers' launches show; activations stay near 1 GiB at 0.5B (32k x 4864 x bf16 x 3 in the MLP),
-# and the head's fp32 logits are bounded by chunk_size positions. Padded rows (CPU) stay at 16k padded tokens.
-PACKED_BATCH_TOKENS = 32768
-PADDED_BATCH_TOKENS = 16384
 
 
 # ------------------------------------------------------------------------------------------- extensions

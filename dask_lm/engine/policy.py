@@ -22,7 +22,9 @@ from typing import Any, NamedTuple
 
 from distributed import span, wait
 
-from dask_lm.config import PolicyConfig
+from dask_lm.config import PolicyConfig, SGLangConfig
+from dask_lm.config.generation import DECODING_BACKENDS
+from dask_lm.config.optim import check_optim_config
 from dask_lm.data.batch import BatchedDataDict
 from dask_lm.data.messages import (
     ActionRequest,
@@ -46,7 +48,6 @@ from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.io import hub
 from dask_lm.io.hub import ModelSource
-from dask_lm.optim_config import check_optim_config
 from dask_lm.workers import tasks
 
 __all__ = ["Policy", "SUBMITTABLE"]
@@ -310,7 +311,7 @@ class Policy(TrainingMixin, RefitMixin):
         gen = self.cfg.generation
         if gen is None or not gen.max_new_tokens or gen.max_new_tokens < 1:
             raise ValueError("generate() needs `policy.generation.max_new_tokens` (>= 1)")
-        if gen.backend not in ("hf", "dtensor", "megatron", "sglang"):
+        if gen.backend not in DECODING_BACKENDS:
             raise ValueError(f"`policy.generation.backend` = {gen.backend!r}: use 'hf' (the policy's own workers) "
                              "or 'sglang' (servers listed in `policy.generation.sglang_cfg.server_urls`)")
         return gen
@@ -331,16 +332,15 @@ class Policy(TrainingMixin, RefitMixin):
 
         gen = self.cfg.generation
         assert gen is not None, "generate() checks policy.generation"
-        sg = dict(gen.sglang_cfg or {})
-        urls = sg.get("server_urls")
-        if not urls or isinstance(urls, str):
+        sg = gen.sglang_cfg or SGLangConfig()
+        urls = sg.server_urls
+        if not urls:
             raise ValueError("`policy.generation.backend: sglang` needs `policy.generation.sglang_cfg.server_urls`: "
                              "a list of SGLang server URLs (http://host:port)")
         data = validate_input_batch(data, what="generate", vocab_size=self.vocab_size,
                                     max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
-        client = SGLangGenerator(list(urls), pad_token_id=self.pad_token_id,
-                                 timeout_s=float(sg.get("timeout_s", 600.0)), retries=int(sg.get("retries", 3)),
-                                 chunk_rows=int(sg.get("rows_per_request", 64)))
+        client = SGLangGenerator(list(urls), pad_token_id=self.pad_token_id, timeout_s=sg.timeout_s,
+                                 retries=sg.retries, chunk_rows=sg.rows_per_request)
         with span("dask-lm/generate-sglang"):
             return client.generate(data, sampling_params(gen, greedy=greedy), seed=seed)
 

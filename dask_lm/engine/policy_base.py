@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dask_lm.config import PolicyConfig
+from dask_lm.config.defaults import PACKED_BATCH_TOKENS
 from dask_lm.data.batch import BatchedDataDict, SlicedDataDict
 from dask_lm.data.sharding import DynamicBatchingArgs, SequencePackingArgs
 from dask_lm.engine.worker_group import WorkerGroup
@@ -65,7 +66,7 @@ class PolicyBase:
                                                 for i in self.worker_info)
         if not on:
             return None
-        return max(cfg.inference_mb_tokens or 32768, cfg.max_total_sequence_length)
+        return max(cfg.inference_mb_tokens or PACKED_BATCH_TOKENS, cfg.max_total_sequence_length)
 
     def _shard(self, data: BatchedDataDict[Any], gbs: int | None = None,
                auto_pack: bool = False) -> tuple[list[SlicedDataDict], list[int] | None, bool]:

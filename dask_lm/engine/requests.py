@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from dask_lm.config.defaults import PADDED_BATCH_TOKENS
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.data.packing import longest_first
 from dask_lm.engine import jobs
@@ -68,8 +69,9 @@ class RequestEngine:
 
     def __init__(self, model: str, tokenizer: str | None = None, *, client: Any = None,
                  scheduler_address: str | None = None, n_workers: int | None = None, precision: str | None = None,
-                 batch_tokens: int = 16384, task_tokens: int = DEFAULT_TASK_TOKENS, max_length: int | None = None,
-                 compile: bool = False, chunk_size: int = 1024, progress: bool = True) -> None:
+                 batch_tokens: int = PADDED_BATCH_TOKENS, task_tokens: int = DEFAULT_TASK_TOKENS,
+                 max_length: int | None = None, compile: bool = False, chunk_size: int = 1024,
+                 progress: bool = True) -> None:
         from dask_lm.engine import cluster
         from dask_lm.engine.worker_group import _live_workers
 

@@ -3,7 +3,7 @@
 The optimizer is ``policy.optimizer.{name, kwargs}`` (any ``torch.optim.Optimizer`` subclass by import path). The
 scheduler is ``policy.scheduler``: one ``{name, kwargs}`` dict, or a list of them plus one ``{milestones: [...]}``
 entry, which becomes a ``SequentialLR`` (NeMo RL's form); without one the learning rate stays constant.
-:func:`dask_lm.optim_config.check_optim_config` resolves and binds all of it on the driver, so a typo fails before
+:func:`dask_lm.config.optim.check_optim_config` resolves and binds all of it on the driver, so a typo fails before
 any rank loads a model.
 
 Low-precision training keeps fp32 master weights, as every serious trainer does: with bf16 parameters an AdamW
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dask_lm.optim_config import resolve_class, scheduler_entries
+from dask_lm.config.optim import resolve_class, scheduler_entries
 
 __all__ = ["build_optimizer", "build_scheduler", "MasterWeights",
            "named_optimizer_state", "load_named_optimizer_state", "init_optimizer_state"]

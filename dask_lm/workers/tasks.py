@@ -78,7 +78,7 @@ def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: 
                  member_ids: tuple[str, ...], master: tuple[str, int] | None, pad_token_id: int,
                  extension_fqn: str | None, options: dict[str, Any]) -> dict[str, Any]:
     from dask_lm.config import PolicyConfig
-    from dask_lm.optim_config import resolve_class
+    from dask_lm.config.optim import resolve_class
     from dask_lm.workers import device, lease
     from dask_lm.workers.policy_worker import PolicyWorker
     from dask_lm.workers.state import join_process_group

@@ -1,15 +1,17 @@
-"""NeMo RL ``PolicyConfig`` keys that dask-lm accepts but does not act on, and the check that refuses or warns
-about them (:func:`_check_unhonoured`, run by ``PolicyConfig.__post_init__``). Split out of :mod:`dask_lm.config`,
-which re-exports ``_UNHONOURED``."""
+"""NeMo RL ``PolicyConfig`` keys that dask-lm accepts but does not act on (:data:`UNHONOURED`), and the check that
+refuses or warns about them (:func:`check_unhonoured`, run by ``PolicyConfig.__post_init__``). The config reference
+page reads the same table (:mod:`dask_lm.config.doc`), so what it says a key does is what the check does."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from dask_lm.config import PolicyConfig
+from dask_lm import interface
 
-__all__: list[str] = []  # private: dask_lm.config is the public module
+if TYPE_CHECKING:  # the type only: policy.py imports this module to run the check
+    from dask_lm.config.policy import PolicyConfig
+
+__all__ = ["UNHONOURED", "check_unhonoured"]
 
 
 # ------------------------------------------------------------------------------------------ unhonoured keys
@@ -110,7 +112,7 @@ def _parse(table: str) -> tuple[tuple[str, str, Any, str], ...]:
     return tuple(rows)
 
 
-_UNHONOURED: tuple[tuple[str, str, Any, str], ...] = _parse(_TABLE)
+UNHONOURED: tuple[tuple[str, str, Any, str], ...] = _parse(_TABLE)
 
 
 def _inert(value: Any, inert: Any) -> bool:
@@ -125,11 +127,9 @@ def _inert(value: Any, inert: Any) -> bool:
     return bool(value == inert)
 
 
-def _check_unhonoured(cfg: PolicyConfig) -> None:
-    """Refuse or warn about :data:`_UNHONOURED` keys set to a value that would change behaviour under NeMo RL."""
-    from dask_lm import interface
-
-    for key, action, inert, reason in _UNHONOURED:
+def check_unhonoured(cfg: PolicyConfig) -> None:
+    """Refuse or warn about :data:`UNHONOURED` keys set to a value that would change behaviour under NeMo RL."""
+    for key, action, inert, reason in UNHONOURED:
         if action == "accept":
             continue
         value: Any = cfg

@@ -1,8 +1,10 @@
-"""Typed configuration with NeMo RL's PolicyConfig key names.
+"""The Policy configuration, key for key NeMo RL's ``policy:`` section: :class:`PolicyConfig` and its sections.
 
 A user passes a plain dict (as NeMo RL code does) or a :class:`PolicyConfig`. Every key has a default except
 ``model_name``; an unknown key, or a value of the wrong type, raises ``ValueError`` naming the dotted key
-(``policy.dynamic_batching.logprob_mb_tokens``) and what was expected, before any worker is touched.
+(``policy.dynamic_batching.logprob_mb_tokens``) and what was expected, before any worker is touched. Each field's
+default is written once, on the field; its docstring is what ``docs/reference/config.md`` shows
+(:mod:`dask_lm.config.doc`).
 
 Example
 -------
@@ -14,162 +16,21 @@ Example
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal
 
-from dask_lm.config_keys import _UNHONOURED as _UNHONOURED  # tests read config._UNHONOURED
-from dask_lm.config_keys import _check_unhonoured
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
+from dask_lm.config.generation import GenerationConfig
+from dask_lm.config.keys import check_unhonoured
+from dask_lm.config.schema import Section, config_from_dict
 
 __all__ = ["PolicyConfig", "TokenizerConfig", "DTensorConfig", "MegatronConfig", "DynamicBatchingConfig",
-           "SequencePackingConfig", "GenerationConfig", "RewardModelConfig", "OptimizerConfig", "config_from_dict"]
+           "SequencePackingConfig", "RewardModelConfig", "OptimizerConfig", "Precision"]
 
 Precision = Literal["float32", "bfloat16", "float16"]
-_D = TypeVar("_D", bound="DataclassInstance")
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; return it (nested dicts become dataclasses)."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        options = [o for o in typing.get_args(tp) if o is not type(None)]
-        if value is None and len(options) < len(typing.get_args(tp)):
-            return None
-        if len(options) == 1:  # `X | None` with a value: X's own error names the inner key
-            return _coerce(value, options[0], key)
-        errors = []
-        for option in typing.get_args(tp):
-            try:
-                return _coerce(value, option, key)
-            except ValueError as e:
-                errors.append(e)
-        raise ValueError(f"`{key}` must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-    if tp is type(None):
-        if value is None:
-            return None
-        raise ValueError(f"`{key}` must be null, got {value!r}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if isinstance(value, str) and value.lower() in [str(a).lower() for a in allowed]:
-            return next(a for a in allowed if str(a).lower() == value.lower())
-        raise ValueError(f"`{key}` must be one of {list(allowed)}, got {value!r}")
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"`{key}` must be a mapping of {tp.__name__} keys, got {type(value).__name__}")
-        return config_from_dict(tp, value, prefix=key)
-    if origin in (list, tuple) or tp in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"`{key}` must be a list, got {value!r}")
-        (item_tp,) = typing.get_args(tp)[:1] or (Any,)  # a bare `list` holds anything
-        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"`{key}` must be a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"`{key}` must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ValueError(f"`{key}` must be an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ValueError(f"`{key}` must be a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ValueError(f"`{key}` must be a string, got {value!r}")
-    raise AssertionError(f"unsupported annotation {tp!r} for {key}")
-
-
-def config_from_dict(cls: type[_D], data: dict[str, Any], *, prefix: str = "policy") -> _D:
-    """Build dataclass ``cls`` from ``data``; errors name the dotted key (``prefix.key``)."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    # NeMo RL spells a few keys with a leading underscore (`_v2`, `_pad_token_id`); we keep the spelling.
-    aliases = {f.metadata.get("key", f.name): f.name for f in fields.values()}
-    kwargs: dict[str, Any] = {}
-    # a section read only by a backend dask-lm refuses keeps whatever it holds (NeMo RL's example configs carry a
-    # full megatron_cfg with enabled: false); only its `enabled` is checked
-    open_into: str | None = getattr(cls, "_UNKNOWN_KEYS_INTO", None)
-    for key, value in data.items():
-        if key not in aliases and open_into is not None:
-            kwargs.setdefault(open_into, {})[key] = value
-            continue
-        if key not in aliases:
-            close = difflib.get_close_matches(key, list(aliases), n=1)
-            hint = f"; did you mean `{prefix}.{close[0]}`?" if close else ""
-            raise ValueError(f"unknown config key `{prefix}.{key}`{hint} (known keys: {sorted(aliases)})")
-        name = aliases[key]
-        kwargs[name] = _coerce(value, hints[name], f"{prefix}.{key}")
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # a required field is missing
-        missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
-                   and f.default_factory is dataclasses.MISSING]
-        if missing:
-            raise ValueError(f"missing required config key `{prefix}.{missing[0]}`") from e
-        raise
-
-
-def _to_dict(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.metadata.get("key", f.name): _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, list):
-        return [_to_dict(v) for v in obj]
-    return obj
-
-
-class _Section:
-    """Mixin: ``from_dict`` / ``to_dict`` and dict-style reads, so NeMo RL code doing ``cfg["key"]`` ports."""
-
-    # every _Section is a @dataclass, which sets this (declared only: no class attribute is created here)
-    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.metadata.get("key", f.name): _to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-    def __getitem__(self, key: str) -> Any:
-        for f in dataclasses.fields(self):
-            if f.metadata.get("key", f.name) == key:
-                return getattr(self, f.name)
-        raise KeyError(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        try:
-            return self[key]
-        except KeyError:
-            return default
-
-    def __contains__(self, key: str) -> bool:
-        return self.get(key, None) is not None
 
 
 @dataclass(kw_only=True)
-class TokenizerConfig(_Section):
+class TokenizerConfig(Section):
     name: str | None = None
     """Tokenizer path or id; defaults to ``model_name``."""
     chat_template: str | None = None
@@ -180,12 +41,15 @@ class TokenizerConfig(_Section):
     use_processor: bool = False
     """Load a multimodal processor instead of a tokenizer (NeMo RL)."""
     use_fastokens: bool = False
+    """NeMo RL's switch to a faster tokenizer implementation where it loads the tokenizer."""
     audio: dict[str, Any] | None = None
+    """NeMo RL's audio settings of a multimodal processor."""
     video: dict[str, Any] | None = None
+    """NeMo RL's video settings of a multimodal processor."""
 
 
 @dataclass(kw_only=True)
-class DTensorConfig(_Section):
+class DTensorConfig(Section):
     enabled: bool = True
     """FSDP2 (``fully_shard``) over the ranks; the only backend dask-lm has."""
     v2: bool = field(default=True, metadata={"key": "_v2"})
@@ -227,7 +91,7 @@ class DTensorConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class MegatronConfig(_Section):
+class MegatronConfig(Section):
     _UNKNOWN_KEYS_INTO: ClassVar[str] = "extra"  # Megatron's own keys, kept as they are (the backend is refused)
     enabled: bool = False
     """Run NeMo RL's Megatron backend instead of DTensor (FSDP2)."""
@@ -236,7 +100,7 @@ class MegatronConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class DynamicBatchingConfig(_Section):
+class DynamicBatchingConfig(Section):
     enabled: bool = False
     """Cut micro-batches by a token budget (``train_mb_tokens``, ``logprob_mb_tokens``) instead of a row count; not
     together with ``sequence_packing``."""
@@ -249,7 +113,7 @@ class DynamicBatchingConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class SequencePackingConfig(_Section):
+class SequencePackingConfig(Section):
     enabled: bool = False
     """Pack rows end to end into micro-batches of a token budget, without padding between them; not together with
     ``dynamic_batching``."""
@@ -269,51 +133,7 @@ class SequencePackingConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class GenerationConfig(_Section):
-    backend: str = "hf"
-    """Where ``generate()`` decodes: ``hf`` on the policy's own workers, ``sglang`` on the SGLang servers of
-    ``sglang_cfg``."""
-    max_new_tokens: int | None = None
-    """Most tokens ``generate()`` adds to a row; ``generate()`` needs it."""
-    temperature: float = 1.0
-    """Sampling temperature; logprobs, top-k logits and training losses divide the logits by it too, as NeMo RL does."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold (1.0: off); below 1, logprobs and training use the filtered distribution too (a
-    filtered-out token's logprob is 0)."""
-    top_k: int | None = None
-    """Sample among the k most likely tokens (null or -1: off); like ``top_p``, it filters logprobs and training too."""
-    stop_token_ids: list[int] | None = None
-    """Token ids that end a row's generation, besides the model's EOS."""
-    stop_strings: list[str] | None = None
-    """Strings that end a row's generation once its generated text ends with one."""
-    model_name: str | None = None
-    """The generation engine's model (NeMo RL)."""
-    colocated: dict[str, Any] | None = None
-    """NeMo RL's placement of generation: on the training GPUs or on GPUs of its own."""
-    vllm_cfg: dict[str, Any] | None = None
-    """Settings of NeMo RL's vLLM backend."""
-    sglang_cfg: dict[str, Any] | None = None
-    """The ``sglang`` backend's settings: ``server_urls`` lists the SGLang servers."""
-    vllm_kwargs: dict[str, Any] | None = None
-    """Extra keyword arguments of NeMo RL's vLLM engine."""
-    pad_token_id: int | None = field(default=None, metadata={"key": "_pad_token_id"})
-    """Filled in from the tokenizer by NeMo RL's setup; dask-lm pads with the tokenizer's pad (else EOS) id."""
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"`policy.generation.temperature` must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"`policy.generation.top_p` must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < -1:
-            raise ValueError(f"`policy.generation.top_k` must be null, -1 or >= 1, got {self.top_k}")
-
-    @property
-    def filtering_active(self) -> bool:
-        return (self.top_k is not None and self.top_k > 0) or self.top_p < 1.0
-
-
-@dataclass(kw_only=True)
-class RewardModelConfig(_Section):
+class RewardModelConfig(Section):
     enabled: bool = False
     """Load the model as a reward model (a sequence-classification head): ``Policy.score`` returns its scores."""
     reward_model_type: Literal["bradley_terry"] = "bradley_terry"
@@ -321,7 +141,7 @@ class RewardModelConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class OptimizerConfig(_Section):
+class OptimizerConfig(Section):
     name: str = "torch.optim.AdamW"
     """Import path of the optimizer class."""
     kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 5e-6, "weight_decay": 0.01,
@@ -330,7 +150,7 @@ class OptimizerConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class PolicyConfig(_Section):
+class PolicyConfig(Section):
     """The policy configuration, key for key NeMo RL's ``PolicyConfig`` (plus a few dask-lm keys at the end)."""
 
     model_name: str
@@ -405,8 +225,9 @@ class PolicyConfig(_Section):
     elsewhere ``logprob_batch_size`` rows per micro-batch. true: pack on every device; false: rows per micro-batch
     everywhere."""
     inference_mb_tokens: int | None = None
-    """Token budget of those packed micro-batches; null: 32768 (on an H200, 16k / 32k / 64k / 128k tokens ran at
-    0.98 / 1 / 1.02 / 1.02x the speed for Qwen2.5-0.5B), and never less than ``max_total_sequence_length``."""
+    """Token budget of those packed micro-batches; null: 32768 (``dask_lm.config.defaults.PACKED_BATCH_TOKENS``:
+    on an H200, 16k / 32k / 64k / 128k tokens ran at 0.98 / 1 / 1.02 / 1.02x the speed for Qwen2.5-0.5B), and never
+    less than ``max_total_sequence_length``."""
     inference_compile: bool | None = None
     """Compile the decoder layers and the output head's reductions (``torch.compile``, dynamic shapes) for the
     logprob / top-k / score forwards; training and generation stay eager. null (auto): on GPU ranks (FSDP-sharded
@@ -457,7 +278,7 @@ class PolicyConfig(_Section):
             for key in ("train_mb_tokens", "logprob_mb_tokens"):
                 if getattr(active, key) < 1:
                     raise ValueError(f"`{p}.{name}.{key}` must be >= 1, got {getattr(active, key)}")
-        _check_unhonoured(self)
+        check_unhonoured(self)
         if self.tokenizer.name is None:
             self.tokenizer.name = self.model_name
 
