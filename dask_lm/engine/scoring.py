@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -313,6 +314,8 @@ def _interrupted(out: jobs.JobOutput, parts: int, e: BaseException) -> interrupt
 # How long the driver waits for a worker's config check before it checks itself (a fresh worker answers in 8-18 s,
 # most of it its imports of torch and transformers; one still running another job's task may take much longer)
 CONFIG_CHECK_WAIT_S = 60.0
+# How often the driver, while it waits, looks whether the check's worker is still there (one scheduler round trip)
+CONFIG_RECHECK_S = 2.0
 
 
 class _Preload:
@@ -338,19 +341,16 @@ class _Preload:
         self.model, self.tokenizer, self.precision, self.compile, self.tokens = (model, tokenizer, precision,
                                                                                 compile, tokens)
         self.config: Any = None  # the check's future, once submitted (None: no worker to ask)
+        self.asked: str | None = None  # the worker it was submitted to
 
     def __call__(self, client: Any) -> list[Any]:
-        import uuid
-
         from dask_lm.engine.worker_group import _scheduler_info
-        from dask_lm.workers.tasks import check_model_config, preload_scorer
+        from dask_lm.workers.tasks import preload_scorer
 
         tag = uuid.uuid4().hex[:8]
         workers = list(_scheduler_info(client)["workers"])
         if workers:
-            self.config = client.submit(check_model_config, self.model, workers=[workers[0]],
-                                        allow_other_workers=True, pure=False, key=f"dask-lm-config-{tag}",
-                                        priority=1)
+            self.config = self._ask(client, workers[0], f"dask-lm-config-{tag}")
         head = bool(self.compile) if self.compile is not None else worth_compiling_head(self.tokens, len(workers))
         return [client.submit(preload_scorer, self.model, self.tokenizer, self.precision, bool(self.compile), head,
                               workers=[w], allow_other_workers=True, pure=False, key=f"dask-lm-preload-{tag}-{i}")
@@ -365,17 +365,43 @@ class _Preload:
             start.result()
         except Exception:  # the start's own error is raised where the job needs the cluster, after the checks
             self.config = None
-        if self.config is not None:
-            try:
-                wait(self.config, timeout=CONFIG_CHECK_WAIT_S)
-            except TimeoutError:  # its worker is busy (another job's task): not worth waiting longer for
+        deadline = time.monotonic() + CONFIG_CHECK_WAIT_S
+        while self.config is not None and not self.config.done():
+            left = deadline - time.monotonic()
+            if left <= 0:  # its worker is busy (another job's task): not worth waiting longer for
                 self.config.cancel()
                 self.config = None
+                break
+            try:
+                wait(self.config, timeout=min(CONFIG_RECHECK_S, left))
+            except TimeoutError:
+                self._ask_again_if_gone()
         if self.config is None:
             return {"vocab": modelcheck.config_vocab(self.model)}
         got: dict[str, Any] = self.config.result()
         got["checked_at"] = time.time()
         return got
+
+    def _ask(self, client: Any, worker: str, key: str) -> Any:
+        from dask_lm.workers.tasks import check_model_config
+
+        self.asked = worker
+        return client.submit(check_model_config, self.model, workers=[worker], allow_other_workers=True,
+                             pure=False, key=key, priority=1)
+
+    def _ask_again_if_gone(self) -> None:
+        """The check's worker left before answering (retired, lost): ask a worker there is now. The scheduler
+        should hand a loosely pinned task on by itself, and mostly does; but in CI runs (distributed 2026.8) a
+        check queued on a worker retired while it was busy was never run elsewhere, and the job waited out the
+        whole timeout. Asking again costs one small task; the first answer, if it ever comes, is dropped."""
+        from dask_lm.engine.worker_group import _scheduler_info
+
+        client = self.config.client
+        workers = list(_scheduler_info(client)["workers"])
+        if not workers or self.asked in workers:
+            return
+        self.config.cancel()
+        self.config = self._ask(client, workers[0], f"dask-lm-config-again-{uuid.uuid4().hex[:8]}")
 
 
 def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOutput, finished: bool, source: hub.ModelSource,
