@@ -22,7 +22,7 @@ import dask_lm
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.io import fingerprint
 from dask_lm.io.fingerprint import Pin, Stamp
-from dask_lm.workers import scorer
+from dask_lm.workers import replicas
 
 pytestmark = pytest.mark.cluster
 
@@ -47,12 +47,12 @@ def test_a_preloaded_replica_is_adopted_only_under_the_pinned_stamps():
     def opts(*pins):
         return ScoreOptions(model="/m", tokenizer="/m", precision="float32", output="/o", model_pins=pins)
 
-    assert scorer.adopt(rep, opts(_pin("/m/model.safetensors", a), _pin("/m/config.json", b))) is rep
-    assert scorer.adopt(rep, opts(_pin("/m/model.safetensors", Stamp(10, 1, 5)))) is None  # ctime moved
-    assert scorer.adopt(rep, opts(_pin("/m/model.safetensors", a, racy=True))) is None  # cannot vouch
-    assert scorer.adopt(rep, opts(_pin("/m/tokenizer.json", a))) is None  # a file the preload did not see settled
-    assert scorer.adopt(rep, opts()) is None  # nothing pinned: nothing to vouch for the bytes
-    assert scorer.adopt(None, opts(_pin("/m/model.safetensors", a))) is None
+    assert replicas.adopt(rep, opts(_pin("/m/model.safetensors", a), _pin("/m/config.json", b))) is rep
+    assert replicas.adopt(rep, opts(_pin("/m/model.safetensors", Stamp(10, 1, 5)))) is None  # ctime moved
+    assert replicas.adopt(rep, opts(_pin("/m/model.safetensors", a, racy=True))) is None  # cannot vouch
+    assert replicas.adopt(rep, opts(_pin("/m/tokenizer.json", a))) is None  # a file the preload did not see settled
+    assert replicas.adopt(rep, opts()) is None  # nothing pinned: nothing to vouch for the bytes
+    assert replicas.adopt(None, opts(_pin("/m/model.safetensors", a))) is None
 
 
 def _count_loads(racy_ns: int) -> None:
