@@ -2,12 +2,12 @@
 
 A benchmark, not a test. The head of a scoring micro-batch is, per 1024-row chunk, a float32 ``[1024, V]`` logits
 matmul (``torch.mm(..., out_dtype=float32)``) and one reduction over it: each row's logsumexp, its target's logit
-and whether the target is the argmax (:func:`dask_lm.workers.fused.pick_minus_logsumexp_greedy`). This script times
+and whether the target is the argmax (:func:`dask_lm.model.fused.pick_minus_logsumexp_greedy`). This script times
 a 32k-row micro-batch of that at a Qwen2.5 shape's hidden size and vocabulary, for:
 
 - ``eager``: the plain PyTorch expression (``fused._pick_minus_lse_greedy``), what runs without a compiler;
 - ``compiled``: that expression through ``torch.compile`` (dynamic shapes), what ``compile_head`` chose;
-- ``liger``: :mod:`dask_lm.workers.liger_head` (liger-kernel's kernel launched directly, no host syncs);
+- ``liger``: :mod:`dask_lm.model.liger_head` (liger-kernel's kernel launched directly, no host syncs);
 - ``matmul``: the logits matmul alone, the floor of the whole head.
 
 Each arm's error against a float64 reference, its first call's seconds (compilation included) and, with
@@ -44,7 +44,7 @@ def _inputs(rows: int, hidden: int, vocab: int, seed: int = 0) -> tuple[torch.Te
 
 
 def _arm(name: str) -> Any:
-    from dask_lm.workers import fused, liger_head
+    from dask_lm.model import fused, liger_head
 
     if name == "eager":
         return fused._pick_minus_lse_greedy

@@ -7,8 +7,8 @@ state, each timing its phases from the process start:
 * ``read``: the weight files read raw into pinned host memory and copied to the device; the disk's (or the page
   cache's) pace, the floor for any load;
 * ``from_pretrained``: ``AutoModelForCausalLM.from_pretrained(dtype=bf16, device_map={"": device})``, what
-  dask-lm did before (``dask_lm.workers.model_load._from_pretrained``);
-* ``direct``: ``dask_lm.workers.model_load.load_causal_lm``: built on the device without the random init, each
+  dask-lm did before (``dask_lm.model.load._from_pretrained``);
+* ``direct``: ``dask_lm.model.load.load_causal_lm``: built on the device without the random init, each
   tensor copied once from the files.
 
 Each runs with the files in the page cache (``warm``, as after a download or a previous job) and, with
@@ -89,7 +89,7 @@ def child(arm: str, model_dir: str, profile: bool, started: float) -> dict[str, 
                 f.readinto(memoryview(host.numpy()))
             host.to(where)
     else:
-        from dask_lm.workers import model_load
+        from dask_lm.model import load as model_load
 
         if arm == "direct":
             model = model_load.load_causal_lm(model_dir, torch.bfloat16, where)

@@ -163,8 +163,8 @@ def print_phases(res: dict[str, float], title: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- head variants
 def head_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict[str, Any]]:
-    from dask_lm.workers import fused
-    from dask_lm.workers.logprobs import next_token_logprobs, output_head
+    from dask_lm.model import fused
+    from dask_lm.model.logprobs import next_token_logprobs, output_head
 
     mb = worker.plan_pass(shard, plan, None)[0]
     with torch.no_grad(), fused.use_compiled(worker.compile):
@@ -239,7 +239,7 @@ def head_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict[st
         except ImportError as e:
             print(f"  liger-kernel not importable: {e}")
         # top-k
-        from dask_lm.workers.logprobs import topk_logits
+        from dask_lm.model.logprobs import topk_logits
 
         allv = layout.valid
         for c in (1024, 4096):
@@ -273,7 +273,7 @@ def head_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict[st
 
 # ----------------------------------------------------------------------------------------------- decoder variants
 def decoder_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict[str, Any]]:
-    from dask_lm.workers import fused
+    from dask_lm.model import fused
 
     mb = worker.plan_pass(shard, plan, None)[0]
     results = []

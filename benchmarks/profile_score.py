@@ -96,7 +96,7 @@ def _run_spans(plan: list, inputs: Any, opts: Any, scorer: Any) -> tuple[dict[st
               help="Also time the competent user's batches on the same rows (about as long as the job).")
 @click.option("--liger-layers/--no-liger-layers", default=True, show_default=True,
               help="Uncompiled layers' RMSNorms and SwiGLU products through liger-kernel's kernels, as the replica "
-              "does by default (dask_lm/workers/liger_layers.py); --no-liger-layers: HF's eager modules.")
+              "does by default (dask_lm/model/liger_layers.py); --no-liger-layers: HF's eager modules.")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def main(shape: str, num_rows: int, files: int, compile_: bool, head: bool, batch_tokens: int | None, chunk_size: int,
          profile: bool, user: bool, liger_layers: bool, json_out: str | None) -> None:
@@ -120,15 +120,15 @@ def main(shape: str, num_rows: int, files: int, compile_: bool, head: bool, batc
                                    chunk_size)
         os.makedirs(os.path.join(opts.output, "_errors"), exist_ok=True)
         t = time.perf_counter()
-        rep = scorer._Replica(model_dir, model_dir, "bfloat16", compile=compile_, compile_head=head)
+        rep = scorer.Replica(model_dir, model_dir, "bfloat16", compile=compile_, compile_head=head)
         res["replica_seconds"] = time.perf_counter() - t
         if not liger_layers:
-            from dask_lm.workers import liger_layers as liger
+            from dask_lm.model import liger_layers as liger
 
             liger.unpatch(rep.model)
         res["liger_layers"] = rep.liger_layers if liger_layers else 0
         rep.last_used = time.monotonic()
-        scorer._replica = lambda _opts: rep  # no worker plugin here: every span uses this process's replica
+        scorer.replica_for = lambda _opts: rep  # no worker plugin here: every span uses this process's replica
         print(f"{shape}: {num_rows} rows, {int(lens.sum())} tokens, {len(plan)} spans; replica in "
               f"{res['replica_seconds']:.1f} s (compile {rep.compile_seconds:.1f} s, {res['liger_layers']} liger modules); peak {peak / 1e12:.0f} "
               f"TFLOP/s ({peak_what})", flush=True)

@@ -145,12 +145,12 @@ def head_variants(worker: Any, n: int, chunk: int) -> list[dict[str, Any]]:
     error of the values and of the hidden states' gradient on the first 1024 rows against float64.
 
     * ``checkpointed autograd``: each chunk's forward reruns in the backward (the path before linear_logprob.py);
-    * ``linear_logprobs``: dask-lm's closed-form backward (workers/linear_logprob.py);
+    * ``linear_logprobs``: dask-lm's closed-form backward (model/linear_logprob.py);
     * ``liger fused linear CE``: liger-kernel's ``LigerFusedLinearCrossEntropyFunction`` with ``reduction="none"``
       (gradients deferred to the backward, the per-token upstream gradient folded in), when it is installed."""
     from torch.utils.checkpoint import checkpoint
 
-    from dask_lm.workers.linear_logprob import linear_logprobs
+    from dask_lm.model.linear_logprob import linear_logprobs
 
     weight = worker.model.get_output_embeddings().weight
     dev = weight.device

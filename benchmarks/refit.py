@@ -69,7 +69,7 @@ def _load_into(weights: dict[str, torch.Tensor]):
 
 
 def zmq_receiver(address: str, info: dict, calls: int, conn) -> None:
-    from dask_lm.refit_receiver import receive_via_zmq
+    from dask_lm.refit.receiver import receive_via_zmq
 
     weights = _receiver_weights(info)
     conn.send(_copy_rate("cuda:0", "cuda:0"))  # the limit, on the same GPU, in this run
@@ -79,7 +79,7 @@ def zmq_receiver(address: str, info: dict, calls: int, conn) -> None:
 
 
 def nccl_receiver(port: int, info: dict, calls: int) -> None:
-    from dask_lm.refit_receiver import CollectiveReceiver
+    from dask_lm.refit.receiver import CollectiveReceiver
 
     weights = _receiver_weights(info)
     receiver = CollectiveReceiver("127.0.0.1", port, 2, 1, info, timeout_s=600)

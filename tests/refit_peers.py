@@ -1,4 +1,4 @@
-"""Inference-side processes for the refit tests: each receives one refit with dask_lm.refit_receiver and saves
+"""Inference-side processes for the refit tests: each receives one refit with dask_lm.refit.receiver and saves
 what arrived (cloned, by name) for the test to compare with the weights the policy wrote to disk."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _collector():
 def zmq_peer(address: str, refit_info: dict, out_path: str, timeout_s: float = 120.0) -> None:
     import torch
 
-    from dask_lm.refit_receiver import receive_via_zmq
+    from dask_lm.refit.receiver import receive_via_zmq
 
     got, messages, on_weights = _collector()
     stats = receive_via_zmq(address, refit_info, on_weights, timeout_s=timeout_s)
@@ -34,7 +34,7 @@ def collective_peer(ip: str, port: int, world_size: int, rank: int, refit_info: 
                     calls: int = 1) -> None:
     import torch
 
-    from dask_lm.refit_receiver import CollectiveReceiver
+    from dask_lm.refit.receiver import CollectiveReceiver
 
     receiver = CollectiveReceiver(ip, port, world_size, rank, refit_info, timeout_s=120)
     results = []
@@ -55,7 +55,7 @@ def cuda_ipc_exporter(conn) -> None:
     until the other end answers."""
     import torch
 
-    from dask_lm.workers import wire
+    from dask_lm.refit import wire
 
     t = torch.arange(4096, dtype=torch.int32, device="cuda").view(torch.uint8)
     torch.cuda.synchronize()
@@ -71,8 +71,8 @@ def sglang_cuda_payload_check(out_path: str) -> None:
     from sglang_server import install_triton_stub
     from torch.multiprocessing import reductions
 
-    from dask_lm.workers import buckets as bk
-    from dask_lm.workers import device
+    from dask_lm.model import device
+    from dask_lm.refit import buckets as bk
 
     fake_uuid = "GPU-12345678-1234-1234-1234-123456789abc"
     args = (torch.Tensor, (16,), (1,), 0, torch.UntypedStorage, torch.uint8, 0, b"\x01" * 64, 16, 0, False,

@@ -172,14 +172,17 @@ def test_extension_calls_reach_only_the_extension_and_the_allow_list():
 
 
 def test_the_driver_imports_no_rank_code():
-    """The driver's modules (Policy, the batch jobs, the command) import of the workers package only the task
-    entry points, the lease and the plugin state: everything a rank runs is imported on the rank."""
+    """The driver's modules (Policy, the batch jobs, the command) import of the rank side (workers, model, comm,
+    refit) only the task entry points, the lease, the plugin state and refit's driver half: everything a rank runs
+    is imported on the rank."""
     code = """
 import sys
 import dask_lm.cli, dask_lm.engine.policy, dask_lm.engine.scoring, dask_lm.engine.sft
-print(sorted(m for m in sys.modules if m.startswith("dask_lm.workers.")))
+print(sorted(m for m in sys.modules if m.startswith(("dask_lm.workers.", "dask_lm.model.", "dask_lm.comm.",
+                                                     "dask_lm.refit."))))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     loaded = set(eval(out.stdout.strip().splitlines()[-1]))
-    assert loaded <= {"dask_lm.workers.tasks", "dask_lm.workers.lease", "dask_lm.workers.state"}, sorted(loaded)
+    assert loaded <= {"dask_lm.workers.tasks", "dask_lm.workers.lease", "dask_lm.workers.state",
+                      "dask_lm.refit.driver"}, sorted(loaded)

@@ -36,7 +36,7 @@ def _step(model_dir: str, batch: dask_lm.BatchedDataDict, compile_: bool, packed
 
 
 def test_a_compiled_training_step_equals_the_eager_one(tiny, monkeypatch):
-    from dask_lm.workers import fused
+    from dask_lm.model import fused
 
     compiled_calls = []
     real_dispatch = fused._dispatch

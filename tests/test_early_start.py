@@ -22,7 +22,7 @@ import dask_lm
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.io import fingerprint
 from dask_lm.io.fingerprint import Pin, Stamp
-from dask_lm.workers import scorer
+from dask_lm.workers import replicas
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
 # (pytest -m "not cluster")
@@ -48,12 +48,12 @@ def test_a_preloaded_replica_is_adopted_only_under_the_pinned_stamps():
     def opts(*pins):
         return ScoreOptions(model="/m", tokenizer="/m", precision="float32", output="/o", model_pins=pins)
 
-    assert scorer._adopt(rep, opts(_pin("/m/model.safetensors", a), _pin("/m/config.json", b))) is rep
-    assert scorer._adopt(rep, opts(_pin("/m/model.safetensors", Stamp(10, 1, 5)))) is None  # ctime moved
-    assert scorer._adopt(rep, opts(_pin("/m/model.safetensors", a, racy=True))) is None  # cannot vouch
-    assert scorer._adopt(rep, opts(_pin("/m/tokenizer.json", a))) is None  # a file the preload did not see settled
-    assert scorer._adopt(rep, opts()) is None  # nothing pinned: nothing to vouch for the bytes
-    assert scorer._adopt(None, opts(_pin("/m/model.safetensors", a))) is None
+    assert replicas.adopt(rep, opts(_pin("/m/model.safetensors", a), _pin("/m/config.json", b))) is rep
+    assert replicas.adopt(rep, opts(_pin("/m/model.safetensors", Stamp(10, 1, 5)))) is None  # ctime moved
+    assert replicas.adopt(rep, opts(_pin("/m/model.safetensors", a, racy=True))) is None  # cannot vouch
+    assert replicas.adopt(rep, opts(_pin("/m/tokenizer.json", a))) is None  # a file the preload did not see settled
+    assert replicas.adopt(rep, opts()) is None  # nothing pinned: nothing to vouch for the bytes
+    assert replicas.adopt(None, opts(_pin("/m/model.safetensors", a))) is None
 
 
 def _count_loads(racy_ns: int) -> None:
@@ -61,15 +61,15 @@ def _count_loads(racy_ns: int) -> None:
     from dask_lm.workers import replicas as s
 
     if not hasattr(s, "_real_init"):
-        s._real_init = s._Replica.__init__
+        s._real_init = s.Replica.__init__
 
         def counted(self, *args, **kwargs):
             s._loads = getattr(s, "_loads", 0) + 1
             s._real_init(self, *args, **kwargs)
 
-        s._Replica.__init__ = counted
+        s.Replica.__init__ = counted
     s._loads = 0
-    s._RACY_NS = racy_ns
+    s.RACY_NS = racy_ns
 
 
 def _loads() -> int:
@@ -79,13 +79,13 @@ def _loads() -> int:
 
 
 def _restore() -> None:
-    from dask_lm.io.fingerprint import _RACY_NS
+    from dask_lm.io.fingerprint import RACY_NS
     from dask_lm.workers import replicas as s
 
     if hasattr(s, "_real_init"):
-        s._Replica.__init__ = s._real_init
+        s.Replica.__init__ = s._real_init
         del s._real_init
-    s._RACY_NS = _RACY_NS
+    s.RACY_NS = RACY_NS
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def settled_model(tiny, tmp_path, monkeypatch):
     test), so a preload can be adopted without waiting two seconds."""
     model = str(tmp_path / "model")
     shutil.copytree(tiny["llama"], model)
-    monkeypatch.setattr(fingerprint, "_RACY_NS", 0)
+    monkeypatch.setattr(fingerprint, "RACY_NS", 0)
     monkeypatch.setenv("DASK_LM_HASH_CACHE", "0")
     time.sleep(0.05)  # past the filesystem clock's tick
     return model

@@ -31,7 +31,7 @@ import pytest
 from helpers import TEXTS
 
 import dask_lm
-from dask_lm.engine.worker_group import _scheduler_info
+from dask_lm.engine.worker_group import scheduler_info
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -151,7 +151,7 @@ class Workers:
         return self.procs[name]
 
     def addresses(self) -> dict[str, str]:
-        return {w["name"]: a for a, w in _scheduler_info(self.client)["workers"].items()}
+        return {w["name"]: a for a, w in scheduler_info(self.client)["workers"].items()}
 
     def joined(self, *names: str) -> dict[str, str]:
         return _until(lambda: set(names) <= set(self.addresses()) and self.addresses(), f"workers {names} to join")

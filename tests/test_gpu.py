@@ -15,8 +15,8 @@ import torch
 import transformers
 from helpers import TEXTS, hf_logprobs, make_batch
 
-import dask_lm
 from dask_lm import BatchedDataDict
+import dask_lm
 
 pytestmark = pytest.mark.gpu
 
@@ -85,10 +85,10 @@ def test_compiled_training_layers_do_not_recompile_across_token_counts():
     """Compiled decoder layers trained on micro-batches of 2k tokens, then 8k and 1k: one graph for all of them.
     Inductor's mix-order reduction heuristic (RMSNorm's backward) guarded on the first token count
     (``nrow * hidden >= 5 * 2**20``: 5120 tokens at hidden 1024) and recompiled every layer past it; the compile
-    options in ``workers/fused.py`` switch that guard off."""
+    options in ``model/fused.py`` switch that guard off."""
     from torch._dynamo.utils import counters
 
-    from dask_lm.workers import fused
+    from dask_lm.model import fused
 
     torch._dynamo.reset()
     cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
@@ -465,14 +465,14 @@ def test_cuda_ipc_handle_travels_as_plain_data(tmp_path):
 
     import refit_peers
 
-    from dask_lm.workers import wire
+    from dask_lm.refit import wire
 
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=refit_peers.cuda_ipc_exporter, args=(child,))
     proc.start()
     try:
         header = wire.decode_header(parent.recv_bytes())
-        from dask_lm.workers import device
+        from dask_lm.model import device
 
         assert header["ipc"]["device"] == device.device_uuid(0)  # a UUID, not an index: indices differ per process
         flat = wire.open_cuda(header["ipc"])

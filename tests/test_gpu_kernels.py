@@ -13,8 +13,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
 def test_direct_model_load_on_cuda_equals_from_pretrained(tiny, tmp_path, stored):
-    """The scoring replica's direct load (workers/model_load.py) puts the bits from_pretrained does on the GPU."""
-    from dask_lm.workers import model_load
+    """The scoring replica's direct load (model/load.py) puts the bits from_pretrained does on the GPU."""
+    from dask_lm.model import load as model_load
 
     path = str(tmp_path / "m")
     transformers.AutoModelForCausalLM.from_pretrained(tiny["qwen2"]).to(stored).save_pretrained(path)
@@ -36,8 +36,8 @@ def test_direct_model_load_on_cuda_equals_from_pretrained(tiny, tmp_path, stored
 def test_fused_output_head_against_float64():
     """bf16 hidden states and weights: the fp32-output matmul + compiled logsumexp equals a float64 head to 1e-4
     (the bf16-rounded logits of a plain head are off by up to ~4e-3), with temperature, and for top-k."""
-    from dask_lm.workers import fused
-    from dask_lm.workers.logprobs import OutputHead, next_token_logprobs, topk_logits
+    from dask_lm.model import fused
+    from dask_lm.model.logprobs import OutputHead, next_token_logprobs, topk_logits
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, s, h, v = 3, 300, 64, 5000
@@ -64,7 +64,7 @@ def test_liger_head_against_float64_and_the_compiled_reduction():
     """liger-kernel's kernel (the ``cuda`` extra installs it) gives the same logprobs as a float64 head to 1e-4
     and as the compiled reduction to 1e-5, and lm-eval's greedy flag (first argmax == target), on a vocabulary
     that is not a power of two and with planted ties and targets at the row's maximum; the logits stay unchanged."""
-    from dask_lm.workers import fused, liger_head
+    from dask_lm.model import fused, liger_head
 
     g = torch.Generator(device="cuda").manual_seed(1)
     n, v = 700, 50257
@@ -95,7 +95,7 @@ def test_training_head_gradients_in_bf16_against_float64():
     """The training head's own backward on a GPU in bf16 (fp32-output matmuls, the weight's gradient accumulated in
     place over the chunks) against autograd in float64 on the same bf16 values: values to 1e-4, gradients to bf16
     rounding."""
-    from dask_lm.workers.linear_logprob import linear_logprobs
+    from dask_lm.model.linear_logprob import linear_logprobs
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n, h, v = 700, 64, 5000
@@ -115,10 +115,10 @@ def test_training_head_gradients_in_bf16_against_float64():
 
 
 def test_liger_layers_match_hf_modules_in_bf16(tiny):
-    """The scoring replica's liger RMSNorm / SwiGLU patch (workers/liger_layers.py): every norm and MLP of a Qwen2
+    """The scoring replica's liger RMSNorm / SwiGLU patch (model/liger_layers.py): every norm and MLP of a Qwen2
     model is patched, its bf16 logits are no further from a float32 HF forward than HF's own bf16 modules are (and
     within bf16 rounding of them), and unpatching restores HF's bits exactly."""
-    from dask_lm.workers import liger_layers
+    from dask_lm.model import liger_layers
 
     fp32 = transformers.AutoModelForCausalLM.from_pretrained(tiny["qwen2"], dtype=torch.float32).cuda().eval()
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny["qwen2"], dtype=torch.bfloat16).cuda().eval()

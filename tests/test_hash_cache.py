@@ -24,7 +24,7 @@ def cache(tmp_path, monkeypatch):
     counter of the reads that hash."""
     monkeypatch.setenv("DASK_LM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("DASK_LM_HASH_CACHE", raising=False)
-    monkeypatch.setattr(fingerprint, "_RACY_NS", 0)
+    monkeypatch.setattr(fingerprint, "RACY_NS", 0)
     reads: list[str] = []
     real = fingerprint.file_sha256
 
@@ -56,7 +56,7 @@ def test_a_same_size_rewrite_with_the_old_mtime_restored_is_hashed_again(tmp_pat
     path = write(tmp_path / "w.bin", b"x" * 4096)
     old = os.stat(path)
     pinned = fingerprint.fingerprint_files([path])[0]
-    time.sleep(0.05)  # past the filesystem clock's tick (a few ms), which _RACY_NS 0 no longer allows for
+    time.sleep(0.05)  # past the filesystem clock's tick (a few ms), which RACY_NS 0 no longer allows for
     write(path, b"y" * 4096)
     os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns))  # size and mtime as before: only ctime tells
     again = fingerprint.fingerprint_files([path])[0]
@@ -85,7 +85,7 @@ def test_a_damaged_cache_entry_is_ignored(tmp_path, cache):
 
 
 def test_a_racy_stamp_is_not_remembered(tmp_path, cache, monkeypatch):
-    monkeypatch.setattr(fingerprint, "_RACY_NS", 60 * 10**9)  # the file changed "just now"
+    monkeypatch.setattr(fingerprint, "RACY_NS", 60 * 10**9)  # the file changed "just now"
     path = write(tmp_path / "fresh.bin", b"f" * 100)
     pins = [fingerprint.fingerprint_files([path])[0] for _ in range(2)]
     assert all(p.racy and p.sha256 == sha(path) for p in pins)

@@ -1,4 +1,4 @@
-"""The shared inference loop (workers/inference.py) and the fused head's CPU path, against plain references."""
+"""The shared inference loop (model/inference.py) and the fused head's CPU path, against plain references."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import torch
 
-from dask_lm.workers import fused
-from dask_lm.workers.forward import MicroBatch
-from dask_lm.workers.inference import host_layout, run_pass
+from dask_lm.model import fused
+from dask_lm.model.forward import MicroBatch
+from dask_lm.model.inference import host_layout, run_pass
 
 
 def _rows(lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +124,7 @@ def test_scorer_packed_micro_batches_equal_padded_ones_and_hf(tiny):
 
     opts = ScoreOptions(model=tiny["llama"], tokenizer=tiny["llama"], precision="float32", output="-",
                                topk=3, batch_tokens=40, chunk_size=7)
-    rep = scorer._Replica(opts.model, opts.tokenizer, opts.precision)
+    rep = scorer.Replica(opts.model, opts.tokenizer, opts.precision)
     assert not rep.packed and not rep.compiled  # the CPU pads and stays eager
     import transformers
 
@@ -133,9 +133,9 @@ def test_scorer_packed_micro_batches_equal_padded_ones_and_hf(tiny):
     ids = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (9, 1, 17, 4, 0, 12)]
     with torch.no_grad():  # and a row HF decoded greedily, whose every token is the argmax (random rows: few are)
         ids.append(model.generate(torch.tensor([[5, 9]]), max_new_tokens=8, do_sample=False)[0].tolist())
-    padded = scorer._score_rows(rep, ids, opts)
+    padded = scorer.score_ids(rep, ids, opts)
     rep.packed = True
-    packed = scorer._score_rows(rep, ids, opts)
+    packed = scorer.score_ids(rep, ids, opts)
     for i, row in enumerate(ids):
         for lps, tops, finite, greedy in (padded, packed):
             assert finite[i] and lps[i].shape == (len(row),) and greedy[i].shape == (len(row),)

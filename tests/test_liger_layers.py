@@ -1,4 +1,4 @@
-"""Which modules the scoring replica's liger patch takes (workers/liger_layers.py), on the CPU: the Llama-family
+"""Which modules the scoring replica's liger patch takes (model/liger_layers.py), on the CPU: the Llama-family
 RMSNorms and SiLU-gated MLPs only, never a CPU model's forward. The kernels' numbers are checked against HF's
 modules on the GPU (tests/test_gpu_kernels.py)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from dask_lm.workers import liger_layers
+from dask_lm.model import liger_layers
 
 
 def _model(config: transformers.PretrainedConfig) -> torch.nn.Module:

@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-from dask_lm.workers.forward import block_causal_mask, final_hidden_states, pack, unpack_positions
-from dask_lm.workers.logprobs import apply_top_k_top_p, next_token_logprobs, output_head, topk_logits
+from dask_lm.model.forward import block_causal_mask, final_hidden_states, pack, unpack_positions
+from dask_lm.model.logprobs import apply_top_k_top_p, next_token_logprobs, output_head, topk_logits
 
 
 def _reference(logits, ids, lens):
@@ -66,7 +66,7 @@ def test_linear_logprobs_values_and_gradients_equal_autograd(chunk, with_bias):
     """The training head's own backward (closed-form softmax gradient, logits recomputed per chunk) against
     autograd through ``log_softmax(linear(h) * scale)``, in float64: values and the gradients of h, W and b for
     an arbitrary per-token incoming gradient (zeros included, as masked tokens give)."""
-    from dask_lm.workers.linear_logprob import linear_logprobs
+    from dask_lm.model.linear_logprob import linear_logprobs
 
     g = torch.Generator().manual_seed(0)
     n, hdim, vocab = 7, 5, 11

@@ -13,8 +13,8 @@ import dask_lm
 from dask_lm.config import PolicyConfig
 from dask_lm.losses import calculate_kl, masked_mean, prepare_loss_input
 from dask_lm.losses.base import LossConfigError
-from dask_lm.workers.inference import forward_rows
-from dask_lm.workers.loss_inputs import loss_inputs_from_hidden
+from dask_lm.model.inference import forward_rows
+from dask_lm.model.loss_inputs import loss_inputs_from_hidden
 
 
 def _pg_data(curr, prev, gen, ref, adv, token_mask=None, sample_mask=None):
@@ -214,7 +214,8 @@ def test_metric_values_keep_their_python_type_and_one_element_tensors_become_num
 
 def test_the_fused_optimizer_step_is_chosen_only_where_the_config_leaves_it_open(monkeypatch):
     from dask_lm.config import PolicyConfig
-    from dask_lm.workers import device, optim
+    from dask_lm.model import device
+    from dask_lm.workers import optim
 
     monkeypatch.setattr(device, "fused_optimizer_capable", lambda params: True)  # as on a GPU
     params = [torch.nn.Parameter(torch.zeros(3))]

@@ -16,9 +16,9 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from dask_lm import PolicyConfig
-from dask_lm.io.model_compat import check_policy_model, fsdp_blocks, model_class
-from dask_lm.workers.forward import decoder_of
-from dask_lm.workers.logprobs import output_head
+from dask_lm.model.forward import decoder_of
+from dask_lm.model.hf import check_policy_model, fsdp_blocks, model_class
+from dask_lm.model.logprobs import output_head
 
 
 class ToyConfig(PretrainedConfig):

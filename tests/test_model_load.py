@@ -1,4 +1,4 @@
-"""The scoring replica's direct load (dask_lm.workers.model_load) against transformers' own from_pretrained.
+"""The scoring replica's direct load (dask_lm.model.load) against transformers' own from_pretrained.
 
 Every parameter and buffer must be the same, bit for bit, and the logits equal: for tied and untied models, one
 file and an index of shards, the file's dtype kept or cast, on the CPU here (and on a GPU in tests/test_gpu.py).
@@ -15,8 +15,8 @@ import torch
 import transformers
 
 from dask_lm.io import modelcheck
+from dask_lm.model import load as model_load
 from dask_lm.tiny import build_tiny_model
-from dask_lm.workers import model_load
 
 
 def _model_dir(tmp_path, family: str, *, tie: bool, shard: bool = False, dtype: torch.dtype = torch.float32) -> str:

@@ -40,7 +40,7 @@ from helpers import (
 import dask_lm
 from dask_lm import BatchedDataDict
 from dask_lm.engine.cluster import count_gpus
-from dask_lm.engine.worker_group import WorkerGroup, _scheduler_info
+from dask_lm.engine.worker_group import WorkerGroup, scheduler_info
 from dask_lm.workers import tasks
 
 pytestmark = pytest.mark.cluster
@@ -140,10 +140,10 @@ def two_hosts(root: Path, host_env: dict[str, dict[str, str]] | None = None) -> 
                 client = dask_lm.connect(address)
             except OSError:
                 time.sleep(0.5)
-        while len(_scheduler_info(client)["workers"]) < len(NAMES):
+        while len(scheduler_info(client)["workers"]) < len(NAMES):
             dead = [n for n, p in zip(names, procs) if p.poll() is not None]
             if dead or time.time() > deadline:
-                raise RuntimeError(f"only {len(_scheduler_info(client)['workers'])} of {len(NAMES)} workers "
+                raise RuntimeError(f"only {len(scheduler_info(client)['workers'])} of {len(NAMES)} workers "
                                    f"joined (exited: {dead})\n{_tails(logs)}")
             time.sleep(0.5)
         yield client, logs
@@ -189,11 +189,11 @@ def _unix_sockets(pid: int) -> set[str]:
 
 
 def _hosts_by_address(client: Any) -> dict[str, str]:
-    return {addr: w["host"] for addr, w in _scheduler_info(client)["workers"].items()}
+    return {addr: w["host"] for addr, w in scheduler_info(client)["workers"].items()}
 
 
 def _by_name(client: Any) -> dict[str, str]:
-    return {w["name"]: addr for addr, w in _scheduler_info(client)["workers"].items()}
+    return {w["name"]: addr for addr, w in scheduler_info(client)["workers"].items()}
 
 
 def _cfg(model_dir: str, **extra: Any) -> dict[str, Any]:
@@ -204,7 +204,7 @@ def _cfg(model_dir: str, **extra: Any) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------- checks (CPU and GPU)
 def check_placement(client: Any, policy: Any) -> None:
-    info = _scheduler_info(client)["workers"]
+    info = scheduler_info(client)["workers"]
     assert {w["name"]: w["host"] for w in info.values()} == NAMES
     assert all(addr.startswith(f"tcp://{NAMES[w['name']]}:") for addr, w in info.items())
     assert WorkerGroup.per_node(client, 1) == ["a0", "b0"]

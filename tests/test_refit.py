@@ -16,7 +16,7 @@ from helpers import TEXTS, sft_batch
 from safetensors.torch import load_file
 
 import dask_lm
-from dask_lm.workers import buckets as bk
+from dask_lm.refit import buckets as bk
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
 # (pytest -m "not cluster")
@@ -174,7 +174,7 @@ def test_zmq_socket_is_private_to_the_user_and_removed_at_shutdown(client, tiny)
     removes both."""
     import stat
 
-    from dask_lm.refit_receiver import receive_via_zmq
+    from dask_lm.refit.receiver import receive_via_zmq
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
     seen = []
@@ -251,7 +251,7 @@ def test_collective_store_listens_only_on_the_given_address(trained, tmp_path):
 
 
 def test_collective_store_port_in_use_is_a_clear_error():
-    from dask_lm.workers.rendezvous import listen_fd
+    from dask_lm.comm.rendezvous import listen_fd
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

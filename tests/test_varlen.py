@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from dask_lm.data.messages import MicroBatchPlan
-from dask_lm.workers import varlen
-from dask_lm.workers.forward import final_hidden_states, pack
+from dask_lm.model import varlen
+from dask_lm.model.forward import final_hidden_states, pack
 
 
 def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, enable_gqa=False, window_size=(-1, -1)):

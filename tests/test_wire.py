@@ -1,4 +1,4 @@
-"""The ZMQ refit wire format (dask_lm.workers.wire) and the receiver that reads it: data only in both directions.
+"""The ZMQ refit wire format (dask_lm.refit.wire) and the receiver that reads it: data only in both directions.
 Nothing a peer sends is unpickled; a hostile or mismatched message is refused with a ValueError naming what is
 wrong, and the CUDA IPC handle travels as plain data that round-trips to the arguments torch's rebuild takes."""
 
@@ -15,8 +15,8 @@ import torch
 import zmq
 from torch.multiprocessing import reductions
 
-from dask_lm.refit_receiver import receive_via_zmq
-from dask_lm.workers import wire
+from dask_lm.refit import wire
+from dask_lm.refit.receiver import receive_via_zmq
 
 FAKE_UUID = "GPU-12345678-1234-1234-1234-123456789abc"
 
@@ -56,7 +56,7 @@ def test_cuda_handle_round_trips_through_the_header_as_plain_data():
 
 
 def test_encode_cuda_names_the_gpu_by_uuid(monkeypatch):
-    from dask_lm.workers import device
+    from dask_lm.model import device
 
     args = _torch_cuda_args(index=2)
     monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, args))
@@ -230,7 +230,7 @@ def test_receiver_names_what_is_wrong(receiver, frames, match):
 def test_socket_path_is_short_enough(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from dask_lm.workers import zmq_endpoint
+    from dask_lm.refit import zmq_endpoint
 
     deep = tmp_path / ("d" * 100)
     deep.mkdir()

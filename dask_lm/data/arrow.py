@@ -22,14 +22,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-if TYPE_CHECKING:
-    from dask_lm.data.batch import BatchedDataDict
+from dask_lm.data.batch import BatchedDataDict
 
 __all__ = ["to_arrow", "from_arrow", "list_values_offsets", "pad_from_offsets"]
 
@@ -266,8 +265,6 @@ def from_arrow(table: pa.Table, *, device: torch.device | str | None = None) -> 
     """The BatchedDataDict that ``to_arrow`` encoded (or plain Arrow columns: lists become padded tensors).
 
     Only data is read: a column whose metadata asks for anything else (a pickle) is a ``ValueError`` naming it."""
-    from dask_lm.data.batch import BatchedDataDict
-
     out: BatchedDataDict[Any] = BatchedDataDict()
     for name, col in zip(table.column_names, table.columns):
         meta = _field_meta(name, table.schema.field(name))

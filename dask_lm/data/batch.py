@@ -184,7 +184,7 @@ class BatchedDataDict(UserDict[str, Any], Generic[DictT]):
         sequence packing returns ``(shards, batch_sorted_indices)``; ``reorder_data`` undoes the permutation.
         """
         return shard_batch(self, shards, batch_size, allow_uneven_shards, dynamic_batching_args,
-                           sequence_packing_args)
+                           sequence_packing_args, sliced=SlicedDataDict)
 
     def get_batch(self, batch_idx: int, batch_size: int | None = None) -> SlicedDataDict:
         """Global batch ``batch_idx`` of a shard, keeping only that batch's micro-batch metadata."""
@@ -246,7 +246,7 @@ class BatchedDataDict(UserDict[str, Any], Generic[DictT]):
         """An Arrow table (token ids as ``list<int32>``, padding trimmed when it is uniform); lossless, and data only:
         list columns become Arrow types or JSON text, and one that holds other objects (tuples, numpy arrays, tensors
         inside lists) is a ``ValueError`` naming it (:mod:`dask_lm.data.arrow`)."""
-        from dask_lm.data.arrow import to_arrow
+        from dask_lm.data.arrow import to_arrow  # lazy: pyarrow loads only when a batch is converted
 
         return to_arrow(self)
 
@@ -254,7 +254,7 @@ class BatchedDataDict(UserDict[str, Any], Generic[DictT]):
     def from_arrow(cls, table: Any, *, device: torch.device | str | None = None) -> BatchedDataDict[Any]:
         """The batch ``to_arrow`` encoded, or a plain Arrow table's columns (lists of numbers become padded tensors).
         Only data is read, so a table from a file runs no code: a column marked as pickled is refused."""
-        from dask_lm.data.arrow import from_arrow
+        from dask_lm.data.arrow import from_arrow  # lazy: pyarrow loads only when a batch is converted
 
         return from_arrow(table, device=device)
 

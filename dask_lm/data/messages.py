@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
     from dask_lm.data.batch import BatchedDataDict
 
-__all__ = ["MicroBatchPlan", "Shard", "ForwardRequest", "GenerateRequest", "ForwardOutput", "TrainRequest",
-           "TrainResult", "SaveRequest", "ActionRequest", "RefitPlan", "CollectiveInitRequest", "ExtensionCall",
+__all__ = ["GENERATE_BATCH_FACTOR", "MicroBatchPlan", "Shard", "ForwardRequest", "GenerateRequest", "ForwardOutput",
+           "TrainRequest", "TrainResult", "SaveRequest", "ActionRequest", "RefitPlan", "CollectiveInitRequest", "ExtensionCall",
            "ScoreOptions", "Request", "ACTIONS"]
 
 
@@ -221,6 +221,12 @@ class CollectiveInitRequest:
 
 
 # ------------------------------------------------------------------------------------------- batch jobs
+# generation's tasks and micro-batches hold this many times more (context + new) tokens than scoring's (lm-eval's
+# driver, dask_lm.engine.requests, and its ranks, dask_lm.workers.requests, both read it here): a decode step costs
+# about the same for 20 rows as for 200 (it is launch-bound), and the extra rows cost KV cache, not logits (prefill
+# keeps the last position's only)
+GENERATE_BATCH_FACTOR = 8
+
 @dataclass(frozen=True, slots=True)
 class ScoreOptions:
     """One ``score_parquet`` job's settings, sent with every partition task (:func:`dask_lm.workers.tasks.score_partition`)."""
@@ -244,7 +250,7 @@ class ScoreOptions:
     allow_nonfinite: bool = False
     chunk_size: int = 1024
     compile: bool = True
-    # the head's fused reductions compiled (GPU workers; dask_lm.workers.scorer._score_rows): a few seconds per
+    # the head's fused reductions compiled (GPU workers; dask_lm.workers.scorer.score_ids): a few seconds per
     # worker process, paid back from about 8M tokens per worker (dask_lm.engine.scoring.worth_compiling_head)
     compile_head: bool = False
     convention: Convention = "lm-eval"  # prompt + response / text tokenization: dask_lm.data.continuation

@@ -58,11 +58,10 @@ def batch_size_of(value: Any) -> int:
 
 def shard_batch(data: BatchedDataDict[Any], shards: int, batch_size: int | None = None,
                 allow_uneven_shards: bool = False, dynamic_batching_args: DynamicBatchingArgs | None = None,
-                sequence_packing_args: SequencePackingArgs | None = None
-                ) -> list[SlicedDataDict] | tuple[list[SlicedDataDict], list[int]]:
-    """The body of ``BatchedDataDict.shard_by_batch_size`` (see there)."""
-    from dask_lm.data.batch import SlicedDataDict
-
+                sequence_packing_args: SequencePackingArgs | None = None, *,
+                sliced: type[SlicedDataDict]) -> list[SlicedDataDict] | tuple[list[SlicedDataDict], list[int]]:
+    """The body of ``BatchedDataDict.shard_by_batch_size`` (see there). ``sliced`` is the shards' class, handed
+    in by the batch module that defines it, so that this module needs nothing of that one at run time."""
     if shards < 1:
         raise BatchError(f"shards must be >= 1, got {shards}")
     if allow_uneven_shards and batch_size is not None:
@@ -84,7 +83,8 @@ def shard_batch(data: BatchedDataDict[Any], shards: int, batch_size: int | None 
     num_chunks = total // batch_size if batch_size else 0
 
     if sequence_packing_args is not None:
-        return _pack_shards(data, shards, batch_size, num_chunks, sequence_packing_args, allow_uneven_shards)
+        return _pack_shards(data, shards, batch_size, num_chunks, sequence_packing_args, allow_uneven_shards,
+                            sliced)
 
     sorted_indices: list[int] | None = None
     if dynamic_batching_args is not None:
@@ -107,7 +107,7 @@ def shard_batch(data: BatchedDataDict[Any], shards: int, batch_size: int | None 
             if allow_uneven_shards:
                 lo, hi = min(lo, (c + 1) * batch_size), min(hi, (c + 1) * batch_size)
             rows.extend(range(lo, hi))
-        out.append(SlicedDataDict(data.select_indices(rows)))
+        out.append(sliced(data.select_indices(rows)))
     if dynamic_batching_args is None:
         return out
     _cut_dynamic_micro_batches(out, shard_size, num_chunks, dynamic_batching_args,
@@ -155,9 +155,8 @@ def _cut_dynamic_micro_batches(shards: list[Any], shard_size: int, num_chunks: i
 
 
 def _pack_shards(data: BatchedDataDict[Any], shards: int, batch_size: int, num_chunks: int,
-                 args: SequencePackingArgs, allow_uneven: bool) -> tuple[list[SlicedDataDict], list[int]]:
-    from dask_lm.data.batch import SlicedDataDict
-
+                 args: SequencePackingArgs, allow_uneven: bool,
+                 sliced: type[SlicedDataDict]) -> tuple[list[SlicedDataDict], list[int]]:
     order = args.get("microbatch_order")
     if order not in (None, "packer", "largest_first"):
         raise BatchError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', got {order!r}")
@@ -194,7 +193,7 @@ def _pack_shards(data: BatchedDataDict[Any], shards: int, batch_size: int, num_c
             counts[s].append(pos)
     out: list[SlicedDataDict] = []
     for s in range(shards):
-        shard = SlicedDataDict(data.select_indices(per_shard_rows[s]))
+        shard = sliced(data.select_indices(per_shard_rows[s]))
         shard.micro_batch_indices, shard.micro_batch_lengths, shard.elem_counts_per_gb = mbi[s], mbl[s], counts[s]
         out.append(shard)
     return out, [i for rows in per_shard_rows for i in rows]

@@ -193,7 +193,7 @@ def _score_pandas(pdf: Any, opts: ScoreOptions, client: Any) -> Any:
     import dask
     import dask.dataframe as dd
 
-    from dask_lm.engine.worker_group import _scheduler_info
+    from dask_lm.engine.worker_group import scheduler_info
 
     given = _known_client(client)
     opened = None
@@ -204,7 +204,7 @@ def _score_pandas(pdf: Any, opts: ScoreOptions, client: Any) -> Any:
         if dask_client is not given:  # a cluster object or an address: the client made for it is closed here
             opened = dask_client
         _register_state(dask_client)
-        workers = len(_scheduler_info(dask_client)["workers"])
+        workers = len(scheduler_info(dask_client)["workers"])
         # the rows as given: Dask would turn object columns into strings, a column of token-id lists included
         with dask.config.set({"dataframe.convert-string": False}):
             parts = min(len(pdf), max(workers, -(-len(pdf) // PANDAS_PARTITION_ROWS)))

@@ -120,9 +120,9 @@ def wait_for_workers(client: Any, bar: JobBar | None = None) -> None:
     """Return once the scheduler has a worker: a job may be started against a scheduler whose workers come later
     (``dask worker`` processes still starting, an adaptive cluster scaled to zero). ``bar`` says so meanwhile. No
     timeout: the job cannot run without a worker, and the caller stops it (Ctrl-C) if none will come."""
-    from dask_lm.engine.worker_group import _scheduler_info
+    from dask_lm.engine.worker_group import scheduler_info
 
-    if _scheduler_info(client)["workers"]:
+    if scheduler_info(client)["workers"]:
         return
     if bar is not None:
         address = getattr(getattr(client, "scheduler", None), "address", None)

@@ -41,13 +41,13 @@ from dask_lm.engine.dataflow import RemoteRows, is_remote
 from dask_lm.engine.events import log_call
 from dask_lm.engine.futures import Pending, PolicyFuture
 from dask_lm.engine.metrics import timed
-from dask_lm.engine.refit import RefitMixin
 from dask_lm.engine.training import TrainingMixin
 from dask_lm.engine.validation import validate_input_batch
 from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.io import hub
 from dask_lm.io.hub import ModelSource
+from dask_lm.refit.driver import RefitMixin
 from dask_lm.workers import tasks
 
 __all__ = ["Policy", "SUBMITTABLE"]
@@ -138,7 +138,7 @@ class Policy(TrainingMixin, RefitMixin):
         workers = None if workers_per_node is None else WorkerGroup.per_node(self.client, workers_per_node)
         self._group = group = WorkerGroup(self.client, workers=workers, name_prefix=name_prefix)
         try:  # what the ranks would find only after loading the weights, found here from the config
-            from dask_lm.io.model_compat import check_policy_model
+            from dask_lm.model.hf import check_policy_model
 
             check_policy_model(self.hf_config, self.cfg, world_size=group.world_size)
         except BaseException:

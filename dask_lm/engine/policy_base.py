@@ -1,5 +1,5 @@
 """What the driver halves of ``Policy`` share: the policy's state on the driver, its ranks, and how a batch is
-cut into per-rank shards. :class:`dask_lm.engine.training.TrainingMixin`, :class:`dask_lm.engine.refit.RefitMixin`
+cut into per-rank shards. :class:`dask_lm.engine.training.TrainingMixin`, :class:`dask_lm.refit.driver.RefitMixin`
 and :class:`dask_lm.Policy` derive from it, so each half sees the same typed attributes without restating them."""
 
 from __future__ import annotations

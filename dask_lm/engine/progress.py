@@ -135,7 +135,7 @@ class JobBar:
 
     def listen(self, client: Any) -> str | None:
         """The id under which the workers report this job's parts (``{"id": ..., "part": i, "done": rows}`` on
-        :data:`TOPIC`: :func:`dask_lm.workers.tasks.report_progress`); ``None`` when the bar is off."""
+        :data:`TOPIC`: :func:`dask_lm.comm.progress.report_progress`); ``None`` when the bar is off."""
         if self._wait is None and self._bar is None:
             return None
         _subscribe(client)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dask_lm.engine.policy import Policy
+    from dask_lm.engine.policy_base import PolicyBase
 
 __all__ = ["table", "policy_html"]
 
@@ -23,19 +23,21 @@ def table(caption: str, header: Sequence[str] | None, rows: Sequence[Sequence[An
     return f"<table><caption style='text-align:left'><b>{html.escape(caption)}</b></caption>{head}{body}</table>"
 
 
-def _worker_gauges(policy: Policy) -> dict[str, dict[str, Any]]:
+def _worker_gauges(policy: PolicyBase) -> dict[str, dict[str, Any]]:
     """The scheduler's latest heartbeat metrics per worker name (no task, no round trip to the workers)."""
-    from dask_lm.engine.worker_group import _scheduler_info
+    from dask_lm.engine.worker_group import scheduler_info
 
     try:
-        workers = _scheduler_info(policy.client)["workers"].values()
+        workers = scheduler_info(policy.client)["workers"].values()
     except Exception:  # a closed or unreachable client: show what the Policy knows
         return {}
     return {str(w["name"]): w.get("metrics", {}) for w in workers}
 
 
-def policy_html(policy: Policy) -> str:
-    if policy._group is None or not policy._finalizer.alive:
+def policy_html(policy: PolicyBase) -> str:
+    try:
+        group = policy.group
+    except RuntimeError:  # shut down
         return table("dask-lm Policy (shut down)", None, [])
     info = policy.worker_info
     params = info[0].get("num_parameters") if info else None
@@ -47,7 +49,7 @@ def policy_html(policy: Policy) -> str:
         ("dashboard", dashboard)])
     gauges = _worker_gauges(policy)
     rows = []
-    for rank, (name, i) in enumerate(zip(policy.group.names, info)):
+    for rank, (name, i) in enumerate(zip(group.names, info)):
         g = gauges.get(str(name), {})
         device = i.get("gpu_name") if i.get("device") == "cuda" else "cpu"
         mem = g.get("dask_lm_device_mem_gib")

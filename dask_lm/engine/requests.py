@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from dask_lm.config.defaults import PADDED_BATCH_TOKENS
-from dask_lm.data.messages import ScoreOptions
+from dask_lm.data.messages import GENERATE_BATCH_FACTOR, ScoreOptions
 from dask_lm.data.packing import longest_first
 from dask_lm.engine import jobs
 from dask_lm.workers import tasks
@@ -73,7 +73,7 @@ class RequestEngine:
                  max_length: int | None = None, compile: bool = False, chunk_size: int = 1024,
                  progress: bool = True) -> None:
         from dask_lm.engine import cluster
-        from dask_lm.engine.worker_group import _live_workers
+        from dask_lm.engine.worker_group import live_workers
 
         for name, value in (("n_workers", n_workers), ("batch_tokens", batch_tokens), ("task_tokens", task_tokens),
                             ("max_length", max_length), ("chunk_size", chunk_size)):
@@ -92,7 +92,7 @@ class RequestEngine:
         try:
             # the workers' dask-lm plugin holds the replicas and frees those a dead driver left idle
             self.client.register_plugin(DaskLMWorkerState(), name=PLUGIN_NAME)
-            self.workers = len(_live_workers(self.client)["workers"])
+            self.workers = len(live_workers(self.client)["workers"])
             self.opts = ScoreOptions(model=model, tokenizer=tokenizer or model,
                                      precision=fixed or jobs.worker_precision(self.client), output="-",
                                      batch_tokens=batch_tokens, chunk_size=chunk_size, compile=compile)
@@ -145,7 +145,7 @@ class RequestEngine:
         # batches finish sooner; splitting further would only add steps (stop 23, benchmarks/lm_eval_requests.py)
         return self._run("generate", [len(r) + max_new for r in rows], lambda part: (
             tasks.generate_requests, [rows[i] for i in part], gen, self.opts, part), per_worker=1,
-            task_tokens=tasks.GENERATE_BATCH_FACTOR * self.task_tokens)
+            task_tokens=GENERATE_BATCH_FACTOR * self.task_tokens)
 
     def plan(self, lengths: Sequence[int], *, per_worker: int = 2, task_tokens: int | None = None
              ) -> list[list[int]]:

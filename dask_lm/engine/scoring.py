@@ -288,7 +288,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     # 2. the cluster starts, and each worker loads its replica, while this process does the costly checks: the
     #    config through transformers (on a worker) and the content hashes. Nothing reaches the output before
     #    they pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is
-    #    not used (workers/scorer.py: _adopt). A finished output's resume starts nothing.
+    #    not used (workers/scorer.py: adopt). A finished output's resume starts nothing.
     warm = None if finished else _Preload(model, tokenizer, fixed_precision, compile, sum(inputs.group_tokens))
     start = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not finished,
                               warm=warm)
@@ -344,11 +344,11 @@ class _Preload:
         self.asked: str | None = None  # the worker it was submitted to
 
     def __call__(self, client: Any) -> list[Any]:
-        from dask_lm.engine.worker_group import _scheduler_info
+        from dask_lm.engine.worker_group import scheduler_info
         from dask_lm.workers.tasks import preload_scorer
 
         tag = uuid.uuid4().hex[:8]
-        workers = list(_scheduler_info(client)["workers"])
+        workers = list(scheduler_info(client)["workers"])
         if workers:
             self.config = self._ask(client, workers[0], f"dask-lm-config-{tag}")
         head = bool(self.compile) if self.compile is not None else worth_compiling_head(self.tokens, len(workers))
@@ -394,10 +394,10 @@ class _Preload:
         should hand a loosely pinned task on by itself, and mostly does; but in CI runs (distributed 2026.8) a
         check queued on a worker retired while it was busy was never run elsewhere, and the job waited out the
         whole timeout. Asking again costs one small task; the first answer, if it ever comes, is dropped."""
-        from dask_lm.engine.worker_group import _scheduler_info
+        from dask_lm.engine.worker_group import scheduler_info
 
         client = self.config.client
-        workers = list(_scheduler_info(client)["workers"])
+        workers = list(scheduler_info(client)["workers"])
         if not workers or self.asked in workers:
             return
         self.config.cancel()
@@ -410,7 +410,7 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
                 performance_report: str | None) -> ScoreResult:
     """``score_parquet`` from the costly checks on, while ``start`` brings the cluster up: the config through
     transformers (asked of a worker, waited for in a thread) beside the row scan and the content hashes, then the manifest under the output's lock, then the run."""
-    from dask_lm.engine.worker_group import _scheduler_info
+    from dask_lm.engine.worker_group import scheduler_info
 
     scan = not finished and not opts.skip_bad_rows and sum(inputs.group_tokens) <= prescan.PRESCAN_MAX_TOKENS
     loads = jobs.in_thread(warm.check_config, start) if warm is not None else None
@@ -445,7 +445,7 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
                 opts = replace(opts, precision=jobs.worker_precision(dask_client))
             out.pin_precision(opts.precision)
             if compile_flag is None:
-                workers = len(_scheduler_info(dask_client)["workers"])
+                workers = len(scheduler_info(dask_client)["workers"])
                 opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers),
                                compile_head=worth_compiling_head(sum(inputs.group_tokens), workers))
             result = _run(dask_client, out, inputs, plan, opts, done, start.warm_futures, bar, performance_report,
@@ -493,7 +493,7 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
     import dask
     from distributed import as_completed, span
 
-    from dask_lm.engine.worker_group import _scheduler_info
+    from dask_lm.engine.worker_group import scheduler_info
 
     columns = None
     if opts.id_column is not None:
@@ -512,7 +512,7 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
     phases: dict[str, float] = {}
     by_worker: dict[str, int] = {}
     total_rows = sum(plan[i].num_rows for i in todo)
-    workers = len(_scheduler_info(client)["workers"])
+    workers = len(scheduler_info(client)["workers"])
     preloaded = any(f.done() and f.status == "finished" and "error" not in (f.result() or {}) for f in preloads)
     # until a worker reports that it began a part (its replica ready), the bar says what the job waits for
     bar.wait("starting the first parts" if preloaded else

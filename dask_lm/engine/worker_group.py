@@ -32,7 +32,7 @@ __all__ = ["WorkerGroup", "RankFailedError", "WorkerLostError"]
 logger = logging.getLogger("dask_lm")
 
 
-def _scheduler_info(client: Client) -> dict[str, Any]:
+def scheduler_info(client: Client) -> dict[str, Any]:
     # asked of the scheduler itself: Client.scheduler_info() fetches, then returns the client's cached identity,
     # which the client's periodic refresh (every 2 s, without the workers) may overwrite in between, so that it
     # listed no worker now and then (distributed 2026.8: a scoring job then preloaded nothing). Recent distributed
@@ -46,13 +46,13 @@ def _scheduler_info(client: Client) -> dict[str, Any]:
         return dict(client.scheduler_info())
 
 
-def _live_workers(client: Client, timeout_s: float = 120.0) -> dict[str, Any]:
+def live_workers(client: Client, timeout_s: float = 120.0) -> dict[str, Any]:
     """The scheduler's workers, waiting up to ``timeout_s`` for one when there are none at the moment (a cluster
     still starting, or whose workers are being restarted by their nannies)."""
-    info = _scheduler_info(client)
+    info = scheduler_info(client)
     if not info["workers"]:
         client.wait_for_workers(1, timeout=timeout_s)
-        info = _scheduler_info(client)
+        info = scheduler_info(client)
     return info
 
 
@@ -70,7 +70,7 @@ class WorkerGroup:
     def __init__(self, client: Client, *, workers: Sequence[Any] | None = None, name_prefix: str = "lm_policy",
                  wait_timeout_s: float = 120.0) -> None:
         self.client = client
-        info = _live_workers(client, wait_timeout_s)
+        info = live_workers(client, wait_timeout_s)
         by_name = {w["name"]: addr for addr, w in info["workers"].items()}
         if workers is None:
             names = sorted(by_name, key=_name_key)
@@ -102,7 +102,7 @@ class WorkerGroup:
         if workers_per_node < 1:
             raise ValueError(f"`workers_per_node` must be >= 1, got {workers_per_node}")
         per_host: dict[str, list[Any]] = {}
-        for w in _live_workers(client)["workers"].values():
+        for w in live_workers(client)["workers"].values():
             per_host.setdefault(w["host"], []).append(w["name"])
         return sorted((n for names in per_host.values() for n in sorted(names, key=_name_key)[:workers_per_node]),
                       key=_name_key)
@@ -118,7 +118,7 @@ class WorkerGroup:
     def lost_ranks(self) -> list[int]:
         """Ranks whose worker is gone or was restarted since the group was made (a fresh scheduler query)."""
         try:
-            workers = _scheduler_info(self.client)["workers"]
+            workers = scheduler_info(self.client)["workers"]
         except Exception:  # the scheduler itself is unreachable: every rank is as good as lost
             return list(range(self.world_size))
         alive = {(w["name"], _incarnation(a, w)) for a, w in workers.items()}

@@ -49,7 +49,7 @@ _BLOCK = 8 << 20  # 8 MiB reads: large enough that the per-call overhead vanishe
 # A file modified this close to its hash may change again without its stamp changing: filesystems keep times at
 # their own granularity (ext4 takes them from a clock that ticks every few ms, FAT and some NFS servers in whole
 # seconds), git's "racily clean" index entries. Such a pin is re-hashed before _SUCCESS whatever its stamp says.
-_RACY_NS = 2_000_000_000
+RACY_NS = 2_000_000_000
 
 
 class Stamp(NamedTuple):
@@ -78,7 +78,7 @@ class Pin:
     size: int
     sha256: str
     stamp: Stamp
-    racy: bool = False  # modified within _RACY_NS of the hash: its stamp cannot vouch for its content
+    racy: bool = False  # modified within RACY_NS of the hash: its stamp cannot vouch for its content
 
     def entry(self, root: str | None = None) -> dict[str, Any]:
         """The manifest's entry: the path relative to ``root`` where given (a model is pinned by content)."""
@@ -107,7 +107,7 @@ def _pin(path: str) -> Pin:
     try:
         st = os.stat(path)
         before = Stamp(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        racy = time.time_ns() - max(before.mtime_ns, before.ctime_ns) < _RACY_NS
+        racy = time.time_ns() - max(before.mtime_ns, before.ctime_ns) < RACY_NS
         known = local_cache.cached_digest(path, st)  # hashed by an earlier job under this very stamp
         if known is not None:
             return Pin(path, before.size, known, before, racy)

@@ -1,7 +1,7 @@
 """Loss inputs from full logits: ``prepare_loss_input`` and the logprob helpers NeMo RL's losses are tested with.
 
 The trainer never materialises ``[B, S, V]`` logits for LOGPROB and DISTILLATION losses: it builds the same
-inputs from hidden states a chunk of tokens at a time (:mod:`dask_lm.workers.loss_inputs`). These functions are
+inputs from hidden states a chunk of tokens at a time (:mod:`dask_lm.model.loss_inputs`). These functions are
 the reference form, from logits you already have, for tests and for custom training loops.
 """
 

@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from dask_lm.comm import collectives
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.io import safe_load
 from dask_lm.io.checkpoint import FRESH_OPTIMIZER, BackgroundWriter
-from dask_lm.workers import collectives, device
+from dask_lm.model import device
+from dask_lm.model.weights import full_tensor, weight_names
 from dask_lm.workers.optim import (
     init_optimizer_state,
     load_named_optimizer_state,
@@ -37,7 +39,7 @@ from dask_lm.workers.optim import (
 if TYPE_CHECKING:
     from dask_lm.workers.trainer import Trainer
 
-__all__ = ["Checkpointer", "CheckpointHost", "load_optimizer_state", "weight_names", "full_tensor"]
+__all__ = ["Checkpointer", "CheckpointHost", "load_optimizer_state"]
 
 logger = logging.getLogger("dask_lm.worker")
 SCHEDULER_FILE = "scheduler.pt"
@@ -59,27 +61,6 @@ class CheckpointHost(Protocol):
     def save_dtype(self) -> torch.dtype: ...
 
     def ensure_on_device(self) -> None: ...
-
-
-def weight_names(model: torch.nn.Module) -> list[str]:
-    """State-dict names to save, without the second name of a tied (shared) parameter, as ``save_pretrained``."""
-    seen: set[int] = set()
-    names = []
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name, t in model.state_dict(keep_vars=True).items():
-        tensor = params.get(name, t)
-        key = id(tensor)
-        if key in seen:
-            continue
-        seen.add(key)
-        names.append(name)
-    return names
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: an all-gather (every rank must call it, in the same order) for an FSDP DTensor."""
-    full_tensor = getattr(t, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else t
 
 
 def _agreement_group(worker: CheckpointHost, *, main_group: bool = False) -> Any:
@@ -204,7 +185,7 @@ class Checkpointer:
     :class:`~dask_lm.io.checkpoint.BackgroundWriter`) and the async save it has not finished yet (at most one).
 
     Every rank runs the same collectives in the same order whatever fails, and the ranks agree on success after
-    each phase (:mod:`dask_lm.workers.collectives`): (1) the directories exist, (2) the weights are gathered and
+    each phase (:mod:`dask_lm.comm.collectives`): (1) the directories exist, (2) the weights are gathered and
     written (rank 0 keeps gathering even after a failed write) with config and tokenizer, (3) the optimizer state
     is written (DCP fails on every rank together), (4) rank 0 publishes, or discards everything.
     """

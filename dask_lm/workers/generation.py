@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dask_lm.comm import collectives
 from dask_lm.losses.sampling import apply_top_k_top_p
-from dask_lm.workers import collectives
 
 if TYPE_CHECKING:
     from dask_lm.workers.policy_worker import PolicyWorker

@@ -35,7 +35,7 @@ def build_optimizer(params: Iterable[torch.Tensor], cfg: Any) -> torch.optim.Opt
     kwargs = dict(opt_cfg.kwargs)
     if isinstance(kwargs.get("betas"), list):  # YAML gives lists; Adam-family optimizers expect a tuple
         kwargs["betas"] = tuple(kwargs["betas"])
-    from dask_lm.workers import device  # here, not at the top: the driver imports this module for its checks
+    from dask_lm.model import device  # here, not at the top: the driver imports this module for its checks
 
     params = list(params)
     # torch's Adam / AdamW / SGD default to their multi-tensor (foreach) step on a GPU; the fused one does the

@@ -8,11 +8,11 @@ rank's state belongs to three components it composes, each in its own module:
 
 - :class:`~dask_lm.workers.trainer.Trainer`: optimizer, LR scheduler, fp32 master weights; runs ``train``;
 - :class:`~dask_lm.workers.checkpointing.Checkpointer`: the background writer and the pending async save;
-- :class:`~dask_lm.workers.refit.Refitter`: the refit gloo groups, the collective group, the ZMQ socket.
+- :class:`~dask_lm.refit.rank.Refitter`: the refit gloo groups, the collective group, the ZMQ socket.
 
 They reach the model through the worker's public forward protocol (:meth:`PolicyWorker.plan_pass`,
 :meth:`~PolicyWorker.forward_micro_batch`, :meth:`~PolicyWorker.end_pass`, :meth:`~PolicyWorker.ensure_on_device`),
-which the inference loop (:func:`~dask_lm.workers.inference.run_pass`) and generation use as well.
+which the inference loop (:func:`~dask_lm.model.inference.run_pass`) and generation use as well.
 """
 
 from __future__ import annotations
@@ -24,17 +24,18 @@ from typing import Any
 
 import torch
 
+from dask_lm.comm import collectives
 from dask_lm.config import PolicyConfig
 from dask_lm.data.batch import BatchedDataDict
 from dask_lm.data.messages import MicroBatchPlan, TrainResult
-from dask_lm.io.model_compat import fsdp_blocks
-from dask_lm.workers import collectives, device, fused, varlen
+from dask_lm.model import device, fused, varlen
+from dask_lm.model.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
+from dask_lm.model.hf import fsdp_blocks
+from dask_lm.model.inference import ForwardLayout, forward_rows, run_pass
+from dask_lm.model.logprobs import next_token_logprobs, output_head, topk_logits
+from dask_lm.refit.rank import Refitter, refit_info
 from dask_lm.workers.checkpointing import Checkpointer, load_optimizer_state
-from dask_lm.workers.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
-from dask_lm.workers.inference import ForwardLayout, forward_rows, run_pass
-from dask_lm.workers.logprobs import next_token_logprobs, output_head, topk_logits
 from dask_lm.workers.optim import MasterWeights
-from dask_lm.workers.refit import Refitter, refit_info
 from dask_lm.workers.trainer import Trainer
 
 __all__ = ["PolicyWorker", "local_tensor"]
@@ -224,7 +225,7 @@ class PolicyWorker:
     def forward_micro_batch(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]:
         """Hidden states of one micro-batch plus how to map them back (None for a dummy). The layout (lengths,
         packed offsets, scored positions) is worked out on the host and uploaded, so nothing here waits for the
-        GPU (see :mod:`dask_lm.workers.inference`)."""
+        GPU (see :mod:`dask_lm.model.inference`)."""
         if mb.end == mb.start:  # a dummy on a rank with no rows: one pad token keeps the collectives in step
             ids = torch.full((1, 1), self.pad_token_id, dtype=torch.int64, device=self.device)
             return final_hidden_states(self.model, ids), None

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from dask_lm.data.messages import ScoreOptions
-from dask_lm.io.fingerprint import _RACY_NS, Stamp, verify
-from dask_lm.workers import device, fused, liger_layers, varlen
-from dask_lm.workers.inference import forward_rows
-from dask_lm.workers.logprobs import next_token_logprobs_greedy, output_head
-from dask_lm.workers.model_load import load_causal_lm
+from dask_lm.io.fingerprint import RACY_NS, Stamp, verify
+from dask_lm.model import device, fused, liger_layers, varlen
+from dask_lm.model.inference import forward_rows
+from dask_lm.model.load import load_causal_lm
+from dask_lm.model.logprobs import next_token_logprobs_greedy, output_head
 
 __all__ = ["preload_replica", "release_idle", "release_scorers", "auto_precision"]
 
@@ -37,8 +37,8 @@ def auto_precision(precision: str | None) -> str:
     return "bfloat16" if device.is_cuda() else "float32"
 
 
-class _Replica:
-    last_used: float  # time.monotonic() of the last partition that picked it (set by _replica)
+class Replica:
+    last_used: float  # time.monotonic() of the last partition that picked it (set by replica_for)
     stamps: dict[str, Stamp]  # a preloaded replica's files, settled and unchanged over its load (preload_replica)
 
     def __init__(self, model_dir: str, tokenizer_dir: str, precision: str, *, compile: bool = True,
@@ -84,7 +84,7 @@ class _Replica:
         self.compile_seconds = 0.0
         self.fresh = True  # the first partition of this replica reports the two timings
         self.compile_requested = False
-        self.head_compiled = False  # the head's fused reductions run compiled (_score_rows says why)
+        self.head_compiled = False  # the head's fused reductions run compiled (score_ids says why)
         # uncompiled layers' RMSNorms and SwiGLU products as liger's one-pass kernels (liger_layers.py says why);
         # compile() puts the class forwards back for Inductor to fuse
         t_liger = time.perf_counter()
@@ -136,7 +136,7 @@ class _Replica:
 _CACHE_LOCK = threading.Lock()
 
 
-def _replica(opts: ScoreOptions) -> _Replica:
+def replica_for(opts: ScoreOptions) -> Replica:
     """This worker's replica for ``opts``, loaded on first use into the worker's dask-lm plugin state (or the one
     :func:`preload_replica` loaded while the driver checked, where it was loaded from the pinned bytes)."""
     from dask_lm.workers.state import get_state
@@ -148,13 +148,13 @@ def _replica(opts: ScoreOptions) -> _Replica:
         rep = cache.get(key)
         if rep is None:
             preloaded = cache.pop(_preload_key(opts.model, opts.tokenizer, opts.precision), None)
-            rep = _adopt(preloaded, opts)
+            rep = adopt(preloaded, opts)
             if preloaded is not None and rep is None:  # loaded from other bytes: its memory goes before the reload
                 del preloaded
                 _free()
         if rep is None:
             before = [verify(pin) for pin in opts.model_pins]
-            rep = _Replica(opts.model, opts.tokenizer, opts.precision, compile=opts.compile,
+            rep = Replica(opts.model, opts.tokenizer, opts.precision, compile=opts.compile,
                            compile_head=opts.compile_head)
             for pin, was in zip(opts.model_pins, before):  # written during the load: the weights may mix versions
                 verify(pin, since=was)
@@ -169,7 +169,7 @@ def _preload_key(model: str, tokenizer: str, precision: str) -> tuple:
 
 
 def _settled_stamps(directories: set[str], now_ns: int) -> dict[str, Stamp]:
-    """The stamp of every file directly in ``directories`` whose last change is at least ``_RACY_NS`` old: a file
+    """The stamp of every file directly in ``directories`` whose last change is at least ``RACY_NS`` old: a file
     changed within the filesystem clock's tick of ``now_ns`` could change again under the same stamp."""
     stamps: dict[str, Stamp] = {}
     for d in directories:
@@ -179,7 +179,7 @@ def _settled_stamps(directories: set[str], now_ns: int) -> dict[str, Stamp]:
                     if e.is_file():
                         st = e.stat()
                         s = Stamp(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-                        if now_ns - max(s.mtime_ns, s.ctime_ns) >= _RACY_NS:
+                        if now_ns - max(s.mtime_ns, s.ctime_ns) >= RACY_NS:
                             stamps[os.path.abspath(e.path)] = s
     return stamps
 
@@ -191,7 +191,7 @@ def preload_replica(model: str, tokenizer: str, precision: str | None, compile: 
     happen while the driver checks the inputs and hashes the files.
 
     The replica is adopted by the job's first partition only if every pinned file kept one settled stamp from
-    before this load began, through its end, to the driver's hash (:func:`_adopt`): then the bytes loaded are the
+    before this load began, through its end, to the driver's hash (:func:`adopt`): then the bytes loaded are the
     bytes pinned. Otherwise that partition loads the model again, as without a preload. ``precision`` ``None``
     is the worker's automatic one (as :func:`dask_lm.engine.jobs.worker_precision` decides it)."""
     from dask_lm.workers.state import get_state
@@ -199,12 +199,12 @@ def preload_replica(model: str, tokenizer: str, precision: str | None, compile: 
     began = time.time()
     precision = auto_precision(precision)
     dirs = {os.path.abspath(model), os.path.abspath(tokenizer)}
-    # under the cache lock, as _replica loads: a partition that starts meanwhile on another thread of this worker
+    # under the cache lock, as replica_for loads: a partition that starts meanwhile on another thread of this worker
     # waits for this replica instead of loading a second one beside it
     with _CACHE_LOCK:
         before = _settled_stamps(dirs, time.time_ns())
         try:
-            rep = _Replica(model, tokenizer, precision, compile=compile, compile_head=compile_head)
+            rep = Replica(model, tokenizer, precision, compile=compile, compile_head=compile_head)
         except Exception as e:  # a model the driver's checks will refuse, or one the job's first partition loads
             return {"error": f"{type(e).__name__}: {e}"}  # again and reports: not a failed task in the logs
         after = _settled_stamps(dirs, time.time_ns())
@@ -227,7 +227,7 @@ def _process_started_at() -> float | None:
         return None
 
 
-def _adopt(rep: _Replica | None, opts: ScoreOptions) -> _Replica | None:
+def adopt(rep: Replica | None, opts: ScoreOptions) -> Replica | None:
     """``rep`` (a preloaded replica) if it was loaded from the pinned bytes: each pinned file's settled stamp
     before and after its load is the stamp the driver hashed it under. ``None`` (load again) otherwise."""
     if rep is None or not opts.model_pins:

@@ -2,11 +2,11 @@
 generates after, a batch of token-id rows on this worker's model replica.
 
 The replica is the one offline scoring caches in the worker's dask-lm plugin state (:func:`dask_lm.workers.
-scorer._replica`, keyed by model, tokenizer, precision and compilation), so an evaluation loads each model once
+replicas.replica_for`, keyed by model, tokenizer, precision and compilation), so an evaluation loads each model once
 per worker however many tasks it sends, and frees it with the scoring jobs' ``release_scorers``. Scoring goes
-through the scorer's own micro-batched forward and chunked head (:func:`dask_lm.workers.scorer._score_rows`);
+through the scorer's own micro-batched forward and chunked head (:func:`dask_lm.workers.scorer.score_ids`);
 generation through Hugging Face's ``generate`` on the same weights (the compiled decoder layers are active only
-inside :func:`dask_lm.workers.fused.use_compiled`, so generation runs eagerly).
+inside :func:`dask_lm.model.fused.use_compiled`, so generation runs eagerly).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from dask_lm.data.messages import ScoreOptions
+from dask_lm.data.messages import GENERATE_BATCH_FACTOR, ScoreOptions
 from dask_lm.data.packing import longest_first
 from dask_lm.errors import NonFiniteError
-from dask_lm.workers import device, scorer
-from dask_lm.workers.forward import final_hidden_states
-from dask_lm.workers.logprobs import next_token_logprobs_greedy, output_head
-from dask_lm.workers.tasks import GENERATE_BATCH_FACTOR
+from dask_lm.model import device
+from dask_lm.model.forward import final_hidden_states
+from dask_lm.model.logprobs import next_token_logprobs_greedy, output_head
+from dask_lm.workers import scorer
 
 __all__ = ["generate_rows", "loglikelihood_rows"]
 
@@ -49,7 +49,7 @@ def loglikelihood_rows(ids: list[list[int]], starts: list[int], opts: ScoreOptio
         if not 1 <= start < len(row):
             raise ValueError(f"request {names[j]}: start {start} with {len(row)} tokens; a request needs at least "
                              "one context token and one token to score")
-    rep = scorer._replica(opts)
+    rep = scorer.replica_for(opts)
     out: list[tuple[float, bool]] = []
     with rep.lock:
         _check_rows(ids, rep.vocab_size, names)
@@ -58,7 +58,7 @@ def loglikelihood_rows(ids: list[list[int]], starts: list[int], opts: ScoreOptio
         # (learned position embeddings) or change with the length (dynamic RoPE scaling)
         limit = rep.max_positions
         fits = [i for i, row in enumerate(ids) if limit is None or len(row) <= limit]
-        lps, _, finite, greedy = scorer._score_rows(rep, [ids[i] for i in fits], opts)
+        lps, _, finite, greedy = scorer.score_ids(rep, [ids[i] for i in fits], opts)
         per_row: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {
             i: (lps[k], greedy[k], finite[k]) for k, i in enumerate(fits)}
         for i in sorted(set(range(len(ids))) - set(fits)):
@@ -135,7 +135,7 @@ def generate_rows(contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOpt
     if empty:
         raise ValueError(f"request {empty[0]} has no context tokens to generate after: give it at least the "
                          "BOS / EOS token")
-    rep = scorer._replica(opts)
+    rep = scorer.replica_for(opts)
     out: list[list[int]] = [[] for _ in contexts]
     with rep.lock:
         if stops and rep.tokenizer is None:

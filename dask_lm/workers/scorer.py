@@ -11,7 +11,7 @@ lengths, empty rows, non-finite values) are therefore the same for both.
 Inside a partition, rows are sorted longest first and cut into micro-batches of at most ``batch_tokens`` tokens:
 on a GPU they are packed (real tokens only, varlen attention, compiled decoder layers, as in a Policy's inference
 pass), elsewhere padded to the longest row; logprobs and top-k come from the chunked head of
-:mod:`dask_lm.workers.logprobs`. A partition whose logprobs are not all finite is refused (NaN weights or an fp16
+:mod:`dask_lm.model.logprobs`. A partition whose logprobs are not all finite is refused (NaN weights or an fp16
 overflow would otherwise pass as scores) unless ``allow_nonfinite``. A part file is written under a temporary name
 and renamed, so a retried partition replaces it and every row appears exactly once.
 """
@@ -31,19 +31,18 @@ from dask_lm.data.packing import longest_first
 from dask_lm.data.rows import BadRowError, PreparedRows, prepare_rows
 from dask_lm.errors import NonFiniteError
 from dask_lm.interface import again, opt
-from dask_lm.workers import device, fused
-from dask_lm.workers.inference import forward_rows
-from dask_lm.workers.logprobs import next_token_logprobs_greedy, output_head, topk_logits
+from dask_lm.model import device, fused
+from dask_lm.model.inference import forward_rows
+from dask_lm.model.logprobs import next_token_logprobs_greedy, output_head, topk_logits
 
-# the replica cache lives in its own module; its names stay importable from here, where tasks, the lm-eval
-# request engine, benchmarks and tests have always found them
+# the replica cache lives in its own module; the three task-facing names stay importable from here, where tasks
+# and benchmarks have always found them
 from dask_lm.workers.replicas import (  # noqa: F401
-    _adopt,
-    _Replica,
-    _replica,
+    Replica,
     preload_replica,
     release_idle,
     release_scorers,
+    replica_for,
 )
 
 __all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "ScoredRows", "score_rows", "score_partition",
@@ -51,8 +50,8 @@ __all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "ScoredRows", "score
 
 
 @torch.no_grad()
-def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions, on_rows: Any = None
-                ) -> tuple[list[torch.Tensor], list | None, list[bool], list[torch.Tensor]]:
+def score_ids(rep: Replica, ids: list[list[int]], opts: ScoreOptions, on_rows: Any = None
+              ) -> tuple[list[torch.Tensor], list | None, list[bool], list[torch.Tensor]]:
     """Per row: logprobs (position 0 = 0), topk per position (ids, logprobs) when ``opts.topk``, whether every value
     is finite, and per position whether the token is the argmax of the model's distribution before it (bool, true
     at position 0). A row without tokens gets empty results without a forward. ``on_rows(k)``, if given, is told
@@ -60,7 +59,7 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions, on_rows
 
     The GPU never waits for the host between micro-batches: a micro-batch's results are copied to the host
     asynchronously and cut into rows only after the next micro-batch has been launched (one micro-batch of lag, as
-    in a Policy's inference pass, :func:`dask_lm.workers.inference.run_pass`). Before, every micro-batch ended in a
+    in a Policy's inference pass, :func:`dask_lm.model.inference.run_pass`). Before, every micro-batch ended in a
     blocking copy, and the next one's host work (its tensor, its packed layout) left the GPU idle: 20% of a 0.5B
     scoring phase on an H200 (``benchmarks/profile_score.py --profile``)."""
     head = output_head(rep.model)
@@ -108,7 +107,7 @@ def _score_rows(rep: _Replica, ids: list[list[int]], opts: ScoreOptions, on_rows
 class _Pending:
     """A launched micro-batch whose results are on their way to the host."""
 
-    batch: list[int]  # its rows (indices into _score_rows' ids)
+    batch: list[int]  # its rows (indices into score_ids' ids)
     lens: torch.Tensor
     cu: torch.Tensor | None  # packed: the rows' offsets in the [1, T] results
     host: tuple[torch.Tensor, ...]  # logprobs, is_max (and top-k values, ids), host tensors being filled
@@ -116,7 +115,7 @@ class _Pending:
 
 
 class _RowResults:
-    """_score_rows' results per row, cut out of each micro-batch's host tensors once their copies are done."""
+    """score_ids' results per row, cut out of each micro-batch's host tensors once their copies are done."""
 
     def __init__(self, n: int, topk: int) -> None:
         self.lps: list[Any] = [torch.zeros(0)] * n
@@ -182,9 +181,9 @@ def _refuse_if_cancelled(index: int) -> None:
 
 def _rows_reporter(progress_id: str | None, index: int, every_s: float = 0.5) -> Any:
     """``report(rows)``: part ``index``'s rows scored so far, as an event for the job's bar
-    (:func:`dask_lm.workers.tasks.report_progress`), the first at once and then at most every ``every_s`` (an
+    (:func:`dask_lm.comm.progress.report_progress`), the first at once and then at most every ``every_s`` (an
     event per micro-batch would be hundreds a second on a GPU, each a message through the scheduler)."""
-    from dask_lm.workers.tasks import report_progress
+    from dask_lm.comm.progress import report_progress
 
     last = -math.inf
 
@@ -244,7 +243,7 @@ def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: 
     from dask_lm.io import parquet as pio
     from dask_lm.io.results import decode_topk_column
 
-    rep = _replica(opts)
+    rep = replica_for(opts)
     with rep.lock:
         startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds,
                    "load_phases": rep.load_phases, "ready_at": rep.ready_at} if rep.fresh else {}
@@ -273,8 +272,8 @@ def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: 
             more = f" (and {len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
             raise BadRowError(f"{rows.errors[bad[0]]}{more}; {bad_fix}")
         keep = [i for i in range(len(row_no)) if rows.errors[i] is None]
-        lps, tops, finite, greedy = _score_rows(rep, [rows.ids[i] for i in keep], opts,  # type: ignore[misc]
-                                                report)
+        lps, tops, finite, greedy = score_ids(rep, [rows.ids[i] for i in keep], opts,  # type: ignore[misc]
+                                              report)
     t_output = time.perf_counter()
     nonfinite = [keep[j] for j, ok in enumerate(finite) if not ok]
     if nonfinite and not opts.allow_nonfinite:

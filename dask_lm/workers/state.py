@@ -106,7 +106,7 @@ class DaskLMWorkerState(WorkerPlugin):
             finally:
                 leave_process_group(self, policy_id)
         gc.collect()
-        from dask_lm.workers import device
+        from dask_lm.model import device
 
         device.empty_cache()
         return True
@@ -117,7 +117,7 @@ def _device_memory_gib(state: DaskLMWorkerState) -> float:
     Workers table; 0 while no Policy is loaded, so the heartbeat never starts CUDA by itself."""
     if not state.policies:
         return 0.0
-    from dask_lm.workers import device
+    from dask_lm.model import device
 
     return device.memory_in_use_bytes() / 2**30
 
@@ -148,7 +148,7 @@ def join_process_group(state: DaskLMWorkerState, policy_id: str, *, members: tup
     import torch
     import torch.distributed as dist
 
-    from dask_lm.workers import rendezvous
+    from dask_lm.comm import rendezvous
 
     timeout = timedelta(seconds=timeout_s)
     if dist.is_initialized() and not state.world_users:

@@ -14,15 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from dask_lm.errors import PeerFailedError
 
-# generation's tasks and micro-batches hold this many times more (context + new) tokens than scoring's
-# (dask_lm.engine.requests, dask_lm.workers.requests): a decode step costs about the same for 20 rows as for 200
-# (it is launch-bound), and the extra rows cost KV cache, not logits (prefill keeps the last position's only)
-GENERATE_BATCH_FACTOR = 8
-
 if TYPE_CHECKING:
     from dask_lm.data.messages import Request, ScoreOptions
 
-__all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "serve", "settled", "unwrap",
+__all__ = ["find_free_port", "rank_info", "init_policy", "serve", "settled", "unwrap",
            "zmq_address", "profiler", "score_partition", "check_model_config", "preload_scorer", "release_scorers",
            "shutdown_policy", "Failed", "PeerFailedError", "loglikelihood_requests", "generate_requests", "combine",
            "warnings_of", "prepare_rows", "row_lengths", "cut_rows", "assemble_rows",
@@ -32,29 +27,14 @@ __all__ = ["find_free_port", "report_progress", "rank_info", "init_policy", "ser
 def find_free_port(_prev: Any = None) -> tuple[str, int]:
     """A TCP port free on this worker's address, for the torch.distributed rendezvous (rank 0 hosts the store
     there, on that address only)."""
-    from dask_lm.workers import rendezvous
+    from dask_lm.comm import rendezvous
 
     host = rendezvous.worker_host()
     return host, rendezvous.find_free_port(host)
 
 
-def report_progress(progress_id: str | None, done: int, part: int | None = None) -> None:
-    """Move the driver's progress bar for call ``progress_id`` to ``done`` (a Dask event; see engine/progress.py);
-    with ``part``, ``done`` counts the rows of that part of a job (:class:`~dask_lm.engine.progress.JobBar`)."""
-    if progress_id is None:
-        return
-    from distributed import get_worker
-
-    msg = {"id": progress_id, "done": int(done)} if part is None else {"id": progress_id, "done": int(done),
-                                                                       "part": int(part)}
-    try:
-        get_worker().log_event("dask-lm-progress", msg)
-    except ValueError:  # not on a worker (direct calls in tests)
-        pass
-
-
 def rank_info(_prev: Any = None) -> dict[str, Any]:
-    from dask_lm.workers import device
+    from dask_lm.model import device
 
     info = device.device_info()
     info["free_memory_bytes"] = device.free_memory_bytes()
@@ -79,7 +59,8 @@ def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: 
                  extension_fqn: str | None, options: dict[str, Any]) -> dict[str, Any]:
     from dask_lm.config import PolicyConfig
     from dask_lm.config.optim import resolve_class
-    from dask_lm.workers import device, lease
+    from dask_lm.model import device
+    from dask_lm.workers import lease
     from dask_lm.workers.policy_worker import PolicyWorker
     from dask_lm.workers.state import join_process_group
 
@@ -252,14 +233,14 @@ def unwrap(result: Any) -> Any:
 
 def zmq_address(_prev: Any, policy_id: str) -> str:
     """``Policy.get_zmq_addresses()``: bind this rank's socket (once) and return its address."""
-    from dask_lm.workers.zmq_endpoint import bind
+    from dask_lm.refit.zmq_endpoint import bind
 
     return bind(_policy(policy_id).refitter).address
 
 
 def profiler(_prev: Any, start: bool) -> bool:
     """Start or stop this rank's device profiler (``Policy.start_gpu_profiling`` / ``stop_gpu_profiling``)."""
-    from dask_lm.workers import device
+    from dask_lm.model import device
 
     (device.start_profiler if start else device.stop_profiler)()
     return True

@@ -27,20 +27,21 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.profiler import record_function
 
+from dask_lm.comm import collectives
+from dask_lm.comm.progress import report_progress
 from dask_lm.data.messages import TrainResult
 from dask_lm.losses.base import deferred_metrics
-from dask_lm.workers import collectives, device, fused, varlen
-from dask_lm.workers.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
-from dask_lm.workers.logprobs import next_token_logprobs_train, output_head
-from dask_lm.workers.loss_inputs import loss_inputs_from_hidden
+from dask_lm.model import device, fused, varlen
+from dask_lm.model.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
+from dask_lm.model.logprobs import next_token_logprobs_train, output_head
+from dask_lm.model.loss_inputs import loss_inputs_from_hidden
 from dask_lm.workers.optim import MasterWeights, build_optimizer, build_scheduler
-from dask_lm.workers.tasks import report_progress
 
 if TYPE_CHECKING:
     from dask_lm.config import PolicyConfig
     from dask_lm.data.batch import BatchedDataDict
     from dask_lm.data.messages import MicroBatchPlan
-    from dask_lm.workers.inference import ForwardLayout
+    from dask_lm.model.inference import ForwardLayout
 
 __all__ = ["Trainer", "TrainingHost"]
 

@@ -23,13 +23,16 @@ import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from dask_lm.workers import buckets as bk
-from dask_lm.workers import collectives, device
-from dask_lm.workers.refit import RefitError, iter_buckets, refit_info
-from dask_lm.workers.tasks import report_progress
+from dask_lm.comm import collectives
+from dask_lm.comm.progress import report_progress
+from dask_lm.errors import RefitError
+from dask_lm.model import device
+from dask_lm.refit import buckets as bk
+from dask_lm.refit.source import iter_buckets, refit_info
 
 if TYPE_CHECKING:
-    from dask_lm.workers.refit import RefitHost, Refitter
+    from dask_lm.refit.rank import Refitter
+    from dask_lm.refit.source import RefitHost
 
 __all__ = ["stream_via_http", "transport_for"]
 

@@ -15,7 +15,7 @@ Two changes, both PyTorch's own machinery (no hand-written kernels, nothing patc
   reads them once for the target's logit and the logsumexp. 2.4x faster than the eager head on the H200, and its
   error against a float64 head drops from 4e-3 to 3e-6 (the bf16 rounding of the logits is gone).
   Where liger-kernel is installed (the ``cuda`` extra), that pass at temperature 1 is its Triton kernel instead
-  (:mod:`dask_lm.workers.liger_head`): 10% faster than the compiled one and, cached on disk by Triton, without
+  (:mod:`dask_lm.model.liger_head`): 10% faster than the compiled one and, cached on disk by Triton, without
   Inductor's seconds of compilation in every worker process, so the scoring path gets the fast head on jobs too
   short to repay a compile.
 - **Decoder**: every decoder layer is compiled (``nn.Module.compile``, regional: all layers share one graph) with
@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from dask_lm.workers import device, liger_head
+from dask_lm.model import device, liger_head
 
 __all__ = ["enabled", "compile_errors", "pick_minus_logsumexp", "pick_minus_logsumexp_greedy", "logsumexp", "pick_and_logsumexp", "logprob_grad",
            "compile_decoder_layers", "use_compiled", "call"]
@@ -157,7 +157,7 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 def pick_minus_logsumexp(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``log_softmax(logits / temperature)[i, targets[i]]`` for float32 ``[n, V]`` logits: float32 ``[n]``.
     One fused pass over the logits on a GPU (no ``[n, V]`` temporaries): liger-kernel's Triton kernel at
-    temperature 1 where it is installed (:mod:`dask_lm.workers.liger_head`), else the compiled reduction; the plain
+    temperature 1 where it is installed (:mod:`dask_lm.model.liger_head`), else the compiled reduction; the plain
     expression on the CPU."""
     if temperature == 1.0 and liger_head.available(logits):
         out = liger_head.pick_minus_lse(logits, targets)
@@ -185,7 +185,7 @@ def logsumexp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 
 def pick_and_logsumexp(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_softmax(logits)[i, targets[i]], logsumexp(logits, -1))`` for float32 ``[n, V]`` logits, in one pass
-    over them on a GPU (the training head's forward, :mod:`dask_lm.workers.linear_logprob`)."""
+    over them on a GPU (the training head's forward, :mod:`dask_lm.model.linear_logprob`)."""
     return _run("pick_and_lse", _pick_and_lse, logits, _own(targets))
 
 
@@ -195,7 +195,7 @@ def logprob_grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, ta
     float32 scaled logits ``z [n, V]``, their ``lse`` and the incoming ``grad [n]``:
     ``(onehot(t) - exp(z - lse)) * grad * scale`` in ``dtype``. On a GPU one compiled pass reads the logits once
     and writes the result once in the weight's dtype, where the eager chain made five ``[n, V]`` float32 passes
-    (the training head's backward, :mod:`dask_lm.workers.linear_logprob`)."""
+    (the training head's backward, :mod:`dask_lm.model.linear_logprob`)."""
     return _run("logprob_grad", _logprob_grad, logits, _own(lse), _own(grad), _own(targets), float(scale), dtype)
 
 
@@ -209,7 +209,7 @@ def compile_decoder_layers(model: torch.nn.Module, *, anywhere: bool = False) ->
     What ``nn.Module.compile`` does (``_compiled_call_impl = torch.compile(_call_impl)``: regional compilation,
     one graph shared by every layer, module hooks such as FSDP's inside the call) with one difference: the call
     goes to the compiled code only while this thread is inside ``use_compiled(True)``."""
-    from dask_lm.workers.forward import decoder_of
+    from dask_lm.model.forward import decoder_of
 
     if not (enabled() or (anywhere and os.environ.get("DASK_LM_COMPILE", "1") != "0")):
         return 0

@@ -7,7 +7,7 @@ Packed micro-batches concatenate the real tokens of several rows into one ``[1, 
 not notice packing from restarted ``position_ids`` alone (the second sequence would attend to the first), so we
 pass a block-diagonal causal mask ``[1, 1, T, T]``: boolean for ``sdpa``, additive float for ``eager`` (the
 only form eager accepts). The dense mask costs O(T^2): on GPUs packed rows run through a varlen kernel instead
-(:mod:`dask_lm.workers.varlen`).
+(:mod:`dask_lm.model.varlen`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dask_lm.io.model_compat import find_decoder
+from dask_lm.model.hf import find_decoder
 
 __all__ = ["MicroBatch", "plan_micro_batches", "decoder_of", "final_hidden_states", "pack", "unpack_positions"]
 
@@ -54,7 +54,7 @@ def pad_with_dummies(plan: list[MicroBatch], target: int) -> list[MicroBatch]:
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     """The base transformer inside a ``*ForCausalLM`` / ``*ForSequenceClassification`` model (the driver checked
-    that there is one: :func:`dask_lm.io.model_compat.check_policy_model`)."""
+    that there is one: :func:`dask_lm.model.hf.check_policy_model`)."""
     dec = find_decoder(model)
     assert dec is not None, f"cannot find the decoder of {type(model).__name__}"
     return dec
@@ -103,7 +103,7 @@ def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, *, posi
     """Run the whole model (so FSDP's root hooks gather and free parameters as usual) and return the decoder's
     last hidden state ``[B, S, H]``. ``logits_to_keep=1`` keeps the model's own vocabulary projection down to
     one position; callers project the positions they need in chunks. ``attention_kwargs`` reach the attention
-    functions (the packed sequence boundaries of :mod:`dask_lm.workers.varlen`)."""
+    functions (the packed sequence boundaries of :mod:`dask_lm.model.varlen`)."""
     captured: dict[str, torch.Tensor] = {}
 
     def grab(_module: Any, _args: Any, output: Any) -> None:

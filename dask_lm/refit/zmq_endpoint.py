@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dask_lm.workers.refit import Refitter
+    from dask_lm.refit.rank import Refitter
 
 __all__ = ["Endpoint", "bind", "close_socket", "close"]
 

@@ -1,7 +1,7 @@
 """The output head's reduction on a GPU through liger-kernel's cross-entropy Triton kernel: one read of the float32
 ``[n, V]`` logits for each row's logsumexp, its target's logit and whether the target is the row's argmax.
 
-Why a kernel library here rather than :mod:`dask_lm.workers.fused`'s compiled reduction: both make one pass over
+Why a kernel library here rather than :mod:`dask_lm.model.fused`'s compiled reduction: both make one pass over
 the logits, but Inductor compiles that pass in every worker process (2-6 s per process before the first scored
 row, which is why the scoring path ran the head eagerly below 8M tokens per worker), while Triton caches the
 compiled kernel on disk (``~/.triton/cache``, or ``TRITON_CACHE_DIR``): the first process on a machine pays about a

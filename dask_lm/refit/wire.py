@@ -174,7 +174,7 @@ def encode_cuda(t: torch.Tensor) -> dict[str, Any]:
     """A CUDA IPC handle of ``t`` as plain data (every call exports a fresh reference)."""
     from torch.multiprocessing import reductions
 
-    from dask_lm.workers import device
+    from dask_lm.model import device
 
     rebuild, args = reductions.reduce_tensor(t)
     assert rebuild is reductions.rebuild_cuda_tensor, "encode_cuda takes a CUDA tensor"
@@ -244,7 +244,7 @@ def open_cuda(h: dict[str, Any]) -> torch.Tensor:
     """The tensor a :func:`encode_cuda` handle describes, mapped from the producer's GPU memory (no copy)."""
     from torch.multiprocessing import reductions
 
-    from dask_lm.workers import device
+    from dask_lm.model import device
 
     if not isinstance(h.get("device"), str):
         raise ValueError("`ipc.device` of a refit header must be a GPU UUID string")

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dask_lm.io.model_compat import find_output_embeddings
 from dask_lm.losses.sampling import apply_top_k_top_p
-from dask_lm.workers import device, fused
+from dask_lm.model import device, fused
+from dask_lm.model.hf import find_output_embeddings
 
 __all__ = ["OutputHead", "output_head", "next_token_logprobs", "next_token_logprobs_greedy", "next_token_logprobs_train", "topk_logits",
            "apply_top_k_top_p"]
@@ -29,7 +29,7 @@ __all__ = ["OutputHead", "output_head", "next_token_logprobs", "next_token_logpr
 class OutputHead:
     """``hidden [N, H] -> float32 logits [N, V]`` for one model, with the model family's logit transforms.
 
-    With ``fp32_out`` (half-precision weights on a GPU, see :func:`dask_lm.workers.device.fp32_logits_capable`)
+    With ``fp32_out`` (half-precision weights on a GPU, see :func:`dask_lm.model.device.fp32_logits_capable`)
     an inference matmul writes float32 logits directly instead of rounding them to bf16 and upcasting: one pass
     over ``[N, V]`` instead of three, and the bf16 rounding error of the logits (up to 4e-3 nats) is gone. When
     autograd records the head (training), it stays ``F.linear``: the training path is unchanged."""
@@ -73,7 +73,7 @@ def output_head(model: torch.nn.Module) -> OutputHead:
                       fp32_out=weight.is_cuda and device.fp32_logits_capable(weight.dtype))
 
 
-def _chunks(n: int, chunk_size: int | None) -> list[tuple[int, int]]:
+def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]]:
     step = n if not chunk_size else chunk_size
     return [(s, min(s + step, n)) for s in range(0, n, max(step, 1))]
 
@@ -123,7 +123,7 @@ def _next_token(hidden: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tens
     values = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)
     argmax = torch.empty(rows.numel(), dtype=torch.bool, device=hidden.device) if greedy else None
     filtering = (top_k is not None and top_k > 0) or top_p < 1.0
-    for start, end in _chunks(rows.numel(), chunk_size):
+    for start, end in chunk_bounds(rows.numel(), chunk_size):
         logits = head(h[start:end])
         if filtering:
             if temperature != 1.0:
@@ -173,7 +173,7 @@ def topk_logits(
     h = hidden[rows, cols]
     flat_v = torch.empty(rows.numel(), k, dtype=torch.float32, device=hidden.device)
     flat_i = torch.empty(rows.numel(), k, dtype=torch.int64, device=hidden.device)
-    for start, end in _chunks(rows.numel(), chunk_size):
+    for start, end in chunk_bounds(rows.numel(), chunk_size):
         logits = head(h[start:end])
         if temperature != 1.0:
             logits = logits / temperature
@@ -220,14 +220,14 @@ def next_token_logprobs_train(hidden: torch.Tensor, input_ids: torch.Tensor, val
                               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`next_token_logprobs` with gradients, still memory-flat: training never holds a ``[N, V]`` float32
     tensor for more than one chunk. The plain head (no top-k / top-p filtering, no soft-capping) goes through
-    :func:`dask_lm.workers.linear_logprob.linear_logprobs`, whose backward recomputes only each chunk's logits;
+    :func:`dask_lm.model.linear_logprob.linear_logprobs`, whose backward recomputes only each chunk's logits;
     the others recompute each chunk's forward in the backward pass (``torch.utils.checkpoint``). With
     ``unfiltered`` it also returns the logprobs without top-k / top-p filtering (what a KL penalty needs), from the
     same logits. ``index``, when the caller knows it, is ``valid[:, 1:].nonzero(as_tuple=True)`` (worked out on
     the host: ``nonzero`` on a device tensor makes the host wait for the GPU)."""
     from torch.utils.checkpoint import checkpoint
 
-    from dask_lm.workers.linear_logprob import linear_logprobs
+    from dask_lm.model.linear_logprob import linear_logprobs
 
     b, s = input_ids.shape
     rows, cols = index if index is not None else valid[:, 1:].nonzero(as_tuple=True)
@@ -242,7 +242,7 @@ def next_token_logprobs_train(hidden: torch.Tensor, input_ids: torch.Tensor, val
                              chunk_size=chunk_size)
         pieces.append((lp, lp) if unfiltered else (lp,))
     else:
-        for start, end in _chunks(rows.numel(), chunk_size):
+        for start, end in chunk_bounds(rows.numel(), chunk_size):
             args = (h[start:end], targets[start:end], head, temperature, top_k, top_p, unfiltered)
             if chunk_size and torch.is_grad_enabled():
                 pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))

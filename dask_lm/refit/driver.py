@@ -1,8 +1,8 @@
 """The refit half of ``Policy`` (driver side): push the policy's current weights into inference engines.
 
 Mixed into :class:`dask_lm.Policy`. The driver checks every argument, fixes the buffer size and which rank feeds
-which engine, and submits one task per rank; the ranks stream (:mod:`dask_lm.workers.refit`,
-:mod:`dask_lm.workers.refit_http`). The streaming methods return the Dask futures of those tasks, as NeMo RL returns
+which engine, and submits one task per rank; the ranks stream (:mod:`dask_lm.refit.rank`,
+:mod:`dask_lm.refit.http`). The streaming methods return the Dask futures of those tasks, as NeMo RL returns
 Ray object refs: wait on them with ``client.gather(futures)`` (or ``f.result()``) before the next Policy call, the
 way an RL loop waits for its inference side at the same time.
 """
@@ -117,7 +117,7 @@ class RefitMixin(PolicyBase):
 
     def get_zmq_addresses(self) -> list[str]:
         """The socket each rank binds for ``stream_weights_via_ipc_zmq`` (the inference worker on the same device
-        connects a ZMQ REP socket to it; see :func:`dask_lm.refit_receiver.receive_via_zmq`).
+        connects a ZMQ REP socket to it; see :func:`dask_lm.refit.receiver.receive_via_zmq`).
 
         Each is an ``ipc://`` path in a directory private to the worker's user (mode 0700; the socket 0600), made
         by the rank on the first call and removed at ``shutdown()``: the inference worker must run as the same user
@@ -139,7 +139,7 @@ class RefitMixin(PolicyBase):
 
         ``buffer_size_bytes`` caps a bucket (default: ``policy.refit_buffer_size_gb``, else 0.3 × the smallest free
         device memory). ``weight_version`` defaults to a counter that grows by one per call. ``transport``
-        overrides how buckets travel (``"ipc"``, ``"shm"``, ``"value"``; see :mod:`dask_lm.workers.buckets`)."""
+        overrides how buckets travel (``"ipc"``, ``"shm"``, ``"value"``; see :mod:`dask_lm.refit.buckets`)."""
         urls = _check_urls(rollout_engine_urls)
         tp = self._rollout_gpus_per_engine
         if tp is None:
@@ -171,7 +171,7 @@ class RefitMixin(PolicyBase):
                         timeout_s: float | None = None) -> list[Future[Any]]:
         """Build the refit process group with ``world_size - train_world_size`` inference ranks (NCCL on GPUs,
         gloo on CPU). Policy rank 0 hosts its store at ``ip:port``; inference rank ``i`` joins as
-        ``train_world_size + i`` (see :class:`dask_lm.refit_receiver.CollectiveReceiver`). One future per rank; they
+        ``train_world_size + i`` (see :class:`dask_lm.refit.receiver.CollectiveReceiver`). One future per rank; they
         finish when every member has joined."""
         if train_world_size != self.data_parallel_size:
             raise ValueError(f"`train_world_size` = {train_world_size}, but this Policy has "

@@ -13,13 +13,13 @@ import torch
 
 from dask_lm.losses.base import LossInputType
 from dask_lm.losses.loss_input import input_type_of
-from dask_lm.workers import device
-from dask_lm.workers.forward import unpack_positions
-from dask_lm.workers.logprobs import _chunks, next_token_logprobs_train, output_head
+from dask_lm.model import device
+from dask_lm.model.forward import unpack_positions
+from dask_lm.model.logprobs import chunk_bounds, next_token_logprobs_train, output_head
 
 if TYPE_CHECKING:
     from dask_lm.config import PolicyConfig
-    from dask_lm.workers.inference import ForwardLayout
+    from dask_lm.model.inference import ForwardLayout
 
 __all__ = ["loss_inputs_from_hidden"]
 
@@ -119,7 +119,7 @@ def _distillation_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: Fo
     head = output_head(worker.model)
     chunk = worker.cfg.logprob_chunk_size
     parts = []
-    for s, e in _chunks(rows.numel(), chunk):
+    for s, e in chunk_bounds(rows.numel(), chunk):
         args = (h[s:e], idx[s:e], teacher[s:e], head, worker.temperature, zero, entropy)
         parts.append(checkpoint(_distillation_chunk, *args, use_reentrant=False) if chunk and torch.is_grad_enabled()
                      else _distillation_chunk(*args))

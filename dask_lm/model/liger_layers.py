@@ -3,7 +3,7 @@ instance, where its decoder layers are not compiled.
 
 Why: a small model's eager decoder is bound by its elementwise passes. HF's RMSNorm is six kernels (the float32
 upcast, the square, the mean, the rsqrt, the product, the downcast, then the weight), its MLP's ``act(gate) * up``
-two more, each a read and write of the activations. Compiling the layers fuses them (:mod:`dask_lm.workers.fused`)
+two more, each a read and write of the activations. Compiling the layers fuses them (:mod:`dask_lm.model.fused`)
 but costs 5-7 s per worker process even with Inductor's cache warm, which a job of a few million tokens does not
 repay, so the scoring path runs its layers eagerly below 8M tokens per worker. liger-kernel's RMSNorm and SiLU-mul
 kernels are one pass each and, compiled by Triton once per machine and kept on disk (``~/.triton/cache``), cost a
@@ -26,7 +26,7 @@ falls back to the class's own forward where a gradient is wanted. Before the pat
 is run both ways on a probe input: an exception (another liger's internal API) or a difference beyond the dtype's
 rounding leaves the model unpatched, with one warning. ``DASK_LM_LIGER=0`` turns it off; CPU models are never
 patched (CI checks the exact eager arithmetic). :func:`unpatch` restores the class forwards, which
-:meth:`dask_lm.workers.scorer._Replica.compile` does before compiling (Inductor's fusion is faster still).
+:meth:`dask_lm.workers.replicas.Replica.compile` does before compiling (Inductor's fusion is faster still).
 """
 
 from __future__ import annotations

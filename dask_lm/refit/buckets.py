@@ -20,7 +20,7 @@ A bucket crosses to an SGLang server in one of three ways (``transport``):
 Every pickle produced here references only torch's own rebuild functions and builtins, so SGLang's restricted
 unpickler accepts it; SGLang's bucket metadata is sent as ``types.SimpleNamespace`` for the same reason (the
 server only reads its attributes). These pickles are for SGLang alone (its HTTP weight-update protocol): dask-lm
-never unpickles anything a peer sends; its own ZMQ refit speaks the data-only :mod:`dask_lm.workers.wire`.
+never unpickles anything a peer sends; its own ZMQ refit speaks the data-only :mod:`dask_lm.refit.wire`.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def _reduce_with_uuid(t: torch.Tensor) -> Any:
 
     rebuild, args = reductions.reduce_tensor(t)
     if rebuild is reductions.rebuild_cuda_tensor:
-        from dask_lm.workers import device
+        from dask_lm.model import device
 
         args = list(args)
         args[6] = device.device_uuid(args[6])  # the 7th argument is the device index (torch's reduce_tensor)

@@ -24,8 +24,8 @@ import torch
 from torch.profiler import record_function
 
 from dask_lm.data.messages import MicroBatchPlan
-from dask_lm.workers import device, fused, varlen
-from dask_lm.workers.forward import MicroBatch, block_causal_mask, final_hidden_states, pack, unpack_positions
+from dask_lm.model import device, fused, varlen
+from dask_lm.model.forward import MicroBatch, block_causal_mask, final_hidden_states, pack, unpack_positions
 
 __all__ = ["HostLayout", "ForwardLayout", "PassRunner", "host_layout", "forward_rows", "run_pass"]
 

@@ -163,7 +163,7 @@ def device_info() -> dict[str, Any]:
     """Node IP and device identity, for ``print_node_ip_and_gpu_id`` and the notebook repr. The node IP is the
     host of this Dask worker's address (what the scheduler and the other ranks reach it by); outside a worker,
     what the host name resolves to (often 127.0.1.1 on Debian-like hosts, the same on every node)."""
-    from dask_lm.workers.rendezvous import worker_host
+    from dask_lm.comm.rendezvous import worker_host
 
     try:
         ip = worker_host()

@@ -95,11 +95,11 @@ def _register() -> None:
 
 def available(dtype: torch.dtype) -> bool:
     """Whether packed forwards in ``dtype`` can use the varlen kernel here: flash attention on a capable GPU
-    (:func:`dask_lm.workers.device.flash_attention_capable`) and a torch that ships ``torch.nn.attention.varlen``.
+    (:func:`dask_lm.model.device.flash_attention_capable`) and a torch that ships ``torch.nn.attention.varlen``.
     ``DASK_LM_VARLEN=0`` keeps the dense mask (for comparisons)."""
     import os
 
-    from dask_lm.workers import device
+    from dask_lm.model import device
 
     if os.environ.get("DASK_LM_VARLEN", "1") == "0" or not device.flash_attention_capable(dtype):
         return False

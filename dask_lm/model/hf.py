@@ -2,8 +2,8 @@
 
 The ranks find the parts of a model they use after the weights have loaded: the FSDP blocks named by
 ``_no_split_modules`` (:meth:`~dask_lm.workers.policy_worker.PolicyWorker._apply_fsdp`, world size > 1), the
-decoder whose last hidden state every pass reads (:func:`dask_lm.workers.forward.decoder_of`), the output
-embeddings of a causal LM (:func:`dask_lm.workers.logprobs.output_head`) and the ``score`` head of a reward
+decoder whose last hidden state every pass reads (:func:`dask_lm.model.forward.decoder_of`), the output
+embeddings of a causal LM (:func:`dask_lm.model.logprobs.output_head`) and the ``score`` head of a reward
 model. A model without one of them used to fail there, minutes into a job, as an ``AssertionError`` in a
 worker's traceback. :func:`check_policy_model` asks the same questions before any cluster work starts and
 answers with a ``ValueError`` that names ``policy.model_name``, the architecture and the fix.
@@ -118,7 +118,7 @@ def _meta_model(cls: type[PreTrainedModel], hf_config: Any, *, reward: bool, whe
 
 def find_decoder(model: torch.nn.Module) -> torch.nn.Module | None:
     """The base transformer inside a ``*ForCausalLM`` / ``*ForSequenceClassification`` model, or None. The ranks
-    find it the same way (:func:`dask_lm.workers.forward.decoder_of`), so this check and they cannot disagree."""
+    find it the same way (:func:`dask_lm.model.forward.decoder_of`), so this check and they cannot disagree."""
     import torch
 
     getter = getattr(model, "get_decoder", None)
@@ -134,7 +134,7 @@ def find_decoder(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def find_output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The output projection (``lm_head``) with a ``weight``, or None; what :func:`dask_lm.workers.logprobs.output_head`
+    """The output projection (``lm_head``) with a ``weight``, or None; what :func:`dask_lm.model.logprobs.output_head`
     reads on the ranks."""
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if getter is not None else None

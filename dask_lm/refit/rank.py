@@ -4,32 +4,30 @@ Every stream walks the same list (:func:`refit_info`: Hugging Face state-dict na
 shapes, the policy precision) in the same order on every rank, because under FSDP each full tensor is an
 all-gather that all ranks must join. Three routes leave from here:
 
-- SGLang over HTTP (:mod:`dask_lm.workers.refit_http`): CUDA IPC handles of flattened buckets in JSON;
+- SGLang over HTTP (:mod:`dask_lm.refit.http`): CUDA IPC handles of flattened buckets in JSON;
 - ZMQ (:meth:`Refitter.stream_via_zmq`): vLLM-style colocated workers, a REQ socket per rank in a private directory
-  (:mod:`dask_lm.workers.zmq_endpoint`), data-only messages (:mod:`dask_lm.workers.wire`), two ping-pong buffers;
+  (:mod:`dask_lm.refit.zmq_endpoint`), data-only messages (:mod:`dask_lm.refit.wire`), two ping-pong buffers;
 - a collective (:meth:`Refitter.init_collective`, :meth:`Refitter.broadcast`): rank 0 broadcasts buckets to
   inference ranks that joined a process group of their own (NCCL on GPUs, gloo on CPU).
 
-The consumer side of the last two is :mod:`dask_lm.refit_receiver`.
+The consumer side of the last two is :mod:`dask_lm.refit.receiver`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 
+from dask_lm.comm import collectives
+from dask_lm.comm.progress import report_progress
 from dask_lm.errors import RefitError
-from dask_lm.workers import buckets as bk
-from dask_lm.workers import collectives, device, wire, zmq_endpoint
-from dask_lm.workers.checkpointing import full_tensor, weight_names
-from dask_lm.workers.tasks import report_progress
-
-if TYPE_CHECKING:
-    from dask_lm.config import PolicyConfig
+from dask_lm.model import device
+from dask_lm.refit import buckets as bk
+from dask_lm.refit import wire, zmq_endpoint
+from dask_lm.refit.source import RefitHost, iter_buckets, iter_full_weights, refit_info
 
 __all__ = ["RefitError", "Refitter", "RefitHost", "refit_info", "iter_buckets"]
 
@@ -37,26 +35,13 @@ logger = logging.getLogger("dask_lm.worker")
 ZMQ_ALIGN = wire.ALIGN
 
 
-class RefitHost(Protocol):
-    """What a refit reads of the rank that holds the model (:class:`~dask_lm.workers.policy_worker.PolicyWorker`)."""
-
-    cfg: PolicyConfig
-    model: torch.nn.Module
-    dtype: torch.dtype
-    device: torch.device
-    rank: int
-    world_size: int
-
-    def ensure_on_device(self) -> None: ...
-
-
 class Refitter:
     """The refit side of one rank: the connections weights leave by, kept from one refit to the next.
 
     - ``groups``: gloo groups of the HTTP route (``"all"`` for its agreements, one per engine fed by several
-      ranks; :mod:`dask_lm.workers.refit_http`);
+      ranks; :mod:`dask_lm.refit.http`);
     - ``collective``: ``(group, store)`` of :meth:`init_collective`, the group shared with the inference ranks;
-    - ``refit_zmq``: this rank's ZMQ endpoint (:mod:`dask_lm.workers.zmq_endpoint` keeps it here).
+    - ``refit_zmq``: this rank's ZMQ endpoint (:mod:`dask_lm.refit.zmq_endpoint` keeps it here).
     """
 
     def __init__(self, rank: int) -> None:
@@ -83,7 +68,7 @@ class Refitter:
         return self.groups
 
     def stream_via_http(self, worker: RefitHost, urls: list[str], **kwargs: Any) -> dict[str, Any]:
-        from dask_lm.workers import refit_http
+        from dask_lm.refit import http as refit_http
 
         return refit_http.stream_via_http(worker, self, urls, **kwargs)
 
@@ -97,7 +82,7 @@ class Refitter:
         member has joined."""
         import torch.distributed as dist
 
-        from dask_lm.workers import rendezvous
+        from dask_lm.comm import rendezvous
 
         assert worker.rank < train_world_size, "the driver checks train_world_size against the policy's ranks"
         self.close_collective()
@@ -136,48 +121,12 @@ class Refitter:
             self.groups.clear()
 
 
-def refit_info(worker: RefitHost) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """``{name: (full shape, dtype)}`` of what a refit sends: floating weights in the policy precision."""
-    state = worker.model.state_dict()
-    return {n: (torch.Size(state[n].shape), worker.dtype if state[n].is_floating_point() else state[n].dtype)
-            for n in weight_names(worker.model)}
-
-
-def iter_full_weights(worker: RefitHost, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor in the serving dtype)`` in refit order. A collective per tensor under FSDP."""
-    worker.ensure_on_device()
-    info = refit_info(worker)
-    state = worker.model.state_dict()
-    for name in names or list(info):
-        full = full_tensor(state[name].detach())
-        yield name, full.to(info[name][1])
-
-
-def iter_buckets(worker: RefitHost, plan: list[list[bk.Slot]], *, keep: bool) -> Iterator[torch.Tensor | None]:
-    """Each bucket of ``plan`` packed into a fresh uint8 buffer on the device (None when ``keep`` is False: the
-    rank still joins every all-gather but holds nothing). Fresh buffers, never reused: an engine may still read
-    the previous one after answering (its load is queued on its stream, not finished)."""
-    worker.ensure_on_device()  # first: state_dict() of a model parked on the host would hold the host tensors
-    state = worker.model.state_dict()
-    flat = None
-    for bucket in plan:
-        flat = None  # the previous bucket goes before the next is allocated (one bucket of memory, not two)
-        flat = torch.empty(bk.bucket_nbytes(bucket), dtype=torch.uint8, device=worker.device) if keep else None
-        for slot in bucket:
-            full = full_tensor(state[slot.name].detach())
-            if flat is not None:
-                bk.write_slot(flat, slot, full.to(slot.dtype))
-            del full
-        device.synchronize()  # the bytes must be in place before a handle to them leaves the process
-        yield flat
-
-
 # ----------------------------------------------------------------------------------------- ZMQ (colocated vLLM)
 def _stream_via_zmq(worker: RefitHost, refitter: Refitter, *, buffer_size_bytes: int, timeout_s: float,
                     progress_id: str | None = None) -> dict[str, Any]:
     """Send every weight to the REP peer of this rank's socket, in ping-pong buffers of half the budget.
 
-    Messages follow :mod:`dask_lm.workers.wire` (data only): a msgpack header naming the tensors of one buffer,
+    Messages follow :mod:`dask_lm.refit.wire` (data only): a msgpack header naming the tensors of one buffer,
     which sit back to back at 512-byte aligned offsets, and the buffer itself (a CUDA IPC handle in the header on
     GPUs, the bytes as a second frame on CPU); then a ``complete`` header. The peer answers each message with a
     fixed ACK once it has loaded it; any other answer fails the call, unread."""

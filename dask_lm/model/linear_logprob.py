@@ -11,10 +11,10 @@ upcast, the logsumexp, the gather) and then autograd's backward of ``log_softmax
   (4 bytes a row) besides the inputs it already holds;
 - backward, per chunk: the logits again (one matmul), the closed-form gradient ``(onehot(t) - exp(z - lse))``
   scaled by the incoming one in one compiled pass that writes it in the weight's dtype
-  (:func:`dask_lm.workers.fused.logprob_grad`; eager on the CPU), then the two matmuls for the hidden states and
+  (:func:`dask_lm.model.fused.logprob_grad`; eager on the CPU), then the two matmuls for the hidden states and
   the weight (whose gradient accumulates over the chunks in place, in the weight's dtype, as autograd's did).
 
-The forward's logsumexp and target pick are one compiled pass too (:func:`dask_lm.workers.fused.pick_and_logsumexp`):
+The forward's logsumexp and target pick are one compiled pass too (:func:`dask_lm.model.fused.pick_and_logsumexp`):
 the eager chain read and wrote float32 ``[chunk, V]`` logits five times in the backward and three in the forward,
 which at a 0.5B model's 152k vocabulary and 896 hidden size cost more than the head's matmuls.
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dask_lm.workers import device, fused
+from dask_lm.model import device, fused
 
 __all__ = ["linear_logprobs"]
 

@@ -1,0 +1,223 @@
+"""The package's own import graph has no cycle (issue 29, "one-way seams").
+
+Every module under ``dask_lm/`` is parsed with :mod:`ast` (nothing is imported). An edge A -> B is drawn for each
+import of a dask_lm module B in A: at module level and inside functions alike, relative imports resolved, and
+``from pkg import name`` drawn to ``pkg.name`` when that is a module (else to ``pkg``). Two kinds of import draw no
+edge, because neither runs when the importer runs:
+
+- imports under ``if TYPE_CHECKING:`` (for annotations only);
+- a function-local import marked on its own line with ``# lazy: <why>``: kept inside the function on purpose, for
+  start-up speed (the driver must not import torch when it imports ``dask_lm``; see tests/test_boundary.py).
+  Only that marker is honoured: an unmarked function-local import is an edge like any other.
+
+A cycle fails the test with its modules in order.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dask_lm
+
+PACKAGE = Path(dask_lm.__file__).resolve().parent
+
+LAZY_MARK = "# lazy:"
+
+# no cycle is allowed (the last one, config <-> config_keys, went with the config package, issue 29 part 5); a
+# cycle kept on purpose would be named here, with why
+ALLOWED_CYCLES: frozenset[frozenset[str]] = frozenset()
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_imports(tree: ast.Module) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement that runs, with whether it sits inside a function (``if TYPE_CHECKING:`` bodies
+    left out)."""
+    found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for other in child.orelse:
+                    visit(other, in_function)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child, in_function))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return found
+
+
+def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
+    def nearest_known(name: str) -> str | None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    out: set[str] = set()
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if alias.name.split(".")[0] == "dask_lm" and (hit := nearest_known(alias.name)):
+                out.add(hit)
+        return out
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[:len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    if source.split(".")[0] != "dask_lm":
+        return out
+    for alias in node.names:
+        if f"{source}.{alias.name}" in known:
+            out.add(f"{source}.{alias.name}")  # `from pkg import submodule`
+        elif hit := nearest_known(source):
+            out.add(hit)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        source = path.read_text()
+        lines = source.splitlines()
+        edges: set[str] = set()
+        for node, in_function in _runtime_imports(ast.parse(source, str(path))):
+            if in_function and LAZY_MARK in lines[node.lineno - 1]:
+                continue
+            edges |= _targets(name, path.name == "__init__.py", node, known)
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of two or more modules (Tarjan), each as one cycle through
+    them."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return [_one_cycle(graph, c) for c in components]
+
+
+def _one_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A path through ``component`` from its first module back to it (breadth first, so a short one)."""
+    start = min(component)
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & component):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return list(reversed(path)) + [start]
+                if w not in parents:
+                    parents[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return sorted(component)
+
+
+def test_the_graph_sees_the_package() -> None:
+    graph = import_graph()
+    assert "dask_lm.engine.policy" in graph
+    assert "dask_lm.engine.worker_group" in graph["dask_lm.engine.policy"]
+
+
+def test_find_cycles_finds_one() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycles(graph) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_relative_and_submodule_imports_resolve() -> None:
+    known = {"dask_lm", "dask_lm.model", "dask_lm.model.device", "dask_lm.comm.progress", "dask_lm.comm"}
+    (rel,) = ast.parse("from ..comm import progress").body
+    (sub,) = ast.parse("from dask_lm.model import device, nothing").body
+    assert isinstance(rel, ast.ImportFrom) and isinstance(sub, ast.ImportFrom)
+    assert _targets("dask_lm.model.fused", False, rel, known) == {"dask_lm.comm.progress"}
+    assert _targets("dask_lm.model", True, ast.parse("from . import device").body[0], known) == {  # type: ignore[arg-type]
+        "dask_lm.model.device"}
+    assert _targets("x", False, sub, known) == {"dask_lm.model.device", "dask_lm.model"}
+
+
+def test_no_import_cycles() -> None:
+    cycles = [c for c in find_cycles(import_graph()) if frozenset(c) not in ALLOWED_CYCLES]
+    assert not cycles, "import cycles in dask_lm (mark a start-up-speed local import `# lazy: <why>`):\n" + "\n".join(
+        " -> ".join(c) for c in cycles)
+
+
+def test_no_private_names_across_modules() -> None:
+    """``from dask_lm.x import _name`` is a seam that the importer should not lean on: make the name public in its
+    home instead."""
+    modules = _modules()
+    known = set(modules)
+    bad = []
+    for name, path in modules.items():
+        for node, _ in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__") and _targets(
+                        name, path.name == "__init__.py", node, known):
+                    bad.append(f"{name}:{node.lineno} imports {alias.name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_rank_module_imports_the_task_entry_points() -> None:
+    """``workers/tasks.py`` is what the driver submits: it calls into the rank side, never the other way, so that a
+    rank module can be read (and imported) without the task layer above it. Only driver modules import it."""
+    graph = import_graph()
+    rank_side = ("dask_lm.workers.", "dask_lm.model.", "dask_lm.comm.", "dask_lm.refit.")
+    drivers = {"dask_lm.refit.driver"}
+    bad = sorted(m for m, edges in graph.items() if "dask_lm.workers.tasks" in edges and m.startswith(rank_side)
+                 and m not in drivers)
+    assert not bad, bad
