@@ -328,10 +328,6 @@ def test_a_worker_closed_mid_call_is_a_worker_lost_error_on_this_and_every_later
     group.release_lease()
 
 
-@pytest.mark.xfail(raises=TimeoutError, strict=True,
-                   reason="a rank lost while its peers finish stays 'no-worker' on the scheduler (pinned, no other "
-                          "worker allowed) and WorkerGroup.settle waits on it without asking whether its worker "
-                          "is gone: gather hangs (TimeoutError with a timeout) instead of WorkerLostError")
 def test_a_worker_closed_mid_call_while_its_peer_finished_is_a_worker_lost_error(own_cluster, events):
     """The module's promise ("a lost rank fails the call with an error naming it") when no peer fails with it:
     rank 0 finishes, rank 1's worker dies mid-task. Expected: WorkerLostError naming rank 1, not a hang."""

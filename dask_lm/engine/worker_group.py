@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,12 @@ if TYPE_CHECKING:
 __all__ = ["WorkerGroup", "RankFailedError", "WorkerLostError"]
 
 logger = logging.getLogger("dask_lm")
+
+# how long WorkerGroup.settle waits on a call's ranks before it asks the scheduler whether their workers are still
+# there. Dask never fails a task pinned to a worker that left (allow_other_workers=False): it stays 'no-worker' on
+# the scheduler, so when no peer fails with the lost rank (they had finished), nothing else ends the wait. A few
+# seconds: a lost worker is named soon, and a long call costs the scheduler one identity query per slice.
+SETTLE_SLICE_S = 2.0
 
 
 def scheduler_info(client: Client) -> dict[str, Any]:
@@ -249,12 +256,7 @@ class WorkerGroup:
                progress: Any = None) -> None:
         """Wait until every rank of one SPMD call finished, or raise its failure as :meth:`gather` does (without
         fetching the results: :class:`dask_lm.engine.futures.PolicyFuture` fetches only the combined one)."""
-        # stop at the first failure: its peers may sit in a collective until the collective timeout
-        for fut in as_completed(list(futures), timeout=timeout):
-            if fut.status != "finished":
-                break
-            if progress is not None:
-                progress.update(1)
+        self._wait_ranks(futures, what=what, timeout=timeout, progress=progress)
         bad = ("error", "cancelled", "lost")
         failed = [(r, f) for r, f in enumerate(futures) if f.status in bad]
         if not failed and any(f.status != "finished" for f in futures):
@@ -293,6 +295,28 @@ class WorkerGroup:
                 raise exc
             raise RankFailedError(f"{what} failed on rank {rank} (worker {self.names[rank]!r}): "
                                   f"{type(exc).__name__}: {exc}") from exc
+
+    def _wait_ranks(self, futures: Sequence[Future[Any]], *, what: str, timeout: float | None,
+                    progress: Any) -> None:
+        """Until every rank finished or one did not (failed, cancelled, lost), in slices of :data:`SETTLE_SLICE_S`;
+        after a slice that ends with ranks still pending, a rank whose worker is gone fails the call
+        (:meth:`fail_if_lost`). TimeoutError once ``timeout`` has passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = list(futures)
+        while pending:
+            slice_s = SETTLE_SLICE_S if deadline is None else min(SETTLE_SLICE_S, max(deadline - time.monotonic(), 0))
+            try:
+                for fut in as_completed(pending, timeout=slice_s):
+                    if fut.status != "finished":
+                        return  # stop at the first failure: its peers may sit in a collective until its timeout
+                    pending = [f for f in pending if f is not fut]
+                    if progress is not None:
+                        progress.update(1)
+            except TimeoutError:
+                self.fail_if_lost(what)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{len(pending)} of {len(futures)} rank tasks of {what} did not finish "
+                                       f"within {timeout} s") from None
 
     def rendezvous(self) -> tuple[str, int] | None:
         """Rank 0's host and a free port there, found by a task on rank 0 (None for one rank)."""
