@@ -168,7 +168,7 @@ def test_a_refused_job_closes_the_cluster_it_started_and_writes_nothing(tiny, da
 @pytest.mark.cluster
 def test_a_config_transformers_cannot_load_is_refused_by_a_worker_before_anything_is_written(client, tiny, data,
                                                                                               tmp_path):
-    """The config check runs on a worker (engine/scoring.py: _Preload), through the workers' transformers; its
+    """The config check runs on a worker (engine/preload.py: Preload), through the workers' transformers; its
     refusal still comes before the output exists, and names the file."""
     model = tmp_path / "model"
     shutil.copytree(tiny["llama"], model)
@@ -198,9 +198,9 @@ def test_the_driver_checks_the_config_itself_when_no_worker_answers_in_time(clie
                                                                             monkeypatch):
     """A worker busy with another task does not hold the job's checks: past CONFIG_CHECK_WAIT_S the driver loads the
     config itself, and the job runs as usual."""
-    from dask_lm.engine import scoring
+    from dask_lm.engine import preload
 
-    monkeypatch.setattr(scoring, "CONFIG_CHECK_WAIT_S", 0.5)
+    monkeypatch.setattr(preload, "CONFIG_CHECK_WAIT_S", 0.5)
     busy = [client.submit(time.sleep, 4, workers=[w], pure=False) for w in client.scheduler_info()["workers"]]
     try:
         res = dask_lm.score_parquet(data, tmp_path / "out", model=tiny["llama"], client=client, ids_column="ids",

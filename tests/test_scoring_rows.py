@@ -351,7 +351,7 @@ def test_compiling_is_chosen_by_the_tokens_the_footers_promise_per_worker(tmp_pa
     """score_parquet(compile=None) compiles only where the job is long enough to pay: its size comes from the
     footers (no read: an ids column's value count, a text column's uncompressed bytes), per worker; other columns
     do not count."""
-    from dask_lm.engine import scoring
+    from dask_lm.engine import compile_choice
     from dask_lm.io import parquet as pio
 
     g = torch.Generator().manual_seed(0)  # distinct values: the footers count bytes after dictionary encoding
@@ -371,6 +371,6 @@ def test_compiling_is_chosen_by_the_tokens_the_footers_promise_per_worker(tmp_pa
     assert 40_000 <= by_ids.scored_bytes < 50_000  # 8 bytes per id
     assert by_ids.group_tokens == [1000.0] * 5  # ids: the footer counts them exactly (10 rows of 100 per group)
     assert sum(text.group_tokens) == pytest.approx(want / 4)  # text: about 4 bytes a token
-    monkeypatch.setattr(scoring, "COMPILE_MIN_TOKENS_PER_WORKER", 4_000)
-    assert scoring.worth_compiling(text, None, 1) and not scoring.worth_compiling(text, None, 2)
-    assert scoring.worth_compiling(by_ids, "ids", 1) and not scoring.worth_compiling(by_ids, "ids", 2)
+    monkeypatch.setattr(compile_choice, "COMPILE_MIN_TOKENS_PER_WORKER", 4_000)
+    assert compile_choice.worth_compiling(text, None, 1) and not compile_choice.worth_compiling(text, None, 2)
+    assert compile_choice.worth_compiling(by_ids, "ids", 1) and not compile_choice.worth_compiling(by_ids, "ids", 2)

@@ -251,7 +251,7 @@ class ScoreOptions:
     chunk_size: int = 1024
     compile: bool = True
     # the head's fused reductions compiled (GPU workers; dask_lm.workers.scorer.score_ids): a few seconds per
-    # worker process, paid back from about 8M tokens per worker (dask_lm.engine.scoring.worth_compiling_head)
+    # worker process, paid back from about 8M tokens per worker (dask_lm.engine.compile_choice.worth_compiling_head)
     compile_head: bool = False
     convention: Convention = "lm-eval"  # prompt + response / text tokenization: dask_lm.data.continuation
     # the model and tokenizer files as the job pinned them (dask_lm.io.fingerprint.Pin): a replica is loaded only

@@ -15,10 +15,10 @@ anything starts: the output folder, the model's config and weight files (:mod:`d
 ``--topk`` against the vocabulary they state, the tokenizer's files, the input files' footers, columns and types, a
 held lock, a resume's options. Then the cluster starts, and its workers load the model
 (:class:`~dask_lm.engine.jobs.ClusterStart`), while this process does the costly checks: the config through
-transformers (on the first worker, before its load: :class:`_Preload`), the content hashes (and a resume's comparison of them), and for jobs up to 8M tokens every row
-(:mod:`dask_lm.engine.prescan`: all bad rows in one refusal); a refused job closes what it started. A bad row found
-while scoring (a larger job) fails it with a message naming file, row and column, unless ``skip_bad_rows`` (then it
-is listed in ``_errors.parquet``).
+transformers (on the first worker, before its load: :class:`~dask_lm.engine.preload.Preload`), the content hashes
+(and a resume's comparison of them), and for jobs up to 8M tokens every row (:mod:`dask_lm.engine.prescan`: all
+bad rows in one refusal); a refused job closes what it started. A bad row found while scoring (a larger job) fails
+it with a message naming file, row and column, unless ``skip_bad_rows`` (then it is listed in ``_errors.parquet``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import contextlib
 import logging
 import os
 import time
-import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -36,6 +35,8 @@ from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
 from dask_lm.interface import again, current, opt, warn
 from dask_lm.engine import cluster, interrupts, jobs, prescan, resumed
+from dask_lm.engine.compile_choice import worth_compiling, worth_compiling_head
+from dask_lm.engine.preload import Preload
 from dask_lm.engine.progress import JobBar
 from dask_lm.engine.start_clock import StartClock
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck, spans
@@ -110,9 +111,10 @@ class ScoreResult(ScoreRows):
     start_phases: dict[str, float] = field(default_factory=dict)
     """When each step of the start ended, in seconds from the call's start: ``checks`` (the driver's checks and
     fingerprints), ``cluster`` (the cluster up, or reached, and the checks done), ``config_check_began`` /
-    ``config_checked`` (the first worker's config check, see ``_Preload``: most of it the worker's imports),
-    ``worker_processes`` / ``preloads_began`` / ``replicas_ready`` (the last worker's process began, its preload
-    began, its replica was ready: the workers' own clocks), ``first_row`` (the first part written)."""
+    ``config_checked`` (the first worker's config check, see :class:`~dask_lm.engine.preload.Preload`: most of it
+    the worker's imports), ``worker_processes`` / ``preloads_began`` / ``replicas_ready`` (the last worker's process
+    began, its preload began, its replica was ready: the workers' own clocks), ``first_row`` (the first part
+    written)."""
     parts_by_worker: dict[str, int] = field(default_factory=dict)
     """How many of this run's parts each worker (by address) scored: workers that joined mid-job included; one
     retired mid-job counts for the parts whose results reached the job before it left (the others were scored
@@ -232,7 +234,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     ``precision`` defaults to bfloat16 on GPU workers and float32 on CPU ones. On GPU workers rows are packed and,
     with ``compile`` the forward is compiled once per worker process (5-10 s, reported as
     ``ScoreResult.compile_seconds``); by default (``None``) only where the job is long enough for that to pay
-    (:func:`worth_compiling`).
+    (:func:`~dask_lm.engine.compile_choice.worth_compiling`).
     An output that already holds a job is refused unless ``resume`` (finish it with the same pins; a finished one
     returns its summary at once, without a cluster) or ``overwrite`` (delete that job's files and score again);
     files dask-lm did not write are never deleted.
@@ -289,7 +291,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     #    config through transformers (on a worker) and the content hashes. Nothing reaches the output before
     #    they pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is
     #    not used (workers/scorer.py: adopt). A finished output's resume starts nothing.
-    warm = None if finished else _Preload(model, tokenizer, fixed_precision, compile, sum(inputs.group_tokens))
+    warm = None if finished else Preload(model, tokenizer, fixed_precision, compile, sum(inputs.group_tokens))
     start = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not finished,
                               warm=warm)
     try:
@@ -311,100 +313,7 @@ def _interrupted(out: jobs.JobOutput, parts: int, e: BaseException) -> interrupt
     return interrupts.JobInterrupted(message, interrupts.signum_of(e))
 
 
-# How long the driver waits for a worker's config check before it checks itself (a fresh worker answers in 8-18 s,
-# most of it its imports of torch and transformers; one still running another job's task may take much longer)
-CONFIG_CHECK_WAIT_S = 60.0
-# How often the driver, while it waits, looks whether the check's worker is still there (one scheduler round trip)
-CONFIG_RECHECK_S = 2.0
-
-
-class _Preload:
-    """The warm-up :class:`~dask_lm.engine.jobs.ClusterStart` submits: the config check on the first worker, then
-    one replica load per worker there is, each on its worker. Neither is pinned hard (``allow_other_workers``): a
-    worker retired before its task ran hands it to another, where a preload finds the replica loaded, rather than
-    leaving it to wait for a worker that is gone (the config check's would cost :data:`CONFIG_CHECK_WAIT_S`). A
-    worker that joins later gets no preload: its first partition loads its replica (:mod:`dask_lm.workers.replicas`).
-
-    The config check runs where the model will load, through the workers' transformers: the driver then imports
-    neither transformers nor torch for it (4-10 s of imports it had done beside the workers' start, which made it
-    the last of the checks to end), and a worker with another transformers than the driver's is the one asked. It
-    goes first on its worker (one thread), whose load needs the same imports next. Without workers yet (an attached
-    cluster whose workers are still to come) the driver checks itself.
-
-    An automatic ``compile`` of the layers is decided once the job's size is known: the replica is compiled then,
-    if at all; the head's (:func:`worth_compiling_head`) here, from the job's ``tokens`` and the workers there are.
-    A refused job cancels these; one already loading on an attached cluster ends as an idle replica, which the
-    workers' lease check frees (``DASK_LM_REPLICA_IDLE_S``, 120 s)."""
-
-    def __init__(self, model: str, tokenizer: str, precision: str | None, compile: bool | None, tokens: float
-                 ) -> None:
-        self.model, self.tokenizer, self.precision, self.compile, self.tokens = (model, tokenizer, precision,
-                                                                                compile, tokens)
-        self.config: Any = None  # the check's future, once submitted (None: no worker to ask)
-        self.asked: str | None = None  # the worker it was submitted to
-
-    def __call__(self, client: Any) -> list[Any]:
-        from dask_lm.engine.worker_group import scheduler_info
-        from dask_lm.workers.tasks import preload_scorer
-
-        tag = uuid.uuid4().hex[:8]
-        workers = list(scheduler_info(client)["workers"])
-        if workers:
-            self.config = self._ask(client, workers[0], f"dask-lm-config-{tag}")
-        head = bool(self.compile) if self.compile is not None else worth_compiling_head(self.tokens, len(workers))
-        return [client.submit(preload_scorer, self.model, self.tokenizer, self.precision, bool(self.compile), head,
-                              workers=[w], allow_other_workers=True, pure=False, key=f"dask-lm-preload-{tag}-{i}")
-                for i, w in enumerate(workers)]
-
-    def check_config(self, start: jobs.ClusterStart) -> dict[str, Any]:
-        """The config check's verdict: the worker's, once the cluster is up (its error re-raised here), or this
-        process's where no worker was there to ask; with its timings where a worker answered."""
-        from distributed import wait
-
-        try:
-            start.result()
-        except Exception:  # the start's own error is raised where the job needs the cluster, after the checks
-            self.config = None
-        deadline = time.monotonic() + CONFIG_CHECK_WAIT_S
-        while self.config is not None and not self.config.done():
-            left = deadline - time.monotonic()
-            if left <= 0:  # its worker is busy (another job's task): not worth waiting longer for
-                self.config.cancel()
-                self.config = None
-                break
-            try:
-                wait(self.config, timeout=min(CONFIG_RECHECK_S, left))
-            except TimeoutError:
-                self._ask_again_if_gone()
-        if self.config is None:
-            return {"vocab": modelcheck.config_vocab(self.model)}
-        got: dict[str, Any] = self.config.result()
-        got["checked_at"] = time.time()
-        return got
-
-    def _ask(self, client: Any, worker: str, key: str) -> Any:
-        from dask_lm.workers.tasks import check_model_config
-
-        self.asked = worker
-        return client.submit(check_model_config, self.model, workers=[worker], allow_other_workers=True,
-                             pure=False, key=key, priority=1)
-
-    def _ask_again_if_gone(self) -> None:
-        """The check's worker left before answering (retired, lost): ask a worker there is now. The scheduler
-        should hand a loosely pinned task on by itself, and mostly does; but in CI runs (distributed 2026.8) a
-        check queued on a worker retired while it was busy was never run elsewhere, and the job waited out the
-        whole timeout. Asking again costs one small task; the first answer, if it ever comes, is dropped."""
-        from dask_lm.engine.worker_group import scheduler_info
-
-        client = self.config.client
-        workers = list(scheduler_info(client)["workers"])
-        if not workers or self.asked in workers:
-            return
-        self.config.cancel()
-        self.config = self._ask(client, workers[0], f"dask-lm-config-again-{uuid.uuid4().hex[:8]}")
-
-
-def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOutput, finished: bool, source: hub.ModelSource,
+def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOutput, finished: bool, source: hub.ModelSource,
                 info: modelcheck.ModelInfo, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
                 started: float, started_at: float, *, compile: bool | None, progress: bool,
                 performance_report: str | None) -> ScoreResult:
@@ -456,35 +365,6 @@ def _pinned_run(start: jobs.ClusterStart, warm: _Preload | None, out: jobs.JobOu
         result = replace(result, wall_seconds=wall, wall_phases=steps, dashboard=None if closed else result.dashboard)
         out.finish(asdict(result))  # the counts cover every part, like bad_rows (resumed parts included)
         return result
-
-
-# Compiling the decoder layers costs a fresh worker 6.6 s and saves 2.1 s per 1.6M tokens at 0.5B on an H200
-# (benchmarks/score.py --shape qwen2.5-0.5b, with and without --compile: model time 5.2 s against 7.3 s); less for
-# larger models, whose forwards are less launch-bound. It pays from about 5M tokens per worker: compile from 8M.
-COMPILE_MIN_TOKENS_PER_WORKER = 8_000_000
-
-
-# The head's fused reductions alone (one small graph): 3.7 s per fresh worker process with Inductor's on-disk cache
-# warm, 7.6 s cold, against about 1.3 us per token saved (the eager max / sub / exp / sum chain over [n, V] float32
-# logits took 185 ms of a 117k-token span's 518 ms of GPU time at 0.5B; benchmarks/profile_score.py --profile on an
-# H200). The 4.3M-token job's model phase went from 20.1 s to 17.1 s with it and the pipelined micro-batches
-# together. In the whole job it did not pay: benchmarks/score.py --quick-cold at 0.5B with the head compiled from 4M
-# tokens paid 6.0 s (cold CLI) and 5.3 s (second job) of compilation for 2-3 s less scoring (cold 50.2 s against the
-# user's 46.4 s; second job 26.4 s, where it was 22.4 s). So the head compiles where the layers do, from 8M.
-HEAD_COMPILE_MIN_TOKENS_PER_WORKER = COMPILE_MIN_TOKENS_PER_WORKER
-
-
-def worth_compiling_head(tokens: float, workers: int) -> bool:
-    """Whether a job of ``tokens`` (from the footers) is long enough per worker for compiling the head's reductions
-    to pay (:data:`HEAD_COMPILE_MIN_TOKENS_PER_WORKER`)."""
-    return tokens / max(workers, 1) >= HEAD_COMPILE_MIN_TOKENS_PER_WORKER
-
-
-def worth_compiling(inputs: pio.ScoreInputs, ids_column: str | None, workers: int) -> bool:
-    """Whether a job is long enough for compiling each worker's forward to pay: its tokens from the footers (an ids
-    column's value count; about 4 bytes of text per token), per worker, against
-    :data:`COMPILE_MIN_TOKENS_PER_WORKER`."""
-    return sum(inputs.group_tokens) / max(workers, 1) >= COMPILE_MIN_TOKENS_PER_WORKER
 
 
 def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
