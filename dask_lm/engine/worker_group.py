@@ -36,7 +36,7 @@ logger = logging.getLogger("dask_lm")
 # there. Dask never fails a task pinned to a worker that left (allow_other_workers=False): it stays 'no-worker' on
 # the scheduler, so when no peer fails with the lost rank (they had finished), nothing else ends the wait. A few
 # seconds: a lost worker is named soon, and a long call costs the scheduler one identity query per slice.
-SETTLE_SLICE_S = 2.0
+SETTLE_SLICE_S = 5.0
 
 
 def scheduler_info(client: Client) -> dict[str, Any]:
@@ -122,12 +122,14 @@ class WorkerGroup:
             except Exception:  # a closed client has released it already
                 pass
 
-    def lost_ranks(self) -> list[int]:
-        """Ranks whose worker is gone or was restarted since the group was made (a fresh scheduler query)."""
+    def lost_ranks(self, *, unreachable_is_lost: bool = True) -> list[int]:
+        """Ranks whose worker is gone or was restarted since the group was made (a fresh scheduler query). A
+        scheduler that does not answer counts as every rank lost, unless ``unreachable_is_lost`` is false (a poll
+        during a healthy call, where one slow answer must not break the Policy for good)."""
         try:
             workers = scheduler_info(self.client)["workers"]
         except Exception:  # the scheduler itself is unreachable: every rank is as good as lost
-            return list(range(self.world_size))
+            return list(range(self.world_size)) if unreachable_is_lost else []
         alive = {(w["name"], _incarnation(a, w)) for a, w in workers.items()}
         return [r for r, (n, i) in enumerate(zip(self.names, self.ids)) if (n, i) not in alive]
 
@@ -313,7 +315,8 @@ class WorkerGroup:
                     if progress is not None:
                         progress.update(1)
             except TimeoutError:
-                self.fail_if_lost(what)
+                if self.lost_ranks(unreachable_is_lost=False):
+                    self.fail_if_lost(what)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"{len(pending)} of {len(futures)} rank tasks of {what} did not finish "
                                        f"within {timeout} s") from None
