@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
+from dask_lm.data.tokens import TokenRows
 from dask_lm.model import fused
 from dask_lm.model.forward import MicroBatch
 from dask_lm.model.inference import host_layout, run_pass
@@ -21,7 +22,7 @@ def _rows(lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_host_layout_packed_matches_a_loop():
     ids, lens = _rows([5, 1, 3], 6)
-    lay = host_layout(ids, lens, packed=True)
+    lay = host_layout(TokenRows.from_padded(ids, lens), packed=True)
     flat, pos, scored = [], [], []
     for b, n in enumerate(lens.tolist()):
         start = len(flat)
@@ -36,7 +37,7 @@ def test_host_layout_packed_matches_a_loop():
 
 def test_host_layout_padded_matches_the_valid_mask():
     ids, lens = _rows([2, 4, 1], 7)
-    lay = host_layout(ids, lens, packed=False)
+    lay = host_layout(TokenRows.from_padded(ids, lens), packed=False)
     assert lay.width == 4 and lay.cu is None
     valid = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
     assert [t.tolist() for t in lay.valid] == [t.tolist() for t in valid.nonzero(as_tuple=True)]
@@ -58,9 +59,9 @@ class _FakeWorker:
     def inference_forward(self, data, mb):
         if mb.end == mb.start:
             return torch.zeros(1, 1), None
-        lay = host_layout(data["input_ids"][mb.start:mb.end], data["input_lengths"][mb.start:mb.end],
-                          packed=mb.packed)
-        hidden = (lay.packed_ids if mb.packed else data["input_ids"][mb.start:mb.end, :lay.width]).float()
+        part = data.slice(mb.start, mb.end)
+        lay = host_layout(part, packed=mb.packed)
+        hidden = (lay.packed_ids if mb.packed else part.padded()).float()
         return hidden, SimpleNamespace(host=lay)
 
     def end_pass(self):
@@ -69,7 +70,7 @@ class _FakeWorker:
 
 def test_run_pass_writes_every_token_and_row_where_it_belongs():
     ids, lens = _rows([5, 1, 3, 6, 2], 8)
-    data = {"input_ids": ids, "input_lengths": lens}
+    data = TokenRows.from_padded(ids, lens)
     plan = [MicroBatch(0, 2, packed=True), MicroBatch(2, 4), MicroBatch(4, 5, packed=True),
             MicroBatch(0, 1, packed=True, dummy=True)]
     worker = _FakeWorker(plan)
@@ -97,7 +98,7 @@ def test_run_pass_ends_the_pass_when_a_micro_batch_fails():
         raise RuntimeError("head failed")
 
     try:
-        run_pass(worker, {"input_ids": ids, "input_lengths": lens}, {}, None, boom, (torch.zeros(2, 4),))
+        run_pass(worker, TokenRows.from_padded(ids, lens), {}, None, boom, (torch.zeros(2, 4),))
     except RuntimeError as e:
         assert "head failed" in str(e)
     else:
@@ -205,8 +206,9 @@ def test_a_failed_decoder_compilation_turns_compilation_off_for_the_rank(caplog)
                 raise torch._dynamo.exc.TorchDynamoException("Inductor cannot lower this op")
             return "hidden", {"info": 1}
 
+    rows, mb = TokenRows.from_lists([[5, 6], [7]]), MicroBatch(0, 2)
     rank = Rank()
-    assert PolicyWorker.inference_forward(rank, None, None) == ("hidden", {"info": 1})
+    assert PolicyWorker.inference_forward(rank, rows, mb) == ("hidden", {"info": 1})
     assert rank.compile is False and rank.calls == 2 and "runs eagerly from now on" in caplog.text
 
     class Broken(Rank):
@@ -214,7 +216,7 @@ def test_a_failed_decoder_compilation_turns_compilation_off_for_the_rank(caplog)
             raise ValueError("a real error of the forward")
 
     try:
-        PolicyWorker.inference_forward(Broken(), None, None)
+        PolicyWorker.inference_forward(Broken(), rows, mb)
     except ValueError as e:
         assert "real error" in str(e)
     else:

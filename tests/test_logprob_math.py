@@ -7,7 +7,8 @@ import pytest
 import torch
 import transformers
 
-from dask_lm.model.forward import block_causal_mask, final_hidden_states, pack, unpack_positions
+from dask_lm.data.tokens import TokenRows
+from dask_lm.model.forward import block_causal_mask, final_hidden_states, unpack_positions
 from dask_lm.model.logprobs import apply_top_k_top_p, next_token_logprobs, output_head, topk_logits
 
 
@@ -49,7 +50,7 @@ def test_packed_forward_equals_unpacked(tiny, attn):
     ids = torch.randint(3, 300, (3, 7)) * (torch.arange(7)[None, :] < lens[:, None])
     with torch.no_grad():
         expected = _reference(model(ids).logits, ids, lens)
-        pids, pos, cu = pack(ids, lens)
+        pids, pos, cu = TokenRows.from_padded(ids, lens).packed()
         assert pos[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 0, 1, 2, 3, 4]
         mask = block_causal_mask(cu, pids.shape[1], additive_dtype=None if attn == "sdpa" else torch.float32)
         hidden = final_hidden_states(model, pids, position_ids=pos, attention_mask=mask)

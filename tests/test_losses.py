@@ -13,6 +13,7 @@ import dask_lm
 from dask_lm.config import PolicyConfig
 from dask_lm.losses import calculate_kl, masked_mean, prepare_loss_input
 from dask_lm.losses.base import LossConfigError
+from dask_lm.data.tokens import TokenRows
 from dask_lm.model.inference import forward_rows
 from dask_lm.model.loss_inputs import loss_inputs_from_hidden
 
@@ -175,7 +176,7 @@ def test_chunked_training_inputs_equal_full_logits(tiny, packed, loss_name):
     ref_grads = grads(ref_loss)
     # the training path
     # the rows through the worker's own forward (its host layout; block-diagonal mask when packed)
-    hidden, info = forward_rows(model, ids, lens, packed=packed, varlen_ok=False, where=ids.device)
+    hidden, info = forward_rows(model, TokenRows.from_padded(ids, lens), packed=packed, varlen_ok=False, where=ids.device)
     mb_data = dict(data)
     ours, mb_data = loss_inputs_from_hidden(worker, hidden, info, mb_data, loss_fn), mb_data
     loss, _ = loss_fn(mb_data, gvs, gvt, **ours)

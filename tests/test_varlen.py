@@ -11,7 +11,8 @@ import transformers
 
 from dask_lm.data.messages import MicroBatchPlan
 from dask_lm.model import varlen
-from dask_lm.model.forward import final_hidden_states, pack
+from dask_lm.data.tokens import TokenRows
+from dask_lm.model.forward import final_hidden_states
 
 
 def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, enable_gqa=False, window_size=(-1, -1)):
@@ -32,7 +33,7 @@ def test_packed_forward_through_the_registered_varlen_function_matches_unpacked_
                                                               attn_implementation="sdpa").eval()
     lengths = torch.tensor([7, 1, 12, 4])
     ids = torch.randint(3, 300, (4, 12))
-    pids, pos, cu = pack(ids, lengths)
+    pids, pos, cu = TokenRows.from_padded(ids, lengths).packed()
     calls = []
     original = varlen._attention
 
@@ -71,7 +72,7 @@ def test_a_kernel_without_a_gqa_switch_gets_repeated_key_value_heads(tiny, monke
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # the tiny qwen2 uses GQA
     lengths = torch.tensor([5, 9])
     ids = torch.randint(3, 300, (2, 9))
-    pids, pos, cu = pack(ids, lengths)
+    pids, pos, cu = TokenRows.from_padded(ids, lengths).packed()
     varlen._REGISTERED = False
     with torch.no_grad(), varlen.packed_attention(model):
         packed = final_hidden_states(model, pids, position_ids=pos, **varlen.packed_kwargs(cu, int(lengths.max())))

@@ -30,7 +30,7 @@ import torch
 
 from dask_lm.data.batch import BatchedDataDict
 
-__all__ = ["to_arrow", "from_arrow", "list_values_offsets", "pad_from_offsets"]
+__all__ = ["to_arrow", "from_arrow", "list_values_offsets", "pad_from_offsets", "trimmed_column"]
 
 _META = b"dask_lm"
 _TORCH_TO_NP = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
@@ -250,6 +250,15 @@ def _field_meta(name: str, field: pa.Field) -> dict[str, Any] | None:
         raise ValueError(f"column {name!r}: tensor dtype {meta.get('dtype')!r} and shape {shape!r} are not a dtype "
                          f"dask-lm stores ({', '.join(_NAME_TO_TORCH)}) and a list of sizes: {_FIX_FILE}")
     return meta
+
+
+def trimmed_column(table: pa.Table, name: str) -> tuple[pa.ChunkedArray, int] | None:
+    """A tensor column stored trimmed (each row's first ``input_lengths[b]`` values as a list) and its padded width,
+    or None when the column was stored whole (its pad region was not one value) or is not this module's."""
+    meta = _field_meta(name, table.schema.field(name))
+    if meta is None or meta["kind"] != "tensor" or not meta.get("trimmed") or meta.get("empty"):
+        return None
+    return table.column(name), int(meta["shape"][1])
 
 
 def _json_rows(name: str, col: pa.ChunkedArray) -> list[Any]:

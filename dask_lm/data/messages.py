@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from dask_lm.data.batch import BatchedDataDict
+    from dask_lm.data.tokens import TokenRows
 
 __all__ = ["GENERATE_BATCH_FACTOR", "MicroBatchPlan", "Shard", "ForwardRequest", "GenerateRequest", "ForwardOutput",
            "TrainRequest", "TrainResult", "SaveRequest", "ActionRequest", "RefitPlan", "CollectiveInitRequest", "ExtensionCall",
@@ -74,6 +75,13 @@ class Shard:
 
         table, objects = encode_columns(batch)
         return cls(table, MicroBatchPlan.of(batch, packed=packed), objects, tuple(batch) if objects else ())
+
+    def tokens(self) -> TokenRows:
+        """The shard's ``input_ids`` as an inference pass reads them: the Arrow column's values and offsets, as they
+        arrived (no padded tensor is made; see :mod:`dask_lm.data.tokens`)."""
+        from dask_lm.data.tokens import TokenRows
+
+        return TokenRows.from_table(self.table)
 
     def rows(self) -> BatchedDataDict[Any]:
         """The shard as the BatchedDataDict the driver cut (tensors right-padded again, object columns back in their

@@ -60,19 +60,6 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     return dec
 
 
-def pack(input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenate the real tokens of each row: ``(ids [1, T], position_ids [1, T], cu_seqlens [n+1] int32)``."""
-    lengths = lengths.to(torch.int64)
-    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=input_ids.device)
-    cu[1:] = torch.cumsum(lengths, 0)
-    width = input_ids.shape[1]
-    keep = torch.arange(width, device=input_ids.device)[None, :] < lengths[:, None]
-    ids = input_ids[keep][None, :]
-    seq_start = torch.repeat_interleave(cu[:-1], lengths)
-    pos = (torch.arange(ids.shape[1], device=input_ids.device) - seq_start)[None, :]
-    return ids, pos, cu.to(torch.int32)
-
-
 def block_causal_mask(cu_seqlens: torch.Tensor, total: int, *, additive_dtype: torch.dtype | None) -> torch.Tensor:
     """``[1, 1, T, T]`` mask letting position q see k when both sit in the same sequence and k <= q."""
     dev = cu_seqlens.device

@@ -24,8 +24,9 @@ import torch
 from torch.profiler import record_function
 
 from dask_lm.data.messages import MicroBatchPlan
+from dask_lm.data.tokens import TokenRows
 from dask_lm.model import device, fused, varlen
-from dask_lm.model.forward import MicroBatch, block_causal_mask, final_hidden_states, pack, unpack_positions
+from dask_lm.model.forward import MicroBatch, block_causal_mask, final_hidden_states, unpack_positions
 
 __all__ = ["HostLayout", "ForwardLayout", "PassRunner", "host_layout", "forward_rows", "run_pass"]
 
@@ -43,16 +44,16 @@ class HostLayout:
     valid: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, position) of every real token
 
 
-def host_layout(ids: torch.Tensor, lens: torch.Tensor, *, packed: bool) -> HostLayout:
-    """The layout of rows ``ids [b, S]`` (CPU) with true lengths ``lens [b]``, packed into one row or padded."""
-    lens = lens.to(torch.int64)
+def host_layout(rows: TokenRows, *, packed: bool) -> HostLayout:
+    """The layout of ``rows`` (host tensors), packed into one row or padded to the longest."""
+    lens = rows.lengths
     width = int(lens.max())
     if packed:
-        pids, pos, cu = pack(ids, lens)
+        pids, pos, cu = rows.packed()  # the rows' own values and offsets: nothing is copied
         t = pids.shape[1]
-        rows = torch.zeros(t, dtype=torch.int64)
+        at_row = torch.zeros(t, dtype=torch.int64)
         after = (pos[0, 1:] > 0).nonzero(as_tuple=True)[0]  # position p predicts p + 1 within its own row
-        return HostLayout(lens, width, cu, pos, pids, (rows[: after.numel()], after), (rows, torch.arange(t)))
+        return HostLayout(lens, width, cu, pos, pids, (at_row[: after.numel()], after), (at_row, torch.arange(t)))
     valid = torch.arange(width)[None, :] < lens[:, None]
     scored_row, scored_pos = valid[:, 1:].nonzero(as_tuple=True)  # a 2-d mask: one index tensor per dimension
     valid_row, valid_pos = valid.nonzero(as_tuple=True)
@@ -84,13 +85,13 @@ class _Positions(TypedDict):
     valid_index: tuple[torch.Tensor, torch.Tensor]
 
 
-def forward_rows(model: torch.nn.Module, ids: torch.Tensor, lens: torch.Tensor, *, packed: bool, varlen_ok: bool,
+def forward_rows(model: torch.nn.Module, rows: TokenRows, *, packed: bool, varlen_ok: bool,
                  where: torch.device, mask_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ForwardLayout]:
-    """Final hidden states of the rows ``ids [b, S]`` (host tensors, true lengths ``lens``), packed into one row or
-    padded to the longest, and their :class:`ForwardLayout`. Packed rows go through the varlen kernel when
-    ``varlen_ok``, else through a block-diagonal mask (boolean, or additive in ``mask_dtype`` for eager
-    attention)."""
-    lay = host_layout(ids, lens, packed=packed)
+    """Final hidden states of ``rows`` (host tensors), packed into one row or padded to the longest, and their
+    :class:`ForwardLayout`. Packed rows go through the varlen kernel when ``varlen_ok``, else through a
+    block-diagonal mask (boolean, or additive in ``mask_dtype`` for eager attention). The ids go up as they are
+    (``int32`` from the wire: half the bytes) and are widened on the device."""
+    lay = host_layout(rows, packed=packed)
 
     def up(t: torch.Tensor) -> torch.Tensor:
         return device.upload(t, where)
@@ -102,7 +103,7 @@ def forward_rows(model: torch.nn.Module, ids: torch.Tensor, lens: torch.Tensor, 
     d_lens = up(lay.lens)
     if packed:
         assert lay.packed_ids is not None and lay.position_ids is not None and lay.cu is not None
-        pids, pos, cu = up(lay.packed_ids.to(torch.int64)), up(lay.position_ids), up(lay.cu)
+        pids, pos, cu = up(lay.packed_ids).to(torch.int64), up(lay.position_ids), up(lay.cu)
         if varlen_ok:
             with varlen.packed_attention(model):
                 hidden = final_hidden_states(model, pids, position_ids=pos, **varlen.packed_kwargs(cu, lay.width))
@@ -111,7 +112,8 @@ def forward_rows(model: torch.nn.Module, ids: torch.Tensor, lens: torch.Tensor, 
             hidden = final_hidden_states(model, pids, position_ids=pos, attention_mask=mask)
         return hidden, ForwardLayout(pids, d_lens, torch.ones_like(pids, dtype=torch.bool), pos > 0, host=lay,
                                      cu=cu, **positions())
-    d_ids = up(ids[:, : lay.width].to(torch.int64))
+    # a padded row's tail is never seen by its real tokens (causal attention, right padding): its value is any id
+    d_ids = up(rows.padded(0, lay.width)).to(torch.int64)
     valid = torch.arange(lay.width, device=where)[None, :] < d_lens[:, None]
     hidden = final_hidden_states(model, d_ids)
     return hidden, ForwardLayout(d_ids, d_lens, valid, valid, host=lay, **positions())

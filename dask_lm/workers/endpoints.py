@@ -32,7 +32,8 @@ __all__ = ["ENDPOINTS", "EXTENSION_BASE_METHODS", "handle"]
 
 # ------------------------------------------------------------------------------------------- forward passes
 def _forward(worker: PolicyWorker, req: ForwardRequest) -> ForwardOutput:
-    rows, plan = req.shard.rows(), req.shard.plan
+    # the ids as they arrived (values + offsets): no padded [B, S] tensor is made for an inference pass
+    rows, plan = req.shard.tokens(), req.shard.plan
     if req.head == "score":
         return ForwardOutput(worker.score(rows, plan))
     if req.head == "topk":

@@ -28,6 +28,7 @@ from dask_lm.comm import collectives
 from dask_lm.config import PolicyConfig
 from dask_lm.data.batch import BatchedDataDict
 from dask_lm.data.messages import MicroBatchPlan, TrainResult
+from dask_lm.data.tokens import TokenRows
 from dask_lm.model import device, fused, varlen
 from dask_lm.model.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
 from dask_lm.model.hf import fsdp_blocks
@@ -211,33 +212,33 @@ class PolicyWorker:
         return gen.temperature if gen is not None else 1.0
 
     # the forward protocol: what run_pass, the trainer, generation and refits call on this rank
-    def plan_pass(self, data: BatchedDataDict, plan: MicroBatchPlan, mbs: int | None) -> list[MicroBatch]:
-        """The micro-batches of an inference pass over ``data``; every rank gets as many (dummies pad the
+    def plan_pass(self, rows: TokenRows, plan: MicroBatchPlan, mbs: int | None) -> list[MicroBatch]:
+        """The micro-batches of an inference pass over ``rows``; every rank gets as many (dummies pad the
         shorter plans), since each forward all-gathers parameters under FSDP."""
         self.ensure_on_device()
-        mb_plan = plan_micro_batches(data.size, mbs=mbs or int(self.cfg.logprob_batch_size or 1),
+        mb_plan = plan_micro_batches(rows.size, mbs=mbs or int(self.cfg.logprob_batch_size or 1),
                                      micro_batch_indices=plan.micro_batch_indices, packed=plan.packed)
         if self.fsdp:
             count = collectives.max_over_ranks([len(mb_plan)], self.group, where=self.device)[0]
             mb_plan = pad_with_dummies(mb_plan, count)
         return mb_plan
 
-    def forward_micro_batch(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]:
-        """Hidden states of one micro-batch plus how to map them back (None for a dummy). The layout (lengths,
-        packed offsets, scored positions) is worked out on the host and uploaded, so nothing here waits for the
-        GPU (see :mod:`dask_lm.model.inference`)."""
+    def forward_micro_batch(self, rows: TokenRows, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]:
+        """Hidden states of one micro-batch (``rows`` holds exactly its rows) plus how to map them back (None for a
+        dummy). The layout (lengths, packed offsets, scored positions) is worked out on the host and uploaded, so
+        nothing here waits for the GPU (see :mod:`dask_lm.model.inference`)."""
         if mb.end == mb.start:  # a dummy on a rank with no rows: one pad token keeps the collectives in step
             ids = torch.full((1, 1), self.pad_token_id, dtype=torch.int64, device=self.device)
             return final_hidden_states(self.model, ids), None
         additive = None if self.cfg.attn_implementation == "sdpa" else self.dtype
-        return forward_rows(self.model, data["input_ids"][mb.start:mb.end], data["input_lengths"][mb.start:mb.end],
-                            packed=mb.packed, varlen_ok=self.varlen, where=self.device, mask_dtype=additive)
+        return forward_rows(self.model, rows, packed=mb.packed, varlen_ok=self.varlen, where=self.device, mask_dtype=additive)
 
-    def inference_forward(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]:
+    def inference_forward(self, rows: TokenRows, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]:
         """:meth:`forward_micro_batch` for logprobs / top-k / scores: through the compiled layers when
         ``self.compile``. A compilation that fails (no C compiler, an op Inductor cannot lower) turns compilation
         off for this rank with a warning and runs the micro-batch eagerly; errors of the forward itself propagate."""
-        out, self.compile = fused.call(self.compile, lambda: self.forward_micro_batch(data, mb),
+        part = rows.slice(mb.start, mb.end)  # views: a micro-batch is contiguous rows
+        out, self.compile = fused.call(self.compile, lambda: self.forward_micro_batch(part, mb),
                                        "this rank's decoder")
         return out
 
@@ -246,13 +247,16 @@ class PolicyWorker:
         rank whose compilation fails falls back to eager with a warning; an FSDP rank cannot (re-running the
         forward would issue its all-gathers twice and desynchronise the group's collectives), so it fails with the
         fix instead."""
+        # loss functions read padded micro-batches (NeMo RL's contract), so training keeps them and cuts the rows
+        # out of this one
+        rows = TokenRows.from_padded(data["input_ids"][mb.start:mb.end], data["input_lengths"][mb.start:mb.end])
         if not (self.train_compile and self.fsdp):
-            out, self.train_compile = fused.call(self.train_compile, lambda: self.forward_micro_batch(data, mb),
+            out, self.train_compile = fused.call(self.train_compile, lambda: self.forward_micro_batch(rows, mb),
                                                  "this rank's training forward")
             return out
         try:
             with fused.use_compiled(True):
-                return self.forward_micro_batch(data, mb)
+                return self.forward_micro_batch(rows, mb)
         except fused.compile_errors() as e:
             raise RuntimeError(f"compiling the training forward failed on rank {self.rank} ({type(e).__name__}: "
                                f"{e}); set policy.train_compile: false (or DASK_LM_COMPILE=0) to train eagerly") from e
@@ -274,12 +278,12 @@ class PolicyWorker:
             self.model.to(self.device)
 
     @torch.no_grad()
-    def get_logprobs(self, data: BatchedDataDict, plan: MicroBatchPlan, micro_batch_size: int | None = None,
+    def get_logprobs(self, rows: TokenRows, plan: MicroBatchPlan, micro_batch_size: int | None = None,
                      reference: bool = False) -> dict[str, torch.Tensor]:
         gen = self.cfg.generation
         top_k = None if reference or gen is None else gen.top_k
         top_p = 1.0 if reference or gen is None else gen.top_p
-        out = torch.zeros(data.size, data["input_ids"].shape[1], dtype=torch.float32)
+        out = torch.zeros(rows.size, rows.width, dtype=torch.float32)
 
         def compute(hidden: torch.Tensor, layout: ForwardLayout) -> tuple[torch.Tensor, ...]:
             return (next_token_logprobs(hidden, layout.ids, layout.targets_valid, output_head(self.model),
@@ -288,34 +292,33 @@ class PolicyWorker:
 
         start = time.perf_counter()
         with self._reference_weights() if reference else contextlib.nullcontext():
-            run_pass(self, data, plan, micro_batch_size, compute, (out,))
-        self._record(data, start)
+            run_pass(self, rows, plan, micro_batch_size, compute, (out,))
+        self._record(rows.num_tokens, start)
         return {"reference_logprobs" if reference else "logprobs": out}
 
     @torch.no_grad()
-    def get_topk_logits(self, data: BatchedDataDict, plan: MicroBatchPlan, k: int,
+    def get_topk_logits(self, rows: TokenRows, plan: MicroBatchPlan, k: int,
                         micro_batch_size: int | None = None) -> dict[str, torch.Tensor]:
-        width = data["input_ids"].shape[1]
-        values = torch.zeros(data.size, width, k, dtype=torch.float32)
-        indices = torch.zeros(data.size, width, k, dtype=torch.int64)
+        values = torch.zeros(rows.size, rows.width, k, dtype=torch.float32)
+        indices = torch.zeros(rows.size, rows.width, k, dtype=torch.int64)
 
         def compute(hidden: torch.Tensor, layout: ForwardLayout) -> tuple[torch.Tensor, ...]:
             return topk_logits(hidden, layout.valid, output_head(self.model), k, temperature=self.temperature,
                                chunk_size=self.cfg.logprob_chunk_size, index=layout.valid_index)
 
         start = time.perf_counter()
-        run_pass(self, data, plan, micro_batch_size, compute, (values, indices))
-        self._record(data, start)
+        run_pass(self, rows, plan, micro_batch_size, compute, (values, indices))
+        self._record(rows.num_tokens, start)
         return {"topk_logits": values, "topk_indices": indices}
 
     @torch.no_grad()
-    def score(self, data: BatchedDataDict, plan: MicroBatchPlan) -> dict[str, torch.Tensor]:
+    def score(self, rows: TokenRows, plan: MicroBatchPlan) -> dict[str, torch.Tensor]:
         if not self.is_reward_model:
             raise ValueError("score() needs a reward model: set `policy.reward_model_cfg.enabled: true` and point "
                              "`policy.model_name` at a sequence-classification checkpoint")
         head = getattr(self.model, "score", None)
         assert head is not None, f"{type(self.model).__name__} has no `score` head"
-        scores = torch.zeros(data.size, dtype=torch.float32)
+        scores = torch.zeros(rows.size, dtype=torch.float32)
 
         def compute(hidden: torch.Tensor, layout: ForwardLayout) -> tuple[torch.Tensor, ...]:
             if layout.cu is not None:  # packed: each row's last token sits just before the next row's offset
@@ -325,8 +328,8 @@ class PolicyWorker:
             return (head(last).float().squeeze(-1),)
 
         start = time.perf_counter()
-        run_pass(self, data, plan, None, compute, (scores,), per_row=True)
-        self._record(data, start)
+        run_pass(self, rows, plan, None, compute, (scores,), per_row=True)
+        self._record(rows.num_tokens, start)
         return {"scores": scores}
 
     # ----------------------------------------------------------------------------------------- reference
@@ -365,7 +368,7 @@ class PolicyWorker:
         start = time.perf_counter()
         out = generation.generate(self, data["input_ids"], data["input_lengths"], greedy=greedy,
                                   max_new_tokens=int(gen.max_new_tokens), tokenizer=tokenizer, seed=seed)
-        self._record(data, start)
+        self._record(int(data["input_lengths"].sum()) if data.size else 0, start)
         return out
 
     # ----------------------------------------------------------------------------------------- training
@@ -374,7 +377,7 @@ class PolicyWorker:
         start = time.perf_counter()
         out = self.trainer.train(self, data, plan, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
                                  num_global_batches=num_global_batches, progress_id=progress_id)
-        self._record(data, start)
+        self._record(int(data["input_lengths"].sum()) if data.size else 0, start)
         return out
 
     @property
@@ -461,14 +464,13 @@ class PolicyWorker:
     def broadcast_weights_for_collective(self, **kwargs: Any) -> dict[str, Any]:
         return self.refitter.broadcast(self, **kwargs)
 
-    def _record(self, data: BatchedDataDict, start: float) -> None:
+    def _record(self, tokens: int, start: float) -> None:
         from dask_lm.workers.state import get_state
 
         try:
             st = get_state()
         except RuntimeError:
             return
-        tokens = int(data["input_lengths"].sum()) if data.size else 0
         st.last_call = {"tokens": tokens, "seconds": time.perf_counter() - start}
         # a token count on the task: the dashboard's fine performance metrics sum it per span (per Policy call)
         from distributed.metrics import context_meter

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from dask_lm.data.messages import ScoreOptions
+from dask_lm.data.tokens import TokenRows
 from dask_lm.io.fingerprint import RACY_NS, Stamp, verify
 from dask_lm.model import device, fused, liger_layers, varlen
 from dask_lm.model.inference import forward_rows
@@ -123,9 +124,8 @@ class Replica:
         """Two short rows through the forward and head (no longer than the model's positions allow)."""
         n1, n2 = (min(n, self.max_positions or n) for n in (61, 37))
         x = (torch.arange(2 * n1).reshape(2, n1) % max(self.vocab_size - 3, 1) + 3).clamp(max=self.vocab_size - 1)
-        x[1, n2:] = self.pad_id
-        hidden, layout = forward_rows(self.model, x, torch.tensor([n1, n2]), packed=self.packed,
-                                    varlen_ok=self.varlen, where=self.device)
+        rows = TokenRows.from_padded(x, torch.tensor([n1, n2]))
+        hidden, layout = forward_rows(self.model, rows, packed=self.packed, varlen_ok=self.varlen, where=self.device)
         with fused.use_compiled(self.head_compiled):
             next_token_logprobs_greedy(hidden, layout.ids, layout.targets_valid, output_head(self.model),
                                        index=layout.scored)[0].cpu()

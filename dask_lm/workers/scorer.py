@@ -29,6 +29,7 @@ import torch
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.data.packing import longest_first
 from dask_lm.data.rows import BadRowError, PreparedRows, prepare_rows
+from dask_lm.data.tokens import TokenRows
 from dask_lm.errors import NonFiniteError
 from dask_lm.interface import again, opt
 from dask_lm.model import device, fused
@@ -70,13 +71,11 @@ def score_ids(rep: Replica, ids: list[list[int]], opts: ScoreOptions, on_rows: A
     for part in longest_first([len(ids[i]) for i in rows], opts.micro_batch_tokens(rep.packed),
                               padded=not rep.packed):
         batch = [rows[j] for j in part]
-        width = len(ids[batch[0]])
-        x = torch.full((len(batch), width), rep.pad_id, dtype=torch.int64)
-        for r, i in enumerate(batch):
-            x[r, : len(ids[i])] = torch.tensor(ids[i], dtype=torch.int64)
-        lens = torch.tensor([len(ids[i]) for i in batch])
+        # the lists straight to the packed values and offsets (or padded once, for a padded replica)
+        tokens = TokenRows.from_lists([ids[i] for i in batch])
+        lens = tokens.lengths
         (hidden, layout), rep.compiled = fused.call(
-            rep.compiled, lambda: forward_rows(rep.model, x, lens, packed=rep.packed, varlen_ok=rep.varlen,
+            rep.compiled, lambda: forward_rows(rep.model, tokens, packed=rep.packed, varlen_ok=rep.varlen,
                                                where=rep.device), "the scoring forward")
         # the head's fused reductions may be compiled where the decoder is not: the eager chain of max / sub / exp
         # / sum passes over [n, V] float32 logits was a third of a 0.5B scoring forward's GPU time, and their one
