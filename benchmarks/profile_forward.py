@@ -3,7 +3,7 @@
 A benchmark, not a test. It builds a random model of ``--shape`` directly on the GPU, cuts the long-tailed rows of
 ``benchmarks/logprobs.py`` into the same micro-batches the driver would (packed or dynamic), then:
 
-1. times ``PolicyWorker.get_logprobs`` over all rows (the engine's compute without the cluster around it);
+1. times ``RankModel.get_logprobs`` over all rows (the engine's compute without the cluster around it);
 2. profiles a few micro-batches with ``torch.profiler`` and prints each phase's share of the wall time: the
    decoder, the output head split into its matmul / fp32 upcast / logsumexp / gather, the scatter to host
    memory, and the GPU's idle time (Python and launches between kernels);
@@ -40,7 +40,7 @@ def _worker(shape: str, root: str, mb_tokens: int, mode: str, chunk: int) -> Any
     import transformers
 
     from dask_lm.config import PolicyConfig
-    from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.workers.rank_model import RankModel
 
     path = os.path.join(root, shape)
     transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, pad_token_id=0).save_pretrained(path)
@@ -49,8 +49,8 @@ def _worker(shape: str, root: str, mb_tokens: int, mode: str, chunk: int) -> Any
     cfg = PolicyConfig.from_dict({"model_name": path, "precision": "bfloat16", "logprob_chunk_size": chunk,
                                   "max_total_sequence_length": 4096, **batching})
     torch.manual_seed(0)
-    return cfg, PolicyWorker(cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=False,
-                             init_reference_model=False, skip_weight_load=True)
+    return cfg, RankModel(cfg, rank=0, world_size=1, group=None, pad_token_id=0, trainable=False,
+                          keep_reference=False, skip_weight_load=True)
 
 
 def _shard(cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str,
@@ -355,7 +355,7 @@ def main(shape: str, mode: str, num_rows: int, mb_tokens: int, chunk: int, profi
         tps = int(lens.sum()) / sec
         report.update(engine_seconds=sec, engine_tok_per_s=tps, engine_mfu_989=flops / sec / H200_BF16_DENSE,
                       engine_mfu_measured=flops / sec / peak)
-        print(f"PolicyWorker.get_logprobs, all rows: {sec:.3f} s = {tps:,.0f} tok/s, MFU {flops / sec / 989.5e12:.1%} "
+        print(f"RankModel.get_logprobs, all rows: {sec:.3f} s = {tps:,.0f} tok/s, MFU {flops / sec / 989.5e12:.1%} "
               f"of 989.5 ({flops / sec / peak:.1%} of measured {what} {peak / 1e12:.0f})", flush=True)
         base = torch.cuda.memory_allocated()
         for kind, fn in (("logprobs", lambda: worker.get_logprobs(shard, plan)),

@@ -44,7 +44,7 @@ def test_host_layout_padded_matches_the_valid_mask():
 
 
 class _FakeWorker:
-    """Just enough of PolicyWorker for run_pass: a plan, a 'forward' returning each token's id as its hidden
+    """Just enough of RankModel for run_pass: a plan, a 'forward' returning each token's id as its hidden
     state, and a record of the pass ending."""
 
     compile = False
@@ -193,7 +193,7 @@ def test_a_failed_compilation_falls_back_to_eager_once(monkeypatch, caplog):
 
 
 def test_a_failed_decoder_compilation_turns_compilation_off_for_the_rank(caplog):
-    from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.workers.rank_model import RankModel
 
     class Rank:
         compile = True
@@ -206,7 +206,7 @@ def test_a_failed_decoder_compilation_turns_compilation_off_for_the_rank(caplog)
             return "hidden", {"info": 1}
 
     rank = Rank()
-    assert PolicyWorker.inference_forward(rank, None, None) == ("hidden", {"info": 1})
+    assert RankModel.inference_forward(rank, None, None) == ("hidden", {"info": 1})
     assert rank.compile is False and rank.calls == 2 and "runs eagerly from now on" in caplog.text
 
     class Broken(Rank):
@@ -214,7 +214,7 @@ def test_a_failed_decoder_compilation_turns_compilation_off_for_the_rank(caplog)
             raise ValueError("a real error of the forward")
 
     try:
-        PolicyWorker.inference_forward(Broken(), None, None)
+        RankModel.inference_forward(Broken(), None, None)
     except ValueError as e:
         assert "real error" in str(e)
     else:
