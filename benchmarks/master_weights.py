@@ -2,7 +2,7 @@
 FSDP2 over a one-member process group (torchtitan's way: ``fully_shard`` with ``MixedPrecisionPolicy`` even at
 world size 1). A benchmark, not a test: it prints numbers and asserts nothing about speed.
 
-Both arms are ``PolicyWorker.train`` in this process on the same rows, from the same random bf16-compute / fp32
+Both arms are ``Trainer.train`` in this process on the same rows, from the same random bf16-compute / fp32
 master initialisation (``skip_weight_load``, one seed), with AdamW and clipping at 1.0; the masters arm is what a
 one-rank Policy runs today, the FSDP arm passes ``fsdp=True`` with a one-member group. It prints each arm's step
 time, tokens/s and peak memory, and the largest loss difference between the arms over the timed steps (they
@@ -69,7 +69,8 @@ def _arm(name: str, cfg: Any, dev: torch.device, rows: torch.Tensor, lens: torch
     loss_fn = NLLLoss()
 
     def step() -> float:
-        out = worker.train(shard, plan, loss_fn, eval_mode=False, gbs=len(lens), mbs=len(lens), num_global_batches=1)
+        out = worker.trainer.train(shard, plan, loss_fn, eval_mode=False, gbs=len(lens), mbs=len(lens),
+                                   num_global_batches=1)
         return float(out.loss[0])
 
     step()  # warm-up: optimizer state, allocator, compiled kernels

@@ -3,7 +3,7 @@
 A benchmark, not a test. It builds a random model of ``--shape`` directly on the GPU, cuts the long-tailed rows of
 ``benchmarks/logprobs.py`` into the same micro-batches the driver would (packed or dynamic), then:
 
-1. times ``PolicyWorker.get_logprobs`` over all rows (the engine's compute without the cluster around it);
+1. times ``RankModel.get_logprobs`` over all rows (the engine's compute without the cluster around it);
 2. profiles a few micro-batches with ``torch.profiler`` and prints each phase's share of the wall time: the
    decoder, the output head split into its matmul / fp32 upcast / logsumexp / gather, the scatter to host
    memory, and the GPU's idle time (Python and launches between kernels);
@@ -40,7 +40,7 @@ def _worker(shape: str, root: str, mb_tokens: int, mode: str, chunk: int) -> Any
     import transformers
 
     from dask_lm.config import PolicyConfig
-    from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.workers.rank_model import RankModel
 
     path = os.path.join(root, shape)
     transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, pad_token_id=0).save_pretrained(path)
@@ -49,13 +49,14 @@ def _worker(shape: str, root: str, mb_tokens: int, mode: str, chunk: int) -> Any
     cfg = PolicyConfig.from_dict({"model_name": path, "precision": "bfloat16", "logprob_chunk_size": chunk,
                                   "max_total_sequence_length": 4096, **batching})
     torch.manual_seed(0)
-    return cfg, PolicyWorker(cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=False,
-                             init_reference_model=False, skip_weight_load=True)
+    return cfg, RankModel(cfg, rank=0, world_size=1, group=None, pad_token_id=0, trainable=False,
+                          keep_reference=False, skip_weight_load=True)
 
 
 def _shard(cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str,
            budget: int | None = None) -> tuple[Any, MicroBatchPlan]:
     from dask_lm import BatchedDataDict
+    from dask_lm.data.tokens import TokenRows
 
     data = BatchedDataDict(input_ids=ids, input_lengths=lens)
     if mode == "packed":
@@ -69,7 +70,9 @@ def _shard(cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str,
             "input_key": "input_ids", "input_lengths_key": "input_lengths", "sequence_length_round": 64,
             "max_tokens_per_microbatch": cfg.dynamic_batching.logprob_mb_tokens})
     shard = shards[0]
-    return shard, MicroBatchPlan(micro_batch_indices=shard.micro_batch_indices, packed=mode == "packed")
+    # a rank's inference rows as they arrive (dask_lm.data.tokens): ids and offsets, the micro-batches views of them
+    rows = TokenRows.from_padded(shard["input_ids"], shard["input_lengths"])
+    return rows, MicroBatchPlan(micro_batch_indices=shard.micro_batch_indices, packed=mode == "packed")
 
 
 def _timed(fn: Callable[[], Any], reps: int = 3) -> tuple[float, Any]:
@@ -138,7 +141,7 @@ def profile_phases(worker: Any, shard: Any, plan: MicroBatchPlan, n_mb: int, top
     res = dict(sums)
     res["GPU idle (launch / Python / host sync)"] = max(wall - busy, 0.0)
     res["_wall"] = wall
-    res["_tokens"] = float(sum(int(shard["input_lengths"][s:e].sum()) for s, e in sub.micro_batch_indices[0]))
+    res["_tokens"] = float(sum(int(shard.lengths[s:e].sum()) for s, e in sub.micro_batch_indices[0]))
     return res
 
 
@@ -168,7 +171,7 @@ def head_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict[st
 
     mb = worker.plan_pass(shard, plan, None)[0]
     with torch.no_grad(), fused.use_compiled(worker.compile):
-        hidden, layout = worker.forward_micro_batch(shard, mb)
+        hidden, layout = worker.forward_micro_batch(shard.slice(mb.start, mb.end), mb)
         valid = layout.targets_valid
         rows, cols = valid[:, 1:].nonzero(as_tuple=True)
         h = hidden[rows, cols].contiguous()
@@ -277,15 +280,15 @@ def decoder_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict
 
     mb = worker.plan_pass(shard, plan, None)[0]
     results = []
-    tokens = int(shard["input_lengths"][mb.start:mb.end].sum())
+    tokens = int(shard.lengths[mb.start:mb.end].sum())
     with torch.no_grad():
         with fused.use_compiled(False):
-            ref = worker.forward_micro_batch(shard, mb)[0].float()
+            ref = worker.forward_micro_batch(shard.slice(mb.start, mb.end), mb)[0].float()
 
         def record(name: str, compiled: bool, first: float) -> None:
             def run() -> torch.Tensor:
                 with fused.use_compiled(compiled):
-                    return worker.forward_micro_batch(shard, mb)[0]
+                    return worker.forward_micro_batch(shard.slice(mb.start, mb.end), mb)[0]
             t, out = _timed(run)
             e = float((out.float() - ref).abs().max())
             results.append({"variant": name, "ms": t * 1e3, "tokens": tokens, "first_call_s": first,
@@ -300,9 +303,9 @@ def decoder_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict
             for other in (mbs[-1], mbs[len(mbs) // 2]):
                 t0 = time.perf_counter()
                 with fused.use_compiled(True):
-                    worker.forward_micro_batch(shard, other)
+                    worker.forward_micro_batch(shard.slice(other.start, other.end), other)
                 sync(torch.device("cuda"))
-                print(f"  decoder compiled, another length ({int(shard['input_lengths'][other.start:other.end].sum())} "
+                print(f"  decoder compiled, another length ({int(shard.lengths[other.start:other.end].sum())} "
                       f"tokens): {time.perf_counter() - t0:.2f} s", flush=True)
         try:
             from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -355,7 +358,7 @@ def main(shape: str, mode: str, num_rows: int, mb_tokens: int, chunk: int, profi
         tps = int(lens.sum()) / sec
         report.update(engine_seconds=sec, engine_tok_per_s=tps, engine_mfu_989=flops / sec / H200_BF16_DENSE,
                       engine_mfu_measured=flops / sec / peak)
-        print(f"PolicyWorker.get_logprobs, all rows: {sec:.3f} s = {tps:,.0f} tok/s, MFU {flops / sec / 989.5e12:.1%} "
+        print(f"RankModel.get_logprobs, all rows: {sec:.3f} s = {tps:,.0f} tok/s, MFU {flops / sec / 989.5e12:.1%} "
               f"of 989.5 ({flops / sec / peak:.1%} of measured {what} {peak / 1e12:.0f})", flush=True)
         base = torch.cuda.memory_allocated()
         for kind, fn in (("logprobs", lambda: worker.get_logprobs(shard, plan)),

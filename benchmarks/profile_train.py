@@ -4,7 +4,7 @@ A benchmark, not a test. It builds a random model of ``--shape`` on the GPU (bf1
 ``benchmarks/train.py``'s recipe), cuts ``--rows`` long-tailed rows into the micro-batches the driver would
 (``--mode`` dynamic or packed, ``--mb-tokens``), then:
 
-1. times ``PolicyWorker.train`` (one optimizer step over all rows) a few times: tokens/s and MFU per step;
+1. times ``Trainer.train`` (one optimizer step over all rows) a few times: tokens/s and MFU per step;
 2. profiles one step with ``torch.profiler`` and prints each phase's kernel time and share of the wall time:
    the decoder forward, the head and loss, the backward (split into the decoder / head kernels and the fp32 master
    gradient accumulation), the gradient norm and clipping, the optimizer, the copy of the masters into the model,
@@ -249,7 +249,7 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
         loss = NLLLoss()
 
         def step() -> dict[str, Any]:
-            return worker.train(shard, plan, loss, eval_mode=False, gbs=rows, mbs=rows, num_global_batches=1)
+            return worker.trainer.train(shard, plan, loss, eval_mode=False, gbs=rows, mbs=rows, num_global_batches=1)
 
         step()  # warm-up: optimizer state, allocator, kernels
         times = []
@@ -269,7 +269,7 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
     best = min(times)
     mfu = flops / best / H200_BF16_DENSE
     n_mb = len(plan.micro_batch_indices[0])
-    print(f"\n{shape} {mode}, {'compiled' if worker.train_compile else 'eager'} layers, optimizer "
+    print(f"\n{shape} {mode}, {'compiled' if worker.rank_model.train_compile else 'eager'} layers, optimizer "
           f"{'fused' if worker.trainer.optimizer.defaults.get('fused') else 'foreach'}: {rows} rows, {tokens} tokens, {n_mb} micro-batches of <= {mb_tokens} tokens; step "
           f"{best * 1e3:.0f} ms (best of {steps}), {tokens / best:,.0f} tok/s, MFU {mfu:.1%} of 989.5 TFLOP/s "
           f"({flops / best / peak:.1%} of the measured {peak / 1e12:.0f}, {peak_how}); peak {peak_mem:.1f} GiB")
@@ -291,7 +291,7 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
             else:
                 print(f"{v['variant']:<42}{v['ms']:>9.1f}{v['peak_gib_above']:>11.2f}{v['value_err']:>12.2e}"
                       f"{v['grad_h_err']:>12.2e}")
-    print(json.dumps({"shape": shape, "mode": mode, "compiled": worker.train_compile, "rows": rows,
+    print(json.dumps({"shape": shape, "mode": mode, "compiled": worker.rank_model.train_compile, "rows": rows,
                       "head_variants": variants, "tokens": tokens, "micro_batches": n_mb,
                       "step_seconds": times, "tok_per_s": tokens / best, "mfu": mfu, "peak_gib": peak_mem,
                       "phases_ms": {k: v * 1e3 for k, v in res.items() if not k.startswith("_")},

@@ -22,7 +22,8 @@ def _step(model_dir: str, batch: dask_lm.BatchedDataDict, compile_: bool, packed
     cfg = PolicyConfig.from_dict(cfg)
     worker = PolicyWorker(cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=True,
                           init_reference_model=False)
-    assert worker.train_compile is compile_ and not worker.compile  # inference stays eager on the CPU
+    model = worker.rank_model
+    assert model.train_compile is compile_ and not model.compile  # inference stays eager on the CPU
     args = {"batch_size": 4}
     if packed:
         args["sequence_packing_args"] = {"input_key": "input_ids", "input_lengths_key": "input_lengths",
@@ -31,7 +32,7 @@ def _step(model_dir: str, batch: dask_lm.BatchedDataDict, compile_: bool, packed
     shards = batch.shard_by_batch_size(1, **args)
     shard = shards[0][0] if packed else shards[0]  # packing also returns the order it sorted the rows in
     plan = MicroBatchPlan(micro_batch_indices=shard.micro_batch_indices, packed=packed)
-    out = worker.train(shard, plan, dask_lm.NLLLoss(), eval_mode=False, gbs=4, mbs=2, num_global_batches=1)
+    out = worker.trainer.train(shard, plan, dask_lm.NLLLoss(), eval_mode=False, gbs=4, mbs=2, num_global_batches=1)
     return float(out.loss[0]), {n: p.detach().clone() for n, p in worker.model.named_parameters()}
 
 

@@ -67,7 +67,7 @@ def test_bf16_logprobs_on_cuda_cluster(gpu_client, tiny, mode):
         # packed bf16 rows run through flash varlen attention (no [T, T] mask) on these GPUs, and every rank
         # (FSDP-sharded ones included) through compiled layers (fused.py)
         flags = gpu_client.run(lambda dask_worker: [
-            (pw.varlen, pw.compile) for pw in dask_worker.plugins["dask-lm"].policies.values()])
+            (pw.rank_model.varlen, pw.rank_model.compile) for pw in dask_worker.plugins["dask-lm"].policies.values()])
         assert all(f == [(True, True)] for f in flags.values()), flags
     expected = _hf_bf16_logprobs(tiny["qwen2"], ids, lens)
     diff = (out - expected).abs()

@@ -45,7 +45,7 @@ def test_host_layout_padded_matches_the_valid_mask():
 
 
 class _FakeWorker:
-    """Just enough of PolicyWorker for run_pass: a plan, a 'forward' returning each token's id as its hidden
+    """Just enough of RankModel for run_pass: a plan, a 'forward' returning each token's id as its hidden
     state, and a record of the pass ending."""
 
     compile = False
@@ -194,7 +194,7 @@ def test_a_failed_compilation_falls_back_to_eager_once(monkeypatch, caplog):
 
 
 def test_a_failed_decoder_compilation_turns_compilation_off_for_the_rank(caplog):
-    from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.workers.rank_model import RankModel
 
     class Rank:
         compile = True
@@ -208,7 +208,7 @@ def test_a_failed_decoder_compilation_turns_compilation_off_for_the_rank(caplog)
 
     rows, mb = TokenRows.from_lists([[5, 6], [7]]), MicroBatch(0, 2)
     rank = Rank()
-    assert PolicyWorker.inference_forward(rank, rows, mb) == ("hidden", {"info": 1})
+    assert RankModel.inference_forward(rank, rows, mb) == ("hidden", {"info": 1})
     assert rank.compile is False and rank.calls == 2 and "runs eagerly from now on" in caplog.text
 
     class Broken(Rank):
@@ -216,7 +216,7 @@ def test_a_failed_decoder_compilation_turns_compilation_off_for_the_rank(caplog)
             raise ValueError("a real error of the forward")
 
     try:
-        PolicyWorker.inference_forward(Broken(), rows, mb)
+        RankModel.inference_forward(Broken(), rows, mb)
     except ValueError as e:
         assert "real error" in str(e)
     else:

@@ -82,7 +82,7 @@ def test_compiled_inference_on_fsdp_ranks_matches_hf(client, tiny, tok):
         def compiled_state(dask_worker):
             from torch._dynamo.utils import counters
 
-            flags = [pw.compile for pw in dask_worker.plugins["dask-lm"].policies.values()]
+            flags = [pw.rank_model.compile for pw in dask_worker.plugins["dask-lm"].policies.values()]
             return flags, counters["stats"]["unique_graphs"]
 
         # still compiled after the passes (no silent fallback to eager), and graphs were really built

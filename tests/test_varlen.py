@@ -148,8 +148,8 @@ def test_packed_training_with_activation_checkpointing_recomputes_through_varlen
             "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}}})
         worker = PolicyWorker(cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=True,
                               init_reference_model=False)
-        assert worker.varlen and worker.model.is_gradient_checkpointing == checkpointing
-        worker.train(shards[0], plan, dask_lm.NLLLoss(), eval_mode=False, gbs=4, mbs=2, num_global_batches=1)
+        assert worker.rank_model.varlen and worker.model.is_gradient_checkpointing == checkpointing
+        worker.trainer.train(shards[0], plan, dask_lm.NLLLoss(), eval_mode=False, gbs=4, mbs=2, num_global_batches=1)
         weights.append({n: p.detach().clone() for n, p in worker.model.named_parameters()})
         assert worker.model.config._attn_implementation == "sdpa"  # restored after the step
     for name, w in weights[0].items():

@@ -1,7 +1,7 @@
 """Whether the workers can run a model, decided on the driver from its Hugging Face config alone.
 
 The ranks find the parts of a model they use after the weights have loaded: the FSDP blocks named by
-``_no_split_modules`` (:meth:`~dask_lm.workers.policy_worker.PolicyWorker._apply_fsdp`, world size > 1), the
+``_no_split_modules`` (:meth:`~dask_lm.workers.rank_model.RankModel._apply_fsdp`, world size > 1), the
 decoder whose last hidden state every pass reads (:func:`dask_lm.model.forward.decoder_of`), the output
 embeddings of a causal LM (:func:`dask_lm.model.logprobs.output_head`) and the ``score`` head of a reward
 model. A model without one of them used to fail there, minutes into a job, as an ``AssertionError`` in a

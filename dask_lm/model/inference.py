@@ -120,7 +120,7 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, *, packed: bool, varle
 
 
 class PassRunner(Protocol):
-    """What :func:`run_pass` needs of a rank (:class:`~dask_lm.workers.policy_worker.PolicyWorker`)."""
+    """What :func:`run_pass` needs of a rank (:class:`~dask_lm.workers.rank_model.RankModel`)."""
 
     compile: bool
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["weight_names", "full_tensor"]
+__all__ = ["weight_names", "full_tensor", "local_tensor"]
 
 
 def weight_names(model: torch.nn.Module) -> list[str]:
@@ -30,3 +30,9 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: an all-gather (every rank must call it, in the same order) for an FSDP DTensor."""
     full_tensor = getattr(t, "full_tensor", None)
     return full_tensor() if full_tensor is not None else t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter (the tensor itself when it is not a DTensor)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t

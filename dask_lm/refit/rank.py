@@ -36,7 +36,8 @@ ZMQ_ALIGN = wire.ALIGN
 
 
 class Refitter:
-    """The refit side of one rank: the connections weights leave by, kept from one refit to the next.
+    """The refit side of one rank: the connections weights leave by, kept from one refit to the next, and the model
+    whose weights they carry (given when it is made, read through :class:`~dask_lm.refit.source.RefitHost`).
 
     - ``groups``: gloo groups of the HTTP route (``"all"`` for its agreements, one per engine fed by several
       ranks; :mod:`dask_lm.refit.http`);
@@ -44,8 +45,9 @@ class Refitter:
     - ``refit_zmq``: this rank's ZMQ endpoint (:mod:`dask_lm.refit.zmq_endpoint` keeps it here).
     """
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank  # names the ZMQ endpoint's private directory
+    def __init__(self, host: RefitHost) -> None:
+        self.host = host
+        self.rank = host.rank  # names the ZMQ endpoint's private directory
         self.groups: dict[Any, Any] = {}
         self.collective: tuple[Any, Any] | None = None
         self.refit_zmq: Any = None
@@ -67,15 +69,19 @@ class Refitter:
                 self.groups[members] = dist.new_group(ranks=list(members), backend="gloo", timeout=timeout)
         return self.groups
 
-    def stream_via_http(self, worker: RefitHost, urls: list[str], **kwargs: Any) -> dict[str, Any]:
+    def info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """``prepare_refit_info``: what every stream sends (:func:`~dask_lm.refit.source.refit_info`)."""
+        return refit_info(self.host)
+
+    def stream_via_http(self, urls: list[str], **kwargs: Any) -> dict[str, Any]:
         from dask_lm.refit import http as refit_http
 
-        return refit_http.stream_via_http(worker, self, urls, **kwargs)
+        return refit_http.stream_via_http(self.host, self, urls, **kwargs)
 
-    def stream_via_zmq(self, worker: RefitHost, **kwargs: Any) -> dict[str, Any]:
-        return _stream_via_zmq(worker, self, **kwargs)
+    def stream_via_zmq(self, **kwargs: Any) -> dict[str, Any]:
+        return _stream_via_zmq(self.host, self, **kwargs)
 
-    def init_collective(self, worker: RefitHost, ip: str, port: int, world_size: int, *, train_world_size: int,
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int,
                         timeout_s: float) -> bool:
         """Join the refit group: training rank r is group rank r, inference ranks follow from
         ``train_world_size``. Rank 0 hosts the rendezvous store at ``ip:port``; the call returns once every
@@ -84,14 +90,14 @@ class Refitter:
 
         from dask_lm.comm import rendezvous
 
-        assert worker.rank < train_world_size, "the driver checks train_world_size against the policy's ranks"
+        rank = self.rank
+        assert rank < train_world_size, "the driver checks train_world_size against the policy's ranks"
         self.close_collective()
         # gloo's / NCCL's own sockets on the interface of `ip` when this host has it (rank 0), else on the worker's
         rendezvous.pin_interfaces(ip if rendezvous.interface_for(ip) else rendezvous.worker_host())
-        store = rendezvous.create_store(ip, int(port), world_size, is_master=worker.rank == 0, timeout_s=timeout_s,
+        store = rendezvous.create_store(ip, int(port), world_size, is_master=rank == 0, timeout_s=timeout_s,
                                         wait_for_workers=True, what="init_collective (policy rank 0)")
-        group = device.standalone_group(dist.PrefixStore("dask-lm-refit", store), worker.rank, world_size,
-                                        timeout_s)
+        group = device.standalone_group(dist.PrefixStore("dask-lm-refit", store), rank, world_size, timeout_s)
         self.collective = (group, store)
         return True
 
@@ -104,10 +110,10 @@ class Refitter:
             except Exception:  # an old group whose peers are gone; dropping it is all that is left to do
                 logger.debug("closing the previous refit group", exc_info=True)
 
-    def broadcast(self, worker: RefitHost, **kwargs: Any) -> dict[str, Any]:
+    def broadcast(self, **kwargs: Any) -> dict[str, Any]:
         if self.collective is None:
             raise ValueError("broadcast_weights_for_collective() needs init_collective() first")
-        return _broadcast_all(worker, self.collective[0], **kwargs)
+        return _broadcast_all(self.host, self.collective[0], **kwargs)
 
     def close(self) -> None:
         """Policy shutdown: the collective group, the ZMQ socket and its directory, the gloo groups."""
@@ -122,7 +128,7 @@ class Refitter:
 
 
 # ----------------------------------------------------------------------------------------- ZMQ (colocated vLLM)
-def _stream_via_zmq(worker: RefitHost, refitter: Refitter, *, buffer_size_bytes: int, timeout_s: float,
+def _stream_via_zmq(host: RefitHost, refitter: Refitter, *, buffer_size_bytes: int, timeout_s: float,
                     progress_id: str | None = None) -> dict[str, Any]:
     """Send every weight to the REP peer of this rank's socket, in ping-pong buffers of half the budget.
 
@@ -135,7 +141,7 @@ def _stream_via_zmq(worker: RefitHost, refitter: Refitter, *, buffer_size_bytes:
     ep = zmq_endpoint.bind(refitter)
     sock, address = ep.sock, ep.address
     transport = "ipc" if device.is_cuda() else "bytes"
-    info = refit_info(worker)
+    info = refit_info(host)
     half = bk.align_up(max(buffer_size_bytes // 2, 1), ZMQ_ALIGN)
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
@@ -178,20 +184,20 @@ def _stream_via_zmq(worker: RefitHost, refitter: Refitter, *, buffer_size_bytes:
         pending, sent_bytes, messages = True, sent_bytes + used, messages + 1
         last = f"refit message {messages}"
         tensor_bytes += sum(info[n][0].numel() * info[n][1].itemsize for n in names)
-        if worker.rank == 0:
+        if host.rank == 0:
             report_progress(progress_id, tensor_bytes)
 
     try:
-        buffers = [torch.empty(half, dtype=torch.uint8, device=worker.device) for _ in range(2)]
+        buffers = [torch.empty(half, dtype=torch.uint8, device=host.device) for _ in range(2)]
         names: list[str]
         current, used, names = 0, 0, []
-        for name, t in iter_full_weights(worker, list(info)):
+        for name, t in iter_full_weights(host, list(info)):
             size = t.numel() * t.element_size()
             if size > half:  # alone, in a one-off buffer that is acknowledged at once
                 if names:
                     send(buffers[current], names, used)
                     current, used, names = 1 - current, 0, []
-                one_off = torch.empty(size, dtype=torch.uint8, device=worker.device)
+                one_off = torch.empty(size, dtype=torch.uint8, device=host.device)
                 one_off.copy_(t.contiguous().reshape(-1).view(torch.uint8))
                 send(one_off, [name], size)
                 ack()
@@ -226,28 +232,28 @@ def _stream_via_zmq(worker: RefitHost, refitter: Refitter, *, buffer_size_bytes:
 
 
 # ----------------------------------------------------------------------------------------- collective broadcast
-def _broadcast_all(worker: RefitHost, group: Any, *, buffer_size_bytes: int,
+def _broadcast_all(host: RefitHost, group: Any, *, buffer_size_bytes: int,
                    progress_id: str | None = None) -> dict[str, Any]:
     """Broadcast every bucket from training rank 0 over the refit group.
 
     First a header goes out: the buffer size and a digest of the plan. Receivers plan the same buckets from their
     refit info and that size, and every member reports in an all-reduce whether its digest matched, so a receiver
     with other refit info fails loudly instead of loading shifted bytes."""
-    plan = bk.plan_buckets(refit_info(worker), buffer_size_bytes)
-    header = torch.tensor([buffer_size_bytes, *bk.plan_digest(plan)], dtype=torch.int64, device=worker.device)
+    plan = bk.plan_buckets(refit_info(host), buffer_size_bytes)
+    header = torch.tensor([buffer_size_bytes, *bk.plan_digest(plan)], dtype=torch.int64, device=host.device)
     _broadcast(group, header)
     # the receivers answer whether their plan matched the header's digest; this side has nothing to disagree with
-    if not collectives.all_agree(True, group, where=worker.device, standalone=True):
+    if not collectives.all_agree(True, group, where=host.device, standalone=True):
         raise RefitError("an inference rank planned different refit buckets from the same header: its refit info "
                          "differs from prepare_refit_info() of this policy")
     start, total, sent_tensors = time.perf_counter(), 0, 0
-    for bucket, flat in zip(plan, iter_buckets(worker, plan, keep=worker.rank == 0)):
+    for bucket, flat in zip(plan, iter_buckets(host, plan, keep=host.rank == 0)):
         if flat is None:  # every member of a broadcast needs a buffer of the right size
-            flat = torch.empty(bk.bucket_nbytes(bucket), dtype=torch.uint8, device=worker.device)
+            flat = torch.empty(bk.bucket_nbytes(bucket), dtype=torch.uint8, device=host.device)
         _broadcast(group, flat)
         total += flat.numel()
         sent_tensors += sum(s.nbytes for s in bucket)
-        if worker.rank == 0:
+        if host.rank == 0:
             report_progress(progress_id, sent_tensors)
         del flat
     device.synchronize()

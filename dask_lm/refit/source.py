@@ -21,7 +21,8 @@ __all__ = ["RefitHost", "refit_info", "iter_full_weights", "iter_buckets"]
 
 
 class RefitHost(Protocol):
-    """What a refit reads of the rank that holds the model (:class:`~dask_lm.workers.policy_worker.PolicyWorker`)."""
+    """What a refit reads of the rank's model (:class:`~dask_lm.workers.rank_model.RankModel`), given to the
+    :class:`~dask_lm.refit.rank.Refitter` when it is made."""
 
     cfg: PolicyConfig
     model: torch.nn.Module

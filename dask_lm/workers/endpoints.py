@@ -5,6 +5,10 @@ this rank's :class:`~dask_lm.workers.policy_worker.PolicyWorker`. Every path fro
 one entry here, so it can be followed by type; nothing is looked up by a method name the driver sends, except
 :class:`~dask_lm.data.messages.ExtensionCall` (``run_all_workers_*``), which is held to the public methods of the
 user's extension class and the allow-list :data:`EXTENSION_BASE_METHODS`.
+
+A handler calls the component that does the work (the model's passes, the trainer, the checkpointer, the
+refitter, generation) directly. The argument-free calls (:data:`~dask_lm.data.messages.ACTIONS`) go through the
+worker's methods instead: they are also the base methods a worker extension class calls or overrides by name.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dask_lm.data.messages import (
     TrainRequest,
     TrainResult,
 )
+from dask_lm.workers import generation
 from dask_lm.workers.policy_worker import PolicyWorker
 
 __all__ = ["ENDPOINTS", "EXTENSION_BASE_METHODS", "handle"]
@@ -35,30 +40,33 @@ def _forward(worker: PolicyWorker, req: ForwardRequest) -> ForwardOutput:
     # the ids as they arrived (values + offsets): no padded [B, S] tensor is made for an inference pass
     rows, plan = req.shard.tokens(), req.shard.plan
     if req.head == "score":
-        return ForwardOutput(worker.score(rows, plan))
+        return ForwardOutput(worker.rank_model.score(rows, plan))
     if req.head == "topk":
         assert req.k is not None, "the driver checks k"
-        return ForwardOutput(worker.get_topk_logits(rows, plan, req.k, req.micro_batch_size))
-    return ForwardOutput(worker.get_logprobs(rows, plan, req.micro_batch_size,
-                                             reference=req.head == "reference_logprobs"))
+        return ForwardOutput(worker.rank_model.get_topk_logits(rows, plan, req.k, req.micro_batch_size))
+    return ForwardOutput(worker.rank_model.get_logprobs(rows, plan, req.micro_batch_size,
+                                                        reference=req.head == "reference_logprobs"))
 
 
 def _generate(worker: PolicyWorker, req: GenerateRequest) -> ForwardOutput:
-    return ForwardOutput(worker.generate(req.shard.rows(), req.shard.plan, greedy=req.greedy, seed=req.seed))
+    return ForwardOutput(generation.generate_batch(worker.rank_model, req.shard.rows(), greedy=req.greedy,
+                                                   seed=req.seed))
 
 
 # ------------------------------------------------------------------------------------------- training, checkpoints
 def _train(worker: PolicyWorker, req: TrainRequest) -> TrainResult:
-    return worker.train(req.shard.rows(), req.shard.plan, req.loss_fn, eval_mode=req.eval_mode, gbs=req.gbs,
-                        mbs=req.mbs, num_global_batches=req.num_global_batches, progress_id=req.progress_id)
+    return worker.trainer.train(req.shard.rows(), req.shard.plan, req.loss_fn, eval_mode=req.eval_mode, gbs=req.gbs,
+                                mbs=req.mbs, num_global_batches=req.num_global_batches, progress_id=req.progress_id)
 
 
 def _save(worker: PolicyWorker, req: SaveRequest) -> Any:
-    return worker.save_checkpoint(req.weights, req.optimizer, req.tokenizer, async_save=req.async_save,
-                                  max_shard_size=req.max_shard_size, weights_tokenizer=req.weights_tokenizer)
+    return worker.checkpointer.save(weights=req.weights, optimizer=req.optimizer, tokenizer=req.tokenizer,
+                                    async_save=req.async_save, max_shard_size=req.max_shard_size,
+                                    weights_tokenizer=req.weights_tokenizer)
 
 
 # ------------------------------------------------------------------------------------------- argument-free calls
+# through the worker's methods: an extension class that overrides one (they are EXTENSION_BASE_METHODS) gets the call
 _ACTIONS: dict[str, Callable[[PolicyWorker], Any]] = {
     "prepare_for_training": lambda w: w.prepare_for_training(),
     "finish_training": lambda w: w.finish_training(),
@@ -83,21 +91,20 @@ def _action(worker: PolicyWorker, req: ActionRequest) -> Any:
 
 # ------------------------------------------------------------------------------------------- refit
 def _refit(worker: PolicyWorker, plan: RefitPlan) -> dict[str, Any]:
+    refitter = worker.refitter
     if plan.route == "http":
-        return worker.stream_weights_via_http(list(plan.urls), layout=plan.layout,
-                                              buffer_size_bytes=plan.buffer_size_bytes,
-                                              weight_version=plan.weight_version, timeout_s=plan.timeout_s,
-                                              transport=plan.transport, progress_id=plan.progress_id)
+        return refitter.stream_via_http(list(plan.urls), layout=plan.layout, buffer_size_bytes=plan.buffer_size_bytes,
+                                        weight_version=plan.weight_version, timeout_s=plan.timeout_s,
+                                        transport=plan.transport, progress_id=plan.progress_id)
     if plan.route == "zmq":
-        return worker.stream_weights_via_ipc_zmq(buffer_size_bytes=plan.buffer_size_bytes, timeout_s=plan.timeout_s,
-                                                 progress_id=plan.progress_id)
-    return worker.broadcast_weights_for_collective(buffer_size_bytes=plan.buffer_size_bytes,
-                                                   progress_id=plan.progress_id)
+        return refitter.stream_via_zmq(buffer_size_bytes=plan.buffer_size_bytes, timeout_s=plan.timeout_s,
+                                       progress_id=plan.progress_id)
+    return refitter.broadcast(buffer_size_bytes=plan.buffer_size_bytes, progress_id=plan.progress_id)
 
 
 def _collective_init(worker: PolicyWorker, req: CollectiveInitRequest) -> bool:
-    return worker.init_collective(req.ip, req.port, req.world_size, train_world_size=req.train_world_size,
-                                  timeout_s=req.timeout_s)
+    return worker.refitter.init_collective(req.ip, req.port, req.world_size, train_world_size=req.train_world_size,
+                                           timeout_s=req.timeout_s)
 
 
 # ------------------------------------------------------------------------------------------- extensions

@@ -13,17 +13,20 @@ still running anywhere.
 from __future__ import annotations
 
 import inspect
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dask_lm.comm import collectives
 from dask_lm.losses.sampling import apply_top_k_top_p
+from dask_lm.workers.state import record_call
 
 if TYPE_CHECKING:
-    from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.data.batch import BatchedDataDict
+    from dask_lm.workers.rank_model import RankModel
 
-__all__ = ["generate", "cache_argument"]
+__all__ = ["generate_batch", "generate", "cache_argument"]
 
 
 def cache_argument(model: torch.nn.Module) -> str:
@@ -33,26 +36,46 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
-def _stop_ids(worker: PolicyWorker) -> set[int]:
-    gen = worker.cfg.generation
+def _stop_ids(host: RankModel) -> set[int]:
+    gen = host.cfg.generation
     ids = set(gen.stop_token_ids or []) if gen is not None else set()
-    eos = getattr(worker.model.generation_config, "eos_token_id", None) or getattr(worker.model.config,
-                                                                                   "eos_token_id", None)
+    eos = getattr(host.model.generation_config, "eos_token_id", None) or getattr(host.model.config,
+                                                                                 "eos_token_id", None)
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids
 
 
+def generate_batch(host: RankModel, data: BatchedDataDict, *, greedy: bool = False,
+                   seed: int | None = None) -> dict[str, torch.Tensor]:
+    """``Policy.generate`` on this rank: the weights on the device, the stop strings' tokenizer, then
+    :func:`generate` over ``data``'s rows (its tokens and seconds recorded for the worker's gauges)."""
+    gen = host.cfg.generation
+    assert gen is not None and gen.max_new_tokens, "the driver checks generation.max_new_tokens"
+    tokenizer = None
+    if gen.stop_strings:
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(host.cfg.tokenizer.name or host.cfg.model_name)
+    host.ensure_on_device()
+    host.model.eval()
+    start = time.perf_counter()
+    out = generate(host, data["input_ids"], data["input_lengths"], greedy=greedy,
+                   max_new_tokens=int(gen.max_new_tokens), tokenizer=tokenizer, seed=seed)
+    record_call(int(data["input_lengths"].sum()) if data.size else 0, start)
+    return out
+
+
 @torch.no_grad()
-def generate(worker: PolicyWorker, ids: torch.Tensor, lens: torch.Tensor, *, greedy: bool, max_new_tokens: int,
+def generate(host: RankModel, ids: torch.Tensor, lens: torch.Tensor, *, greedy: bool, max_new_tokens: int,
              tokenizer: Any = None, seed: int | None = None) -> dict[str, torch.Tensor]:
-    gen = worker.cfg.generation
+    gen = host.cfg.generation
     temperature = gen.temperature if gen is not None else 1.0
     top_k = gen.top_k if gen is not None else None
     top_p = gen.top_p if gen is not None else 1.0
     stop_strings = list(gen.stop_strings or []) if gen is not None else []
-    stops = _stop_ids(worker)
-    pad = worker.pad_token_id
-    model, dev = worker.model, worker.device
+    stops = _stop_ids(host)
+    pad = host.pad_token_id
+    model, dev = host.model, host.device
     b = ids.shape[0]
     width = int(lens.max()) if b else 1
     left = torch.full((max(b, 1), width), pad, dtype=torch.int64)
@@ -79,7 +102,7 @@ def generate(worker: PolicyWorker, ids: torch.Tensor, lens: torch.Tensor, *, gre
     step_input, step_pos = left, positions
     step = 0
     try:
-        while step < max_new_tokens and collectives.any_rank(not bool(finished.all()), worker.group, where=dev):
+        while step < max_new_tokens and collectives.any_rank(not bool(finished.all()), host.group, where=dev):
             out = model(input_ids=step_input, attention_mask=mask, position_ids=step_pos, use_cache=True,
                         logits_to_keep=1, **{cache_key: cache})
             cache = out[cache_key]
@@ -109,7 +132,7 @@ def generate(worker: PolicyWorker, ids: torch.Tensor, lens: torch.Tensor, *, gre
             step_pos = step_pos[:, -1:] + 1
             step += 1
     finally:
-        worker.end_pass()
+        host.end_pass()
     new_ids, new_lp, lengths = new_ids[:b].cpu(), new_lp[:b].cpu(), lengths[:b].cpu()
     finished = finished[:b].cpu()
     total = lens + lengths

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ from distributed import WorkerPlugin, get_worker
 if TYPE_CHECKING:
     from dask_lm.workers.policy_worker import PolicyWorker
 
-__all__ = ["PLUGIN_NAME", "DaskLMWorkerState", "get_state", "join_process_group", "leave_process_group"]
+__all__ = ["PLUGIN_NAME", "DaskLMWorkerState", "get_state", "record_call", "join_process_group", "leave_process_group"]
 
 PLUGIN_NAME = "dask-lm"
 logger = logging.getLogger("dask_lm.worker")
@@ -133,6 +134,21 @@ def get_state() -> DaskLMWorkerState:
         raise RuntimeError(f"worker {worker.name} has no dask-lm plugin: it was restarted or joined after the "
                            "Policy was created; shut the Policy down and create it again")
     return plugin  # type: ignore[return-value]
+
+
+def record_call(tokens: int, start: float) -> None:
+    """A rank's call over ``tokens`` real tokens that began at ``start`` (``time.perf_counter()``): its tokens and
+    seconds for the Workers table's tokens/s gauge, and its token count on the task. Outside a Dask worker (a
+    benchmark building a rank in-process), nothing."""
+    try:
+        st = get_state()
+    except RuntimeError:
+        return
+    st.last_call = {"tokens": tokens, "seconds": time.perf_counter() - start}
+    # a token count on the task: the dashboard's fine performance metrics sum it per span (per Policy call)
+    from distributed.metrics import context_meter
+
+    context_meter.digest_metric("tokens", tokens, "count")
 
 
 def join_process_group(state: DaskLMWorkerState, policy_id: str, *, members: tuple[str, ...],

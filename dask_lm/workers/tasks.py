@@ -99,15 +99,16 @@ def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: 
         state.shutdown_policy(policy_id)
         raise
     state.policies[policy_id] = worker
+    model = worker.rank_model
     info = device.device_info()
     info["rank"] = rank
-    info["model_dtype"] = str(worker.dtype).replace("torch.", "")
-    info["num_parameters"] = sum(p.numel() for p in worker.model.parameters())  # DTensor numel is global
+    info["model_dtype"] = str(model.dtype).replace("torch.", "")
+    info["num_parameters"] = sum(p.numel() for p in model.model.parameters())  # DTensor numel is global
     # packed micro-batches pay only through the varlen kernel: the driver packs by itself only where every rank has it
-    info["varlen"] = bool(worker.varlen)
-    info["compiled"] = bool(worker.compile)
-    info["train_compiled"] = bool(worker.train_compile)
-    info["reshard_after_forward"] = getattr(worker, "reshard_after_forward", None)  # None: no FSDP (one rank)
+    info["varlen"] = bool(model.varlen)
+    info["compiled"] = bool(model.compile)
+    info["train_compiled"] = bool(model.train_compile)
+    info["reshard_after_forward"] = model.reshard_after_forward  # None: no FSDP (one rank)
     return info
 
 

@@ -36,6 +36,7 @@ from dask_lm.model.forward import MicroBatch, final_hidden_states, pad_with_dumm
 from dask_lm.model.logprobs import next_token_logprobs_train, output_head
 from dask_lm.model.loss_inputs import loss_inputs_from_hidden
 from dask_lm.workers.optim import MasterWeights, build_optimizer, build_scheduler
+from dask_lm.workers.state import record_call
 
 if TYPE_CHECKING:
     from dask_lm.config import PolicyConfig
@@ -47,10 +48,12 @@ __all__ = ["Trainer", "TrainingHost"]
 
 
 class TrainingHost(Protocol):
-    """What the trainer reads of the rank holding the model (:class:`~dask_lm.workers.policy_worker.PolicyWorker`)."""
+    """What the trainer reads of the rank's model (:class:`~dask_lm.workers.rank_model.RankModel`), given to it when
+    it is made."""
 
     cfg: PolicyConfig
     model: torch.nn.Module
+    masters: MasterWeights | None  # a single low-precision rank's fp32 copies; None under FSDP or in fp32
     device: torch.device
     dtype: torch.dtype
     rank: int
@@ -73,18 +76,20 @@ class TrainingHost(Protocol):
 class Trainer:
     """The optimizer side of one rank: the optimizer, its LR scheduler and, for a low-precision policy on one rank,
     the fp32 master weights it steps (:class:`~dask_lm.workers.optim.MasterWeights`; under FSDP the fp32 shards
-    are the model's own parameters). Runs ``Policy.train`` on the rank (:meth:`train`)."""
+    are the model's own parameters). Runs ``Policy.train`` on the rank (:meth:`train`) over the model it is given
+    when it is made (its forward, its placement on the device, its group)."""
 
-    def __init__(self, cfg: PolicyConfig, model: torch.nn.Module, masters: MasterWeights | None, *,
-                 trainable: bool) -> None:
-        self.cfg = cfg
-        self.model = model
-        self.masters = masters
+    def __init__(self, host: TrainingHost, *, trainable: bool) -> None:
+        self.host = host
+        self.cfg = host.cfg
+        self.model = host.model
+        self.masters = host.masters
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         if trainable:
-            self.optimizer = build_optimizer(masters.parameters() if masters else model.parameters(), cfg)
-            self.scheduler = build_scheduler(self.optimizer, cfg)
+            params = self.masters.parameters() if self.masters else self.model.parameters()
+            self.optimizer = build_optimizer(params, self.cfg)
+            self.scheduler = build_scheduler(self.optimizer, self.cfg)
 
     def ensure_optimizer(self) -> None:
         if self.optimizer is None:
@@ -125,9 +130,10 @@ class Trainer:
         self.model = None  # type: ignore[assignment]
 
     # ----------------------------------------------------------------------------------------- one call
-    def train(self, host: TrainingHost, data: BatchedDataDict, plan: MicroBatchPlan, loss_fn: Any, *,
-              eval_mode: bool, gbs: int, mbs: int, num_global_batches: int,
-              progress_id: str | None = None) -> TrainResult:
+    def train(self, data: BatchedDataDict, plan: MicroBatchPlan, loss_fn: Any, *, eval_mode: bool, gbs: int, mbs: int,
+              num_global_batches: int, progress_id: str | None = None) -> TrainResult:
+        called = time.perf_counter()
+        host = self.host
         if not eval_mode:
             self.ensure_optimizer()
         host.ensure_on_device()
@@ -219,6 +225,7 @@ class Trainer:
         # no empty_cache here: the next step's activations would come from fresh cudaMallocs (profiled on an H200:
         # 15-70 ms of idle GPU a step, 234 allocations for 0.5B packed); offload_before_refit / offload_to_cpu give
         # the cached memory back when something else needs the GPU
+        record_call(int(data["input_lengths"].sum()) if data.size else 0, called)
         return TrainResult(loss=total, grad_norm=torch.tensor([norms[-1]], dtype=torch.float32) if norms else None,
                            grad_norms=norms, all_mb_metrics=metrics, train_elapsed_seconds=elapsed, rank=host.rank,
                            gpu_name=device.device_info().get("gpu_name"),
