@@ -53,6 +53,18 @@ class MicroBatchPlan:
         return cls(packed=packed, micro_batch_indices=batch.micro_batch_indices,
                    micro_batch_lengths=batch.micro_batch_lengths, elem_counts_per_gb=batch.elem_counts_per_gb)
 
+    def global_batch(self, index: int, rows: int) -> tuple[int, int, list[list[list[int]]] | None]:
+        """Global batch ``index`` of the shard: its rows ``[start, end)`` (``rows`` each without packing, else as
+        the packer counted them) and its micro-batches (``[start, end)`` within it, as the one chunk
+        :func:`dask_lm.model.forward.plan_micro_batches` takes), or None to cut it by rows."""
+        if self.elem_counts_per_gb is not None:
+            start = sum(self.elem_counts_per_gb[:index])
+            end = start + self.elem_counts_per_gb[index]
+        else:
+            start, end = rows * index, rows * (index + 1)
+        chunk = None if self.micro_batch_indices is None else [self.micro_batch_indices[index]]
+        return start, end, chunk
+
 
 @dataclass(frozen=True, slots=True)
 class Shard:
@@ -85,7 +97,8 @@ class Shard:
 
     def rows(self) -> BatchedDataDict[Any]:
         """The shard as the BatchedDataDict the driver cut (tensors right-padded again, object columns back in their
-        place, plan attributes set)."""
+        place). The micro-batch layout stays in :attr:`plan`, where the rank reads it: it is not copied onto the
+        rows."""
         from dask_lm.data.arrow import from_arrow
         from dask_lm.data.batch import BatchedDataDict
 
@@ -93,9 +106,6 @@ class Shard:
         if self.objects:
             columns = {**data, **self.objects}
             data = BatchedDataDict({key: columns[key] for key in self.keys})
-        data.micro_batch_indices = self.plan.micro_batch_indices
-        data.micro_batch_lengths = self.plan.micro_batch_lengths
-        data.elem_counts_per_gb = self.plan.elem_counts_per_gb
         return data
 
 

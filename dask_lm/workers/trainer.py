@@ -155,11 +155,12 @@ class Trainer:
         try:
             with grad_ctx:
                 for gb in range(num_global_batches):
-                    batch = data.get_batch(gb, None if packed else local_gbs)
+                    start_row, end_row, chunk = plan.global_batch(gb, local_gbs)
+                    batch = data.slice(start_row, end_row)
                     gvs, gvt = collectives.sum_over_ranks(_valid_counts(batch), group, where=where)
                     global_valid_seqs = torch.tensor(gvs, dtype=torch.float32, device=where)
                     global_valid_toks = torch.tensor(gvt, dtype=torch.float32, device=where)
-                    mb_plan = plan_micro_batches(batch.size, mbs=mbs, micro_batch_indices=batch.micro_batch_indices,
+                    mb_plan = plan_micro_batches(batch.size, mbs=mbs, micro_batch_indices=chunk,
                                                  packed=packed)
                     count = collectives.max_over_ranks([len(mb_plan)], group, where=where)[0]
                     mb_plan = pad_with_dummies(mb_plan, count)
