@@ -149,7 +149,9 @@ def test_a_shard_round_trips_its_rows_and_plan():
     rows = shard.rows()
     for key in batch:
         torch.testing.assert_close(rows[key], batch[key], rtol=0, atol=0)
-    assert rows.micro_batch_indices == batch.micro_batch_indices and rows.elem_counts_per_gb is None
+    # the layout lives once, in the plan the rank reads; the rows are data only
+    assert rows.micro_batch_indices is None and rows.elem_counts_per_gb is None
+    assert shard.plan.global_batch(0, rows=2) == (0, 2, [[[0, 1], [1, 2]]])
 
 
 class _Extension:

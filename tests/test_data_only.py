@@ -190,7 +190,7 @@ def test_a_shard_carries_object_columns_beside_its_table_through_dasks_serialize
     assert type(back) is messages.Shard
     rows = back.rows()
     _assert_same_batch(rows, batch)
-    assert rows.micro_batch_indices == [[[0, 1], [1, 2]]]
+    assert back.plan.micro_batch_indices == [[[0, 1], [1, 2]]] and rows.micro_batch_indices is None
     # a shard without object columns is what it was: the table alone
     plain = messages.Shard.of(dask_lm.BatchedDataDict(input_ids=batch["input_ids"], text=["a", "b"]))
     assert plain.objects == {} and plain.keys == ()
