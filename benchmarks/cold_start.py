@@ -5,7 +5,7 @@ A benchmark, not a test. A scoring job on fresh workers pays all of this before 
 cache warm as it is for a worker), twice, and prints a table:
 
 * ``import torch``, CUDA initialisation (the first tensor on the device), ``import transformers``;
-* ``import dask_lm.workers.scorer`` (what a scoring task unpickles);
+* ``import dask_lm.scoring.scorer`` (what a scoring task unpickles);
 * ``from_pretrained`` to the CPU, then ``.to(device)``: the path a replica took before this issue;
 * ``from_pretrained`` with the process's default device set to the GPU: the weights are read from safetensors
   straight into device memory.
@@ -35,7 +35,7 @@ dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 s = t(); torch.zeros(1, device=dev); torch.cuda.synchronize() if dev.type == "cuda" else None
 out["CUDA init"] = t() - s
 s = t(); import transformers; from transformers import AutoModelForCausalLM; out["import transformers"] = t() - s
-s = t(); import dask_lm.workers.scorer; out["import dask_lm.workers.scorer"] = t() - s
+s = t(); import dask_lm.scoring.scorer; out["import dask_lm.scoring.scorer"] = t() - s
 path, how = sys.argv[1], sys.argv[2]
 s = t()
 if how == "cpu-then-to":

@@ -2,7 +2,7 @@
 
 A benchmark, not a test. It builds a random model of ``--shape`` and ``benchmarks/score.py``'s long-tailed dataset,
 plans the job's spans as ``score_parquet`` would (:mod:`dask_lm.io.spans`), reads them as the job's read tasks do,
-and runs :func:`dask_lm.workers.scorer.score_partition` on each, without Dask around it (the replica is the one
+and runs :func:`dask_lm.scoring.scorer.score_partition` on each, without Dask around it (the replica is the one
 this process loads). Then it prints:
 
 1. each phase's seconds summed over the spans (read, rows, model, output) and the tokens/s and MFU of the model
@@ -104,7 +104,7 @@ def main(shape: str, num_rows: int, files: int, compile_: bool, head: bool, batc
     from user_score import score_rows
 
     from dask_lm.engine.metrics import flops_per_sequence
-    from dask_lm.workers import scorer
+    from dask_lm.scoring import scorer
 
     assert torch.cuda.is_available(), "profile_score.py profiles the GPU path"
     dev = torch.device("cuda")

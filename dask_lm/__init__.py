@@ -30,9 +30,9 @@ _EXPORTS: dict[str, str] = {
     "Policy": "dask_lm.engine.policy",
     "PolicyFuture": "dask_lm.engine.futures",
     "set_progress": "dask_lm.engine.progress",
-    "ScoreResult": "dask_lm.engine.scoring",
-    "score_parquet": "dask_lm.engine.scoring",
-    "score": "dask_lm.engine.collection",
+    "ScoreResult": "dask_lm.scoring.job",
+    "score_parquet": "dask_lm.scoring.job",
+    "score": "dask_lm.scoring.frame",
     "read_scores": "dask_lm.io.results",
     "BatchError": "dask_lm.errors",
     "FLOPTracker": "dask_lm.engine.metrics",
@@ -69,11 +69,9 @@ if TYPE_CHECKING:
     from dask_lm.demo import demo_data, demo_model
     from dask_lm.engine.cluster import connect
     from dask_lm.engine.futures import PolicyFuture
-    from dask_lm.engine.collection import score
     from dask_lm.engine.metrics import FLOPTracker, Timer
     from dask_lm.engine.policy import Policy
     from dask_lm.engine.progress import set_progress
-    from dask_lm.engine.scoring import ScoreResult, score_parquet
     from dask_lm.errors import BatchError, RankFailedError, RefitError, WorkerLostError
     from dask_lm.io.results import read_scores
     from dask_lm.losses import (
@@ -93,3 +91,5 @@ if TYPE_CHECKING:
         masked_mean,
         prepare_loss_input,
     )
+    from dask_lm.scoring.frame import score
+    from dask_lm.scoring.job import ScoreResult, score_parquet

@@ -9,7 +9,7 @@ first: lm-eval 0.4 finds models only in its registry, so the class must be regis
 ``--model``. In Python, ``import dask_lm.harness`` registers it, and ``DaskLM(..., client=client)`` is an
 ``lm_eval.api.model.LM`` for ``lm_eval.simple_evaluate(model=...)``.
 
-Each request type is lm-eval's ``HFLM`` semantics on :class:`dask_lm.engine.requests.RequestEngine`: the driver
+Each request type is lm-eval's ``HFLM`` semantics on :class:`dask_lm.evaluation.engine.RequestEngine`: the driver
 tokenizes (no model and no GPU here), the workers score or generate in batches spread over the cluster.
 
 - ``loglikelihood``: pairs tokenized by :func:`dask_lm.data.continuation.encode_pairs`, which equals lm-eval's split
@@ -46,7 +46,7 @@ except ImportError as e:  # pragma: no cover - the eval extra is missing
 from dask_lm.config.defaults import PADDED_BATCH_TOKENS
 from dask_lm.data.continuation import encode_pairs
 from dask_lm.data.continuation import prefix_token_id as _prefix_token_id
-from dask_lm.engine.requests import DEFAULT_TASK_TOKENS, RequestEngine
+from dask_lm.evaluation.engine import DEFAULT_TASK_TOKENS, RequestEngine
 
 __all__ = ["DaskLM", "main"]
 

@@ -15,7 +15,7 @@ re-arm a worker that outlives it), with the keys (each optional):
   as a partition running when its worker is retired does.
 
 Every wait gives up after :data:`WAIT_S` with an error, which fails the job, and so the test, instead of hanging it.
-The hook is :func:`dask_lm.workers.scorer.score_rows`, which ``score_parquet``'s parts and ``dask_lm.score``'s
+The hook is :func:`dask_lm.scoring.scorer.score_rows`, which ``score_parquet``'s parts and ``dask_lm.score``'s
 partitions both go through (looked up on the module at each call)."""
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ def _settings() -> dict[str, Any]:
 
 
 def dask_setup(worker: Any) -> None:
-    """Wrap :func:`dask_lm.workers.scorer.score_rows` once per process (in-process workers share the module); the
+    """Wrap :func:`dask_lm.scoring.scorer.score_rows` once per process (in-process workers share the module); the
     wrapper acts for the worker running the partition."""
     from distributed import get_worker
     from distributed.core import Status
 
-    from dask_lm.workers import scorer
+    from dask_lm.scoring import scorer
 
     if getattr(scorer.score_rows, "_elastic", False):
         return

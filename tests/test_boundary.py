@@ -174,14 +174,16 @@ def test_extension_calls_reach_only_the_extension_and_the_allow_list():
 
 
 def test_the_driver_imports_no_rank_code():
-    """The driver's modules (Policy, the batch jobs, the command) import of the rank side (workers, model, comm,
-    refit) only the task entry points, the lease, the plugin state and refit's driver half: everything a rank runs
-    is imported on the rank."""
+    """The driver's modules (Policy, the batch jobs, the command, the lm-eval engine) import of the rank side
+    (workers, model, comm, refit, and the rank halves of scoring and lm-eval) only the task entry points, the lease,
+    the plugin state and refit's driver half: everything a rank runs is imported on the rank."""
     code = """
 import sys
-import dask_lm.cli, dask_lm.engine.policy, dask_lm.engine.scoring, dask_lm.engine.sft
+import dask_lm.cli, dask_lm.engine.policy, dask_lm.scoring.job, dask_lm.engine.sft, dask_lm.evaluation.engine
 print(sorted(m for m in sys.modules if m.startswith(("dask_lm.workers.", "dask_lm.model.", "dask_lm.comm.",
-                                                     "dask_lm.refit."))))
+                                                     "dask_lm.refit.", "dask_lm.scoring.scorer",
+                                                     "dask_lm.scoring.replicas", "dask_lm.scoring.partitions",
+                                                     "dask_lm.evaluation.requests"))))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -22,7 +22,7 @@ import dask_lm
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.io import fingerprint
 from dask_lm.io.fingerprint import Pin, Stamp
-from dask_lm.workers import replicas
+from dask_lm.scoring import replicas
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
 # (pytest -m "not cluster")
@@ -58,7 +58,7 @@ def test_a_preloaded_replica_is_adopted_only_under_the_pinned_stamps():
 
 def _count_loads(racy_ns: int) -> None:
     """On a worker: count replica loads, and take stamps as settled after ``racy_ns``."""
-    from dask_lm.workers import replicas as s
+    from dask_lm.scoring import replicas as s
 
     if not hasattr(s, "_real_init"):
         s._real_init = s.Replica.__init__
@@ -73,14 +73,14 @@ def _count_loads(racy_ns: int) -> None:
 
 
 def _loads() -> int:
-    from dask_lm.workers import replicas as s
+    from dask_lm.scoring import replicas as s
 
     return getattr(s, "_loads", 0)
 
 
 def _restore() -> None:
     from dask_lm.io.fingerprint import RACY_NS
-    from dask_lm.workers import replicas as s
+    from dask_lm.scoring import replicas as s
 
     if hasattr(s, "_real_init"):
         s.Replica.__init__ = s._real_init
@@ -168,7 +168,7 @@ def test_a_refused_job_closes_the_cluster_it_started_and_writes_nothing(tiny, da
 @pytest.mark.cluster
 def test_a_config_transformers_cannot_load_is_refused_by_a_worker_before_anything_is_written(client, tiny, data,
                                                                                               tmp_path):
-    """The config check runs on a worker (engine/preload.py: Preload), through the workers' transformers; its
+    """The config check runs on a worker (scoring/preload.py: Preload), through the workers' transformers; its
     refusal still comes before the output exists, and names the file."""
     model = tmp_path / "model"
     shutil.copytree(tiny["llama"], model)
@@ -181,7 +181,7 @@ def test_a_config_transformers_cannot_load_is_refused_by_a_worker_before_anythin
     # and the check was the workers': none of this process's modules loaded the config
     code = f"""
 import sys, dask_lm
-from dask_lm.engine import scoring
+from dask_lm.scoring import job
 try:
     dask_lm.score_parquet({str(data)!r}, {str(tmp_path / 'out2')!r}, model={str(model)!r},
                           client=dask_lm.connect({client.scheduler.address!r}), ids_column="ids", id_column="id",
@@ -198,7 +198,7 @@ def test_the_driver_checks_the_config_itself_when_no_worker_answers_in_time(clie
                                                                             monkeypatch):
     """A worker busy with another task does not hold the job's checks: past CONFIG_CHECK_WAIT_S the driver loads the
     config itself, and the job runs as usual."""
-    from dask_lm.engine import preload
+    from dask_lm.scoring import preload
 
     monkeypatch.setattr(preload, "CONFIG_CHECK_WAIT_S", 0.5)
     busy = [client.submit(time.sleep, 4, workers=[w], pure=False) for w in client.scheduler_info()["workers"]]
@@ -214,7 +214,7 @@ def test_the_driver_checks_the_config_itself_when_no_worker_answers_in_time(clie
 def _profiler_states() -> tuple[bool, bool, bool]:
     from distributed import get_worker
 
-    from dask_lm.workers.tasks import sampling_profiler_paused
+    from dask_lm.scoring.tasks import sampling_profiler_paused
 
     pc = get_worker().periodic_callbacks["profile"]
     before = pc.is_running()
@@ -227,9 +227,9 @@ def _profiler_states() -> tuple[bool, bool, bool]:
 
 @pytest.mark.cluster
 def test_the_worker_profiler_pauses_for_the_imports_and_resumes(client):
-    """The one-time imports run without the worker's stack sampling (workers/tasks.py), which then resumes."""
+    """The one-time imports run without the worker's stack sampling (scoring/tasks.py), which then resumes."""
     assert client.submit(_profiler_states, pure=False).result() == (True, False, True)
-    from dask_lm.workers.tasks import sampling_profiler_paused
+    from dask_lm.scoring.tasks import sampling_profiler_paused
 
     with sampling_profiler_paused():  # outside a worker: nothing to pause
         pass

@@ -337,11 +337,11 @@ def test_the_config_check_and_preload_of_a_worker_retired_before_they_ran_run_on
     The check's timeout is raised to the test's own deadline: its clock runs from the job's start, through ``b``'s
     process start and its first imports of torch and transformers, which on a loaded 2-core CI machine took more
     than the default 60 s. In two CI runs the check queued on ``a`` was never run elsewhere at all: the driver now
-    asks again when the check's worker has left (``Preload._ask_again_if_gone``, dask_lm/engine/preload.py). A check left waiting for ``a``
+    asks again when the check's worker has left (``Preload._ask_again_if_gone``, dask_lm/scoring/preload.py). A check left waiting for ``a``
     would still time out before the job's deadline, and fail the test."""
     from elastic_worker import hold_until_retiring
 
-    from dask_lm.engine import preload
+    from dask_lm.scoring import preload
 
     monkeypatch.setattr(preload, "CONFIG_CHECK_WAIT_S", JOB_S)
     client = workers.client

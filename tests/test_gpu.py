@@ -313,7 +313,7 @@ def test_score_parquet_on_gpus_matches_hf_bf16(gpu_client, tiny, tmp_path, compi
 def test_lm_eval_requests_on_gpus_match_hf_fp32(gpu_client, tiny):
     """The lm-eval request engine on the GPU workers in float32 (the compiled greedy head included) against a
     single-process float32 HF forward on the CPU: sums within 1e-3 and the same is_greedy, in request order."""
-    from dask_lm.engine.requests import RequestEngine
+    from dask_lm.evaluation.engine import RequestEngine
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32).eval()

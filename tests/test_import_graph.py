@@ -212,12 +212,64 @@ def test_no_private_names_across_modules() -> None:
     assert not bad, "\n".join(bad)
 
 
+# The rank side, by package prefix, and the rank halves of the subsystems that keep both halves in one package
+# (issue 29, "one home per subsystem"): scoring's and lm-eval's modules that run inside the Dask workers.
+RANK_SIDE = ("dask_lm.workers.", "dask_lm.model.", "dask_lm.comm.", "dask_lm.refit.")
+SUBSYSTEM_RANK_HALVES = frozenset({"dask_lm.scoring.scorer", "dask_lm.scoring.replicas", "dask_lm.scoring.partitions",
+                                   "dask_lm.evaluation.requests"})
+# What the driver submits: each module calls into its rank side on the worker, never the other way
+TASK_MODULES = ("dask_lm.workers.tasks", "dask_lm.scoring.tasks", "dask_lm.evaluation.tasks")
+# The subsystem packages, above the shared ones
+SUBSYSTEMS = ("dask_lm.scoring", "dask_lm.evaluation")
+# The shared packages (and top-level modules) the subsystems are built on: none of them imports a subsystem
+SHARED = ("dask_lm.engine", "dask_lm.workers", "dask_lm.model", "dask_lm.comm", "dask_lm.refit", "dask_lm.data",
+          "dask_lm.io", "dask_lm.config", "dask_lm.losses", "dask_lm.compat", "dask_lm.errors", "dask_lm.interface")
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _is_rank_module(module: str) -> bool:
+    return module.startswith(RANK_SIDE) or module in SUBSYSTEM_RANK_HALVES
+
+
 def test_no_rank_module_imports_the_task_entry_points() -> None:
     """``workers/tasks.py`` is what the driver submits: it calls into the rank side, never the other way, so that a
     rank module can be read (and imported) without the task layer above it. Only driver modules import it."""
     graph = import_graph()
-    rank_side = ("dask_lm.workers.", "dask_lm.model.", "dask_lm.comm.", "dask_lm.refit.")
     drivers = {"dask_lm.refit.driver"}
-    bad = sorted(m for m, edges in graph.items() if "dask_lm.workers.tasks" in edges and m.startswith(rank_side)
+    bad = sorted(m for m, edges in graph.items() if "dask_lm.workers.tasks" in edges and m.startswith(RANK_SIDE)
                  and m not in drivers)
+    assert not bad, bad
+
+
+def test_no_rank_module_imports_a_subsystem_task_module() -> None:
+    """The same for scoring's and lm-eval's task modules (``scoring/tasks.py``, ``evaluation/tasks.py``): no rank
+    module, the subsystems' own rank halves included, imports any of the task modules."""
+    graph = import_graph()
+    assert SUBSYSTEM_RANK_HALVES <= set(graph), SUBSYSTEM_RANK_HALVES - set(graph)
+    drivers = {"dask_lm.refit.driver"}
+    bad = sorted(f"{m} imports {t}" for m, edges in graph.items() for t in TASK_MODULES
+                 if t in edges and _is_rank_module(m) and m not in drivers)
+    assert not bad, bad
+
+
+def test_the_shared_packages_import_no_subsystem() -> None:
+    """Scoring and lm-eval sit above the shared packages (the engine's job scaffold and cluster, the workers' plugin
+    state, the model code, ...): a module of ``SHARED`` imports neither ``dask_lm.scoring`` nor
+    ``dask_lm.evaluation``. (The workers' lease check finds scoring's replicas by name in ``sys.modules``, never
+    importing them; ``dask_lm``'s public names and the CLI reach the jobs by name, on first use.)"""
+    graph = import_graph()
+    bad = sorted(f"{m} imports {e}" for m, edges in graph.items() if _in(m, SHARED)
+                 for e in edges if _in(e, SUBSYSTEMS))
+    assert not bad, bad
+
+
+def test_scoring_does_not_import_evaluation() -> None:
+    """lm-eval is built on scoring (its ranks score on scoring's replicas, its engine frees them with scoring's
+    task): scoring never imports it back."""
+    graph = import_graph()
+    bad = sorted(f"{m} imports {e}" for m, edges in graph.items() if _in(m, ("dask_lm.scoring",))
+                 for e in edges if _in(e, ("dask_lm.evaluation",)))
     assert not bad, bad

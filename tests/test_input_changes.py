@@ -17,10 +17,11 @@ from click.testing import CliRunner
 
 import dask_lm
 from dask_lm.cli import main as cli
-from dask_lm.engine import scoring, sft
+from dask_lm.engine import sft
 from dask_lm.errors import InputChangedError
 from dask_lm.io import fingerprint
 from dask_lm.io import parquet as pio
+from dask_lm.scoring import job
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
 # (pytest -m "not cluster")
@@ -111,13 +112,13 @@ def test_a_partition_read_checks_its_file(tmp_path):
 # ----------------------------------------------------------------------------------------- jobs
 def _after_last_part(monkeypatch, action):
     """Run ``action`` on the driver once every part is written, just before the job's totals and _SUCCESS."""
-    real = scoring._output_totals
+    real = job._output_totals
 
     def totals(*args, **kwargs):
         action()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(scoring, "_output_totals", totals)
+    monkeypatch.setattr(job, "_output_totals", totals)
 
 
 @pytest.mark.cluster

@@ -90,7 +90,7 @@ def test_a_signal_mid_job_says_what_is_kept_and_resume_finishes_exactly_once(tin
 def test_on_an_attached_cluster_no_part_appears_after_the_command_has_gone(tiny, long_job, tmp_path,
                                                                            attached_cluster):
     """The cluster outlives the command: its in-flight task must not write a part once the job is cancelled
-    (workers/scorer.py: _refuse_if_cancelled). Text rows, so that the driver's own config check runs beside the
+    (scoring/scorer.py: _refuse_if_cancelled). Text rows, so that the driver's own config check runs beside the
     row pre-scan's tokenizer load, as it does when the cluster has no worker yet (modelcheck.transformers_module)."""
     sched = attached_cluster(2)
     out = tmp_path / "out"

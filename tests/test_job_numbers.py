@@ -28,7 +28,7 @@ ROWS = 40
 
 def _preloads(off: bool) -> None:
     """On a worker: no replica loaded beside the checks (the job's one part loads it), or back to normal."""
-    from dask_lm.workers import scorer
+    from dask_lm.scoring import scorer
 
     if off and not hasattr(scorer, "_real_preload"):
         scorer._real_preload = scorer.preload_replica

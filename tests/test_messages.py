@@ -21,7 +21,7 @@ from helpers import TEXTS, make_batch
 import dask_lm
 from dask_lm import BatchedDataDict
 from dask_lm.cli import main as cli
-from dask_lm.engine import prescan
+from dask_lm.scoring import prescan
 from dask_lm.engine.sft import sft_parquet
 from dask_lm.errors import BadRowError
 
@@ -107,7 +107,7 @@ _FAILING_JOB = """
 import sys
 
 import dask_lm
-from dask_lm.engine import prescan
+from dask_lm.scoring import prescan
 
 prescan.PRESCAN_MAX_TOKENS = 0  # the bad row is found by the worker, mid-job
 

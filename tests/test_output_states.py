@@ -19,7 +19,8 @@ from helpers import hf_logprobs
 
 import dask_lm
 from dask_lm.cli import main as cli
-from dask_lm.engine import cluster, prescan
+from dask_lm.engine import cluster
+from dask_lm.scoring import prescan
 from dask_lm.engine.sft import sft_parquet
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
@@ -56,7 +57,7 @@ def _score(data, out, model, client, **kw):
 def test_a_bad_row_then_resume_with_skip_bad_rows_keeps_the_good_part(client, tiny, bad_data, tmp_path,
                                                                       monkeypatch):
     out = tmp_path / "out"
-    # a job too large for the driver's pre-scan (engine/prescan.py): its worker finds the bad row mid-job, after
+    # a job too large for the driver's pre-scan (scoring/prescan.py): its worker finds the bad row mid-job, after
     # the parts before it were written
     monkeypatch.setattr(prescan, "PRESCAN_MAX_TOKENS", 0)
     with pytest.raises(ValueError, match=r"row 2, column 'text'.*call again with resume=True, skip_bad_rows=True"):

@@ -1,4 +1,4 @@
-"""Every bad row of a job in one refusal, found while the workers load (dask_lm.engine.prescan): the same rules and
+"""Every bad row of a job in one refusal, found while the workers load (dask_lm.scoring.prescan): the same rules and
 messages as the workers' (compared with what a --skip-bad-rows run lists in _errors.parquet), and nothing written."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 import dask_lm
 from dask_lm.cli import main as cli
-from dask_lm.engine import prescan
+from dask_lm.scoring import prescan
 from dask_lm.errors import BadRowError
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier

@@ -218,9 +218,9 @@ def test_a_bad_row_names_partition_row_and_label_and_skip_drops_it(client, tiny,
 
 @pytest.mark.cluster
 def test_a_long_pandas_input_is_cut_finer_than_a_partition_per_worker(client, tiny, frame, monkeypatch):
-    from dask_lm.engine import collection
+    from dask_lm.scoring import frame as frame_module
 
-    monkeypatch.setattr(collection, "PANDAS_PARTITION_ROWS", 2)  # 12 rows: 6 partitions of 2, not 2 of 6
+    monkeypatch.setattr(frame_module, "PANDAS_PARTITION_ROWS", 2)  # 12 rows: 6 partitions of 2, not 2 of 6
     pdf, _ = frame
     pdf = pdf.astype({"text": object})
     pdf.loc["r5", "text"] = None

@@ -351,7 +351,7 @@ def test_compiling_is_chosen_by_the_tokens_the_footers_promise_per_worker(tmp_pa
     """score_parquet(compile=None) compiles only where the job is long enough to pay: its size comes from the
     footers (no read: an ids column's value count, a text column's uncompressed bytes), per worker; other columns
     do not count."""
-    from dask_lm.engine import compile_choice
+    from dask_lm.scoring import compile_choice
     from dask_lm.io import parquet as pio
 
     g = torch.Generator().manual_seed(0)  # distinct values: the footers count bytes after dictionary encoding

@@ -240,14 +240,14 @@ class CollectiveInitRequest:
 
 # ------------------------------------------------------------------------------------------- batch jobs
 # generation's tasks and micro-batches hold this many times more (context + new) tokens than scoring's (lm-eval's
-# driver, dask_lm.engine.requests, and its ranks, dask_lm.workers.requests, both read it here): a decode step costs
+# driver, dask_lm.evaluation.engine, and its ranks, dask_lm.evaluation.requests, both read it here): a decode step costs
 # about the same for 20 rows as for 200 (it is launch-bound), and the extra rows cost KV cache, not logits (prefill
 # keeps the last position's only)
 GENERATE_BATCH_FACTOR = 8
 
 @dataclass(frozen=True, slots=True)
 class ScoreOptions:
-    """One ``score_parquet`` job's settings, sent with every partition task (:func:`dask_lm.workers.tasks.score_partition`)."""
+    """One ``score_parquet`` job's settings, sent with every partition task (:func:`dask_lm.scoring.tasks.score_partition`)."""
 
     model: str
     tokenizer: str
@@ -268,8 +268,8 @@ class ScoreOptions:
     allow_nonfinite: bool = False
     chunk_size: int = 1024
     compile: bool = True
-    # the head's fused reductions compiled (GPU workers; dask_lm.workers.scorer.score_ids): a few seconds per
-    # worker process, paid back from about 8M tokens per worker (dask_lm.engine.compile_choice.worth_compiling_head)
+    # the head's fused reductions compiled (GPU workers; dask_lm.scoring.scorer.score_ids): a few seconds per
+    # worker process, paid back from about 8M tokens per worker (dask_lm.scoring.compile_choice.worth_compiling_head)
     compile_head: bool = False
     convention: Convention = "lm-eval"  # prompt + response / text tokenization: dask_lm.data.continuation
     # the model and tokenizer files as the job pinned them (dask_lm.io.fingerprint.Pin): a replica is loaded only

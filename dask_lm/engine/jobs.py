@@ -1,4 +1,4 @@
-"""The scaffold of a batch job over parquet: ``score`` (:mod:`dask_lm.engine.scoring`), ``sft``
+"""The scaffold of a batch job over parquet: ``score`` (:mod:`dask_lm.scoring.job`), ``sft``
 (:mod:`dask_lm.engine.sft`) and the jobs to come.
 
 Every job's driver goes through the same steps, and this module owns each of them; a job's own module keeps its

@@ -1,7 +1,7 @@
 """Reading a scoring job's output back: ``read_scores`` (pandas) and :func:`scores_table` (Arrow), and the token
 strings of ``--decode-topk``.
 
-An output folder (:mod:`dask_lm.engine.scoring`) holds ``part-NNNNN.parquet`` files, one per span of input rows, in
+An output folder (:mod:`dask_lm.scoring.job`) holds ``part-NNNNN.parquet`` files, one per span of input rows, in
 input order: part 0 holds the first rows of the first file, and the rows inside a part keep their input order. So
 the parts read one after the other, by number, give the rows in input order. Beside them are the job's own files,
 all named with a leading ``_`` or ``.`` (``_manifest.json``, ``_SUCCESS``, ``_errors.parquet``, the lock,
@@ -89,7 +89,7 @@ def scores_table(output: str | os.PathLike[str], *, columns: Sequence[str] | Non
 
 
 class ScoreRows:
-    """The rows of a finished job's output, from its result: :class:`~dask_lm.engine.scoring.ScoreResult`'s
+    """The rows of a finished job's output, from its result: :class:`~dask_lm.scoring.job.ScoreResult`'s
     ``to_pandas()`` and ``to_arrow()`` (a base class, so that they live beside the reader they call)."""
 
     output: str

@@ -26,7 +26,7 @@ falls back to the class's own forward where a gradient is wanted. Before the pat
 is run both ways on a probe input: an exception (another liger's internal API) or a difference beyond the dtype's
 rounding leaves the model unpatched, with one warning. ``DASK_LM_LIGER=0`` turns it off; CPU models are never
 patched (CI checks the exact eager arithmetic). :func:`unpatch` restores the class forwards, which
-:meth:`dask_lm.workers.replicas.Replica.compile` does before compiling (Inductor's fusion is faster still).
+:meth:`dask_lm.scoring.replicas.Replica.compile` does before compiling (Inductor's fusion is faster still).
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ async def release_idle_scorers(worker: Any) -> int:
     import asyncio
     import sys
 
-    scorer = sys.modules.get("dask_lm.workers.replicas")  # never imported: no replica to free, and no torch import
+    scorer = sys.modules.get("dask_lm.scoring.replicas")  # never imported: no replica to free, and no torch import
     if scorer is None or any(str(ts.key).startswith("score_partition") for ts in worker.state.executing):
         return 0
     return await asyncio.to_thread(scorer.release_idle, float(os.environ.get("DASK_LM_REPLICA_IDLE_S", "120")),

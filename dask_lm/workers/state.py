@@ -47,7 +47,7 @@ class DaskLMWorkerState(WorkerPlugin):
         self.groups: dict[str, Any] = {}
         self.cpu_groups: dict[str, Any] = {}
         self.last_call: dict[str, Any] = {}
-        # offline scoring's model replicas by (model, tokenizer, precision, compile): see dask_lm.workers.scorer
+        # offline scoring's model replicas by (model, tokenizer, precision, compile): see dask_lm.scoring.scorer
         self.scorers: dict[tuple, Any] = {}
         # the task thread (loads, calls, shutdowns) and the lease check (a worker thread) both tear policies down
         self.lock = threading.RLock()

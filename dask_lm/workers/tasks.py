@@ -3,23 +3,25 @@
 The first argument of every SPMD task is that rank's previous SPMD future (resolved to its result by Dask and
 ignored here): chaining makes each rank run collective calls in the order the driver issued them, which is what
 keeps two all-gathers from pairing up across different calls.
+
+Scoring's tasks are in :mod:`dask_lm.scoring.tasks`, lm-eval's in :mod:`dask_lm.evaluation.tasks`: each subsystem
+keeps both its halves in its own package.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_lm.errors import PeerFailedError
 
 if TYPE_CHECKING:
-    from dask_lm.data.messages import Request, ScoreOptions
+    from dask_lm.data.messages import Request
 
 __all__ = ["find_free_port", "rank_info", "init_policy", "serve", "settled", "unwrap",
-           "zmq_address", "profiler", "score_partition", "check_model_config", "preload_scorer", "release_scorers",
-           "shutdown_policy", "Failed", "PeerFailedError", "loglikelihood_requests", "generate_requests", "combine",
+           "zmq_address", "profiler",
+           "shutdown_policy", "Failed", "PeerFailedError", "combine",
            "warnings_of", "prepare_rows", "row_lengths", "cut_rows", "assemble_rows",
            "rank_frame"]
 
@@ -247,75 +249,6 @@ def profiler(_prev: Any, start: bool) -> bool:
     return True
 
 
-def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], index: int, file: str,
-                    opts: ScoreOptions, progress_id: str | None = None) -> dict[str, Any]:
-    """``score_parquet``: score one span on this worker (:func:`dask_lm.workers.scorer.score_partition`)."""
-    from dask_lm import interface
-    from dask_lm.workers import scorer
-
-    with interface.speaking(opts.interface):  # a bad row's message names options as the job's caller spells them
-        return scorer.score_partition(pieces, firsts, counts, index, file, opts, progress_id)
-
-
-@contextlib.contextmanager
-def sampling_profiler_paused() -> Iterator[None]:
-    """This worker's statistical profiler paused for the block: a fresh worker's one-time imports of torch and
-    transformers. Every 10 ms the profiler walks the stack of each thread running a task, on the event loop and
-    under the GIL, and an import's stacks are deep: measured on a 2-core CPU machine, a worker's config check took
-    8.3-10.0 s with it running and 4.7-5.1 s paused (a bare process: 4.9-5.8 s). The dashboard's profile misses only
-    these imports. Outside a worker, or where the profiler is off (``distributed.worker.profile.enabled``), a no-op."""
-    try:
-        from distributed import get_worker
-
-        worker = get_worker()
-    except (ImportError, ValueError):
-        yield
-        return
-    pc = worker.periodic_callbacks.get("profile")
-    if pc is None or not pc.is_running():
-        yield
-        return
-    worker.loop.add_callback(pc.stop)  # tornado's callbacks belong to the loop's thread: add_callback is thread-safe
-    try:
-        yield
-    finally:
-        worker.loop.add_callback(pc.start)
-
-
-def check_model_config(model: str) -> dict[str, Any]:
-    """``score_parquet``'s config check, on a worker: that its transformers loads ``model``'s config (``ValueError``
-    naming the file otherwise), and the vocabulary size it states (:func:`dask_lm.io.modelcheck.config_vocab`);
-    with when it began (wall clock) and how long torch's import and the rest took, for the job's start phases."""
-    import time
-
-    began, t0 = time.time(), time.perf_counter()
-    with sampling_profiler_paused():
-        import torch  # noqa: F401 (timed: most of a fresh worker's start)
-
-        t1 = time.perf_counter()
-        from dask_lm.io.modelcheck import config_vocab
-
-        vocab = config_vocab(model)
-    return {"vocab": vocab, "began_at": began, "torch_import": t1 - t0, "config": time.perf_counter() - t1}
-
-
-def preload_scorer(model: str, tokenizer: str, precision: str | None, compile: bool, compile_head: bool = False
-                   ) -> dict[str, Any]:
-    """``score_parquet``: load this worker's replica while the driver checks
-    (:func:`dask_lm.workers.scorer.preload_replica`)."""
-    with sampling_profiler_paused():  # the model's modeling module is imported here, once per worker process
-        from dask_lm.workers import scorer
-
-        return scorer.preload_replica(model, tokenizer, precision, compile, compile_head)
-
-
-def release_scorers(dask_worker: Any = None) -> int:
-    """``score_parquet``'s end: free this worker's scoring replicas (run with ``client.run``)."""
-    from dask_lm.workers import scorer
-
-    return scorer.release_scorers(dask_worker)
-
-
 def shutdown_policy(_prev: Any, policy_id: str, orphaned: bool = False) -> bool:
     """``orphaned``: a peer rank is gone, so the shutdown must not wait on a collective."""
     from dask_lm.workers.state import get_state
@@ -325,21 +258,3 @@ def shutdown_policy(_prev: Any, policy_id: str, orphaned: bool = False) -> bool:
     except RuntimeError:
         return False
     return state.shutdown_policy(policy_id, orphaned=orphaned)
-
-
-def loglikelihood_requests(ids: list[list[int]], starts: list[int], opts: ScoreOptions,
-                           names: list[int] | None = None) -> list[tuple[float, bool]]:
-    """The lm-eval model class's loglikelihood requests: score rows on this worker
-    (:func:`dask_lm.workers.requests.loglikelihood_rows`)."""
-    from dask_lm.workers import requests
-
-    return requests.loglikelihood_rows(ids, starts, opts, names)
-
-
-def generate_requests(contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOptions,
-                      names: list[int] | None = None) -> list[list[int]]:
-    """The lm-eval model class's generate_until requests: generate after rows on this worker
-    (:func:`dask_lm.workers.requests.generate_rows`)."""
-    from dask_lm.workers import requests
-
-    return requests.generate_rows(contexts, gen, opts, names)

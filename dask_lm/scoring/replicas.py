@@ -3,7 +3,7 @@
 Scoring needs no collectives, so unlike a Policy it does not shard the model: each worker loads a full replica
 once (cached in the worker's dask-lm plugin state, ``DaskLMWorkerState.scorers``, keyed by model, precision,
 compilation and the pinned files) and scores whichever partition the scheduler hands it, for ``score_parquet``'s
-file job and ``dask_lm.score``'s collections alike (:mod:`dask_lm.workers.scorer`). ``score_parquet`` preloads
+file job and ``dask_lm.score``'s collections alike (:mod:`dask_lm.scoring.scorer`). ``score_parquet`` preloads
 one beside its driver's checks (:func:`preload_replica`); a replica no partition has used for a while is freed by
 the worker's lease check (:func:`release_idle`), a finished job's by :func:`release_scorers`.
 """

@@ -4,7 +4,7 @@ generates after, a batch of token-id rows on this worker's model replica.
 The replica is the one offline scoring caches in the worker's dask-lm plugin state (:func:`dask_lm.workers.
 replicas.replica_for`, keyed by model, tokenizer, precision and compilation), so an evaluation loads each model once
 per worker however many tasks it sends, and frees it with the scoring jobs' ``release_scorers``. Scoring goes
-through the scorer's own micro-batched forward and chunked head (:func:`dask_lm.workers.scorer.score_ids`);
+through the scorer's own micro-batched forward and chunked head (:func:`dask_lm.scoring.scorer.score_ids`);
 generation through Hugging Face's ``generate`` on the same weights (the compiled decoder layers are active only
 inside :func:`dask_lm.model.fused.use_compiled`, so generation runs eagerly).
 """
@@ -22,7 +22,7 @@ from dask_lm.errors import NonFiniteError
 from dask_lm.model import device
 from dask_lm.model.forward import final_hidden_states
 from dask_lm.model.logprobs import next_token_logprobs_greedy, output_head
-from dask_lm.workers import scorer
+from dask_lm.scoring import scorer
 
 __all__ = ["generate_rows", "loglikelihood_rows"]
 

@@ -3,7 +3,7 @@
 The job: the rows are cut into spans of about ``task_tokens`` tokens (:mod:`dask_lm.io.spans`: a large row group
 split, small ones merged), each row group read in its own Dask task (Arrow-backed pandas, each read naming its file
 and row group when a page is damaged); each span is scored on whichever worker is free
-(:func:`dask_lm.workers.scorer.score_partition`, a model replica per worker) and written as ``part-NNNNN.parquet``,
+(:func:`dask_lm.scoring.scorer.score_partition`, a model replica per worker) and written as ``part-NNNNN.parquet``,
 atomically. ``_manifest.json`` (written first) pins the model and input files by content (path, size, SHA-256 of
 every file that determines results: :mod:`dask_lm.io.fingerprint`), the options, the span plan and the dask-lm
 version; ``_SUCCESS`` (written last) marks a complete output. ``resume=True`` skips the parts already there and
@@ -15,8 +15,8 @@ anything starts: the output folder, the model's config and weight files (:mod:`d
 ``--topk`` against the vocabulary they state, the tokenizer's files, the input files' footers, columns and types, a
 held lock, a resume's options. Then the cluster starts, and its workers load the model
 (:class:`~dask_lm.engine.jobs.ClusterStart`), while this process does the costly checks: the config through
-transformers (on the first worker, before its load: :class:`~dask_lm.engine.preload.Preload`), the content hashes
-(and a resume's comparison of them), and for jobs up to 8M tokens every row (:mod:`dask_lm.engine.prescan`: all
+transformers (on the first worker, before its load: :class:`~dask_lm.scoring.preload.Preload`), the content hashes
+(and a resume's comparison of them), and for jobs up to 8M tokens every row (:mod:`dask_lm.scoring.prescan`: all
 bad rows in one refusal); a refused job closes what it started. A bad row found while scoring (a larger job) fails
 it with a message naming file, row and column, unless ``skip_bad_rows`` (then it is listed in ``_errors.parquet``).
 """
@@ -34,16 +34,17 @@ from dask_lm.data.continuation import Convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
 from dask_lm.interface import again, current, opt, warn
-from dask_lm.engine import cluster, interrupts, jobs, prescan, resumed
-from dask_lm.engine.compile_choice import worth_compiling, worth_compiling_head
-from dask_lm.engine.preload import Preload
+from dask_lm.engine import cluster, interrupts, jobs, resumed
 from dask_lm.engine.progress import JobBar
-from dask_lm.engine.start_clock import StartClock
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck, spans
 from dask_lm.io import parquet as pio
 from dask_lm.io.results import ScoreRows
+from dask_lm.scoring import prescan
+from dask_lm.scoring.compile_choice import worth_compiling, worth_compiling_head
+from dask_lm.scoring.preload import Preload
+from dask_lm.scoring.start_clock import StartClock
+from dask_lm.scoring.tasks import release_scorers, score_partition
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
-from dask_lm.workers.tasks import release_scorers, score_partition
 
 __all__ = ["score_parquet", "ScoreResult"]
 
@@ -94,7 +95,7 @@ class ScoreResult(ScoreRows):
     """The time rows were being scored and written: from when the last worker's replica was ready (loaded and
     compiled, in its first partition or while the driver checked) to when the last part was written. A replica
     ready only after the first part came back (a worker that joined mid-job) does not move its start: the job was
-    scoring already (:meth:`~dask_lm.engine.start_clock.StartClock.waited_for`)."""
+    scoring already (:meth:`~dask_lm.scoring.start_clock.StartClock.waited_for`)."""
     already_complete: bool = False
     """A ``resume`` of a finished output: nothing ran; the totals are the finished job's."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
@@ -111,7 +112,7 @@ class ScoreResult(ScoreRows):
     start_phases: dict[str, float] = field(default_factory=dict)
     """When each step of the start ended, in seconds from the call's start: ``checks`` (the driver's checks and
     fingerprints), ``cluster`` (the cluster up, or reached, and the checks done), ``config_check_began`` /
-    ``config_checked`` (the first worker's config check, see :class:`~dask_lm.engine.preload.Preload`: most of it
+    ``config_checked`` (the first worker's config check, see :class:`~dask_lm.scoring.preload.Preload`: most of it
     the worker's imports), ``worker_processes`` / ``preloads_began`` / ``replicas_ready`` (the last worker's process
     began, its preload began, its replica was ready: the workers' own clocks), ``first_row`` (the first part
     written)."""
@@ -234,7 +235,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     ``precision`` defaults to bfloat16 on GPU workers and float32 on CPU ones. On GPU workers rows are packed and,
     with ``compile`` the forward is compiled once per worker process (5-10 s, reported as
     ``ScoreResult.compile_seconds``); by default (``None``) only where the job is long enough for that to pay
-    (:func:`~dask_lm.engine.compile_choice.worth_compiling`).
+    (:func:`~dask_lm.scoring.compile_choice.worth_compiling`).
     An output that already holds a job is refused unless ``resume`` (finish it with the same pins; a finished one
     returns its summary at once, without a cluster) or ``overwrite`` (delete that job's files and score again);
     files dask-lm did not write are never deleted.
@@ -290,7 +291,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     # 2. the cluster starts, and each worker loads its replica, while this process does the costly checks: the
     #    config through transformers (on a worker) and the content hashes. Nothing reaches the output before
     #    they pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is
-    #    not used (workers/scorer.py: adopt). A finished output's resume starts nothing.
+    #    not used (scoring/scorer.py: adopt). A finished output's resume starts nothing.
     warm = None if finished else Preload(model, tokenizer, fixed_precision, compile, sum(inputs.group_tokens))
     start = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not finished,
                               warm=warm)
@@ -323,7 +324,7 @@ def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOut
 
     scan = not finished and not opts.skip_bad_rows and sum(inputs.group_tokens) <= prescan.PRESCAN_MAX_TOKENS
     loads = jobs.in_thread(warm.check_config, start) if warm is not None else None
-    # every bad row of the job, found while the workers load (dask_lm.engine.prescan)
+    # every bad row of the job, found while the workers load (dask_lm.scoring.prescan)
     rows = (jobs.in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan
             else None)
     manifest, pins = _manifest(opts, inputs, source, info, plan)

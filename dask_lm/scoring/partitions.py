@@ -2,10 +2,10 @@
 score columns out.
 
 :func:`score_frame` is what ``map_partitions`` runs, on the worker that holds the partition. It scores through
-the same code as ``score_parquet``'s file job (:func:`dask_lm.workers.scorer.score_rows`, with this worker's
+the same code as ``score_parquet``'s file job (:func:`dask_lm.scoring.scorer.score_rows`, with this worker's
 cached replica), and returns the kept rows with all their input columns, their index labels, and the score
 columns as Arrow-backed pandas columns (``pd.ArrowDtype``): the frame the driver declared as ``meta``
-(:func:`dask_lm.engine.collection.output_meta`). Nothing here imports torch until a partition is scored, so the
+(:func:`dask_lm.scoring.frame.output_meta`). Nothing here imports torch until a partition is scored, so the
 driver can import this module to build the graph.
 """
 
@@ -50,8 +50,8 @@ def score_frame(pdf: Any, opts: ScoreOptions, warn_dropped: bool = True, partiti
     import pandas as pd
 
     from dask_lm import interface
-    from dask_lm.workers import scorer
-    from dask_lm.workers.replicas import auto_precision
+    from dask_lm.scoring import scorer
+    from dask_lm.scoring.replicas import auto_precision
 
     number = partition_info["number"] if partition_info else 0
     where = f"partition {number}"

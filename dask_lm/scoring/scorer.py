@@ -2,10 +2,10 @@
 
 :func:`score_rows` is the one scoring code path. It takes the rows of one partition (pandas frames of
 Arrow-backed columns), reads and checks them (:mod:`dask_lm.data.rows`), scores them with this worker's model
-replica (:mod:`dask_lm.workers.replicas`) and returns the score columns as an Arrow table, with the rows it kept,
+replica (:mod:`dask_lm.scoring.replicas`) and returns the score columns as an Arrow table, with the rows it kept,
 the bad ones and the partition's numbers. ``score_parquet``'s file job (:func:`score_partition`) writes that table
 as ``part-<index>.parquet`` beside the input's columns, atomically; ``dask_lm.score``
-(:mod:`dask_lm.workers.collection`) returns it as a pandas frame with the input's index. The row rules (bad rows,
+(:mod:`dask_lm.scoring.partitions`) returns it as a pandas frame with the input's index. The row rules (bad rows,
 lengths, empty rows, non-finite values) are therefore the same for both.
 
 Inside a partition, rows are sorted longest first and cut into micro-batches of at most ``batch_tokens`` tokens:
@@ -38,7 +38,7 @@ from dask_lm.model.logprobs import next_token_logprobs_greedy, output_head, topk
 
 # the replica cache lives in its own module; the three task-facing names stay importable from here, where tasks
 # and benchmarks have always found them
-from dask_lm.workers.replicas import (  # noqa: F401
+from dask_lm.scoring.replicas import (  # noqa: F401
     Replica,
     preload_replica,
     release_idle,

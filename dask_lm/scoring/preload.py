@@ -3,7 +3,7 @@
 replica preload per worker, each loosely pinned (``allow_other_workers``), and the config check asked again of a
 worker there is when its own worker left before answering.
 
-``score_parquet`` (:mod:`dask_lm.engine.scoring`) makes it before the cluster starts and waits for the config
+``score_parquet`` (:mod:`dask_lm.scoring.job`) makes it before the cluster starts and waits for the config
 check's verdict (:meth:`Preload.check_config`) beside its own costly checks.
 """
 
@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from dask_lm.engine.compile_choice import worth_compiling_head
+from dask_lm.scoring.compile_choice import worth_compiling_head
 from dask_lm.io import modelcheck
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class Preload:
     one replica load per worker there is, each on its worker. Neither is pinned hard (``allow_other_workers``): a
     worker retired before its task ran hands it to another, where a preload finds the replica loaded, rather than
     leaving it to wait for a worker that is gone (the config check's would cost :data:`CONFIG_CHECK_WAIT_S`). A
-    worker that joins later gets no preload: its first partition loads its replica (:mod:`dask_lm.workers.replicas`).
+    worker that joins later gets no preload: its first partition loads its replica (:mod:`dask_lm.scoring.replicas`).
 
     The config check runs where the model will load, through the workers' transformers: the driver then imports
     neither transformers nor torch for it (4-10 s of imports it had done beside the workers' start, which made it
@@ -42,7 +42,7 @@ class Preload:
     cluster whose workers are still to come) the driver checks itself.
 
     An automatic ``compile`` of the layers is decided once the job's size is known: the replica is compiled then,
-    if at all; the head's (:func:`~dask_lm.engine.compile_choice.worth_compiling_head`) here, from the job's
+    if at all; the head's (:func:`~dask_lm.scoring.compile_choice.worth_compiling_head`) here, from the job's
     ``tokens`` and the workers there are. A refused job cancels these; one already loading on an attached cluster
     ends as an idle replica, which the workers' lease check frees (``DASK_LM_REPLICA_IDLE_S``, 120 s)."""
 
@@ -55,7 +55,7 @@ class Preload:
 
     def __call__(self, client: Any) -> list[Any]:
         from dask_lm.engine.worker_group import scheduler_info
-        from dask_lm.workers.tasks import preload_scorer
+        from dask_lm.scoring.tasks import preload_scorer
 
         tag = uuid.uuid4().hex[:8]
         workers = list(scheduler_info(client)["workers"])
@@ -93,7 +93,7 @@ class Preload:
         return got
 
     def _ask(self, client: Any, worker: str, key: str) -> Any:
-        from dask_lm.workers.tasks import check_model_config
+        from dask_lm.scoring.tasks import check_model_config
 
         self.asked = worker
         return client.submit(check_model_config, self.model, workers=[worker], allow_other_workers=True,

@@ -6,7 +6,7 @@ logprob of a continuation after its context, and whether greedy decoding would p
 (new tokens after a context). Requests are sorted longest first, so each task's rows pad to similar widths, and cut
 into tasks of at most ``task_tokens`` tokens, at least two per worker when there are enough requests (a worker
 done early takes the next task: Dask balances the load). Each task runs on whichever worker is free
-(:func:`dask_lm.workers.tasks.loglikelihood_requests` / :func:`~dask_lm.workers.tasks.generate_requests`) on a
+(:func:`dask_lm.evaluation.tasks.loglikelihood_requests` / :func:`~dask_lm.evaluation.tasks.generate_requests`) on a
 model replica that worker loads once and keeps until :meth:`RequestEngine.close`; results come back in request
 order. Long requests are left-truncated as lm-eval's ``HFLM`` does: a request keeps its last ``max_length + 1``
 tokens, of which the model reads all but the last.
@@ -25,7 +25,8 @@ from dask_lm.config.defaults import PADDED_BATCH_TOKENS
 from dask_lm.data.messages import GENERATE_BATCH_FACTOR, ScoreOptions
 from dask_lm.data.packing import longest_first
 from dask_lm.engine import jobs
-from dask_lm.workers import tasks
+from dask_lm.evaluation import tasks
+from dask_lm.scoring.tasks import release_scorers
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
 
 if TYPE_CHECKING:
@@ -191,7 +192,7 @@ class RequestEngine:
         if self.client is None:
             return
         try:
-            self.client.run(tasks.release_scorers)
+            self.client.run(release_scorers)
         finally:
             self._close_client()
 

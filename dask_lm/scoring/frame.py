@@ -4,11 +4,11 @@ The shape Dask users know from dask-ml's ``ParallelPostFit`` and ``xgboost.dask.
 follows the input's. A Dask DataFrame gives a lazy one, built with ``map_partitions(..., meta=)``, so that it
 composes with what comes before (a filter, a join) and after (``groupby``, ``to_parquet``, ``persist``,
 ``dask.compute`` of several); each partition is scored on the worker that holds it, with that worker's cached
-model replica (:func:`dask_lm.workers.collection.score_frame`). A pandas DataFrame, a pandas Series of texts or a
+model replica (:func:`dask_lm.scoring.partitions.score_frame`). A pandas DataFrame, a pandas Series of texts or a
 list of texts gives a pandas DataFrame, computed on the cluster here.
 
 The rows are scored by the code that scores ``score_parquet``'s part files
-(:func:`dask_lm.workers.scorer.score_rows`): the same columns, tokenization, length, bad-row, empty-row and
+(:func:`dask_lm.scoring.scorer.score_rows`): the same columns, tokenization, length, bad-row, empty-row and
 non-finite rules. What the file job adds on top (manifest, resume, exactly-once part files) belongs to files;
 a collection's partitions are recomputed by Dask from their lineage instead.
 
@@ -27,7 +27,7 @@ from dask_lm.engine import cluster, jobs
 from dask_lm.interface import current, opt, warn
 from dask_lm.io import hub
 from dask_lm.io.parquet import output_schema_columns
-from dask_lm.workers.collection import score_frame
+from dask_lm.scoring.partitions import score_frame
 
 __all__ = ["score", "output_meta"]
 

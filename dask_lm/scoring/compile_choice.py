@@ -1,8 +1,8 @@
 """When compiling pays in a scoring job: each worker's decoder layers (``worth_compiling``) and its head's fused
 reductions (``worth_compiling_head``), from the job's tokens per worker, against thresholds measured on an H200.
 
-A module of its own because two steps of a job decide: the warm-up (:mod:`dask_lm.engine.preload`) decides the
-head's when it submits the replica preloads, and ``score_parquet`` (:mod:`dask_lm.engine.scoring`), which imports the
+A module of its own because two steps of a job decide: the warm-up (:mod:`dask_lm.scoring.preload`) decides the
+head's when it submits the replica preloads, and ``score_parquet`` (:mod:`dask_lm.scoring.job`), which imports the
 warm-up, decides the layers' (and the head's again) once the cluster's workers are known.
 """
 
