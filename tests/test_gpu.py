@@ -370,6 +370,34 @@ def test_generate_on_gpus(gpu_client, tiny):
 
 
 # ----------------------------------------------------------------------------------------- refit on GPUs
+@pytest.mark.cluster
+def test_full_logits_over_cuda_ipc_match_cpu_reference(gpu_client, tiny):
+    """get_full_logits_ipc on CUDA ranks: this process (not the workers') maps each rank's buffer through CUDA IPC
+    and reads float32 [S, V] logits equal to the CPU float32 reference; the buffer is reused, then released."""
+    from dask_lm.teacher_logits import open_full_logits, open_full_logits_batch
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
+    ids, lens = make_batch(tok, TEXTS)
+    _, logits = hf_logprobs(tiny["llama"], ids, lens)
+    valid = torch.arange(ids.shape[1])[None, :] < lens[:, None]
+    cfg = {"model_name": tiny["llama"], "precision": "float32", "logprob_batch_size": 2}
+    with dask_lm.Policy(gpu_client, cfg, tok, init_reference_model=False) as policy:
+        batch = BatchedDataDict(input_ids=ids, input_lengths=lens)
+        entries = policy.get_full_logits_ipc(batch)
+        assert entries[0]["teacher_shards"][0]["payload_ipc"]["kind"] == "cuda"
+        got = open_full_logits_batch(entries)
+        assert got.is_cuda and got.dtype == torch.float32
+        torch.testing.assert_close(got.cpu()[valid], logits[valid], atol=1e-3, rtol=0)
+        assert torch.all(got.cpu()[~valid] == 0)
+        again = policy.get_full_logits_ipc(batch)
+        assert again[0]["teacher_shards"][0]["payload_ipc"] == entries[0]["teacher_shards"][0]["payload_ipc"]
+        torch.testing.assert_close(open_full_logits(again[1]).cpu()[: lens[1]], logits[1][: lens[1]], atol=1e-3,
+                                   rtol=0)
+        del got
+        torch.cuda.synchronize()
+        policy.release_ipc_buffer()
+
+
 def _bf16_policy_and_saved(gpu_client, tiny, tmp_path, **kwargs):
     from safetensors.torch import load_file
 

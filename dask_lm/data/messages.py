@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from dask_lm.data.batch import BatchedDataDict
     from dask_lm.data.tokens import TokenRows
 
-__all__ = ["GENERATE_BATCH_FACTOR", "MicroBatchPlan", "Shard", "ForwardRequest", "GenerateRequest", "ForwardOutput",
+__all__ = ["GENERATE_BATCH_FACTOR", "MicroBatchPlan", "Shard", "ForwardRequest", "FullLogitsRequest", "GenerateRequest", "ForwardOutput",
            "TrainRequest", "TrainResult", "SaveRequest", "ActionRequest", "RefitPlan", "CollectiveInitRequest", "ExtensionCall",
            "ScoreOptions", "Request", "ACTIONS"]
 
@@ -125,6 +125,15 @@ class ForwardRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class FullLogitsRequest:
+    """Every logit of every real token of a shard (a contiguous slice of the batch, in order), left in the rank's
+    shareable buffer (:mod:`dask_lm.workers.full_logits`); the answer says where each row sits."""
+
+    shard: Shard
+    micro_batch_size: int | None = None  # rows per micro-batch (default: logprob_batch_size)
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """Decode ``generation.max_new_tokens`` after each row (a contiguous slice of the batch per rank)."""
 
@@ -189,15 +198,17 @@ class SaveRequest:
 PlacementAction = Literal["prepare_for_training", "finish_training", "prepare_for_lp_inference", "finish_inference",
                           "prepare_for_generation", "finish_generation", "invalidate_kv_cache", "offload_before_refit",
                           "offload_after_refit", "offload_to_cpu"]
-Action = PlacementAction | Literal["prepare_refit_info", "report_device_id", "finalize_async_save"]
+Action = PlacementAction | Literal["prepare_refit_info", "report_device_id", "finalize_async_save",
+                                  "release_ipc_buffer"]
 ACTIONS: tuple[str, ...] = (*typing.get_args(PlacementAction), "prepare_refit_info", "report_device_id",
-                            "finalize_async_save")
+                            "finalize_async_save", "release_ipc_buffer")
 
 
 @dataclass(frozen=True, slots=True)
 class ActionRequest:
     """A rank operation without arguments: move weights / optimizer state around the phases of an RL loop, report
-    the refit info (``{name: (shape, dtype)}``) or the device id, or finish a pending asynchronous save."""
+    the refit info (``{name: (shape, dtype)}``) or the device id, finish a pending asynchronous save, or free the
+    full-logits buffer."""
 
     action: Action
 
@@ -297,7 +308,7 @@ class ExtensionCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-Request = (ForwardRequest | GenerateRequest | TrainRequest | SaveRequest | ActionRequest | RefitPlan
+Request = (ForwardRequest | FullLogitsRequest | GenerateRequest | TrainRequest | SaveRequest | ActionRequest | RefitPlan
            | CollectiveInitRequest | ExtensionCall)
 
 

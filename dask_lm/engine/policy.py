@@ -30,6 +30,7 @@ from dask_lm.data.messages import (
     ActionRequest,
     ExtensionCall,
     ForwardRequest,
+    FullLogitsRequest,
     GenerateRequest,
     PlacementAction,
     Request,
@@ -280,6 +281,37 @@ class Policy(TrainingMixin, RefitMixin):
         posted = self._post_sharded(request, data, what="get_topk_logits", timer=timer,
                                     rows_per_mb=micro_batch_size is not None)
         return self._rows_future(posted, "get_topk_logits", ("topk_logits", "topk_indices"), cat=True)
+
+    def get_full_logits_ipc(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None,
+                            timer: Any = None) -> list[dict[str, Any]]:
+        """Every logit of every token, left on the ranks for a consumer process on the same machine (a
+        cross-tokenizer distillation student): NeMo RL's shape, a list with one ``{"teacher_shards": [shard]}``
+        per row in input order. ``shard`` names the rank's buffer (``payload_ipc``: plain data, CUDA IPC on GPUs,
+        shared memory on CPU workers) and the row's place in it (``buf_idx``, ``sample_index_in_buf``,
+        ``actual_shape`` = ``(S, V)``); :func:`dask_lm.teacher_logits.open_full_logits` maps it as a float32
+        ``[S, V]`` tensor: the temperature-scaled logits at each position (predicting the next token), 0 at and
+        past the row's length. Each rank keeps one buffer, reused by later calls (grown when one needs more) until
+        :meth:`release_ipc_buffer`; the memory it needs is checked on every rank before any forward runs. See
+        :mod:`dask_lm.workers.full_logits` for the layout and how it differs from NeMo RL's v0."""
+        if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or
+                                             isinstance(micro_batch_size, bool) or micro_batch_size < 1):
+            raise ValueError(f"get_full_logits_ipc: `micro_batch_size` must be a positive integer or None, got "
+                             f"{micro_batch_size!r}")
+        what = "get_full_logits_ipc"
+        # rows stay in order, a contiguous slice per rank, so rank order is row order (as NeMo RL's dp ranks)
+        posted = self._post_sharded(functools.partial(FullLogitsRequest, micro_batch_size=micro_batch_size), data,
+                                    what=what, timer=timer, contiguous=True)
+        answers = self.group.gather(posted.futures, what=what)
+        posted.done(answers, None)
+        out: list[dict[str, Any]] = []
+        for answer in sorted(answers, key=lambda a: a["dp_rank"]):
+            out.extend({"teacher_shards": [entry]} for entry in answer["per_sample_handles"])
+        return out
+
+    def release_ipc_buffer(self) -> None:
+        """Free every rank's :meth:`get_full_logits_ipc` buffer (once, when the loop is done with it: a consumer
+        still holding a CUDA mapping keeps that memory until it lets go)."""
+        self.group.run(ActionRequest("release_ipc_buffer"), what="release_ipc_buffer", key_name="release-ipc-buffer")
 
     def score(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
         """Reward-model scores ``{"scores": float32 [B]}`` (needs ``reward_model_cfg.enabled``)."""

@@ -26,6 +26,8 @@ __all__ = [
     "synchronize",
     "empty_cache",
     "free_memory_bytes",
+    "ipc_kind",
+    "shareable_free_bytes",
     "memory_in_use_bytes",
     "peak_memory_bytes",
     "reset_peak_memory",
@@ -129,6 +131,25 @@ def free_memory_bytes() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def ipc_kind() -> str:
+    """How this rank shares a buffer with another process on its machine (:mod:`dask_lm.model.shared_buffer`):
+    CUDA IPC on a GPU, a POSIX shared-memory file on the CPU."""
+    return "cuda" if is_cuda() else "shm"
+
+
+def shareable_free_bytes() -> int:
+    """The bytes a new shareable buffer may take: the GPU's free memory, or on the CPU the smaller of free host RAM
+    and the free space of ``/dev/shm`` (a tmpfs with its own size limit, often half the RAM, 64 MiB in Docker)."""
+    free = free_memory_bytes()
+    if is_cuda():
+        return free
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:  # no /dev/shm: the buffer cannot be made at all
+        return 0
+    return min(free, st.f_bavail * st.f_frsize)
 
 
 def total_memory_bytes() -> int | None:

@@ -197,3 +197,10 @@ class RefitMixin(PolicyBase):
         size = self._refit_buffer_size(buffer_size_bytes)
         return self._post(lambda progress_id: RefitPlan("broadcast", buffer_size_bytes=size, progress_id=progress_id),
                           "broadcast_weights_for_collective")
+
+    def preinit_nvshmem(self) -> list[Future[Any]]:
+        """NeMo RL's hook to start NVSHMEM on every rank before a Megatron reshard refit. dask-lm's refits
+        (HTTP, ZMQ, collective broadcast) use no NVSHMEM, so there is nothing to start: as NeMo RL's own ranks do
+        when no NVSHMEM copy service exists, this does nothing and returns one finished future per rank, whose
+        result is None, so code that waits on them (``client.gather``, ``wait``) goes straight on."""
+        return list(self.client.scatter([None] * self.data_parallel_size, hash=False))

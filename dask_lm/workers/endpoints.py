@@ -23,6 +23,7 @@ from dask_lm.data.messages import (
     ExtensionCall,
     ForwardOutput,
     ForwardRequest,
+    FullLogitsRequest,
     GenerateRequest,
     RefitPlan,
     SaveRequest,
@@ -46,6 +47,10 @@ def _forward(worker: PolicyWorker, req: ForwardRequest) -> ForwardOutput:
         return ForwardOutput(worker.rank_model.get_topk_logits(rows, plan, req.k, req.micro_batch_size))
     return ForwardOutput(worker.rank_model.get_logprobs(rows, plan, req.micro_batch_size,
                                                         reference=req.head == "reference_logprobs"))
+
+
+def _full_logits(worker: PolicyWorker, req: FullLogitsRequest) -> dict[str, Any]:
+    return worker.full_logits.export(req.shard.tokens(), req.micro_batch_size)
 
 
 def _generate(worker: PolicyWorker, req: GenerateRequest) -> ForwardOutput:
@@ -81,6 +86,7 @@ _ACTIONS: dict[str, Callable[[PolicyWorker], Any]] = {
     "prepare_refit_info": lambda w: w.prepare_refit_info(),
     "report_device_id": lambda w: w.report_device_id(),
     "finalize_async_save": lambda w: w.finalize_async_save(),
+    "release_ipc_buffer": lambda w: w.release_ipc_buffer(),
 }
 assert set(_ACTIONS) == set(ACTIONS), "the action list and the table disagree"
 
@@ -133,6 +139,7 @@ def _extension(worker: PolicyWorker, call: ExtensionCall) -> Any:
 
 ENDPOINTS: dict[type, Callable[[PolicyWorker, Any], Any]] = {
     ForwardRequest: _forward,
+    FullLogitsRequest: _full_logits,
     GenerateRequest: _generate,
     TrainRequest: _train,
     SaveRequest: _save,

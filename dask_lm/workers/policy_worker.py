@@ -7,7 +7,8 @@ pinned tasks from ``tasks.py``, through the endpoint table (:mod:`dask_lm.worker
   weights) and the passes over it: logprobs, top-k, scores, the forward protocol the others use;
 - :class:`~dask_lm.workers.trainer.Trainer`: optimizer, LR scheduler; runs ``train``;
 - :class:`~dask_lm.workers.checkpointing.Checkpointer`: the background writer and the pending async save;
-- :class:`~dask_lm.refit.rank.Refitter`: the refit gloo groups, the collective group, the ZMQ socket.
+- :class:`~dask_lm.refit.rank.Refitter`: the refit gloo groups, the collective group, the ZMQ socket;
+- :class:`~dask_lm.workers.full_logits.FullLogitsExport`: the shareable buffer of ``get_full_logits_ipc``.
 
 Each component is given the model (and the trainer, for checkpoints) when it is made, and the endpoints call it
 directly: a call does not pass through the worker, and no component is handed the worker back. What is left here
@@ -28,6 +29,7 @@ from dask_lm.model import device
 from dask_lm.model.weights import local_tensor
 from dask_lm.refit.rank import Refitter
 from dask_lm.workers.checkpointing import Checkpointer
+from dask_lm.workers.full_logits import FullLogitsExport
 from dask_lm.workers.rank_model import RankModel
 from dask_lm.workers.trainer import Trainer
 
@@ -53,6 +55,7 @@ class PolicyWorker:
         if optimizer_path:
             self.checkpointer.load_optimizer(optimizer_path)
         self.refitter = Refitter(self.rank_model)
+        self.full_logits = FullLogitsExport(self.rank_model)
         self.extension_state: dict[str, Any] = {}
 
     # what a worker extension class reads of its rank (``self.model``, ``self.rank``, ...), as it did when these
@@ -143,10 +146,14 @@ class PolicyWorker:
     def finalize_async_save(self) -> bool:
         return self.checkpointer.finalize()
 
+    def release_ipc_buffer(self) -> bool:
+        return self.full_logits.release()
+
     def shutdown(self, orphaned: bool = False) -> None:
         """Free everything. ``orphaned``: the driver or a peer rank is gone, so nothing here may wait on a
         collective (a pending async save is abandoned instead of finished)."""
         self.checkpointer.close(orphaned=orphaned)
+        self.full_logits.release()
         self.refitter.close()
         self.trainer.close()
         self.rank_model.close()
