@@ -94,3 +94,18 @@ def sglang_cuda_payload_check(out_path: str) -> None:
         result = f"{type(e).__name__}: {e}"
     with open(out_path, "w") as f:
         f.write(result)
+
+
+def reshard_peer(ip: str, port: int, world_size: int, rank: int, plan: dict, out_path: str) -> None:
+    import torch
+
+    from dask_lm.refit.receiver import ReshardReceiver
+
+    receiver = ReshardReceiver(ip, port, world_size, rank, plan, timeout_s=120)
+    got, messages, on_weights = _collector()
+    try:
+        stats = receiver.receive(on_weights)
+        torch.save({"weights": got, "messages": messages, "stats": stats}, out_path)
+    except Exception as e:  # the test reads the error back
+        torch.save({"error": f"{type(e).__name__}: {e}"}, out_path)
+    receiver.close()

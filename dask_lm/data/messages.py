@@ -214,7 +214,7 @@ class ActionRequest:
 
 
 # ------------------------------------------------------------------------------------------- refit
-RefitRoute = Literal["http", "zmq", "broadcast"]
+RefitRoute = Literal["http", "zmq", "broadcast", "reshard"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +222,9 @@ class RefitPlan:
     """Send every weight out, in buckets of at most ``buffer_size_bytes``: into SGLang servers over HTTP
     (``urls``; ``layout[r]`` lists the (engine, tp rank) pairs rank r feeds, ``weight_version`` names the update,
     ``transport`` overrides how buckets travel), to the inference worker on the same device over this rank's ZMQ
-    socket, or from rank 0 over the group of a :class:`CollectiveInitRequest`."""
+    socket, from rank 0 over the group of a :class:`CollectiveInitRequest`, or (``reshard``) each rank's boxes of
+    its shards to the inference ranks of that group that need them (the plan of
+    :func:`dask_lm.refit.reshard.build_plan`)."""
 
     route: RefitRoute
     buffer_size_bytes: int
@@ -232,8 +234,10 @@ class RefitPlan:
     layout: Any = None
     weight_version: str | None = None
     transport: str | None = None
+    reshard: Any = None  # the reshard plan: plain data
 
     def __post_init__(self) -> None:
+        assert (self.route == "reshard") == (self.reshard is not None), "a reshard refit, and only one, has a plan"
         assert self.route != "http" or (self.urls and self.layout is not None and self.weight_version is not None), \
             "an HTTP refit names its servers, their layout and the weight version"
 

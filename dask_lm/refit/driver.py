@@ -204,3 +204,82 @@ class RefitMixin(PolicyBase):
         when no NVSHMEM copy service exists, this does nothing and returns one finished future per rank, whose
         result is None, so code that waits on them (``client.gather``, ``wait``) goes straight on."""
         return list(self.client.scatter([None] * self.data_parallel_size, hash=False))
+
+    # ----------------------------------------------------------------------------------------- resharded refit
+    def init_nccl_reshard_comm_group(self, pp_ips: list[str], pp_ports: list[int], pp_size: int,
+                                     pp_stages: list[int], sub_world_size: int,
+                                     ranks_in_group: list[int]) -> list[Future[Any]]:
+        """NeMo RL's group for a resharded refit: one per pipeline stage, holding that stage's training ranks and
+        every inference rank. A dask-lm rank holds the whole model (no pipeline stages), so there is one stage
+        (``pp_size`` 1, every ``pp_stages`` entry 0, ``ranks_in_group`` = 0 .. N-1) and the group is
+        :meth:`init_collective`'s: rank 0 hosts its store at ``pp_ips[0]:pp_ports[0]``; inference rank ``j`` joins
+        as ``N + j`` (:class:`dask_lm.refit.receiver.ReshardReceiver`). One future per rank."""
+        n = self.data_parallel_size
+        if pp_size != 1:
+            raise ValueError(f"`pp_size` = {pp_size!r}: a dask-lm Policy has no pipeline stages (each rank holds "
+                             "the whole model); pass pp_size=1")
+        if list(pp_stages) != [0] * n:
+            raise ValueError(f"`pp_stages` = {list(pp_stages)!r}: one stage, so one 0 per training rank ({n})")
+        if list(ranks_in_group) != list(range(n)):
+            raise ValueError(f"`ranks_in_group` = {list(ranks_in_group)!r}: training rank i is member i of the "
+                             f"group, so pass list(range({n}))")
+        if len(pp_ips) != 1 or len(pp_ports) != 1:
+            raise ValueError(f"`pp_ips` / `pp_ports` name one address per pipeline stage: one each, got "
+                             f"{len(pp_ips)} / {len(pp_ports)}")
+        return self.init_collective(pp_ips[0], pp_ports[0], sub_world_size, train_world_size=n)
+
+    def prepare_nccl_reshard_refit_info(self, train_parallelism: dict[str, Any], gen_parallelism: dict[str, Any],
+                                        train_world_size: int, gen_world_size: int) -> dict[str, Any]:
+        """The plan of a resharded refit (:func:`dask_lm.refit.reshard.build_plan`, plain data): for every
+        weight, which box goes from which training rank's FSDP shard to which inference rank. Give it to each
+        :class:`~dask_lm.refit.receiver.ReshardReceiver`; :meth:`nccl_reshard_refit` sends by it.
+
+        ``train_parallelism``: this Policy's, data-parallel only (``{"dp": N}``; ``tp`` / ``pp`` / ``cp`` / ``ep``
+        may be given as 1). ``gen_parallelism``: the inference side's ``tp`` (tensor-parallel ranks per replica,
+        default ``gen_world_size``) and ``split``: ``"tensor_parallel"`` (default: Megatron's column / row cuts),
+        ``"rows"`` or ``"columns"``."""
+        from dask_lm.refit import reshard
+
+        n = self.data_parallel_size
+        if train_world_size != n:
+            raise ValueError(f"`train_world_size` = {train_world_size!r}, but this Policy has {n} ranks")
+        for key, value in dict(train_parallelism).items():
+            if key not in ("dp", "tp", "pp", "cp", "ep"):
+                raise ValueError(f"`train_parallelism.{key}`: unknown key; a dask-lm Policy has dp, and tp / pp / cp "
+                                 "/ ep of 1")
+            if value != (n if key == "dp" else 1):
+                raise ValueError(f"`train_parallelism.{key}` = {value!r}: this Policy's ranks are {n} data-parallel "
+                                 f"FSDP ranks, so dp is {n} and every other size is 1")
+        gen = dict(gen_parallelism)
+        unknown = sorted(set(gen) - {"tp", "pp", "ep", "dp", "split"})
+        if unknown:
+            raise ValueError(f"`gen_parallelism.{unknown[0]}`: unknown key; give tp, split (and pp / ep of 1)")
+        for key in ("pp", "ep"):
+            if gen.get(key, 1) != 1:
+                raise ValueError(f"`gen_parallelism.{key}` = {gen[key]!r}: only tensor-parallel inference ranks "
+                                 "are planned for; pass 1")
+        if not isinstance(gen_world_size, int) or isinstance(gen_world_size, bool) or gen_world_size < 1:
+            raise ValueError(f"`gen_world_size` must be a positive integer, got {gen_world_size!r}")
+        tp = gen.get("tp", gen_world_size)
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or gen_world_size % tp:
+            raise ValueError(f"`gen_parallelism.tp` = {tp!r} must divide `gen_world_size` = {gen_world_size}")
+        split = gen.get("split", "tensor_parallel")
+        if split not in reshard.SPLITS:
+            raise ValueError(f"`gen_parallelism.split` = {split!r}: one of {list(reshard.SPLITS)}")
+        plan = reshard.build_plan(self.prepare_refit_info(), train_world_size=n, gen_world_size=gen_world_size,
+                                  split=split, gen_tp=tp)
+        self._reshard_plan = plan
+        return plan
+
+    def nccl_reshard_refit(self, kv_scales: Any = None) -> list[Future[Any]]:
+        """Send every weight by the plan of :meth:`prepare_nccl_reshard_refit_info` over the group of
+        :meth:`init_nccl_reshard_comm_group`: each training rank sends the boxes of its own shards, each inference
+        rank receives only its slices (NCCL on GPUs, gloo on CPU). One future per rank."""
+        if kv_scales is not None:
+            raise ValueError("`kv_scales` (FP8 KV-cache scales) are not supported by this backend; pass None")
+        plan = getattr(self, "_reshard_plan", None)
+        if plan is None:
+            raise ValueError("nccl_reshard_refit() needs a plan: call prepare_nccl_reshard_refit_info(...) first")
+        return self._post(lambda progress_id: RefitPlan("reshard", buffer_size_bytes=0, reshard=plan,
+                                                        progress_id=progress_id), "nccl_reshard_refit",
+                          show_progress=False)

@@ -25,7 +25,9 @@ from dask_lm.comm import collectives
 from dask_lm.comm.progress import report_progress
 from dask_lm.errors import RefitError
 from dask_lm.model import device
+from dask_lm.model.weights import local_tensor
 from dask_lm.refit import buckets as bk
+from dask_lm.refit import reshard as reshard_mod
 from dask_lm.refit import wire, zmq_endpoint
 from dask_lm.refit.source import RefitHost, iter_buckets, iter_full_weights, refit_info
 
@@ -114,6 +116,24 @@ class Refitter:
         if self.collective is None:
             raise ValueError("broadcast_weights_for_collective() needs init_collective() first")
         return _broadcast_all(self.host, self.collective[0], **kwargs)
+
+    def reshard(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """Send this rank's boxes of its shards to the inference ranks of the refit group (``nccl_reshard_refit``):
+        each gets only its slice of each weight (:mod:`dask_lm.refit.reshard`)."""
+        if self.collective is None:
+            raise ValueError("nccl_reshard_refit() needs init_nccl_reshard_comm_group() (or init_collective()) first")
+        host = self.host
+        host.ensure_on_device()
+        info = refit_info(host)
+        state = host.model.state_dict()
+
+        def weights(name: str) -> torch.Tensor:
+            return local_tensor(state[name].detach()).to(info[name][1])  # this rank's rows, in the serving dtype
+
+        with torch.no_grad():
+            out = reshard_mod.send_slices(self.collective[0], plan, host.rank, weights, host.device)
+        device.synchronize()
+        return out
 
     def close(self) -> None:
         """Policy shutdown: the collective group, the ZMQ socket and its directory, the gloo groups."""

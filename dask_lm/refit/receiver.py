@@ -26,9 +26,9 @@ import torch
 
 from dask_lm.model import device
 from dask_lm.refit import buckets as bk
-from dask_lm.refit import wire
+from dask_lm.refit import reshard, wire
 
-__all__ = ["receive_via_zmq", "CollectiveReceiver"]
+__all__ = ["receive_via_zmq", "CollectiveReceiver", "ReshardReceiver"]
 
 OnWeights = Callable[[list[tuple[str, torch.Tensor]]], None]
 RefitInfo = Mapping[str, tuple[Sequence[int], torch.dtype]]
@@ -172,3 +172,23 @@ class CollectiveReceiver:
             device.close_standalone_group(self.group)
         except Exception:  # peers already gone
             pass
+
+
+class ReshardReceiver(CollectiveReceiver):
+    """An inference rank of a resharded refit (``Policy.nccl_reshard_refit``): member ``train_world_size + j`` of
+    ``init_nccl_reshard_comm_group``'s group, holding slice ``j % tp`` of each weight as the ``plan``
+    (``Policy.prepare_nccl_reshard_refit_info()``, plain data) says. Each call of :meth:`receive` hands
+    ``on_weights([(name, slice)])`` one weight at a time, assembled from the training ranks' boxes."""
+
+    def __init__(self, ip: str, port: int, world_size: int, rank: int, plan: dict[str, Any], *,
+                 timeout_s: float = 600.0, device_index: int | None = None) -> None:
+        n = plan.get("train_world_size") if isinstance(plan, dict) else None
+        if type(n) is not int or world_size != n + plan.get("gen_world_size", -1):
+            raise ValueError(f"`world_size` = {world_size} is not the plan's training plus inference ranks")
+        reshard.check_plan(plan, rank - n)
+        super().__init__(ip, port, world_size, rank, {}, timeout_s=timeout_s, device_index=device_index)
+        self.plan, self.gen_rank = plan, rank - n
+
+    def receive(self, on_weights: OnWeights) -> dict[str, Any]:
+        """Take part in one ``nccl_reshard_refit`` call."""
+        return reshard.receive_slices(self.group, self.plan, self.gen_rank, self.device, on_weights)

@@ -105,6 +105,8 @@ def _refit(worker: PolicyWorker, plan: RefitPlan) -> dict[str, Any]:
     if plan.route == "zmq":
         return refitter.stream_via_zmq(buffer_size_bytes=plan.buffer_size_bytes, timeout_s=plan.timeout_s,
                                        progress_id=plan.progress_id)
+    if plan.route == "reshard":
+        return refitter.reshard(plan.reshard)
     return refitter.broadcast(buffer_size_bytes=plan.buffer_size_bytes, progress_id=plan.progress_id)
 
 
