@@ -571,3 +571,43 @@ def test_every_listener_of_a_cuda_cluster_and_nccl_policy_is_on_loopback(gpu_cli
                        if c.status == psutil.CONN_LISTEN] for pid in pids}
     exposed = {pid: [a for a in addrs if not ipaddress.ip_address(a.ip).is_loopback] for pid, addrs in found.items()}
     assert not any(exposed.values()), exposed
+
+
+@pytest.mark.cluster
+def test_nccl_reshard_refit_to_a_second_gpu(gpu_client, tiny, tmp_path):
+    """The resharded refit over NCCL: policy rank 0 on GPU 0, one inference rank on GPU 1 cutting every weight by
+    columns; its slices equal the saved weights' columns."""
+    import multiprocessing as mp
+    import socket
+
+    import refit_peers
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    policy, saved, _ = _bf16_policy_and_saved(gpu_client, tiny, tmp_path, workers_per_node=1)
+    with policy:
+        plan = policy.prepare_nccl_reshard_refit_info({"dp": 1}, {"tp": 1, "split": "columns"}, 1, 1)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = tmp_path / "reshard.pt"
+        env = {"DASK_LM_FORCE_CPU": "0", "CUDA_VISIBLE_DEVICES": "1"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            proc = mp.get_context("spawn").Process(target=refit_peers.reshard_peer,
+                                                   args=("127.0.0.1", port, 2, 1, plan, str(out)))
+            proc.start()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
+        gpu_client.gather(policy.init_nccl_reshard_comm_group(["127.0.0.1"], [port], 1, [0], 2, [0]))
+        gpu_client.gather(policy.nccl_reshard_refit())
+        proc.join(120)
+        assert proc.exitcode == 0
+    got = torch.load(out)
+    assert "error" not in got, got.get("error")
+    assert sorted(got["weights"]) == sorted(saved) and all(torch.equal(got["weights"][k], saved[k]) for k in saved)
