@@ -514,9 +514,27 @@ def test_cuda_ipc_handle_travels_as_plain_data(tmp_path):
     assert proc.exitcode == 0
 
 
+def _start_on_second_gpu(target, *args):
+    """A spawned receiver process that sees only GPU 1 (its environment is the parent's at spawn time)."""
+    import multiprocessing as mp
+
+    env = {"DASK_LM_FORCE_CPU": "0", "CUDA_VISIBLE_DEVICES": "1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        proc = mp.get_context("spawn").Process(target=target, args=args)
+        proc.start()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+    return proc
+
+
 @pytest.mark.cluster
 def test_nccl_broadcast_to_a_second_gpu(gpu_client, tiny, tmp_path):
-    import multiprocessing as mp
     import socket
 
     import refit_peers
@@ -530,19 +548,7 @@ def test_nccl_broadcast_to_a_second_gpu(gpu_client, tiny, tmp_path):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         out = tmp_path / "nccl.pt"
-        env = {"DASK_LM_FORCE_CPU": "0", "CUDA_VISIBLE_DEVICES": "1"}
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            proc = mp.get_context("spawn").Process(target=refit_peers.collective_peer,
-                                                   args=("127.0.0.1", port, 2, 1, info, str(out)))
-            proc.start()
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k)
-                else:
-                    os.environ[k] = v
+        proc = _start_on_second_gpu(refit_peers.collective_peer, "127.0.0.1", port, 2, 1, info, str(out))
         gpu_client.gather(policy.init_collective("127.0.0.1", port, 2, train_world_size=1))
         stats = gpu_client.gather(policy.broadcast_weights_for_collective(buffer_size_bytes=64 * 1024))
         proc.join(120)
@@ -577,7 +583,6 @@ def test_every_listener_of_a_cuda_cluster_and_nccl_policy_is_on_loopback(gpu_cli
 def test_nccl_reshard_refit_to_a_second_gpu(gpu_client, tiny, tmp_path):
     """The resharded refit over NCCL: policy rank 0 on GPU 0, one inference rank on GPU 1 cutting every weight by
     columns; its slices equal the saved weights' columns."""
-    import multiprocessing as mp
     import socket
 
     import refit_peers
@@ -591,19 +596,7 @@ def test_nccl_reshard_refit_to_a_second_gpu(gpu_client, tiny, tmp_path):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         out = tmp_path / "reshard.pt"
-        env = {"DASK_LM_FORCE_CPU": "0", "CUDA_VISIBLE_DEVICES": "1"}
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            proc = mp.get_context("spawn").Process(target=refit_peers.reshard_peer,
-                                                   args=("127.0.0.1", port, 2, 1, plan, str(out)))
-            proc.start()
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k)
-                else:
-                    os.environ[k] = v
+        proc = _start_on_second_gpu(refit_peers.reshard_peer, "127.0.0.1", port, 2, 1, plan, str(out))
         gpu_client.gather(policy.init_nccl_reshard_comm_group(["127.0.0.1"], [port], 1, [0], 2, [0]))
         gpu_client.gather(policy.nccl_reshard_refit())
         proc.join(120)
