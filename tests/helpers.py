@@ -129,3 +129,13 @@ def launch_chromium(playwright: Any) -> Any:
     return playwright.chromium.launch(executable_path=chromium, args=[
         "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
         "--disable-component-update", "--disable-sync"])
+
+
+class WritesMarker:
+    """A pickle that creates a file when unpickled: proof that a process deserialised it."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))

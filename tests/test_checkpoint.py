@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import transformers
-from helpers import TEXTS, model_logprobs, sft_batch
+from helpers import TEXTS, WritesMarker, model_logprobs, sft_batch
 
 import dask_lm
 from dask_lm.io import checkpoint as ckpt
@@ -246,16 +246,6 @@ def test_optimizer_saved_before_any_step_restores_the_same_first_step(client, ti
 
 
 # ----------------------------------------------------------------------------------------- tampered checkpoints
-class _WritesMarker:
-    """A pickle that creates a file when unpickled: proof that a process deserialised it."""
-
-    def __init__(self, path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
 @pytest.fixture(scope="module")
 def saved(client, tiny, tok, batches, tmp_path_factory):
     """Weights and optimizer state of a policy after one step, as save_checkpoint wrote them."""
@@ -285,7 +275,7 @@ def test_tampered_scheduler_state_is_refused_not_run(client, tiny, tok, saved, t
 
     w, o = _tampered_copy(saved, tmp_path)
     marker = tmp_path / "pwned"
-    torch.save({"last_epoch": _WritesMarker(marker)}, o / "scheduler.pt")
+    torch.save({"last_epoch": WritesMarker(marker)}, o / "scheduler.pt")
     with pytest.raises(ValueError, match=re.escape(str(o / "scheduler.pt"))) as err:
         _restore(client, tiny, tok, w, o)
     assert "plain data" in str(err.value)
@@ -303,7 +293,7 @@ def test_tampered_dcp_metadata_is_refused_not_run(client, tiny, tok, saved, tmp_
     marker = tmp_path / "pwned"
     with open(o / ".metadata", "rb") as f:
         metadata = pickle.load(f)  # the test's own, untampered file
-    metadata.planner_data["extra"] = _WritesMarker(marker)
+    metadata.planner_data["extra"] = WritesMarker(marker)
     with open(o / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     with pytest.raises(ValueError, match=re.escape(str(o / ".metadata"))) as err:
@@ -323,7 +313,7 @@ def test_tampered_optimizer_item_is_refused_not_run(client, tiny, tok, saved, tm
     marker = tmp_path / "pwned"
     dcp_to_torch_save(saved[1], tmp_path / "plain.pt")
     state = torch.load(tmp_path / "plain.pt", weights_only=False)  # the test's own, untampered file
-    state["optim"]["param_groups"][0]["lr"] = _WritesMarker(marker)
+    state["optim"]["param_groups"][0]["lr"] = WritesMarker(marker)
     dcp.save(state, checkpoint_id=o, no_dist=True)  # the same items, the lr one tampered
     (o / "scheduler.pt").write_bytes((saved[1] / "scheduler.pt").read_bytes())
     assert not marker.exists()

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import torch
 import transformers
-from helpers import TEXTS, hf_logprobs, make_batch
+from helpers import TEXTS, WritesMarker, hf_logprobs, make_batch
 
 import dask_lm
 from dask_lm import BatchedDataDict
@@ -23,16 +23,6 @@ from dask_lm.model.shared_buffer import SHM_DIR, SharedBuffer, open_payload
 from dask_lm.teacher_logits import open_full_logits, open_full_logits_batch
 
 needs_shm = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="POSIX shared memory (/dev/shm) is Linux's")
-
-
-class WritesMarker:
-    """A pickle that creates a file when unpickled: proof that a process deserialised it."""
-
-    def __init__(self, path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
 
 
 # ----------------------------------------------------------------------------------------- the buffer, no cluster

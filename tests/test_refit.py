@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import transformers
-from helpers import TEXTS, sft_batch
+from helpers import TEXTS, WritesMarker, sft_batch
 from safetensors.torch import load_file
 
 import dask_lm
@@ -108,16 +108,6 @@ def test_zmq_without_receiver_times_out(trained):
         policy.client.gather(policy.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20, timeout_s=1.0))
 
 
-class _WritesMarker:
-    """A pickle that creates a file when unpickled: proof that a process deserialised it."""
-
-    def __init__(self, path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
 def _run_in_thread(fn, *args):
     import threading
 
@@ -158,7 +148,7 @@ def test_a_pickled_answer_on_the_policy_socket_is_never_read(trained, tmp_path):
     policy, _ = trained
     marker = tmp_path / "pwned"
     addresses = policy.get_zmq_addresses()
-    peers = [_run_in_thread(_pickle_answering_peer, a, pickle.dumps(_WritesMarker(marker))) for a in addresses]
+    peers = [_run_in_thread(_pickle_answering_peer, a, pickle.dumps(WritesMarker(marker))) for a in addresses]
     with pytest.raises(Exception, match="answered refit message 1 with something other than a dask-lm refit reply"
                        ) as err:
         policy.client.gather(policy.stream_weights_via_ipc_zmq(buffer_size_bytes=64 * 1024, timeout_s=30))

@@ -13,22 +13,13 @@ import msgpack
 import pytest
 import torch
 import zmq
+from helpers import WritesMarker
 from torch.multiprocessing import reductions
 
 from dask_lm.refit import wire
 from dask_lm.refit.receiver import receive_via_zmq
 
 FAKE_UUID = "GPU-12345678-1234-1234-1234-123456789abc"
-
-
-class WritesMarker:
-    """A pickle that creates a file when unpickled: proof that a process deserialised it."""
-
-    def __init__(self, path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
 
 
 def _torch_cuda_args(index=2):

@@ -303,10 +303,8 @@ class Policy(TrainingMixin, RefitMixin):
                                     what=what, timer=timer, contiguous=True)
         answers = self.group.gather(posted.futures, what=what)
         posted.done(answers, None)
-        out: list[dict[str, Any]] = []
-        for answer in sorted(answers, key=lambda a: a["dp_rank"]):
-            out.extend({"teacher_shards": [entry]} for entry in answer["per_sample_handles"])
-        return out
+        assert [a["dp_rank"] for a in answers] == list(range(len(answers))), "gather answers in rank order"
+        return [{"teacher_shards": [entry]} for answer in answers for entry in answer["per_sample_handles"]]
 
     def release_ipc_buffer(self) -> None:
         """Free every rank's :meth:`get_full_logits_ipc` buffer (once, when the loop is done with it: a consumer
