@@ -110,9 +110,9 @@ def run_hf(model_dir: str, dtype: torch.dtype, device: torch.device, ids: torch.
 
 
 def run_competent(model_dir: str, dtype: torch.dtype, device: torch.device, ids: torch.Tensor, lens: torch.Tensor,
-                  budget: int = 65536, chunk: int = 1024) -> tuple[torch.Tensor, float]:
+                  budget: int = 65536, chunk: int = 16384) -> tuple[torch.Tensor, float]:
     """The competent arm: what a user who knows the job writes (``user_score.score_rows``: rows longest first,
-    padded batches up to ``budget`` tokens, sdpa, the head and an fp32 logsumexp in ``chunk``-position slices).
+    padded batches up to ``budget`` tokens, sdpa, the head and an fp32 logsumexp in slices of ``chunk`` tokens).
     ``(logprobs [N, S] with position 0 = 0, seconds)``, timed like arm A: after the load and a warm-up."""
     from user_score import load, score_rows
 

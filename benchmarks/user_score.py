@@ -7,8 +7,10 @@ them). What makes it competent rather than a strawman:
 * every row is read once (``pyarrow.parquet.read_table`` of the dataset), sorted longest first;
 * padded batches filled up to a token budget (``--budget`` padded tokens, 65536 by default), not a fixed row count;
 * the model in bf16 with sdpa attention, loaded straight to the GPU (``device_map``);
-* the head applied to the hidden states in ``--chunk``-position slices with an fp32 logsumexp, so the full
-  ``[B, S, V]`` logits never exist at once.
+* the head applied to the hidden states in slices of ``--chunk-tokens`` tokens (rows x positions) with an fp32
+  logsumexp, so the full ``[B, S, V]`` logits never exist at once and a slice's size does not grow with the rows
+  of a batch (slices of a fixed position count took 28 GiB of logits at once on a batch of short rows and ran an
+  80 GB H100 out of memory).
 
 It writes ``id``, ``num_tokens`` and ``sum_logprob`` (the logprob of tokens 1.. given the ones before, as dask-lm's
 ``sum_logprob``) to one parquet file, and prints one JSON line: seconds since its start of each phase, and
@@ -46,7 +48,7 @@ def load(model_dir, dtype, device):  # noqa: ANN001, ANN201
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
 
 
-def score_rows(model, rows, order, budget, chunk, device, per_token=False):  # noqa: ANN001, ANN201
+def score_rows(model, rows, order, budget, chunk_tokens, device, per_token=False):  # noqa: ANN001, ANN201
     """Each row's summed logprob of tokens 1.. (and with ``per_token`` its logprobs, on the host), in batches of
     rows taken longest first (``order``) up to ``budget`` padded tokens; and when the first batch's sums were on
     the host (``time.time()``). Used as well by ``benchmarks/logprobs.py``'s competent arm."""
@@ -68,6 +70,7 @@ def score_rows(model, rows, order, budget, chunk, device, per_token=False):  # n
             x, mask = x.to(device), mask.to(device)
             hidden = model.model(input_ids=x, attention_mask=mask).last_hidden_state
             lps = []
+            chunk = max(1, chunk_tokens // len(batch))  # positions per slice
             for c in range(0, width - 1, chunk):
                 logits = model.lm_head(hidden[:, c:c + chunk]).float()
                 target = x[:, c + 1:c + 1 + chunk]
@@ -93,7 +96,7 @@ def main() -> None:
     ap.add_argument("--ids-column", default="ids")
     ap.add_argument("--id-column", default="id")
     ap.add_argument("--budget", type=int, default=65536, help="padded tokens per batch")
-    ap.add_argument("--chunk", type=int, default=1024, help="positions per head / logsumexp slice")
+    ap.add_argument("--chunk-tokens", type=int, default=16384, help="tokens (rows x positions) per head / logsumexp slice")
     args = ap.parse_args()
     phases = {"imports": time.perf_counter() - T0}
 
@@ -106,7 +109,7 @@ def main() -> None:
     model = load(args.model, dtype, device)
     phases["load"] = time.perf_counter() - T0
 
-    sums, _, first_batch_at = score_rows(model, rows, order, args.budget, args.chunk, device)
+    sums, _, first_batch_at = score_rows(model, rows, order, args.budget, args.chunk_tokens, device)
     phases["scoring"] = time.perf_counter() - T0
     pq.write_table(pa.table({args.id_column: table[args.id_column],
                              "num_tokens": pa.array([len(r) for r in rows], pa.int32()),
