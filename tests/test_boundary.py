@@ -73,7 +73,12 @@ POLICY_SIGNATURES = {
     'init_nccl_reshard_comm_group': '(self, pp_ips, pp_ports, pp_size, pp_stages, sub_world_size, ranks_in_group)',
     'prepare_nccl_reshard_refit_info': '(self, train_parallelism, gen_parallelism, train_world_size, gen_world_size)',
     'nccl_reshard_refit': '(self, kv_scales=None)',
-    '__init__': "(self, cluster, config, tokenizer, name_prefix='lm_policy', workers_per_node=None, init_optimizer=True, weights_path=None, optimizer_path=None, init_reference_model=True, processor=None, worker_extension_cls_fqn=None, skip_weight_load=False)",
+    # issue 30: weights between two Policies of one cluster over a shared refit group
+    'init_collective_mcore_generation': "(self, ip, port, world_size, *, rank_offset, refit_backend='gloo')",
+    'swap_weights_via_reshard': '(self, *, is_source)',
+    # `workers` (issue 30, a dask-lm addition after NeMo RL's parameters): which workers, so two Policies can run
+    # side by side on different workers of one cluster
+    '__init__': "(self, cluster, config, tokenizer, name_prefix='lm_policy', workers_per_node=None, init_optimizer=True, weights_path=None, optimizer_path=None, init_reference_model=True, processor=None, worker_extension_cls_fqn=None, skip_weight_load=False, workers=None)",
 }
 POLICY_PROPERTIES = ["data_parallel_size", "group"]
 
@@ -112,7 +117,7 @@ NEMO_RL_POLICY_METHODS = {
     "run_all_workers_single_data", "save_checkpoint", "score", "set_rollout_num_gpus_per_engine", "shutdown",
     "start_gpu_profiling", "stop_gpu_profiling", "stream_weights_via_http", "stream_weights_via_ipc_zmq",
     "swap_weights_via_reshard", "train"}
-NOT_YET = {"calibrate_qkv_fp8_scales", "init_collective_mcore_generation", "swap_weights_via_reshard"}
+NOT_YET = {"calibrate_qkv_fp8_scales"}
 
 
 def test_nemo_rl_policy_methods_are_all_there_but_the_listed_ones():

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from dask_lm.data.tokens import TokenRows
 
 __all__ = ["GENERATE_BATCH_FACTOR", "MicroBatchPlan", "Shard", "ForwardRequest", "FullLogitsRequest", "GenerateRequest", "ForwardOutput",
-           "TrainRequest", "TrainResult", "SaveRequest", "ActionRequest", "RefitPlan", "CollectiveInitRequest", "ExtensionCall",
+           "TrainRequest", "TrainResult", "SaveRequest", "ActionRequest", "RefitPlan", "CollectiveInitRequest", "WeightSwapRequest",
+           "ExtensionCall",
            "ScoreOptions", "Request", "ACTIONS"]
 
 
@@ -244,13 +245,26 @@ class RefitPlan:
 
 @dataclass(frozen=True, slots=True)
 class CollectiveInitRequest:
-    """Join the refit process group hosted by policy rank 0 at ``ip:port``."""
+    """Join the refit process group at ``ip:port`` as members ``rank_offset + rank``: the training side
+    (``rank_offset`` 0, whose rank 0 hosts the store) or a generation-side Policy's ranks
+    (``init_collective_mcore_generation``). ``backend``: ``"gloo"`` or ``"nccl"``; None is NCCL on GPUs, gloo on
+    CPU."""
 
     ip: str
     port: int
     world_size: int
     train_world_size: int
     timeout_s: float
+    rank_offset: int = 0
+    backend: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSwapRequest:
+    """``swap_weights_via_reshard``: send this rank's rows of every weight to the other Policy of the refit group
+    (``is_source``), or receive this rank's own rows from it (:mod:`dask_lm.refit.swap`)."""
+
+    is_source: bool
 
 
 # ------------------------------------------------------------------------------------------- batch jobs
@@ -313,7 +327,7 @@ class ExtensionCall:
 
 
 Request = (ForwardRequest | FullLogitsRequest | GenerateRequest | TrainRequest | SaveRequest | ActionRequest | RefitPlan
-           | CollectiveInitRequest | ExtensionCall)
+           | CollectiveInitRequest | WeightSwapRequest | ExtensionCall)
 
 
 # ------------------------------------------------------------------------------------------- on the wire

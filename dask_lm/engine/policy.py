@@ -17,7 +17,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from distributed import span, wait
@@ -102,7 +102,8 @@ class Policy(TrainingMixin, RefitMixin):
     """A language-model policy sharded over the workers of a Dask cluster (NeMo RL's ``Policy`` API).
 
     Parameters follow NeMo RL. ``cluster`` is a ``distributed.Client``, a Dask cluster object or a scheduler
-    address; every worker of it becomes one rank (``workers_per_node`` caps the ranks taken per host).
+    address; every worker of it becomes one rank (``workers_per_node`` caps the ranks taken per host; ``workers``,
+    a dask-lm addition, names the workers to take, in rank order, e.g. to run a second Policy beside the first).
     ``config`` is a dict with NeMo RL's PolicyConfig keys or a :class:`~dask_lm.PolicyConfig`.
     """
 
@@ -111,7 +112,8 @@ class Policy(TrainingMixin, RefitMixin):
                  weights_path: str | os.PathLike[str] | None = None,
                  optimizer_path: str | os.PathLike[str] | None = None,
                  init_reference_model: bool = True, processor: Any = None,
-                 worker_extension_cls_fqn: str | None = None, skip_weight_load: bool = False) -> None:
+                 worker_extension_cls_fqn: str | None = None, skip_weight_load: bool = False,
+                 workers: Sequence[Any] | None = None) -> None:
         self._group: WorkerGroup | None = None
         self.cfg, self.model_source = _resolve_names(PolicyConfig.from_dict(config))
         if processor is not None:
@@ -136,7 +138,14 @@ class Policy(TrainingMixin, RefitMixin):
         text = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
         self.vocab_size = getattr(text, "vocab_size", None)
         self.client = as_client(cluster)
-        workers = None if workers_per_node is None else WorkerGroup.per_node(self.client, workers_per_node)
+        if workers is not None:
+            if workers_per_node is not None:
+                raise ValueError("pass `workers` (which workers, by name) or `workers_per_node`, not both")
+            if isinstance(workers, (str, bytes)) or len(set(workers)) != len(workers) or not workers:
+                raise ValueError(f"`workers` must list distinct worker names, got {workers!r}")
+            workers = list(workers)
+        elif workers_per_node is not None:
+            workers = WorkerGroup.per_node(self.client, workers_per_node)
         self._group = group = WorkerGroup(self.client, workers=workers, name_prefix=name_prefix)
         try:  # what the ranks would find only after loading the weights, found here from the config
             from dask_lm.model.hf import check_policy_model

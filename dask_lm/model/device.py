@@ -282,20 +282,27 @@ def refit_device(index: int | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def standalone_group(store: Any, rank: int, world_size: int, timeout_s: float) -> Any:
-    """A process group outside ``torch.distributed``'s world (refit to inference processes): NCCL on GPUs, gloo
-    on CPU. Used through its own ``broadcast`` method, never through ``dist.*`` helpers; NCCL runs on the device
-    of the tensors it is given."""
+def standalone_group(store: Any, rank: int, world_size: int, timeout_s: float, backend: str | None = None) -> Any:
+    """A process group outside ``torch.distributed``'s world (refit to inference processes): ``backend``, or by
+    default NCCL on GPUs, gloo on CPU. Used through its own methods, never through ``dist.*`` helpers; NCCL runs
+    on the device of the tensors it is given, gloo's point-to-point calls take host tensors
+    (:func:`standalone_tensors_device`)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    if is_cuda():
+    if backend == "nccl" or (backend is None and is_cuda()):
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def standalone_tensors_device(backend: str | None) -> torch.device:
+    """Where the tensors a standalone group of ``backend`` moves live: the rank's GPU for NCCL, the host for gloo
+    (its send / recv read host memory only)."""
+    return local_device() if backend == "nccl" or (backend is None and is_cuda()) else torch.device("cpu")
 
 
 def close_standalone_group(group: Any) -> None:

@@ -10,13 +10,14 @@ way an RL loop waits for its inference side at the same time.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
 from distributed import Future
 
-from dask_lm.data.messages import ActionRequest, CollectiveInitRequest, RefitPlan, Request
+from dask_lm.data.messages import ActionRequest, CollectiveInitRequest, RefitPlan, Request, WeightSwapRequest
 from dask_lm.engine import progress
 from dask_lm.engine.policy_base import PolicyBase
 from dask_lm.workers import tasks
@@ -24,6 +25,10 @@ from dask_lm.workers import tasks
 __all__ = ["RefitMixin", "engine_layout", "REFIT_BUFFER_MEMORY_RATIO"]
 
 REFIT_BUFFER_MEMORY_RATIO = 0.3  # of the smallest free device memory, when no size is configured (NeMo RL's default)
+
+# the Policies of this process that joined a refit group, by the group's store address: two Policies that share a
+# worker cannot both be members (the process would wait for itself), which is told here before any rank waits
+_REFIT_GROUPS: dict[tuple[str, int], list[dict[str, Any]]] = {}
 
 
 def engine_layout(world_size: int, num_engines: int, tp: int) -> list[list[int]]:
@@ -57,6 +62,7 @@ class RefitMixin(PolicyBase):
     _rollout_gpus_per_engine: int | None = None
     _weight_version: int = 0
     _refit_total_bytes: int | None = None
+    _refit_place: dict[str, Any] | None = None  # the refit group this Policy's ranks joined: store, member offset
 
     def _refit_buffer_size(self, buffer_size_bytes: int | None) -> int:
         if buffer_size_bytes is not None:
@@ -179,12 +185,95 @@ class RefitMixin(PolicyBase):
         if not isinstance(world_size, int) or world_size <= train_world_size:
             raise ValueError(f"`world_size` = {world_size!r} must count the {train_world_size} training ranks plus "
                              "at least one inference rank")
-        if not isinstance(port, int) or not 0 < port < 65536:
+        return self._join_refit_group(str(ip), port, world_size, rank_offset=0, backend=None, what="init_collective",
+                                      timeout_s=timeout_s)
+
+    def init_collective_mcore_generation(self, ip: str, port: int, world_size: int, *, rank_offset: int,
+                                         refit_backend: str = "gloo") -> list[Future[Any]]:
+        """Join a refit group that two Policies share, for :meth:`swap_weights_via_reshard` (NeMo RL's collective
+        between a training Policy and a generation-side Policy).
+
+        The training Policy calls it with ``rank_offset=0`` (its ranks are members ``0 .. N-1``; its rank 0
+        hosts the store at ``ip:port``), the generation-side one with ``rank_offset=N`` (its ranks follow);
+        ``world_size`` counts both. Issue both calls before waiting on either's futures: each finishes once
+        every member joined. ``refit_backend``: ``"gloo"`` (NeMo RL's default; tensors travel through host
+        memory) or ``"nccl"`` (GPU ranks). The two Policies must run on different workers of the cluster
+        (``Policy(..., workers=[...])``): a process is one member. A generation-side Policy joined this way also
+        receives the training side's :meth:`broadcast_weights_for_collective`, with
+        ``swap_weights_via_reshard(is_source=False)``. One future per rank."""
+        n = self.data_parallel_size
+        if refit_backend not in ("gloo", "nccl"):
+            hint = " (NeMo RL's NVSHMEM copy service is Megatron's)" if refit_backend == "nvshmem" else ""
+            raise ValueError(f"`refit_backend` = {refit_backend!r}: 'gloo' or 'nccl'{hint}")
+        if refit_backend == "nccl" and not all(i.get("device") == "cuda" for i in self.worker_info):
+            raise ValueError("`refit_backend` = 'nccl' needs GPU ranks; this Policy's ranks are on CPUs: use 'gloo'")
+        if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
+            raise ValueError(f"`rank_offset` must be a non-negative int, got {rank_offset!r}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < rank_offset + n:
+            raise ValueError(f"`world_size` = {world_size!r} must count this Policy's {n} ranks from `rank_offset` "
+                             f"{rank_offset}, and the other Policy's")
+        if rank_offset == 0 and world_size == n:
+            raise ValueError(f"`world_size` = {world_size} holds only this Policy's ranks; count the receiving "
+                             "Policy's ranks too")
+        if rank_offset > 0 and rank_offset + n != world_size:
+            raise ValueError(f"`rank_offset` = {rank_offset}: the receiving Policy's ranks are the group's last "
+                             f"{n} members, so rank_offset is world_size - {n} = {world_size - n}")
+        return self._join_refit_group(str(ip), port, world_size, rank_offset=rank_offset, backend=refit_backend,
+                                      what="init_collective_mcore_generation")
+
+    def swap_weights_via_reshard(self, *, is_source: bool) -> list[Future[Any]]:
+        """Move the weights between the two Policies of :meth:`init_collective_mcore_generation`'s group: the
+        training Policy calls it with ``is_source=True``, the generation-side one with ``is_source=False``, both
+        before waiting (``client.gather(src + dst)``). Each receiving rank gets only its own FSDP rows of every
+        weight, from the sending ranks that hold them (:mod:`dask_lm.refit.swap`); what travels is what training
+        keeps (fp32 masters where there are some), so the receiver's weights equal the sender's (rounded to the
+        receiver's precision where it is lower). The receiver's reference weights and optimizer state are left as
+        they were. The receiving side also takes a :meth:`broadcast_weights_for_collective` of the sender. One
+        future per rank; each rank's result is True."""
+        place = self._refit_place
+        if place is None:
+            raise ValueError("swap_weights_via_reshard() needs init_collective_mcore_generation(...) on both Policies "
+                             "first")
+        if is_source and place["rank_offset"] != 0:
+            raise ValueError(f"this Policy joined the refit group at rank_offset {place['rank_offset']}, as the "
+                             "receiving side: call swap_weights_via_reshard(is_source=False) here")
+        if not is_source and place["rank_offset"] == 0:
+            raise ValueError("this Policy joined the refit group at rank_offset 0, as the sending side: call "
+                             "swap_weights_via_reshard(is_source=True) here")
+        return self._post(lambda _progress_id: WeightSwapRequest(is_source=bool(is_source)),
+                          "swap_weights_via_reshard", show_progress=False)
+
+    def _join_refit_group(self, ip: str, port: int, world_size: int, *, rank_offset: int, backend: str | None,
+                          what: str, timeout_s: float | None = None) -> list[Future[Any]]:
+        """Every rank joins the refit group at ``ip:port`` as member ``rank_offset + rank``. Refused here when
+        another Policy of this process joined the same group on one of these workers, or at the same members:
+        one worker process cannot be two members (it would wait for itself)."""
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ValueError(f"`port` must be a TCP port number, got {port!r}")
+        n = self.data_parallel_size
+        key = (ip, port)
+        mine = set(self.group.ids)
+        _REFIT_GROUPS[key] = [o for o in _REFIT_GROUPS.get(key, []) if o["policy"]() is not None]
+        for other in _REFIT_GROUPS[key]:
+            peer = other["policy"]()
+            if peer is None or peer is self or peer._refit_place is None or peer._refit_place.get("key") != key:
+                continue
+            shared = [name for name, i in zip(self.group.names, self.group.ids) if i in mine & set(peer.group.ids)]
+            if shared:
+                raise ValueError(f"{what}: workers {shared} already hold a member of the refit group at {ip}:{port} "
+                                 "for another Policy; one process is one member, so give the two Policies different "
+                                 "workers: Policy(..., workers=[...]) (client.scheduler_info()['workers'] lists them)")
+            lo = peer._refit_place["rank_offset"]
+            if lo < rank_offset + n and rank_offset < lo + peer.data_parallel_size:
+                raise ValueError(f"{what}: members {rank_offset}..{rank_offset + n - 1} overlap another Policy's "
+                                 f"{lo}..{lo + peer.data_parallel_size - 1} in the refit group at {ip}:{port}")
         timeout = float(timeout_s if timeout_s is not None else self.cfg.collective_timeout_s)
-        return self._post(lambda _progress_id: CollectiveInitRequest(
-            ip=str(ip), port=port, world_size=world_size, train_world_size=train_world_size, timeout_s=timeout),
-            "init_collective", show_progress=False)
+        futures = self._post(lambda _progress_id: CollectiveInitRequest(
+            ip=ip, port=port, world_size=world_size, train_world_size=rank_offset or n, timeout_s=timeout,
+            rank_offset=rank_offset, backend=backend), what, show_progress=False)
+        self._refit_place = {"key": key, "rank_offset": rank_offset, "world_size": world_size}
+        _REFIT_GROUPS.setdefault(key, []).append({"policy": weakref.ref(self)})
+        return futures
 
     def broadcast_weights_for_collective(self, kv_scales: Any = None, *, buffer_size_bytes: int | None = None,
                                          num_buffers: int | None = None) -> list[Future[Any]]:

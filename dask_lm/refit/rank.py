@@ -52,6 +52,8 @@ class Refitter:
         self.rank = host.rank  # names the ZMQ endpoint's private directory
         self.groups: dict[Any, Any] = {}
         self.collective: tuple[Any, Any] | None = None
+        # the collective's member offset, size, and where its tensors live (the GPU for NCCL, the host for gloo)
+        self.place: dict[str, Any] = {}
         self.refit_zmq: Any = None
 
     def gloo_groups(self, layout: list[list[int]], world_size: int, timeout_s: float) -> dict[Any, Any]:
@@ -84,24 +86,41 @@ class Refitter:
         return _stream_via_zmq(self.host, self, **kwargs)
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int,
-                        timeout_s: float) -> bool:
-        """Join the refit group: training rank r is group rank r, inference ranks follow from
-        ``train_world_size``. Rank 0 hosts the rendezvous store at ``ip:port``; the call returns once every
-        member has joined."""
+                        timeout_s: float, rank_offset: int = 0, backend: str | None = None) -> bool:
+        """Join the refit group as member ``rank_offset + rank``: the training side's rank r is member r (its
+        rank 0 hosts the rendezvous store at ``ip:port``), a generation-side Policy's ranks follow at
+        ``rank_offset`` (``init_collective_mcore_generation``). Returns once every member has joined."""
         import torch.distributed as dist
 
         from dask_lm.comm import rendezvous
 
-        rank = self.rank
-        assert rank < train_world_size, "the driver checks train_world_size against the policy's ranks"
+        member = rank_offset + self.rank
+        assert rank_offset > 0 or self.rank < train_world_size, "the driver checks the ranks against the group"
         self.close_collective()
         # gloo's / NCCL's own sockets on the interface of `ip` when this host has it (rank 0), else on the worker's
         rendezvous.pin_interfaces(ip if rendezvous.interface_for(ip) else rendezvous.worker_host())
-        store = rendezvous.create_store(ip, int(port), world_size, is_master=rank == 0, timeout_s=timeout_s,
+        store = rendezvous.create_store(ip, int(port), world_size, is_master=member == 0, timeout_s=timeout_s,
                                         wait_for_workers=True, what="init_collective (policy rank 0)")
-        group = device.standalone_group(dist.PrefixStore("dask-lm-refit", store), rank, world_size, timeout_s)
+        group = device.standalone_group(dist.PrefixStore("dask-lm-refit", store), member, world_size, timeout_s,
+                                        backend)
         self.collective = (group, store)
+        self.place = {"rank_offset": rank_offset, "world_size": world_size,
+                      "where": device.standalone_tensors_device(backend)}
         return True
+
+    def swap(self, is_source: bool) -> dict[str, Any]:
+        """``swap_weights_via_reshard``: this rank's rows of every weight to the receiving Policy of the refit
+        group, or its own rows from the sending one (:mod:`dask_lm.refit.swap`)."""
+        from dask_lm.refit import swap
+
+        if self.collective is None:
+            raise ValueError("swap_weights_via_reshard() needs init_collective_mcore_generation() on both Policies "
+                             "first")
+        group, place = self.collective[0], self.place
+        if is_source:
+            return swap.send(self.host, group, world_size=place["world_size"], where=place["where"])
+        return swap.receive(self.host, group, rank_offset=place["rank_offset"], world_size=place["world_size"],
+                            where=place["where"])
 
     def close_collective(self) -> None:
         existing, self.collective = self.collective, None
@@ -131,7 +150,7 @@ class Refitter:
             return local_tensor(state[name].detach()).to(info[name][1])  # this rank's rows, in the serving dtype
 
         with torch.no_grad():
-            out = reshard_mod.send_slices(self.collective[0], plan, host.rank, weights, host.device)
+            out = reshard_mod.send_slices(self.collective[0], plan, host.rank, weights, self.place["where"])
         device.synchronize()
         return out
 

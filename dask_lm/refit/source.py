@@ -6,7 +6,7 @@ on every rank, because under FSDP each whole tensor is an all-gather that all ra
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -30,6 +30,8 @@ class RefitHost(Protocol):
     device: torch.device
     rank: int
     world_size: int
+    keeps_fp32: bool  # training keeps fp32 weights (FSDP's fp32 shards or ``masters``) under a lower precision
+    masters: Any  # the fp32 master weights of a single low-precision trainable rank (MasterWeights), else None
 
     def ensure_on_device(self) -> None: ...
 

@@ -29,6 +29,7 @@ from dask_lm.data.messages import (
     SaveRequest,
     TrainRequest,
     TrainResult,
+    WeightSwapRequest,
 )
 from dask_lm.workers import generation
 from dask_lm.workers.policy_worker import PolicyWorker
@@ -112,7 +113,13 @@ def _refit(worker: PolicyWorker, plan: RefitPlan) -> dict[str, Any]:
 
 def _collective_init(worker: PolicyWorker, req: CollectiveInitRequest) -> bool:
     return worker.refitter.init_collective(req.ip, req.port, req.world_size, train_world_size=req.train_world_size,
-                                           timeout_s=req.timeout_s)
+                                           timeout_s=req.timeout_s, rank_offset=req.rank_offset,
+                                           backend=req.backend)
+
+
+def _swap(worker: PolicyWorker, req: WeightSwapRequest) -> bool:
+    worker.refitter.swap(req.is_source)
+    return True  # NeMo RL's ranks answer True
 
 
 # ------------------------------------------------------------------------------------------- extensions
@@ -148,6 +155,7 @@ ENDPOINTS: dict[type, Callable[[PolicyWorker, Any], Any]] = {
     ActionRequest: _action,
     RefitPlan: _refit,
     CollectiveInitRequest: _collective_init,
+    WeightSwapRequest: _swap,
     ExtensionCall: _extension,
 }
 
