@@ -107,13 +107,17 @@ def test_one_bf16_rank_to_two_through_master_weights(three, tiny, tok, tmp_path)
     dst = dask_lm.Policy(three, _cfg(tiny["llama"], "bfloat16"), tok, workers=[0, 1])
     try:
         src.train(sft_batch(tok, TEXTS[:4]), dask_lm.NLLLoss())
+        data = _batch(tok)
+        before = dst.get_logprobs(data)["logprobs"]
         _swap(src, dst)
         want = _saved(src, tmp_path / "src")
         assert next(iter(want.values())).dtype == torch.float32
         _assert_identical(_saved(dst, tmp_path / "dst"), want)
-        data = _batch(tok)
-        torch.testing.assert_close(dst.get_logprobs(data)["logprobs"], src.get_logprobs(data)["logprobs"],
-                                   atol=2e-2, rtol=0)  # bf16 forwards over 1 and 2 ranks
+        # the receiver's forwards use the new shards (bf16 forwards over 1 and 2 ranks: close, not equal)
+        ref = src.get_logprobs(data)["logprobs"]
+        gap_before = (before - ref).abs().max().item()
+        gap = (dst.get_logprobs(data)["logprobs"] - ref).abs().max().item()
+        assert gap < 2e-2 and gap < gap_before / 10, (gap, gap_before)
     finally:
         src.shutdown()
         dst.shutdown()
