@@ -139,3 +139,35 @@ class WritesMarker:
 
     def __reduce__(self):
         return (open, (self.path, "w"))
+
+
+def qkv_reference_samples(model_dir, ids, lens, rows_per_forward):
+    """calibrate_qkv_fp8_scales' reference: {layer: {"q"|"k"|"v": [the largest magnitude over the real tokens of
+    each forward of `rows_per_forward` rows, in order]}}, Q / K / V recomputed from each layer's input (the
+    projections and RoPE applied here, not read from an attention hook). Llama-family models."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seen = {}
+
+    def hook(module, args, kwargs):
+        seen[module.layer_idx] = (kwargs["hidden_states"], kwargs["position_embeddings"])
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True)
+    out = {}
+    for s in range(0, ids.shape[0], rows_per_forward):
+        x, n = ids[s:s + rows_per_forward], lens[s:s + rows_per_forward]
+        x = x[:, :int(n.max())]  # the rows as a micro-batch holds them: padded to its longest row
+        real = (torch.arange(x.shape[1])[None, :] < n[:, None]).float()
+        with torch.no_grad():
+            model(input_ids=x, attention_mask=real.long())
+            for i, (h, (cos, sin)) in seen.items():
+                att = model.model.layers[i].self_attn
+                shape = (*h.shape[:-1], -1, att.head_dim)
+                q, k, v = (p(h).view(shape).transpose(1, 2) for p in (att.q_proj, att.k_proj, att.v_proj))
+                q, k = apply_rotary_pos_emb(q, k, cos, sin)
+                for name, t in (("q", q), ("k", k), ("v", v)):
+                    amax = (t.abs().amax(dim=(1, 3)) * real).amax().item()
+                    out.setdefault(i, {}).setdefault(name, []).append(amax)
+    return out

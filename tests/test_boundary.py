@@ -75,6 +75,7 @@ POLICY_SIGNATURES = {
     'nccl_reshard_refit': '(self, kv_scales=None)',
     # issue 30: weights between two Policies of one cluster over a shared refit group
     'init_collective_mcore_generation': "(self, ip, port, world_size, *, rank_offset, refit_backend='gloo')",
+    'calibrate_qkv_fp8_scales': '(self, data, micro_batch_size=None, percentile=99.9, margin=1.05, include_q=False)',
     'swap_weights_via_reshard': '(self, *, is_source)',
     # `workers` (issue 30, a dask-lm addition after NeMo RL's parameters): which workers, so two Policies can run
     # side by side on different workers of one cluster
@@ -117,7 +118,7 @@ NEMO_RL_POLICY_METHODS = {
     "run_all_workers_single_data", "save_checkpoint", "score", "set_rollout_num_gpus_per_engine", "shutdown",
     "start_gpu_profiling", "stop_gpu_profiling", "stream_weights_via_http", "stream_weights_via_ipc_zmq",
     "swap_weights_via_reshard", "train"}
-NOT_YET = {"calibrate_qkv_fp8_scales"}
+NOT_YET: set[str] = set()
 
 
 def test_nemo_rl_policy_methods_are_all_there_but_the_listed_ones():

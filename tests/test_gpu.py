@@ -396,3 +396,22 @@ def test_full_logits_over_cuda_ipc_match_cpu_reference(gpu_client, tiny):
         del got
         torch.cuda.synchronize()
         policy.release_ipc_buffer()
+
+
+@pytest.mark.cluster
+def test_qkv_fp8_calibration_on_cuda_ranks_matches_cpu_reference(gpu_client, tiny):
+    """calibrate_qkv_fp8_scales on CUDA ranks (fp32: TF32 stays off) equals the CPU fp32 reference's largest
+    magnitudes over the real tokens."""
+    from helpers import qkv_reference_samples
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
+    ids, lens = make_batch(tok, TEXTS)
+    cfg = {"model_name": tiny["llama"], "precision": "float32"}
+    with dask_lm.Policy(gpu_client, cfg, tok, init_reference_model=False, init_optimizer=False) as policy:
+        got = policy.calibrate_qkv_fp8_scales(BatchedDataDict(input_ids=ids, input_lengths=lens),
+                                              micro_batch_size=2, percentile=100, margin=1.0, include_q=True)
+    ref = qkv_reference_samples(tiny["llama"], ids, lens, len(TEXTS))
+    for i, samples in ref.items():
+        for n, key in (("q", "attn.q_scale"), ("k", "k_scale"), ("v", "v_scale")):
+            assert got["layers"][f"model.layers.{i}.self_attn.{key}"] == pytest.approx(max(samples[n]) / 448,
+                                                                                        rel=1e-4), (i, n)

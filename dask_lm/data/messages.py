@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from dask_lm.data.batch import BatchedDataDict
     from dask_lm.data.tokens import TokenRows
 
-__all__ = ["GENERATE_BATCH_FACTOR", "MicroBatchPlan", "Shard", "ForwardRequest", "FullLogitsRequest", "GenerateRequest", "ForwardOutput",
+__all__ = ["GENERATE_BATCH_FACTOR", "MicroBatchPlan", "Shard", "ForwardRequest", "FullLogitsRequest",
+           "QKVCalibrationRequest", "GenerateRequest", "ForwardOutput",
            "TrainRequest", "TrainResult", "SaveRequest", "ActionRequest", "RefitPlan", "CollectiveInitRequest", "WeightSwapRequest",
            "ExtensionCall",
            "ScoreOptions", "Request", "ACTIONS"]
@@ -132,6 +133,17 @@ class FullLogitsRequest:
 
     shard: Shard
     micro_batch_size: int | None = None  # rows per micro-batch (default: logprob_batch_size)
+
+
+@dataclass(frozen=True, slots=True)
+class QKVCalibrationRequest:
+    """``calibrate_qkv_fp8_scales`` on a shard: each layer's percentile amax of Q / K / V over this rank's
+    micro-batches (:mod:`dask_lm.workers.qkv_calibration`)."""
+
+    shard: Shard
+    micro_batch_size: int | None = None
+    percentile: float = 99.9
+    include_q: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +338,8 @@ class ExtensionCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-Request = (ForwardRequest | FullLogitsRequest | GenerateRequest | TrainRequest | SaveRequest | ActionRequest | RefitPlan
+Request = (ForwardRequest | FullLogitsRequest | QKVCalibrationRequest | GenerateRequest | TrainRequest | SaveRequest
+           | ActionRequest | RefitPlan
            | CollectiveInitRequest | WeightSwapRequest | ExtensionCall)
 
 

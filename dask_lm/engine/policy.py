@@ -33,6 +33,7 @@ from dask_lm.data.messages import (
     FullLogitsRequest,
     GenerateRequest,
     PlacementAction,
+    QKVCalibrationRequest,
     Request,
     Shard,
 )
@@ -52,6 +53,8 @@ from dask_lm.refit.driver import RefitMixin
 from dask_lm.workers import tasks
 
 __all__ = ["Policy", "SUBMITTABLE"]
+
+FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3 value, NeMo RL's default range for Q / K / V scales
 
 # the methods Policy.submit takes: the calls whose work is rows on the ranks
 SUBMITTABLE = ("get_logprobs", "get_reference_policy_logprobs", "get_topk_logits", "score", "generate", "train")
@@ -314,6 +317,47 @@ class Policy(TrainingMixin, RefitMixin):
         posted.done(answers, None)
         assert [a["dp_rank"] for a in answers] == list(range(len(answers))), "gather answers in rank order"
         return [{"teacher_shards": [entry]} for answer in answers for entry in answer["per_sample_handles"]]
+
+    def calibrate_qkv_fp8_scales(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None,
+                                 percentile: float = 99.9, margin: float = 1.05,
+                                 include_q: bool = False) -> dict[str, Any]:
+        """FP8 KV-cache scales from a representative batch (NeMo RL's calibration, there Megatron's only).
+
+        Each rank runs its rows in order, ``micro_batch_size`` rows per forward (default ``logprob_batch_size``),
+        and records per layer and forward the largest ``|K|`` and ``|V|`` (and ``|Q|`` with ``include_q``) over
+        the real tokens, as the attention function receives them (after Q/K norms and RoPE); the ``percentile`` of
+        a rank's samples, the largest over the ranks, times ``margin``, over the FP8 e4m3 maximum 448, is the
+        layer's scale. Returns NeMo RL's ``{"format": "fp8", "percentile", "margin", "layers": {name: scale}}``
+        with vLLM's parameter names (``model.layers.{i}.self_attn.k_scale`` / ``v_scale``,
+        ``model.layers.{i}.self_attn.attn.q_scale``)."""
+        what = "calibrate_qkv_fp8_scales"
+        if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or
+                                             isinstance(micro_batch_size, bool) or micro_batch_size < 1):
+            raise ValueError(f"{what}: `micro_batch_size` must be a positive integer or None, got {micro_batch_size!r}")
+        if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
+            raise ValueError(f"{what}: `percentile` must be in (0, 100], got {percentile!r}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
+            raise ValueError(f"{what}: `margin` must be a positive number, got {margin!r}")
+        if self.cfg.reward_model_cfg.enabled:
+            raise ValueError(f"{what}: a reward model has no KV cache to calibrate for generation")
+        posted = self._post_sharded(functools.partial(QKVCalibrationRequest, micro_batch_size=micro_batch_size,
+                                                      percentile=float(percentile), include_q=bool(include_q)),
+                                    data, what=what, contiguous=True)
+        answers = self.group.gather(posted.futures, what=what)
+        posted.done(answers, None)
+        amax: dict[int, dict[str, float]] = {}
+        for answer in answers:  # the largest over the ranks (NeMo RL's conservative merge)
+            for layer, values in answer.items():
+                merged = amax.setdefault(int(layer), {})
+                for name, v in values.items():
+                    merged[name] = max(merged.get(name, 0.0), float(v))
+        layers: dict[str, float] = {}
+        for i, values in sorted(amax.items()):
+            for name, v in values.items():
+                # vLLM's names: the query scale sits one module deeper (NeMo RL's get_vllm_qkv_scale_names)
+                key = f"model.layers.{i}.self_attn.{'attn.' if name == 'q' else ''}{name}_scale"
+                layers[key] = v * float(margin) / FP8_E4M3_MAX
+        return {"format": "fp8", "percentile": float(percentile), "margin": float(margin), "layers": layers}
 
     def release_ipc_buffer(self) -> None:
         """Free every rank's :meth:`get_full_logits_ipc` buffer (once, when the loop is done with it: a consumer

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["NAME", "available", "packed_attention", "packed_kwargs"]
+__all__ = ["NAME", "available", "attention_implementation", "packed_attention", "packed_kwargs"]
 
 NAME = "dask_lm_varlen"
 _REGISTERED = False
@@ -126,12 +126,20 @@ def packed_attention(model: torch.nn.Module) -> Iterator[None]:
     the other's remaining layers, which would then attend across the packed sequences: wrong values, no error. A
     plain forward running meanwhile in another thread fails loudly instead (the kernel asserts its boundaries)."""
     _register()
+    with attention_implementation(model, NAME):
+        yield
+
+
+@contextlib.contextmanager
+def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """The forwards inside run under the registered attention implementation ``name`` (the model's config and
+    its text sub-config), under the model's lock; the model's own implementation is restored after."""
     with _model_lock(model):
         configs = _configs(model)
         before = [c._attn_implementation for c in configs]
         try:
             for c in configs:
-                c._attn_implementation = NAME
+                c._attn_implementation = name
             yield
         finally:
             for c, impl in zip(configs, before):

@@ -25,13 +25,14 @@ from dask_lm.data.messages import (
     ForwardRequest,
     FullLogitsRequest,
     GenerateRequest,
+    QKVCalibrationRequest,
     RefitPlan,
     SaveRequest,
     TrainRequest,
     TrainResult,
     WeightSwapRequest,
 )
-from dask_lm.workers import generation
+from dask_lm.workers import generation, qkv_calibration
 from dask_lm.workers.policy_worker import PolicyWorker
 
 __all__ = ["ENDPOINTS", "EXTENSION_BASE_METHODS", "handle"]
@@ -52,6 +53,11 @@ def _forward(worker: PolicyWorker, req: ForwardRequest) -> ForwardOutput:
 
 def _full_logits(worker: PolicyWorker, req: FullLogitsRequest) -> dict[str, Any]:
     return worker.full_logits.export(req.shard.tokens(), req.micro_batch_size)
+
+
+def _qkv_calibration(worker: PolicyWorker, req: QKVCalibrationRequest) -> dict[int, dict[str, float]]:
+    return qkv_calibration.calibrate(worker.rank_model, req.shard.tokens(), req.micro_batch_size, req.percentile,
+                                     req.include_q)
 
 
 def _generate(worker: PolicyWorker, req: GenerateRequest) -> ForwardOutput:
@@ -149,6 +155,7 @@ def _extension(worker: PolicyWorker, call: ExtensionCall) -> Any:
 ENDPOINTS: dict[type, Callable[[PolicyWorker, Any], Any]] = {
     ForwardRequest: _forward,
     FullLogitsRequest: _full_logits,
+    QKVCalibrationRequest: _qkv_calibration,
     GenerateRequest: _generate,
     TrainRequest: _train,
     SaveRequest: _save,
