@@ -224,3 +224,58 @@ def test_nccl_reshard_refit_to_a_second_gpu(gpu_client, tiny, tmp_path):
     got = torch.load(out)
     assert "error" not in got, got.get("error")
     assert sorted(got["weights"]) == sorted(saved) and all(torch.equal(got["weights"][k], saved[k]) for k in saved)
+
+
+@pytest.mark.cluster
+def test_weight_swap_between_two_gpu_workers_over_gloo(tiny, tmp_path):
+    """swap_weights_via_reshard with refit_backend="gloo" between GPU ranks: two worker processes that share GPU 0
+    (a plain LocalCluster: every worker sees the GPU), a bf16 trainer and a bf16 generation-side Policy. gloo
+    stages each shard through host memory and the receiver uploads it to its GPU; after it the two checkpoints
+    (fp32 masters) are bit-identical and the receiver's forwards equal the sender's. NCCL refuses two ranks on
+    one GPU, so the NCCL swap needs the two-GPU machine."""
+    import glob
+    import socket
+
+    from helpers import sft_batch
+    from safetensors.torch import load_file
+
+    def saved(policy, path):
+        policy.save_checkpoint(str(path))
+        out = {}
+        for f in sorted(glob.glob(f"{path}/*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
+    cfg = {"model_name": tiny["qwen2"], "precision": "bfloat16", "train_global_batch_size": 4,
+           "train_micro_batch_size": 2, "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}}
+    client = dask_lm.connect(n_workers=2, cluster="cpu")
+    src = dask_lm.Policy(client, cfg, tok, workers=[0])
+    dst = dask_lm.Policy(client, cfg, tok, workers=[1], init_reference_model=False)
+    try:
+        assert [i["device"] for i in src.worker_info + dst.worker_info] == ["cuda", "cuda"]
+        src.train(sft_batch(tok, TEXTS[:4]), dask_lm.NLLLoss())
+        ids, lens = make_batch(tok, TEXTS[4:8])
+        data = BatchedDataDict(input_ids=ids, input_lengths=lens)
+        before = dst.get_logprobs(data)["logprobs"]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        joined = (src.init_collective_mcore_generation("127.0.0.1", port, 2, rank_offset=0, refit_backend="gloo")
+                  + dst.init_collective_mcore_generation("127.0.0.1", port, 2, rank_offset=1, refit_backend="gloo"))
+        assert client.gather(joined) == [True, True]
+        moved = src.swap_weights_via_reshard(is_source=True) + dst.swap_weights_via_reshard(is_source=False)
+        assert client.gather(moved) == [True, True]
+        want, got = saved(src, tmp_path / "src"), saved(dst, tmp_path / "dst")
+        assert sorted(got) == sorted(want)
+        assert all(got[k].dtype == want[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in want)
+        ref = src.get_logprobs(data)["logprobs"]
+        after = dst.get_logprobs(data)["logprobs"]
+        gap_before, gap = (before - ref).abs().max().item(), (after - ref).abs().max().item()
+        # one rank each, one GPU, equal bf16 weights: the same kernels on the same rows
+        assert gap_before > 1e-2 and gap < 1e-3, (gap_before, gap)
+    finally:
+        src.shutdown()
+        dst.shutdown()
+        client.close()
+        client.cluster.close()
