@@ -114,6 +114,19 @@ def sft_batch(tokenizer, texts, pad_to: int | None = None):
                            sample_mask=torch.ones(ids.shape[0]))
 
 
+def saved_weights(policy, path) -> dict[str, torch.Tensor]:
+    """What ``policy.save_checkpoint(path)`` writes, read back from its safetensors files."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    policy.save_checkpoint(str(path))
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(f"{path}/*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
 def launch_chromium(playwright: Any) -> Any:
     """Debian's headless Chromium under Playwright, with the flags this machine's closed network needs (no
     background connections, no QUIC), as both browser tests launch it. Fails under CI when it is missing

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import transformers
-from helpers import TEXTS, make_batch
+from helpers import TEXTS, make_batch, saved_weights
 from test_gpu import gpu_client  # noqa: F401  (the CUDA cluster fixture, one per module)
 
 import dask_lm
@@ -19,16 +19,10 @@ pytestmark = pytest.mark.gpu
 
 
 def _bf16_policy_and_saved(gpu_client, tiny, tmp_path, **kwargs):
-    from safetensors.torch import load_file
-
     tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
     policy = dask_lm.Policy(gpu_client, {"model_name": tiny["qwen2"], "precision": "bfloat16"}, tok,
                             init_optimizer=False, init_reference_model=False, **kwargs)
-    policy.save_checkpoint(str(tmp_path / "w"))
-    saved = {}
-    for f in sorted((tmp_path / "w").glob("*.safetensors")):
-        saved.update(load_file(str(f)))
-    return policy, saved, tok
+    return policy, saved_weights(policy, tmp_path / "w"), tok
 
 
 def _worker_allocated():
@@ -233,18 +227,9 @@ def test_weight_swap_between_two_gpu_workers_over_gloo(tiny, tmp_path):
     stages each shard through host memory and the receiver uploads it to its GPU; after it the two checkpoints
     (fp32 masters) are bit-identical and the receiver's forwards equal the sender's. NCCL refuses two ranks on
     one GPU, so the NCCL swap needs the two-GPU machine."""
-    import glob
     import socket
 
     from helpers import sft_batch
-    from safetensors.torch import load_file
-
-    def saved(policy, path):
-        policy.save_checkpoint(str(path))
-        out = {}
-        for f in sorted(glob.glob(f"{path}/*.safetensors")):
-            out.update(load_file(f))
-        return out
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
     cfg = {"model_name": tiny["qwen2"], "precision": "bfloat16", "train_global_batch_size": 4,
@@ -266,7 +251,7 @@ def test_weight_swap_between_two_gpu_workers_over_gloo(tiny, tmp_path):
         assert client.gather(joined) == [True, True]
         moved = src.swap_weights_via_reshard(is_source=True) + dst.swap_weights_via_reshard(is_source=False)
         assert client.gather(moved) == [True, True]
-        want, got = saved(src, tmp_path / "src"), saved(dst, tmp_path / "dst")
+        want, got = saved_weights(src, tmp_path / "src"), saved_weights(dst, tmp_path / "dst")
         assert sorted(got) == sorted(want)
         assert all(got[k].dtype == want[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in want)
         ref = src.get_logprobs(data)["logprobs"]

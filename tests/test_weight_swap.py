@@ -6,14 +6,12 @@ Misuse (shared workers, wrong side, no group, unknown backend) is refused before
 
 from __future__ import annotations
 
-import glob
 import socket
 
 import pytest
 import torch
 import transformers
-from helpers import TEXTS, hf_logprobs, make_batch, sft_batch
-from safetensors.torch import load_file
+from helpers import TEXTS, hf_logprobs, make_batch, saved_weights, sft_batch
 
 import dask_lm
 
@@ -32,14 +30,6 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _saved(policy, path):
-    policy.save_checkpoint(str(path))
-    out = {}
-    for f in sorted(glob.glob(f"{path}/*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def _assert_identical(got, want):
@@ -85,8 +75,8 @@ def test_two_ranks_to_one_equal_weights_and_logprobs(three, tiny, tok, tmp_path)
         data = _batch(tok)
         before = dst.get_logprobs(data)["logprobs"]
         _swap(src, dst)
-        want = _saved(src, tmp_path / "src")
-        _assert_identical(_saved(dst, tmp_path / "dst"), want)
+        want = saved_weights(src, tmp_path / "src")
+        _assert_identical(saved_weights(dst, tmp_path / "dst"), want)
         got = dst.get_logprobs(data)["logprobs"]
         ref, _logits = hf_logprobs(str(tmp_path / "src"), data["input_ids"], data["input_lengths"])
         assert (before - ref).abs().max() > 1e-3  # the step moved the weights: the swap had something to carry
@@ -110,9 +100,9 @@ def test_one_bf16_rank_to_two_through_master_weights(three, tiny, tok, tmp_path)
         data = _batch(tok)
         before = dst.get_logprobs(data)["logprobs"]
         _swap(src, dst)
-        want = _saved(src, tmp_path / "src")
+        want = saved_weights(src, tmp_path / "src")
         assert next(iter(want.values())).dtype == torch.float32
-        _assert_identical(_saved(dst, tmp_path / "dst"), want)
+        _assert_identical(saved_weights(dst, tmp_path / "dst"), want)
         # the receiver's forwards use the new shards (bf16 forwards over 1 and 2 ranks: close, not equal)
         ref = src.get_logprobs(data)["logprobs"]
         gap_before = (before - ref).abs().max().item()
@@ -147,7 +137,7 @@ def test_receiver_takes_a_collective_broadcast_and_misuse_is_refused(three, tiny
         sent = src.broadcast_weights_for_collective(buffer_size_bytes=64 * 1024)
         got = dst.swap_weights_via_reshard(is_source=False)
         src.client.gather(sent + got)
-        _assert_identical(_saved(dst, tmp_path / "dst"), _saved(src, tmp_path / "src"))
+        _assert_identical(saved_weights(dst, tmp_path / "dst"), saved_weights(src, tmp_path / "src"))
         # a third Policy on a worker that is already a member of this group is refused before any rank waits
         third = dask_lm.Policy(three, _cfg(tiny["llama"], train=False), tok, workers=[1], init_optimizer=False)
         try:
