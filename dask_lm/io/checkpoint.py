@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from dask_lm.errors import CheckpointWriteError
+from dask_lm.io import safe_paths
 
 __all__ = ["temporary_sibling", "publish", "discard", "parse_size", "plan_shards", "write_shard", "write_index",
            "fsync_tree", "BackgroundWriter", "CheckpointWriteError", "write_error", "writing", "WEIGHTS_NAME",
@@ -66,7 +67,12 @@ def temporary_sibling(final: str) -> str:
 
 
 def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY | safe_paths.NOFOLLOW)
+    except OSError:
+        if safe_paths.is_link(path):  # a link in a checkpoint is synced where it lives, not through it
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError:  # some filesystems refuse fsync on directories; the data files were synced
@@ -101,12 +107,20 @@ def publish(tmp: str, final: str) -> None:
         raise
     _fsync(parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_quietly(old)
 
 
 def discard(tmp: str | None) -> None:
-    if tmp and os.path.isdir(tmp):
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Remove the temporary directory ``tmp`` (a link there goes as a link: its target is not the save's)."""
+    if tmp:
+        _remove_quietly(tmp)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        safe_paths.remove(path)
+    except OSError:  # a leftover to clear by hand must not hide the save's own outcome
+        pass
 
 
 def plan_shards(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], max_shard_size: int) -> list[list[str]]:

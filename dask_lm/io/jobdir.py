@@ -20,6 +20,9 @@ Scoring and SFT share these rules:
   to type; ``--overwrite`` deletes the job's own files (never foreign ones) and starts again; ``--resume`` of a
   finished job returns its summary without starting a cluster. The refusals need only the output folder, so
   they come first, before the model is even looked at (:func:`refuse_occupied`).
+- **Links.** Nothing outside the output is touched: a symbolic link under a name the job owns (the lock, the
+  manifest, ``_SUCCESS``, a part, ``_errors``, a checkpoint) is refused, naming it, at the first look and again
+  under the lock, and every file is opened and removed without following links (:mod:`dask_lm.io.safe_paths`).
 """
 
 from __future__ import annotations
@@ -31,16 +34,16 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
 from dask_lm.interface import current, opt
+from dask_lm.io import safe_paths
 from dask_lm.io.parquet import MANIFEST, SUCCESS
 
 __all__ = ["FORMAT", "LOCK", "OutputState", "output_state", "read_summary", "refuse_occupied", "clear_output",
-           "locked_output", "read_manifest", "check_resume", "remove_stale", "check_output_location"]
+           "locked_output", "read_manifest", "refuse_links", "check_resume", "remove_stale", "check_output_location"]
 
 logger = logging.getLogger("dask_lm")
 
@@ -64,7 +67,8 @@ def locked_output(output: str) -> Iterator[str]:
         raise ValueError(f"{opt('output')} {output!r} exists and is not a directory")
     os.makedirs(output, exist_ok=True)
     path = os.path.join(output, LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec'd children (PEP 446)
+    # never through a link: the pid line below would truncate and overwrite its target
+    fd = safe_paths.open_no_follow(path, os.O_RDWR | os.O_CREAT)  # not inherited by exec'd children (PEP 446)
     try:
         try:
             import fcntl
@@ -96,7 +100,7 @@ def refuse_if_locked(output: str) -> None:
     the cheap checks before a job starts anything (:func:`locked_output` takes the lock later, and decides)."""
     path = os.path.join(output, LOCK)
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = safe_paths.open_no_follow(path, os.O_RDWR)
     except OSError:  # no lock file, or none we may open: locked_output will say
         return
     try:
@@ -131,7 +135,9 @@ def _names(output: str) -> list[str]:
 
 def output_state(output: str, owned: str) -> OutputState:
     """The state of ``output``; ``owned`` is a regular expression for the names of the job's own entries (parts,
-    checkpoints) besides ``_manifest.json`` and ``_SUCCESS``."""
+    checkpoints) besides ``_manifest.json`` and ``_SUCCESS``. ``ValueError`` naming a symbolic link under one of
+    those names, or the lock's (:func:`refuse_links`)."""
+    refuse_links(output, owned)
     names = _names(output)
     if not names:
         return OutputState("new")
@@ -146,11 +152,24 @@ def output_state(output: str, owned: str) -> OutputState:
     return OutputState("finished", summary=read_summary(output))
 
 
+def refuse_links(output: str, owned: str) -> None:
+    """``ValueError`` naming the first symbolic link among ``output``'s entries that the job would open, write or
+    delete: the lock, ``_manifest.json``, ``_SUCCESS`` and the names ``owned`` matches. Other links are the
+    user's files (refused as foreign where it matters, never followed)."""
+    if not os.path.isdir(output):
+        return
+    regex = re.compile(owned)
+    for name in sorted(os.listdir(output)):
+        if name in (LOCK, MANIFEST, SUCCESS) or regex.fullmatch(name):
+            safe_paths.refuse_link(os.path.join(output, name))
+
+
 def read_summary(output: str) -> dict[str, Any]:
     """``output/_SUCCESS`` as a dict: the finished job's summary, ``{}`` when it is missing or not a JSON object
     (an older or hand-made marker still marks the job finished; its numbers are then unknown)."""
     try:
-        with open(os.path.join(output, SUCCESS), encoding="utf-8") as f:
+        fd = safe_paths.open_no_follow(os.path.join(output, SUCCESS), os.O_RDONLY)
+        with open(fd, encoding="utf-8") as f:
             summary = json.load(f)
     except (OSError, UnicodeDecodeError, ValueError):
         return {}
@@ -195,13 +214,8 @@ def clear_output(output: str, owned: str) -> list[str]:
     removed = []
     for name in [SUCCESS, *names, MANIFEST]:
         path = os.path.join(output, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        elif os.path.lexists(path):
-            os.remove(path)
-        else:
-            continue
-        removed.append(path)
+        if safe_paths.remove(path):  # a link goes as a link: its target is not the job's
+            removed.append(path)
     if removed:
         logger.info("--overwrite: removed %d entries of the earlier job in %s", len(removed), output)
     return removed
@@ -210,12 +224,13 @@ def clear_output(output: str, owned: str) -> list[str]:
 def read_manifest(output: str) -> dict[str, Any] | None:
     """``output/_manifest.json`` as a dict, ``None`` when there is none; ``ValueError`` naming it when damaged."""
     path = os.path.join(output, MANIFEST)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
     fix = (f"it is not a dask-lm manifest, so what {output} holds cannot be checked: move {output} aside (or delete "
            f"it) and run again, or choose another {opt('output')}")
     try:
-        with open(path, encoding="utf-8") as f:
+        fd = safe_paths.open_no_follow(path, os.O_RDONLY)  # a link: refused (a ValueError), naming it
+        with open(fd, encoding="utf-8") as f:
             obj = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}); {fix}") from None
@@ -305,11 +320,7 @@ def remove_stale(output: str, pattern: str) -> list[str]:
     for name in sorted(os.listdir(output)):
         if regex.fullmatch(name):
             path = os.path.join(output, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
+            safe_paths.remove(path)
             removed.append(path)
     if removed:
         logger.info("removed %d temporary file(s) of an interrupted job in %s", len(removed), output)

@@ -19,11 +19,12 @@ import pyarrow.parquet as pq
 
 from dask_lm import interface
 from dask_lm.errors import PartWriteError
+from dask_lm.io import safe_paths
 from dask_lm.io.fingerprint import Pin, stamp, verify
 
 __all__ = ["ScoreInputs", "resolve_input_files", "inspect_inputs", "part_name", "write_part", "write_json_atomic",
            "output_schema_columns", "UnreadableRowGroup", "slice_rows", "read_partition",
-           "errors_table", "errors_dir", "merge_errors", "remove_debris", "write_fix", "MANIFEST", "SUCCESS", "ERRORS"]
+           "errors_table", "errors_dir", "make_errors_dir", "merge_errors", "remove_debris", "write_fix", "MANIFEST", "SUCCESS", "ERRORS"]
 
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS"
@@ -301,7 +302,7 @@ def part_name(index: int) -> str:
 
 
 def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | safe_paths.NOFOLLOW)
     try:
         os.fsync(fd)
     except OSError:
@@ -317,7 +318,8 @@ def write_part(table: pa.Table, directory: str, name: str) -> str:
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
-        pq.write_table(table, tmp)
+        with safe_paths.create_new(tmp) as sink:  # a new file, never through a link planted under its name
+            pq.write_table(table, sink)
         _fsync(tmp)
         os.replace(tmp, final)  # a retried partition replaces its own earlier copy: every row exactly once
     except BaseException as e:
@@ -348,9 +350,11 @@ def part_write_error(exc: OSError, path: str) -> PartWriteError:
 
 
 def write_json_atomic(obj: Any, path: str) -> None:
+    """``obj`` as JSON at ``path``: a new temporary file beside it (never opened through a link), synced, then
+    renamed over ``path`` (which replaces a link there, never its target)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+    with safe_paths.create_new(tmp) as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -360,34 +364,54 @@ def errors_dir(output: str) -> str:
     return os.path.join(output, _ERRORS_DIR)
 
 
+def make_errors_dir(output: str) -> str:
+    """Create ``output/_errors`` if it is missing; ``ValueError`` naming it when it is a link (the parts' bad-row
+    lists would be written, and debris deleted, wherever it points) or not a directory."""
+    return safe_paths.own_dir(errors_dir(output))
+
+
+def _errors_parts(d: str) -> list[str]:
+    """The bad-row files in ``_errors`` (none when it is missing); ``ValueError`` naming ``_errors`` or a file
+    in it that is a link: its rows are not the job's."""
+    safe_paths.refuse_link(d)
+    if not os.path.isdir(d):
+        return []
+    parts = sorted(f for f in os.listdir(d) if f.endswith(".parquet"))
+    for f in parts:
+        safe_paths.refuse_link(os.path.join(d, f))
+    return parts
+
+
 def merge_errors(output: str) -> int:
     """Gather the per-part bad-row files into ``_errors.parquet`` (atomically), keeping what an earlier, interrupted
     merge already put there (a resumed job); returns the number of bad rows in it."""
-    import shutil
-
     import pyarrow.compute as pc
 
     d = errors_dir(output)
-    parts = sorted(f for f in os.listdir(d) if f.endswith(".parquet")) if os.path.isdir(d) else []
+    parts = _errors_parts(d)
     merged = os.path.join(output, ERRORS)
+    safe_paths.refuse_link(merged)
     tables = [pq.read_table(os.path.join(d, f)) for f in parts]
     if os.path.exists(merged):
         old = pq.read_table(merged)
         redone = pa.array(sorted({int(p) for t in tables for p in t.column("part").to_pylist()}), pa.int32())
         tables.insert(0, old.filter(pc.invert(pc.is_in(old.column("part"), value_set=redone))))
     if not parts:  # nothing new: what is merged already stands
-        shutil.rmtree(d, ignore_errors=True)
+        safe_paths.remove(d)
         return int(tables[0].num_rows) if tables else 0
     table = pa.concat_tables(tables)
     write_part(table, output, ERRORS)
-    shutil.rmtree(d, ignore_errors=True)
+    safe_paths.remove(d)
     return int(table.num_rows)
 
 
 def remove_debris(output: str) -> None:
-    """Temporary files of writers that were killed mid-write (their partitions were redone elsewhere)."""
+    """Temporary files of writers that were killed mid-write (their partitions were redone elsewhere), in the
+    output and in its ``_errors`` (a link there is refused, naming it: the files it leads to are not the job's).
+    A link among them is removed as a link."""
+    safe_paths.refuse_link(errors_dir(output))
     for root in (output, errors_dir(output)):
         if os.path.isdir(root):
             for f in os.listdir(root):
                 if f.startswith(".") and ".tmp-" in f:
-                    os.remove(os.path.join(root, f))
+                    safe_paths.remove(os.path.join(root, f))

@@ -21,6 +21,7 @@ import re
 import weakref
 from typing import TYPE_CHECKING, Any, Sequence
 
+from dask_lm.io import safe_paths
 from dask_lm.io.jobdir import read_manifest
 from dask_lm.io.parquet import MANIFEST, SUCCESS, output_schema_columns, part_name
 
@@ -117,6 +118,8 @@ def _part_files(output: str, allow_incomplete: bool) -> tuple[list[str], dict[st
                          f"such as an sft run's checkpoints); {what}")
     planned = manifest["partitions"]
     found = {int(m.group(1)): n for n in os.listdir(output) if (m := _PART.fullmatch(n))}
+    for name in [*found.values(), SUCCESS]:  # the rows of a part linked in from elsewhere are not the job's
+        safe_paths.refuse_link(os.path.join(output, name))
     finished = os.path.exists(os.path.join(output, SUCCESS))
     if not finished and not allow_incomplete:
         raise ValueError(f"{output} holds an unfinished dask-lm scoring job (no {SUCCESS}: {len(found)} of {planned} "

@@ -343,7 +343,7 @@ def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOut
             return _finished(out.path, old)
         if added_skip:  # from now on the output may leave rows out: its manifest says so
             out.write_manifest({**pinned, "options": {**pinned["options"], "skip_bad_rows": True}})
-        os.makedirs(pio.errors_dir(out.path), exist_ok=True)
+        pio.make_errors_dir(out.path)  # a real directory: a link there is refused, naming it
         done = [i for i in range(len(plan)) if os.path.exists(os.path.join(out.path, pio.part_name(i)))]
         clock = StartClock(started, started_at, {"checks": prepare_seconds})
         clock.config_check(checked)

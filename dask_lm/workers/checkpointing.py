@@ -18,7 +18,6 @@ import io
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -279,7 +278,7 @@ class Checkpointer:
         logger.warning("abandoning an unfinished async checkpoint (its Policy lost its driver or a rank); nothing "
                        "of it is published")
         for tmp in pending["tmps"]:
-            shutil.rmtree(tmp, ignore_errors=True)
+            ckpt.discard(tmp)
         return True
 
     def close(self, *, orphaned: bool) -> None:
