@@ -9,19 +9,31 @@ student, an analysis process) a payload per buffer; :func:`open_payload` maps it
 - ``"shm"``: CPU ranks. A POSIX shared-memory file under ``/dev/shm`` named ``dask_lm_<pid>_<random>``, so CI runs
   the same path as a GPU machine.
 
+A shared-memory file outlives a process killed while holding it (a worker's OOM kill, ``kill -9``): gigabytes of
+RAM for a real teacher, until the machine reboots. So the maker holds a shared ``flock`` on the file for the
+buffer's life (the kernel drops it when the process dies, however it dies), and the next buffer made on the
+machine, or ``release_ipc_buffer`` on any of its workers, reclaims the files of dead makers
+(:func:`reclaim_stale`): only this user's, only under dask-lm's name, only when the pid in the name is gone (or
+was reused by a process that started after the file's last change) and no process holds the file's lock (a
+maker in another pid namespace, sharing ``/dev/shm`` but not its pids, keeps its file). A file is named only once
+it is locked: it is made under a hidden name first.
+
 A payload is a dict of ints, strings, bools, bytes and lists (msgpack-able): nothing in it is unpickled and no
 class or function is looked up by a name from it. The consumer may have received it from anywhere, so
 :func:`open_payload` checks every field (kind, keys, types, the shared-memory name, sizes against the file) before
-mapping anything: a hostile payload can only fail validation.
+mapping anything, and maps only a regular file of its own user that no other user may write (``/dev/shm`` is
+world-writable: anyone can make a file under a name dask-lm would use): a hostile payload can only fail validation.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
 import re
 import secrets
+import stat
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -30,11 +42,13 @@ import torch
 
 from dask_lm.model import cuda_ipc, device
 
-__all__ = ["SharedBuffer", "open_payload", "PAYLOAD_VERSION"]
+__all__ = ["SharedBuffer", "open_payload", "reclaim_stale", "PAYLOAD_VERSION"]
+
+logger = logging.getLogger("dask_lm.worker")
 
 PAYLOAD_VERSION = 1
 SHM_DIR = "/dev/shm"
-_SHM_NAME = re.compile(r"dask_lm_[0-9]{1,10}_[0-9a-f]{16}")  # a plain file name: no directory, no traversal
+_SHM_NAME = re.compile(r"dask_lm_([0-9]{1,10})_[0-9a-f]{16}")  # a plain file name: no directory, no traversal
 _SHM_KEYS = {"v", "kind", "name", "shape", "dtype", "nbytes"}
 _CUDA_KEYS = {"v", "kind", "cuda"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,19 +80,20 @@ class SharedBuffer:
             self.payload: dict[str, Any] = {"v": PAYLOAD_VERSION, "kind": "cuda",
                                             "cuda": cuda_ipc.encode_cuda(self.tensor)}
             return
+        reclaim_stale()
         name = f"dask_lm_{os.getpid()}_{secrets.token_hex(8)}"
         self._path = os.path.join(SHM_DIR, name)
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # only this user may map it
+        fd = _create_locked(self._path)
         try:
             os.ftruncate(fd, max(self.nbytes, 1))  # a new file reads as zeros
             self._map = mmap.mmap(fd, max(self.nbytes, 1))
         except BaseException:
             os.unlink(self._path)
-            raise
-        finally:
             os.close(fd)
-        # the file outlives this process unless removed: on garbage collection and at exit, whichever comes first
-        self._finalizer = weakref.finalize(self, _remove, self._path)
+            raise
+        # the file outlives this process unless removed: on garbage collection and at exit, whichever comes first;
+        # the descriptor (and its lock, which tells reclaim_stale the file is in use) lives as long as the file
+        self._finalizer = weakref.finalize(self, _remove, self._path, fd)
         self.tensor = torch.frombuffer(self._map, dtype=dtype, count=math.prod(self.shape)).view(self.shape)
         self.payload = {"v": PAYLOAD_VERSION, "kind": "shm", "name": name, "shape": list(self.shape),
                         "dtype": _dtype_name(dtype), "nbytes": self.nbytes}
@@ -98,11 +113,110 @@ class SharedBuffer:
             self._path = None
 
 
-def _remove(path: str) -> None:
+def _create_locked(path: str) -> int:
+    """A new file at ``path``, only this user's (0600), already holding a shared ``flock`` when it appears under
+    ``path``: made under a hidden name, locked, then renamed, so :func:`reclaim_stale` never sees it unlocked."""
+    import fcntl
+
+    hidden = os.path.join(os.path.dirname(path), "." + os.path.basename(path))
+    fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.rename(hidden, path)
+    except BaseException:
+        os.unlink(hidden)
+        os.close(fd)
+        raise
+    return fd
+
+
+def _remove(path: str, fd: int) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    finally:
+        os.close(fd)  # after the unlink: a file still named is never left unlocked by a live maker
+
+
+# ----------------------------------------------------------------------------------------- dead makers' files
+def reclaim_stale(directory: str = SHM_DIR) -> list[str]:
+    """Remove the shared-memory files of makers that died without removing them (a killed worker's); returns
+    their paths.
+
+    A file goes only when all of these hold: its name is dask-lm's (``dask_lm_<pid>_<hex>``), it is a regular
+    file of this user (another user's file is never touched), its pid is not this process, the process of that pid
+    is gone or started after the file last changed (so a reused pid does not keep a dead maker's file alive), and
+    no process holds its ``flock`` (every live maker does, whatever its pid namespace)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:  # no /dev/shm (not Linux): nothing was ever made there
+        return []
+    removed = []
+    for name in names:
+        m = _SHM_NAME.fullmatch(name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        path = os.path.join(directory, name)
+        if _reclaim(path, int(m.group(1))):
+            removed.append(path)
+    if removed:
+        logger.info("removed %d shared-memory buffer(s) left by dead processes: %s", len(removed),
+                    ", ".join(removed))
+    return removed
+
+
+def _reclaim(path: str, pid: int) -> bool:
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # gone meanwhile, a link, or not ours to open
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or _maker_alive(pid, st.st_ctime):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live process holds it: its maker, under a pid we cannot see
+            return False
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):  # replaced since it was opened
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _maker_alive(pid: int, changed: float) -> bool:
+    """Whether the process ``pid`` may be the one that made a file last changed at ``changed`` (epoch seconds):
+    it exists and did not start after that (a process that started later reuses the maker's pid). Where its start
+    cannot be read it counts as alive: a file is kept, never removed, on doubt."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        pass
+    started = _process_start(pid)
+    # the start time is known to about a second (the boot time has whole seconds)
+    return started is None or started <= changed + 2.0
+
+
+def _process_start(pid: int) -> float | None:
+    """When ``pid`` started, in epoch seconds (Linux's ``/proc``); ``None`` where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start, in ticks since boot
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
 
 
 # ----------------------------------------------------------------------------------------- the consumer's side
@@ -114,6 +228,23 @@ def _check_keys(payload: dict[str, Any], keys: set[str]) -> None:
     if set(payload) != keys:
         raise ValueError(f"a shared-buffer payload of kind {payload.get('kind')!r} has keys {sorted(map(str, payload))}"
                          f", expected {sorted(keys)}")
+
+
+def _check_owner(path: str, st: os.stat_result) -> None:
+    """A buffer a Policy of this user made: a regular file of this user that no other user may write. Anyone can
+    make a file in ``/dev/shm``, under any name not taken: another user's file there would feed this process
+    logits of their choosing, or change under it."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"the shared buffer {path} is not a regular file; it was not made by a dask-lm Policy: "
+                         "refusing to map it")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"the shared buffer {path} belongs to uid {st.st_uid}, not to this user (uid "
+                         f"{os.geteuid()}); a Policy's buffers are its user's own: refusing to map it (run the "
+                         "consumer as the Policy's user, or call get_full_logits_ipc again if the file was replaced)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(f"the shared buffer {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}; "
+                         "a Policy makes its buffers 600): refusing to map it; remove the file and call "
+                         "get_full_logits_ipc again")
 
 
 def open_payload(payload: Any) -> torch.Tensor:
@@ -150,7 +281,9 @@ def open_payload(payload: Any) -> torch.Tensor:
         raise ValueError(f"the shared buffer {name} is gone: the Policy released it (release_ipc_buffer) or its "
                          "worker exited; call get_full_logits_ipc again") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        _check_owner(path, st)
+        size = st.st_size
         if size < max(nbytes, 1):
             raise ValueError(f"the shared buffer {name} holds {size} bytes, the payload says {nbytes}")
         view = mmap.mmap(fd, max(nbytes, 1))

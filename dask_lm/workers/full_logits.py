@@ -31,7 +31,7 @@ from dask_lm.data.tokens import TokenRows
 from dask_lm.model import device
 from dask_lm.model.hf import find_output_embeddings
 from dask_lm.model.logprobs import chunk_bounds, output_head
-from dask_lm.model.shared_buffer import SharedBuffer
+from dask_lm.model.shared_buffer import SharedBuffer, reclaim_stale
 from dask_lm.workers.rank_model import RankModel
 from dask_lm.workers.state import record_call
 
@@ -137,11 +137,14 @@ class FullLogitsExport:
                 for buf_idx, mb in enumerate(real) for i in range(mb.end - mb.start)]
 
     def release(self) -> bool:
-        """Free the buffer (a consumer's mapping of a CUDA buffer keeps its memory until the consumer lets go)."""
+        """Free the buffer (a consumer's mapping of a CUDA buffer keeps its memory until the consumer lets go), and
+        the ``/dev/shm`` files that dead processes of this user left on this machine (a worker killed while
+        holding one: :func:`~dask_lm.model.shared_buffer.reclaim_stale`)."""
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
             gc.collect()
             device.empty_cache()
             device.ipc_collect()
+        reclaim_stale()
         return True
