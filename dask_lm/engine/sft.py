@@ -74,10 +74,17 @@ class SFTResult:
     """A ``resume`` of a run that had reached its last step: nothing ran; the rest is the finished run's."""
 
 
+def _training_state(step_dir: str) -> dict[str, Any]:
+    """``step_N/training_state.json``, never read through a link (``ValueError`` naming it)."""
+    fd = safe_paths.open_no_follow(os.path.join(step_dir, "training_state.json"), os.O_RDONLY)
+    with open(fd, encoding="utf-8") as f:
+        state: dict[str, Any] = json.load(f)
+    return state
+
+
 def _finished(output: str, newest: tuple[int, str]) -> SFTResult:
     """``resume`` of a run that reached its last step: its ``_SUCCESS`` summary, no cluster, no file touched."""
-    with open(os.path.join(newest[1], "training_state.json")) as f:
-        state = json.load(f)
+    state = _training_state(newest[1])
     summary = jobdir.read_summary(output)
     return SFTResult(output=output, steps=int(state["step"]), epochs_completed=int(summary.get("epochs_completed", 0)),
                      losses=list(state.get("losses", [])), resumed_from=newest[0], seconds=0.0,
@@ -243,8 +250,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                 state: dict[str, Any] = {"step": 0, "losses": []}  # what training_state.json holds
                 paths: dict[str, Any] = {}
                 if start is not None:
-                    with open(os.path.join(start[1], "training_state.json")) as f:
-                        state = json.load(f)
+                    state = _training_state(start[1])
                     paths = {"weights_path": os.path.join(start[1], "weights"),
                              "optimizer_path": os.path.join(start[1], "optimizer")}
                 t0 = time.perf_counter()
