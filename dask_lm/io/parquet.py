@@ -24,7 +24,8 @@ from dask_lm.io.fingerprint import Pin, stamp, verify
 
 __all__ = ["ScoreInputs", "resolve_input_files", "inspect_inputs", "part_name", "write_part", "write_json_atomic",
            "output_schema_columns", "UnreadableRowGroup", "slice_rows", "read_partition",
-           "errors_table", "errors_dir", "make_errors_dir", "merge_errors", "remove_debris", "write_fix", "MANIFEST", "SUCCESS", "ERRORS"]
+           "errors_table", "errors_dir", "make_errors_dir", "merge_errors", "remove_debris", "write_fix", "MANIFEST",
+           "SUCCESS", "ERRORS"]
 
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS"
@@ -397,12 +398,17 @@ def merge_errors(output: str) -> int:
         redone = pa.array(sorted({int(p) for t in tables for p in t.column("part").to_pylist()}), pa.int32())
         tables.insert(0, old.filter(pc.invert(pc.is_in(old.column("part"), value_set=redone))))
     if not parts:  # nothing new: what is merged already stands
-        safe_paths.remove(d)
+        _remove_errors_dir(d)
         return int(tables[0].num_rows) if tables else 0
     table = pa.concat_tables(tables)
     write_part(table, output, ERRORS)
-    safe_paths.remove(d)
+    _remove_errors_dir(d)
     return int(table.num_rows)
+
+
+def _remove_errors_dir(d: str) -> None:
+    with contextlib.suppress(OSError):  # merged already: a directory that will not go is left, not worth failing for
+        safe_paths.remove(d)
 
 
 def remove_debris(output: str) -> None:
