@@ -41,12 +41,13 @@ FINISHED: dict[str, list[str]] = {}  # worker name -> the calls that finished th
 _finished_lock = threading.Lock()
 
 
-def meet(prev, call, rank, world, *_deps):
-    """A collective in miniature: announce this rank of ``call``, wait (bounded) until every rank of it has."""
+def meet(prev, call, rank, world, *_deps, bound=BOUND_S):
+    """A collective in miniature: announce this rank of ``call``, wait (up to ``bound`` s, its collective timeout)
+    until every rank of it has."""
     Event(f"{call}-r{rank}").set()
     for peer in range(world):
-        if not Event(f"{call}-r{peer}").wait(BOUND_S):
-            raise RuntimeError(f"rank {rank} of {call} waited {BOUND_S} s for rank {peer}: deadlocked")
+        if not Event(f"{call}-r{peer}").wait(bound):
+            raise RuntimeError(f"rank {rank} of {call} waited {bound} s for rank {peer}: deadlocked")
     with _finished_lock:
         FINISHED.setdefault(str(get_worker().name), []).append(call)
     return {"call": call, "worker": get_worker().name}
@@ -132,6 +133,34 @@ def test_a_failed_call_of_one_group_neither_fails_nor_jumps_the_next_call_of_ano
     finally:
         a.release_lease()
         b.release_lease()
+
+
+def test_policies_of_two_clients_that_deadlock_are_named_long_before_the_collective_timeout(single_threaded):
+    """Two groups made through two clients are not ordered: forced into the deadlock above, each call fails after a
+    few of its settle slices (not after its collective timeout) with an error naming both Policies and the fix,
+    and leaves its group broken."""
+    cluster, client = single_threaded
+    with Client(cluster) as other:
+        a, b = WorkerGroup(client, workers=[0, 1]), WorkerGroup(other, workers=[0, 1])
+        tag = uuid.uuid4().hex[:6]
+        call_a, call_b, hold = f"a-{tag}", f"b-{tag}", f"hold-{tag}"
+        try:
+            late_input = client.submit(held, hold, workers=[2], pure=False)
+            fa = a.submit(meet, call_a, per_rank=[(0, 2), (1, 2, late_input)], key_name="a", bound=4 * BOUND_S)
+            fb = b.submit(meet, call_b, per_rank=[(0, 2), (1, 2)], key_name="b", bound=4 * BOUND_S)
+            _poll(lambda: Event(f"{call_b}-r1").is_set(), "group B's rank 1 never started")
+            Event(hold).set()
+            for group, futures, me, peer in ((a, fa, "call A", b), (b, fb, "call B", a)):
+                expected = (f"^{me} of policy {group.policy_id} is deadlocked with policy {peer.policy_id} on the "
+                            "same workers: .* create them with the same Client")
+                with pytest.raises(RankFailedError, match=expected):
+                    group.gather(futures, what=me, timeout=3 * BOUND_S)
+                assert str(group.broken).startswith(f"{me} of policy {group.policy_id} is deadlocked")
+        finally:
+            for event in (f"{call_a}-r1", f"{call_b}-r0", hold):  # the "collectives" end: the workers are free
+                Event(event).set()
+            a.release_lease()
+            b.release_lease()
 
 
 # ------------------------------------------------------------------------------------------- a lost scheduler

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from distributed import Client, Future, Lock, as_completed, wait
 
 from dask_lm import interface
+from dask_lm.engine.stuck import Watchdog
 from dask_lm.engine.worker_order import Tail, order_of
 from dask_lm.errors import RankFailedError, WorkerLostError
 from dask_lm.workers import lease, tasks
@@ -139,6 +140,12 @@ class WorkerGroup:
         alive = {(w["name"], _incarnation(a, w)) for a, w in workers.items()}
         return [r for r, (n, i) in enumerate(zip(self.names, self.ids)) if (n, i) not in alive]
 
+    def addresses(self) -> dict[str, Any]:
+        """The address of each rank's worker that the scheduler lists now -> the worker's name."""
+        workers = scheduler_info(self.client)["workers"]
+        by_name = {w["name"]: a for a, w in workers.items()}
+        return {by_name[n]: n for n in self.names if n in by_name}
+
     def _lost_error(self, lost: list[int], what: str) -> WorkerLostError:
         workers = ", ".join(f"{self.names[r]!r} (rank {r} of {self.world_size})" for r in lost)
         noun = "worker" if len(lost) == 1 else "workers"
@@ -214,30 +221,32 @@ class WorkerGroup:
             if chain:
                 self.raise_if_broken()
             futures = []
+            token = uuid.uuid4().hex[:6]  # one per call, in every rank's key: the watchdog tells calls apart by it
             for r in ranks:
                 call_args = (*args, *(per_rank[r] if per_rank is not None else ()))
                 call_kwargs = {**kwargs, **(per_rank_kwargs[r] if per_rank_kwargs is not None else {})}
                 if chain:
-                    futures.append(self._submit_link(r, fn, call_args, call_kwargs, key_name=key_name, settle=settle))
+                    futures.append(self._submit_link(r, fn, call_args, call_kwargs, key_name=key_name, token=token,
+                                                     settle=settle))
                 else:
-                    futures.append(self._submit_alone(r, fn, call_args, call_kwargs, key_name=key_name,
+                    futures.append(self._submit_alone(r, fn, call_args, call_kwargs, key_name=key_name, token=token,
                                                       settle=settle))
         return futures
 
-    def _where(self, rank: int, key_name: str) -> dict[str, Any]:
+    def _where(self, rank: int, key_name: str, token: str) -> dict[str, Any]:
         return {"workers": [self.names[rank]], "allow_other_workers": False, "pure": False, "retries": 0,
-                "key": f"{key_name}-{self.policy_id}-r{rank}-{uuid.uuid4().hex[:6]}"}
+                "key": f"{key_name}-{self.policy_id}-r{rank}-{token}"}
 
     def _submit_alone(self, rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                      key_name: str, settle: bool) -> Future[Any]:
+                      key_name: str, token: str, settle: bool) -> Future[Any]:
         """An unchained task on ``rank`` (``fn(None, ...)``): it neither waits for the chain nor joins it."""
         if not settle:
-            return self.client.submit(fn, None, *args, **self._where(rank, key_name), **kwargs)
-        fut = self.client.submit(tasks.settled, None, fn, *args, **self._where(rank, key_name), **kwargs)
+            return self.client.submit(fn, None, *args, **self._where(rank, key_name, token), **kwargs)
+        fut = self.client.submit(tasks.settled, None, fn, *args, **self._where(rank, key_name, token), **kwargs)
         return self.client.submit(tasks.unwrap, fut, key=f"{key_name}-result-{fut.key}", pure=False)
 
     def _submit_link(self, rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                     key_name: str, settle: bool) -> Future[Any]:
+                     key_name: str, token: str, settle: bool) -> Future[Any]:
         """A chained task on ``rank``: after this group's previous call there and after the worker's previous task
         of any other group of the client (:mod:`dask_lm.engine.worker_order`). Returns what the caller waits on
         (:func:`tasks.result_of`), a task pinned beside it that raises the rank's error."""
@@ -250,9 +259,9 @@ class WorkerGroup:
         after = self._order.after(name, self.ids[rank])
         if own is not None and after is own.link:
             after = None
-        where = self._where(rank, key_name)
-        link = self.client.submit(tasks.link, None if own is None else own.link, after, fn, not settle, *args,
-                                  **where, **kwargs)
+        where = self._where(rank, key_name, token)
+        link = self.client.submit(tasks.link, None if own is None else own.link, after, fn, not settle,
+                                  self.policy_id, *args, **where, **kwargs)
         result = self.client.submit(tasks.result_of, link, settle, key=f"{where['key']}-result",
                                     workers=[name], allow_other_workers=True, pure=False, retries=0)
         tail = Tail(link, result, self.policy_id, self.ids[rank], not settle)
@@ -356,9 +365,11 @@ class WorkerGroup:
                     progress: Any) -> None:
         """Until every rank finished or one did not (failed, cancelled, lost), in slices of :data:`SETTLE_SLICE_S`;
         after a slice that ends with ranks still pending, a rank whose worker is gone fails the call
-        (:meth:`fail_if_lost`). TimeoutError once ``timeout`` has passed."""
+        (:meth:`fail_if_lost`), and so does a deadlock with another Policy's call (:mod:`dask_lm.engine.stuck`).
+        TimeoutError once ``timeout`` has passed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = list(futures)
+        watchdog: Watchdog | None = None
         while pending:
             slice_s = SETTLE_SLICE_S if deadline is None else min(SETTLE_SLICE_S, max(deadline - time.monotonic(), 0))
             try:
@@ -372,6 +383,12 @@ class WorkerGroup:
                 self.fail_if_scheduler_lost(what)
                 if self.lost_ranks(unreachable_is_lost=False):
                     self.fail_if_lost(what)
+                watchdog = watchdog or Watchdog(self, what)
+                deadlock = watchdog.check()
+                if deadlock is not None:
+                    # its ranks sit in collectives until their timeout: no later call can run on them before
+                    self.broken = RankFailedError(deadlock)
+                    raise RankFailedError(deadlock)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"{len(pending)} of {len(futures)} rank tasks of {what} did not finish "
                                        f"within {timeout} s") from None

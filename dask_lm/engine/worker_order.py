@@ -83,11 +83,6 @@ class WorkerOrder:
                 if tail.failed():
                     del self._tails[worker]
 
-    def busy_policies(self) -> dict[Any, str]:
-        """Worker -> the Policy whose task is last in its chain (and not done): what a new call there waits for."""
-        with self.lock:
-            return {w: t.policy_id for w, t in self._tails.items() if t.link.status == "pending"}
-
 
 _ORDERS: weakref.WeakKeyDictionary[Client, WorkerOrder] = weakref.WeakKeyDictionary()
 _ORDERS_LOCK = threading.Lock()

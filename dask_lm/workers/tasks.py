@@ -226,13 +226,18 @@ def settled(_prev: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         return Failed(e)
 
 
-def link(_prev: Any, _after: Any, fn: Callable[..., Any], contagious: bool, /, *args: Any, **kwargs: Any) -> Any:
-    """A chained rank task: ``fn(_prev, *args, **kwargs)``, its failure returned as a :class:`Failed` value.
+def link(_prev: Any, _after: Any, fn: Callable[..., Any], contagious: bool, policy_id: str, /, *args: Any,
+         **kwargs: Any) -> Any:
+    """A chained rank task of ``policy_id``: ``fn(_prev, *args, **kwargs)``, its failure returned as a
+    :class:`Failed` value.
 
     ``_prev`` is the same Policy's previous call on this rank (its value: the answer, or a Failed); ``_after`` the
     worker's previous task of another Policy, a dependency only for the order (:mod:`dask_lm.engine.worker_order`),
     whose failure is none of this call's business. A contagious failure of ``_prev`` is this call's failure, as
     when the tasks depended on each other directly."""
+    from dask_lm.workers.occupancy import note_policy
+
+    note_policy(policy_id)  # the watchdog's view of this worker names the Policy (dask_lm.engine.stuck)
     if isinstance(_prev, Failed) and _prev.contagious:
         return _prev
     try:
