@@ -77,11 +77,13 @@ def _poll(condition, what):
         time.sleep(0.05)
 
 
-def test_two_groups_on_the_same_workers_run_their_calls_in_one_order(single_threaded):
-    """Worker 0 starts group A's call, whose rank 1 waits for an input; group B's call comes next. Unordered, worker
-    1 (idle) starts B's rank 1, which waits for B's rank 0, queued on worker 0 behind A's rank 0, which waits for
-    A's rank 1, queued behind B's: a deadlock until the collective times out. Ordered, B's rank 1 waits for A's,
-    both calls finish, and each worker ran A's call before B's."""
+@pytest.mark.parametrize("b_calls", ["submit", "blocking call from another thread"])
+def test_two_groups_on_the_same_workers_run_their_calls_in_one_order(single_threaded, b_calls):
+    """Worker 0 starts group A's call, whose rank 1 waits for an input; group B's call comes next (a future, or a
+    blocking call in a second driver thread). Unordered, worker 1 (idle) starts B's rank 1, which waits for B's
+    rank 0, queued on worker 0 behind A's rank 0, which waits for A's rank 1, queued behind B's: a deadlock until
+    the collective times out. Ordered, B's rank 1 waits for A's, both calls finish, and each worker ran A's call
+    before B's."""
     cluster, client = single_threaded
     a, b = WorkerGroup(client, workers=[0, 1]), WorkerGroup(client, workers=[0, 1])
     try:
@@ -89,7 +91,18 @@ def test_two_groups_on_the_same_workers_run_their_calls_in_one_order(single_thre
         call_a, call_b, hold = f"a-{tag}", f"b-{tag}", f"hold-{tag}"
         late_input = client.submit(held, hold, workers=[2], pure=False)  # on a worker of neither group
         fa = a.submit(meet, call_a, per_rank=[(0, 2), (1, 2, late_input)], key_name="a")
-        fb = b.submit(meet, call_b, per_rank=[(0, 2), (1, 2)], key_name="b")
+        answer: dict[str, object] = {}
+        if b_calls == "submit":
+            fb = b.submit(meet, call_b, per_rank=[(0, 2), (1, 2)], key_name="b")
+        else:
+            def blocking_b():
+                try:
+                    answer["out"] = b.call(meet, call_b, per_rank=[(0, 2), (1, 2)], key_name="b", what="call B")
+                except BaseException as e:  # raised again in the test's thread
+                    answer["error"] = e
+
+            thread = threading.Thread(target=blocking_b)
+            thread.start()
 
         def b_rank1_started_or_waits():
             # unordered, B's rank 1 starts at once on idle worker 1; ordered, it waits on the scheduler for A's
@@ -100,7 +113,14 @@ def test_two_groups_on_the_same_workers_run_their_calls_in_one_order(single_thre
         _poll(b_rank1_started_or_waits, "group B's rank 1 neither started nor waited")
         Event(hold).set()
         out_a = a.gather(fa, what="call A", timeout=3 * BOUND_S)
-        out_b = b.gather(fb, what="call B", timeout=3 * BOUND_S)
+        if b_calls == "submit":
+            out_b = b.gather(fb, what="call B", timeout=3 * BOUND_S)
+        else:
+            thread.join(4 * BOUND_S)
+            assert not thread.is_alive(), "B's blocking call did not return"
+            if "error" in answer:
+                raise answer["error"]
+            out_b = answer["out"]
         assert [o["worker"] for o in out_a] == [o["worker"] for o in out_b] == [0, 1]
         for worker in ("0", "1"):
             mine = [c for c in FINISHED[worker] if c.endswith(tag)]
