@@ -14,7 +14,6 @@ key that the ranks check; when the driver dies, the ranks free the Policy by the
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
