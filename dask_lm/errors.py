@@ -55,7 +55,8 @@ class RankFailedError(RuntimeError):
 
 
 class WorkerLostError(RankFailedError):
-    """A rank's worker died or restarted: its shard of the model is gone, so this Policy cannot run again."""
+    """A rank's worker died or restarted, or the driver lost its scheduler (the cluster is gone for it): the
+    Policy's state is gone, so this Policy cannot run again."""
 
 
 class PeerFailedError(RuntimeError):

@@ -2,8 +2,10 @@
 
 Rank r is the worker whose *name* sorts r-th (names survive a nanny restart; addresses do not). A collective call
 is one task per rank, submitted together under a lock, each pinned to its worker (``allow_other_workers=False``)
-and chained to that rank's previous SPMD task so every rank runs collectives in the same order. Tasks never
-retry: one rank cannot redo a collective alone, so a lost rank fails the call with an error naming it.
+and chained to that rank's previous SPMD task so every rank runs collectives in the same order, and to the
+worker's previous task of any other Policy of the same client, so that Policies sharing workers run their calls
+in one order on every worker and never deadlock (:mod:`dask_lm.engine.worker_order`). Tasks never retry: one rank
+cannot redo a collective alone, so a lost rank fails the call with an error naming it.
 
 The group holds the Policy's lease (:mod:`dask_lm.workers.lease`): while this driver lives, the scheduler keeps a
 key that the ranks check; when the driver dies, the ranks free the Policy by themselves.
@@ -12,7 +14,6 @@ key that the ranks check; when the driver dies, the ranks free the Policy by the
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from distributed import Client, Future, Lock, as_completed, wait
 
 from dask_lm import interface
+from dask_lm.engine.stuck import Watchdog
+from dask_lm.engine.worker_order import Tail, order_of
 from dask_lm.errors import RankFailedError, WorkerLostError
 from dask_lm.workers import lease, tasks
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
@@ -94,8 +97,11 @@ class WorkerGroup:
         # directory together: that pair tells whether a rank is still the process that holds its shard
         self.ids: list[str] = [_incarnation(by_name[n], info["workers"][by_name[n]]) for n in names]
         self.policy_id = f"{name_prefix}-{uuid.uuid4().hex[:8]}"
-        self._last: list[Future[Any] | None] = [None] * len(names)
-        self._submit_lock = threading.Lock()
+        self.scheduler_address = str(getattr(client.scheduler, "address", "") or "")
+        # each rank's last chained task of this group; the order across the client's groups is shared
+        self._last: list[Tail | None] = [None] * len(names)
+        self._order = order_of(client)
+        self._submit_lock = self._order.lock
         self.settle_timeout_s = 10.0
         self.broken: RankFailedError | None = None
         client.register_plugin(DaskLMWorkerState(), name=PLUGIN_NAME)
@@ -133,6 +139,12 @@ class WorkerGroup:
         alive = {(w["name"], _incarnation(a, w)) for a, w in workers.items()}
         return [r for r, (n, i) in enumerate(zip(self.names, self.ids)) if (n, i) not in alive]
 
+    def addresses(self) -> dict[str, Any]:
+        """The address of each rank's worker that the scheduler lists now -> the worker's name."""
+        workers = scheduler_info(self.client)["workers"]
+        by_name = {w["name"]: a for a, w in workers.items()}
+        return {by_name[n]: n for n in self.names if n in by_name}
+
     def _lost_error(self, lost: list[int], what: str) -> WorkerLostError:
         workers = ", ".join(f"{self.names[r]!r} (rank {r} of {self.world_size})" for r in lost)
         noun = "worker" if len(lost) == 1 else "workers"
@@ -140,11 +152,37 @@ class WorkerGroup:
                                "gone: create a new Policy (and reload the last checkpoint)")
 
     def fail_if_lost(self, what: str, cause: BaseException | None = None) -> None:
-        """Raise (and remember) :class:`WorkerLostError` when a rank's worker is gone."""
+        """Raise (and remember) :class:`WorkerLostError` when a rank's worker, or the scheduler, is gone."""
+        self.fail_if_scheduler_lost(what, cause)
         lost = self.lost_ranks()
         if lost:
+            self.fail_if_scheduler_lost(what, cause)  # the query itself may be what found the scheduler gone
             if not isinstance(self.broken, WorkerLostError):  # the first call that saw the loss names it
                 self.broken = self._lost_error(lost, what)
+            raise type(self.broken)(str(self.broken)) from cause
+
+    def scheduler_lost(self) -> bool:
+        """This driver lost its scheduler: its client is reconnecting, closing or closed, or the lease was cancelled
+        (Dask cancels every future of a client whose scheduler connection dropped, the lease among them, and the
+        ranks then free the Policy as they would for a dead driver)."""
+        if self.client.status != "running":
+            return True
+        return self.lease is not None and self.lease.status == "cancelled"
+
+    def _scheduler_lost_error(self, what: str | None) -> WorkerLostError:
+        at = f" at {self.scheduler_address}" if self.scheduler_address else ""
+        during = f" during {what}" if what else ""
+        return WorkerLostError(
+            f"this driver lost its connection to the scheduler{at}{during} (the scheduler stopped, or the network to "
+            "it failed): Dask cancelled every call of this Policy in flight, and the workers free the Policy's model "
+            "without their scheduler. Start the cluster again (or reconnect to it), create a new Policy and reload "
+            "the last checkpoint")
+
+    def fail_if_scheduler_lost(self, what: str | None, cause: BaseException | None = None) -> None:
+        """Raise (and remember) :class:`WorkerLostError` naming the scheduler when this driver lost it."""
+        if self.scheduler_lost():
+            if not isinstance(self.broken, WorkerLostError):
+                self.broken = self._scheduler_lost_error(what)
             raise type(self.broken)(str(self.broken)) from cause
 
     @property
@@ -152,12 +190,8 @@ class WorkerGroup:
         return len(self.names)
 
     def raise_if_broken(self) -> None:
-        if self.broken is None and self.lease is not None and self.lease.status == "cancelled":
-            # Dask cancels every future of a client that lost its scheduler connection, the lease among them; the
-            # ranks then free the Policy (as they would for a dead driver)
-            self.broken = RankFailedError(
-                "this driver lost its connection to the scheduler, which cancelled its futures and this Policy's "
-                "lease; the workers have freed the Policy: create a new one (and reload the last checkpoint)")
+        if self.broken is None and self.scheduler_lost():
+            self.broken = self._scheduler_lost_error(None)
         if self.broken is not None:
             # the same error class and text on every later call, whatever the call
             raise type(self.broken)(str(self.broken))
@@ -180,38 +214,59 @@ class WorkerGroup:
 
         Rank r runs ``fn(previous result, *args, *per_rank[r], **kwargs, **per_rank_kwargs[r])``. ``settle``: the
         futures handed back resolve to the rank's result or raise its error, while the rank's chain goes on past a
-        failure (refit futures, which the caller gathers when it likes: see :func:`tasks.settled`)."""
+        failure (refit futures, which the caller gathers when it likes: see :func:`tasks.link`)."""
         ranks = range(self.world_size) if ranks is None else ranks
         with self._submit_lock:
             if chain:
                 self.raise_if_broken()
             futures = []
+            token = uuid.uuid4().hex[:6]  # one per call, in every rank's key: the watchdog tells calls apart by it
             for r in ranks:
                 call_args = (*args, *(per_rank[r] if per_rank is not None else ()))
                 call_kwargs = {**kwargs, **(per_rank_kwargs[r] if per_rank_kwargs is not None else {})}
-                if settle:
-                    call_args, fn_r = (fn, *call_args), tasks.settled
+                if chain:
+                    futures.append(self._submit_link(r, fn, call_args, call_kwargs, key_name=key_name, token=token,
+                                                     settle=settle))
                 else:
-                    fn_r = fn
-                futures.append(self._submit_rank(r, fn_r, call_args, call_kwargs, key_name=key_name, chain=chain))
-        if settle:
-            futures = [self.client.submit(tasks.unwrap, f, key=f"{key_name}-result-{f.key}", pure=False)
-                       for f in futures]
+                    futures.append(self._submit_alone(r, fn, call_args, call_kwargs, key_name=key_name, token=token,
+                                                      settle=settle))
         return futures
 
-    def _submit_rank(self, rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                     key_name: str, chain: bool) -> Future[Any]:
-        prev = self._last[rank] if chain else None
-        if prev is not None and prev.status in ("error", "cancelled", "lost"):
+    def _where(self, rank: int, key_name: str, token: str) -> dict[str, Any]:
+        return {"workers": [self.names[rank]], "allow_other_workers": False, "pure": False, "retries": 0,
+                "key": f"{key_name}-{self.policy_id}-r{rank}-{token}"}
+
+    def _submit_alone(self, rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                      key_name: str, token: str, settle: bool) -> Future[Any]:
+        """An unchained task on ``rank`` (``fn(None, ...)``): it neither waits for the chain nor joins it."""
+        if not settle:
+            return self.client.submit(fn, None, *args, **self._where(rank, key_name, token), **kwargs)
+        fut = self.client.submit(tasks.settled, None, fn, *args, **self._where(rank, key_name, token), **kwargs)
+        return self.client.submit(tasks.unwrap, fut, key=f"{key_name}-result-{fut.key}", pure=False)
+
+    def _submit_link(self, rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                     key_name: str, token: str, settle: bool) -> Future[Any]:
+        """A chained task on ``rank``: after this group's previous call there and after the worker's previous task
+        of any other group of the client (:mod:`dask_lm.engine.worker_order`). Returns what the caller waits on
+        (:func:`tasks.result_of`), a task pinned beside it that raises the rank's error."""
+        own = self._last[rank]
+        if own is not None and own.failed():
             # a failed call the user already saw (refit futures are gathered by the caller): it has finished, so
             # order is kept without it, and chaining on it would fail this call with that old error
-            prev = None
-        fut = self.client.submit(fn, prev, *args, workers=[self.names[rank]], allow_other_workers=False,
-                                 pure=False, retries=0,
-                                 key=f"{key_name}-{self.policy_id}-r{rank}-{uuid.uuid4().hex[:6]}", **kwargs)
-        if chain:
-            self._last[rank] = fut
-        return fut
+            own = None
+        name = self.names[rank]
+        after = self._order.after(name, self.ids[rank])
+        if own is not None and after is own.link:
+            after = None
+        where = self._where(rank, key_name, token)
+        link = self.client.submit(tasks.link, None if own is None else own.link, after, fn, not settle,
+                                  self.policy_id, *args, **where, **kwargs)
+        result = self.client.submit(tasks.result_of, link, settle, key=f"{where['key']}-result",
+                                    workers=[name], allow_other_workers=True, pure=False, retries=0)
+        tail = Tail(link, result, self.policy_id, self.ids[rank], not settle)
+        self._last[rank] = tail
+        self._order.append(name, tail)
+        return result
 
     def call(self, fn: Callable[..., Any], /, *args: Any, what: str, key_name: str, progress: Any = None,
              **kwargs: Any) -> list[Any]:
@@ -251,19 +306,24 @@ class WorkerGroup:
         # train step re-run on a restarted worker. So the chain lets go of what it gathered.
         with self._submit_lock:
             for r, last in enumerate(self._last):
-                if last is not None and any(last is f for f in futures):
+                if last is not None and any(last.result is f for f in futures):
                     self._last[r] = None
+            self._order.forget(list(futures))
 
     def settle(self, futures: Sequence[Future[Any]], *, what: str, timeout: float | None = None,
                progress: Any = None) -> None:
         """Wait until every rank of one SPMD call finished, or raise its failure as :meth:`gather` does (without
         fetching the results: :class:`dask_lm.engine.futures.PolicyFuture` fetches only the combined one)."""
+        # a driver without its scheduler: its futures are cancelled, and once the client has closed, Dask's wait
+        # helpers find no client at all ("ValueError: No clients found")
+        self.fail_if_scheduler_lost(what)
         self._wait_ranks(futures, what=what, timeout=timeout, progress=progress)
         bad = ("error", "cancelled", "lost")
         failed = [(r, f) for r, f in enumerate(futures) if f.status in bad]
         if not failed and any(f.status != "finished" for f in futures):
             failed = [(r, f) for r, f in enumerate(futures) if f.status != "finished"]
         if failed:
+            self.fail_if_scheduler_lost(what)  # a scheduler that went away cancels every rank's task
             # peers of a failed rank usually fail fast too (same bad input); give them a moment to settle
             pending = [f for f in futures if f.status == "pending"]
             if pending:
@@ -273,9 +333,11 @@ class WorkerGroup:
                     pass
             # Dask fails every task whose dependency failed, so a failed task must not stay at the head of its
             # rank's chain: the Policy keeps working after a rejected or failed call
-            for r, last in enumerate(self._last):
-                if last is not None and last.status in bad:
-                    self._last[r] = None
+            with self._submit_lock:
+                for r, last in enumerate(self._last):
+                    if last is not None and last.failed():
+                        self._last[r] = None
+                self._order.forget_failed()
             # a dead worker explains every other symptom (closed comms, peers failing their collective, a restarted
             # worker without the policy): say that, once, the same way on every later call
             self.fail_if_lost(what)
@@ -302,21 +364,30 @@ class WorkerGroup:
                     progress: Any) -> None:
         """Until every rank finished or one did not (failed, cancelled, lost), in slices of :data:`SETTLE_SLICE_S`;
         after a slice that ends with ranks still pending, a rank whose worker is gone fails the call
-        (:meth:`fail_if_lost`). TimeoutError once ``timeout`` has passed."""
+        (:meth:`fail_if_lost`), and so does a deadlock with another Policy's call (:mod:`dask_lm.engine.stuck`).
+        TimeoutError once ``timeout`` has passed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = list(futures)
+        watchdog: Watchdog | None = None
         while pending:
             slice_s = SETTLE_SLICE_S if deadline is None else min(SETTLE_SLICE_S, max(deadline - time.monotonic(), 0))
             try:
-                for fut in as_completed(pending, timeout=slice_s):
+                for fut in as_completed(pending, timeout=slice_s, loop=self.client.loop):
                     if fut.status != "finished":
                         return  # stop at the first failure: its peers may sit in a collective until its timeout
                     pending = [f for f in pending if f is not fut]
                     if progress is not None:
                         progress.update(1)
             except TimeoutError:
+                self.fail_if_scheduler_lost(what)
                 if self.lost_ranks(unreachable_is_lost=False):
                     self.fail_if_lost(what)
+                watchdog = watchdog or Watchdog(self, what)
+                deadlock = watchdog.check()
+                if deadlock is not None:
+                    # its ranks sit in collectives until their timeout: no later call can run on them before
+                    self.broken = RankFailedError(deadlock)
+                    raise RankFailedError(deadlock)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"{len(pending)} of {len(futures)} rank tasks of {what} did not finish "
                                        f"within {timeout} s") from None

@@ -2,7 +2,8 @@
 
 The first argument of every SPMD task is that rank's previous SPMD future (resolved to its result by Dask and
 ignored here): chaining makes each rank run collective calls in the order the driver issued them, which is what
-keeps two all-gathers from pairing up across different calls.
+keeps two all-gathers from pairing up across different calls. A chained call runs inside :func:`link`, which also
+waits for the worker's previous task of any other Policy (:mod:`dask_lm.engine.worker_order`).
 
 Scoring's tasks are in :mod:`dask_lm.scoring.tasks`, lm-eval's in :mod:`dask_lm.evaluation.tasks`: each subsystem
 keeps both its halves in its own package.
@@ -19,7 +20,7 @@ from dask_lm.errors import PeerFailedError
 if TYPE_CHECKING:
     from dask_lm.data.messages import Request
 
-__all__ = ["find_free_port", "rank_info", "init_policy", "serve", "settled", "unwrap",
+__all__ = ["find_free_port", "rank_info", "init_policy", "serve", "settled", "unwrap", "link", "result_of",
            "zmq_address", "profiler",
            "shutdown_policy", "Failed", "PeerFailedError", "combine",
            "warnings_of", "prepare_rows", "row_lengths", "cut_rows", "assemble_rows",
@@ -206,11 +207,14 @@ def assemble_rows(*pieces: Any, **kwargs: Any) -> Any:
 
 
 class Failed:
-    """A failed call, returned as a value: the next chained call on the rank must not inherit the error."""
+    """A failed call, returned as a value, so that the tasks chained after it still run. ``contagious``: the same
+    Policy's next call on the rank fails with it too (what Dask does to the dependent of a failed task), since
+    that rank's state may be half-way through the failed call; a ``settle=True`` call's failure is not."""
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, contagious: bool = False) -> None:
         # without its traceback: the frames would keep the failed call's buffers (refit buckets) alive
         self.error = error.with_traceback(None)
+        self.contagious = contagious
 
 
 def settled(_prev: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -220,6 +224,35 @@ def settled(_prev: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         return fn(_prev, *args, **kwargs)
     except Exception as e:
         return Failed(e)
+
+
+def link(_prev: Any, _after: Any, fn: Callable[..., Any], contagious: bool, policy_id: str, /, *args: Any,
+         **kwargs: Any) -> Any:
+    """A chained rank task of ``policy_id``: ``fn(_prev, *args, **kwargs)``, its failure returned as a
+    :class:`Failed` value.
+
+    ``_prev`` is the same Policy's previous call on this rank (its value: the answer, or a Failed); ``_after`` the
+    worker's previous task of another Policy, a dependency only for the order (:mod:`dask_lm.engine.worker_order`),
+    whose failure is none of this call's business. A contagious failure of ``_prev`` is this call's failure, as
+    when the tasks depended on each other directly."""
+    from dask_lm.workers.occupancy import note_policy
+
+    note_policy(policy_id)  # the watchdog's view of this worker names the Policy (dask_lm.engine.stuck)
+    if isinstance(_prev, Failed) and _prev.contagious:
+        return _prev
+    try:
+        return fn(_prev, *args, **kwargs)
+    except Exception as e:
+        return Failed(e, contagious)
+
+
+def result_of(value: Any, settle: bool) -> Any:
+    """What the caller sees of a :func:`link`: its answer, or the rank's error raised. ``settle``: as
+    :func:`unwrap` (the warnings shown here, the plain value returned); else the answer as the rank gave it, its
+    warnings still attached for the driver to raise at the user's call."""
+    if isinstance(value, Failed):
+        raise value.error
+    return unwrap(value) if settle else value
 
 
 def unwrap(result: Any) -> Any:
