@@ -18,7 +18,8 @@ from click.testing import CliRunner
 
 import dask_lm
 from dask_lm.cli import main as cli
-from dask_lm.data.text_bytes import MAX_TEXT_BYTES, max_token_bytes, text_bound, tokenizer_token_bytes
+from dask_lm.data.text_bytes import (ALWAYS_TOKENIZED_BYTES, MAX_TEXT_BYTES, max_token_bytes, text_bound,
+                                    tokenizer_token_bytes)
 from dask_lm.errors import BadRowError
 
 from tokenizer_kinds import _train
@@ -52,8 +53,9 @@ def test_no_text_has_fewer_tokens_than_its_bytes_over_the_bound(kind):
     for text in texts:
         n = len(tok(text, add_special_tokens=False)["input_ids"])
         assert n * k >= len(text.encode()), (kind, text[:20], n, k)
-    assert text_bound(tok, 64, "64 positions", truncate=False).max_bytes == 65 * k
-    assert text_bound(tok, 64, "64 positions", truncate=True).max_bytes == max(65 * k, MAX_TEXT_BYTES)
+    assert text_bound(tok, 100_000, "", truncate=False).max_bytes == 100_001 * k  # over ALWAYS_TOKENIZED_BYTES
+    assert text_bound(tok, 64, "", truncate=False).max_bytes == ALWAYS_TOKENIZED_BYTES  # tokenized: exact counts
+    assert text_bound(tok, 64, "", truncate=True).max_bytes == MAX_TEXT_BYTES
 
 
 def test_tokenizers_that_make_one_token_of_much_text_get_only_the_absolute_bound():

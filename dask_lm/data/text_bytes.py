@@ -10,7 +10,8 @@ The bound must never refuse a row that would have fit, so it goes this way: if e
 bytes of the original text, a text of ``n`` bytes has at least ``n / K`` tokens, and a text of more than
 ``(limit + 1) * K`` bytes has more than ``limit`` tokens (the ``+ 1`` absorbs the token a prompt and its response
 may share at their seam). The opposite fact, a token covers at least one byte, bounds tokens from above and would
-refuse valid rows. ``K`` comes from the tokenizer's own ``tokenizer.json`` (:func:`max_token_bytes`):
+refuse valid rows. A text of at most :data:`ALWAYS_TOKENIZED_BYTES` is tokenized all the same, cheaply, so that
+its message gives its token count. ``K`` comes from the tokenizer's own ``tokenizer.json`` (:func:`max_token_bytes`):
 
 - a token's vocabulary string is at most its UTF-8 length in original bytes (a byte-level token: one character
   per byte; ``"<0x41>"`` byte fallback and SentencePiece's ``"▁"`` stand for fewer bytes than they spell);
@@ -39,12 +40,17 @@ from typing import Any
 
 from dask_lm.interface import opt
 
-__all__ = ["MAX_TEXT_BYTES", "TextBound", "max_token_bytes", "text_bound", "tokenizer_token_bytes"]
+__all__ = ["ALWAYS_TOKENIZED_BYTES", "MAX_TEXT_BYTES", "TextBound", "max_token_bytes", "text_bound",
+           "tokenizer_token_bytes"]
 
 # The most text one row may hand the tokenizer whatever the token bound: at about 200 bytes of tokenizer memory per
 # byte where every byte is a token (measured: a 16 MiB row of one repeated letter, 3.6 GiB and 77 s), 16 MiB stays
 # within a worker's few GiB; ordinary text (about 4 bytes a token) costs a quarter of that
 MAX_TEXT_BYTES = 16 << 20
+
+# A text this short is tokenized whatever the token bound (at most about 200 MiB of tokenizer memory), so that a
+# row over the bound by a little is refused with its exact token count, as before the bound
+ALWAYS_TOKENIZED_BYTES = 1 << 20
 
 # the most a Unicode normalization or lowercasing shrinks text, per character (see the module docstring)
 _UNICODE_SHRINK = 4
@@ -179,5 +185,5 @@ def text_bound(tokenizer: Any, limit: int | None, limit_why: str, truncate: bool
     k = tokenizer_token_bytes(tokenizer)
     if limit is None or k is None:
         return TextBound(MAX_TEXT_BYTES, k, limit, limit_why, truncate)
-    by_tokens = (limit + 1) * k
+    by_tokens = max((limit + 1) * k, ALWAYS_TOKENIZED_BYTES)
     return TextBound(max(by_tokens, MAX_TEXT_BYTES) if truncate else by_tokens, k, limit, limit_why, truncate)
