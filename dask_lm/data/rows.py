@@ -82,12 +82,12 @@ def _without_long(arr: Any, bound: TextBound, file: str, first_row: int, column:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
-    lengths = pc.binary_length(arr)  # from the offsets alone
+    lengths = pc.binary_length(arr)  # from the offsets alone; chunk by chunk (combining chunks would copy them)
     long = pc.fill_null(pc.greater(lengths, bound.max_bytes), False)
     if not pc.any(long).as_py():
         return arr
-    for i in pc.indices_nonzero(long).to_pylist():
+    flags = long.combine_chunks() if isinstance(long, pa.ChunkedArray) else long  # booleans: a bit per row
+    for i in pc.indices_nonzero(flags).to_pylist():
         if errors[i] is None:
             errors[i] = _bad(file, first_row + i, column, bound.why(lengths[i].as_py()))
     return pc.if_else(long, pa.scalar(None, arr.type), arr)  # copies the other values only
