@@ -17,6 +17,7 @@ from typing import Any
 
 from dask_lm.data.continuation import Convention, encode_pairs, encode_texts
 from dask_lm.data.messages import ScoreOptions
+from dask_lm.data.text_bytes import TextBound, text_bound
 from dask_lm.errors import BadRowError
 from dask_lm.interface import opt
 
@@ -51,9 +52,12 @@ def _bad(file: str, row: int, column: str | tuple[str, str], why: str) -> str:
     return f"{file}: row {row}, {where}: {why}"
 
 
-def _arrow_values(series: Any) -> tuple[Any, list[Any]] | None:
+def _arrow_values(series: Any, bound: TextBound | None = None, file: str = "", first_row: int = 0,
+                  column: str = "", errors: list[str | None] | None = None) -> tuple[Any, list[Any]] | None:
     """(Arrow type, Python values) of an Arrow-backed column, strings as ``bytes`` so that decoding is per row;
-    ``None`` for a column pandas holds as Python objects."""
+    ``None`` for a column pandas holds as Python objects. With ``bound``, a string value over its bytes is a bad
+    row (its error in ``errors``) and comes back as ``None``: its length is read from the Arrow offsets, and the
+    value is never copied into Python."""
     import pyarrow as pa
 
     if not hasattr(series.array, "__arrow_array__"):
@@ -66,17 +70,43 @@ def _arrow_values(series: Any) -> tuple[Any, list[Any]] | None:
         arr = arr.cast(pa.large_binary())
     elif pa.types.is_string_view(t):
         arr = arr.cast(pa.binary_view())
+    if bound is not None and errors is not None and (pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)
+                                                     or pa.types.is_binary_view(arr.type)):
+        arr = _without_long(arr, bound, file, first_row, column, errors)
     return t, arr.to_pylist()
 
 
-def _texts(pdf: Any, column: str, file: str, first_row: int, errors: list[str | None]) -> list[str | None]:
-    """The column's strings; a null, a non-string or bytes that are not UTF-8 mark the row bad (first error wins)."""
-    got = _arrow_values(pdf[column])
+def _without_long(arr: Any, bound: TextBound, file: str, first_row: int, column: str, errors: list[str | None]
+                  ) -> Any:
+    """``arr`` (binary) with its values over ``bound`` replaced by nulls, each a bad row in ``errors``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    lengths = pc.binary_length(arr)  # from the offsets alone; chunk by chunk (combining chunks would copy them)
+    long = pc.fill_null(pc.greater(lengths, bound.max_bytes), False)
+    if not pc.any(long).as_py():
+        return arr
+    flags = long.combine_chunks() if isinstance(long, pa.ChunkedArray) else long  # booleans: a bit per row
+    for i in pc.indices_nonzero(flags).to_pylist():
+        if errors[i] is None:
+            errors[i] = _bad(file, first_row + i, column, bound.why(lengths[i].as_py()))
+    return pc.if_else(long, pa.scalar(None, arr.type), arr)  # copies the other values only
+
+
+def _texts(pdf: Any, column: str, file: str, first_row: int, errors: list[str | None], bound: TextBound | None = None
+           ) -> list[str | None]:
+    """The column's strings; a null, a non-string, bytes that are not UTF-8 or more bytes than ``bound`` mark the
+    row bad (first error wins)."""
+    got = _arrow_values(pdf[column], bound, file, first_row, column, errors)
     values = got[1] if got is not None else pdf[column].tolist()
     out: list[str | None] = [None] * len(values)
     for i, v in enumerate(values):
         why = None
-        if isinstance(v, str):
+        if errors[i] is not None and got is not None:  # over the bound: its value was never read
+            continue
+        if isinstance(v, str) and bound is not None and _utf8_over(v, bound.max_bytes):
+            why = bound.why(len(v.encode()))
+        elif isinstance(v, str):
             out[i] = v
         elif isinstance(v, bytes) and got is not None:
             try:
@@ -91,6 +121,14 @@ def _texts(pdf: Any, column: str, file: str, first_row: int, errors: list[str | 
         if why is not None and errors[i] is None:
             errors[i] = _bad(file, first_row + i, column, why)
     return out
+
+
+def _utf8_over(text: str, max_bytes: int) -> bool:
+    """Whether ``text`` (a Python string the caller already holds) encodes to more than ``max_bytes`` UTF-8 bytes,
+    without encoding it where its length in characters decides (1 to 4 bytes each)."""
+    if len(text) > max_bytes:
+        return True
+    return 4 * len(text) > max_bytes and len(text.encode("utf-8", "surrogatepass")) > max_bytes
 
 
 def _token_lists(pdf: Any, column: str, file: str, first_row: int, errors: list[str | None]
@@ -154,7 +192,8 @@ def _short(v: Any) -> str:
 
 def tokenize_rows(pdf: Any, tokenizer: Any, *, text_column: str | None = None, prompt_column: str | None = None,
                   response_column: str | None = None, file: str, first_row: int, errors: list[str | None],
-                  convention: Convention = "lm-eval") -> tuple[list[list[int] | None], list[int]]:
+                  convention: Convention = "lm-eval", bound: TextBound | None = None
+                  ) -> tuple[list[list[int] | None], list[int]]:
     """Token ids of every row of ``pdf`` (rows ``first_row ...`` of ``file``), and how many of them are context
     (the tokens before the first scored one): every job tokenizes here, so a row scored and the same row trained
     on are the same ids.
@@ -162,12 +201,13 @@ def tokenize_rows(pdf: Any, tokenizer: Any, *, text_column: str | None = None, p
     A prompt + response row is tokenized in ``convention`` (:mod:`dask_lm.data.continuation`: by default as
     lm-evaluation-harness does, the response in context); a text row is scored whole, its first token conditioned
     on BOS / EOS (``"separate"``: ``tokenizer(text)``, its first token unscored). A row whose value is not a string
-    gets its error in ``errors`` (the first one wins) and ``None`` ids."""
+    gets its error in ``errors`` (the first one wins) and ``None`` ids; so does one of more bytes than ``bound``
+    (:func:`dask_lm.data.text_bytes.text_bound`), which is never tokenized nor copied out of Arrow."""
     n = len(pdf)
     named = [text_column] if text_column is not None else [prompt_column, response_column]
     columns = [c for c in named if c]
     assert len(columns) == len(named), "tokenize_rows needs text_column, or prompt_column with response_column"
-    values = [_texts(pdf, c, file, first_row, errors) for c in columns]
+    values = [_texts(pdf, c, file, first_row, errors, bound) for c in columns]
     ok = [i for i in range(n) if errors[i] is None]
     ids: list[list[int] | None] = [None] * n
     lens = [0] * n
@@ -193,6 +233,7 @@ def prepare_rows(pdf: Any, opts: ScoreOptions, *, tokenizer: Any, vocab_size: in
     start = [1] * n
     ids: list[list[int] | None]
     prompt_len: list[int] | None = None
+    limit, limit_why = position_limit(max_positions, opts.max_length)
     if opts.ids_column is not None:
         ids = _token_lists(pdf, opts.ids_column, file, first_row, errors)
         if opts.prompt_length_column is not None:
@@ -201,7 +242,8 @@ def prepare_rows(pdf: Any, opts: ScoreOptions, *, tokenizer: Any, vocab_size: in
     else:
         ids, lens = tokenize_rows(pdf, tokenizer, text_column=opts.text_column, prompt_column=opts.prompt_column,
                                   response_column=opts.response_column, file=file, first_row=first_row, errors=errors,
-                                  convention=opts.convention)
+                                  convention=opts.convention,
+                                  bound=text_bound(tokenizer, limit, limit_why, opts.truncate))
         if opts.text_column is None:
             prompt_len = lens
         start = [max(k, 1) for k in lens]  # only response tokens count, each given everything before it
@@ -209,7 +251,6 @@ def prepare_rows(pdf: Any, opts: ScoreOptions, *, tokenizer: Any, vocab_size: in
     assert column is not None, "ScoreOptions names no column to score"
     pair = (opts.ids_column, opts.prompt_length_column or "") if opts.ids_column else (opts.prompt_column or "",
                                                                                         opts.response_column or "")
-    limit, limit_why = position_limit(max_positions, opts.max_length)
     truncated = [False] * n
     for i, toks in enumerate(ids):
         if toks is None or errors[i] is not None:

@@ -36,6 +36,7 @@ import torch
 
 from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.rows import tokenize_rows
+from dask_lm.data.text_bytes import text_bound
 from dask_lm.engine import interrupts, jobs, resumed
 from dask_lm.engine import progress as progress_bars
 from dask_lm.interface import again, opt
@@ -92,15 +93,19 @@ def _finished(output: str, newest: tuple[int, str]) -> SFTResult:
 
 
 def _tokenize_partition(pdf: Any, text_column: str | None, prompt_column: str | None, response_column: str | None,
-                        tokenizer_dir: str, file: str, first_row: int, convention: Convention = "lm-eval"
-                        ) -> list[tuple[list[int], int]]:
-    """(token ids, first trained position) per row, on a worker; every row trains, so a bad one fails the run."""
+                        tokenizer_dir: str, file: str, first_row: int, convention: Convention = "lm-eval",
+                        max_length: int | None = None, truncate: bool = False) -> list[tuple[list[int], int]]:
+    """(token ids, first trained position) per row, on a worker; every row trains, so a bad one fails the run. A
+    text too long for ``max_length`` tokens by its bytes alone (:func:`dask_lm.data.text_bytes.text_bound`) is
+    refused before it is tokenized."""
     if isinstance(pdf, pio.UnreadableRowGroup):  # a damaged page: nothing of the row group can be trained on
         raise ValueError(pdf.message())
     errors: list[str | None] = [None] * len(pdf)
-    ids, prompt_lens = tokenize_rows(pdf, _tokenizer(tokenizer_dir), text_column=text_column,
+    tokenizer = _tokenizer(tokenizer_dir)
+    bound = text_bound(tokenizer, max_length, opt("max_length", max_length), truncate)
+    ids, prompt_lens = tokenize_rows(pdf, tokenizer, text_column=text_column,
                                      prompt_column=prompt_column, response_column=response_column, file=file,
-                                     first_row=first_row, errors=errors, convention=convention)
+                                     first_row=first_row, errors=errors, convention=convention, bound=bound)
     bad = next((e for e in errors if e is not None), None)
     if bad is not None:
         raise ValueError(bad)
@@ -329,7 +334,8 @@ def _tokenize_all(client: Any, inputs: pio.ScoreInputs, pins: list[Any], text_co
     columns = [c for c in (text_column, prompt_column, response_column) if c]
     parts = jobs.located_partitions(inputs, columns, pins)
     tasks = [dask.delayed(_tokenize_partition, pure=False)(p, text_column, prompt_column, response_column,
-                                                           tokenizer_dir, f, first, convention)
+                                                           tokenizer_dir, f, first, convention, max_length,
+                                                           truncate)
              for p, (f, _g, first, _n) in zip(parts, inputs.partitions)]
     rows: list[tuple[list[int], int]] = []
     for (file, _g, first, _n), part in zip(inputs.partitions, client.gather(client.compute(tasks))):
