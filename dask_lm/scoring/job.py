@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dask_lm.data.continuation import Convention
+from dask_lm.data.continuation import Convention, describe
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
 from dask_lm.interface import again, current, opt, warn
@@ -134,6 +134,10 @@ class ScoreResult(ScoreRows):
     ready only after the first part came back, one that joined mid-job, is scoring time), ``scoring`` (scoring and
     writing: ``scoring_seconds``), ``closing`` (the replicas freed, the totals read back, the cluster this call
     started closed)."""
+    convention: str = ""
+    """The tokenization convention and what it scores, in words (``lm-eval: every token of each text scored, the
+    first one conditioned on BOS ...``): where ``dask-lm logprobs`` (which leaves a text's first token unscored)
+    and this job differ, the summary says so."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -164,6 +168,7 @@ class ScoreResult(ScoreRows):
                 ("perplexity", f"{self.corpus_perplexity:.3f} (corpus: exp of minus the mean scored logprob; "
                                f"mean of rows {self.perplexity:.3f})"),
                 ("scored tokens", f"{self.scored_tokens:,}"),
+                *([("convention", self.convention)] if self.convention else []),
                 ("parts", f"{self.parts} ({self.parts_skipped} already done)"), ("bad rows", str(self.bad_rows)),
                 ("empty rows", str(self.empty_rows)), ("truncated rows", str(self.truncated_rows)),
                 ("output", self.output), *([("dashboard", self.dashboard)] if self.dashboard else [])]
@@ -296,8 +301,10 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     start = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not finished,
                               warm=warm)
     try:
-        return _pinned_run(start, warm, out, finished, source, info, inputs, plan, opts, started, started_at,
-                           compile=compile, progress=progress, performance_report=performance_report)
+        result = _pinned_run(start, warm, out, finished, source, info, inputs, plan, opts, started, started_at,
+                             compile=compile, progress=progress, performance_report=performance_report)
+        result.convention = describe(conv, "ids" if ids_column else "text" if text_column else "pair")
+        return result
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the workers stopped at once, one line says what is kept
         start.close(interrupted=True)
         raise _interrupted(out, len(plan), e) from None
