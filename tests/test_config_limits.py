@@ -77,7 +77,8 @@ def test_policy_refuses_impossible_sizes_in_a_nested_config_and_in_overrides(tin
     """``Policy`` checks the file before transformers reads it, and the overrides it applies; ``object()`` as the
     cluster fails any use of it, so a refusal shows the check came first."""
     model = _model(tiny, tmp_path, text_config={"vocab_size": 2**30})
-    with pytest.raises(ValueError, match=rf"{model / 'config.json'}: text_config\.vocab_size = 1,073,741,824 is larger"):
+    config = model / "config.json"
+    with pytest.raises(ValueError, match=rf"{config}: text_config\.vocab_size = 1,073,741,824 is larger"):
         dask_lm.Policy(object(), {"model_name": str(model)}, None, init_optimizer=False, init_reference_model=False)
     with pytest.raises(ValueError, match=r"`policy.hf_config_overrides` .*: vocab_size = 1,000,000,000 is larger"):
         dask_lm.Policy(object(), {"model_name": tiny["llama"], "hf_config_overrides": {"vocab_size": 10**9}}, None,

@@ -191,6 +191,11 @@ def _options(opts: ScoreOptions) -> dict[str, Any]:
     return options
 
 
+def _convention(opts: ScoreOptions) -> str:
+    """``ScoreResult.convention``: what the job's rows were scored as, in words."""
+    return describe(opts.convention, "ids" if opts.ids_column else "text" if opts.text_column else "pair")
+
+
 def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, source: hub.ModelSource, info: modelcheck.ModelInfo,
               plan: list[spans.Span]) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
     # the parts are numbered by span: a resume must cut the rows the same way (dask_lm.io.spans)
@@ -301,10 +306,8 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     start = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not finished,
                               warm=warm)
     try:
-        result = _pinned_run(start, warm, out, finished, source, info, inputs, plan, opts, started, started_at,
-                             compile=compile, progress=progress, performance_report=performance_report)
-        result.convention = describe(conv, "ids" if ids_column else "text" if text_column else "pair")
-        return result
+        return _pinned_run(start, warm, out, finished, source, info, inputs, plan, opts, started, started_at,
+                           compile=compile, progress=progress, performance_report=performance_report)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the workers stopped at once, one line says what is kept
         start.close(interrupted=True)
         raise _interrupted(out, len(plan), e) from None
@@ -347,7 +350,7 @@ def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOut
         added_skip = resumed.added_skip_bad_rows(old, skip_bad_rows)
         pinned = out.pin(manifest, old, pins, ignore=("skip_bad_rows",) if added_skip else ())
         if old is not None and out.finished:
-            return _finished(out.path, old)
+            return replace(_finished(out.path, old), convention=_convention(opts))
         if added_skip:  # from now on the output may leave rows out: its manifest says so
             out.write_manifest({**pinned, "options": {**pinned["options"], "skip_bad_rows": True}})
         os.makedirs(pio.errors_dir(out.path), exist_ok=True)
@@ -370,7 +373,8 @@ def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOut
             closed = bool(getattr(start.opened, "_dask_lm_owns_cluster", False))
         # the cluster this call started is closed by now: that counts in the wall time, and its dashboard is gone
         wall, steps = clock.closed(result.wall_phases)
-        result = replace(result, wall_seconds=wall, wall_phases=steps, dashboard=None if closed else result.dashboard)
+        result = replace(result, wall_seconds=wall, wall_phases=steps, dashboard=None if closed else result.dashboard,
+                         convention=_convention(opts))
         out.finish(asdict(result))  # the counts cover every part, like bad_rows (resumed parts included)
         return result
 
