@@ -73,7 +73,14 @@ def test_each_command_names_its_convention_and_computes_it(client, tiny, tmp_pat
                                           "--output", str(out), "--convention", convention, "--precision", "fp32",
                                           "--scheduler-address", address, "--no-progress"])
         assert result.exit_code == 0, result.output
-        summary = {row.split("  ", 1)[0]: row.split("  ", 1)[1].strip() for row in result.output.splitlines()
-                   if "  " in row}
-        assert summary["convention"].startswith(line), result.output
+        assert _summary(result.output)["convention"].startswith(line), result.output
+        assert json.loads((out / "_SUCCESS").read_text())["convention"].startswith(line)
         assert dask_lm.read_scores(out)["sum_logprob"].tolist() == pytest.approx(expected, abs=1e-3)
+    # a finished output's --resume prints its summary at once, the convention its manifest pins included
+    again = CliRunner().invoke(cli, ["score", "--output", str(tmp_path / "separate"), "--resume", "--no-progress"])
+    assert again.exit_code == 0 and "already complete" in again.output, again.output
+    assert _summary(again.output)["convention"].startswith("separate: each text as tokenizer(text)"), again.output
+
+
+def _summary(output: str) -> dict[str, str]:
+    return {row.split("  ", 1)[0]: row.split("  ", 1)[1].strip() for row in output.splitlines() if "  " in row}

@@ -80,7 +80,7 @@ def _in_terminal(args: list[str], tmp_path: pathlib.Path) -> tuple[int, str, int
                             start_new_session=True)
     os.close(secondary)
     out, answered = b"", 0
-    give_up = time.monotonic() + 600  # only a guard against a hang: the refusal comes after the imports
+    give_up = time.monotonic() + 480  # a guard against a hang only, inside pytest-timeout's 600 s
     try:
         while True:
             ready, _, _ = select.select([primary], [], [], 1.0)
