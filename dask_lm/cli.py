@@ -107,7 +107,12 @@ def _exit_codes(ctx: click.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
 @click.pass_context
 def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, revision: str | None,
              scheduler_address: str | None, n_workers: int | None, precision: str, topk: int, as_json: bool) -> None:
-    """Per-token log-probabilities of TEXTS (default: two sample sentences)."""
+    """Per-token log-probabilities of TEXTS (default: two sample sentences).
+
+    Each text is encoded as tokenizer(text) and its first token has no context, so it is not scored: the sum is
+    over tokens 2..n (dask-lm score --convention separate). dask-lm score's default convention (lm-eval) scores
+    the first token too, conditioned on BOS (EOS when the tokenizer adds no BOS): with a tokenizer that adds no BOS
+    its sum has one more term, and the two differ. The output says which convention it used."""
     _exit_codes(ctx, _run_logprobs, list(texts) or ["The quick brown fox jumps over the lazy dog.",
                                                     "Dask schedules tasks across the workers of a cluster."],
                 model_dir, scheduler_address, n_workers, precision, topk, as_json, revision)
@@ -143,7 +148,8 @@ Exit codes: 0 done; 2 bad usage or input: refused before anything is written, or
 @click.option("--convention", type=click.Choice(["lm-eval", "separate"]), default="lm-eval", show_default=True,
               help="How text is tokenized. lm-eval: as lm-evaluation-harness does (the response encoded in context, "
               "trailing prompt whitespace moved to it, one BOS at most, an empty prompt or a text conditioned on "
-              "BOS/EOS). separate: prompt and response encoded apart, a text's first token unscored (the outputs of earlier dask-lm releases).")
+              "BOS/EOS). separate: prompt and response encoded apart, a text's first token unscored (as dask-lm "
+              "logprobs does, and earlier dask-lm releases did).")
 @click.option("--id-column", default=None, help="Keep only this input column in the output (default: all).")
 @click.option("--topk", type=int, default=0, show_default=True, help="Also write the k most likely tokens.")
 @click.option("--decode-topk", is_flag=True, help="With --topk: also write their strings (topk_tokens, each id as "
@@ -180,7 +186,12 @@ def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str | None, out
           scheduler_address: str | None, n_workers: int | None, no_progress: bool, compile_: bool | None,
           **options: Any) -> None:
     """Per-token logprobs, log-likelihood and perplexity of every row of parquet INPUTS (files, directories,
-    globs)."""
+    globs).
+
+    By default (--convention lm-eval) every token of a text is scored, the first one conditioned on BOS (EOS when
+    the tokenizer adds no BOS), as lm-evaluation-harness scores it; dask-lm logprobs leaves a text's first token
+    unscored, as --convention separate does, so their sums differ for a tokenizer that adds no BOS. The summary
+    names the convention used."""
     _job_given(ctx, options, resume=options["resume"])
     compile_ = None if _not_given(ctx, "compile_") else compile_
 
@@ -390,16 +401,21 @@ def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: st
     import transformers
 
     import dask_lm
+    from dask_lm.data.continuation import LOGPROBS_CONVENTION, describe
     from dask_lm.demo import demo_model
     from dask_lm.engine.cluster import count_gpus
+    from dask_lm.io import modelcheck
     from dask_lm.io.hub import resolve_model
 
-    # a Hub id becomes its local snapshot (downloaded once, on this machine); the workers load that directory
+    # a Hub id becomes its local snapshot (downloaded once, on this machine); the workers load that directory. A
+    # model asking for code of its own, damaged files or impossible sizes: exit 2 here, before any cluster
     model_dir = resolve_model(model_dir, revision=revision).path if model_dir is not None else demo_model()
+    modelcheck.check_model(model_dir, load_config=False)
+    modelcheck.check_tokenizer(model_dir)
     if precision == "auto":
         precision = "bfloat16" if count_gpus() and not scheduler_address else "float32"
     precision = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(precision, precision)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     tokenizer.padding_side = "right"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -418,18 +434,21 @@ def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: st
         _close(client)
     from dask_lm.io.results import token_strings  # the strings of score --decode-topk (that module says why)
 
+    if not as_json:
+        click.echo(f"convention: {describe(LOGPROBS_CONVENTION)}")
     for b, text in enumerate(texts):
         n = int(lengths[b])
         tokens = token_strings(tokenizer, ids[b, :n].tolist())
         values = lp[b, :n].tolist()
         record: dict[str, Any] = {"text": text, "tokens": tokens, "logprobs": values,
-                                  "sum_logprob": sum(values[1:]), "num_tokens": n}
+                                  "sum_logprob": sum(values[1:]), "num_tokens": n, "convention": LOGPROBS_CONVENTION}
         if tk is not None:
             record["topk"] = [token_strings(tokenizer, tk["topk_indices"][b, i].tolist()) for i in range(n)]
         if as_json:
             click.echo(json.dumps(record))
             continue
-        click.echo(f"\n{text!r}  ({n} tokens, sum logprob {record['sum_logprob']:.3f}, {ranks} rank(s))")
+        click.echo(f"\n{text!r}  ({n} tokens, sum logprob {record['sum_logprob']:.3f} over tokens 2..{n}, "
+                   f"{ranks} rank(s))")
         for i, (tok, value) in enumerate(zip(tokens, values)):
             # the strings the model ranked first for this position (a token's own leading space shows in repr)
             extra = f"  top: {', '.join(map(repr, record['topk'][i - 1]))}" if tk is not None and i else ""

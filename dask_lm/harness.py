@@ -130,11 +130,11 @@ class DaskLM(TemplateLM):
         tok_dir = jobs.resolve_tokenizer(tokenizer, source.path, fix="pass tokenizer=DIR in model_args")
         self.add_bos_token = _bool("add_bos_token", add_bos_token, optional=True)
         extra = {} if self.add_bos_token is None else {"add_bos_token": self.add_bos_token}
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(tok_dir, **extra)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False, **extra)
         self.backend = "causal"
         self.pretrained, self.revision = str(pretrained), revision
         given = _opt_int("max_length", max_length)
-        config = transformers.AutoConfig.from_pretrained(source.path)
+        config = transformers.AutoConfig.from_pretrained(source.path, trust_remote_code=False)
         self._max_length = given or resolve_max_length(config, self.tokenizer)
         self._max_gen_toks = _int("max_gen_toks", max_gen_toks)
         self.engine = RequestEngine(source.path, tok_dir, client=client, scheduler_address=scheduler_address,

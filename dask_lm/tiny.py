@@ -62,7 +62,7 @@ def build_tiny_model(path: str, *, family: Family = "llama", vocab_size: int = 3
     torch.manual_seed(seed)
     auto = transformers.AutoModelForSequenceClassification if sequence_classification \
         else transformers.AutoModelForCausalLM
-    model = auto.from_config(cfg, dtype=torch.float32)
+    model = auto.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
     # random init keeps logits near zero; widen them so logprobs and top-k orders are not near-ties
     with torch.no_grad():
         for p in model.parameters():
@@ -72,5 +72,5 @@ def build_tiny_model(path: str, *, family: Family = "llama", vocab_size: int = 3
     if tokenizer_path:
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
+        AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False).save_pretrained(path)
     return path

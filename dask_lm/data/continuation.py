@@ -26,6 +26,9 @@ on BOS / EOS rather than left unscored.
 ``"separate"`` is the convention of earlier dask-lm releases (kept for outputs that must match earlier ones): the context is
 ``tokenizer(context)`` with its special tokens, the continuation ``tokenizer(continuation,
 add_special_tokens=False)``, concatenated as they are; a text row is ``tokenizer(text)``, its first token unscored.
+``dask-lm logprobs`` scores its texts that way too (:data:`LOGPROBS_CONVENTION`): with a tokenizer that adds no
+BOS, its sum leaves out the first token that ``dask-lm score``'s default scores. :func:`describe` says which
+convention a command used, in its output.
 """
 
 from __future__ import annotations
@@ -35,10 +38,31 @@ from typing import Any, Literal
 
 from dask_lm.interface import opt
 
-__all__ = ["CONVENTIONS", "Convention", "check_convention", "encode_pairs", "encode_texts", "prefix_token_id"]
+__all__ = ["CONVENTIONS", "Convention", "check_convention", "describe", "encode_pairs", "encode_texts",
+           "prefix_token_id", "LOGPROBS_CONVENTION"]
 
 Convention = Literal["lm-eval", "separate"]
 CONVENTIONS: tuple[Convention, ...] = ("lm-eval", "separate")
+LOGPROBS_CONVENTION: Convention = "separate"
+"""How ``dask-lm logprobs`` encodes a text: ``tokenizer(text)``, its first token unscored."""
+
+_DESCRIBED = {
+    ("lm-eval", "text"): "every token of each text scored, the first one conditioned on BOS (EOS when the tokenizer "
+                         "has no BOS), as lm-evaluation-harness scores a text",
+    ("separate", "text"): "each text as tokenizer(text) encodes it, its first token unscored (sums over tokens 2..n, "
+                          "as dask-lm logprobs)",
+    ("lm-eval", "pair"): "the response tokens scored, encoded in context as lm-evaluation-harness does",
+    ("separate", "pair"): "tokenizer(prompt) then tokenizer(response) without special tokens, the response tokens "
+                          "scored",
+}
+
+
+def describe(convention: Convention, rows: Literal["text", "pair", "ids"] = "text") -> str:
+    """One line for a command's output: the convention's name and what it scores, for ``rows`` of text, prompt +
+    response pairs, or token ids (which no convention touches)."""
+    if rows == "ids":
+        return "none (token ids as given: the prompt-length column's ids, at least the first, unscored)"
+    return f"{convention}: {_DESCRIBED[convention, rows]}"
 
 
 def check_convention(convention: str, key: str = "convention") -> Convention:

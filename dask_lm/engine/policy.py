@@ -47,7 +47,8 @@ from dask_lm.engine.training import TrainingMixin
 from dask_lm.engine.validation import validate_input_batch
 from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.io import checkpoint as ckpt
-from dask_lm.io import hub
+from dask_lm.io import hub, modelcheck
+from dask_lm.io.config_limits import check_config_limits
 from dask_lm.io.hub import ModelSource
 from dask_lm.refit.driver import RefitMixin
 from dask_lm.workers import tasks
@@ -84,6 +85,8 @@ def _resolve_names(cfg: PolicyConfig) -> tuple[PolicyConfig, ModelSource]:
         tok = source.path
     elif tok is not None and not os.path.exists(tok) and hub.looks_like_hub_id(tok):
         tok = hub.resolve_model(tok, what="`policy.tokenizer.name`").path
+    elif tok is not None and os.path.isdir(tok):  # the workers' generation loads it: no code of its own either
+        modelcheck.refuse_remote_code(tok, "`policy.tokenizer.name`")
     if source.path == cfg.model_name and tok == cfg.tokenizer.name:
         return cfg, source
     return dataclasses.replace(cfg, model_name=source.path,
@@ -91,14 +94,21 @@ def _resolve_names(cfg: PolicyConfig) -> tuple[PolicyConfig, ModelSource]:
 
 
 def _model_config(model_name: str, overrides: dict[str, Any] | None) -> Any:
-    """The model's Hugging Face config, read from its config.json on the driver (no weights, no CUDA)."""
+    """The model's Hugging Face config, read from its config.json on the driver (no weights, no CUDA), its sizes
+    within :mod:`dask_lm.io.config_limits` (``hf_config_overrides`` applied) before any worker allocates them."""
+    config_path = os.path.join(model_name, modelcheck.CONFIG)
+    if os.path.isfile(config_path):
+        modelcheck.check_config(model_name)  # before transformers parses it: sizes, and nesting it would recurse on
     try:
         import transformers
 
-        return transformers.AutoConfig.from_pretrained(model_name, **(overrides or {}))
+        config = transformers.AutoConfig.from_pretrained(model_name, trust_remote_code=False, **(overrides or {}))
     except (OSError, ValueError) as e:
         raise ValueError(f"`policy.model_name` = {model_name!r} is not a readable Hugging Face model directory: "
                          f"{e}") from e
+    if overrides:
+        check_config_limits(config.to_dict(), f"{config_path} with `policy.hf_config_overrides` {overrides}")
+    return config
 
 
 class Policy(TrainingMixin, RefitMixin):
@@ -125,6 +135,7 @@ class Policy(TrainingMixin, RefitMixin):
             weights_path = os.path.abspath(weights_path)
             if not os.path.isdir(weights_path):
                 raise ValueError(f"`weights_path` {weights_path!r} is not a directory")
+            modelcheck.refuse_remote_code(weights_path, "`weights_path`")
         if optimizer_path is not None:
             optimizer_path = os.path.abspath(optimizer_path)
             if not init_optimizer:

@@ -119,7 +119,7 @@ def _tokenizer(directory: str) -> Any:
     """The tokenizer of ``directory``, loaded once per worker process (every partition of a run needs it)."""
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(directory)
+    return transformers.AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
 
 
 def _batch(rows: list[tuple[list[int], int]], size: int, pad_id: int) -> Any:
@@ -228,7 +228,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                "warmup_steps": warmup_steps, "max_length": max_length, "truncate": truncate, "seed": seed,
                "shuffle": shuffle, "precision": fixed_precision, "convention": conv}
     manifest, pins = jobs.manifest(source, info, inputs, options)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model, trust_remote_code=False)
     pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
     # every row trains (a bad one fails the run), so the run's length is known from the footers' row counts
     planned = math.ceil(inputs.num_rows / global_batch_size) * epochs

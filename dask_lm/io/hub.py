@@ -14,9 +14,11 @@ from ``HF_TOKEN`` or ``hf auth login``. ``revision`` is a branch, tag or commit.
 see the same path: put ``HF_HOME`` on a shared filesystem, or download on every node to the same place.
 
 Only data files are fetched: config, safetensors weights and index, tokenizer and generation files. Neither a
-repository's Python code (dask-lm never passes ``trust_remote_code``) nor pickled ``pytorch_model*.bin`` weights
-(unpickling a file from the Hub would run whatever it holds): a repository without safetensors weights is refused
-with the fix.
+repository's Python code (dask-lm passes ``trust_remote_code=False`` to every load) nor pickled
+``pytorch_model*.bin`` weights (unpickling a file from the Hub would run whatever it holds): a repository without
+safetensors weights is refused with the fix. A model or tokenizer whose config asks for code of its own
+(``auto_map``), local or from the Hub, is refused here, as soon as it is named
+(:func:`dask_lm.io.modelcheck.refuse_remote_code`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+
+from dask_lm.io.modelcheck import refuse_remote_code
 
 __all__ = ["ModelSource", "resolve_model", "looks_like_hub_id"]
 
@@ -75,7 +79,8 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None, 
     """A local model directory as it is, or a Hub id resolved to its local snapshot (downloading what is missing).
 
     ``what`` names the setting in errors (``--model``, ``policy.model_name``, ``--tokenizer``). Raises
-    ``ValueError`` that says which name was tried, where it was looked for, and how to fix it."""
+    ``ValueError`` that says which name was tried, where it was looked for, and how to fix it, and for a model
+    that asks to run code of its own (:func:`~dask_lm.io.modelcheck.refuse_remote_code`)."""
     from dask_lm.interface import opt
 
     what = what or opt("model")
@@ -87,6 +92,7 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None, 
         if revision is not None:
             raise ValueError(f"{what} {text!r} is a local directory: a revision ({revision!r}) applies only to a "
                              "Hub id; drop the revision")
+        refuse_remote_code(text, what)
         return ModelSource(path=os.path.abspath(text))
     if not looks_like_hub_id(text):
         raise ValueError(f"{what} {text!r} does not exist: pass a local Hugging Face model directory, or a Hub id "
@@ -138,5 +144,6 @@ def _from_hub(repo_id: str, revision: str | None, what: str) -> ModelSource:
                          "does not download: loading them would run code from the file); convert it once where you "
                          "trust it (from_pretrained, then save_pretrained(dir, safe_serialization=True)) and pass "
                          "that directory")
+    refuse_remote_code(path, what)
     commit = os.path.basename(path) if os.path.basename(os.path.dirname(path)) == "snapshots" else None
     return ModelSource(path=os.path.abspath(path), hub_id=repo_id, revision=revision, commit=commit)

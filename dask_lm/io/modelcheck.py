@@ -5,7 +5,12 @@ cluster had started and the output had been created, and reported as a runtime f
 whichever library tripped over it. Here every file that ``from_pretrained`` will read is checked from its
 metadata alone (no tensor is loaded, nothing is unpickled), and an error names the file and what is wrong:
 
-- ``config.json`` parses as a JSON object, and ``transformers.AutoConfig`` accepts it;
+- ``config.json`` parses as a JSON object within :mod:`dask_lm.io.config_limits` (no impossible sizes, no deep
+  nesting), and ``transformers.AutoConfig`` accepts it;
+- neither ``config.json`` nor ``tokenizer_config.json`` asks for the model's own Python code (``auto_map``):
+  dask-lm runs only the classes transformers ships, and passes ``trust_remote_code=False`` to every load
+  (:func:`refuse_remote_code`, also called on every model and tokenizer name resolved:
+  :func:`dask_lm.io.hub.resolve_model`);
 - the weights ``from_pretrained`` would pick exist, in its order: ``model.safetensors``, then
   ``model.safetensors.index.json`` (whose shards must all exist), then ``pytorch_model.bin`` and its index;
 - every safetensors file has a readable header: an 8-byte little-endian length, a JSON object, every tensor's
@@ -31,9 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dask_lm.interface import opt
+from dask_lm.io.config_limits import check_config_limits
 
 __all__ = ["weight_files", "stated_vocab", "stated_positions", "config_vocab", "transformers_module", "ModelInfo",
-           "check_model", "check_safetensors", "check_tokenizer", "tokenizer_files", "TOKENIZER_FILES"]
+           "check_model", "check_config", "refuse_remote_code", "check_safetensors", "check_tokenizer",
+           "tokenizer_files", "TOKENIZER_FILES", "CODE_MAPS"]
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -43,6 +50,8 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
                    "chat_template.json")
+# the files whose "auto_map" makes transformers import a module from the model's folder (config and tokenizer)
+CODE_MAPS = (CONFIG, "tokenizer_config.json")
 _MAX_HEADER = 100_000_000  # the safetensors format's own limit on the header length
 # bytes per element; sub-byte and exotic dtypes are left out of the size check rather than guessed
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
@@ -70,7 +79,8 @@ def check_model(model: str, *, load_config: bool = True) -> ModelInfo:
     config_path = os.path.join(model, CONFIG)
     if not os.path.isfile(config_path):
         raise ValueError(f"{opt('model')} {model!r} has no config.json: not a Hugging Face model directory")
-    _read_json(config_path, "a model config")
+    check_config(model)
+    refuse_remote_code(model)
     weights = weight_files(model)
     vocab_size = _auto_config_vocab(model, config_path) if load_config else None
     headers = {}  # safetensors file -> its tensor names: each header is read once
@@ -92,10 +102,47 @@ def tokenizer_files(directory: str) -> list[str]:
 
 
 def check_tokenizer(directory: str) -> None:
-    """The tokenizer's JSON files parse (a garbled ``tokenizer.json`` otherwise fails on every worker)."""
+    """The tokenizer's JSON files parse (a garbled ``tokenizer.json`` otherwise fails on every worker), and it asks
+    for no code of its own (:func:`refuse_remote_code`)."""
+    refuse_remote_code(directory)
     for name in tokenizer_files(directory):
         if name.endswith(".json"):
             _read_json(os.path.join(directory, name), "a tokenizer file")
+
+
+def check_config(model: str) -> dict[str, Any]:
+    """``model``'s ``config.json`` as JSON, within :mod:`dask_lm.io.config_limits`: a ``ValueError`` names the file
+    and the key otherwise. JSON only (no transformers import), so it runs before anything starts."""
+    path = os.path.join(model, CONFIG)
+    cfg = _read_json(path, "a model config")
+    check_config_limits(cfg, path)
+    return cfg
+
+
+def refuse_remote_code(directory: str, what: str | None = None) -> None:
+    """``ValueError`` when ``directory``'s ``config.json`` or ``tokenizer_config.json`` has ``auto_map``: the
+    model's classes are Python modules in its own folder, which transformers would import (after a "[y/N]" prompt
+    in a terminal, or at once with ``trust_remote_code=True``). dask-lm runs only the classes transformers ships,
+    whatever the terminal. ``what`` names the setting the directory came from (``--model``, ``--tokenizer``)."""
+    for name in CODE_MAPS:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        obj = _read_json(path, "a model config" if name == CONFIG else "a tokenizer file")
+        if "auto_map" not in obj:
+            continue
+        auto_map = obj["auto_map"]  # {"AutoConfig": "mod.Class", "AutoTokenizer": [slow, fast]}, or a legacy list
+        refs = sorted({str(r) for v in (auto_map.values() if isinstance(auto_map, dict) else [auto_map])
+                       for r in (v if isinstance(v, list) else [v]) if r})
+        model_type = obj.get("model_type") if name == CONFIG else None
+        kind = f"architecture (model_type {model_type!r})" if isinstance(model_type, str) else \
+            "architecture" if name == CONFIG else "tokenizer"
+        raise ValueError(f"{what + ' ' if what else ''}{directory!r}: {path} has \"auto_map\" ({', '.join(refs[:3])}"
+                         f"{', ...' if len(refs) > 3 else ''}): the model asks to run Python code from its own "
+                         "folder, and dask-lm runs only the classes transformers ships, never a model's own code "
+                         f"(trust_remote_code is always False). If transformers ships this {kind}, delete "
+                         f"\"auto_map\" from {name} and its own classes load it; otherwise convert the model, "
+                         "where you trust its code, to one transformers ships")
 
 
 def _read_json(path: str, what: str) -> dict[str, Any]:
@@ -105,6 +152,10 @@ def _read_json(path: str, what: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}); it should be {what}: restore it (re-download the "
                          "model, or save it again with save_pretrained)") from None
+    except RecursionError:  # json's C decoder recurses once per nested array or object
+        raise ValueError(f"{path} nests too deeply to be read as JSON (deeper than Python's recursion limit); it "
+                         f"should be {what}: restore it (re-download the model, or save it again with "
+                         "save_pretrained)") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object; it should be {what}: restore it "
                          "(re-download the model, or save it again with save_pretrained)")
@@ -160,7 +211,7 @@ def transformers_module() -> Any:
 def _auto_config_vocab(model: str, config_path: str) -> int | None:
     transformers = transformers_module()
     try:
-        cfg = transformers.AutoConfig.from_pretrained(model)
+        cfg = transformers.AutoConfig.from_pretrained(model, trust_remote_code=False)
     except Exception as e:  # transformers raises ValueError, KeyError, OSError, ... for a config it cannot use
         raise ValueError(f"{config_path} is not a config transformers can load ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:300]})") from None

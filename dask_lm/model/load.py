@@ -60,12 +60,12 @@ def _direct(model_dir: str, files: list[str], dtype: torch.dtype, where: torch.d
     import transformers
     from safetensors import safe_open
 
-    config = transformers.AutoConfig.from_pretrained(model_dir)
+    config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     if getattr(config, "quantization_config", None) is not None:
         logger.debug("%s: a quantised config; loading through from_pretrained", model_dir)
         return None
     with _no_init_weights(), torch.device(where):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     if getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None):
         logger.debug("%s: modules kept in float32; loading through from_pretrained", model_dir)
         return None
@@ -108,11 +108,11 @@ def _from_pretrained(model_dir: str, dtype: torch.dtype, where: torch.device) ->
 
     if where.type != "cpu":
         try:
-            return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+            return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False,
                                                                      device_map={"": where}).eval()
         except (ImportError, ValueError) as e:
             if "accelerate" not in str(e):
                 raise
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False)
     # transformers wraps PreTrainedModel.to with functools.wraps, whose stub loses the bound self
     return model.to(where).eval()  # type: ignore[arg-type]

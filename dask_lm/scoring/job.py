@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dask_lm.data.continuation import Convention
+from dask_lm.data.continuation import Convention, describe
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError
 from dask_lm.interface import again, current, opt, warn
@@ -134,6 +134,10 @@ class ScoreResult(ScoreRows):
     ready only after the first part came back, one that joined mid-job, is scoring time), ``scoring`` (scoring and
     writing: ``scoring_seconds``), ``closing`` (the replicas freed, the totals read back, the cluster this call
     started closed)."""
+    convention: str = ""
+    """The tokenization convention and what it scores, in words (``lm-eval: every token of each text scored, the
+    first one conditioned on BOS ...``): where ``dask-lm logprobs`` (which leaves a text's first token unscored)
+    and this job differ, the summary says so."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -164,6 +168,7 @@ class ScoreResult(ScoreRows):
                 ("perplexity", f"{self.corpus_perplexity:.3f} (corpus: exp of minus the mean scored logprob; "
                                f"mean of rows {self.perplexity:.3f})"),
                 ("scored tokens", f"{self.scored_tokens:,}"),
+                *([("convention", self.convention)] if self.convention else []),
                 ("parts", f"{self.parts} ({self.parts_skipped} already done)"), ("bad rows", str(self.bad_rows)),
                 ("empty rows", str(self.empty_rows)), ("truncated rows", str(self.truncated_rows)),
                 ("output", self.output), *([("dashboard", self.dashboard)] if self.dashboard else [])]
@@ -184,6 +189,11 @@ def _options(opts: ScoreOptions) -> dict[str, Any]:
         del options["decode_topk"]
     options["precision"] = None if opts.precision == "auto" else opts.precision  # pinned once the workers are known
     return options
+
+
+def _convention(opts: ScoreOptions) -> str:
+    """``ScoreResult.convention``: what the job's rows were scored as, in words."""
+    return describe(opts.convention, "ids" if opts.ids_column else "text" if opts.text_column else "pair")
 
 
 def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, source: hub.ModelSource, info: modelcheck.ModelInfo,
@@ -340,7 +350,7 @@ def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOut
         added_skip = resumed.added_skip_bad_rows(old, skip_bad_rows)
         pinned = out.pin(manifest, old, pins, ignore=("skip_bad_rows",) if added_skip else ())
         if old is not None and out.finished:
-            return _finished(out.path, old)
+            return replace(_finished(out.path, old), convention=_convention(opts))
         if added_skip:  # from now on the output may leave rows out: its manifest says so
             out.write_manifest({**pinned, "options": {**pinned["options"], "skip_bad_rows": True}})
         pio.make_errors_dir(out.path)  # a real directory: a link there is refused, naming it
@@ -363,7 +373,8 @@ def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOut
             closed = bool(getattr(start.opened, "_dask_lm_owns_cluster", False))
         # the cluster this call started is closed by now: that counts in the wall time, and its dashboard is gone
         wall, steps = clock.closed(result.wall_phases)
-        result = replace(result, wall_seconds=wall, wall_phases=steps, dashboard=None if closed else result.dashboard)
+        result = replace(result, wall_seconds=wall, wall_phases=steps, dashboard=None if closed else result.dashboard,
+                         convention=_convention(opts))
         out.finish(asdict(result))  # the counts cover every part, like bad_rows (resumed parts included)
         return result
 

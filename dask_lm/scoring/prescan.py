@@ -41,7 +41,8 @@ def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, voca
     tokenizer = None
     if not opts.ids_column:
         try:  # beside the config check's thread: transformers imported under modelcheck's lock
-            tokenizer = modelcheck.transformers_module().AutoTokenizer.from_pretrained(opts.tokenizer)
+            tokenizer = modelcheck.transformers_module().AutoTokenizer.from_pretrained(opts.tokenizer,
+                                                                                       trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - the workers load it again and say why, if it really fails
             logger.debug("no pre-scan of the rows: the tokenizer does not load in the driver (%s)", e)
             return None

@@ -61,7 +61,7 @@ class Replica:
         self.compiled = False
         self.tokenizer: transformers.PreTrainedTokenizerBase | None
         try:
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
             self.tokenizer_error: str | None = None
         except (OSError, ValueError, ImportError) as e:  # token-id input needs no tokenizer; text input says why
             self.tokenizer = None

@@ -55,7 +55,8 @@ def generate_batch(host: RankModel, data: BatchedDataDict, *, greedy: bool = Fal
     if gen.stop_strings:
         import transformers
 
-        tokenizer = transformers.AutoTokenizer.from_pretrained(host.cfg.tokenizer.name or host.cfg.model_name)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(host.cfg.tokenizer.name or host.cfg.model_name,
+                                                               trust_remote_code=False)
     host.ensure_on_device()
     host.model.eval()
     start = time.perf_counter()

@@ -118,18 +118,20 @@ class RankModel:
         overrides = dict(cfg.hf_config_overrides or {})
         if self.is_reward_model:
             overrides["num_labels"] = 1  # a Bradley-Terry reward model has one score
-        hf_config = transformers.AutoConfig.from_pretrained(cfg.model_name, **overrides)
+        hf_config = transformers.AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=False, **overrides)
         if getattr(hf_config, "pad_token_id", None) is None:
             # sequence-classification heads refuse batches > 1 without a pad id; we pool by length anyway
             hf_config.pad_token_id = self.pad_token_id
         # training in low precision loads fp32: FSDP keeps fp32 shards (MixedPrecisionPolicy computes in
         # `precision`), a single rank copies them into MasterWeights before casting the model
         dtype = torch.float32 if self.keeps_fp32 else self.dtype
-        kwargs = {"config": hf_config, "dtype": dtype, "attn_implementation": cfg.attn_implementation}
+        kwargs = {"config": hf_config, "dtype": dtype, "attn_implementation": cfg.attn_implementation,
+                  "trust_remote_code": False}
         if skip_weight_load:
             # random weights made where they live: seconds on a GPU, where a CPU init of a 7B model takes minutes
             with self.device:
-                model = auto.from_config(hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation)
+                model = auto.from_config(hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                                         trust_remote_code=False)
         else:
             model = auto.from_pretrained(cfg.model_name, **kwargs)
         return model.to(self.device)
@@ -170,7 +172,7 @@ class RankModel:
                 else transformers.AutoModelForCausalLM)
         dtype = torch.float32 if self.keeps_fp32 else self.dtype
         try:
-            full = auto.from_pretrained(weights_path, dtype=dtype).state_dict()
+            full = auto.from_pretrained(weights_path, dtype=dtype, trust_remote_code=False).state_dict()
         except (OSError, ValueError) as e:
             raise ValueError(f"weights_path {weights_path!r} is not a loadable Hugging Face model directory: {e}") from e
         own = self.model.state_dict()
