@@ -62,7 +62,7 @@ FORMAT = 5
 SEAL = "seal"
 # the manifest's entries and their JSON types, checked before any is used (a hand-made manifest of an older format
 # has no seal to say it was edited); an entry that lists files holds objects with a path, a size and a SHA-256
-_TYPES: dict[str, type | tuple[type, ...]] = {
+_TYPES: dict[str, type] = {
     "format": int, "dask_lm_version": str, "model": str, "tokenizer": str, "options": dict, "settings": dict,
     "model_source": dict, "partitions": int, "partition_plan": str, "inputs": list, "model_files": list,
     "tokenizer_files": list, SEAL: dict}
@@ -295,11 +295,11 @@ def _check_types(manifest: dict[str, Any], path: str, fix: str) -> None:
     def wrong(key: str, value: Any, want: str) -> ValueError:
         return ValueError(f'{path}: "{key}" holds {json.dumps(value, default=str)[:80]}, which is not {want}; {fix}')
 
-    names = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
+    names: dict[type, str] = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
     for key, want in _TYPES.items():
         value = manifest.get(key)
         if key in manifest and value is not None and (not isinstance(value, want) or isinstance(value, bool)):
-            raise wrong(key, value, names.get(want, str(want)))  # type: ignore[call-overload]
+            raise wrong(key, value, names.get(want, want.__name__))
     for key in _FILE_LISTS:
         for entry in manifest.get(key) or []:
             if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)
