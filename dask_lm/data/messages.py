@@ -319,6 +319,9 @@ class ScoreOptions:
     # who started the job ("python" or "cli"): a worker's messages name options as that caller spells them
     # (dask_lm.interface); not pinned by the manifest, as it changes no value
     interface: Literal["python", "cli"] = "python"
+    # the job's identity (dask_lm.io.part_proof.job_identity), written into each part's footer with its span;
+    # empty outside a scoring job (no part files)
+    identity: str = ""
 
     def micro_batch_tokens(self, packed: bool) -> int:
         """Tokens per micro-batch: ``batch_tokens``, else the default for the worker's layout."""

@@ -35,7 +35,7 @@ from typing import Any
 
 from dask_lm.engine.progress import JobBar
 from dask_lm.errors import InputChangedError
-from dask_lm.interface import opt
+from dask_lm.interface import current, opt
 from dask_lm.io import fingerprint, hub, jobdir, modelcheck
 from dask_lm.io import parquet as pio
 
@@ -309,7 +309,8 @@ class JobOutput:
         return old
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
-        pio.write_json_atomic(manifest, os.path.join(self.path, pio.MANIFEST))
+        """Write ``manifest``, sealed (:func:`~dask_lm.io.jobdir.sealed`: a later hand edit is refused)."""
+        pio.write_json_atomic(jobdir.sealed(manifest), os.path.join(self.path, pio.MANIFEST))
 
     def pin_precision(self, precision: str) -> None:
         """Record the precision the job runs in (an automatic one is known only once the cluster is up), or refuse
@@ -460,7 +461,8 @@ def located_partitions(inputs: pio.ScoreInputs, columns: list[str] | None, pins:
     import dask
 
     by_path = {p.path: p for p in pins}
-    return [dask.delayed(pio.read_partition, pure=False)(f, g, start, n, columns, by_path[f])
+    caller = current()  # a file changed mid-job is reported in the caller's terms (--resume, resume=True)
+    return [dask.delayed(pio.read_partition, pure=False)(f, g, start, n, columns, by_path[f], caller)
             for f, g, start, n in inputs.partitions]
 
 

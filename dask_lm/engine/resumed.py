@@ -50,7 +50,7 @@ def fill(output: str | os.PathLike[str], *, resume: bool, given: dict[str, Any],
         mode_given = any(values.get(k) is not None for k in _MODE_COLUMNS)
         for key, value in values.items():
             if value is None and key in pinned and not (mode_given and key in _MODE_COLUMNS):
-                values[key] = pinned[key]
+                values[key] = _typed(pinned[key], key, defaults.get(key), os.path.join(path, MANIFEST))
     inputs = "the inputs" if current() == "cli" else "input"
     missing = [name for key, name in (("input", inputs), ("model", opt("model"))) if values.get(key) is None]
     if missing and resume and manifest is None:
@@ -67,6 +67,17 @@ def fill(output: str | os.PathLike[str], *, resume: bool, given: dict[str, Any],
     return values
 
 
+def _typed(value: Any, key: str, default: Any, path: str) -> Any:
+    """``value``, a manifest's ``key``, when it has the type of the option's ``default`` (where there is one):
+    ``ValueError`` naming the key and the manifest else, not a ``TypeError`` deep in the job."""
+    if value is None or default is None or type(value) is type(default) or (
+            isinstance(default, float) and type(value) is int):
+        return value
+    raise ValueError(f'{path}: "{key}" holds {value!r}, a {type(value).__name__}, where the option takes a '
+                     f"{type(default).__name__}; put back what dask-lm wrote there, or pass {opt('overwrite', True)} "
+                     "to start again")
+
+
 def added_skip_bad_rows(old: dict[str, Any] | None, skip_bad_rows: bool) -> bool:
     """``--skip-bad-rows`` added by a resume of a job that stopped at a bad row: allowed, as the parts written
     before hold every row of their row groups, which is what skipping would have written for them too."""
@@ -80,7 +91,13 @@ def precheck(out: jobs.JobOutput, probe: dict[str, Any], *, skip_bad_rows: bool)
     old = jobdir.read_manifest(out.path)
     if old is None:
         return
-    probe = {**old, **probe}
+    # the input files by path and size (their content is hashed later): a file added to an input folder is named,
+    # not reported as rows "cut into parts another way"
+    pinned = {e.get("path"): e for e in old.get("inputs") or [] if isinstance(e, dict)}
+    sizes = {f: os.path.getsize(f) for f in out.files}
+    inputs = [{"path": f, "size": size, "sha256": pinned[f].get("sha256") if pinned.get(f, {}).get("size") == size
+               else None} for f, size in sizes.items()]
+    probe = {**old, "inputs": inputs, **probe}
     ignore: tuple[str, ...] = ("skip_bad_rows",) if added_skip_bad_rows(old, skip_bad_rows) else ()
     if None in ((old.get("options") or {}).get("precision"), probe["options"].get("precision")):
         ignore += ("precision",)

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from dask_lm import interface
 from dask_lm.errors import PartWriteError
-from dask_lm.io import safe_paths
+from dask_lm.io import part_proof, safe_paths
 from dask_lm.io.fingerprint import Pin, stamp, verify
 
 __all__ = ["ScoreInputs", "resolve_input_files", "inspect_inputs", "part_name", "write_part", "write_json_atomic",
@@ -264,7 +264,7 @@ def slice_rows(part: Any, offset: int, num_rows: int) -> Any:
 
 
 def read_partition(file: str, group: int, first_row: int, num_rows: int, columns: list[str] | None,
-                   pin: Pin | None = None) -> Any:
+                   pin: Pin | None = None, caller: interface.Interface | None = None) -> Any:
     """Row group ``group`` of ``file`` as a pandas frame of Arrow-backed columns, or an :class:`UnreadableRowGroup`
     when its pages are corrupt.
 
@@ -274,7 +274,14 @@ def read_partition(file: str, group: int, first_row: int, num_rows: int, columns
     value is found rather than scored. A file that is gone or whose footer broke since the checks is not a bad
     row: that raises. So does a file that no longer holds its ``pin``'s content, checked before the read (one
     ``stat`` while its stamp is unchanged) and after it (the stamp must not have moved during the read):
-    :class:`~dask_lm.errors.InputChangedError`, naming the file."""
+    :class:`~dask_lm.errors.InputChangedError`, naming the file and the fix as ``caller`` spells options (the job's
+    interface: a worker process started apart from the command would speak Python)."""
+    with interface.speaking(caller) if caller else contextlib.nullcontext():
+        return _read_partition(file, group, first_row, num_rows, columns, pin)
+
+
+def _read_partition(file: str, group: int, first_row: int, num_rows: int, columns: list[str] | None,
+                    pin: Pin | None) -> Any:
     import pandas as pd
 
     before = verify(pin) if pin is not None else None
@@ -312,15 +319,19 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def write_part(table: pa.Table, directory: str, name: str) -> str:
-    """Write ``table`` as ``directory/name``: a hidden temporary file first, then an atomic rename. An ``OSError``
-    (a full disk) becomes a :class:`~dask_lm.errors.PartWriteError` naming the part and the path (:func:`write_fix`);
-    the temporary file is removed, and nothing appears under the final name."""
+def write_part(table: pa.Table, directory: str, name: str, proof: part_proof.PartProof | None = None) -> str:
+    """Write ``table`` as ``directory/name``: a hidden temporary file first, then an atomic rename. With ``proof``
+    the footer carries it (:mod:`dask_lm.io.part_proof`: what ``--resume`` checks before it keeps the part). An
+    ``OSError`` (a full disk) becomes a :class:`~dask_lm.errors.PartWriteError` naming the part and the path
+    (:func:`write_fix`); the temporary file is removed, and nothing appears under the final name."""
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         with safe_paths.create_new(tmp) as sink:  # a new file, never through a link planted under its name
-            pq.write_table(table, sink)
+            if proof is None:
+                pq.write_table(table, sink)
+            else:
+                part_proof.write(table, sink, proof)
         _fsync(tmp)
         os.replace(tmp, final)  # a retried partition replaces its own earlier copy: every row exactly once
     except BaseException as e:

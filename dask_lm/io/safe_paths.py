@@ -78,10 +78,11 @@ def open_no_follow(path: str, flags: int, mode: int = 0o644) -> int:
 
 
 def create_new(path: str, mode: int = 0o644) -> IO[bytes]:
-    """A new file at ``path`` (a fresh temporary name), opened for binary writing: never an existing file, never
-    through a link (``O_CREAT | O_EXCL``, which fails on any entry already there, a dangling link included)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, mode)
-    return os.fdopen(fd, "wb")
+    """A new file at ``path`` (a fresh temporary name), opened for binary reading and writing (a part's proof is
+    patched into its footer through the same descriptor): never an existing file, never through a link
+    (``O_CREAT | O_EXCL``, which fails on any entry already there, a dangling link included)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | NOFOLLOW, mode)
+    return os.fdopen(fd, "w+b")
 
 
 def own_dir(path: str) -> str:

@@ -36,7 +36,7 @@ from dask_lm.errors import BadRowError
 from dask_lm.interface import again, current, opt, warn
 from dask_lm.engine import cluster, interrupts, jobs, resumed
 from dask_lm.engine.progress import JobBar
-from dask_lm.io import fingerprint, hub, jobdir, modelcheck, spans
+from dask_lm.io import fingerprint, hub, jobdir, modelcheck, part_proof, spans
 from dask_lm.io import parquet as pio
 from dask_lm.io.results import ScoreRows
 from dask_lm.scoring import prescan
@@ -169,7 +169,9 @@ class ScoreResult(ScoreRows):
                                f"mean of rows {self.perplexity:.3f})"),
                 ("scored tokens", f"{self.scored_tokens:,}"),
                 *([("convention", self.convention)] if self.convention else []),
-                ("parts", f"{self.parts} ({self.parts_skipped} already done)"), ("bad rows", str(self.bad_rows)),
+                ("parts", f"{self.parts} ({self.parts_skipped} already done)"),
+                ("bad rows", f"{self.bad_rows} (left out, listed in {os.path.join(self.output, pio.ERRORS)})"
+                             if self.bad_rows else "0"),
                 ("empty rows", str(self.empty_rows)), ("truncated rows", str(self.truncated_rows)),
                 ("output", self.output), *([("dashboard", self.dashboard)] if self.dashboard else [])]
 
@@ -184,7 +186,7 @@ def _options(opts: ScoreOptions) -> dict[str, Any]:
     (a job refused for NaN may be resumed keeping them; parts written before hold only finite values)."""
     options = {k: v for k, v in asdict(opts).items() if k not in ("output", "model", "tokenizer", "batch_tokens",
                                                                    "chunk_size", "allow_nonfinite", "compile",
-                                                                   "compile_head", "model_pins", "interface")}
+                                                                   "compile_head", "model_pins", "interface", "identity")}
     if not opts.decode_topk:  # pinned once set: a manifest from before the option resumes as it was written
         del options["decode_topk"]
     options["precision"] = None if opts.precision == "auto" else opts.precision  # pinned once the workers are known
@@ -354,7 +356,10 @@ def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOut
         if added_skip:  # from now on the output may leave rows out: its manifest says so
             out.write_manifest({**pinned, "options": {**pinned["options"], "skip_bad_rows": True}})
         pio.make_errors_dir(out.path)  # a real directory: a link there is refused, naming it
-        done = [i for i in range(len(plan)) if os.path.exists(os.path.join(out.path, pio.part_name(i)))]
+        # a part is kept only where it proves to be this job's part for its span (dask_lm.io.part_proof)
+        stamps = part_proof.kept_parts(out.path, part_proof.expected_parts(part_proof.job_identity(pinned), plan),
+                                       _part_columns(inputs, opts))
+        done = sorted(stamps)
         clock = StartClock(started, started_at, {"checks": prepare_seconds})
         clock.config_check(checked)
         with jobs.running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress
@@ -364,11 +369,13 @@ def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOut
             if fixed_precision is None:
                 opts = replace(opts, precision=jobs.worker_precision(dask_client))
             out.pin_precision(opts.precision)
+            pinned = jobdir.read_manifest(out.path) or pinned
+            opts = replace(opts, identity=part_proof.job_identity(pinned))
             if compile_flag is None:
                 workers = len(scheduler_info(dask_client)["workers"])
                 opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers),
                                compile_head=worth_compiling_head(sum(inputs.group_tokens), workers))
-            result = _run(dask_client, out, inputs, plan, opts, done, start.warm_futures, bar, performance_report,
+            result = _run(dask_client, out, inputs, plan, opts, stamps, start.warm_futures, bar, performance_report,
                           clock)
             closed = bool(getattr(start.opened, "_dask_lm_owns_cluster", False))
         # the cluster this call started is closed by now: that counts in the wall time, and its dashboard is gone
@@ -379,8 +386,16 @@ def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOut
         return result
 
 
+def _part_columns(inputs: pio.ScoreInputs, opts: ScoreOptions) -> list[tuple[str, Any]]:
+    """The columns of every part, in order: the input's (or the id column alone; their types are the input's) and
+    the scoring columns with their types."""
+    assert inputs.schema is not None
+    kept = [opts.id_column] if opts.id_column is not None else inputs.schema.names
+    return [(name, None) for name in kept] + list(pio.output_schema_columns(opts.topk, opts.decode_topk))
+
+
 def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
-         done: list[int], preloads: list[Any],
+         stamps: dict[int, fingerprint.Stamp], preloads: list[Any],
          bar: JobBar, performance_report: str | None, clock: StartClock) -> ScoreResult:
     import dask
     from distributed import as_completed, span
@@ -391,7 +406,9 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
     if opts.id_column is not None:
         columns = sorted({c for c in (opts.id_column, opts.text_column, opts.ids_column, opts.prompt_column,
                                       opts.response_column, opts.prompt_length_column) if c})
-    todo = [i for i in range(len(plan)) if i not in set(done)]
+    done = sorted(stamps)
+    stamps = dict(stamps)  # and this run's parts, as their workers wrote them
+    todo = [i for i in range(len(plan)) if i not in stamps]
     reads = jobs.located_partitions(inputs, columns, out.pins)  # one per row group, computed where a span needs it
     report = (cluster.performance_report(client, performance_report) if performance_report
               else contextlib.nullcontext())
@@ -431,6 +448,7 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
                 if clock.waited_for(stats) and stats["ready_at"] > ready_at:  # not a late joiner's
                     ready_at, ready_compile = stats["ready_at"], stats.get("compile_seconds", 0.0)
                 by_worker[stats.get("worker")] = by_worker.get(stats.get("worker"), 0) + 1
+                stamps[stats["part"]] = fingerprint.Stamp(*stats["stamp"])
                 for k, v in stats.get("phases", {}).items():
                     phases[k] = phases.get(k, 0.0) + v
                 scored_at = time.time()
@@ -453,6 +471,10 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
         compile_s = max(compile_s, started["compile_seconds"])
     pio.remove_debris(opts.output)
     bad_total = pio.merge_errors(opts.output)
+    # the last word on every part, before _SUCCESS vouches for them: the pages are read again only where a part's
+    # stamp moved since it was checked (a resume's) or written (this run's)
+    part_proof.confirm_parts(opts.output, part_proof.expected_parts(opts.identity, plan),
+                             _part_columns(inputs, opts), stamps)
     totals = _output_totals(opts.output, len(plan))
     result = ScoreResult(output=opts.output, run_rows=rows, run_tokens=tokens, parts=len(plan),
                          parts_skipped=len(done), bad_rows=bad_total, seconds=seconds,

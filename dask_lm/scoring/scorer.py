@@ -360,11 +360,25 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
         listed = sorted(zip(lost_rows + [row_no[i] for i in scored.bad], lost_errors + scored.errors))
         err = pio.errors_table(index, file, [r for r, _ in listed], [e for _, e in listed])
         pio.write_part(err, pio.errors_dir(opts.output), pio.part_name(index))
-    pio.write_part(table, opts.output, pio.part_name(index))
+    bad_rows = len(scored.bad) + len(lost_rows)
+    written = _write_proved(table, index, file, firsts[0], sum(counts), bad_rows, opts)
     stats = scored.stats
     stats["phases"]["output"] += time.perf_counter() - t_write
-    return {"part": index, **stats, "bad_rows": len(scored.bad) + len(lost_rows), "seconds": time.perf_counter() - t0,
-            "worker": _worker_address()}
+    return {"part": index, **stats, "bad_rows": bad_rows, "seconds": time.perf_counter() - t0,
+            "worker": _worker_address(), "stamp": written}
+
+
+def _write_proved(table: Any, index: int, file: str, first_row: int, num_rows: int, bad_rows: int,
+                  opts: ScoreOptions) -> tuple[int, int, int]:
+    """Write part ``index`` with its proof (:mod:`dask_lm.io.part_proof`: the job, the span, the counts); returns
+    its stamp as written, with which the job's last check knows it unchanged without reading it again."""
+    from dask_lm.io import parquet as pio
+    from dask_lm.io import part_proof
+    from dask_lm.io.fingerprint import stamp
+
+    proof = part_proof.PartProof(identity=opts.identity, part=index, file=file, first_row=first_row,
+                                 num_rows=num_rows, rows=table.num_rows, bad_rows=bad_rows) if opts.identity else None
+    return tuple(stamp(pio.write_part(table, opts.output, pio.part_name(index), proof)))  # type: ignore[return-value]
 
 
 def _worker_address() -> str | None:
@@ -414,6 +428,6 @@ def _unreadable(schema: Any, rows: list[int], errors: list[str], index: int, fil
         table = table.append_column(name, pa.array([], type_))
     _refuse_if_cancelled(index)
     pio.write_part(pio.errors_table(index, file, rows, errors), pio.errors_dir(opts.output), pio.part_name(index))
-    pio.write_part(table, opts.output, pio.part_name(index))  # last: it marks the part done
+    written = _write_proved(table, index, file, rows[0], len(rows), len(rows), opts)  # last: it marks the part done
     return {"part": index, "rows": 0, "tokens": 0, "bad_rows": len(rows), "empty_rows": 0, "truncated_rows": 0,
-            "nonfinite_rows": 0, "seconds": time.perf_counter() - t0, "worker": _worker_address()}
+            "nonfinite_rows": 0, "seconds": time.perf_counter() - t0, "worker": _worker_address(), "stamp": written}
