@@ -239,3 +239,14 @@ def test_sigterm_becomes_an_interrupt_in_the_main_thread():
         time.sleep(5)  # the handler raises at the next bytecode
     assert interrupts.exit_code(e.value) == 143
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+
+def test_sigint_is_taken_for_the_block_where_it_was_ignored_and_left_ignored_after():
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts.signals_as_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises at the next bytecode
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # restored
+    finally:
+        signal.signal(signal.SIGINT, before)
