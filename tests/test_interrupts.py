@@ -133,7 +133,9 @@ def test_a_ctrl_c_while_the_workers_start_prints_one_line_and_no_worker_tracebac
         proc = subprocess.Popen(_score(str(data), tiny["llama"], out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
         driver, deadline = psutil.Process(proc.pid), time.time() + 300
-        while not [c for c in driver.children() if "spawn_main" in " ".join(_cmdline(c))]:
+        # a worker process well into its imports (a fifth of a CPU second: Python has set up its own SIGINT handler,
+        # and the worker's preload is seconds away): a signal before that kills it silently, as SIG_DFL does
+        while not [c for c in driver.children() if "spawn_main" in " ".join(_cmdline(c)) and _cpu(c) >= 0.2]:
             assert proc.poll() is None, proc.communicate()
             assert time.time() < deadline, "no worker process was spawned"
             time.sleep(0.01)
@@ -154,6 +156,14 @@ def _cmdline(p):
         return p.cmdline()
     except psutil.Error:  # exited meanwhile
         return []
+
+
+def _cpu(p):
+    try:
+        times = p.cpu_times()
+        return times.user + times.system
+    except psutil.Error:  # exited meanwhile
+        return 0.0
 
 
 @pytest.mark.cluster
