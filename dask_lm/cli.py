@@ -1,6 +1,7 @@
 """The ``dask-lm`` command (also ``python -m dask_lm``).
 
-Exit codes: 0 success, 2 bad usage or bad input (one clear line), 1 a runtime failure.
+Exit codes: 0 success, 2 bad usage or bad input (one clear line), 1 a runtime failure, 130 / 143 interrupted by
+SIGINT / SIGTERM (:mod:`dask_lm.engine.interrupts`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ _N_WORKERS_HELP = "Size of the local cluster (default: one worker per GPU, or 2 
 _REVISION_HELP = "Branch, tag or commit of a Hub --model (default: the repository's main branch)."
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog="""Exit codes, of every command: 0 done;
+2 bad usage or input (one line naming the option, file or row); 1 a runtime failure; 130 interrupted by Ctrl-C
+(SIGINT) and 143 by SIGTERM (a batch scheduler's stop): a score or sft job says on one line what it kept, and the
+same command with --resume continues it.""")
 @click.version_option(__version__, "--version", "-V", prog_name="dask-lm", message="%(prog)s %(version)s")
 @click.option("--verbose", "-v", is_flag=True, help="Show Dask's logs and full tracebacks.")
 @click.pass_context
@@ -69,8 +73,9 @@ def _exit_codes(ctx: click.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
     ``--verbose`` the full traceback comes first, and the exit code is the same."""
     verbose = ctx.obj["verbose"]
     try:
-        # a scheduler's SIGTERM gets Ctrl-C's cleanup and one line; messages name flags, not keyword arguments
-        with interrupts.terminate_as_interrupt(), interface.cli():
+        # SIGINT even where it was inherited ignored, and a scheduler's SIGTERM, get Ctrl-C's cleanup and one line;
+        # messages name flags, not keyword arguments
+        with interrupts.signals_as_interrupts(), interface.cli():
             return fn(*args, **kwargs)
     except KeyboardInterrupt as e:  # the job's own line (what it kept), else a bare one; 130 / 143 as shells do
         if verbose:
@@ -129,8 +134,9 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
   dask-lm score data/ --model M --text-column text --output scores/ --overwrite --precision fp32
 
 Exit codes: 0 done; 2 bad usage or input: refused before anything is written, or a bad row found while scoring
-(the parts written are kept: --resume --skip-bad-rows finishes the job); 1 a runtime failure.
---verbose adds the traceback and keeps the code.""")
+(the parts written are kept: --resume --skip-bad-rows finishes the job); 1 a runtime failure (a lost scheduler
+too: --resume continues); 130 interrupted by Ctrl-C (SIGINT), 143 by SIGTERM: --resume continues. --verbose adds
+the traceback and keeps the code.""")
 @click.argument("inputs", nargs=-1, metavar="INPUTS...")  # required, unless --resume (checked in the command)
 @click.option("--model", help="Hugging Face Hub id (e.g. Qwen/Qwen2.5-0.5B; downloaded once into the Hugging Face "
               "cache, HF_HUB_OFFLINE=1: the cache only) or model directory. Required, as INPUTS are, except with "
@@ -214,8 +220,9 @@ def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str | None, out
   dask-lm sft --output runs/sft-1 --resume
   dask-lm score eval/ --model runs/sft-1/step_200/weights --text-column text --output eval-scores/
 
-Exit codes: 0 done; 2 bad usage or input (refused before any training step), 1 a runtime failure. --verbose adds
-the traceback and keeps the code.""")
+Exit codes: 0 done; 2 bad usage or input (refused before any training step), 1 a runtime failure; 130 interrupted
+by Ctrl-C (SIGINT), 143 by SIGTERM: --resume continues from the newest checkpoint. --verbose adds the traceback and
+keeps the code.""")
 @click.argument("inputs", nargs=-1, metavar="INPUTS...")  # required, unless --resume (checked in the command)
 @click.option("--model", help="Hugging Face Hub id or model directory to start from. Required, as INPUTS are, "
               "except with --resume.")

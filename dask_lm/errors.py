@@ -10,7 +10,7 @@ from __future__ import annotations
 __all__ = ["BatchError", "LossConfigError", "BadRowError", "UnsafeCheckpointError", "CheckpointWriteError",
            "PartWriteError",
            "RankFailedError", "WorkerLostError", "PeerFailedError", "RefitError", "NonFiniteError",
-           "InputChangedError"]
+           "InputChangedError", "SchedulerLostError"]
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -52,6 +52,11 @@ class PartWriteError(OSError):
 # ------------------------------------------------------------------------------------------- the cluster
 class RankFailedError(RuntimeError):
     """A rank's task failed or its worker died; the group must be re-created."""
+
+
+class SchedulerLostError(RuntimeError):
+    """A batch job lost its Dask scheduler mid-run (killed, or the network to it gone). One line: the scheduler,
+    what the output kept and, where there is a job to continue, that ``--resume`` continues it. The CLI exits 1."""
 
 
 class WorkerLostError(RankFailedError):

@@ -37,3 +37,14 @@ def test_precision_is_spelled_one_way_and_old_spellings_still_parse():
         assert opt.type.convert(old, opt, None) == new
     with pytest.raises(click.BadParameter):
         opt.type.convert("int8", opt, None)
+
+
+def test_the_exit_codes_in_the_help_include_the_interrupted_ones():
+    """130 (Ctrl-C) and 143 (SIGTERM) are exit codes like the others (docs/reference/exit-codes.md): the command's help
+    and each job command's list them with 0, 1 and 2."""
+    for args in ([], ["score"], ["sft"]):
+        out = CliRunner().invoke(cli, [*args, "--help"])
+        text = " ".join(out.output.split())  # click wraps the epilog
+        assert out.exit_code == 0 and "Exit codes" in text, args
+        for code in ("0 done", "1 a runtime failure", "130 interrupted by Ctrl-C (SIGINT)", "143 by SIGTERM"):
+            assert code in text, (args, code, text)

@@ -9,13 +9,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from distributed import Client
 
 from dask_lm.interface import current, opt
 
-__all__ = ["connect", "close", "count_gpus", "as_client", "performance_report"]
+__all__ = ["connect", "close", "count_gpus", "as_client", "performance_report", "lost_scheduler"]
 
 logger = logging.getLogger("dask_lm")
 
@@ -118,13 +121,15 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
         visible = devices.split(",")[:n] if devices else list(range(n))
         # model weights and pinned buffers are unmanaged memory: Dask's pause / terminate thresholds would
         # stall an SPMD group or kill a rank mid-collective, so GPU workers get no host memory limit
-        lc = LocalCUDACluster(CUDA_VISIBLE_DEVICES=visible, threads_per_worker=1, memory_limit=0,
-                              dashboard_address=dashboard_address, host=host, **cluster_kwargs)
+        with spawning_without_sigint():
+            lc = LocalCUDACluster(CUDA_VISIBLE_DEVICES=visible, threads_per_worker=1, memory_limit=0,
+                                  dashboard_address=dashboard_address, host=host, **cluster_kwargs)
     else:
         from distributed import LocalCluster
 
-        lc = LocalCluster(n_workers=n_workers or 2, threads_per_worker=1, processes=True, host=host,
-                          dashboard_address=dashboard_address, memory_limit=memory_limit, **cluster_kwargs)
+        with spawning_without_sigint():
+            lc = LocalCluster(n_workers=n_workers or 2, threads_per_worker=1, processes=True, host=host,
+                              dashboard_address=dashboard_address, memory_limit=memory_limit, **cluster_kwargs)
     client = Client(lc)
     client._dask_lm_owns_cluster = True  # type: ignore[attr-defined]
     # `client.close()` (and `with connect() as client:`) then closes this cluster too, as it does for the cluster
@@ -132,6 +137,31 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
     # interpreter's exit to kill ("Worker process still alive after 4 seconds, killing")
     client._start_arg = None
     return client
+
+
+@contextlib.contextmanager
+def spawning_without_sigint() -> Iterator[None]:
+    """For the block, SIGINT is blocked in this thread, and so in the threads it starts (the cluster's event loop, and
+    the threads its nannies spawn worker processes from, now and when they restart one): a worker process starts
+    with SIGINT blocked, from its first instruction, until its preload ignores it (dask_lm/workers/preload.py). A
+    terminal's Ctrl-C reaches the whole process group: without this, a worker still importing its modules dies of it
+    with a ``KeyboardInterrupt`` traceback of its own. The blocked mask is inherited across ``fork`` and ``exec``,
+    unlike a Python handler; ignoring SIGINT instead would be process-wide, and so lose the driver's Ctrl-C.
+
+    Only off the main thread (where jobs start their cluster: :class:`dask_lm.engine.jobs.ClusterStart`): the main
+    thread must stay interruptible, and a blocked signal goes to another thread or waits. The resource tracker is
+    started first, because starting it unblocks SIGINT in the calling thread (``multiprocessing.resource_tracker``)."""
+    if threading.current_thread() is threading.main_thread():
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def as_client(cluster: Any) -> Client:
@@ -156,8 +186,6 @@ def as_client(cluster: Any) -> Client:
 def kill_local_workers(client: Client) -> int:
     """SIGKILL the worker processes of a local cluster that ``connect`` started (an attached cluster's are never
     touched); how many. For an interrupted job: its nannies then close at once instead of draining them."""
-    import signal
-
     cluster = client.cluster if getattr(client, "_dask_lm_owns_cluster", False) else None
     if cluster is not None:
         # the scheduler and the nannies live in this process: with their workers gone they log each closed comm,
@@ -171,6 +199,42 @@ def kill_local_workers(client: Client) -> int:
                 os.kill(pid, signal.SIGKILL)
                 killed += 1
     return killed
+
+
+def lost_scheduler(client: Any, error: BaseException) -> str | None:
+    """The address of the scheduler whose loss caused a job's ``error`` (killed, its machine or the network to it
+    gone), else ``None``. Dask then cancels the client's futures ("scheduler-connection-lost"), or a call fails on
+    the closed connection, and the client tries to reconnect. Where the connection error alone cannot tell (a
+    worker's comm closes too when a worker dies), the scheduler's port is tried. Once lost, the distributed client's
+    own log of it (a traceback, as it gives up reconnecting) is silenced: the job says it once, on one line."""
+    from distributed.client import FutureCancelledError
+
+    address = getattr(getattr(client, "scheduler", None), "address", None)
+    if not isinstance(address, str) or not isinstance(error, (FutureCancelledError, OSError)):
+        return None
+    if not (isinstance(error, FutureCancelledError) and error.reason == "scheduler-connection-lost"
+            or getattr(client, "status", "running") != "running" or not _reachable(address)):
+        return None
+    _silence("distributed", "tornado")
+    return address
+
+
+def _reachable(address: str) -> bool:
+    """Whether something accepts a connection at a scheduler's ``address`` (any other kind than tcp / tls counts
+    as reachable: there is no port to try)."""
+    import socket
+
+    from distributed.comm import get_address_host_port
+
+    try:
+        host, port = get_address_host_port(address)
+    except (ValueError, NotImplementedError):
+        return True
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            return True
+    except OSError:
+        return False
 
 
 def _silence(*prefixes: str) -> None:

@@ -6,6 +6,11 @@ Three pieces, each where the process model puts it:
   group, so a local cluster's worker processes got it too, and each printed its own ``KeyboardInterrupt``
   traceback (25 lines a worker) while the driver cleaned up. They now ignore it (:mod:`dask_lm.workers.preload`,
   a Dask preload that ``connect()`` gives its local clusters); the driver closes them.
+- **SIGINT is always taken.** A process started with SIGINT ignored (what a non-interactive shell does to a command
+  it runs in the background with ``&``, and what every child of such a process inherits) never gets Python's
+  ``KeyboardInterrupt``: the signal is dropped and the job runs to its end, exit 0. A batch command is stopped by
+  whoever sends it SIGINT, so :func:`signals_as_interrupts` installs Python's handler for the command's duration
+  whatever the disposition it inherited.
 - **SIGTERM is a Ctrl-C.** What a batch scheduler (SLURM, Kubernetes) sends before it kills a job. Python's default
   is to die at once, with no cleanup and no message. :func:`terminate_as_interrupt` turns it into
   :class:`Terminated` (a ``KeyboardInterrupt``) in the main thread, so the same cleanup runs; exit 143.
@@ -23,7 +28,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["JobInterrupted", "Terminated", "exit_code", "signum_of", "terminate_as_interrupt"]
+__all__ = ["JobInterrupted", "Terminated", "exit_code", "signals_as_interrupts", "signum_of", "terminate_as_interrupt"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -70,3 +75,23 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def signals_as_interrupts() -> Iterator[None]:
+    """For the block, SIGINT raises ``KeyboardInterrupt`` and SIGTERM :class:`Terminated` in the main thread, even
+    where SIGINT was inherited ignored (a background command of a script); the dispositions found are restored
+    after. Elsewhere than in the main thread nothing changes (Python takes signals there only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGINT)
+    taken = before in (signal.SIG_IGN, signal.SIG_DFL, None)  # else a handler of the caller's own: left in place
+    if taken:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with terminate_as_interrupt():
+            yield
+    finally:
+        if taken:
+            signal.signal(signal.SIGINT, signal.SIG_DFL if before is None else before)

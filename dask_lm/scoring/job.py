@@ -32,7 +32,7 @@ from typing import Any
 
 from dask_lm.data.continuation import Convention, describe
 from dask_lm.data.messages import ScoreOptions
-from dask_lm.errors import BadRowError
+from dask_lm.errors import BadRowError, SchedulerLostError
 from dask_lm.interface import again, current, opt, warn
 from dask_lm.engine import cluster, interrupts, jobs, resumed
 from dask_lm.engine.progress import JobBar
@@ -313,6 +313,11 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the workers stopped at once, one line says what is kept
         start.close(interrupted=True)
         raise _interrupted(out, len(plan), e) from None
+    except Exception as e:  # a lost scheduler: one line too, what is kept and how to go on
+        address = cluster.lost_scheduler(start.client, e)
+        if address is None:
+            raise
+        raise _scheduler_lost(out, len(plan), address) from None
     finally:
         start.close()
 
@@ -324,6 +329,15 @@ def _interrupted(out: jobs.JobOutput, parts: int, e: BaseException) -> interrupt
     else:
         message = f"interrupted: {kept} of {parts} parts kept in {out.path}; {again(resume=True)} to score the rest"
     return interrupts.JobInterrupted(message, interrupts.signum_of(e))
+
+
+def _scheduler_lost(out: jobs.JobOutput, parts: int, address: str) -> SchedulerLostError:
+    lost = f"lost the Dask scheduler at {address} (stopped, or the network to it failed)"
+    if not os.path.exists(os.path.join(out.path, pio.MANIFEST)):
+        return SchedulerLostError(f"{lost}; nothing was written to {out.path}: once a scheduler is up, {again()}")
+    kept = sum(1 for n in out.kept() if n.startswith("part-"))
+    return SchedulerLostError(f"{lost}: {kept} of {parts} parts kept in {out.path}; once a scheduler is up, "
+                              f"{again(resume=True)} to score the rest")
 
 
 def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOutput, finished: bool, source: hub.ModelSource,
@@ -458,7 +472,10 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
                 bar.update(stats["rows"] + stats["bad_rows"],
                            f"{tokens / scoring:,.0f} tok/s" if scoring > 0.5 or (last and scoring > 0) else None,
                            part=stats["part"])
-        except BaseException:
+        except BaseException as e:
+            lost = cluster.lost_scheduler(client, e)
+            if lost is not None:  # said here, while the client still knows its scheduler: nothing left to cancel
+                raise _scheduler_lost(out, len(plan), lost) from None
             client.cancel(futures)
             raise
         finally:

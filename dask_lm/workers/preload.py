@@ -5,9 +5,11 @@ A terminal sends Ctrl-C's SIGINT to its whole foreground process group: the driv
 worker process it spawned. Each worker then printed its own ``KeyboardInterrupt`` traceback (25 lines a worker)
 over the driver's cleanup. The driver is the one that decides: it cancels the job and closes the cluster, which
 stops the workers through their nannies (SIGTERM and the close RPC, not SIGINT). Ignoring SIGINT in the workers
-leaves that to it. A blocked signal mask would not carry over: ``multiprocessing``'s spawn clears it in the child,
-so the disposition is set here, in the worker process, before its worker starts. Workers of an attached cluster
-(``dask worker``) load no preload of ours and keep Dask's own handling.
+leaves that to it. Until this preload runs the worker process is importing its modules, seconds on a busy machine:
+it starts with SIGINT blocked (:func:`dask_lm.engine.cluster.spawning_without_sigint` blocks it in the driver's
+threads that spawn workers, and the mask is inherited), so a Ctrl-C then stays pending; here it is ignored, which
+drops a pending one, and unblocked. Workers of an attached cluster (``dask worker``) load no preload of ours and keep
+Dask's own handling.
 
 A failed task is logged by its worker (``distributed.worker - ERROR - Compute Failed``, with the task's repr and
 its traceback) to the terminal the local cluster shares with the driver, in the middle of the progress bar; and
@@ -31,6 +33,7 @@ def dask_setup(worker: Any) -> None:
     """Called by Dask in the worker process as the worker starts."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # what later threads and subprocesses inherit
     logging.getLogger("distributed.worker").addFilter(_OwnFailures(worker))
 
 
