@@ -39,7 +39,7 @@ import stat
 import struct
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, BinaryIO, Sequence
+from typing import IO, Any, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -93,7 +93,7 @@ def job_identity(manifest: dict[str, Any]) -> str:
     return "job-v1:" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def write(table: pa.Table, sink: BinaryIO, proof: PartProof) -> None:
+def write(table: pa.Table, sink: IO[bytes], proof: PartProof) -> None:
     """Write ``table`` to ``sink`` (a new file opened for reading and writing, e.g.
     :func:`dask_lm.io.safe_paths.create_new`) with ``proof`` (its ``data_sha256`` filled in here) in the footer."""
     placeholder = uuid.uuid4().hex * 2  # 64 random hex digits: found once in the footer, nowhere else
