@@ -214,7 +214,8 @@ def test_extension_calls_reach_only_the_extension_and_the_allow_list():
 def test_the_driver_imports_no_rank_code():
     """The driver's modules (Policy, the batch jobs, the command, the lm-eval engine) import of the rank side
     (workers, model, comm, refit, and the rank halves of scoring and lm-eval) only the task entry points, the lease,
-    the plugin state and refit's driver half: everything a rank runs is imported on the rank."""
+    the plugin state, the watchdog's ``Client.run`` probe (workers.occupancy, stdlib only) and refit's driver half:
+    everything a rank runs is imported on the rank."""
     code = """
 import sys
 import dask_lm.cli, dask_lm.engine.policy, dask_lm.scoring.job, dask_lm.engine.sft, dask_lm.evaluation.engine
@@ -227,4 +228,4 @@ print(sorted(m for m in sys.modules if m.startswith(("dask_lm.workers.", "dask_l
     assert out.returncode == 0, out.stderr
     loaded = set(eval(out.stdout.strip().splitlines()[-1]))
     assert loaded <= {"dask_lm.workers.tasks", "dask_lm.workers.lease", "dask_lm.workers.state",
-                      "dask_lm.refit.driver"}, sorted(loaded)
+                      "dask_lm.workers.occupancy", "dask_lm.refit.driver"}, sorted(loaded)
