@@ -87,3 +87,16 @@ def attached_cluster(tmp_path):
         p.terminate()
     for p in procs:
         p.wait(timeout=30)
+
+
+@pytest.fixture()
+def no_cluster(monkeypatch):
+    """Fails the test if a job tries to start or attach to a cluster."""
+    calls = []
+
+    def connect(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("connect() was called: the job got past its checks")
+
+    monkeypatch.setattr("dask_lm.engine.cluster.connect", connect)
+    return calls

@@ -17,19 +17,6 @@ import dask_lm
 from dask_lm.cli import main as cli
 
 
-@pytest.fixture()
-def no_cluster(monkeypatch):
-    """Fails the test if a job tries to start or attach to a cluster."""
-    calls = []
-
-    def connect(*args, **kwargs):
-        calls.append(args)
-        raise AssertionError("connect() was called: the job got past its checks")
-
-    monkeypatch.setattr("dask_lm.engine.cluster.connect", connect)
-    return calls
-
-
 def _model(tiny, tmp_path, **changes) -> pathlib.Path:
     model = tmp_path / "model"
     shutil.copytree(tiny["llama"], model)

@@ -151,19 +151,6 @@ def test_a_model_with_auto_map_is_refused_in_a_terminal_and_its_code_never_runs(
     assert answered == 0 and "[y/N]" not in out, out[-3000:]  # nobody was asked
 
 
-@pytest.fixture()
-def no_cluster(monkeypatch):
-    """Fails the test if a job tries to start or attach to a cluster."""
-    calls = []
-
-    def connect(*args, **kwargs):
-        calls.append(args)
-        raise AssertionError("connect() was called: the job got past its checks")
-
-    monkeypatch.setattr("dask_lm.engine.cluster.connect", connect)
-    return calls
-
-
 def test_a_tokenizer_with_auto_map_is_refused_naming_its_file(tiny, tmp_path, no_cluster):
     """A tokenizer of its own (``--tokenizer``) with ``auto_map``, beside a model transformers ships: refused,
     naming tokenizer_config.json, before any cluster."""

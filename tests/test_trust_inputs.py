@@ -26,19 +26,6 @@ TEXTS = [f"sample {i:04d}: dask scores parquet rows with a model" for i in range
 MiB = 1 << 20
 
 
-@pytest.fixture()
-def no_cluster(monkeypatch):
-    """Fails the test if a job tries to start or attach to a cluster."""
-    calls = []
-
-    def connect(*args, **kwargs):
-        calls.append(args)
-        raise AssertionError("connect() was called: the job got past its checks")
-
-    monkeypatch.setattr("dask_lm.engine.cluster.connect", connect)
-    return calls
-
-
 def _write(path, texts, **kw):
     pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), path, **kw)
     return path
