@@ -168,6 +168,9 @@ def test_policies_of_two_clients_that_deadlock_are_named_long_before_the_collect
         try:
             late_input = client.submit(held, hold, workers=[2], pure=False)
             fa = a.submit(meet, call_a, per_rank=[(0, 2), (1, 2, late_input)], key_name="a", bound=4 * BOUND_S)
+            # B is submitted only once A's rank 0 holds worker 0: else, on a busy machine, B's rank 0 could take
+            # worker 0 first, and B would finish before A without any deadlock to name
+            _poll(lambda: Event(f"{call_a}-r0").is_set(), "group A's rank 0 never started")
             fb = b.submit(meet, call_b, per_rank=[(0, 2), (1, 2)], key_name="b", bound=4 * BOUND_S)
             _poll(lambda: Event(f"{call_b}-r1").is_set(), "group B's rank 1 never started")
             Event(hold).set()
