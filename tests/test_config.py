@@ -20,7 +20,7 @@ def test_defaults_and_derived_values():
 
 @pytest.mark.parametrize("data, key", [
     ({}, "policy.model_name"),
-    ({"model_name": "m", "learning_rate": 1}, "policy.learning_rate"),
+    ({"model_name": "m", "lr": 1}, "policy.lr"),
     ({"model_name": "m", "precision": "fp8"}, "policy.precision"),
     ({"model_name": "m", "train_micro_batch_size": "4"}, "policy.train_micro_batch_size"),
     ({"model_name": "m", "dynamic_batching": {"enabled": "yes"}}, "policy.dynamic_batching.enabled"),
@@ -64,7 +64,7 @@ def test_yaml_with_policy_section(tmp_path):
     ({"dtensor_cfg": {"dp_replicate_size": 2}}, "policy.dtensor_cfg.dp_replicate_size"),
     ({"dtensor_cfg": {"lora_cfg": {"enabled": True, "dim": 8}}}, "policy.dtensor_cfg.lora_cfg"),
     ({"dtensor_cfg": {"automodel_kwargs": {"freeze_config": {"freeze_language_model": True}}}},
-     "policy.dtensor_cfg.automodel_kwargs"),
+     "policy.dtensor_cfg.automodel_kwargs.freeze_config.freeze_language_model"),
     ({"draft": {"enabled": True}}, "policy.draft"),
     ({"router_replay": {"enabled": True}}, "policy.router_replay"),
     ({"quant_cfg": {"fp8": True}}, "policy.quant_cfg"),
@@ -90,7 +90,7 @@ def test_keys_that_would_change_results_are_refused(data, key):
 def test_performance_knobs_warn_and_are_kept(key, value):
     section, _, name = key.rpartition(".")
     data = {"model_name": "m", **({section: {name: value}} if section else {name: value})}
-    with pytest.warns(UserWarning, match=re.escape(f"`policy.{key}` = ") + ".* ignored: "):
+    with pytest.warns(UserWarning, match=re.escape(f"- `policy.{key}` = ") + ".*: "):
         cfg = PolicyConfig.from_dict(data)
     assert (cfg[section][name] if section else cfg[name]) == value  # kept as given: to_dict() round-trips it
 
@@ -116,13 +116,14 @@ def test_every_unhonoured_key_is_a_config_key():
     from dask_lm import config
     from dask_lm.config.keys import UNHONOURED
 
-    cfg = PolicyConfig.from_dict({"model_name": "m"})
+    cfg = PolicyConfig.from_dict({"model_name": "m", "generation": {}})
     for key, action, _inert, reason in UNHONOURED:
-        section, _, name = key.rpartition(".")
-        owner = cfg[section] if section else cfg
-        if owner is None:  # an optional section (generation) left out
-            owner = {"generation": config.GenerationConfig}[section]()
-        assert name in {f.metadata.get("key", f.name) for f in dataclasses.fields(owner)}, key
+        owner: object = cfg
+        for name in key.split("."):  # down the sections, to the field that holds the key (or a mapping above it)
+            if not dataclasses.is_dataclass(owner):
+                break  # a key inside a plain mapping (dtensor_cfg.automodel_kwargs.*): its field was found above
+            assert name in {f.metadata.get("key", f.name) for f in dataclasses.fields(owner)}, key
+            owner = owner[name] if owner[name] is not None else {"sglang_cfg": config.SGLangConfig}.get(name, dict)()
         assert action in ("refuse", "warn", "accept") and reason
 
 
@@ -143,11 +144,19 @@ def test_a_disabled_megatron_section_as_nemo_rl_ships_it_loads():
 
 
 def test_generation_backend_is_a_checked_choice():
-    """Every backend name NeMo RL configs use loads (generate() refuses vllm); anything else fails when the config is
-    read, naming the key and the allowed values."""
-    for backend in ("hf", "dtensor", "megatron", "sglang", "vllm"):
-        assert PolicyConfig.from_dict({"model_name": "m", "generation": {"backend": backend}}).generation.backend \
-            == backend
+    """Every backend name NeMo RL configs use loads; those NeMo RL runs beside its Policy (which generate() refuses)
+    with a warning naming them; anything else fails when the config is read, naming the key and the allowed values."""
+    import warnings
+
+    for backend in ("hf", "dtensor", "megatron", "sglang"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert PolicyConfig.from_dict({"model_name": "m", "generation": {"backend": backend}}).generation.backend \
+                == backend
+    for backend in ("vllm", "trtllm", "dynamo"):
+        with pytest.warns(UserWarning, match=f"`policy.generation.backend` = '{backend}': .*generate\\(\\) refuses"):
+            assert PolicyConfig.from_dict({"model_name": "m", "generation": {"backend": backend}}).generation.backend \
+                == backend
     with pytest.raises(ValueError) as e:
         PolicyConfig.from_dict({"model_name": "m", "generation": {"backend": "sglan"}})
     assert "`policy.generation.backend`" in str(e.value) and "'sglang'" in str(e.value) and "'hf'" in str(e.value)

@@ -12,9 +12,11 @@ from dask_lm.config.schema import Section
 
 __all__ = ["GenerationConfig", "SGLangConfig", "Backend", "DECODING_BACKENDS"]
 
-# NeMo RL's backend names load, so its example configs do; "hf", and NeMo's "dtensor" / "megatron" (which decode with
-# the policy's own weights there too), run on the policy's workers; "vllm" is accepted here and refused by generate()
-Backend = Literal["hf", "dtensor", "megatron", "sglang", "vllm"]
+# NeMo RL's backend names load, so its example configs do; "hf", and NeMo's "dtensor" / "megatron", run on the
+# policy's workers. "vllm", "trtllm" and "dynamo" are engines NeMo RL runs beside its Policy, as generation workers of
+# their own (nemo_rl/algorithms/grpo.py: setup), never through Policy.generate: they load (with a warning, keys.py),
+# and generate() refuses them
+Backend = Literal["hf", "dtensor", "megatron", "sglang", "vllm", "trtllm", "dynamo"]
 DECODING_BACKENDS: tuple[str, ...] = ("hf", "dtensor", "megatron", "sglang")  # those generate() runs
 
 
@@ -52,8 +54,8 @@ class SGLangConfig(Section):
 class GenerationConfig(Section):
     backend: Backend = "hf"
     """Where ``generate()`` decodes: ``hf`` on the policy's own workers (NeMo RL's ``dtensor`` and ``megatron``
-    name the same), ``sglang`` on the SGLang servers of ``sglang_cfg``. ``vllm`` loads, so NeMo RL's GRPO configs
-    do, and ``generate()`` refuses it."""
+    name the same), ``sglang`` on the SGLang servers of ``sglang_cfg``. ``vllm``, ``trtllm`` and ``dynamo`` load,
+    so NeMo RL's GRPO configs do, and ``generate()`` refuses them."""
     max_new_tokens: int | None = None
     """Most tokens ``generate()`` adds to a row; ``generate()`` needs it."""
     temperature: float = 1.0
@@ -79,6 +81,46 @@ class GenerationConfig(Section):
     """Extra keyword arguments of NeMo RL's vLLM engine."""
     pad_token_id: int | None = field(default=None, metadata={"key": "_pad_token_id"})
     """Filled in from the tokenizer by NeMo RL's setup; dask-lm pads with the tokenizer's pad (else EOS) id."""
+    val_temperature: float | None = None
+    """NeMo RL's sampling temperature for validation rollouts (its example configs set it to ``temperature``)."""
+    val_top_p: float | None = None
+    """NeMo RL's ``top_p`` for validation rollouts."""
+    val_top_k: int | None = None
+    """NeMo RL's ``top_k`` for validation rollouts."""
+    bad_words: list[str] | None = None
+    """Words NeMo RL's vLLM backend bans from the output."""
+    use_async_rollouts: bool | None = None
+    """NeMo RL's asynchronous rollouts with its SGLang backend."""
+    port_range_low: int | None = None
+    """Lowest port of the inference servers NeMo RL launches."""
+    port_range_high: int | None = None
+    """Highest port of the inference servers NeMo RL launches."""
+    mtp_weights_from_refit: bool | None = field(default=None, metadata={"key": "_mtp_weights_from_refit"})
+    """Set by NeMo RL itself: its engines' multi-token-prediction weights come with the refit."""
+    debug_payload_metrics: bool | None = field(default=None, metadata={"key": "_debug_payload_metrics"})
+    """Set by NeMo RL itself: measure its Ray generation calls."""
+    refit_transport: str | None = None
+    """How NeMo RL moves the weights into its vLLM engines (null: its topology's default)."""
+    refit_cfg: dict[str, Any] | None = None
+    """Settings of NeMo RL's vLLM refit transports."""
+    quant_cfg: str | None = None
+    """NeMo RL's quantisation of vLLM rollouts."""
+    real_quant: bool | None = None
+    """Run NeMo RL's quantised vLLM rollouts with real quantised kernels."""
+    real_quant_export_cpu_offload: bool | None = None
+    """Stage the quantised weights NeMo RL exports to vLLM in CPU memory."""
+    real_quant_ignore: list[str] | None = None
+    """Modules NeMo RL's quantised vLLM rollouts leave unquantised."""
+    mcore_generation_config: dict[str, Any] | None = None
+    """Settings of NeMo RL's Megatron inference engine (``backend: megatron``)."""
+    sglang_kwargs: dict[str, Any] | None = None
+    """Extra options of the SGLang servers NeMo RL launches."""
+    trtllm_cfg: dict[str, Any] | None = None
+    """Settings of NeMo RL's TensorRT-LLM backend."""
+    trtllm_kwargs: dict[str, Any] | None = None
+    """Extra keyword arguments of NeMo RL's TensorRT-LLM engine."""
+    dynamo_cfg: dict[str, Any] | None = None
+    """Settings of NeMo RL's Dynamo backend."""
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:

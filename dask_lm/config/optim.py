@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["resolve_class", "bind_kwargs", "scheduler_entries", "check_optim_config"]
+from dask_lm.config.equivalents import optimizer_substitute
+
+__all__ = ["resolve_class", "bind_kwargs", "scheduler_entries", "check_optim_config", "optimizer_class"]
 
 
 def resolve_class(path: str, key: str) -> type:
@@ -24,6 +26,16 @@ def resolve_class(path: str, key: str) -> type:
         raise ValueError(f"`{key}` = {path!r} cannot be imported ({e}); give a full import path such as "
                          "'torch.optim.AdamW'") from e
     return found
+
+
+def optimizer_class(opt_cfg: Any) -> tuple[type, dict[str, Any]]:
+    """The optimizer class and keyword arguments that run for ``policy.optimizer``: as named, or the torch
+    equivalent of a faster implementation the config names (:mod:`dask_lm.config.equivalents`)."""
+    name, kwargs = opt_cfg.name, dict(opt_cfg.kwargs)
+    substitute = optimizer_substitute(name, kwargs)
+    if substitute is not None:
+        name, kwargs = substitute.name, dict(substitute.kwargs)
+    return resolve_class(name, "policy.optimizer.name"), kwargs
 
 
 def bind_kwargs(cls: type, kwargs: dict[str, Any], key: str, first: str) -> None:
@@ -71,10 +83,10 @@ def scheduler_entries(sched: Any) -> tuple[list[tuple[str, dict[str, Any], str]]
 def check_optim_config(cfg: Any) -> None:
     """Resolve the optimizer and scheduler classes and check their keyword names (driver side, no tensors)."""
     if cfg.optimizer is not None:
-        cls = resolve_class(cfg.optimizer.name, "policy.optimizer.name")
+        cls, kwargs = optimizer_class(cfg.optimizer)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise ValueError(f"`policy.optimizer.name` = {cfg.optimizer.name!r} is not a torch.optim.Optimizer")
-        bind_kwargs(cls, dict(cfg.optimizer.kwargs), "policy.optimizer.kwargs", "params")
+        bind_kwargs(cls, kwargs, "policy.optimizer.kwargs", "params")
     entries, _ = scheduler_entries(cfg.scheduler)
     for path, kwargs, key in entries:
         cls = resolve_class(path, f"{key}.name")

@@ -84,6 +84,8 @@ class DTensorConfig(Section):
     """Environment variables set in every rank's worker process when the Policy starts."""
     lora_cfg: dict[str, Any] | None = None
     """NeMo RL's LoRA adapter settings."""
+    lora: dict[str, Any] | None = None
+    """The LoRA section of NeMo RL's unit-test config; NeMo RL itself reads ``lora_cfg``."""
     automodel_kwargs: dict[str, Any] | None = None
     """NeMo Automodel's model-building options."""
     moe_parallelizer: dict[str, Any] | None = None
@@ -130,6 +132,8 @@ class SequencePackingConfig(Section):
     sequence_length_round: int | None = None
     """Accepted for NeMo RL compatibility and, as there, unused: the pad multiple is
     ``make_sequence_length_divisible_by``."""
+    fuse_loss: bool | None = None
+    """NeMo RL's fused loss over a packed micro-batch (its Megatron backend)."""
 
 
 @dataclass(kw_only=True)
@@ -202,8 +206,18 @@ class PolicyConfig(Section):
     """Load the model as a reward model."""
     hf_config_overrides: dict[str, Any] | None = None
     """Entries that replace those of the model's ``config.json`` when it loads."""
-    quant_cfg: dict[str, Any] | None = None
+    quant_cfg: dict[str, Any] | str | None = None
     """NeMo RL's quantised-training settings."""
+    quant_calib_data: str | None = None
+    """Calibration data of NeMo RL's quantised training."""
+    quant_calib_size: int | None = None
+    """Calibration rows of NeMo RL's quantised training."""
+    quant_batch_size: int | None = None
+    """Calibration batch size of NeMo RL's quantised training."""
+    quant_sequence_length: int | None = None
+    """Calibration sequence length of NeMo RL's quantised training."""
+    disable_modelopt_layer_spec: bool | None = None
+    """Use Megatron's standard layer specs with NeMo RL's quantised training."""
     draft: dict[str, Any] | None = None
     """NeMo RL's Eagle draft model, trained alongside the policy."""
     router_replay: dict[str, Any] | None = None
@@ -212,6 +226,14 @@ class PolicyConfig(Section):
     """NeMo RL's ``{path: ...}`` (Megatron backend only); accepted and, as under NeMo's DTensor backend, unused."""
     is_vlm: bool = False
     """The model is a vision-language model (NeMo RL)."""
+    dequantize_base_checkpoint: bool | None = None
+    """Dequantise a quantised base checkpoint as it loads (NeMo RL's DTensor v2 worker, through NeMo Automodel)."""
+    learning_rate: float | None = None
+    """A key of NeMo RL's unit-test config that NeMo RL does not read (the learning rate is
+    ``optimizer.kwargs.lr``)."""
+    activation_checkpointing_enabled: bool | None = None
+    """A key two of NeMo RL's example configs carry and NeMo RL does not read (activation checkpointing is
+    ``dtensor_cfg.activation_checkpointing``)."""
     # dask-lm keys
     model_revision: str | None = None
     """Branch, tag or commit of a Hub ``model_name`` (null: the repository's default branch)."""

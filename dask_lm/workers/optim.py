@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dask_lm.config.optim import resolve_class, scheduler_entries
+from dask_lm.config.optim import optimizer_class, resolve_class, scheduler_entries
 
 __all__ = ["build_optimizer", "build_scheduler", "MasterWeights",
            "named_optimizer_state", "load_named_optimizer_state", "init_optimizer_state"]
@@ -31,8 +31,7 @@ __all__ = ["build_optimizer", "build_scheduler", "MasterWeights",
 def build_optimizer(params: Iterable[torch.Tensor], cfg: Any) -> torch.optim.Optimizer:
     opt_cfg = cfg.optimizer
     assert opt_cfg is not None
-    cls = resolve_class(opt_cfg.name, "policy.optimizer.name")
-    kwargs = dict(opt_cfg.kwargs)
+    cls, kwargs = optimizer_class(opt_cfg)
     if isinstance(kwargs.get("betas"), list):  # YAML gives lists; Adam-family optimizers expect a tuple
         kwargs["betas"] = tuple(kwargs["betas"])
     from dask_lm.model import device  # here, not at the top: the driver imports this module for its checks
