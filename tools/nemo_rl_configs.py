@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                 got, error, refused_keys = check(sections[section_name])
                 lines += [f"{section_name}: {line}" if section_name != "policy" else line for line in got]
                 if error:
+                    if not errors:  # the first refusal is the one a user meets
+                        kind = refusal_kind(error)
+                        refusals[kind if section_name == "policy" else f"{section_name}: {kind}"] += 1
                     errors.append(f"{section_name}: {error}")
-                    refusals[refusal_kind(error)] += 1
                     keys |= {f"{section_name}.{k}" if section_name != "policy" else f"policy.{k}"
                              for k in refused_keys} or {refusal_kind(error)}
         if errors:
