@@ -54,10 +54,11 @@ def optimizer_substitute(name: str, kwargs: dict[str, Any]) -> OptimizerSubstitu
     a ``ValueError`` naming the keyword when an option has no torch equivalent."""
     if not isinstance(name, str) or not is_fused_adam(name):
         return None
-    unknown = sorted(set(kwargs) - set(_DEFAULTS) - {"adam_w_mode", "bias_correction", "amsgrad", *_STORAGE})
+    known = [*_DEFAULTS, "adam_w_mode", "bias_correction", "amsgrad", *_STORAGE]
+    unknown = sorted(set(kwargs) - set(known))
     if unknown:
         raise ValueError(f"{unknown} are not keyword arguments of Transformer Engine's FusedAdam (it would refuse "
-                         f"them too); its keywords are {sorted([*_DEFAULTS, 'adam_w_mode', 'bias_correction', *_STORAGE])}")
+                         f"them too); its keywords are {sorted(known)}")
     if kwargs.get("bias_correction", True) is not True:
         raise ValueError("FusedAdam's `bias_correction: false` has no torch equivalent (torch's Adam and AdamW always "
                          "correct the moments' bias); remove it")
@@ -73,9 +74,11 @@ def optimizer_substitute(name: str, kwargs: dict[str, Any]) -> OptimizerSubstitu
         notes.append(f"its moments are kept in float32, not {'/'.join(low)} (the same update with less rounding; "
                      "twice the moments' memory)")
     if kwargs.get("master_weights") and _dtype_name(kwargs.get("master_weight_dtype", "float32")) != "float32":
-        notes.append("master weights are float32, not " + _dtype_name(kwargs["master_weight_dtype"]))
+        notes.append("master weights are float32 (as dask-lm keeps them for bf16 / fp16 training), not "
+                     + _dtype_name(kwargs["master_weight_dtype"]))
+    if kwargs.get("use_decoupled_grad"):
+        notes.append("the gradients are read from .grad (use_decoupled_grad is for Megatron's optimizer)")
     cls = "torch.optim.AdamW" if adamw else "torch.optim.Adam"
     mode = "decoupled weight decay, adam_w_mode true" if adamw else "L2 weight decay, adam_w_mode false"
-    description = (f"Transformer Engine's FusedAdam runs as {cls} ({mode}; the same update), fused on GPU ranks; "
-                   "float32 master weights as dask-lm always keeps them")
+    description = f"Transformer Engine's FusedAdam runs as {cls} ({mode}: the same update), fused on GPU ranks"
     return OptimizerSubstitute(cls, torch_kwargs, "; ".join([description, *notes]))

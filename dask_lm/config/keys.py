@@ -45,7 +45,8 @@ class Finding(NamedTuple):
 # reported), "=other" (equal to the sibling key `other`), "-" (accept rows), "a,b" (any of these values), or the one
 # inert value.
 _OFF, _DISABLED, _ONE, _ABSENT = "off", "disabled", "one", "absent"
-# key | action | inert | what it does here (an indented line continues it)
+# key | action | inert | what it does here. An indented line continues the row: the reason goes on; or, under a
+# key too long for its column, "| action | inert | reason" follow; or, under a long inert value, "| reason".
 _TABLE = """
 dtensor_cfg.tensor_parallel_size       | refuse | one      | dask-lm shards with FSDP2 data parallelism only; set it
                                                              to 1
@@ -313,10 +314,10 @@ def findings(cfg: PolicyConfig | dict[str, Any]) -> list[Finding]:
     for row in UNHONOURED:
         if row.action == "accept" or row.key in refused:
             continue
-        value, section = _lookup(cfg, row.key)
-        if row.key == "optimizer.name":
+        if row.key == "optimizer.name":  # inert unless it names a class that runs as another one
             out += _optimizer_findings(cfg)
             continue
+        value, section = _lookup(cfg, row.key)
         if _inert(value, row.inert, section):
             continue
         out.append(Finding(row.key, row.action, value, row.reason))
