@@ -1,6 +1,7 @@
 """The optimizer NeMo RL configs name by a faster implementation, and what dask-lm runs in its place: Transformer
-Engine's ``FusedAdam`` (nine of NeMo RL's recipe configs at 7ea279a name
-``transformer_engine.pytorch.optimizers.fused_adam.FusedAdam``) becomes torch's ``AdamW`` or ``Adam``, which the
+Engine's ``FusedAdam`` (nine of NeMo RL's LLM recipe configs at 7ea279a name
+``transformer_engine.pytorch.optimizers.fused_adam.FusedAdam``; its ``models/automodel/setup.py:806-819`` builds the
+named class with the kwargs, "torch.bfloat16" strings made dtypes) becomes torch's ``AdamW`` or ``Adam``, which the
 ranks build fused on GPUs (:func:`dask_lm.workers.optim.build_optimizer`). Plain data here, no torch: the config
 check (:mod:`.keys`) says what happens before any rank starts, and the optimizer builders apply it.
 

@@ -14,8 +14,8 @@ __all__ = ["GenerationConfig", "SGLangConfig", "Backend", "DECODING_BACKENDS"]
 
 # NeMo RL's backend names load, so its example configs do; "hf", and NeMo's "dtensor" / "megatron", run on the
 # policy's workers. "vllm", "trtllm" and "dynamo" are engines NeMo RL runs beside its Policy, as generation workers of
-# their own (nemo_rl/algorithms/grpo.py: setup), never through Policy.generate: they load (with a warning, keys.py),
-# and generate() refuses them
+# their own (NeMo RL 7ea279a, nemo_rl/algorithms/grpo.py:1297 vllm, :1449 trtllm, :1477 dynamo), never through
+# Policy.generate: they load (with a warning, keys.py), and generate() refuses them
 Backend = Literal["hf", "dtensor", "megatron", "sglang", "vllm", "trtllm", "dynamo"]
 DECODING_BACKENDS: tuple[str, ...] = ("hf", "dtensor", "megatron", "sglang")  # those generate() runs
 

@@ -44,6 +44,16 @@ class Finding(NamedTuple):
 # `.get("enabled", False)`), "one" (1), "absent" (only a key left out: NeMo RL never reads it, so any value is
 # reported), "=other" (equal to the sibling key `other`), "-" (accept rows), "a,b" (any of these values), or the one
 # inert value.
+# Where NeMo RL (7ea279a) declares or reads the keys below that are new to its configs: the generation keys in
+# nemo_rl/models/generation/interfaces.py:197-226 (val_* "only honored on the NeMo-Gym vLLM rollout path", :207;
+# use_async_rollouts read for sglang only, :241), vllm/config.py:168-186 (refit_*, quant_cfg, real_quant*),
+# sglang/config.py:202, trtllm/config.py:54, dynamo/config.py:256, megatron/config.py:69 (mcore_generation_config);
+# bad_words is read by vllm/vllm_worker.py:666 only; sequence_packing.fuse_loss by models/megatron/train.py:518
+# only; dequantize_base_checkpoint by models/policy/workers/dtensor_policy_worker_v2.py:318; LoRA is read from
+# dtensor_cfg.lora_cfg (lm_policy.py:176, automodel/setup.py:663), never from `lora`, which only its
+# tests/unit/models/policy/test_dtensor_worker.py:158 writes (with learning_rate, :129); no file reads
+# activation_checkpointing_enabled (examples/configs/rm.yaml:38); automodel_kwargs go to NeMo Automodel's
+# from_pretrained (models/automodel/setup.py:678-770).
 _OFF, _DISABLED, _ONE, _ABSENT = "off", "disabled", "one", "absent"
 # key | action | inert | what it does here. An indented line continues the row: the reason goes on; or, under a
 # key too long for its column, "| action | inert | reason" follow; or, under a long inert value, "| reason".
