@@ -151,6 +151,21 @@ def test_buffer_size_follows_nemo_rls_rule(monkeypatch):
         _pair()[2].sync_weights()
 
 
+def test_engines_from_a_policys_nemo_rl_shaped_sglang_cfg():
+    # NeMo RL reads the TP size from generation.sglang_cfg.sglang_server_config.num_gpus_per_engine
+    # (nemo_rl/models/generation/sglang/sglang_generation.py:91-97)
+    from types import SimpleNamespace
+
+    sglang_cfg = {"server_urls": ["http://a:1", "http://b:2/"],
+                  "sglang_server_config": {"num_gpus_per_engine": 2, "num_gpus": 4, "needs_offload": True}}
+    cfg = dask_lm.PolicyConfig.from_dict({"model_name": "m", "generation": {
+        "backend": "sglang", "max_new_tokens": 8, "sglang_cfg": sglang_cfg}})
+    engines = SGLangEngines.from_policy(SimpleNamespace(cfg=cfg))
+    assert engines.get_rollout_engine_urls() == ["http://a:1", "http://b:2"] and engines.num_gpus_per_engine == 2
+    with pytest.raises(ValueError, match="sglang_cfg.server_urls"):
+        SGLangEngines.from_policy(SimpleNamespace(cfg=dask_lm.PolicyConfig.from_dict({"model_name": "m"})))
+
+
 def test_refusals():
     policy = _Policy()
     engines = SGLangEngines(["http://h:1"])
