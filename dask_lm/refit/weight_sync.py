@@ -216,8 +216,8 @@ class HTTPWeightSynchronizer:
         return max(1, int(self._policy.get_free_memory_bytes() * ratio))
 
     def __repr__(self) -> str:
-        return (f"HTTPWeightSynchronizer(engines={self._generation.get_rollout_engine_urls()!r}, "
-                f"colocated={self._colocated}, stale={self._stale})")
+        # the generation's own repr: asking it for its URLs may be a remote call (NeMo RL's asks its Ray actors)
+        return f"HTTPWeightSynchronizer({self._generation!r}, colocated={self._colocated}, stale={self._stale})"
 
 
 def create_weight_synchronizer(policy: Any, generation: Any, generation_backend: str, colocated: bool,
