@@ -22,7 +22,7 @@ from dask_lm.engine import progress
 from dask_lm.engine.policy_base import PolicyBase
 from dask_lm.workers import tasks
 
-__all__ = ["RefitMixin", "engine_layout", "REFIT_BUFFER_MEMORY_RATIO"]
+__all__ = ["RefitMixin", "check_urls", "engine_layout", "REFIT_BUFFER_MEMORY_RATIO"]
 
 REFIT_BUFFER_MEMORY_RATIO = 0.3  # of the smallest free device memory, when no size is configured (NeMo RL's default)
 
@@ -44,7 +44,7 @@ def engine_layout(world_size: int, num_engines: int, tp: int) -> list[list[int]]
     return [[e % world_size] * tp for e in range(num_engines)]
 
 
-def _check_urls(urls: Any) -> list[str]:
+def check_urls(urls: Any) -> list[str]:
     if isinstance(urls, str) or not isinstance(urls, (list, tuple)):
         raise ValueError(f"`rollout_engine_urls` must be a list of server URLs, got {urls!r}")
     out = []
@@ -146,7 +146,7 @@ class RefitMixin(PolicyBase):
         ``buffer_size_bytes`` caps a bucket (default: ``policy.refit_buffer_size_gb``, else 0.3 × the smallest free
         device memory). ``weight_version`` defaults to a counter that grows by one per call. ``transport``
         overrides how buckets travel (``"ipc"``, ``"shm"``, ``"value"``; see :mod:`dask_lm.refit.buckets`)."""
-        urls = _check_urls(rollout_engine_urls)
+        urls = check_urls(rollout_engine_urls)
         tp = self._rollout_gpus_per_engine
         if tp is None:
             raise ValueError("call set_rollout_num_gpus_per_engine(n) (the SGLang servers' TP size) before "
