@@ -39,6 +39,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dask_lm.engine.policy import Policy
+from dask_lm.interface import opt
 
 __all__ = ["run", "patched", "NemoRLPolicy", "DaskVirtualCluster"]
 
@@ -73,7 +74,7 @@ class _Session:
                 if 0 < gpus < world_size:
                     raise ValueError(f"{asked}, but this machine has {gpus} GPU(s): set cluster.gpus_per_node="
                                      f"{gpus} cluster.num_nodes=1, or attach to a Dask cluster with "
-                                     "--scheduler-address")
+                                     f"{opt('scheduler_address', meta='ADDRESS')}")
                 with _main_module(self.main):
                     self.client = cluster.connect(n_workers=world_size)
             else:
