@@ -326,6 +326,43 @@ def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
     _exit_codes(ctx, run)
 
 
+@main.command("nemo-rl", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+              epilog="""Examples:
+
+\b
+  # in a NeMo RL checkout, or anywhere with `pip install nemo-rl`:
+  dask-lm nemo-rl examples/run_sft.py --config examples/configs/sft.yaml cluster.gpus_per_node=4
+  dask-lm nemo-rl examples/run_dpo.py --config my_dpo.yaml policy.model_name=Qwen/Qwen2.5-0.5B
+  dask-lm nemo-rl --scheduler-address tcp://10.0.0.5:8786 examples/run_sft.py --config my_sft.yaml
+
+dask-lm's own options come before SCRIPT; everything after it is the script's (its --config, Hydra overrides).
+Exit codes: 0 done; 2 bad usage or input (SCRIPT missing, NeMo RL or Ray not installed, a config key refused, a
+cluster smaller than the config asks for); 1 a runtime failure; 130 / 143 interrupted; a code the script exits
+with itself is passed on. Guide: docs/guides/nemo_rl.md.""")
+@click.argument("script")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--scheduler-address", default=None, help="Run the Policy on the Dask cluster of this scheduler "
+              "address (tcp://host:8786) or scheduler file; default: $DASK_SCHEDULER_ADDRESS, else a local cluster "
+              "of cluster.gpus_per_node x cluster.num_nodes workers (GPU workers where GPUs are visible, CPU "
+              "workers otherwise), started when NeMo RL asks for it and stopped at the end.")
+@click.pass_context
+def nemo_rl(ctx: click.Context, script: str, args: tuple[str, ...], scheduler_address: str | None) -> None:
+    """Run NeMo RL's entry point SCRIPT (examples/run_sft.py, run_dpo.py, ...) unmodified, with dask-lm's Policy on
+    a Dask cluster where NeMo RL has its Ray cluster and Policy workers.
+
+    SCRIPT runs as `python SCRIPT ARGS...` would, against the NeMo RL this Python imports (or the checkout SCRIPT
+    is in). NeMo RL's lm_policy.Policy, RayVirtualCluster and init_ray stand for dask-lm's for the run; nothing
+    else of NeMo RL changes. What NeMo RL runs as Ray actors beyond the Policy (environments, vLLM / SGLang
+    generation workers) is not replaced: such a script stops there, naming it."""
+
+    def run() -> None:
+        from dask_lm.compat.nemo_rl_run import run as run_script
+
+        run_script(script, list(args), scheduler_address=scheduler_address)
+
+    _exit_codes(ctx, run)
+
+
 def _not_given(ctx: click.Context, name: str) -> bool:
     from click.core import ParameterSource
 
