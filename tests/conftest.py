@@ -7,10 +7,29 @@ import tempfile
 
 import pytest
 
+from type_gate import MYPY_RUN
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # dask-lm's own cache (the digests of hashed files, the demo's model) goes to a directory of this run, never the
 # user's ~/.cache; the tests that check where it goes by default set their own XDG_CACHE_HOME and drop this
 os.environ.setdefault("DASK_LM_CACHE_DIR", tempfile.mkdtemp(prefix="dask-lm-test-cache-"))
+
+
+def pytest_collection_finish(session):
+    """The type gate (tests/test_types.py) is one mypy process of about three minutes on one core. Started here, as
+    soon as the suite knows it will run the gate, it overlaps the tests before it (most of which wait on worker
+    processes, subprocesses or the network) instead of adding its whole length to the suite's; the test collects its
+    verdict. A run without that test starts nothing."""
+    if any(item.nodeid.split("::")[0].endswith("test_types.py") for item in session.items):
+        from type_gate import start_mypy
+
+        session.config.stash[MYPY_RUN] = start_mypy()
+
+
+def pytest_unconfigure(config):
+    run = config.stash.get(MYPY_RUN, None)
+    if run is not None:
+        run.stop()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -201,22 +201,49 @@ def kill_local_workers(client: Client) -> int:
     return killed
 
 
-def lost_scheduler(client: Any, error: BaseException) -> str | None:
+def scheduler_address_of(client: Any) -> str | None:
+    """The address of the scheduler ``client`` is connected to (``None`` once it has closed)."""
+    address = getattr(getattr(client, "scheduler", None), "address", None)
+    return address if isinstance(address, str) else None
+
+
+def lost_scheduler(client: Any, error: BaseException, address: str | None = None) -> str | None:
     """The address of the scheduler whose loss caused a job's ``error`` (killed, its machine or the network to it
     gone), else ``None``. Dask then cancels the client's futures ("scheduler-connection-lost"), or a call fails on
     the closed connection, and the client tries to reconnect. Where the connection error alone cannot tell (a
-    worker's comm closes too when a worker dies), the scheduler's port is tried. Once lost, the distributed client's
-    own log of it (a traceback, as it gives up reconnecting) is silenced: the job says it once, on one line."""
+    worker's comm closes too when a worker dies), the scheduler's port is tried. ``address`` is the scheduler's as
+    the job first connected: a client that has given up reconnecting (a loaded machine can take that long to raise)
+    has closed and no longer knows it. Once lost, the distributed client's own log of it (a traceback, as it gives up
+    reconnecting) is silenced: the job says it once, on one line."""
     from distributed.client import FutureCancelledError
 
-    address = getattr(getattr(client, "scheduler", None), "address", None)
-    if not isinstance(address, str) or not isinstance(error, (FutureCancelledError, OSError)):
+    address = scheduler_address_of(client) or address
+    if address is None or not isinstance(error, (FutureCancelledError, OSError)):
         return None
     if not (isinstance(error, FutureCancelledError) and error.reason == "scheduler-connection-lost"
             or getattr(client, "status", "running") != "running" or not _reachable(address)):
         return None
     _silence("distributed", "tornado")
     return address
+
+
+@contextlib.contextmanager
+def quiet_while_reconnecting(client: Any) -> Iterator[None]:
+    """While the block runs, the distributed client's own log of a lost scheduler connection (its reconnect attempts
+    and their tracebacks, from its event loop's thread) is dropped: a job waiting for a result from a lost scheduler
+    can be told so only when its call times out, and says it then, once, on one line (:func:`lost_scheduler`).
+    What the client logs while connected passes."""
+    class _Reconnecting(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return getattr(client, "status", "running") == "running"
+
+    logger = logging.getLogger("distributed.client")
+    quiet = _Reconnecting()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _reachable(address: str) -> bool:

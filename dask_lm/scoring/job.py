@@ -314,7 +314,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
         start.close(interrupted=True)
         raise _interrupted(out, len(plan), e) from None
     except Exception as e:  # a lost scheduler: one line too, what is kept and how to go on
-        address = cluster.lost_scheduler(start.client, e)
+        address = cluster.lost_scheduler(start.client, e, start.scheduler_address)
         if address is None:
             raise
         raise _scheduler_lost(out, len(plan), address) from None
@@ -448,32 +448,34 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
         # the workers' dask-lm plugin holds their model replicas and frees those left idle (a dead driver's job)
         client.register_plugin(DaskLMWorkerState(), name=PLUGIN_NAME)
         futures = client.compute(tasks)
+        scheduler = cluster.scheduler_address_of(client)  # a client that gave up reconnecting forgets it
         try:
-            for fut in as_completed(futures):
-                stats = fut.result()  # a bad row or a runtime failure raises here
-                clock.first_row()
-                rows += stats["rows"]
-                tokens += stats["tokens"]
-                bad += stats["bad_rows"]
-                if stats.get("load_seconds", 0.0) > load:
-                    load = stats["load_seconds"]
-                    clock.load_phases = stats.get("load_phases") or {}
-                compile_s = max(compile_s, stats.get("compile_seconds", 0.0))
-                if clock.waited_for(stats) and stats["ready_at"] > ready_at:  # not a late joiner's
-                    ready_at, ready_compile = stats["ready_at"], stats.get("compile_seconds", 0.0)
-                by_worker[stats.get("worker")] = by_worker.get(stats.get("worker"), 0) + 1
-                stamps[stats["part"]] = fingerprint.Stamp(*stats["stamp"])
-                for k, v in stats.get("phases", {}).items():
-                    phases[k] = phases.get(k, 0.0) + v
-                scored_at = time.time()
-                scoring = scored_at - ready_at
-                returned += 1
-                last = returned == len(futures)  # the rate the summary gives, shown as the bar closes
-                bar.update(stats["rows"] + stats["bad_rows"],
-                           f"{tokens / scoring:,.0f} tok/s" if scoring > 0.5 or (last and scoring > 0) else None,
-                           part=stats["part"])
+            with cluster.quiet_while_reconnecting(client):
+                for fut in as_completed(futures):
+                    stats = fut.result()  # a bad row or a runtime failure raises here
+                    clock.first_row()
+                    rows += stats["rows"]
+                    tokens += stats["tokens"]
+                    bad += stats["bad_rows"]
+                    if stats.get("load_seconds", 0.0) > load:
+                        load = stats["load_seconds"]
+                        clock.load_phases = stats.get("load_phases") or {}
+                    compile_s = max(compile_s, stats.get("compile_seconds", 0.0))
+                    if clock.waited_for(stats) and stats["ready_at"] > ready_at:  # not a late joiner's
+                        ready_at, ready_compile = stats["ready_at"], stats.get("compile_seconds", 0.0)
+                    by_worker[stats.get("worker")] = by_worker.get(stats.get("worker"), 0) + 1
+                    stamps[stats["part"]] = fingerprint.Stamp(*stats["stamp"])
+                    for k, v in stats.get("phases", {}).items():
+                        phases[k] = phases.get(k, 0.0) + v
+                    scored_at = time.time()
+                    scoring = scored_at - ready_at
+                    returned += 1
+                    last = returned == len(futures)  # the rate the summary gives, shown as the bar closes
+                    bar.update(stats["rows"] + stats["bad_rows"],
+                               f"{tokens / scoring:,.0f} tok/s" if scoring > 0.5 or (last and scoring > 0) else None,
+                               part=stats["part"])
         except BaseException as e:
-            lost = cluster.lost_scheduler(client, e)
+            lost = cluster.lost_scheduler(client, e, scheduler)
             if lost is not None:  # said here, while the client still knows its scheduler: nothing left to cancel
                 raise _scheduler_lost(out, len(plan), lost) from None
             client.cancel(futures)
