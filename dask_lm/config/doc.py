@@ -25,6 +25,7 @@ import sys
 import textwrap
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from dask_lm.config.keys import UNHONOURED, Row, condition
@@ -152,31 +153,42 @@ def markdown() -> str:
     return "\n".join([*lines, END]) + "\n"
 
 
-def current(page: pathlib.Path = PAGE) -> str:
-    """The block the page holds now (from :data:`BEGIN` through :data:`END`)."""
+def generated_block(page: pathlib.Path, begin: str, end: str) -> str:
+    """The generated block ``page`` holds now (from the ``begin`` marker through the ``end`` one)."""
     text = page.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{page} has no generated config table (the {BEGIN!r} ... {END!r} markers)")
-    return text[text.index(BEGIN):text.index(END) + len(END)] + "\n"
+    if begin not in text or end not in text:
+        raise ValueError(f"{page} has no generated table (the {begin!r} ... {end!r} markers)")
+    return text[text.index(begin):text.index(end) + len(end)] + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dask_lm.config.doc", description=__doc__.splitlines()[0])
+def page_main(argv: list[str] | None, module: str, description: str, page: pathlib.Path, begin: str, end: str,
+              render: Callable[[], str]) -> int:
+    """The command line of a generated page's table: print it, ``--write`` it into ``page``, or ``--check`` that
+    the page holds it (exit 1 naming the command that rewrites it)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", action="store_true", help=f"rewrite the table in {PAGE.name}")
-    action.add_argument("--check", action="store_true", help=f"exit 1 when the table in {PAGE.name} is stale")
+    action.add_argument("--write", action="store_true", help=f"rewrite the table in {page.name}")
+    action.add_argument("--check", action="store_true", help=f"exit 1 when the table in {page.name} is stale")
     args = parser.parse_args(argv)
-    block = markdown()
+    block = render()
     if args.write:
-        text = PAGE.read_text()
-        PAGE.write_text(text.replace(current(PAGE).rstrip("\n"), block.rstrip("\n")))
+        page.write_text(page.read_text().replace(generated_block(page, begin, end).rstrip("\n"), block.rstrip("\n")))
     elif args.check:
-        if current(PAGE) != block:
-            print(f"{PAGE} is stale: run `python -m dask_lm.config.doc --write`", file=sys.stderr)
+        if generated_block(page, begin, end) != block:
+            print(f"{page} is stale: run `python -m {module} --write`", file=sys.stderr)
             return 1
     else:
         sys.stdout.write(block)
     return 0
+
+
+def current(page: pathlib.Path = PAGE) -> str:
+    """The block the config page holds now (from :data:`BEGIN` through :data:`END`)."""
+    return generated_block(page, BEGIN, END)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return page_main(argv, "dask_lm.config.doc", __doc__.splitlines()[0], PAGE, BEGIN, END, markdown)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ The table lives in ``docs/reference/nemo_rl_keys.md`` between two marker comment
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import re
@@ -21,7 +20,7 @@ import sys
 import typing
 from typing import NamedTuple
 
-from dask_lm.config.doc import cell, field_docstrings, section_class, sections
+from dask_lm.config.doc import cell, field_docstrings, generated_block, page_main, section_class, sections
 from dask_lm.config.keys import CLOSED, DASK_LM_KEYS, UNHONOURED, Row, condition
 from dask_lm.config.policy import PolicyConfig
 
@@ -98,30 +97,12 @@ def markdown() -> str:
 
 
 def current(page: pathlib.Path = PAGE) -> str:
-    """The block the page holds now (from :data:`BEGIN` through :data:`END`)."""
-    text = page.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{page} has no generated NeMo RL key table (the {BEGIN!r} ... {END!r} markers)")
-    return text[text.index(BEGIN):text.index(END) + len(END)] + "\n"
+    """The block the NeMo RL keys page holds now (from :data:`BEGIN` through :data:`END`)."""
+    return generated_block(page, BEGIN, END)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dask_lm.config.nemo_table",
-                                     description=__doc__.splitlines()[0])
-    action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", action="store_true", help=f"rewrite the table in {PAGE.name}")
-    action.add_argument("--check", action="store_true", help=f"exit 1 when the table in {PAGE.name} is stale")
-    args = parser.parse_args(argv)
-    block = markdown()
-    if args.write:
-        PAGE.write_text(PAGE.read_text().replace(current(PAGE).rstrip("\n"), block.rstrip("\n")))
-    elif args.check:
-        if current(PAGE) != block:
-            print(f"{PAGE} is stale: run `python -m dask_lm.config.nemo_table --write`", file=sys.stderr)
-            return 1
-    else:
-        sys.stdout.write(block)
-    return 0
+    return page_main(argv, "dask_lm.config.nemo_table", __doc__.splitlines()[0], PAGE, BEGIN, END, markdown)
 
 
 if __name__ == "__main__":
