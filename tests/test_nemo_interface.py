@@ -189,6 +189,18 @@ def test_flops_tracker_counts_each_train_call(policy, tiny, batch):
     assert isinstance(second["num_ranks"], int) and second["num_ranks"] == 2
 
 
+def test_flop_tracker_takes_nemo_rl_from_config_form(tiny):
+    """``FLOPTracker.from_config(model_name, hf_config)`` as NeMo RL's tests and lm_policy.py:333-335 call it,
+    then ``track_batch`` / ``track`` / ``reset`` (nemo_rl/utils/flops_tracker.py)."""
+    config = transformers.AutoConfig.from_pretrained(tiny["llama"])
+    tracker = dask_lm.FLOPTracker.from_config(tiny["llama"], config)
+    tracker.track_batch([5, 9])
+    assert tracker.total_flops == pytest.approx(_training_flops(config, [5, 9]), rel=1e-9)
+    tracker.reset()
+    tracker.track(3, 7)  # 3 sequences of 7 tokens
+    assert tracker.total_flops == pytest.approx(_training_flops(config, [7, 7, 7]), rel=1e-9)
+
+
 def test_theoretical_tflops_absent_on_cpu_and_nemo_rl_division_runs(policy, batch):
     out = policy.train(batch, dask_lm.NLLLoss())
     assert "theoretical_tflops" not in out and "mfu" not in out  # CPU ranks: no device peak

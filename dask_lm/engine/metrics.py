@@ -81,9 +81,12 @@ class FLOPTracker:
         self.total_flops = 0.0
 
     @classmethod
-    def from_config(cls, config: Any, *, training: bool = True) -> FLOPTracker | None:
+    def from_config(cls, config: Any, hf_config: Any = None, *, training: bool = True) -> FLOPTracker | None:
         """A tracker for this Hugging Face config (forward only unless ``training``), or None (with a log line)
-        for families without a formula."""
+        for families without a formula. NeMo RL's form, ``from_config(model_name, hf_config)``
+        (``nemo_rl/utils/flops_tracker.py``), works too: the config counts, the name is not read."""
+        if hf_config is not None:
+            config = hf_config
         try:
             return cls(config, training=training)
         except (ValueError, AttributeError, TypeError) as e:
