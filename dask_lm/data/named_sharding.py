@@ -42,7 +42,7 @@ class NamedSharding:
             if not (np.issubdtype(array.dtype, np.number) and np.equal(np.mod(array, 1), 0).all()):
                 raise ValueError(f"NamedSharding: the layout must hold integer rank ids, got {array.dtype} values")
             array = array.astype(np.int64)
-        self._layout = array
+        self._layout: np.ndarray[Any, Any] = array
         self._names = [str(n) for n in names]
         if array.ndim != len(self._names):
             raise ValueError(f"NamedSharding: the layout has {array.ndim} dimensions but {len(self._names)} names "
@@ -77,7 +77,9 @@ class NamedSharding:
 
     @property
     def layout(self) -> np.ndarray[Any, Any]:
-        return self._layout.copy()
+        """A copy of the rank ids, one array dimension per name."""
+        copy: np.ndarray[Any, Any] = self._layout.copy()
+        return copy
 
     def get_axis_index(self, name: str) -> int:
         return self._axis[self._check(name)]
