@@ -164,8 +164,8 @@ def run_dask(model_dir: str, precision: str, tokenizer: Any, steps: list[tuple[t
             if i >= 1:
                 losses.append(float(out["loss"][0]))
                 seconds += elapsed
-                flops += out["total_flops"] or 0.0
-                per_call.append({k: out[k] for k in ("train_elapsed_seconds", "achieved_tflops", "mfu")})
+                flops += out.get("total_flops", 0.0)  # FLOP figures that cannot be known are left out
+                per_call.append({k: out.get(k) for k in ("train_elapsed_seconds", "achieved_tflops", "mfu")})
                 # outside the timing: the slowest rank's time inside its train() for this step; the rest of the
                 # call's wall time is the driver's (sharding, scheduling, transfers, gathering the results)
                 rank = max(client.run(_worker_last_call_seconds).values())

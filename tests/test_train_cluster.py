@@ -261,6 +261,7 @@ def test_flops_and_timer_are_reported(client, tiny, tok, batch):
     assert out["total_flops"] == pytest.approx(expected)
     assert out["num_ranks"] == 2 and out["train_elapsed_seconds"] > 0
     assert out["achieved_tflops"] == pytest.approx(expected / out["train_elapsed_seconds"] / 1e12)
-    assert out["mfu"] is None  # a CPU has no dense bf16 peak to compare with
+    # a CPU has no dense bf16 peak to compare with: left out, as NeMo RL's Policy leaves them out
+    assert "mfu" not in out and "theoretical_tflops" not in out
     assert timer.reduce("policy_training/sharding_data", "count") == 1
     assert timer.reduce("policy_training/submit_training_futures", "count") == 1

@@ -81,9 +81,12 @@ class FLOPTracker:
         self.total_flops = 0.0
 
     @classmethod
-    def from_config(cls, config: Any, *, training: bool = True) -> FLOPTracker | None:
+    def from_config(cls, config: Any, hf_config: Any = None, *, training: bool = True) -> FLOPTracker | None:
         """A tracker for this Hugging Face config (forward only unless ``training``), or None (with a log line)
-        for families without a formula."""
+        for families without a formula. NeMo RL's form, ``from_config(model_name, hf_config)``
+        (``nemo_rl/utils/flops_tracker.py``), works too: the config counts, the name is not read."""
+        if hf_config is not None:
+            config = hf_config
         try:
             return cls(config, training=training)
         except (ValueError, AttributeError, TypeError) as e:
@@ -107,33 +110,45 @@ def aggregate_flops_metrics(elapsed_seconds: Sequence[float], gpu_names: Sequenc
     and MFU.
 
     The elapsed time is the slowest rank's (a step is done when every rank is); the peak is the sum of each
-    rank's device peak. Figures that cannot be known (CPU devices, unknown GPUs, families without a formula)
-    are None rather than guessed.
+    rank's device peak. A figure that cannot be known is left out rather than guessed or None, as NeMo RL's
+    Policy leaves ``total_flops`` out without a FLOP formula and ``theoretical_tflops`` out for a device without
+    a known peak (``nemo_rl/models/policy/lm_policy.py:834-845``): its loops test for the key, then divide by it
+    (``nemo_rl/algorithms/sft.py:614-629``). So a CPU rank, or any GPU missing from the peak table, gives no
+    ``theoretical_tflops`` and no ``mfu``; a model family without a formula gives none of the FLOP figures.
     """
-    out: dict[str, Any] = {"num_ranks": len(elapsed_seconds) or world_size, "total_flops": total_flops}
+    out: dict[str, Any] = {"num_ranks": len(elapsed_seconds) or world_size}
     elapsed = max((float(e or 0.0) for e in elapsed_seconds), default=0.0)
     out["train_elapsed_seconds"] = elapsed
     peaks = [device_peak_tflops(name) for name in gpu_names]
-    known = [p for p in peaks if p is not None]
-    out["theoretical_tflops"] = sum(known) if peaks and len(known) == len(peaks) else None
-    if total_flops is None or elapsed <= 0:
-        out.update(achieved_tflops=None, achieved_tflops_per_rank=None, mfu=None)
+    theoretical = sum(p for p in peaks if p is not None) if peaks and None not in peaks else None
+    if theoretical is not None:
+        out["theoretical_tflops"] = theoretical
+    if total_flops is None:
+        return out
+    out["total_flops"] = total_flops
+    if elapsed <= 0:
         return out
     achieved = total_flops / elapsed / 1e12
     out["achieved_tflops"] = achieved
     out["achieved_tflops_per_rank"] = achieved / out["num_ranks"]
-    out["mfu"] = achieved / out["theoretical_tflops"] if out["theoretical_tflops"] else None
+    if theoretical:
+        out["mfu"] = achieved / theoretical
     return out
 
 
 def _aggregate_megatron_flops_metrics(results: Sequence[dict[str, Any]], world_size: int) -> dict[str, Any]:
-    """NeMo RL's aggregation helper: FLOP fields taken from the first result, peak = ranks x device peak."""
+    """NeMo RL's aggregation helper: FLOP fields taken from the first result, peak = ranks x device peak; as in
+    ``nemo_rl/models/policy/lm_policy.py:68-87``, ``train_elapsed_seconds`` and ``theoretical_tflops`` are left
+    out when the result has no time or its device no known peak."""
     first = results[0] if results else {}
     num_ranks = int(first.get("num_ranks") or world_size)
+    out: dict[str, Any] = {"total_flops": first.get("total_flops"), "num_ranks": num_ranks}
+    if "train_elapsed_seconds" in first:
+        out["train_elapsed_seconds"] = first["train_elapsed_seconds"]
     peak = device_peak_tflops(first.get("gpu_name"))
-    return {"total_flops": first.get("total_flops"), "num_ranks": num_ranks,
-            "train_elapsed_seconds": first.get("train_elapsed_seconds"),
-            "theoretical_tflops": num_ranks * peak if peak is not None else None}
+    if peak is not None:
+        out["theoretical_tflops"] = num_ranks * peak
+    return out
 
 
 def timed(timer: Any, label: str) -> contextlib.AbstractContextManager[Any]:

@@ -26,6 +26,7 @@ from dask_lm.config import PolicyConfig, SGLangConfig
 from dask_lm.config.generation import DECODING_BACKENDS
 from dask_lm.config.optim import check_optim_config
 from dask_lm.data.batch import BatchedDataDict
+from dask_lm.data.named_sharding import NamedSharding
 from dask_lm.data.messages import (
     ActionRequest,
     ExtensionCall,
@@ -42,7 +43,7 @@ from dask_lm.engine.cluster import as_client
 from dask_lm.engine.dataflow import RemoteRows, is_remote
 from dask_lm.engine.events import log_call
 from dask_lm.engine.futures import Pending, PolicyFuture
-from dask_lm.engine.metrics import timed
+from dask_lm.engine.metrics import FLOPTracker, timed
 from dask_lm.engine.training import TrainingMixin
 from dask_lm.engine.validation import validate_input_batch
 from dask_lm.engine.worker_group import WorkerGroup
@@ -151,6 +152,7 @@ class Policy(TrainingMixin, RefitMixin):
         self.hf_config = _model_config(self.cfg.model_name, self.cfg.hf_config_overrides)
         text = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
         self.vocab_size = getattr(text, "vocab_size", None)
+        self.flops_tracker = FLOPTracker.from_config(self.hf_config)
         self.client = as_client(cluster)
         if workers is not None:
             if workers_per_node is not None:
@@ -161,6 +163,7 @@ class Policy(TrainingMixin, RefitMixin):
         elif workers_per_node is not None:
             workers = WorkerGroup.per_node(self.client, workers_per_node)
         self._group = group = WorkerGroup(self.client, workers=workers, name_prefix=name_prefix)
+        self.sharding_annotations = NamedSharding.data_parallel(group.world_size)
         try:  # what the ranks would find only after loading the weights, found here from the config
             from dask_lm.model.hf import check_policy_model
 

@@ -11,7 +11,9 @@ from typing import Any
 from dask_lm.config import PolicyConfig
 from dask_lm.config.defaults import PACKED_BATCH_TOKENS
 from dask_lm.data.batch import BatchedDataDict, SlicedDataDict
+from dask_lm.data.named_sharding import NamedSharding
 from dask_lm.data.sharding import DynamicBatchingArgs, SequencePackingArgs
+from dask_lm.engine.metrics import FLOPTracker
 from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.workers import tasks
 
@@ -34,6 +36,11 @@ class PolicyBase:
     vocab_size: int | None
     init_optimizer: bool
     worker_info: list[dict[str, Any]]
+    sharding_annotations: NamedSharding
+    """The ranks as NeMo RL's named axes (pipeline, data, context, tensor parallel); every rank is data-parallel."""
+    flops_tracker: FLOPTracker | None
+    """Counts the FLOPs of each ``train()`` call (None for model families without a formula): NeMo RL's
+    attribute, set in its constructor (``nemo_rl/models/policy/lm_policy.py:331-337``)."""
     _group: WorkerGroup | None
     _finalizer: weakref.finalize[..., Any]
 

@@ -28,10 +28,11 @@ from dask_lm.engine import progress
 from dask_lm.engine.dataflow import RemoteRows, is_remote
 from dask_lm.engine.events import log_call
 from dask_lm.engine.futures import Pending
-from dask_lm.engine.metrics import FLOPTracker, aggregate_flops_metrics, timed
+from dask_lm.engine.metrics import timed
 from dask_lm.engine.policy_base import PolicyBase
 from dask_lm.engine.validation import validate_input_batch, validate_train_batch
 from dask_lm.io import checkpoint as ckpt
+from dask_lm.losses.base import loss_attribute
 
 __all__ = ["TrainingMixin"]
 
@@ -54,8 +55,9 @@ class TrainingMixin(PolicyBase):
         """One optimizer step per global batch of ``gbs`` rows (``eval_mode``: forward only, nothing changes).
 
         Returns ``loss`` (float32 [num_global_batches]), ``grad_norm`` (the last step's norm before clipping,
-        None in eval), ``all_mb_metrics`` (metric -> one value per micro-batch and rank) and FLOP figures
-        (``total_flops``, ``achieved_tflops``, ``mfu``, ...; None where they cannot be known).
+        None in eval), ``all_mb_metrics`` (metric -> one value per micro-batch and rank), ``num_ranks``,
+        ``train_elapsed_seconds`` and the FLOP figures (``total_flops``, ``theoretical_tflops``, ``achieved_tflops``,
+        ``mfu``, ...), each left out where it cannot be known, as NeMo RL's Policy leaves them out.
         """
         out: dict[str, Any] = self.submit("train", data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, timer=timer,
                                           check_dim_skip_keys=check_dim_skip_keys).result()
@@ -74,7 +76,7 @@ class TrainingMixin(PolicyBase):
         if not eval_mode and not self.init_optimizer:
             raise ValueError("train: this Policy was created with init_optimizer=False; create it with "
                              "init_optimizer=True to train (eval_mode=True works without one)")
-        if getattr(loss_fn, "requires_pairs", False):
+        if loss_attribute(loss_fn, "requires_pairs"):
             if cfg.dynamic_batching.enabled or cfg.sequence_packing.enabled:
                 raise ValueError(f"train: {type(loss_fn).__name__} needs (chosen, rejected) rows side by side, which "
                                  "dynamic batching and sequence packing reorder; set policy.dynamic_batching.enabled "
@@ -122,9 +124,10 @@ class TrainingMixin(PolicyBase):
         """Post a :class:`TrainRequest` of each rank's shard (``shards``: a list of Shards, or rows that stay on the
         workers, :class:`~dask_lm.engine.dataflow.RemoteRows`); ``lengths``: each rank's row lengths, for the FLOP
         count."""
-        tracker = (FLOPTracker.from_config(self.hf_config, training=not eval_mode) if self.hf_config is not None
-                   else None)
+        tracker = self.flops_tracker  # NeMo RL's: reset, then this call's rows (lm_policy.py:786-790)
         if tracker is not None:
+            tracker.reset()
+            tracker.training = not eval_mode  # an eval call runs forwards only
             for lens in lengths:
                 tracker.track_batch(lens)
         label = "eval" if eval_mode else "train"

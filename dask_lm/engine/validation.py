@@ -111,18 +111,18 @@ def validate_train_batch(data: BatchedDataDict[Any], loss_fn: Any, *, check_dim_
     * float data is finite where it counts (a NaN advantage would silently poison every weight);
     * ``sample_mask`` defaults to ones; ``token_mask`` is zeroed past each row's length (padding never trains).
     """
-    from dask_lm.losses.base import LossInputType
+    from dask_lm.losses.base import LossInputType, loss_attribute
     from dask_lm.losses.loss_input import input_type_of
 
     if not callable(loss_fn):
-        raise ValueError(f"{what}: loss_fn must be callable as loss_fn(data, global_valid_seqs, global_valid_toks, "
-                         f"**inputs), got {type(loss_fn).__name__}")
+        raise ValueError(f"{what}: loss_fn must be callable as loss_fn(data=..., global_valid_seqs=..., "
+                         f"global_valid_toks=..., **inputs), got {type(loss_fn).__name__}")
     for attr in ("loss_type", "input_type"):
         if not hasattr(loss_fn, attr):
             raise ValueError(f"{what}: {type(loss_fn).__name__} has no `{attr}` attribute; a loss needs `loss_type` "
                              "(LossType) and `input_type` (LossInputType), see dask_lm.losses.LossFunction")
     kind = input_type_of(loss_fn)
-    required = list(getattr(loss_fn, "required_keys", ()) or ())
+    required = list(loss_attribute(loss_fn, "required_keys") or ())
     if kind == LossInputType.DISTILLATION:
         required += [k for k in ("teacher_topk_logits", "teacher_topk_indices") if k not in required]
     out: BatchedDataDict[Any] = BatchedDataDict(dict(data.items()))
@@ -165,7 +165,7 @@ def validate_train_batch(data: BatchedDataDict[Any], loss_fn: Any, *, check_dim_
         out["token_mask"] = tm * valid.to(tm.device, tm.dtype)
     if kind == LossInputType.DISTILLATION:
         _check_teacher(out, b, s, valid, vocab_size, what)
-    if getattr(loss_fn, "requires_pairs", False) and b % 2:
+    if loss_attribute(loss_fn, "requires_pairs") and b % 2:
         raise ValueError(f"{what}: {type(loss_fn).__name__} takes (chosen, rejected) row pairs, but the batch has "
                          f"{b} rows")
     return out

@@ -1,8 +1,16 @@
 """The loss-function contract (NeMo RL's ``LossFunction``), its helpers, and typed loss configs.
 
 A loss is any object with ``loss_type`` (token- or sequence-level), ``input_type`` (what the trainer hands it)
-and ``__call__(data, global_valid_seqs, global_valid_toks, **inputs) -> (scalar loss, metrics dict)``. The
-trainer builds ``inputs`` from ``input_type`` (see :mod:`dask_lm.losses.loss_input`):
+and a ``__call__`` returning ``(scalar loss, metrics dict)``. The trainer calls it by keyword, as NeMo RL's
+DTensor workers do (``nemo_rl/models/policy/workers/dtensor_policy_worker.py:927-932``,
+``nemo_rl/models/automodel/train.py:646-651``)::
+
+    loss_fn(data=mb, global_valid_seqs=gvs, global_valid_toks=gvt, **inputs)
+
+so the parameters may come in any order: NeMo RL declares its losses input first
+(``__call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks)``,
+``nemo_rl/algorithms/loss/loss_functions.py:374-379``), dask-lm's protocol data first; both are called the same
+way. ``inputs`` depend on ``input_type`` (see :mod:`dask_lm.losses.loss_input`):
 
 * ``LOGPROB``: ``next_token_logprobs`` float32 ``[B, S-1]``; element ``t`` is log p(token t+1 | tokens <= t).
 * ``DISTILLATION``: ``student_topk_logprobs`` / ``teacher_topk_logprobs`` ``[B, S-1, k]`` and ``H_all``.
@@ -25,14 +33,14 @@ import difflib
 import enum
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
 from dask_lm.errors import LossConfigError
 
-__all__ = ["LossType", "LossInputType", "MetricNormalizer", "LossFunction", "masked_mean", "metric",
-           "deferred_metrics", "calculate_kl",
+__all__ = ["LossType", "LossInputType", "MetricNormalizer", "LossFunction", "loss_attribute", "masked_mean",
+           "metric", "deferred_metrics", "calculate_kl",
            "LossConfig", "LossConfigError", "BaseLoss"]
 
 
@@ -55,15 +63,47 @@ class MetricNormalizer(str, enum.Enum):
     NONE = "none"
 
 
-@runtime_checkable
 class LossFunction(Protocol):
-    """What ``Policy.train`` needs from a loss. Write your own by giving a class these members."""
+    """What ``Policy.train`` needs from a loss. Write your own by giving a class these members, or by subclassing
+    this protocol (as NeMo RL's losses subclass theirs), which also gives it the optional attributes' defaults.
+
+    ``loss_type`` and ``input_type`` are required (NeMo RL's enums or plain strings work too); ``__call__`` is
+    called by keyword, so it may list its input first, as NeMo RL's losses do.
+
+    The other attributes below are optional: the trainer reads each with :func:`loss_attribute`, which falls back
+    to the default given here, and reads no other attribute of a loss.
+    """
 
     loss_type: LossType
     input_type: LossInputType
 
+    required_keys: tuple[str, ...] = ()
+    """Data keys the loss reads; ``Policy.train`` checks that the batch has them before any rank runs."""
+    requires_pairs: bool = False
+    """Rows come in (chosen, rejected) pairs: ``train`` refuses odd batch and micro-batch sizes and the batching
+    modes that reorder rows (dynamic batching, sequence packing). A dask-lm attribute; NeMo RL has none."""
+    reference_policy_kl_penalty: float = 0.0
+    """Nonzero while the sampler filters the vocabulary (``generation.top_k`` / ``top_p``): the trainer also puts
+    the unfiltered logprobs into ``data["curr_logprobs_unfiltered"]`` (NeMo RL's ``prepare_loss_input``,
+    ``nemo_rl/algorithms/loss/utils.py:97-108``)."""
+    zero_outside_topk: bool = False
+    """DISTILLATION inputs: the student's full-vocabulary logprobs at the teacher's top-k instead of the ones
+    renormalised over the k entries."""
+    kl_type: str = "forward"
+    """DISTILLATION inputs: with ``zero_outside_topk`` and any ``kl_type`` but ``"forward"``, ``H_all`` is the
+    student's sum of p log p over the vocabulary (else None) (``nemo_rl/algorithms/loss/utils.py:123``)."""
+    use_fused_linear_logprobs: bool = False
+    """Read by :func:`~dask_lm.losses.prepare_loss_input` only: its ``logits`` argument holds next-token
+    logprobs already (NeMo RL's Megatron fusion). The trainer always computes the logprobs itself."""
+
     def __call__(self, data: Any, global_valid_seqs: torch.Tensor, global_valid_toks: torch.Tensor,
                  **inputs: Any) -> tuple[torch.Tensor, dict[str, Any]]: ...
+
+
+def loss_attribute(loss_fn: Any, name: str) -> Any:
+    """``loss_fn.name``, or the default that :class:`LossFunction` declares for it when the loss has none."""
+    assert name in LossFunction.__annotations__, f"{name!r} is not an attribute of the LossFunction contract"
+    return getattr(loss_fn, name, getattr(LossFunction, name, None))
 
 
 _DEFERRED = threading.local()
@@ -189,16 +229,17 @@ class LossConfig(Mapping[str, Any]):
 class BaseLoss:
     """Shared call handling for dask-lm's losses.
 
-    The documented convention is ``loss(data, global_valid_seqs, global_valid_toks, **inputs)``. Earlier NeMo RL
-    releases passed the inputs first and positionally (``loss(next_token_logprobs, data, ...)``); a tensor in
-    the first position selects that form, so losses written for either port unchanged.
+    The trainer calls a loss by keyword (``loss(data=..., global_valid_seqs=..., global_valid_toks=...,
+    **inputs)``, as NeMo RL does). Positional calls work in both orders too: data first (this protocol's order)
+    or inputs first (NeMo RL's declared order, ``loss(next_token_logprobs, data, ...)``, which its own losses use
+    when they call each other); a tensor in the first position selects the inputs-first form.
     """
 
     loss_type: LossType = LossType.TOKEN_LEVEL
     input_type: LossInputType = LossInputType.LOGPROB
     input_names: ClassVar[tuple[str, ...]] = ("next_token_logprobs",)
     required_keys: tuple[str, ...] = ()
-    """Data keys the loss reads; ``Policy.train`` checks them before any rank runs."""
+    """Data keys the loss reads (:attr:`LossFunction.required_keys`)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         rest = list(args)

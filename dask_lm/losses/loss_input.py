@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dask_lm.losses.base import LossInputType
+from dask_lm.losses.base import LossInputType, loss_attribute
 from dask_lm.losses.sampling import apply_top_k_top_p
 
 __all__ = ["prepare_loss_input", "get_next_token_logprobs_from_logits", "get_logprobs_from_logits",
@@ -94,7 +94,7 @@ def get_distillation_topk_logprobs_from_logits(
 
 def prepare_loss_input(logits: torch.Tensor, data: Any, loss_fn: Any, sampling_params: Any = None,
                        chunk_size: int | None = None, **_parallel: Any) -> tuple[dict[str, Any], Any]:
-    """``(inputs, data)`` for ``loss_fn(data, global_valid_seqs, global_valid_toks, **inputs)`` from full
+    """``(inputs, data)`` for ``loss_fn(data=data, global_valid_seqs=..., global_valid_toks=..., **inputs)`` from full
     ``logits`` ``[B, S, V]`` (already divided by the temperature).
 
     LOGIT: ``{"logits"}``. LOGPROB: ``{"next_token_logprobs"}`` [B, S-1]; when top-k / top-p filtering is on and
@@ -106,18 +106,18 @@ def prepare_loss_input(logits: torch.Tensor, data: Any, loss_fn: Any, sampling_p
     if kind == LossInputType.LOGIT:
         return {"logits": logits}, data
     if kind == LossInputType.LOGPROB:
-        if getattr(loss_fn, "use_fused_linear_logprobs", False):  # the "logits" are logprobs already
+        if loss_attribute(loss_fn, "use_fused_linear_logprobs"):  # the "logits" are logprobs already
             return {"next_token_logprobs": logits.float()[:, : data["input_ids"].shape[1] - 1]}, data
         lp = get_next_token_logprobs_from_logits(data["input_ids"], logits, sampling_params=sampling_params,
                                                  chunk_size=chunk_size)
         _t, top_k, top_p = _sampling(sampling_params)
-        if (top_k is not None or top_p < 1.0) and bool(getattr(loss_fn, "reference_policy_kl_penalty", 0)):
+        if (top_k is not None or top_p < 1.0) and bool(loss_attribute(loss_fn, "reference_policy_kl_penalty")):
             data["curr_logprobs_unfiltered"] = get_next_token_logprobs_from_logits(data["input_ids"], logits,
                                                                                     chunk_size=chunk_size)
         return {"next_token_logprobs": lp}, data
-    zero = bool(getattr(loss_fn, "zero_outside_topk", False))
+    zero = bool(loss_attribute(loss_fn, "zero_outside_topk"))
     s, t, h = get_distillation_topk_logprobs_from_logits(
         student_logits=logits, teacher_topk_logits=data["teacher_topk_logits"],
         teacher_topk_indices=data["teacher_topk_indices"], zero_outside_topk=zero,
-        calculate_entropy=zero and getattr(loss_fn, "kl_type", "forward") != "forward")
+        calculate_entropy=zero and loss_attribute(loss_fn, "kl_type") != "forward")
     return {"student_topk_logprobs": s, "teacher_topk_logprobs": t, "H_all": h}, data

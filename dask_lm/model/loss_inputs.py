@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from dask_lm.losses.base import LossInputType
+from dask_lm.losses.base import LossInputType, loss_attribute
 from dask_lm.losses.loss_input import input_type_of
 from dask_lm.model import device
 from dask_lm.model.forward import unpack_positions
@@ -72,7 +72,7 @@ def _logprob_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: Forward
     top_k = gen.top_k if gen is not None else None
     top_p = gen.top_p if gen is not None else 1.0
     filtering = (top_k is not None and top_k > 0) or top_p < 1.0
-    unfiltered = filtering and bool(getattr(loss_fn, "reference_policy_kl_penalty", 0))
+    unfiltered = filtering and bool(loss_attribute(loss_fn, "reference_policy_kl_penalty"))
     res = next_token_logprobs_train(hidden, layout.ids, layout.targets_valid, output_head(worker.model),
                                     temperature=worker.temperature, chunk_size=worker.cfg.logprob_chunk_size,
                                     top_k=top_k, top_p=top_p, unfiltered=unfiltered, index=layout.scored)
@@ -114,8 +114,8 @@ def _distillation_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: Fo
     k = idx.shape[-1]
     if k <= 0:
         raise ValueError(f"topk must be positive, got k={k}")
-    zero = bool(getattr(loss_fn, "zero_outside_topk", False))
-    entropy = zero and getattr(loss_fn, "kl_type", "forward") != "forward"
+    zero = bool(loss_attribute(loss_fn, "zero_outside_topk"))
+    entropy = zero and loss_attribute(loss_fn, "kl_type") != "forward"
     head = output_head(worker.model)
     chunk = worker.cfg.logprob_chunk_size
     parts = []

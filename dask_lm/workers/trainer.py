@@ -185,8 +185,10 @@ class Trainer:
                             # that large per-token inputs (a teacher's top-k) are never on the device whole
                             mb_data = _upload(_micro_batch_data(batch, mb, width), where)
                             inputs = loss_inputs_from_hidden(host, hidden, layout, mb_data, loss_fn)
+                            # by keyword, as NeMo RL's workers call a loss: its losses list their input first
                             with deferred_metrics():  # tensors, read back after the step, not one sync each
-                                loss, mb_metrics = loss_fn(mb_data, global_valid_seqs, global_valid_toks, **inputs)
+                                loss, mb_metrics = loss_fn(data=mb_data, global_valid_seqs=global_valid_seqs,
+                                                           global_valid_toks=global_valid_toks, **inputs)
                             loss = torch.as_tensor(loss, device=where)
                         if not eval_mode:
                             # + 0 x the inputs: every parameter gets a gradient on every rank even when a custom
