@@ -4,9 +4,9 @@
 >>> install()
 >>> from nemo_rl.distributed.batched_data_dict import BatchedDataDict   # dask_lm's class
 
-Only the modules dask-lm implements are aliased: the batch / sharding layer, the packing algorithms, and the
-losses with their helpers (under both the flat ``nemo_rl.algorithms.loss_functions`` of earlier releases and
-the ``nemo_rl.algorithms.loss`` package of later ones).
+Only the modules dask-lm implements are aliased: the batch / sharding layer (with the Policy's ``NamedSharding``),
+the packing algorithms, and the losses with their helpers (under both the flat ``nemo_rl.algorithms.loss_functions``
+of earlier releases and the ``nemo_rl.algorithms.loss`` package of later ones).
 ``install`` refuses to shadow a real NeMo RL installation unless ``force=True``.
 """
 
@@ -54,13 +54,14 @@ def _loss_modules() -> dict[str, types.ModuleType]:
 
 
 def _modules() -> dict[str, types.ModuleType]:
-    from dask_lm.data import batch, packing, sharding
+    from dask_lm.data import batch, named_sharding, packing, sharding
 
     batched = types.ModuleType("nemo_rl.distributed.batched_data_dict")
     for name in ("BatchedDataDict", "SlicedDataDict"):
         setattr(batched, name, getattr(batch, name))
     for name in ("DynamicBatchingArgs", "SequencePackingArgs"):
         setattr(batched, name, getattr(sharding, name))
+    named = _module("nemo_rl.distributed.named_sharding", named_sharding, ("NamedSharding",))
     algorithms = types.ModuleType("nemo_rl.data.packing.algorithms")
     for name in packing.__all__:
         setattr(algorithms, name, getattr(packing, name))
@@ -73,13 +74,14 @@ def _modules() -> dict[str, types.ModuleType]:
         "nemo_rl": types.ModuleType("nemo_rl"),
         "nemo_rl.distributed": types.ModuleType("nemo_rl.distributed"),
         "nemo_rl.distributed.batched_data_dict": batched,
+        "nemo_rl.distributed.named_sharding": named,
         "nemo_rl.data": types.ModuleType("nemo_rl.data"),
         "nemo_rl.data.packing": pkg,
         "nemo_rl.data.packing.algorithms": algorithms,
     }
 
 
-ALIASES = ("nemo_rl.distributed.batched_data_dict", "nemo_rl.data.packing", "nemo_rl.data.packing.algorithms",
+ALIASES = ("nemo_rl.distributed.batched_data_dict", "nemo_rl.distributed.named_sharding", "nemo_rl.data.packing", "nemo_rl.data.packing.algorithms",
            "nemo_rl.algorithms.loss_functions", "nemo_rl.algorithms.loss", "nemo_rl.algorithms.utils",
            "nemo_rl.distributed.model_utils", "nemo_rl.utils.timer", "nemo_rl.utils.flops_tracker")
 
