@@ -361,9 +361,6 @@ class ClusterStart:
         self._given, self._address, self._n_workers, self._warm = client, scheduler_address, n_workers, warm
         self.client: Any = None
         self.opened: Any = None  # what this start opened, and so closes
-        # the scheduler's address as first connected: a client that gave up reconnecting to a lost scheduler has
-        # forgotten it by the time the job's error is explained
-        self.scheduler_address: str | None = None
         self.warm_futures: list[Any] = []
         self.seconds = 0.0  # the start itself: processes spawned and registered, or the scheduler reached
         self._error: BaseException | None = None
@@ -384,7 +381,6 @@ class ClusterStart:
                 self.client = cluster.as_client(self._given)
                 self.opened = self.client if self.client is not self._given else None
             self.seconds = time.perf_counter() - t0
-            self.scheduler_address = cluster.scheduler_address_of(self.client)
             if self._warm is not None:
                 self.warm_futures = self._warm(self.client)
         except BaseException as e:  # re-raised in the driver's thread by result()

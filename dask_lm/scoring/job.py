@@ -314,7 +314,9 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
         start.close(interrupted=True)
         raise _interrupted(out, len(plan), e) from None
     except Exception as e:  # a lost scheduler: one line too, what is kept and how to go on
-        address = cluster.lost_scheduler(start.client, e, start.scheduler_address)
+        # no remembered address here: by the time an error reaches this point the job may have closed its own
+        # client, and a closed client must not read as a lost scheduler; the scoring loop names a loss it saw
+        address = cluster.lost_scheduler(start.client, e)
         if address is None:
             raise
         raise _scheduler_lost(out, len(plan), address) from None
