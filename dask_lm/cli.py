@@ -13,6 +13,7 @@ import shutil
 import sys
 import time
 import traceback
+import typing
 from typing import Any
 
 import click
@@ -21,6 +22,9 @@ from dask_lm import __version__  # the package imports its heavy modules lazily:
 from dask_lm import interface  # the standard library only
 from dask_lm.config.defaults import PACKED_BATCH_TOKENS, PADDED_BATCH_TOKENS  # constants only
 from dask_lm.engine import interrupts  # signal and threading only
+from dask_lm.jobs.spec import JobSpec, options_of  # the jobs' specs and their checks: the standard library only
+from dask_lm.scoring.spec import ScoreSpec
+from dask_lm.sft.spec import SFTSpec
 
 __all__ = ["main"]
 
@@ -49,6 +53,53 @@ _SCHEDULER_HELP = ("Attach to this scheduler address (tcp://host:8786) or schedu
                    "$DASK_SCHEDULER_ADDRESS, else a local cluster that the command starts and stops.")
 _N_WORKERS_HELP = "Size of the local cluster (default: one worker per GPU, or 2 on a CPU machine)."
 _REVISION_HELP = "Branch, tag or commit of a Hub --model (default: the repository's main branch)."
+
+
+def _spec_options(job: str, *names: str, exclude: tuple[str, ...] = ()) -> Any:
+    """The command's options for the fields ``names`` of a job's spec (every field with an option, less
+    ``exclude``, where none are named), in the spec's order: spelling, type, choices, help and the default shown
+    all come from the spec (:mod:`dask_lm.jobs.spec`). Each defaults to ``None``, "not given": ``--resume`` then
+    takes the manifest's value, and a new job the spec's default."""
+    spec = _SPECS[job]
+    hints = typing.get_type_hints(spec)
+    chosen = [(f, o) for f, o in options_of(spec) if o.cli and f.name not in exclude and (not names or f.name in names)]
+
+    def decorate(fn: Any) -> Any:
+        for f, o in reversed(chosen):
+            spelled = o.flag or f"--{f.name.replace('_', '-')}"
+            base = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+            shown = o.shown_default or (f.default if f.default not in (None, False, True) else None)
+            kwargs: dict[str, Any] = {"default": None, "help": o.help}
+            if shown is not None:
+                kwargs["show_default"] = str(shown)
+            if o.toggle:
+                decls = [f"{spelled}/--no-{spelled[2:]}", f.name]
+            elif base is bool:
+                decls = [spelled, f.name]
+                kwargs.update(is_flag=True, flag_value=not f.default)
+            else:
+                decls = [spelled, f.name]
+                kwargs["type"] = (_Precision(list(o.choices)) if f.name == "precision" else
+                                  click.Choice(list(o.choices)) if o.choices else base)
+            fn = click.option(*decls, **kwargs)(fn)
+        return fn
+
+    return decorate
+
+
+_SPECS: dict[str, type[JobSpec]] = {"score": ScoreSpec, "sft": SFTSpec}
+
+
+def _job_given(ctx: click.Context, *, resume: bool) -> None:
+    """Without ``--resume`` INPUTS and --model are required (with it, the manifest's are taken): click's own usage
+    error (exit 2) names the one missing."""
+    from click.core import ParameterSource
+
+    if not resume:
+        for name in ("inputs", "model"):
+            if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None):
+                param = next(p for p in ctx.command.params if p.name == name)
+                raise click.MissingParameter(ctx=ctx, param=param)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog="""Exit codes, of every command: 0 done;
@@ -138,44 +189,10 @@ Exit codes: 0 done; 2 bad usage or input: refused before anything is written, or
 too: --resume continues); 130 interrupted by Ctrl-C (SIGINT), 143 by SIGTERM: --resume continues. --verbose adds
 the traceback and keeps the code.""")
 @click.argument("inputs", nargs=-1, metavar="INPUTS...")  # required, unless --resume (checked in the command)
-@click.option("--model", help="Hugging Face Hub id (e.g. Qwen/Qwen2.5-0.5B; downloaded once into the Hugging Face "
-              "cache, HF_HUB_OFFLINE=1: the cache only) or model directory. Required, as INPUTS are, except with "
-              "--resume.")
+@_spec_options("score", "model")
 @click.option("--revision", default=None, help=_REVISION_HELP)
 @click.option("--output", required=True, help="Output directory (part-NNNNN.parquet, _manifest.json, _SUCCESS).")
-@click.option("--text-column", default=None, help="Score this string column (every token, the first one "
-              "given BOS / EOS).")
-@click.option("--ids-column", default=None, help="Score this list<int> column of token ids as it is.")
-@click.option("--prompt-length-column", default=None, help="With --ids-column: this integer column says how many "
-              "leading ids of each row are context (not scored).")
-@click.option("--prompt-column", default=None, help="With --response-column: score only the response tokens.")
-@click.option("--response-column", default=None, help="With --prompt-column: the string column whose tokens are "
-              "scored.")
-@click.option("--convention", type=click.Choice(["lm-eval", "separate"]), default="lm-eval", show_default=True,
-              help="How text is tokenized. lm-eval: as lm-evaluation-harness does (the response encoded in context, "
-              "trailing prompt whitespace moved to it, one BOS at most, an empty prompt or a text conditioned on "
-              "BOS/EOS). separate: prompt and response encoded apart, a text's first token unscored (as dask-lm "
-              "logprobs does, and earlier dask-lm releases did).")
-@click.option("--id-column", default=None, help="Keep only this input column in the output (default: all).")
-@click.option("--topk", type=int, default=0, show_default=True, help="Also write the k most likely tokens.")
-@click.option("--decode-topk", is_flag=True, help="With --topk: also write their strings (topk_tokens, each id as "
-              "the tokenizer decodes it alone).")
-@click.option("--max-length", type=int, default=None, help="Longest row in tokens (default and upper bound: the "
-              "model's max_position_embeddings); longer rows are bad rows.")
-@click.option("--truncate", is_flag=True, help="Keep the last --max-length tokens of a longer row (cuts the context "
-              "side; a response is kept whole) instead of failing on it; such rows have truncated=true.")
-@click.option("--allow-nonfinite", is_flag=True, help="Keep NaN/inf logprobs instead of failing the job on them.")
-@click.option("--batch-tokens", type=int, default=None,
-              help=f"Tokens per micro-batch: real tokens where GPU workers pack rows (default {PACKED_BATCH_TOKENS}), "
-              f"padded ones elsewhere (default {PADDED_BATCH_TOKENS}).")
-@click.option("--task-tokens", type=int, default=None, help="Tokens per task and part file, estimated from the "
-              "footers (default: about 1/32 of the job, 16k to 1M): large row groups are split, small ones merged; "
-              "0: one task per row group, as written.")
-@click.option("--compile/--no-compile", "compile_", default=None,
-              help="Compile the forward on GPU workers (torch.compile): faster scoring after a one-time compilation "
-              "of 5-10 s per worker process. Default: only for jobs of about 8M tokens or more per worker.")
-@_precision_option("bf16", "fp32", "fp16", help="auto: bf16 on GPU workers, fp32 on CPU ones.")
-@click.option("--tokenizer", default=None, help="Tokenizer directory or Hub id (default: the model's).")
+@_spec_options("score", exclude=("model", "skip_bad_rows"))
 @click.option("--scheduler-address", default=None, help=_SCHEDULER_HELP)
 @click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
 @click.option("--resume", is_flag=True, help="Finish the job in --output: INPUTS, --model and every option not "
@@ -183,14 +200,12 @@ the traceback and keeps the code.""")
               "refused. Parts already written are kept (a finished job returns at once). May add --skip-bad-rows.")
 @click.option("--overwrite", is_flag=True, help="Delete the earlier job's files in --output and score again with "
               "these options (files dask-lm did not write are never deleted).")
-@click.option("--skip-bad-rows", is_flag=True, help="Leave bad rows out (listed in _errors.parquet) instead of "
-              "failing.")
+@_spec_options("score", "skip_bad_rows")
 @click.option("--performance-report", default=None, help="Write Dask's HTML performance report to this file.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (also: DASK_LM_PROGRESS=0).")
 @click.pass_context
 def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str | None, output: str,
-          scheduler_address: str | None, n_workers: int | None, no_progress: bool, compile_: bool | None,
-          **options: Any) -> None:
+          scheduler_address: str | None, n_workers: int | None, no_progress: bool, **options: Any) -> None:
     """Per-token logprobs, log-likelihood and perplexity of every row of parquet INPUTS (files, directories,
     globs).
 
@@ -198,15 +213,14 @@ def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str | None, out
     the tokenizer adds no BOS), as lm-evaluation-harness scores it; dask-lm logprobs leaves a text's first token
     unscored, as --convention separate does, so their sums differ for a tokenizer that adds no BOS. The summary
     names the convention used."""
-    _job_given(ctx, options, resume=options["resume"])
-    compile_ = None if _not_given(ctx, "compile_") else compile_
+    _job_given(ctx, resume=options["resume"])
 
     def run() -> None:
         import dask_lm
 
         # the checks run before any cluster starts; score_parquet then connects, and closes what it started
         result = dask_lm.score_parquet(list(inputs) or None, output, model=model, scheduler_address=scheduler_address,
-                                       n_workers=n_workers, progress=not no_progress, compile=compile_, **options)
+                                       n_workers=n_workers, progress=not no_progress, **options)
         _print_summary(result)
 
     _exit_codes(ctx, run)
@@ -224,32 +238,10 @@ Exit codes: 0 done; 2 bad usage or input (refused before any training step), 1 a
 by Ctrl-C (SIGINT), 143 by SIGTERM: --resume continues from the newest checkpoint. --verbose adds the traceback and
 keeps the code.""")
 @click.argument("inputs", nargs=-1, metavar="INPUTS...")  # required, unless --resume (checked in the command)
-@click.option("--model", help="Hugging Face Hub id or model directory to start from. Required, as INPUTS are, "
-              "except with --resume.")
+@_spec_options("sft", "model")
 @click.option("--revision", default=None, help=_REVISION_HELP)
 @click.option("--output", required=True, help="Run directory: step_N/ checkpoints, _manifest.json, _SUCCESS.")
-@click.option("--text-column", default=None, help="Train on every token of this string column.")
-@click.option("--prompt-column", default=None, help="With --response-column: train on the response tokens only.")
-@click.option("--response-column", default=None, help="With --prompt-column: the string column trained on.")
-@click.option("--convention", type=click.Choice(["lm-eval", "separate"]), default="lm-eval", show_default=True,
-              help="How text is tokenized, as in dask-lm score --convention.")
-@click.option("--epochs", type=int, default=1, show_default=True, help="Passes over the rows.")
-@click.option("--max-steps", type=int, default=None, help="Stop after this many optimizer steps (default: all the "
-              "epochs' steps).")
-@click.option("--global-batch-size", type=int, default=32, show_default=True, help="Rows per optimizer step.")
-@click.option("--micro-batch-size", type=int, default=4, show_default=True, help="Rows per forward/backward pass "
-              "on a worker (token budget: --max-length times this).")
-@click.option("--lr", type=float, default=1e-5, show_default=True, help="AdamW learning rate.")
-@click.option("--weight-decay", type=float, default=0.01, show_default=True, help="AdamW weight decay.")
-@click.option("--warmup-steps", type=int, default=0, show_default=True, help="Linear learning-rate warm-up steps.")
-@click.option("--max-length", type=int, default=1024, show_default=True, help="Longest row in tokens.")
-@click.option("--truncate", is_flag=True, help="Cut rows over --max-length instead of failing on them.")
-@_precision_option("bf16", "fp32", help="auto: bf16 (fp32 master weights) on GPU workers, fp32 on CPU ones.")
-@click.option("--save-every", type=int, default=100, show_default=True, help="Checkpoint every N steps (and at "
-              "the end).")
-@click.option("--keep", type=int, default=2, show_default=True, help="Newest checkpoints to keep.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the per-epoch row order.")
-@click.option("--no-shuffle", is_flag=True, help="Walk the rows in input order.")
+@_spec_options("sft", exclude=("model",))
 @click.option("--resume", is_flag=True, help="Continue the run in --output from its newest complete checkpoint (a "
               "run that reached its last step returns at once): INPUTS, --model and every option not given are its "
               "_manifest.json's (--output DIR --resume alone will do); a given option that differs is refused, a "
@@ -260,15 +252,14 @@ keeps the code.""")
 @click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
 @click.option("--no-progress", is_flag=True, help="No progress bar (also: DASK_LM_PROGRESS=0).")
 @click.pass_context
-def sft(ctx: click.Context, /, inputs: tuple[str, ...], no_shuffle: bool, no_progress: bool, **options: Any) -> None:
+def sft(ctx: click.Context, /, inputs: tuple[str, ...], no_progress: bool, **options: Any) -> None:
     """Supervised fine-tuning (NLL) on parquet INPUTS, with periodic resumable checkpoints."""
-    _job_given(ctx, options, resume=options["resume"])
-    shuffle = None if _not_given(ctx, "no_shuffle") else not no_shuffle
+    _job_given(ctx, resume=options["resume"])
 
     def run() -> None:
         from dask_lm.engine.sft import sft_parquet
 
-        result = sft_parquet(list(inputs) or None, shuffle=shuffle, progress=not no_progress, **options)
+        result = sft_parquet(list(inputs) or None, progress=not no_progress, **options)
         if result.already_complete:
             click.echo(f"already complete: the run in {result.output} reached step {result.steps}; nothing was "
                        f"run (pass --overwrite to train again)\ncheckpoint  {result.checkpoint}")
@@ -361,30 +352,6 @@ def nemo_rl(ctx: click.Context, script: str, args: tuple[str, ...], scheduler_ad
         run_script(script, list(args), scheduler_address=scheduler_address)
 
     _exit_codes(ctx, run)
-
-
-def _not_given(ctx: click.Context, name: str) -> bool:
-    from click.core import ParameterSource
-
-    return ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None)
-
-
-# what a job command passes on as it was typed even when left at its default: not options of the job itself
-_NOT_PINNED = ("resume", "overwrite", "revision", "performance_report")
-
-
-def _job_given(ctx: click.Context, options: dict[str, Any], *, resume: bool) -> None:
-    """A job's options left at their defaults become ``None``, "not given", so that ``--resume`` takes them from
-    the manifest (and a plain run gets the same defaults from the job function). Without ``--resume`` INPUTS and
-    --model stay required: click's own usage error (exit 2) names the one missing."""
-    for name in list(options):
-        if name not in _NOT_PINNED and _not_given(ctx, name):
-            options[name] = None
-    if not resume:
-        for name in ("inputs", "model"):
-            if _not_given(ctx, name):
-                param = next(p for p in ctx.command.params if p.name == name)
-                raise click.MissingParameter(ctx=ctx, param=param)
 
 
 def _next_steps(model_dir: str, data: str) -> list[str]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["Section", "config_from_dict"]
+__all__ = ["Section", "config_from_dict", "coerce"]
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
@@ -30,7 +30,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
+def coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (nested dicts become dataclasses)."""
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -40,11 +40,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value is None and len(options) < len(typing.get_args(tp)):
             return None
         if len(options) == 1:  # `X | None` with a value: X's own error names the inner key
-            return _coerce(value, options[0], key)
+            return coerce(value, options[0], key)
         errors = []
         for option in typing.get_args(tp):
             try:
-                return _coerce(value, option, key)
+                return coerce(value, option, key)
             except ValueError as e:
                 errors.append(e)
         raise ValueError(f"`{key}` must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
@@ -67,7 +67,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"`{key}` must be a list, got {value!r}")
         (item_tp,) = typing.get_args(tp)[:1] or (Any,)  # a bare `list` holds anything
-        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ValueError(f"`{key}` must be a mapping, got {value!r}")
@@ -110,7 +110,7 @@ def config_from_dict(cls: type[_D], data: dict[str, Any], *, prefix: str = "poli
             hint = f"; did you mean `{prefix}.{close[0]}`?" if close else ""
             raise ValueError(f"unknown config key `{prefix}.{key}`{hint} (known keys: {sorted(aliases)})")
         name = aliases[key]
-        kwargs[name] = _coerce(value, hints[name], f"{prefix}.{key}")
+        kwargs[name] = coerce(value, hints[name], f"{prefix}.{key}")
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required field is missing
