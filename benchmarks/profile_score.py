@@ -1,7 +1,7 @@
 """Where the time of a scoring job's scoring phase goes: the worker's partition task profiled in one process.
 
 A benchmark, not a test. It builds a random model of ``--shape`` and ``benchmarks/score.py``'s long-tailed dataset,
-plans the job's spans as ``score_parquet`` would (:mod:`dask_lm.io.spans`), reads them as the job's read tasks do,
+plans the job's spans as ``score_parquet`` would (:mod:`dask_lm.scoring.spans`), reads them as the job's read tasks do,
 and runs :func:`dask_lm.scoring.scorer.score_partition` on each, without Dask around it (the replica is the one
 this process loads). Then it prints:
 
@@ -37,7 +37,7 @@ def _job(data: str, model_dir: str, out: str, compile_: bool, head: bool, batch_
     """The job's inputs, spans and options, as ``score_parquet`` plans them for token ids."""
     from dask_lm.data.messages import ScoreOptions
     from dask_lm.io import parquet as pio
-    from dask_lm.io import spans
+    from dask_lm.scoring import spans
 
     files = sorted(os.path.join(data, f) for f in os.listdir(data))
     inputs = pio.inspect_inputs(files, text_column=None, ids_column="ids", prompt_column=None, response_column=None,

@@ -1,4 +1,4 @@
-"""End-to-end SFT over parquet: ``dask_lm.engine.sft.sft_parquet`` (what ``dask-lm sft`` runs) against a plain HF loop.
+"""End-to-end SFT over parquet: ``dask_lm.sft.job.sft_parquet`` (what ``dask-lm sft`` runs) against a plain HF loop.
 
 A benchmark, not a test: it prints numbers and asserts nothing about speed. It writes ``--rows`` text rows of
 lognormal lengths (random words) as a parquet dataset, puts a tokenizer trained on the fly next to a random model of
@@ -64,7 +64,7 @@ def main(shape: str, rows: int | None, global_batch_size: int | None, micro_batc
 
     import dask_lm
     from dask_lm.engine.metrics import flops_per_sequence
-    from dask_lm.engine.sft import sft_parquet
+    from dask_lm.sft.job import sft_parquet
     from dask_lm.tiny import train_tiny_tokenizer
 
     on_gpu = torch.cuda.is_available()

@@ -1,7 +1,7 @@
 """The ``dask-lm`` command (also ``python -m dask_lm``).
 
 Exit codes: 0 success, 2 bad usage or bad input (one clear line), 1 a runtime failure, 130 / 143 interrupted by
-SIGINT / SIGTERM (:mod:`dask_lm.engine.interrupts`).
+SIGINT / SIGTERM (:mod:`dask_lm.jobs.interrupts`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import click
 from dask_lm import __version__  # the package imports its heavy modules lazily: --help stays fast
 from dask_lm import interface  # the standard library only
 from dask_lm.config.defaults import PACKED_BATCH_TOKENS, PADDED_BATCH_TOKENS  # constants only
-from dask_lm.engine import interrupts  # signal and threading only
+from dask_lm.jobs import interrupts  # signal and threading only
 from dask_lm.jobs.spec import JobSpec, options_of  # the jobs' specs and their checks: the standard library only
 from dask_lm.scoring.spec import ScoreSpec
 from dask_lm.sft.spec import SFTSpec
@@ -257,7 +257,7 @@ def sft(ctx: click.Context, /, inputs: tuple[str, ...], no_progress: bool, **opt
     _job_given(ctx, resume=options["resume"])
 
     def run() -> None:
-        from dask_lm.engine.sft import sft_parquet
+        from dask_lm.sft.job import sft_parquet
 
         result = sft_parquet(list(inputs) or None, progress=not no_progress, **options)
         if result.already_complete:

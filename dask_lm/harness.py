@@ -114,8 +114,8 @@ class DaskLM(TemplateLM):
         super().__init__()
         import transformers
 
-        from dask_lm.engine import jobs
         from dask_lm.io import hub, modelcheck
+        from dask_lm.jobs import model_files
 
         if _bool("trust_remote_code", trust_remote_code):
             raise ValueError("model_args trust_remote_code=true: dask-lm workers load models with the classes "
@@ -127,7 +127,7 @@ class DaskLM(TemplateLM):
             raise ValueError(f"model_args dtype={chosen!r}: expected auto, bfloat16, float32 or float16")
         source = hub.resolve_model(str(pretrained), revision=revision, what="pretrained")
         modelcheck.check_model(source.path)
-        tok_dir = jobs.resolve_tokenizer(tokenizer, source.path, fix="pass tokenizer=DIR in model_args")
+        tok_dir = model_files.resolve_tokenizer(tokenizer, source.path, fix="pass tokenizer=DIR in model_args")
         self.add_bos_token = _bool("add_bos_token", add_bos_token, optional=True)
         extra = {} if self.add_bos_token is None else {"add_bos_token": self.add_bos_token}
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False, **extra)

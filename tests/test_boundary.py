@@ -218,7 +218,7 @@ def test_the_driver_imports_no_rank_code():
     everything a rank runs is imported on the rank."""
     code = """
 import sys
-import dask_lm.cli, dask_lm.engine.policy, dask_lm.scoring.job, dask_lm.engine.sft, dask_lm.evaluation.engine
+import dask_lm.cli, dask_lm.engine.policy, dask_lm.scoring.job, dask_lm.sft.job, dask_lm.evaluation.engine
 print(sorted(m for m in sys.modules if m.startswith(("dask_lm.workers.", "dask_lm.model.", "dask_lm.comm.",
                                                      "dask_lm.refit.", "dask_lm.scoring.scorer",
                                                      "dask_lm.scoring.replicas", "dask_lm.scoring.partitions",

@@ -258,7 +258,7 @@ def test_the_score_command_on_a_hostile_file_runs_nothing(client, tiny, hostile,
 @pytest.mark.cluster
 def test_sft_parquet_of_a_hostile_file_trains_on_the_text_and_runs_nothing(client, tiny, hostile, tmp_path):
     path, marker = hostile
-    from dask_lm.engine.sft import sft_parquet  # the job behind `dask-lm sft` (not a top-level name)
+    from dask_lm.sft.job import sft_parquet  # the job behind `dask-lm sft` (not a top-level name)
 
     res = sft_parquet(path, tmp_path / "sft", model=tiny["llama"], client=client, text_column="text",
                       global_batch_size=2, micro_batch_size=1, lr=1e-3, max_steps=2, save_every=2, progress=False)

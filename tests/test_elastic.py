@@ -321,9 +321,9 @@ def _clients(dask_scheduler: Any) -> int:
 
 
 def _precision(out: Path) -> str:
-    from dask_lm.io import jobdir
+    from dask_lm.io.manifest import read_manifest
 
-    manifest = jobdir.read_manifest(str(out))
+    manifest = read_manifest(str(out))
     assert manifest is not None
     return str(manifest["options"]["precision"])
 

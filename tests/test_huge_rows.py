@@ -177,7 +177,7 @@ def test_dask_lm_score_names_or_drops_a_huge_python_string(client, tiny):
 
 
 def test_sft_refuses_a_huge_row_before_tokenizing_it(tiny, tmp_path):
-    from dask_lm.engine.sft import _tokenize_partition
+    from dask_lm.sft.job import _tokenize_partition
     from dask_lm.io import parquet as pio
 
     path = str(_huge_file(tmp_path / "huge.parquet"))

@@ -220,10 +220,11 @@ SUBSYSTEM_RANK_HALVES = frozenset({"dask_lm.scoring.scorer", "dask_lm.scoring.re
 # What the driver submits: each module calls into its rank side on the worker, never the other way
 TASK_MODULES = ("dask_lm.workers.tasks", "dask_lm.scoring.tasks", "dask_lm.evaluation.tasks")
 # The subsystem packages, above the shared ones
-SUBSYSTEMS = ("dask_lm.scoring", "dask_lm.evaluation")
+SUBSYSTEMS = ("dask_lm.scoring", "dask_lm.evaluation", "dask_lm.sft")
 # The shared packages (and top-level modules) the subsystems are built on: none of them imports a subsystem
-SHARED = ("dask_lm.engine", "dask_lm.workers", "dask_lm.model", "dask_lm.comm", "dask_lm.refit", "dask_lm.data",
-          "dask_lm.io", "dask_lm.config", "dask_lm.losses", "dask_lm.compat", "dask_lm.errors", "dask_lm.interface")
+SHARED = ("dask_lm.engine", "dask_lm.jobs", "dask_lm.workers", "dask_lm.model", "dask_lm.comm", "dask_lm.refit",
+          "dask_lm.data", "dask_lm.io", "dask_lm.config", "dask_lm.losses", "dask_lm.compat", "dask_lm.errors",
+          "dask_lm.interface")
 
 
 def _in(module: str, packages: tuple[str, ...]) -> bool:
@@ -256,9 +257,9 @@ def test_no_rank_module_imports_a_subsystem_task_module() -> None:
 
 
 def test_the_shared_packages_import_no_subsystem() -> None:
-    """Scoring and lm-eval sit above the shared packages (the engine's job scaffold and cluster, the workers' plugin
-    state, the model code, ...): a module of ``SHARED`` imports neither ``dask_lm.scoring`` nor
-    ``dask_lm.evaluation``. (The workers' lease check finds scoring's replicas by name in ``sys.modules``, never
+    """Scoring, lm-eval and SFT sit above the shared packages (the jobs' scaffold, the engine's cluster, the workers'
+    plugin state, the model code, ...): a module of ``SHARED`` imports none of ``dask_lm.scoring``,
+    ``dask_lm.evaluation`` and ``dask_lm.sft``. (The workers' lease check finds scoring's replicas by name in ``sys.modules``, never
     importing them; ``dask_lm``'s public names and the CLI reach the jobs by name, on first use.)"""
     graph = import_graph()
     bad = sorted(f"{m} imports {e}" for m, edges in graph.items() if _in(m, SHARED)
@@ -272,4 +273,13 @@ def test_scoring_does_not_import_evaluation() -> None:
     graph = import_graph()
     bad = sorted(f"{m} imports {e}" for m, edges in graph.items() if _in(m, ("dask_lm.scoring",))
                  for e in edges if _in(e, ("dask_lm.evaluation",)))
+    assert not bad, bad
+
+
+def test_sft_imports_no_other_subsystem() -> None:
+    """SFT is built on the shared packages alone (the jobs' scaffold, the Policy): it imports neither scoring nor
+    lm-eval."""
+    graph = import_graph()
+    bad = sorted(f"{m} imports {e}" for m, edges in graph.items() if _in(m, ("dask_lm.sft",))
+                 for e in edges if _in(e, ("dask_lm.scoring", "dask_lm.evaluation")))
     assert not bad, bad

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 import dask_lm
 from dask_lm.cli import main as cli
-from dask_lm.engine import sft
+from dask_lm.sft import job as sft
 from dask_lm.errors import InputChangedError
 from dask_lm.io import fingerprint
 from dask_lm.io import parquet as pio

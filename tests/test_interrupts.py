@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM (dask_lm/engine/interrupts.py): ``dask-lm score`` as a real process in its own session, the
+"""Ctrl-C and SIGTERM (dask_lm/jobs/interrupts.py): ``dask-lm score`` as a real process in its own session, the
 signal sent to its whole process group as a terminal (or a batch scheduler) does; then ``--resume`` finishes the
 job exactly once. And a job interrupted before it kept anything leaves no trace, so the same call runs again.
 
@@ -25,7 +25,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import dask_lm
-from dask_lm.engine import interrupts, jobs
+from dask_lm.jobs import interrupts
+from dask_lm.jobs.start import ClusterStart
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
 # (pytest -m "not cluster")
@@ -233,7 +234,7 @@ def test_an_interrupted_start_leaves_nothing_and_the_same_call_runs_again(client
         assert (out / "_manifest.json").exists() and (out / "_errors").is_dir()  # the job had begun writing
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(jobs.ClusterStart, "result", interrupted)
+    monkeypatch.setattr(ClusterStart, "result", interrupted)
     with pytest.raises(interrupts.JobInterrupted, match="nothing was written") as e:
         dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text", progress=False)
     assert e.value.signum == signal.SIGINT and interrupts.exit_code(e.value) == 130

@@ -19,9 +19,11 @@ from click.testing import CliRunner
 
 import dask_lm
 from dask_lm.cli import main as cli
-from dask_lm.engine import cluster, resumed
-from dask_lm.io import jobdir, part_proof, safe_paths
+from dask_lm.engine import cluster
 from dask_lm.io import parquet as pio
+from dask_lm.io import part_proof, safe_paths
+from dask_lm.io.manifest import read_manifest
+from dask_lm.jobs.resume import fill
 
 # `cluster` is marked per test here: the tests without it start no cluster and run in the fast tier
 
@@ -182,16 +184,16 @@ def test_a_wrong_typed_manifest_entry_names_the_key_and_the_file(tmp_path):
                 "inputs": [{"path": "/in.parquet", "size": 10, "sha256": "ab"}], "partitions": 1}
     path.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r'_manifest\.json: "topk" holds \'3\', a str') as e:
-        resumed.fill(out, resume=True, given={"input": None, "model": None, "topk": None}, defaults={"topk": 0},
-                     job="scoring job")
+        fill(out, resume=True, given={"input": None, "model": None, "topk": None}, defaults={"topk": 0},
+             job="scoring job")
     assert str(path) in str(e.value)
     path.write_text(json.dumps({**manifest, "options": {"topk": 3}, "inputs": 5}))
     with pytest.raises(ValueError, match=r'_manifest\.json: "inputs" holds 5, which is not a list') as e:
-        jobdir.read_manifest(str(out))
+        read_manifest(str(out))
     assert str(path) in str(e.value)
     path.write_text(json.dumps({**manifest, "options": {"topk": 3}, "partitions": "1"}))
     with pytest.raises(ValueError, match=r'"partitions" holds "1", which is not an integer'):
-        jobdir.read_manifest(str(out))
+        read_manifest(str(out))
 
 
 # ----------------------------------------------------------------------------------------- messages

@@ -22,7 +22,7 @@ import dask_lm
 from dask_lm import BatchedDataDict
 from dask_lm.cli import main as cli
 from dask_lm.scoring import prescan
-from dask_lm.engine.sft import sft_parquet
+from dask_lm.sft.job import sft_parquet
 from dask_lm.errors import BadRowError
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 import dask_lm
 from dask_lm.cli import main as cli
-from dask_lm.engine.sft import sft_parquet
-from dask_lm.io import jobdir
+from dask_lm.sft.job import sft_parquet
+from dask_lm.jobs import folder
 from dask_lm.io import parquet as pio
 
 TEXTS = ["the cat sat on the mat", "a dog ran in the park today", "dask runs tasks on workers", "tokens have logprobs"]
@@ -48,7 +48,7 @@ def _sft(data, out, tiny, client, **kw):
 
 def _plant_lock(out, victim):
     os.makedirs(out, exist_ok=True)
-    lock = out / jobdir.LOCK
+    lock = out / folder.LOCK
     if os.path.lexists(lock):
         os.remove(lock)
     os.symlink(victim, lock)
@@ -60,13 +60,13 @@ def test_locked_output_refuses_a_linked_lock(tmp_path, victim):
     out = tmp_path / "out"
     lock = _plant_lock(out, victim)
     with pytest.raises(ValueError, match=rf"{lock}.* is a symbolic link.*remove the link"):
-        with jobdir.locked_output(str(out)):
+        with folder.locked_output(str(out)):
             pass
     assert victim.read_bytes() == VICTIM
     # a dangling link: O_CREAT would have created the file it names
     os.remove(victim)
     with pytest.raises(ValueError, match=rf"{lock}.* is a symbolic link"):
-        with jobdir.locked_output(str(out)):
+        with folder.locked_output(str(out)):
             pass
     assert not victim.exists()
 
@@ -165,7 +165,7 @@ def test_a_linked_part_or_manifest_is_refused_at_the_first_look(tmp_path, victim
             os.remove(out / name)
         os.symlink(victim, out / name)
         with pytest.raises(ValueError, match=rf"{out / name} is a symbolic link"):
-            jobdir.output_state(str(out), owned)
+            folder.output_state(str(out), owned)
     assert victim.read_bytes() == VICTIM
 
 

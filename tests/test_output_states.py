@@ -21,7 +21,7 @@ import dask_lm
 from dask_lm.cli import main as cli
 from dask_lm.engine import cluster
 from dask_lm.scoring import prescan
-from dask_lm.engine.sft import sft_parquet
+from dask_lm.sft.job import sft_parquet
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
 # (pytest -m "not cluster")

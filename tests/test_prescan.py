@@ -62,7 +62,8 @@ def test_every_bad_row_is_named_in_one_refusal_before_anything_is_written(client
 def _scan(data, model, **options):
     """The pre-scan's errors for a text job over ``data``, called as score_parquet calls it."""
     from dask_lm.data.messages import ScoreOptions
-    from dask_lm.io import modelcheck, spans
+    from dask_lm.io import modelcheck
+    from dask_lm.scoring import spans
     from dask_lm.io import parquet as pio
 
     inputs = pio.inspect_inputs(pio.resolve_input_files(str(data)), text_column="text", ids_column=None,

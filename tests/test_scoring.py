@@ -70,7 +70,7 @@ def test_text_mode_matches_hf_with_schema_and_topk(client, tiny, tok, hf, datase
     res = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=3,
                                 progress=False)
     table, parts = _read(out)
-    # two files: the small row groups of each are merged into one task (dask_lm.io.spans), one part per file
+    # two files: the small row groups of each are merged into one task (dask_lm.scoring.spans), one part per file
     assert parts == [f"part-{i:05d}.parquet" for i in range(2)] and res.parts == 2 and res.rows == 30
     assert {"_manifest.json", "_SUCCESS"} <= set(os.listdir(out))
     # worker time per phase, summed over the parts: each phase ran, and all of it fits in the job's worker time

@@ -13,8 +13,9 @@ import transformers
 from click.testing import CliRunner
 
 from dask_lm.cli import main as cli
-from dask_lm.engine import interrupts, sft
-from dask_lm.engine.sft import sft_parquet
+from dask_lm.jobs import interrupts
+from dask_lm.sft import job as sft
+from dask_lm.sft.job import sft_parquet
 
 pytestmark = pytest.mark.cluster
 

@@ -1,4 +1,4 @@
-"""Scoring tasks sized by tokens (dask_lm.io.spans): the plan itself, and jobs over a file written as one row group
+"""Scoring tasks sized by tokens (dask_lm.scoring.spans): the plan itself, and jobs over a file written as one row group
 (pandas' and pyarrow's default), which used to be one task for one worker."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import dask_lm
-from dask_lm.io import spans
+from dask_lm.scoring import spans
 
 GROUPS = [("a", 0, 0, 7), ("a", 1, 7, 7), ("a", 2, 14, 6), ("b", 0, 0, 10)]
 

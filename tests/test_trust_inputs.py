@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import dask_lm
 from dask_lm.cli import main as cli
-from dask_lm.engine.sft import sft_parquet
+from dask_lm.sft.job import sft_parquet
 from dask_lm.io.parquet import resolve_input_files
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier

@@ -148,7 +148,7 @@ def spawning_without_sigint() -> Iterator[None]:
     with a ``KeyboardInterrupt`` traceback of its own. The blocked mask is inherited across ``fork`` and ``exec``,
     unlike a Python handler; ignoring SIGINT instead would be process-wide, and so lose the driver's Ctrl-C.
 
-    Only off the main thread (where jobs start their cluster: :class:`dask_lm.engine.jobs.ClusterStart`): the main
+    Only off the main thread (where jobs start their cluster: :class:`dask_lm.jobs.start.ClusterStart`): the main
     thread must stay interruptible, and a blocked signal goes to another thread or waits. The resource tracker is
     started first, because starting it unblocks SIGINT in the calling thread (``multiprocessing.resource_tracker``)."""
     if threading.current_thread() is threading.main_thread():

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from dask_lm.config.defaults import PADDED_BATCH_TOKENS
 from dask_lm.data.messages import GENERATE_BATCH_FACTOR, ScoreOptions
 from dask_lm.data.packing import longest_first
-from dask_lm.engine import jobs
 from dask_lm.evaluation import tasks
+from dask_lm.jobs.start import precision_name, worker_precision
 from dask_lm.scoring.tasks import release_scorers
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
 
@@ -79,7 +79,7 @@ class RequestEngine:
         for name, value in (("n_workers", n_workers), ("batch_tokens", batch_tokens), ("task_tokens", task_tokens),
                             ("max_length", max_length), ("chunk_size", chunk_size)):
             _positive(name, value)
-        fixed = jobs.precision_name(precision)
+        fixed = precision_name(precision)
         self.max_length = max_length if max_length is not None else model_positions(model)
         self.task_tokens = task_tokens
         self.progress = progress
@@ -95,7 +95,7 @@ class RequestEngine:
             self.client.register_plugin(DaskLMWorkerState(), name=PLUGIN_NAME)
             self.workers = len(live_workers(self.client)["workers"])
             self.opts = ScoreOptions(model=model, tokenizer=tokenizer or model,
-                                     precision=fixed or jobs.worker_precision(self.client), output="-",
+                                     precision=fixed or worker_precision(self.client), output="-",
                                      batch_tokens=batch_tokens, chunk_size=chunk_size, compile=compile)
         except BaseException:
             self._close_client()

@@ -2,7 +2,7 @@
 
 A resumed job must write what the uninterrupted job would have written, so ``_manifest.json`` records, for every
 input file and every model file that determines results, its path, its size and the SHA-256 of its bytes, and
-``--resume`` hashes them again and refuses any difference (:mod:`dask_lm.io.jobdir`). Cheaper fingerprints were
+``--resume`` hashes them again and refuses any difference (:mod:`dask_lm.jobs.resume`). Cheaper fingerprints were
 fooled: path and size miss a file rewritten at the same size, and the first and last MiB miss weights changed in
 the middle of a safetensors file. Only a hash of every byte says "same content".
 

@@ -47,7 +47,7 @@ class ScoreInputs:
     footers."""
     group_tokens: list[float] = field(default_factory=list)
     """Each row group's tokens (of ``partitions``), from its footer: exact for an ids column, estimated for text.
-    How a job sizes its tasks (:mod:`dask_lm.io.spans`) and decides whether compiling pays."""
+    How a job sizes its tasks (:mod:`dask_lm.scoring.spans`) and decides whether compiling pays."""
     stamps: dict[str, Any] = field(default_factory=dict)
     """Each file's :class:`~dask_lm.io.fingerprint.Stamp` as its footer was read: the hash must be of the same
     bytes, or the partitions planned from the footer may not be the file's."""

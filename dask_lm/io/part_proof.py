@@ -232,7 +232,7 @@ def confirm(path: str, expected: PartProof, columns: Sequence[tuple[str, pa.Data
 
 
 def expected_parts(identity: str, spans: Sequence[Any]) -> list[PartProof]:
-    """What part ``i`` of a job must prove, for each of its planned ``spans`` (:class:`~dask_lm.io.spans.Span`):
+    """What part ``i`` of a job must prove, for each of its planned ``spans`` (:class:`~dask_lm.scoring.spans.Span`):
     the identity and the span (the counts are the part's own, checked against its footer)."""
     return [PartProof(identity, i, s.file, s.first_row, s.num_rows, rows=0, bad_rows=0) for i, s in enumerate(spans)]
 

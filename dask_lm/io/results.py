@@ -22,7 +22,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Sequence
 
 from dask_lm.io import safe_paths
-from dask_lm.io.jobdir import read_manifest
+from dask_lm.io.manifest import read_manifest
 from dask_lm.io.parquet import MANIFEST, SUCCESS, output_schema_columns, part_name
 
 if TYPE_CHECKING:

@@ -2,11 +2,12 @@
 
 The driver half: the file job (``job.py``: ``score_parquet``, ``ScoreResult``), the Dask DataFrame in / out
 (``frame.py``: ``dask_lm.score``), the warm-up its cluster start submits (``preload.py``), the driver's pre-scan of
-the rows (``prescan.py``), when compiling pays (``compile_choice.py``) and the start's clock (``start_clock.py``).
+the rows (``prescan.py``), the rows cut into tasks by tokens (``spans.py``), the options' and the model's checks
+(``checks.py``), when compiling pays (``compile_choice.py``) and the start's clock (``start_clock.py``).
 It never initialises CUDA. The rank half, run inside the Dask workers: the one scoring path (``scorer.py``), a
 Dask DataFrame's partition scored (``partitions.py``) and the model replica each worker keeps (``replicas.py``).
 ``tasks.py`` holds the functions the driver submits; they import the rank half on the worker.
 
-Scoring sits above the shared packages (``dask_lm.engine``'s job scaffold and cluster, ``dask_lm.workers``' plugin
-state, ``dask_lm.model``): they never import it (``tests/test_import_graph.py``).
+Scoring sits above the shared packages (``dask_lm.jobs``, the batch jobs' scaffold, ``dask_lm.engine``'s cluster,
+``dask_lm.workers``' plugin state, ``dask_lm.model``): they never import it (``tests/test_import_graph.py``).
 """

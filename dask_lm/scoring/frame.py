@@ -23,10 +23,12 @@ import os
 from typing import Any
 
 from dask_lm.data.messages import ScoreOptions
-from dask_lm.engine import cluster, jobs
+from dask_lm.engine import cluster
 from dask_lm.interface import current, opt, warn
 from dask_lm.io import hub
 from dask_lm.io.parquet import output_schema_columns
+from dask_lm.jobs.start import precision_name
+from dask_lm.scoring.checks import check_score_model, check_score_options
 from dask_lm.scoring.partitions import score_frame
 
 __all__ = ["score", "output_meta"]
@@ -141,11 +143,11 @@ def _options(columns: Any, *, model: Any, tokenizer: Any, text_column: str | Non
              ) -> ScoreOptions:
     """The cheap checks (``score_parquet``'s own: options, model files, tokenizer files), and the columns against
     ``columns``, the input's; the options the partitions are scored with."""
-    conv = jobs.check_score_options(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                                    response_column=response_column, prompt_length_column=prompt_length_column,
-                                    convention=convention, topk=topk, decode_topk=decode_topk,
-                                    max_length=max_length, batch_tokens=batch_tokens)
-    fixed_precision = jobs.precision_name(precision)  # None: each worker's own (bf16 on a GPU, fp32 elsewhere)
+    conv = check_score_options(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
+                               response_column=response_column, prompt_length_column=prompt_length_column,
+                               convention=convention, topk=topk, decode_topk=decode_topk,
+                               max_length=max_length, batch_tokens=batch_tokens)
+    fixed_precision = precision_name(precision)  # None: each worker's own (bf16 on a GPU, fp32 elsewhere)
     have = list(columns)
     for key, name in (("text_column", text_column), ("ids_column", ids_column), ("prompt_column", prompt_column),
                       ("response_column", response_column), ("prompt_length_column", prompt_length_column)):
@@ -158,7 +160,7 @@ def _options(columns: Any, *, model: Any, tokenizer: Any, text_column: str | Non
                          f"rename it first, e.g. data.rename(columns={{{clash[0]!r}: {clash[0] + '_in'!r}}})")
     source = hub.resolve_model(model)
     path = source.path
-    _info, tok = jobs.check_score_model(path, topk=topk, tokenizer=tokenizer, ids_column=ids_column, decode_topk=decode_topk)
+    _info, tok = check_score_model(path, topk=topk, tokenizer=tokenizer, ids_column=ids_column, decode_topk=decode_topk)
     # output is the file job's folder: a collection has none (score_frame returns its rows)
     return ScoreOptions(model=path, tokenizer=tok, precision=fixed_precision or "auto", output="",
                         text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,

@@ -1,6 +1,6 @@
 """Offline scoring of parquet datasets: ``score_parquet`` (the driver side of ``dask-lm score``).
 
-The job: the rows are cut into spans of about ``task_tokens`` tokens (:mod:`dask_lm.io.spans`: a large row group
+The job: the rows are cut into spans of about ``task_tokens`` tokens (:mod:`dask_lm.scoring.spans`: a large row group
 split, small ones merged), each row group read in its own Dask task (Arrow-backed pandas, each read naming its file
 and row group when a page is damaged); each span is scored on whichever worker is free
 (:func:`dask_lm.scoring.scorer.score_partition`, a model replica per worker) and written as ``part-NNNNN.parquet``,
@@ -8,13 +8,13 @@ atomically. ``_manifest.json`` (written first) pins the model and input files by
 every file that determines results: :mod:`dask_lm.io.fingerprint`), the options, the span plan and the dask-lm
 version; ``_SUCCESS`` (written last) marks a complete output. ``resume=True`` skips the parts already there and
 refuses, naming each difference, an output whose pins differ; on a complete output it returns at once, without a
-cluster. A job holds a lock on its output directory (:mod:`dask_lm.io.jobdir`), so two jobs never write one output.
+cluster. A job holds a lock on its output directory (:mod:`dask_lm.jobs.folder`), so two jobs never write one output.
 
 Nothing is written before every check has passed. What costs no more than a few small reads comes first, before
 anything starts: the output folder, the model's config and weight files (:mod:`dask_lm.io.modelcheck`) and
 ``--topk`` against the vocabulary they state, the tokenizer's files, the input files' footers, columns and types, a
 held lock, a resume's options. Then the cluster starts, and its workers load the model
-(:class:`~dask_lm.engine.jobs.ClusterStart`), while this process does the costly checks: the config through
+(:class:`~dask_lm.jobs.start.ClusterStart`), while this process does the costly checks: the config through
 transformers (on the first worker, before its load: :class:`~dask_lm.scoring.preload.Preload`), the content hashes
 (and a resume's comparison of them), and for jobs up to 8M tokens every row (:mod:`dask_lm.scoring.prescan`: all
 bad rows in one refusal); a refused job closes what it started. A bad row found while scoring (a larger job) fails
@@ -34,12 +34,18 @@ from dask_lm.data.continuation import Convention, describe
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError, SchedulerLostError
 from dask_lm.interface import again, current, opt, warn
-from dask_lm.engine import cluster, interrupts, jobs, resumed
+from dask_lm.engine import cluster
 from dask_lm.engine.progress import JobBar
-from dask_lm.io import fingerprint, hub, jobdir, modelcheck, part_proof, spans
+from dask_lm.io import fingerprint, hub, modelcheck, part_proof
 from dask_lm.io import parquet as pio
+from dask_lm.io.manifest import read_manifest
 from dask_lm.io.results import ScoreRows
-from dask_lm.scoring import prescan
+from dask_lm.jobs import folder, interrupts, model_files
+from dask_lm.jobs.output import JobKind, JobOutput
+from dask_lm.jobs.resume import added_skip_bad_rows, fill
+from dask_lm.jobs.start import ClusterStart, in_thread, precision_name, running, wait_for_workers, worker_precision
+from dask_lm.scoring import prescan, spans
+from dask_lm.scoring.checks import check_score_model, check_score_options
 from dask_lm.scoring.compile_choice import worth_compiling, worth_compiling_head
 from dask_lm.scoring.preload import Preload
 from dask_lm.scoring.start_clock import StartClock
@@ -200,20 +206,20 @@ def _convention(opts: ScoreOptions) -> str:
 
 def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, source: hub.ModelSource, info: modelcheck.ModelInfo,
               plan: list[spans.Span]) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
-    # the parts are numbered by span: a resume must cut the rows the same way (dask_lm.io.spans)
-    return jobs.manifest(source, info, inputs, _options(opts), tokenizer=opts.tokenizer, partitions=len(plan),
-                         partition_plan=spans.plan_digest(plan, inputs.files))
+    # the parts are numbered by span: a resume must cut the rows the same way (dask_lm.scoring.spans)
+    return model_files.manifest(source, info, inputs, _options(opts), tokenizer=opts.tokenizer, partitions=len(plan),
+                                partition_plan=spans.plan_digest(plan, inputs.files))
 
 
-_KIND = jobs.JobKind(name="scoring job", did="scored", owned=r"part-\d{5}\.parquet|_errors\.parquet|_errors",
-                     debris=pio.remove_debris,
-                     resume_hint=lambda: f" (add {opt('skip_bad_rows', True)} to leave out the bad rows that stopped it)")
+_KIND = JobKind(name="scoring job", did="scored", owned=r"part-\d{5}\.parquet|_errors\.parquet|_errors",
+                debris=pio.remove_debris,
+                resume_hint=lambda: f" (add {opt('skip_bad_rows', True)} to leave out the bad rows that stopped it)")
 
 
 def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
     """``--resume`` of a complete output: nothing to score and no cluster to start; the summary is ``_SUCCESS``'s."""
     parts = int(manifest["partitions"])
-    summary = jobdir.read_summary(output)
+    summary = folder.read_summary(output)
     totals = _output_totals(output, parts)  # from the parts themselves: they are what the output holds
     return ScoreResult(output=output, parts=parts, parts_skipped=parts, bad_rows=int(summary.get("bad_rows") or 0),
                        seconds=0.0, already_complete=True, **totals)
@@ -242,7 +248,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     ``client`` is a Dask client (default: ``connect(scheduler_address,
     n_workers=n_workers)``, started at once, beside the checks, and closed here); its workers load the model while
     the checks run. The rows are cut into tasks (and part files) of about ``task_tokens`` tokens, estimated from
-    the footers (default: about 1/32 of the job, within 16k-1M: :mod:`dask_lm.io.spans`): a large row group is
+    the footers (default: about 1/32 of the job, within 16k-1M: :mod:`dask_lm.scoring.spans`): a large row group is
     split across workers, small ones are merged; ``task_tokens=0`` keeps one task per row group, as written.
     ``precision`` defaults to bfloat16 on GPU workers and float32 on CPU ones. On GPU workers rows are packed and,
     with ``compile`` the forward is compiled once per worker process (5-10 s, reported as
@@ -252,7 +258,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     returns its summary at once, without a cluster) or ``overwrite`` (delete that job's files and score again);
     files dask-lm did not write are never deleted.
     With ``resume``, what is not given (``None``) is the manifest's, ``input`` and ``model`` too
-    (:mod:`dask_lm.engine.resumed`: ``score_parquet(None, output, resume=True)``); a given option that differs is
+    (:mod:`dask_lm.jobs.resume`: ``score_parquet(None, output, resume=True)``); a given option that differs is
     refused, naming it. Else ``model`` is required, and the defaults are ``convention="lm-eval"``, ``topk=0``, and
     ``False`` for ``decode_topk``, ``truncate``, ``skip_bad_rows`` and ``allow_nonfinite``.
     Raises ``ValueError`` for bad usage or input (damaged model files, a changed input on ``resume``, an output
@@ -262,7 +268,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     # what is not given (None): a resume's manifest's, else the defaults; in the order given
     (input, model, tokenizer, text_column, ids_column, prompt_column, response_column, id_column, prompt_length_column,
      convention, topk, decode_topk, max_length, truncate, precision, skip_bad_rows, task_tokens, batch_tokens,
-     allow_nonfinite, compile) = resumed.fill(output, resume=resume, job=_KIND.name, given=dict(
+     allow_nonfinite, compile) = fill(output, resume=resume, job=_KIND.name, given=dict(
         input=input, model=model, tokenizer=tokenizer, text_column=text_column, ids_column=ids_column,
         prompt_column=prompt_column, response_column=response_column, id_column=id_column,
         prompt_length_column=prompt_length_column, convention=convention, topk=topk, decode_topk=decode_topk,
@@ -270,22 +276,22 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
         task_tokens=task_tokens, batch_tokens=batch_tokens, allow_nonfinite=allow_nonfinite, compile=compile),
         defaults=dict(convention="lm-eval", topk=0, decode_topk=False, truncate=False, skip_bad_rows=False,
                       allow_nonfinite=False)).values()
-    conv = jobs.check_score_options(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                                    response_column=response_column, prompt_length_column=prompt_length_column,
-                                    convention=convention, topk=topk, decode_topk=decode_topk,
-                                    max_length=max_length, batch_tokens=batch_tokens, task_tokens=task_tokens or 0)
-    fixed_precision = jobs.precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
+    conv = check_score_options(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
+                               response_column=response_column, prompt_length_column=prompt_length_column,
+                               convention=convention, topk=topk, decode_topk=decode_topk,
+                               max_length=max_length, batch_tokens=batch_tokens, task_tokens=task_tokens or 0)
+    fixed_precision = precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
     # 1. the checks that cost no more than a few small reads, before anything starts: the output folder, the model's
     #    files (config JSON, weight headers, --topk against the vocabulary it states), the tokenizer's, the inputs'
     #    footers and columns, and a resume's options against the manifest it resumes
-    out = jobs.JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
+    out = JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
     out.settings = dict(task_tokens=task_tokens, batch_tokens=batch_tokens, allow_nonfinite=allow_nonfinite,
                         compile=compile)
     finished = resume and out.state.kind == "finished"  # nothing will be loaded or tokenized: its files are compared
     source = hub.resolve_model(model, revision=revision)
     model = source.path
-    info, tokenizer = jobs.check_score_model(model, topk=topk, tokenizer=tokenizer, ids_column=ids_column,
-                                             decode_topk=decode_topk, check_tokenizer=not finished)
+    info, tokenizer = check_score_model(model, topk=topk, tokenizer=tokenizer, ids_column=ids_column,
+                                        decode_topk=decode_topk, check_tokenizer=not finished)
     inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=ids_column,
                                 prompt_column=prompt_column, response_column=response_column, id_column=id_column,
                                 prompt_length_column=prompt_length_column)
@@ -298,15 +304,15 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
                         skip_bad_rows=skip_bad_rows, allow_nonfinite=bool(allow_nonfinite), compile=bool(compile),
                         compile_head=bool(compile), interface=current())
     if out.state.kind != "new" and resume:  # the options and the plan, before any cluster starts
-        resumed.precheck(out, {"options": _options(opts), "partitions": len(plan),
-                               "partition_plan": spans.plan_digest(plan, inputs.files)}, skip_bad_rows=skip_bad_rows)
+        out.precheck({"options": _options(opts), "partitions": len(plan),
+                      "partition_plan": spans.plan_digest(plan, inputs.files)}, skip_bad_rows=skip_bad_rows)
     # 2. the cluster starts, and each worker loads its replica, while this process does the costly checks: the
     #    config through transformers (on a worker) and the content hashes. Nothing reaches the output before
     #    they pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is
     #    not used (scoring/scorer.py: adopt). A finished output's resume starts nothing.
     warm = None if finished else Preload(model, tokenizer, fixed_precision, compile, sum(inputs.group_tokens))
-    start = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not finished,
-                              warm=warm)
+    start = ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not finished,
+                         warm=warm)
     try:
         return _pinned_run(start, warm, out, finished, source, info, inputs, plan, opts, started, started_at,
                            compile=compile, progress=progress, performance_report=performance_report)
@@ -324,7 +330,7 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
         start.close()
 
 
-def _interrupted(out: jobs.JobOutput, parts: int, e: BaseException) -> interrupts.JobInterrupted:
+def _interrupted(out: JobOutput, parts: int, e: BaseException) -> interrupts.JobInterrupted:
     kept = sum(1 for n in out.kept() if n.startswith("part-"))
     if not os.path.exists(os.path.join(out.path, pio.MANIFEST)):  # a new job that kept nothing was removed
         message = f"interrupted: nothing was written to {out.path}; {again()} to start over"
@@ -333,7 +339,7 @@ def _interrupted(out: jobs.JobOutput, parts: int, e: BaseException) -> interrupt
     return interrupts.JobInterrupted(message, interrupts.signum_of(e))
 
 
-def _scheduler_lost(out: jobs.JobOutput, parts: int, address: str) -> SchedulerLostError:
+def _scheduler_lost(out: JobOutput, parts: int, address: str) -> SchedulerLostError:
     lost = f"lost the Dask scheduler at {address} (stopped, or the network to it failed)"
     if not os.path.exists(os.path.join(out.path, pio.MANIFEST)):
         return SchedulerLostError(f"{lost}; nothing was written to {out.path}: once a scheduler is up, {again()}")
@@ -342,7 +348,7 @@ def _scheduler_lost(out: jobs.JobOutput, parts: int, address: str) -> SchedulerL
                               f"{again(resume=True)} to score the rest")
 
 
-def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOutput, finished: bool, source: hub.ModelSource,
+def _pinned_run(start: ClusterStart, warm: Preload | None, out: JobOutput, finished: bool, source: hub.ModelSource,
                 info: modelcheck.ModelInfo, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
                 started: float, started_at: float, *, compile: bool | None, progress: bool,
                 performance_report: str | None) -> ScoreResult:
@@ -351,9 +357,9 @@ def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOut
     from dask_lm.engine.worker_group import scheduler_info
 
     scan = not finished and not opts.skip_bad_rows and sum(inputs.group_tokens) <= prescan.PRESCAN_MAX_TOKENS
-    loads = jobs.in_thread(warm.check_config, start) if warm is not None else None
+    loads = in_thread(warm.check_config, start) if warm is not None else None
     # every bad row of the job, found while the workers load (dask_lm.scoring.prescan)
-    rows = (jobs.in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan
+    rows = (in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan
             else None)
     manifest, pins = _manifest(opts, inputs, source, info, plan)
     checked = loads.result() if loads is not None else {}  # transformers' ValueError naming config.json
@@ -365,7 +371,7 @@ def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOut
     fixed_precision = None if opts.precision == "auto" else opts.precision
     prepare_seconds = time.perf_counter() - started
     with out.locked() as old:
-        added_skip = resumed.added_skip_bad_rows(old, skip_bad_rows)
+        added_skip = added_skip_bad_rows(old, skip_bad_rows)
         pinned = out.pin(manifest, old, pins, ignore=("skip_bad_rows",) if added_skip else ())
         if old is not None and out.finished:
             return replace(_finished(out.path, old), convention=_convention(opts))
@@ -378,14 +384,14 @@ def _pinned_run(start: jobs.ClusterStart, warm: Preload | None, out: jobs.JobOut
         done = sorted(stamps)
         clock = StartClock(started, started_at, {"checks": prepare_seconds})
         clock.config_check(checked)
-        with jobs.running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress
-                          ) as (dask_client, bar):
-            jobs.wait_for_workers(dask_client, bar)  # a scheduler whose workers are still to come
+        with running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress
+                     ) as (dask_client, bar):
+            wait_for_workers(dask_client, bar)  # a scheduler whose workers are still to come
             clock.mark("cluster")
             if fixed_precision is None:
-                opts = replace(opts, precision=jobs.worker_precision(dask_client))
+                opts = replace(opts, precision=worker_precision(dask_client))
             out.pin_precision(opts.precision)
-            pinned = jobdir.read_manifest(out.path) or pinned
+            pinned = read_manifest(out.path) or pinned
             opts = replace(opts, identity=part_proof.job_identity(pinned))
             if compile_flag is None:
                 workers = len(scheduler_info(dask_client)["workers"])
@@ -410,7 +416,7 @@ def _part_columns(inputs: pio.ScoreInputs, opts: ScoreOptions) -> list[tuple[str
     return [(name, None) for name in kept] + list(pio.output_schema_columns(opts.topk, opts.decode_topk))
 
 
-def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
+def _run(client: Any, out: JobOutput, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
          stamps: dict[int, fingerprint.Stamp], preloads: list[Any],
          bar: JobBar, performance_report: str | None, clock: StartClock) -> ScoreResult:
     import dask
@@ -425,7 +431,8 @@ def _run(client: Any, out: jobs.JobOutput, inputs: pio.ScoreInputs, plan: list[s
     done = sorted(stamps)
     stamps = dict(stamps)  # and this run's parts, as their workers wrote them
     todo = [i for i in range(len(plan)) if i not in stamps]
-    reads = jobs.located_partitions(inputs, columns, out.pins)  # one per row group, computed where a span needs it
+    # one per row group, computed where a span needs it
+    reads = model_files.located_partitions(inputs, columns, out.pins)
     report = (cluster.performance_report(client, performance_report) if performance_report
               else contextlib.nullcontext())
     t0, t0_wall = time.perf_counter(), time.time()

@@ -1,5 +1,5 @@
 """The warm-up a scoring job's cluster start submits (:class:`Preload`, handed to
-:class:`~dask_lm.engine.jobs.ClusterStart` as ``warm``): the model's config check on the first worker, then one
+:class:`~dask_lm.jobs.start.ClusterStart` as ``warm``): the model's config check on the first worker, then one
 replica preload per worker, each loosely pinned (``allow_other_workers``), and the config check asked again of a
 worker there is when its own worker left before answering.
 
@@ -17,7 +17,7 @@ from dask_lm.scoring.compile_choice import worth_compiling_head
 from dask_lm.io import modelcheck
 
 if TYPE_CHECKING:
-    from dask_lm.engine import jobs
+    from dask_lm.jobs.start import ClusterStart
 
 __all__ = ["Preload", "CONFIG_CHECK_WAIT_S", "CONFIG_RECHECK_S"]
 
@@ -29,7 +29,7 @@ CONFIG_RECHECK_S = 2.0
 
 
 class Preload:
-    """The warm-up :class:`~dask_lm.engine.jobs.ClusterStart` submits: the config check on the first worker, then
+    """The warm-up :class:`~dask_lm.jobs.start.ClusterStart` submits: the config check on the first worker, then
     one replica load per worker there is, each on its worker. Neither is pinned hard (``allow_other_workers``): a
     worker retired before its task ran hands it to another, where a preload finds the replica loaded, rather than
     leaving it to wait for a worker that is gone (the config check's would cost :data:`CONFIG_CHECK_WAIT_S`). A
@@ -66,7 +66,7 @@ class Preload:
                               workers=[w], allow_other_workers=True, pure=False, key=f"dask-lm-preload-{tag}-{i}")
                 for i, w in enumerate(workers)]
 
-    def check_config(self, start: jobs.ClusterStart) -> dict[str, Any]:
+    def check_config(self, start: ClusterStart) -> dict[str, Any]:
         """The config check's verdict: the worker's, once the cluster is up (its error re-raised here), or this
         process's where no worker was there to ask; with its timings where a worker answered."""
         from distributed import wait

@@ -21,7 +21,7 @@ from dask_lm.data.rows import prepare_rows
 from dask_lm.interface import opt
 from dask_lm.io import modelcheck
 from dask_lm.io import parquet as pio
-from dask_lm.io.spans import Span
+from dask_lm.scoring.spans import Span
 
 __all__ = ["PRESCAN_MAX_TOKENS", "SHOWN", "bad_rows", "message"]
 

@@ -31,7 +31,7 @@ __all__ = ["preload_replica", "release_idle", "release_scorers", "auto_precision
 
 def auto_precision(precision: str | None) -> str:
     """``precision`` as given, or where it is automatic (``None`` / ``"auto"``) this worker's: bfloat16 on a GPU,
-    float32 elsewhere (the rule of :func:`dask_lm.engine.jobs.worker_precision`, decided here by the worker
+    float32 elsewhere (the rule of :func:`dask_lm.jobs.start.worker_precision`, decided here by the worker
     itself)."""
     if precision not in (None, "auto"):
         return precision
@@ -193,7 +193,7 @@ def preload_replica(model: str, tokenizer: str, precision: str | None, compile: 
     The replica is adopted by the job's first partition only if every pinned file kept one settled stamp from
     before this load began, through its end, to the driver's hash (:func:`adopt`): then the bytes loaded are the
     bytes pinned. Otherwise that partition loads the model again, as without a preload. ``precision`` ``None``
-    is the worker's automatic one (as :func:`dask_lm.engine.jobs.worker_precision` decides it)."""
+    is the worker's automatic one (as :func:`dask_lm.jobs.start.worker_precision` decides it)."""
     from dask_lm.workers.state import get_state
 
     began = time.time()

@@ -315,7 +315,7 @@ def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: 
 
 def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], index: int, file: str,
                     opts: ScoreOptions, progress_id: str | None = None) -> dict[str, Any]:
-    """Score one span of rows (:mod:`dask_lm.io.spans`) and write ``part-<index>.parquet`` (and its bad rows)
+    """Score one span of rows (:mod:`dask_lm.scoring.spans`) and write ``part-<index>.parquet`` (and its bad rows)
     atomically: ``score_parquet``'s file job over :func:`score_rows`.
 
     ``pieces`` are the span's rows as read: consecutive row groups of ``file`` (or one group's slice), each a

@@ -1,6 +1,6 @@
 """Cross-references to dask-lm objects by their defining module, resolved for a site that documents public names.
 
-The docstrings name where things live (``:mod:`dask_lm.io.hub```, ``:class:`~dask_lm.engine.jobs.ClusterStart```)
+The docstrings name where things live (``:mod:`dask_lm.io.hub```, ``:class:`~dask_lm.jobs.start.ClusterStart```)
 and autodoc writes type hints by defining module (``dask_lm.data.batch.BatchedDataDict``), while the API reference
 documents each public object once, under ``dask_lm.<name>``. Under ``nitpicky`` every such reference would be an
 error. On Sphinx's ``missing-reference`` event, a ``py`` reference to ``dask_lm.*``:

@@ -8,13 +8,13 @@ batch is padded with rows whose ``sample_mask`` is 0.
 Checkpoints: every ``save_every`` steps (and at the end) ``output/step_N/`` appears, holding ``weights/`` (a
 Hugging Face directory), ``optimizer/``, ``tokenizer/`` and ``training_state.json`` (step, epoch, position in the
 epoch, losses). It is written as ``output/.step_N.tmp-<id>/``, synced to disk and renamed once complete
-(:func:`dask_lm.engine.jobs.publishing`), so ``resume=True`` can always take the newest ``step_N`` and continue
+(:func:`dask_lm.jobs.model_files.publishing`), so ``resume=True`` can always take the newest ``step_N`` and continue
 exactly where it stopped (same data order, same optimizer state).
 ``keep`` bounds how many step directories stay. ``_manifest.json`` pins the options and, by content (SHA-256 of
 every file: :mod:`dask_lm.io.fingerprint`), the model and input files; ``resume=True`` refuses a run where any of
 them changed, naming what did. ``_SUCCESS`` ends the job.
 
-A job holds a lock on its output directory for its whole life (:mod:`dask_lm.io.jobdir`): a second job on the same
+A job holds a lock on its output directory for its whole life (:mod:`dask_lm.jobs.folder`): a second job on the same
 output is refused, and the ``.step_N.tmp-<id>/`` directories that a killed job left (a model and optimizer state
 each) are deleted when the next job on that output starts. The model files are checked
 (:mod:`dask_lm.io.modelcheck`) and an input without rows is refused before any cluster starts.
@@ -37,20 +37,23 @@ import torch
 from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.data.rows import tokenize_rows
 from dask_lm.data.text_bytes import text_bound
-from dask_lm.engine import interrupts, jobs, resumed
 from dask_lm.engine import progress as progress_bars
 from dask_lm.interface import again, opt
-from dask_lm.io import jobdir, safe_paths
 from dask_lm.io import parquet as pio
+from dask_lm.io import safe_paths
+from dask_lm.jobs import folder, interrupts, model_files
+from dask_lm.jobs.output import JobKind, JobOutput
+from dask_lm.jobs.resume import fill
+from dask_lm.jobs.start import ClusterStart, precision_name, running, worker_precision
 
 __all__ = ["sft_parquet", "SFTResult"]
 
 _STEP = re.compile(r"^step_(\d+)$")
-# what a save killed inside jobs.publishing leaves: its temporary, or the step it was replacing
+# what a save killed inside model_files.publishing leaves: its temporary, or the step it was replacing
 _STALE_STEP = r"\.step_\d+\.(?:tmp|old)-[0-9A-Za-z]+"
-_KIND = jobs.JobKind(name="sft run", did="trained", owned=r"step_\d+",
-                     debris=functools.partial(jobdir.remove_stale, pattern=_STALE_STEP),
-                     flags={"shuffle": "shuffle (off with --no-shuffle)"})
+_KIND = JobKind(name="sft run", did="trained", owned=r"step_\d+",
+                debris=functools.partial(folder.remove_stale, pattern=_STALE_STEP),
+                flags={"shuffle": "shuffle (off with --no-shuffle)"})
 
 
 @dataclass
@@ -86,7 +89,7 @@ def _training_state(step_dir: str) -> dict[str, Any]:
 def _finished(output: str, newest: tuple[int, str]) -> SFTResult:
     """``resume`` of a run that reached its last step: its ``_SUCCESS`` summary, no cluster, no file touched."""
     state = _training_state(newest[1])
-    summary = jobdir.read_summary(output)
+    summary = folder.read_summary(output)
     return SFTResult(output=output, steps=int(state["step"]), epochs_completed=int(summary.get("epochs_completed", 0)),
                      losses=list(state.get("losses", [])), resumed_from=newest[0], seconds=0.0,
                      checkpoint=newest[1], tokens=int(summary.get("tokens") or 0), already_complete=True)
@@ -178,7 +181,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
     ``convention``, as :func:`~dask_lm.score_parquet` does (:mod:`dask_lm.data.continuation`), so a row trained on
     and the same row scored are the same ids.
 
-    With ``resume``, what is not given (``None``) is the manifest's (:mod:`dask_lm.engine.resumed`): ``input``,
+    With ``resume``, what is not given (``None``) is the manifest's (:mod:`dask_lm.jobs.resume`): ``input``,
     ``model`` and every option, so ``sft_parquet(None, output, resume=True)`` continues a run; a given option that
     differs from a pinned one is refused, naming it, and a given ``max_steps`` (or ``save_every``, ``keep``,
     ``micro_batch_size``) replaces the recorded one. Otherwise ``model`` is required and the defaults are
@@ -192,7 +195,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
     # what is not given (None): a resume's manifest's, else the defaults; in the order given
     (input, model, text_column, prompt_column, response_column, epochs, global_batch_size, lr, weight_decay,
      warmup_steps, max_length, truncate, seed, shuffle, precision, convention, max_steps, micro_batch_size, save_every,
-     keep) = resumed.fill(output, resume=resume, job=_KIND.name, given=dict(
+     keep) = fill(output, resume=resume, job=_KIND.name, given=dict(
         input=input, model=model, text_column=text_column, prompt_column=prompt_column,
         response_column=response_column, epochs=epochs, global_batch_size=global_batch_size, lr=lr,
         weight_decay=weight_decay, warmup_steps=warmup_steps, max_length=max_length, truncate=truncate, seed=seed,
@@ -201,21 +204,21 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
         defaults=dict(epochs=1, global_batch_size=32, lr=1e-5, weight_decay=0.01, warmup_steps=0, max_length=1024,
                       truncate=False, seed=0, shuffle=True, convention="lm-eval", micro_batch_size=4, save_every=100,
                       keep=2)).values()
-    jobs.check_columns(text_column=text_column, prompt_column=prompt_column, response_column=response_column,
-                       takes_ids=False)
+    model_files.check_columns(text_column=text_column, prompt_column=prompt_column, response_column=response_column,
+                              takes_ids=False)
     conv = check_convention(convention, opt("convention"))
     for key, value in (("epochs", epochs), ("global_batch_size", global_batch_size),
                        ("micro_batch_size", micro_batch_size), ("max_length", max_length), ("save_every", save_every),
                        ("keep", keep)):
         if value < 1:
             raise ValueError(f"{opt(key)} must be >= 1, got {value}")
-    fixed_precision = jobs.precision_name(precision, allowed=("bf16", "fp32"))  # None: the workers decide
-    out = jobs.JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
+    fixed_precision = precision_name(precision, allowed=("bf16", "fp32"))  # None: the workers decide
+    out = JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
     out.settings = dict(max_steps=max_steps, micro_batch_size=micro_batch_size, save_every=save_every, keep=keep)
-    source, info = jobs.resolve_model(model, revision=revision)
+    source, info = model_files.resolve_model(model, revision=revision)
     model = source.path
-    jobs.resolve_tokenizer(None, model, fix="sft trains with the model's own tokenizer: put its files beside the "
-                           "weights")
+    model_files.resolve_tokenizer(None, model, fix="sft trains with the model's own tokenizer: put its files beside "
+                                  "the weights")
     inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=None, prompt_column=prompt_column,
                                 response_column=response_column, id_column=None)
     if inputs.num_rows == 0:
@@ -227,7 +230,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                "epochs": epochs, "global_batch_size": global_batch_size, "lr": lr, "weight_decay": weight_decay,
                "warmup_steps": warmup_steps, "max_length": max_length, "truncate": truncate, "seed": seed,
                "shuffle": shuffle, "precision": fixed_precision, "convention": conv}
-    manifest, pins = jobs.manifest(source, info, inputs, options)
+    manifest, pins = model_files.manifest(source, info, inputs, options)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model, trust_remote_code=False)
     pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
     # every row trains (a bad one fails the run), so the run's length is known from the footers' row counts
@@ -240,9 +243,9 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
             if start is not None and start[0] >= planned and out.finished:
                 return _finished(out.path, start)
             out.reopen()
-            cluster = jobs.ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers)
-            with jobs.running(cluster, total=planned, desc="sft", unit="step", progress=progress) as (dask_client, bar):
-                precision = fixed_precision or jobs.worker_precision(dask_client)
+            cluster = ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers)
+            with running(cluster, total=planned, desc="sft", unit="step", progress=progress) as (dask_client, bar):
+                precision = fixed_precision or worker_precision(dask_client)
                 out.pin_precision(precision)
                 bar.wait("tokenizing the rows")
                 rows = _tokenize_all(dask_client, inputs, pins, text_column, prompt_column, response_column, model,
@@ -295,7 +298,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
         raise _interrupted(out, e) from None
 
 
-def _interrupted(out: jobs.JobOutput, e: BaseException) -> interrupts.JobInterrupted:
+def _interrupted(out: JobOutput, e: BaseException) -> interrupts.JobInterrupted:
     newest = _newest_checkpoint(out.path) if os.path.exists(os.path.join(out.path, pio.MANIFEST)) else None
     if newest is not None:
         message = (f"interrupted: checkpoint step_{newest[0]} kept in {out.path}; {again(resume=True)} to train on "
@@ -332,7 +335,7 @@ def _tokenize_all(client: Any, inputs: pio.ScoreInputs, pins: list[Any], text_co
     import dask
 
     columns = [c for c in (text_column, prompt_column, response_column) if c]
-    parts = jobs.located_partitions(inputs, columns, pins)
+    parts = model_files.located_partitions(inputs, columns, pins)
     tasks = [dask.delayed(_tokenize_partition, pure=False)(p, text_column, prompt_column, response_column,
                                                            tokenizer_dir, f, first, convention, max_length,
                                                            truncate)
@@ -359,7 +362,7 @@ def _tokenize_all(client: Any, inputs: pio.ScoreInputs, pins: list[Any], text_co
 def _save(policy: Any, output: str, state: dict[str, Any], keep: int) -> None:
     """``output/step_N`` appears only when weights, optimizer, tokenizer and state are all written and on disk;
     then only the newest ``keep`` steps stay."""
-    with jobs.publishing(os.path.join(output, f"step_{state['step']}")) as tmp:
+    with model_files.publishing(os.path.join(output, f"step_{state['step']}")) as tmp:
         policy.save_checkpoint(os.path.join(tmp, "weights"), optimizer_path=os.path.join(tmp, "optimizer"),
                                tokenizer_path=os.path.join(tmp, "tokenizer"))
         pio.write_json_atomic(state, os.path.join(tmp, "training_state.json"))

@@ -17,7 +17,7 @@ Three pieces, each where the process model puts it:
 - **The job says what it kept.** A job interrupted mid-run raises :class:`JobInterrupted` with one line: how many
   of its parts (or checkpoints) are kept and that the same command with ``--resume`` continues it; the CLI prints
   it and exits ``128 + signal`` (130 for SIGINT, 143 for SIGTERM), as shells do. A new job that kept nothing removes
-  its own entries (:meth:`dask_lm.engine.jobs.JobOutput.locked`), so the same command runs again as if it never ran.
+  its own entries (:meth:`dask_lm.jobs.output.JobOutput.locked`), so the same command runs again as if it never ran.
 """
 
 from __future__ import annotations
