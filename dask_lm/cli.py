@@ -6,6 +6,7 @@ SIGINT / SIGTERM (:mod:`dask_lm.jobs.interrupts`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,7 +21,6 @@ import click
 
 from dask_lm import __version__  # the package imports its heavy modules lazily: --help stays fast
 from dask_lm import interface  # the standard library only
-from dask_lm.config.defaults import PACKED_BATCH_TOKENS, PADDED_BATCH_TOKENS  # constants only
 from dask_lm.jobs import interrupts  # signal and threading only
 from dask_lm.jobs.spec import JobSpec, options_of  # the jobs' specs and their checks: the standard library only
 from dask_lm.scoring.spec import ScoreSpec
@@ -58,8 +58,8 @@ _REVISION_HELP = "Branch, tag or commit of a Hub --model (default: the repositor
 def _spec_options(job: str, *names: str, exclude: tuple[str, ...] = ()) -> Any:
     """The command's options for the fields ``names`` of a job's spec (every field with an option, less
     ``exclude``, where none are named), in the spec's order: spelling, type, choices, help and the default shown
-    all come from the spec (:mod:`dask_lm.jobs.spec`). Each defaults to ``None``, "not given": ``--resume`` then
-    takes the manifest's value, and a new job the spec's default."""
+    all come from the spec (:mod:`dask_lm.jobs.spec`). One left at its default is passed on as ``None``, "not
+    given" (:func:`_job_given`): ``--resume`` then takes the manifest's value, and a new job the spec's default."""
     spec = _SPECS[job]
     hints = typing.get_type_hints(spec)
     chosen = [(f, o) for f, o in options_of(spec) if o.cli and f.name not in exclude and (not names or f.name in names)]
@@ -68,15 +68,15 @@ def _spec_options(job: str, *names: str, exclude: tuple[str, ...] = ()) -> Any:
         for f, o in reversed(chosen):
             spelled = o.flag or f"--{f.name.replace('_', '-')}"
             base = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
-            shown = o.shown_default or (f.default if f.default not in (None, False, True) else None)
-            kwargs: dict[str, Any] = {"default": None, "help": o.help}
-            if shown is not None:
-                kwargs["show_default"] = str(shown)
+            default = None if f.default is dataclasses.MISSING else f.default
+            kwargs: dict[str, Any] = {"default": default, "help": o.help}
+            if default is not None and not isinstance(default, bool) and not o.toggle:
+                kwargs["show_default"] = True
             if o.toggle:
                 decls = [f"{spelled}/--no-{spelled[2:]}", f.name]
             elif base is bool:
                 decls = [spelled, f.name]
-                kwargs.update(is_flag=True, flag_value=not f.default)
+                kwargs.update(is_flag=True, flag_value=not default)
             else:
                 decls = [spelled, f.name]
                 kwargs["type"] = (_Precision(list(o.choices)) if f.name == "precision" else
@@ -90,14 +90,21 @@ def _spec_options(job: str, *names: str, exclude: tuple[str, ...] = ()) -> Any:
 _SPECS: dict[str, type[JobSpec]] = {"score": ScoreSpec, "sft": SFTSpec}
 
 
-def _job_given(ctx: click.Context, *, resume: bool) -> None:
-    """Without ``--resume`` INPUTS and --model are required (with it, the manifest's are taken): click's own usage
-    error (exit 2) names the one missing."""
+def _job_given(ctx: click.Context, options: dict[str, Any], *, job: str) -> None:
+    """The job's options left at their defaults become ``None``, "not given", so that ``--resume`` takes them from
+    the manifest (and a new job gets the same defaults from its spec). Without ``--resume`` INPUTS and --model are
+    required: click's own usage error (exit 2) names the one missing."""
     from click.core import ParameterSource
 
-    if not resume:
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+
+    for f, _o in options_of(_SPECS[job]):
+        if f.name in options and not given(f.name):
+            options[f.name] = None
+    if not options["resume"]:
         for name in ("inputs", "model"):
-            if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None):
+            if not given(name):
                 param = next(p for p in ctx.command.params if p.name == name)
                 raise click.MissingParameter(ctx=ctx, param=param)
 
@@ -213,7 +220,7 @@ def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str | None, out
     the tokenizer adds no BOS), as lm-evaluation-harness scores it; dask-lm logprobs leaves a text's first token
     unscored, as --convention separate does, so their sums differ for a tokenizer that adds no BOS. The summary
     names the convention used."""
-    _job_given(ctx, resume=options["resume"])
+    _job_given(ctx, options, job=ctx.command.name or "")
 
     def run() -> None:
         import dask_lm
@@ -254,7 +261,7 @@ keeps the code.""")
 @click.pass_context
 def sft(ctx: click.Context, /, inputs: tuple[str, ...], no_progress: bool, **options: Any) -> None:
     """Supervised fine-tuning (NLL) on parquet INPUTS, with periodic resumable checkpoints."""
-    _job_given(ctx, resume=options["resume"])
+    _job_given(ctx, options, job=ctx.command.name or "")
 
     def run() -> None:
         from dask_lm.sft.job import sft_parquet

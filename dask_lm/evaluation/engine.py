@@ -25,7 +25,8 @@ from dask_lm.config.defaults import PADDED_BATCH_TOKENS
 from dask_lm.data.messages import GENERATE_BATCH_FACTOR, ScoreOptions
 from dask_lm.data.packing import longest_first
 from dask_lm.evaluation import tasks
-from dask_lm.jobs.start import precision_name, worker_precision
+from dask_lm.jobs.spec import precision_name
+from dask_lm.jobs.start import worker_precision
 from dask_lm.scoring.tasks import release_scorers
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
 

@@ -1,6 +1,6 @@
 """What a job reads, resolved and pinned: the model's files and the tokenizer's (:func:`resolve_model`,
 :func:`resolve_tokenizer`), the manifest that pins them with the input files (:func:`manifest`), the input rows
-read one row group per task (:func:`check_columns`, :func:`located_partitions`); and a directory the job writes
+read one row group per task (:func:`located_partitions`); and a directory the job writes
 whole (:func:`publishing`).
 """
 
@@ -17,25 +17,10 @@ from dask_lm.io import fingerprint, hub, modelcheck
 from dask_lm.io import parquet as pio
 from dask_lm.io.manifest import FORMAT
 
-__all__ = ["check_columns", "resolve_model", "resolve_tokenizer", "manifest", "located_partitions", "publishing"]
+__all__ = ["resolve_model", "resolve_tokenizer", "manifest", "located_partitions", "publishing"]
 
 # what AutoTokenizer needs at least one of; the other tokenizer files only complete these
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def check_columns(*, text_column: str | None, prompt_column: str | None, response_column: str | None,
-                  ids_column: str | None = None, takes_ids: bool = True) -> None:
-    """Exactly one way to read the rows: a text column, token ids (jobs that ``takes_ids``), or prompt + response."""
-    modes = [(opt("text_column"), text_column), (f"{opt('prompt_column')} with {opt('response_column')}",
-                                                 prompt_column or response_column)]
-    if takes_ids:
-        modes.insert(1, (opt("ids_column"), ids_column))
-    given = [flag for flag, on in modes if on]
-    if len(given) != 1:
-        flags = [flag for flag, _ in modes]
-        raise ValueError(f"give exactly one of {', '.join(flags[:-1])} or {flags[-1]} (got {given or 'none'})")
-    if (prompt_column is None) != (response_column is None):
-        raise ValueError(f"{opt('prompt_column')} and {opt('response_column')} go together")
 
 
 def resolve_model(model: str | os.PathLike[str], *, revision: str | None = None, load_config: bool = True

@@ -17,7 +17,7 @@ from dask_lm.io import parquet as pio
 from dask_lm.io.manifest import read_manifest, sealed
 from dask_lm.jobs import folder
 from dask_lm.jobs.resume import added_skip_bad_rows, check_resume
-from dask_lm.jobs.start import SHORT_PRECISION
+from dask_lm.jobs.spec import SHORT_PRECISION
 
 __all__ = ["JobKind", "JobOutput"]
 

@@ -14,67 +14,37 @@ manifest's before any cluster starts.
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from dask_lm.interface import current, opt
 from dask_lm.io.manifest import read_manifest
 from dask_lm.io.parquet import MANIFEST
+from dask_lm.jobs.spec import JobSpec
 
-__all__ = ["fill", "added_skip_bad_rows", "check_resume"]
+__all__ = ["spec_for", "added_skip_bad_rows", "check_resume"]
 
-# the columns that say how rows are read: one way only, so a resume that names one takes none of the others from
-# the manifest (a job read by --ids-column resumed with --text-column is refused naming both, not given both)
-_MODE_COLUMNS = ("text_column", "ids_column", "prompt_column", "response_column")
+_S = TypeVar("_S", bound=JobSpec)
 
 
-def fill(output: str | os.PathLike[str], *, resume: bool, given: dict[str, Any], defaults: dict[str, Any],
-         job: str) -> dict[str, Any]:
-    """``given`` (a job function's arguments, ``None`` where not given: ``input``, ``model``, options) completed:
-    on ``resume`` from the manifest in ``output``, then from ``defaults``. ``ValueError`` when the inputs or the
-    model are still missing: "nothing to resume" on a ``resume`` of a folder without a manifest. ``job`` names
-    what the folder would hold ("scoring job", "sft run"). Returns ``given``'s keys, in its order."""
-    assert set(defaults) <= set(given), "a default for an argument not given"
-    values = dict(given)
+def spec_for(spec: type[_S], output: str | os.PathLike[str], *, resume: bool, given: Mapping[str, Any]) -> _S:
+    """The job's ``spec`` from what the call ``given`` (``None``: not given), on ``resume`` completed from the
+    manifest in ``output`` (:meth:`~dask_lm.jobs.spec.JobSpec.build`). ``ValueError`` when the inputs or the model
+    are still missing: "nothing to resume" on a ``resume`` of a folder without a manifest."""
     path = os.path.abspath(os.fspath(output))
     manifest = read_manifest(path) if resume and os.path.isdir(path) else None
-    if manifest is not None:
-        pinned = {**(manifest.get("settings") or {}), **(manifest.get("options") or {})}
-        if values.get("input") is None:
-            values["input"] = [e["path"] for e in manifest.get("inputs") or [] if isinstance(e, dict)] or None
-        if values.get("model") is None:
-            values["model"] = manifest.get("model")
-        # the tokenizer is recorded even where it is the model's own: taken only when it was a separate one
-        if "tokenizer" in values and values["tokenizer"] is None and manifest.get("tokenizer") != manifest.get("model"):
-            values["tokenizer"] = manifest.get("tokenizer")
-        mode_given = any(values.get(k) is not None for k in _MODE_COLUMNS)
-        for key, value in values.items():
-            if value is None and key in pinned and not (mode_given and key in _MODE_COLUMNS):
-                values[key] = _typed(pinned[key], key, defaults.get(key), os.path.join(path, MANIFEST))
+    values = spec.completed(given, manifest=manifest, manifest_path=os.path.join(path, MANIFEST))
     inputs = "the inputs" if current() == "cli" else "input"
     missing = [name for key, name in (("input", inputs), ("model", opt("model"))) if values.get(key) is None]
     if missing and resume and manifest is None:
         raise ValueError(f"{opt('resume', True)}: nothing to resume in {path}: it holds no {MANIFEST} (no dask-lm "
-                         f"{job} was started there), so {' and '.join(missing)} cannot be taken from it; pass the "
-                         f"{opt('output')} of the job to resume, or give {inputs}, {opt('model')} and the options to "
-                         "start one")
+                         f"{spec.JOB} was started there), so {' and '.join(missing)} cannot be taken from it; pass "
+                         f"the {opt('output')} of the job to resume, or give {inputs}, {opt('model')} and the options "
+                         "to start one")
     if missing:
         raise ValueError(f"{' and '.join(missing)} must be given (only {opt('resume', True)} takes them from the "
                          f"{MANIFEST} of the job in {opt('output')})")
-    for key, default in defaults.items():
-        if values.get(key) is None:
-            values[key] = default
-    return values
-
-
-def _typed(value: Any, key: str, default: Any, path: str) -> Any:
-    """``value``, a manifest's ``key``, when it has the type of the option's ``default`` (where there is one):
-    ``ValueError`` naming the key and the manifest else, not a ``TypeError`` deep in the job."""
-    if value is None or default is None or type(value) is type(default) or (
-            isinstance(default, float) and type(value) is int):
-        return value
-    raise ValueError(f'{path}: "{key}" holds {value!r}, a {type(value).__name__}, where the option takes a '
-                     f"{type(default).__name__}; put back what dask-lm wrote there, or pass {opt('overwrite', True)} "
-                     "to start again")
+    return spec(**values)
 
 
 def added_skip_bad_rows(old: dict[str, Any] | None, skip_bad_rows: bool) -> bool:

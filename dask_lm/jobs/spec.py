@@ -29,10 +29,12 @@ from typing import Any, ClassVar, Literal, TypeVar
 from dask_lm.config.schema import coerce
 from dask_lm.interface import opt
 
-__all__ = ["Role", "Option", "option", "JobSpec", "options_of", "check_columns", "precision_name"]
+__all__ = ["Role", "Option", "option", "JobSpec", "options_of", "check_columns", "precision_name",
+           "SHORT_PRECISION"]
 
 Role = Literal["source", "pinned", "setting"]
 _PRECISIONS = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+SHORT_PRECISION = {name: short for short, name in _PRECISIONS.items()}  # what --precision takes, for messages
 _META = "dask_lm.job_option"
 _S = TypeVar("_S", bound="JobSpec")
 
@@ -91,14 +93,28 @@ class JobSpec:
         """The spec of a job: ``given`` (field -> value, ``None`` where not given), then on a resume the
         ``manifest`` read from ``manifest_path``, then the defaults. ``ValueError`` naming the option (or the
         manifest's key) for a value of the wrong type and for the job's own checks (:meth:`check`)."""
-        known = {f.name: o for f, o in options_of(cls)}
-        assert set(given) <= set(known), f"not options of {cls.__name__}: {sorted(set(given) - set(known))}"
-        values = {k: v for k, v in given.items() if v is not None}
-        if manifest is not None:
-            values = {**cls._from_manifest(values, manifest, manifest_path), **values}
+        values = cls.completed(given, manifest=manifest, manifest_path=manifest_path)
         missing = [f.name for f, _o in options_of(cls) if f.name not in values and f.default is dataclasses.MISSING]
         assert not missing, f"{cls.__name__}.build: {missing} must be given (the job's caller checks them first)"
         return cls(**values)
+
+    @classmethod
+    def completed(cls, given: Mapping[str, Any], *, manifest: Mapping[str, Any] | None = None,
+                  manifest_path: str = "") -> dict[str, Any]:
+        """What :meth:`build` makes the spec from: ``given`` less what was not given, completed from a resume's
+        ``manifest`` (the defaults are the fields' own)."""
+        known = {f.name for f, _o in options_of(cls)}
+        assert set(given) <= known, f"not options of {cls.__name__}: {sorted(set(given) - known)}"
+        values = {k: v for k, v in given.items() if v is not None}
+        if manifest is not None:
+            values = {**cls._from_manifest(values, manifest, manifest_path), **values}
+        return values
+
+    @classmethod
+    def given(cls, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """The spec's fields among a job function's ``arguments`` (its ``locals()`` as it starts): what the call
+        gave, ``None`` where it gave nothing."""
+        return {f.name: arguments[f.name] for f, _o in options_of(cls)}
 
     @classmethod
     def _from_manifest(cls, given: Mapping[str, Any], manifest: Mapping[str, Any], path: str) -> dict[str, Any]:

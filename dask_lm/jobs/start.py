@@ -13,26 +13,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from dask_lm.engine.progress import JobBar
-from dask_lm.interface import opt
 
-__all__ = ["ClusterStart", "in_thread", "running", "precision_name", "wait_for_workers", "worker_precision",
-           "SHORT_PRECISION"]
-
-_PRECISIONS = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
-SHORT_PRECISION = {name: short for short, name in _PRECISIONS.items()}  # what --precision takes, for messages
-
-
-def precision_name(precision: str | None, allowed: tuple[str, ...] = ("bf16", "fp32", "fp16")) -> str | None:
-    """The torch dtype name of ``--precision`` (``bf16`` or ``bfloat16``); ``None`` for auto, which the workers'
-    devices decide once the cluster is up (:func:`worker_precision`)."""
-    if precision in (None, "auto"):
-        return None
-    name = _PRECISIONS.get(precision, precision)
-    if name not in [_PRECISIONS[a] for a in allowed]:
-        raise ValueError(f"{opt('precision')} must be auto, {', '.join(allowed[:-1])} or {allowed[-1]}, got "
-                         f"{precision!r}")
-    return name
-
+__all__ = ["ClusterStart", "in_thread", "running", "wait_for_workers", "worker_precision"]
 
 def wait_for_workers(client: Any, bar: JobBar | None = None) -> None:
     """Return once the scheduler has a worker: a job may be started against a scheduler whose workers come later

@@ -27,8 +27,9 @@ from dask_lm.engine import cluster
 from dask_lm.interface import current, opt, warn
 from dask_lm.io import hub
 from dask_lm.io.parquet import output_schema_columns
-from dask_lm.jobs.start import precision_name
-from dask_lm.scoring.checks import check_score_model, check_score_options
+from dask_lm.jobs.spec import precision_name
+from dask_lm.scoring.checks import check_score_model
+from dask_lm.scoring.spec import check_score_options
 from dask_lm.scoring.partitions import score_frame
 
 __all__ = ["score", "output_meta"]

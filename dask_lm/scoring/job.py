@@ -27,10 +27,10 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from dask_lm.data.continuation import Convention, describe
+from dask_lm.data.continuation import describe
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.errors import BadRowError, SchedulerLostError
 from dask_lm.interface import again, current, opt, warn
@@ -42,12 +42,13 @@ from dask_lm.io.manifest import read_manifest
 from dask_lm.io.results import ScoreRows
 from dask_lm.jobs import folder, interrupts, model_files
 from dask_lm.jobs.output import JobKind, JobOutput
-from dask_lm.jobs.resume import added_skip_bad_rows, fill
-from dask_lm.jobs.start import ClusterStart, in_thread, precision_name, running, wait_for_workers, worker_precision
+from dask_lm.jobs.resume import added_skip_bad_rows, spec_for
+from dask_lm.jobs.start import ClusterStart, in_thread, running, wait_for_workers, worker_precision
 from dask_lm.scoring import prescan, spans
-from dask_lm.scoring.checks import check_score_model, check_score_options
+from dask_lm.scoring.checks import check_score_model
 from dask_lm.scoring.compile_choice import worth_compiling, worth_compiling_head
 from dask_lm.scoring.preload import Preload
+from dask_lm.scoring.spec import ScoreSpec
 from dask_lm.scoring.start_clock import StartClock
 from dask_lm.scoring.tasks import release_scorers, score_partition
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
@@ -186,17 +187,9 @@ class ScoreResult(ScoreRows):
 _PHASE_LABELS = {"cluster_start": "cluster start", "model_load": "model load", "scoring": "scoring and writing"}
 
 
-def _options(opts: ScoreOptions) -> dict[str, Any]:
-    """The options the manifest pins. Left out: where the output goes, the model (pinned by content), and options
-    that change no written value: micro-batch sizes, compilation (same values to bf16 noise), and allow_nonfinite
-    (a job refused for NaN may be resumed keeping them; parts written before hold only finite values)."""
-    options = {k: v for k, v in asdict(opts).items() if k not in ("output", "model", "tokenizer", "batch_tokens",
-                                                                   "chunk_size", "allow_nonfinite", "compile",
-                                                                   "compile_head", "model_pins", "interface", "identity")}
-    if not opts.decode_topk:  # pinned once set: a manifest from before the option resumes as it was written
-        del options["decode_topk"]
-    options["precision"] = None if opts.precision == "auto" else opts.precision  # pinned once the workers are known
-    return options
+# the fields a part task takes from the spec as they are (ScoreOptions: the rest are the job's own, or resolved)
+_SHARED = ("text_column", "ids_column", "prompt_length_column", "prompt_column", "response_column", "id_column",
+           "topk", "decode_topk", "max_length", "truncate", "batch_tokens", "skip_bad_rows", "convention", "precision")
 
 
 def _convention(opts: ScoreOptions) -> str:
@@ -204,11 +197,11 @@ def _convention(opts: ScoreOptions) -> str:
     return describe(opts.convention, "ids" if opts.ids_column else "text" if opts.text_column else "pair")
 
 
-def _manifest(opts: ScoreOptions, inputs: pio.ScoreInputs, source: hub.ModelSource, info: modelcheck.ModelInfo,
-              plan: list[spans.Span]) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
+def _manifest(spec: ScoreSpec, opts: ScoreOptions, inputs: pio.ScoreInputs, source: hub.ModelSource,
+              info: modelcheck.ModelInfo, plan: list[spans.Span]) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
     # the parts are numbered by span: a resume must cut the rows the same way (dask_lm.scoring.spans)
-    return model_files.manifest(source, info, inputs, _options(opts), tokenizer=opts.tokenizer, partitions=len(plan),
-                                partition_plan=spans.plan_digest(plan, inputs.files))
+    return model_files.manifest(source, info, inputs, spec.manifest_options(), tokenizer=opts.tokenizer,
+                                partitions=len(plan), partition_plan=spans.plan_digest(plan, inputs.files))
 
 
 _KIND = JobKind(name="scoring job", did="scored", owned=r"part-\d{5}\.parquet|_errors\.parquet|_errors",
@@ -265,57 +258,40 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     another job holds), before anything is written (a cluster this call started is closed again).
     """
     started, started_at = time.perf_counter(), time.time()
-    # what is not given (None): a resume's manifest's, else the defaults; in the order given
-    (input, model, tokenizer, text_column, ids_column, prompt_column, response_column, id_column, prompt_length_column,
-     convention, topk, decode_topk, max_length, truncate, precision, skip_bad_rows, task_tokens, batch_tokens,
-     allow_nonfinite, compile) = fill(output, resume=resume, job=_KIND.name, given=dict(
-        input=input, model=model, tokenizer=tokenizer, text_column=text_column, ids_column=ids_column,
-        prompt_column=prompt_column, response_column=response_column, id_column=id_column,
-        prompt_length_column=prompt_length_column, convention=convention, topk=topk, decode_topk=decode_topk,
-        max_length=max_length, truncate=truncate, precision=precision, skip_bad_rows=skip_bad_rows,
-        task_tokens=task_tokens, batch_tokens=batch_tokens, allow_nonfinite=allow_nonfinite, compile=compile),
-        defaults=dict(convention="lm-eval", topk=0, decode_topk=False, truncate=False, skip_bad_rows=False,
-                      allow_nonfinite=False)).values()
-    conv = check_score_options(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                               response_column=response_column, prompt_length_column=prompt_length_column,
-                               convention=convention, topk=topk, decode_topk=decode_topk,
-                               max_length=max_length, batch_tokens=batch_tokens, task_tokens=task_tokens or 0)
-    fixed_precision = precision_name(precision)  # None: chosen by the workers' devices once the cluster is up
+    # what the call gave, completed on a resume from the manifest, then from the spec's defaults; checked
+    spec = spec_for(ScoreSpec, output, resume=resume, given=ScoreSpec.given(locals()))
     # 1. the checks that cost no more than a few small reads, before anything starts: the output folder, the model's
     #    files (config JSON, weight headers, --topk against the vocabulary it states), the tokenizer's, the inputs'
     #    footers and columns, and a resume's options against the manifest it resumes
-    out = JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
-    out.settings = dict(task_tokens=task_tokens, batch_tokens=batch_tokens, allow_nonfinite=allow_nonfinite,
-                        compile=compile)
+    out = JobOutput.open(_KIND, list(spec.input), output, resume=resume, overwrite=overwrite)
+    out.settings = spec.manifest_settings()
     finished = resume and out.state.kind == "finished"  # nothing will be loaded or tokenized: its files are compared
-    source = hub.resolve_model(model, revision=revision)
-    model = source.path
-    info, tokenizer = check_score_model(model, topk=topk, tokenizer=tokenizer, ids_column=ids_column,
-                                        decode_topk=decode_topk, check_tokenizer=not finished)
-    inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=ids_column,
-                                prompt_column=prompt_column, response_column=response_column, id_column=id_column,
-                                prompt_length_column=prompt_length_column)
-    plan = spans.plan_spans(inputs.partitions, inputs.group_tokens, task_tokens)
-    opts = ScoreOptions(model=model, tokenizer=tokenizer, precision=fixed_precision or "auto", output=out.path,
-                        text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                        response_column=response_column, id_column=id_column,
-                        prompt_length_column=prompt_length_column, convention=conv, topk=topk, decode_topk=decode_topk,
-                        max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
-                        skip_bad_rows=skip_bad_rows, allow_nonfinite=bool(allow_nonfinite), compile=bool(compile),
-                        compile_head=bool(compile), interface=current())
+    source = hub.resolve_model(spec.model, revision=revision)
+    info, tokenizer = check_score_model(source.path, topk=spec.topk, tokenizer=spec.tokenizer,
+                                        ids_column=spec.ids_column, decode_topk=spec.decode_topk,
+                                        check_tokenizer=not finished)
+    inputs = pio.inspect_inputs(out.files, text_column=spec.text_column, ids_column=spec.ids_column,
+                                prompt_column=spec.prompt_column, response_column=spec.response_column,
+                                id_column=spec.id_column, prompt_length_column=spec.prompt_length_column)
+    plan = spans.plan_spans(inputs.partitions, inputs.group_tokens, spec.task_tokens)
+    opts = ScoreOptions(**{f.name: getattr(spec, f.name) for f in fields(ScoreOptions) if f.name in _SHARED},
+                        model=source.path, tokenizer=tokenizer, output=out.path,
+                        allow_nonfinite=spec.allow_nonfinite, compile=bool(spec.compile),
+                        compile_head=bool(spec.compile), interface=current())
     if out.state.kind != "new" and resume:  # the options and the plan, before any cluster starts
-        out.precheck({"options": _options(opts), "partitions": len(plan),
-                      "partition_plan": spans.plan_digest(plan, inputs.files)}, skip_bad_rows=skip_bad_rows)
+        out.precheck({"options": spec.manifest_options(), "partitions": len(plan),
+                      "partition_plan": spans.plan_digest(plan, inputs.files)}, skip_bad_rows=spec.skip_bad_rows)
     # 2. the cluster starts, and each worker loads its replica, while this process does the costly checks: the
     #    config through transformers (on a worker) and the content hashes. Nothing reaches the output before
     #    they pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is
     #    not used (scoring/scorer.py: adopt). A finished output's resume starts nothing.
-    warm = None if finished else Preload(model, tokenizer, fixed_precision, compile, sum(inputs.group_tokens))
+    warm = None if finished else Preload(source.path, tokenizer, spec.fixed_precision, spec.compile,
+                                         sum(inputs.group_tokens))
     start = ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not finished,
                          warm=warm)
     try:
-        return _pinned_run(start, warm, out, finished, source, info, inputs, plan, opts, started, started_at,
-                           compile=compile, progress=progress, performance_report=performance_report)
+        return _pinned_run(start, warm, out, finished, source, info, inputs, plan, spec, opts, started, started_at,
+                           progress=progress, performance_report=performance_report)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the workers stopped at once, one line says what is kept
         start.close(interrupted=True)
         raise _interrupted(out, len(plan), e) from None
@@ -349,8 +325,8 @@ def _scheduler_lost(out: JobOutput, parts: int, address: str) -> SchedulerLostEr
 
 
 def _pinned_run(start: ClusterStart, warm: Preload | None, out: JobOutput, finished: bool, source: hub.ModelSource,
-                info: modelcheck.ModelInfo, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
-                started: float, started_at: float, *, compile: bool | None, progress: bool,
+                info: modelcheck.ModelInfo, inputs: pio.ScoreInputs, plan: list[spans.Span], spec: ScoreSpec,
+                opts: ScoreOptions, started: float, started_at: float, *, progress: bool,
                 performance_report: str | None) -> ScoreResult:
     """``score_parquet`` from the costly checks on, while ``start`` brings the cluster up: the config through
     transformers (asked of a worker, waited for in a thread) beside the row scan and the content hashes, then the manifest under the output's lock, then the run."""
@@ -361,17 +337,15 @@ def _pinned_run(start: ClusterStart, warm: Preload | None, out: JobOutput, finis
     # every bad row of the job, found while the workers load (dask_lm.scoring.prescan)
     rows = (in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan
             else None)
-    manifest, pins = _manifest(opts, inputs, source, info, plan)
+    manifest, pins = _manifest(spec, opts, inputs, source, info, plan)
     checked = loads.result() if loads is not None else {}  # transformers' ValueError naming config.json
     bad = rows.result() if rows is not None else None
     if bad:
         raise BadRowError(prescan.message(bad))
     opts = replace(opts, model_pins=tuple(pins[:len(pins) - len(inputs.files)]))
-    skip_bad_rows, compile_flag, ids_column = opts.skip_bad_rows, compile, opts.ids_column
-    fixed_precision = None if opts.precision == "auto" else opts.precision
     prepare_seconds = time.perf_counter() - started
     with out.locked() as old:
-        added_skip = added_skip_bad_rows(old, skip_bad_rows)
+        added_skip = added_skip_bad_rows(old, spec.skip_bad_rows)
         pinned = out.pin(manifest, old, pins, ignore=("skip_bad_rows",) if added_skip else ())
         if old is not None and out.finished:
             return replace(_finished(out.path, old), convention=_convention(opts))
@@ -381,21 +355,20 @@ def _pinned_run(start: ClusterStart, warm: Preload | None, out: JobOutput, finis
         # a part is kept only where it proves to be this job's part for its span (dask_lm.io.part_proof)
         stamps = part_proof.kept_parts(out.path, part_proof.expected_parts(part_proof.job_identity(pinned), plan),
                                        _part_columns(inputs, opts))
-        done = sorted(stamps)
         clock = StartClock(started, started_at, {"checks": prepare_seconds})
         clock.config_check(checked)
         with running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress
                      ) as (dask_client, bar):
             wait_for_workers(dask_client, bar)  # a scheduler whose workers are still to come
             clock.mark("cluster")
-            if fixed_precision is None:
+            if spec.fixed_precision is None:
                 opts = replace(opts, precision=worker_precision(dask_client))
             out.pin_precision(opts.precision)
             pinned = read_manifest(out.path) or pinned
             opts = replace(opts, identity=part_proof.job_identity(pinned))
-            if compile_flag is None:
+            if spec.compile is None:
                 workers = len(scheduler_info(dask_client)["workers"])
-                opts = replace(opts, compile=worth_compiling(inputs, ids_column, workers),
+                opts = replace(opts, compile=worth_compiling(inputs, spec.ids_column, workers),
                                compile_head=worth_compiling_head(sum(inputs.group_tokens), workers))
             result = _run(dask_client, out, inputs, plan, opts, stamps, start.warm_futures, bar, performance_report,
                           clock)

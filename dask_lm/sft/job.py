@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dask_lm.data.continuation import Convention, check_convention
+from dask_lm.data.continuation import Convention
 from dask_lm.data.rows import tokenize_rows
 from dask_lm.data.text_bytes import text_bound
 from dask_lm.engine import progress as progress_bars
@@ -43,8 +43,9 @@ from dask_lm.io import parquet as pio
 from dask_lm.io import safe_paths
 from dask_lm.jobs import folder, interrupts, model_files
 from dask_lm.jobs.output import JobKind, JobOutput
-from dask_lm.jobs.resume import fill
-from dask_lm.jobs.start import ClusterStart, precision_name, running, worker_precision
+from dask_lm.sft.spec import SFTSpec
+from dask_lm.jobs.resume import spec_for
+from dask_lm.jobs.start import ClusterStart, running, worker_precision
 
 __all__ = ["sft_parquet", "SFTResult"]
 
@@ -53,7 +54,7 @@ _STEP = re.compile(r"^step_(\d+)$")
 _STALE_STEP = r"\.step_\d+\.(?:tmp|old)-[0-9A-Za-z]+"
 _KIND = JobKind(name="sft run", did="trained", owned=r"step_\d+",
                 debris=functools.partial(folder.remove_stale, pattern=_STALE_STEP),
-                flags={"shuffle": "shuffle (off with --no-shuffle)"})
+                flags=SFTSpec.flags())
 
 
 @dataclass
@@ -192,50 +193,27 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
 
     import dask_lm
 
-    # what is not given (None): a resume's manifest's, else the defaults; in the order given
-    (input, model, text_column, prompt_column, response_column, epochs, global_batch_size, lr, weight_decay,
-     warmup_steps, max_length, truncate, seed, shuffle, precision, convention, max_steps, micro_batch_size, save_every,
-     keep) = fill(output, resume=resume, job=_KIND.name, given=dict(
-        input=input, model=model, text_column=text_column, prompt_column=prompt_column,
-        response_column=response_column, epochs=epochs, global_batch_size=global_batch_size, lr=lr,
-        weight_decay=weight_decay, warmup_steps=warmup_steps, max_length=max_length, truncate=truncate, seed=seed,
-        shuffle=shuffle, precision=precision, convention=convention, max_steps=max_steps,
-        micro_batch_size=micro_batch_size, save_every=save_every, keep=keep),
-        defaults=dict(epochs=1, global_batch_size=32, lr=1e-5, weight_decay=0.01, warmup_steps=0, max_length=1024,
-                      truncate=False, seed=0, shuffle=True, convention="lm-eval", micro_batch_size=4, save_every=100,
-                      keep=2)).values()
-    model_files.check_columns(text_column=text_column, prompt_column=prompt_column, response_column=response_column,
-                              takes_ids=False)
-    conv = check_convention(convention, opt("convention"))
-    for key, value in (("epochs", epochs), ("global_batch_size", global_batch_size),
-                       ("micro_batch_size", micro_batch_size), ("max_length", max_length), ("save_every", save_every),
-                       ("keep", keep)):
-        if value < 1:
-            raise ValueError(f"{opt(key)} must be >= 1, got {value}")
-    fixed_precision = precision_name(precision, allowed=("bf16", "fp32"))  # None: the workers decide
-    out = JobOutput.open(_KIND, input, output, resume=resume, overwrite=overwrite)
-    out.settings = dict(max_steps=max_steps, micro_batch_size=micro_batch_size, save_every=save_every, keep=keep)
-    source, info = model_files.resolve_model(model, revision=revision)
+    # what the call gave, completed on a resume from the manifest, then from the spec's defaults; checked
+    spec = spec_for(SFTSpec, output, resume=resume, given=SFTSpec.given(locals()))
+    out = JobOutput.open(_KIND, list(spec.input), output, resume=resume, overwrite=overwrite)
+    out.settings = spec.manifest_settings()
+    source, info = model_files.resolve_model(spec.model, revision=revision)
     model = source.path
     model_files.resolve_tokenizer(None, model, fix="sft trains with the model's own tokenizer: put its files beside "
                                   "the weights")
-    inputs = pio.inspect_inputs(out.files, text_column=text_column, ids_column=None, prompt_column=prompt_column,
-                                response_column=response_column, id_column=None)
+    inputs = pio.inspect_inputs(out.files, text_column=spec.text_column, ids_column=None, prompt_column=spec.prompt_column,
+                                response_column=spec.response_column, id_column=None)
     if inputs.num_rows == 0:
         files = out.files
         shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         raise ValueError(f"the input has no rows: {shown} hold{'s' if len(files) == 1 else ''} 0 rows, nothing to "
                          "train on; check the input path")
-    options = {"text_column": text_column, "prompt_column": prompt_column, "response_column": response_column,
-               "epochs": epochs, "global_batch_size": global_batch_size, "lr": lr, "weight_decay": weight_decay,
-               "warmup_steps": warmup_steps, "max_length": max_length, "truncate": truncate, "seed": seed,
-               "shuffle": shuffle, "precision": fixed_precision, "convention": conv}
-    manifest, pins = model_files.manifest(source, info, inputs, options)
+    manifest, pins = model_files.manifest(source, info, inputs, spec.manifest_options())
     tokenizer = transformers.AutoTokenizer.from_pretrained(model, trust_remote_code=False)
     pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
     # every row trains (a bad one fails the run), so the run's length is known from the footers' row counts
-    planned = math.ceil(inputs.num_rows / global_batch_size) * epochs
-    planned = planned if max_steps is None else min(max_steps, planned)
+    planned = math.ceil(inputs.num_rows / spec.global_batch_size) * spec.epochs
+    planned = planned if spec.max_steps is None else min(spec.max_steps, planned)
     try:
         with progress_bars.quiet(not progress), out.locked() as old:  # no bar at all: the Policy's load has one
             out.pin(manifest, old, pins)
@@ -245,16 +223,16 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
             out.reopen()
             cluster = ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers)
             with running(cluster, total=planned, desc="sft", unit="step", progress=progress) as (dask_client, bar):
-                precision = fixed_precision or worker_precision(dask_client)
+                precision = spec.fixed_precision or worker_precision(dask_client)
                 out.pin_precision(precision)
                 bar.wait("tokenizing the rows")
-                rows = _tokenize_all(dask_client, inputs, pins, text_column, prompt_column, response_column, model,
-                                     max_length, truncate, conv)
-                steps_per_epoch = math.ceil(len(rows) / global_batch_size)
-                total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
+                rows = _tokenize_all(dask_client, inputs, pins, spec.text_column, spec.prompt_column, spec.response_column, model,
+                                     spec.max_length, spec.truncate, spec.convention)
+                steps_per_epoch = math.ceil(len(rows) / spec.global_batch_size)
+                total = steps_per_epoch * spec.epochs if spec.max_steps is None else min(spec.max_steps, steps_per_epoch * spec.epochs)
                 bar.wait("loading the model", total=total)
-                cfg = _policy_config(model, precision, global_batch_size, micro_batch_size, max_length, lr, weight_decay,
-                                     warmup_steps)
+                cfg = _policy_config(model, precision, spec.global_batch_size, spec.micro_batch_size, spec.max_length, spec.lr, spec.weight_decay,
+                                     spec.warmup_steps)
                 state: dict[str, Any] = {"step": 0, "losses": []}  # what training_state.json holds
                 paths: dict[str, Any] = {}
                 if start is not None:
@@ -264,29 +242,29 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                 t0 = time.perf_counter()
                 # the checkpoint's earlier steps count in the total: what the trained model has seen
                 earlier = sum(len(ids) for step in range(state["step"])
-                              for ids, _first in _step_rows(rows, step, global_batch_size, seed, shuffle))
+                              for ids, _first in _step_rows(rows, step, spec.global_batch_size, spec.seed, spec.shuffle))
                 tokens, train_s, save_s = 0, 0.0, 0.0
                 with dask_lm.Policy(dask_client, cfg, tokenizer, init_reference_model=False, **paths) as policy:
                     last = state["step"]
                     while state["step"] < total:
                         step = state["step"]
-                        chunk = _step_rows(rows, step, global_batch_size, seed, shuffle)
+                        chunk = _step_rows(rows, step, spec.global_batch_size, spec.seed, spec.shuffle)
                         t_step = time.perf_counter()
-                        result = policy.train(_batch(chunk, global_batch_size, pad_id), dask_lm.NLLLoss())
+                        result = policy.train(_batch(chunk, spec.global_batch_size, pad_id), dask_lm.NLLLoss())
                         train_s += time.perf_counter() - t_step
                         tokens += sum(len(ids) for ids, _first in chunk)
                         state["step"] = step + 1
                         state["losses"].append(float(result["loss"][0]))
                         # to the step reached: a resumed run's bar starts at its checkpoint
                         bar.update(state["step"] - bar.n, f"loss {state['losses'][-1]:.4f}")
-                        if state["step"] % save_every == 0 or state["step"] == total:
+                        if state["step"] % spec.save_every == 0 or state["step"] == total:
                             t_save = time.perf_counter()
-                            _save(policy, out.path, state, keep)
+                            _save(policy, out.path, state, spec.keep)
                             save_s += time.perf_counter() - t_save
                             last = state["step"]
                     bar.close()
                     if last != state["step"]:  # nothing to train (resumed at the end): make sure a checkpoint exists
-                        _save(policy, out.path, state, keep)
+                        _save(policy, out.path, state, spec.keep)
                 seconds = time.perf_counter() - t0
                 done = SFTResult(output=out.path, steps=state["step"], epochs_completed=state["step"] // steps_per_epoch,
                                  losses=state["losses"], resumed_from=start[0] if start else None, seconds=seconds,
