@@ -182,3 +182,108 @@ def test_a_path_object_is_a_path_string():
     spec = ScoreSpec.build({"input": [pathlib.Path("x/a.parquet")], "model": pathlib.Path("/m"),
                             "text_column": "t"})
     assert spec.input == (os.path.join("x", "a.parquet"),) and spec.model == "/m"
+
+
+def test_the_job_options_page_is_generated_from_the_specs():
+    """docs/reference/jobs.md holds exactly what ``python -m dask_lm.jobs.doc`` renders from the specs."""
+    from dask_lm.jobs import doc
+
+    assert doc.current() == doc.markdown(), "stale: run `python -m dask_lm.jobs.doc --write`"
+    for spec in (ScoreSpec, SFTSpec):
+        for f, _o in options_of(spec):
+            assert f"| `{f.name}` |" in doc.markdown(), f.name
+
+
+# ------------------------------------------------------------------------- resume against a real output folder
+def _rows(path, n, word="alpha"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": list(range(n)), "text": [f"{word} {i} beta gamma" for i in range(n)]}), path,
+                   compression="none")  # same-length words: a file of the same size
+
+
+@pytest.fixture()
+def stopped_job(tiny, tmp_path):
+    """An output as a scoring job leaves it when stopped right after it wrote its manifest (before any part): the
+    job's own steps plan it, hash its files and pin them under its lock. Its inputs are a folder of two files."""
+    from dask_lm.scoring.job import plan_job
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _rows(data / "a.parquet", 6)
+    _rows(data / "b.parquet", 4)
+    out = tmp_path / "out"
+    spec = ScoreSpec(input=(str(data),), model=tiny["llama"], text_column="text", topk=2)
+    job = plan_job(spec, out, resume=False, overwrite=False, revision=None)
+    manifest, pins = job.manifest()
+    with job.out.locked() as old:
+        job.out.pin(manifest, old, pins)
+    return data, out
+
+
+def _resume(out, *args):
+    from click.testing import CliRunner
+
+    from dask_lm.cli import main
+
+    return CliRunner().invoke(main, ["score", "--output", str(out), "--resume", "--no-progress", *args])
+
+
+def test_a_resume_rebuilds_the_spec_from_the_folder_and_plans_the_same_job(stopped_job):
+    from dask_lm.scoring.job import plan_job
+
+    data, out = stopped_job
+    spec = resume.spec_for(ScoreSpec, out, resume=True, given={})
+    # the manifest pins the files the folder held, by path
+    assert (spec.input, spec.text_column, spec.topk) == ((str(data / "a.parquet"), str(data / "b.parquet")), "text", 2)
+    job = plan_job(spec, out, resume=True, overwrite=False, revision=None)  # the prechecks pass: nothing differs
+    manifest, pins = job.manifest()
+    with job.out.locked() as old:
+        job.out.pin(manifest, old, pins)  # the content check passes too
+
+
+@pytest.mark.parametrize("change, named", [
+    ("added", "input file {data}/c.parquet is new"),
+    ("removed", "input file {data}/b.parquet is gone"),
+    ("grown", "input file {data}/a.parquet changed: {old} -> {new} bytes"),
+])
+def test_an_input_file_added_removed_or_changed_is_named_before_any_cluster(stopped_job, no_cluster, change, named):
+    data, out = stopped_job
+    old = os.path.getsize(data / "a.parquet")
+    if change == "added":
+        _rows(data / "c.parquet", 3)
+    elif change == "removed":
+        os.remove(data / "b.parquet")
+    else:
+        _rows(data / "a.parquet", 60)
+    result = _resume(out, str(data))  # the folder given again: a bare resume reads the files the manifest pins
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert named.format(data=data, old=old, new=os.path.getsize(data / "a.parquet")) in text, text
+    assert "--overwrite" in text and not no_cluster
+
+
+def test_an_input_changed_in_content_at_the_same_size_is_named_once_hashed(stopped_job):
+    """Same size, other bytes: the prechecks (paths and sizes) cannot see it; the job's content check under its
+    lock names it, before any part is written."""
+    from dask_lm.scoring.job import plan_job
+
+    data, out = stopped_job
+    size = os.path.getsize(data / "a.parquet")
+    _rows(data / "a.parquet", 6, word="omega")  # the same layout, other letters: same size, other bytes
+    assert os.path.getsize(data / "a.parquet") == size
+    job = plan_job(resume.spec_for(ScoreSpec, out, resume=True, given={}), out, resume=True, overwrite=False,
+                   revision=None)
+    manifest, pins = job.manifest()
+    with pytest.raises(ValueError, match=r"a\.parquet changed: same size \(\d+ bytes\), different content"):
+        with job.out.locked() as old:
+            job.out.pin(manifest, old, pins)
+    assert not list(out.glob("part-*"))
+
+
+def test_a_given_option_that_differs_is_named_with_both_values_before_any_cluster(stopped_job, no_cluster):
+    _data, out = stopped_job
+    result = _resume(out, "--topk", "3")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--topk was 2, now 3" in text and not no_cluster, text

@@ -23,7 +23,8 @@ from dask_lm.engine import cluster
 from dask_lm.io import parquet as pio
 from dask_lm.io import part_proof, safe_paths
 from dask_lm.io.manifest import read_manifest
-from dask_lm.jobs.resume import fill
+from dask_lm.jobs.resume import spec_for
+from dask_lm.scoring.spec import ScoreSpec
 
 # `cluster` is marked per test here: the tests without it start no cluster and run in the fast tier
 
@@ -184,8 +185,7 @@ def test_a_wrong_typed_manifest_entry_names_the_key_and_the_file(tmp_path):
                 "inputs": [{"path": "/in.parquet", "size": 10, "sha256": "ab"}], "partitions": 1}
     path.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r'_manifest\.json: "topk" holds \'3\', a str') as e:
-        fill(out, resume=True, given={"input": None, "model": None, "topk": None}, defaults={"topk": 0},
-             job="scoring job")
+        spec_for(ScoreSpec, out, resume=True, given={"input": None, "model": None, "topk": None})
     assert str(path) in str(e.value)
     path.write_text(json.dumps({**manifest, "options": {"topk": 3}, "inputs": 5}))
     with pytest.raises(ValueError, match=r'_manifest\.json: "inputs" holds 5, which is not a list') as e:

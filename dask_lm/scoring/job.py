@@ -53,7 +53,7 @@ from dask_lm.scoring.start_clock import StartClock
 from dask_lm.scoring.tasks import release_scorers, score_partition
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
 
-__all__ = ["score_parquet", "ScoreResult"]
+__all__ = ["score_parquet", "ScoreResult", "PlannedJob", "plan_job"]
 
 logger = logging.getLogger("dask_lm")
 
@@ -197,16 +197,61 @@ def _convention(opts: ScoreOptions) -> str:
     return describe(opts.convention, "ids" if opts.ids_column else "text" if opts.text_column else "pair")
 
 
-def _manifest(spec: ScoreSpec, opts: ScoreOptions, inputs: pio.ScoreInputs, source: hub.ModelSource,
-              info: modelcheck.ModelInfo, plan: list[spans.Span]) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
-    # the parts are numbered by span: a resume must cut the rows the same way (dask_lm.scoring.spans)
-    return model_files.manifest(source, info, inputs, spec.manifest_options(), tokenizer=opts.tokenizer,
-                                partitions=len(plan), partition_plan=spans.plan_digest(plan, inputs.files))
-
-
 _KIND = JobKind(name="scoring job", did="scored", owned=r"part-\d{5}\.parquet|_errors\.parquet|_errors",
                 debris=pio.remove_debris,
                 resume_hint=lambda: f" (add {opt('skip_bad_rows', True)} to leave out the bad rows that stopped it)")
+
+
+@dataclass(frozen=True)
+class PlannedJob:
+    """A scoring job once its cheap checks passed, before anything starts: its spec, output folder, model, inputs
+    and the spans its parts cover (:func:`plan_job`)."""
+
+    spec: ScoreSpec
+    out: JobOutput
+    source: hub.ModelSource
+    info: modelcheck.ModelInfo
+    inputs: pio.ScoreInputs
+    plan: list[spans.Span]
+    opts: ScoreOptions
+    """What every part task is sent; the model's pins, the job's identity, an automatic precision and compilation
+    are filled in once known."""
+    finished: bool
+    """A resume of a complete output: nothing will be loaded or tokenized, its files are compared."""
+
+    def manifest(self) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
+        """The job's manifest, its files hashed (the costly step), and the pins behind it."""
+        # the parts are numbered by span: a resume must cut the rows the same way (dask_lm.scoring.spans)
+        return model_files.manifest(self.source, self.info, self.inputs, self.spec.manifest_options(),
+                                    tokenizer=self.opts.tokenizer, partitions=len(self.plan),
+                                    partition_plan=spans.plan_digest(self.plan, self.inputs.files))
+
+
+def plan_job(spec: ScoreSpec, output: str | os.PathLike[str], *, resume: bool, overwrite: bool,
+             revision: str | None) -> PlannedJob:
+    """The checks that cost no more than a few small reads: the output folder, the model's files (config JSON,
+    weight headers, ``topk`` against the vocabulary it states), the tokenizer's, the inputs' footers and columns,
+    and a resume's options and plan against the manifest it resumes. ``ValueError`` naming what is wrong."""
+    out = JobOutput.open(_KIND, list(spec.input), output, resume=resume, overwrite=overwrite)
+    out.settings = spec.manifest_settings()
+    finished = resume and out.state.kind == "finished"
+    source = hub.resolve_model(spec.model, revision=revision)
+    info, tokenizer = check_score_model(source.path, topk=spec.topk, tokenizer=spec.tokenizer,
+                                        ids_column=spec.ids_column, decode_topk=spec.decode_topk,
+                                        check_tokenizer=not finished)
+    inputs = pio.inspect_inputs(out.files, text_column=spec.text_column, ids_column=spec.ids_column,
+                                prompt_column=spec.prompt_column, response_column=spec.response_column,
+                                id_column=spec.id_column, prompt_length_column=spec.prompt_length_column)
+    plan = spans.plan_spans(inputs.partitions, inputs.group_tokens, spec.task_tokens)
+    opts = ScoreOptions(**{f.name: getattr(spec, f.name) for f in fields(ScoreOptions) if f.name in _SHARED},
+                        model=source.path, tokenizer=tokenizer, output=out.path,
+                        allow_nonfinite=spec.allow_nonfinite, compile=bool(spec.compile),
+                        compile_head=bool(spec.compile), interface=current())
+    if out.state.kind != "new" and resume:
+        out.precheck({"options": spec.manifest_options(), "partitions": len(plan),
+                      "partition_plan": spans.plan_digest(plan, inputs.files)}, skip_bad_rows=spec.skip_bad_rows)
+    return PlannedJob(spec=spec, out=out, source=source, info=info, inputs=inputs, plan=plan, opts=opts,
+                      finished=finished)
 
 
 def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
@@ -260,38 +305,20 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     started, started_at = time.perf_counter(), time.time()
     # what the call gave, completed on a resume from the manifest, then from the spec's defaults; checked
     spec = spec_for(ScoreSpec, output, resume=resume, given=ScoreSpec.given(locals()))
-    # 1. the checks that cost no more than a few small reads, before anything starts: the output folder, the model's
-    #    files (config JSON, weight headers, --topk against the vocabulary it states), the tokenizer's, the inputs'
-    #    footers and columns, and a resume's options against the manifest it resumes
-    out = JobOutput.open(_KIND, list(spec.input), output, resume=resume, overwrite=overwrite)
-    out.settings = spec.manifest_settings()
-    finished = resume and out.state.kind == "finished"  # nothing will be loaded or tokenized: its files are compared
-    source = hub.resolve_model(spec.model, revision=revision)
-    info, tokenizer = check_score_model(source.path, topk=spec.topk, tokenizer=spec.tokenizer,
-                                        ids_column=spec.ids_column, decode_topk=spec.decode_topk,
-                                        check_tokenizer=not finished)
-    inputs = pio.inspect_inputs(out.files, text_column=spec.text_column, ids_column=spec.ids_column,
-                                prompt_column=spec.prompt_column, response_column=spec.response_column,
-                                id_column=spec.id_column, prompt_length_column=spec.prompt_length_column)
-    plan = spans.plan_spans(inputs.partitions, inputs.group_tokens, spec.task_tokens)
-    opts = ScoreOptions(**{f.name: getattr(spec, f.name) for f in fields(ScoreOptions) if f.name in _SHARED},
-                        model=source.path, tokenizer=tokenizer, output=out.path,
-                        allow_nonfinite=spec.allow_nonfinite, compile=bool(spec.compile),
-                        compile_head=bool(spec.compile), interface=current())
-    if out.state.kind != "new" and resume:  # the options and the plan, before any cluster starts
-        out.precheck({"options": spec.manifest_options(), "partitions": len(plan),
-                      "partition_plan": spans.plan_digest(plan, inputs.files)}, skip_bad_rows=spec.skip_bad_rows)
+    # 1. the checks that cost no more than a few small reads, before anything starts
+    job = plan_job(spec, output, resume=resume, overwrite=overwrite, revision=revision)
+    out, plan = job.out, job.plan
     # 2. the cluster starts, and each worker loads its replica, while this process does the costly checks: the
     #    config through transformers (on a worker) and the content hashes. Nothing reaches the output before
     #    they pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is
     #    not used (scoring/scorer.py: adopt). A finished output's resume starts nothing.
-    warm = None if finished else Preload(source.path, tokenizer, spec.fixed_precision, spec.compile,
-                                         sum(inputs.group_tokens))
-    start = ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not finished,
+    warm = None if job.finished else Preload(job.source.path, job.opts.tokenizer, spec.fixed_precision, spec.compile,
+                                             sum(job.inputs.group_tokens))
+    start = ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not job.finished,
                          warm=warm)
     try:
-        return _pinned_run(start, warm, out, finished, source, info, inputs, plan, spec, opts, started, started_at,
-                           progress=progress, performance_report=performance_report)
+        return _pinned_run(start, warm, job, started, started_at, progress=progress,
+                           performance_report=performance_report)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the workers stopped at once, one line says what is kept
         start.close(interrupted=True)
         raise _interrupted(out, len(plan), e) from None
@@ -324,20 +351,21 @@ def _scheduler_lost(out: JobOutput, parts: int, address: str) -> SchedulerLostEr
                               f"{again(resume=True)} to score the rest")
 
 
-def _pinned_run(start: ClusterStart, warm: Preload | None, out: JobOutput, finished: bool, source: hub.ModelSource,
-                info: modelcheck.ModelInfo, inputs: pio.ScoreInputs, plan: list[spans.Span], spec: ScoreSpec,
-                opts: ScoreOptions, started: float, started_at: float, *, progress: bool,
-                performance_report: str | None) -> ScoreResult:
+def _pinned_run(start: ClusterStart, warm: Preload | None, job: PlannedJob, started: float, started_at: float, *,
+                progress: bool, performance_report: str | None) -> ScoreResult:
     """``score_parquet`` from the costly checks on, while ``start`` brings the cluster up: the config through
-    transformers (asked of a worker, waited for in a thread) beside the row scan and the content hashes, then the manifest under the output's lock, then the run."""
+    transformers (asked of a worker, waited for in a thread) beside the row scan and the content hashes, then the
+    manifest under the output's lock, then the run."""
     from dask_lm.engine.worker_group import scheduler_info
 
-    scan = not finished and not opts.skip_bad_rows and sum(inputs.group_tokens) <= prescan.PRESCAN_MAX_TOKENS
+    spec, out, source, inputs, plan, opts = job.spec, job.out, job.source, job.inputs, job.plan, job.opts
+
+    scan = not job.finished and not opts.skip_bad_rows and sum(inputs.group_tokens) <= prescan.PRESCAN_MAX_TOKENS
     loads = in_thread(warm.check_config, start) if warm is not None else None
     # every bad row of the job, found while the workers load (dask_lm.scoring.prescan)
     rows = (in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan
             else None)
-    manifest, pins = _manifest(spec, opts, inputs, source, info, plan)
+    manifest, pins = job.manifest()
     checked = loads.result() if loads is not None else {}  # transformers' ValueError naming config.json
     bad = rows.result() if rows is not None else None
     if bad:
