@@ -1,13 +1,15 @@
 """What every batch job over parquet shares: ``score`` (:mod:`dask_lm.scoring.job`), ``sft`` (:mod:`dask_lm.sft.job`)
 and the jobs to come.
 
-Every job's driver goes through the same steps, and this package owns each of them; a job's own module keeps its
-options, the work itself and its summary:
+A job declares its options once, in its spec (``spec.py``: :class:`~dask_lm.jobs.spec.JobSpec`, a frozen typed
+dataclass per job), from which its function's checks, the CLI's options, the manifest and the reference docs
+derive. Every job's driver then goes through the same steps, and this package owns each of them; a job's own package
+keeps its spec, the work itself and its summary:
 
 1. :meth:`JobOutput.open <dask_lm.jobs.output.JobOutput.open>` (``output.py``): the input files resolved, an output
    nested with them refused, and a first look at the output folder (``folder.py``): an occupied one without
    ``--resume`` / ``--overwrite`` is refused before the model is even resolved. On ``--resume`` what the call was
-   not given comes from the manifest (``resume.py``).
+   not given comes from the manifest (``resume.py``: :func:`~dask_lm.jobs.resume.spec_for`).
 2. ``model_files.py``: the model files resolved and checked, the tokenizer's, and the manifest that pins them, the
    inputs (by content: :mod:`dask_lm.io.fingerprint`) and the options (its format and seal:
    :mod:`dask_lm.io.manifest`).

@@ -1,14 +1,15 @@
-"""``--resume``: what a resumed call is not given comes from the manifest it resumes, and what differs is named.
+"""``--resume``: a resumed call's spec completed from the manifest it resumes (:func:`spec_for`), and what differs
+named (:func:`check_resume`).
 
-A job's ``_manifest.json`` (:mod:`dask_lm.io.manifest`) pins its input files, its model and the options its results
-depend on (``options``, compared on resume), and records the ones that change no written value (``settings``:
-``--task-tokens``, ``--max-steps``, ..., not compared; a resume that gives one records the new value). A job
-function takes ``None`` as "not given": on ``resume`` such an option takes the manifest's value, and one that *is*
-given is kept, so the job's own check (:func:`check_resume`) refuses it, naming it, when it differs from the pinned
-one. What is still ``None`` then gets the function's default. So ``dask-lm score --output scores/ --resume`` alone
-finishes a job, while ``--resume --skip-bad-rows`` may still add the flag to a job that stopped at a bad row
+A job's ``_manifest.json`` (:mod:`dask_lm.io.manifest`) pins its input files and model by content, the options its
+results depend on (``options``: the spec's ``pinned`` fields, compared on resume), and records the ones that change no
+written value (``settings``: ``--task-tokens``, ``--max-steps``, ..., not compared; a resume that gives one records
+the new value). A job function takes ``None`` as "not given": on ``resume`` such an option takes the manifest's value,
+and one that *is* given is kept, so the comparison refuses it, naming it, when it differs from the pinned one. What is
+still not given then gets the spec's default. So ``dask-lm score --output scores/ --resume`` alone finishes a job,
+while ``--resume --skip-bad-rows`` may still add the flag to a job that stopped at a bad row
 (:func:`added_skip_bad_rows`). :meth:`dask_lm.jobs.output.JobOutput.precheck` compares a resume's options with the
-manifest's before any cluster starts.
+manifest's before any cluster starts, :meth:`~dask_lm.jobs.output.JobOutput.pin` the files' content once hashed.
 """
 
 from __future__ import annotations
