@@ -107,6 +107,7 @@ def test_cuda_ipc_handle_travels_as_plain_data(tmp_path):
 
     import refit_peers
 
+    from dask_lm.model import cuda_ipc
     from dask_lm.refit import wire
 
     parent, child = mp.get_context("spawn").Pipe()
@@ -117,7 +118,7 @@ def test_cuda_ipc_handle_travels_as_plain_data(tmp_path):
         from dask_lm.model import device
 
         assert header["ipc"]["device"] == device.device_uuid(0)  # a UUID, not an index: indices differ per process
-        flat = wire.open_cuda(header["ipc"])
+        flat = cuda_ipc.open_cuda(header["ipc"])
         assert flat.is_cuda and flat.dtype == torch.uint8 and flat.numel() == header["used"]
         assert torch.equal(flat.view(torch.int32).cpu(), torch.arange(4096, dtype=torch.int32))
         del flat

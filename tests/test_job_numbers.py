@@ -28,14 +28,14 @@ ROWS = 40
 
 def _preloads(off: bool) -> None:
     """On a worker: no replica loaded beside the checks (the job's one part loads it), or back to normal."""
-    from dask_lm.scoring import scorer
+    from dask_lm.scoring import replicas
 
-    if off and not hasattr(scorer, "_real_preload"):
-        scorer._real_preload = scorer.preload_replica
-        scorer.preload_replica = lambda *args, **kwargs: {"error": "off for this test"}
-    elif not off and hasattr(scorer, "_real_preload"):
-        scorer.preload_replica = scorer._real_preload
-        del scorer._real_preload
+    if off and not hasattr(replicas, "_real_preload"):
+        replicas._real_preload = replicas.preload_replica
+        replicas.preload_replica = lambda *args, **kwargs: {"error": "off for this test"}
+    elif not off and hasattr(replicas, "_real_preload"):
+        replicas.preload_replica = replicas._real_preload
+        del replicas._real_preload
 
 
 @pytest.fixture(scope="module")

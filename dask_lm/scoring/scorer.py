@@ -35,23 +35,18 @@ from dask_lm.interface import again, opt
 from dask_lm.model import device, fused
 from dask_lm.model.inference import forward_rows
 from dask_lm.model.logprobs import next_token_logprobs_greedy, output_head, topk_logits
+from dask_lm.moved import moved_names
+from dask_lm.scoring import replicas
 
-# the replica cache lives in its own module; the three task-facing names stay importable from here, where tasks
-# and benchmarks have always found them
-from dask_lm.scoring.replicas import (  # noqa: F401
-    Replica,
-    preload_replica,
-    release_idle,
-    release_scorers,
-    replica_for,
-)
+__all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "ScoredRows", "score_rows", "score_partition"]
 
-__all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "ScoredRows", "score_rows", "score_partition",
-           "release_scorers", "preload_replica"]
+# the replica cache is dask_lm.scoring.replicas; its names' old path here warns
+__getattr__ = moved_names(__name__, dict.fromkeys(
+    ["Replica", "preload_replica", "release_idle", "release_scorers", "replica_for"], "dask_lm.scoring.replicas"))
 
 
 @torch.no_grad()
-def score_ids(rep: Replica, ids: list[list[int]], opts: ScoreOptions, on_rows: Any = None
+def score_ids(rep: replicas.Replica, ids: list[list[int]], opts: ScoreOptions, on_rows: Any = None
               ) -> tuple[list[torch.Tensor], list | None, list[bool], list[torch.Tensor]]:
     """Per row: logprobs (position 0 = 0), topk per position (ids, logprobs) when ``opts.topk``, whether every value
     is finite, and per position whether the token is the argmax of the model's distribution before it (bool, true
@@ -242,7 +237,7 @@ def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: 
     from dask_lm.io import parquet as pio
     from dask_lm.io.results import decode_topk_column
 
-    rep = replica_for(opts)
+    rep = replicas.replica_for(opts)
     with rep.lock:
         startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds,
                    "load_phases": rep.load_phases, "ready_at": rep.ready_at} if rep.fresh else {}
