@@ -55,9 +55,9 @@ def score_ids(rep: replicas.Replica, ids: list[list[int]], opts: ScoreOptions, o
 
     The GPU never waits for the host between micro-batches: a micro-batch's results are copied to the host
     asynchronously and cut into rows only after the next micro-batch has been launched (one micro-batch of lag, as
-    in a Policy's inference pass, :func:`dask_lm.model.inference.run_pass`). Before, every micro-batch ended in a
-    blocking copy, and the next one's host work (its tensor, its packed layout) left the GPU idle: 20% of a 0.5B
-    scoring phase on an H200 (``benchmarks/profile_score.py --profile``)."""
+    in a Policy's inference pass, :func:`dask_lm.model.inference.run_pass`). A blocking copy at the end of each
+    micro-batch would leave the GPU idle during the next one's host work (its tensor, its packed layout): 20% of a
+    0.5B scoring phase on an H200 (``benchmarks/profile_score.py --profile``)."""
     head = output_head(rep.model)
     out = _RowResults(len(ids), opts.topk)
     rows = [i for i in range(len(ids)) if ids[i]]
