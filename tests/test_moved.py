@@ -30,8 +30,9 @@ def test_an_old_name_warns_naming_its_new_path(old, name, new):
 
 @pytest.mark.parametrize("old", sorted({old for old, _, _ in MOVED_NAMES}))
 def test_other_missing_names_still_raise_attribute_error(old):
-    with pytest.raises(AttributeError, match="no_such_name"):
-        getattr(importlib.import_module(old), "no_such_name")
+    name = "no_such_name"
+    with pytest.raises(AttributeError, match=name):
+        getattr(importlib.import_module(old), name)
 
 
 def test_the_old_receiver_module_warns_naming_its_new_path(monkeypatch):

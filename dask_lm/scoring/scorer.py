@@ -18,6 +18,7 @@ and renamed, so a retried partition replaces it and every row appears exactly on
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -70,8 +71,8 @@ def score_ids(rep: replicas.Replica, ids: list[list[int]], opts: ScoreOptions, o
         tokens = TokenRows.from_lists([ids[i] for i in batch])
         lens = tokens.lengths
         (hidden, layout), rep.compiled = fused.call(
-            rep.compiled, lambda: forward_rows(rep.model, tokens, packed=rep.packed, varlen_ok=rep.varlen,
-                                               where=rep.device), "the scoring forward")
+            rep.compiled, functools.partial(forward_rows, rep.model, tokens, packed=rep.packed, varlen_ok=rep.varlen,
+                                            where=rep.device), "the scoring forward")
         # the head's fused reductions may be compiled where the decoder is not: the eager chain of max / sub / exp
         # / sum passes over [n, V] float32 logits was a third of a 0.5B scoring forward's GPU time, and their one
         # small graph compiles in seconds where the layers take ten (a job long enough chooses it, compile_head)
