@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import statistics
 import sys
 import tempfile
@@ -181,7 +182,7 @@ def _summary(walls: list[float], ranks: list[float], tokens: int) -> dict:
 
 
 def compare(before_path: str, after_path: str) -> None:
-    before, after = (json.load(open(p)) for p in (before_path, after_path))
+    before, after = (json.loads(pathlib.Path(p).read_text()) for p in (before_path, after_path))
     print("| arm | figure | before | after | after / before |\n|---|---|---:|---:|---:|")
     for arm in after:
         if arm not in before or arm == "meta":

@@ -92,9 +92,9 @@ def child(arm: str, model_dir: str, profile: bool, started: float) -> dict[str, 
         from dask_lm.model import load as model_load
 
         if arm == "direct":
-            model = model_load.load_causal_lm(model_dir, torch.bfloat16, where)
+            _model = model_load.load_causal_lm(model_dir, torch.bfloat16, where)  # held until the marks are taken
         else:
-            model = model_load._from_pretrained(model_dir, torch.bfloat16, where)
+            _model = model_load._from_pretrained(model_dir, torch.bfloat16, where)
         marks["direct_path"] = str(arm == "direct" and model_load.direct_files(model_dir) is not None)
     if where.type == "cuda":
         torch.cuda.synchronize()

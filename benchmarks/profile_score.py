@@ -104,7 +104,7 @@ def main(shape: str, num_rows: int, files: int, compile_: bool, head: bool, batc
     from user_score import score_rows
 
     from dask_lm.engine.metrics import flops_per_sequence
-    from dask_lm.scoring import scorer
+    from dask_lm.scoring import replicas, scorer
 
     assert torch.cuda.is_available(), "profile_score.py profiles the GPU path"
     dev = torch.device("cuda")
@@ -120,7 +120,7 @@ def main(shape: str, num_rows: int, files: int, compile_: bool, head: bool, batc
                                    chunk_size)
         os.makedirs(os.path.join(opts.output, "_errors"), exist_ok=True)
         t = time.perf_counter()
-        rep = scorer.Replica(model_dir, model_dir, "bfloat16", compile=compile_, compile_head=head)
+        rep = replicas.Replica(model_dir, model_dir, "bfloat16", compile=compile_, compile_head=head)
         res["replica_seconds"] = time.perf_counter() - t
         if not liger_layers:
             from dask_lm.model import liger_layers as liger
@@ -128,7 +128,7 @@ def main(shape: str, num_rows: int, files: int, compile_: bool, head: bool, batc
             liger.unpatch(rep.model)
         res["liger_layers"] = rep.liger_layers if liger_layers else 0
         rep.last_used = time.monotonic()
-        scorer.replica_for = lambda _opts: rep  # no worker plugin here: every span uses this process's replica
+        replicas.replica_for = lambda _opts: rep  # no worker plugin here: every span uses this process's replica
         print(f"{shape}: {num_rows} rows, {int(lens.sum())} tokens, {len(plan)} spans; replica in "
               f"{res['replica_seconds']:.1f} s (compile {rep.compile_seconds:.1f} s, {res['liger_layers']} liger modules); peak {peak / 1e12:.0f} "
               f"TFLOP/s ({peak_what})", flush=True)

@@ -155,7 +155,7 @@ class Warned:
 @contextlib.contextmanager
 def caught(into: list[tuple[type[Warning], str]]) -> Iterator[None]:
     """On a rank: collect into ``into`` the warnings dask-lm's own code raises in the block, to be raised again at
-    the user's call (:func:`reissue`). Another library's warnings are shown here, on the worker, as before."""
+    the user's call (:func:`reissue`). Another library's warnings are not collected: they show here, on the worker."""
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")  # every occurrence: the driver decides what is shown (its filters, once)
         yield

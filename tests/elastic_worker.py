@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pathlib
 import threading
 import time
 from typing import Any
@@ -79,7 +80,7 @@ def dask_setup(worker: Any) -> None:
             _wait(other, lambda: os.path.exists(other))
         if cfg.get("distinct") and not first:
             _wait(f"{cfg['distinct']} workers in {cfg['mark']}",
-                  lambda: len(set(open(cfg["mark"]).read().split())) >= int(cfg["distinct"]))
+                  lambda: len(set(pathlib.Path(cfg["mark"]).read_text().split())) >= int(cfg["distinct"]))
         if cfg.get("hold"):
             _wait("this worker's retirement", lambda: me.status != Status.running)
         return original(*args, **kwargs)

@@ -55,11 +55,12 @@ def cuda_ipc_exporter(conn) -> None:
     until the other end answers."""
     import torch
 
+    from dask_lm.model import cuda_ipc
     from dask_lm.refit import wire
 
     t = torch.arange(4096, dtype=torch.int32, device="cuda").view(torch.uint8)
     torch.cuda.synchronize()
-    conn.send_bytes(wire.encode_weights(["w"], t.numel(), transport="ipc", ipc=wire.encode_cuda(t)))
+    conn.send_bytes(wire.encode_weights(["w"], t.numel(), transport="ipc", ipc=cuda_ipc.encode_cuda(t)))
     conn.recv_bytes()
 
 

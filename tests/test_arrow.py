@@ -53,7 +53,7 @@ def test_padding_is_not_sent_but_irregular_padding_survives():
 
 def test_list_buffers_become_tensors_without_copy_and_respect_slicing():
     arr = pa.array([[1, 2, 3], [4], [5, 6]], type=pa.list_(pa.int32()))
-    values, offsets = list_values_offsets(arr)
+    values, _offsets = list_values_offsets(arr)
     assert values.data_ptr() == arr.values.buffers()[1].address
     sliced_values, sliced_offsets = list_values_offsets(arr.slice(1, 2))
     assert sliced_values.tolist() == [4, 5, 6] and sliced_offsets.tolist() == [0, 1, 3]

@@ -47,7 +47,7 @@ def test_errors_name_the_key(data, key):
 
 
 def test_unknown_key_suggests_the_close_one():
-    with pytest.raises(ValueError, match="did you mean `policy.logprob_batch_size`"):
+    with pytest.raises(ValueError, match=r"did you mean `policy.logprob_batch_size`"):
         PolicyConfig.from_dict({"model_name": "m", "logprob_batchsize": 2})
 
 
@@ -139,7 +139,7 @@ def test_a_disabled_megatron_section_as_nemo_rl_ships_it_loads():
     assert cfg.megatron_cfg.enabled is False
     assert cfg.megatron_cfg.extra["tensor_model_parallel_size"] == 1
     assert cfg.megatron_cfg.extra["optimizer"] == {"optimizer": "adam", "lr": 5.0e-6}
-    with pytest.raises(ValueError, match="policy.megatron_cfg.enabled"):
+    with pytest.raises(ValueError, match=r"policy.megatron_cfg.enabled"):
         PolicyConfig.from_dict({"model_name": "m", "megatron_cfg": {**megatron, "enabled": True}})
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import pickle
 
 import pyarrow as pa
@@ -142,7 +143,7 @@ def test_arrow_module_does_not_import_pickle():
     """The module that reads tables cannot unpickle: it does not even import pickle (see also test_unpickle_audit)."""
     import ast
 
-    tree = ast.parse(open(dask_lm.data.arrow.__file__).read())
+    tree = ast.parse(pathlib.Path(dask_lm.data.arrow.__file__).read_text())
     imported = {a.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
                 for a in node.names} | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "json" in imported and not {"pickle", "_pickle", "cloudpickle", "dill"} & imported, imported

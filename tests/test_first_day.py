@@ -87,7 +87,7 @@ def test_read_scores_to_pandas_to_arrow_and_read_parquet_give_the_parts_rows_in_
 
 @pytest.mark.cluster
 def test_topk_tokens_are_the_tokenizers_strings_of_topk_ids(job, tok):
-    res, out = job
+    _res, out = job
     direct, _ = _parts(out)
     assert direct.schema.field("topk_tokens").type == pa.list_(pa.list_(pa.string()))
     assert json.loads((out / "_manifest.json").read_text())["options"]["decode_topk"] is True  # pinned
@@ -127,14 +127,14 @@ def test_read_scores_refuses_what_is_not_a_finished_scoring_output(job, tmp_path
             dask_lm.read_scores(folder)
     (plain / "_manifest.json").write_text(json.dumps({"format": 4, "options": {"epochs": 1}}))  # an sft run's
     (plain / "_SUCCESS").write_text("{}")
-    with pytest.raises(ValueError, match="not a dask-lm scoring output .*another kind of job"):
+    with pytest.raises(ValueError, match=r"not a dask-lm scoring output .*another kind of job"):
         dask_lm.read_scores(plain)
 
 
 def test_decode_topk_needs_topk(tiny, tmp_path):
     data = tmp_path / "d.parquet"
     pq.write_table(pa.table({"text": ["a b c"]}), data)
-    with pytest.raises(ValueError, match="decode_topk=True .* needs topk=K"):
+    with pytest.raises(ValueError, match=r"decode_topk=True .* needs topk=K"):
         dask_lm.score_parquet(data, tmp_path / "out", model=tiny["llama"], text_column="text", decode_topk=True)
     result = CliRunner().invoke(cli, ["score", str(data), "--model", tiny["llama"], "--text-column", "text",
                                       "--output", str(tmp_path / "out"), "--decode-topk"])

@@ -73,10 +73,10 @@ def test_a_stop_token_ends_a_row_early(client, tiny, tok):
     assert int(out["generation_lengths"][0]) == cut and not bool(out["truncated"][0])
     assert out["output_ids"][0, n:n + cut].tolist() == free["output_ids"][0, n:n + cut].tolist()
     assert (out["output_ids"][0, n + cut:] == tok.pad_token_id).all()
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        with dask_lm.Policy(client, {**_cfg(tiny["llama"]), "generation": None}, tok, init_optimizer=False,
-                            init_reference_model=False) as p:
-            p.generate(batch)
+    with pytest.raises(ValueError, match="max_new_tokens"), \
+            dask_lm.Policy(client, {**_cfg(tiny["llama"]), "generation": None}, tok, init_optimizer=False,
+                           init_reference_model=False) as p:
+        p.generate(batch)
 
 
 def test_a_stop_string_ends_a_row(client, tiny, tok):

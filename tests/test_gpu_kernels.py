@@ -55,7 +55,7 @@ def test_fused_output_head_against_float64():
         want = want * valid
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
     assert "pick_minus_lse" in fused._COMPILED and not fused._BROKEN
-    vals, idx = topk_logits(hidden, valid, head, 5, chunk_size=128, normalize=True)
+    vals, _idx = topk_logits(hidden, valid, head, 5, chunk_size=128, normalize=True)
     want_v = torch.log_softmax(hidden.double() @ weight.double().t(), -1).topk(5, -1).values
     torch.testing.assert_close(vals.double(), want_v * valid[..., None], atol=1e-4, rtol=0)
 

@@ -18,7 +18,7 @@ from dask_lm import BatchedDataDict
 pytestmark = pytest.mark.gpu
 
 
-def _bf16_policy_and_saved(gpu_client, tiny, tmp_path, **kwargs):
+def _bf16_policy_and_saved(gpu_client, tiny, tmp_path, **kwargs):  # noqa: F811
     tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
     policy = dask_lm.Policy(gpu_client, {"model_name": tiny["qwen2"], "precision": "bfloat16"}, tok,
                             init_optimizer=False, init_reference_model=False, **kwargs)
@@ -30,7 +30,7 @@ def _worker_allocated():
 
 
 @pytest.mark.cluster
-def test_cuda_ipc_http_refit_into_sglang_decoder(gpu_client, tiny, tmp_path):
+def test_cuda_ipc_http_refit_into_sglang_decoder(gpu_client, tiny, tmp_path):  # noqa: F811
     """Each GPU rank feeds its own fake SGLang server (a separate process that sees every GPU) by CUDA IPC handles
     that SGLang's own patched rebuild opens by GPU UUID; the weights arrive bit-identical, and the exported bucket
     memory is released afterwards (ipc_collect once the server let go)."""
@@ -65,7 +65,7 @@ def test_cuda_ipc_http_refit_into_sglang_decoder(gpu_client, tiny, tmp_path):
 
 
 @pytest.mark.cluster
-def test_zmq_ipc_refit_on_gpus_is_bit_identical(gpu_client, tiny, tmp_path):
+def test_zmq_ipc_refit_on_gpus_is_bit_identical(gpu_client, tiny, tmp_path):  # noqa: F811
     import multiprocessing as mp
     import stat
 
@@ -107,6 +107,7 @@ def test_cuda_ipc_handle_travels_as_plain_data(tmp_path):
 
     import refit_peers
 
+    from dask_lm.model import cuda_ipc
     from dask_lm.refit import wire
 
     parent, child = mp.get_context("spawn").Pipe()
@@ -117,7 +118,7 @@ def test_cuda_ipc_handle_travels_as_plain_data(tmp_path):
         from dask_lm.model import device
 
         assert header["ipc"]["device"] == device.device_uuid(0)  # a UUID, not an index: indices differ per process
-        flat = wire.open_cuda(header["ipc"])
+        flat = cuda_ipc.open_cuda(header["ipc"])
         assert flat.is_cuda and flat.dtype == torch.uint8 and flat.numel() == header["used"]
         assert torch.equal(flat.view(torch.int32).cpu(), torch.arange(4096, dtype=torch.int32))
         del flat
@@ -148,7 +149,7 @@ def _start_on_second_gpu(target, *args):
 
 
 @pytest.mark.cluster
-def test_nccl_broadcast_to_a_second_gpu(gpu_client, tiny, tmp_path):
+def test_nccl_broadcast_to_a_second_gpu(gpu_client, tiny, tmp_path):  # noqa: F811
     import socket
 
     import refit_peers
@@ -173,7 +174,7 @@ def test_nccl_broadcast_to_a_second_gpu(gpu_client, tiny, tmp_path):
 
 
 @pytest.mark.cluster
-def test_every_listener_of_a_cuda_cluster_and_nccl_policy_is_on_loopback(gpu_client, tiny):
+def test_every_listener_of_a_cuda_cluster_and_nccl_policy_is_on_loopback(gpu_client, tiny):  # noqa: F811
     """The driver (scheduler, dashboard, nannies) and every worker (Dask, rank 0's store, NCCL's bootstrap) listen
     on loopback only while a Policy over every GPU is loaded."""
     import ipaddress
@@ -194,7 +195,7 @@ def test_every_listener_of_a_cuda_cluster_and_nccl_policy_is_on_loopback(gpu_cli
 
 
 @pytest.mark.cluster
-def test_nccl_reshard_refit_to_a_second_gpu(gpu_client, tiny, tmp_path):
+def test_nccl_reshard_refit_to_a_second_gpu(gpu_client, tiny, tmp_path):  # noqa: F811
     """The resharded refit over NCCL: policy rank 0 on GPU 0, one inference rank on GPU 1 cutting every weight by
     columns; its slices equal the saved weights' columns."""
     import socket

@@ -77,7 +77,7 @@ def test_a_damaged_cache_entry_is_ignored(tmp_path, cache):
     path = write(tmp_path / "d.bin", b"data" * 100)
     fingerprint.fingerprint_files([path])
     entry = local_cache._entry_path(os.path.abspath(path))
-    for junk in ("not json", '["a list"]', '{"path": "%s", "sha256": "short"}' % os.path.abspath(path)):
+    for junk in ("not json", '["a list"]', f'{{"path": "{os.path.abspath(path)}", "sha256": "short"}}'):
         with open(entry, "w") as f:
             f.write(junk)
         assert fingerprint.fingerprint_files([path])[0].sha256 == sha(path)

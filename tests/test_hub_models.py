@@ -115,5 +115,5 @@ def test_a_hub_repository_with_only_pickled_weights_is_refused(hub_cache, tiny):
     (snap / "pytorch_model.bin").write_bytes(b"not loaded")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("d" * 40)
-    with pytest.raises(ValueError, match="no safetensors weights.*save_pretrained"):
+    with pytest.raises(ValueError, match=r"no safetensors weights.*save_pretrained"):
         resolve_model("dask-lm-tests/pickles-only")

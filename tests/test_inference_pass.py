@@ -121,11 +121,11 @@ def test_scorer_packed_micro_batches_equal_padded_ones_and_hf(tiny):
     """The scorer packs rows on GPUs; its packed path (here through the exact block mask) gives the padded path's
     logprobs and top-k, which equal a plain Hugging Face forward, row by row."""
     from dask_lm.data.messages import ScoreOptions
-    from dask_lm.scoring import scorer
+    from dask_lm.scoring import replicas, scorer
 
     opts = ScoreOptions(model=tiny["llama"], tokenizer=tiny["llama"], precision="float32", output="-",
                                topk=3, batch_tokens=40, chunk_size=7)
-    rep = scorer.Replica(opts.model, opts.tokenizer, opts.precision)
+    rep = replicas.Replica(opts.model, opts.tokenizer, opts.precision)
     assert not rep.packed and not rep.compiled  # the CPU pads and stays eager
     import transformers
 

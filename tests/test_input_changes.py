@@ -8,6 +8,7 @@ scored, loops survived, and every row is scored once."""
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 
 import pyarrow as pa
@@ -125,7 +126,7 @@ def _after_last_part(monkeypatch, action):
 def test_an_input_changed_after_its_last_read_fails_before_success(client, tiny, tmp_path, monkeypatch):
     data = _write(tmp_path / "a.parquet", _texts(20), row_group_size=5)
     out = tmp_path / "out"
-    original = open(data, "rb").read()
+    original = pathlib.Path(data).read_bytes()
     _after_last_part(monkeypatch, lambda: _replace_same_size(data, _texts(20, "q"), row_group_size=5))
     with pytest.raises(InputChangedError, match="same size, different content") as e:
         dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text", progress=False,
@@ -153,7 +154,7 @@ def test_a_model_file_changed_during_the_job_fails_before_success(client, tiny, 
     _after_last_part(monkeypatch, lambda: config.write_text(text.replace('"rms_norm_eps": 1e-06',
                                                                          '"rms_norm_eps": 9e-06')))
     assert '"rms_norm_eps": 1e-06' in text
-    with pytest.raises(InputChangedError, match="config.json") as e:
+    with pytest.raises(InputChangedError, match=r"config.json") as e:
         dask_lm.score_parquet(data, out, model=str(model), client=client, text_column="text", progress=False)
     assert str(config) in str(e.value) and not (out / "_SUCCESS").exists()
 

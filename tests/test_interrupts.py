@@ -86,7 +86,7 @@ def _ids(out):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_mid_job_says_what_is_kept_and_resume_finishes_exactly_once(tiny, long_job, tmp_path, sig):
     out = tmp_path / "out"
-    code, stdout, stderr = _interrupt_after_first_part(_score(long_job, tiny["llama"], out), str(out), sig)
+    code, _stdout, stderr = _interrupt_after_first_part(_score(long_job, tiny["llama"], out), str(out), sig)
     assert code == 128 + sig, (code, stderr)
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr

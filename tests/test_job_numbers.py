@@ -9,6 +9,7 @@ import contextlib
 import importlib.metadata
 import io
 import json
+import pathlib
 import re
 import time
 
@@ -28,14 +29,14 @@ ROWS = 40
 
 def _preloads(off: bool) -> None:
     """On a worker: no replica loaded beside the checks (the job's one part loads it), or back to normal."""
-    from dask_lm.scoring import scorer
+    from dask_lm.scoring import replicas
 
-    if off and not hasattr(scorer, "_real_preload"):
-        scorer._real_preload = scorer.preload_replica
-        scorer.preload_replica = lambda *args, **kwargs: {"error": "off for this test"}
-    elif not off and hasattr(scorer, "_real_preload"):
-        scorer.preload_replica = scorer._real_preload
-        del scorer._real_preload
+    if off and not hasattr(replicas, "_real_preload"):
+        replicas._real_preload = replicas.preload_replica
+        replicas.preload_replica = lambda *args, **kwargs: {"error": "off for this test"}
+    elif not off and hasattr(replicas, "_real_preload"):
+        replicas.preload_replica = replicas._real_preload
+        del replicas._real_preload
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_the_wall_time_is_the_sum_of_its_steps(one_part_job):
     assert res.wall_phases["checks"] == pytest.approx(res.prepare_seconds, abs=1e-6)
     assert res.wall_phases["scoring"] == pytest.approx(res.scoring_seconds, abs=1e-3)
     assert res.wall_phases["model_load"] + res.wall_phases["compile"] > 0  # the one part loaded the model
-    done = json.loads((open(f"{res.output}/_SUCCESS").read()))  # the summary the output keeps says the same
+    done = json.loads(pathlib.Path(f"{res.output}/_SUCCESS").read_text())  # the summary the output keeps says the same
     assert done["wall_seconds"] == res.wall_seconds and done["wall_phases"] == res.wall_phases
     line = dict(res.summary())["seconds"]
     assert line.startswith(f"{res.wall_seconds:.1f} from the call's start = checks ")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 
 import pyarrow as pa
@@ -133,7 +134,7 @@ def test_a_part_proof_hashes_the_pages_and_a_check_catches_each_lie(tmp_path):
     proof = part_proof.PartProof("job-v1:x", 0, "/in.parquet", 10, 50, rows=50, bad_rows=0)
     with safe_paths.create_new(path) as sink:
         part_proof.write(table, sink, proof)
-    raw = open(path, "rb").read()
+    raw = pathlib.Path(path).read_bytes()
     length = int.from_bytes(raw[-8:-4], "little")
     import hashlib
 

@@ -192,7 +192,7 @@ def test_metrics_are_numbers_for_callers_and_tensors_inside_the_trainer():
 
     lp = -torch.rand(2, 5)
     data = dask_lm.BatchedDataDict(token_mask=torch.ones(2, 6), sample_mask=torch.ones(2))
-    loss, numbers = dask_lm.NLLLoss()(data, torch.tensor(2.0), torch.tensor(10.0), next_token_logprobs=lp)
+    _loss, numbers = dask_lm.NLLLoss()(data, torch.tensor(2.0), torch.tensor(10.0), next_token_logprobs=lp)
     with deferred_metrics():
         _, tensors = dask_lm.NLLLoss()(data, torch.tensor(2.0), torch.tensor(10.0), next_token_logprobs=lp)
     assert all(isinstance(v, float) for v in numbers.values())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import pytest
 import torch
@@ -102,7 +103,7 @@ def test_bin_weights_and_quantised_configs_are_not_taken_directly(tmp_path, monk
     path = _model_dir(tmp_path, "llama", tie=False)
     binary = tmp_path / "bin"
     binary.mkdir()
-    (binary / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    (binary / "config.json").write_text(pathlib.Path(path, "config.json").read_text())
     torch.save({"w": torch.zeros(1)}, binary / "pytorch_model.bin")  # transformers 5 saves safetensors only
     assert model_load.direct_files(str(binary)) is None
 

@@ -97,7 +97,7 @@ def test_topk_reference_temperature_and_odd_batches(client, tiny, tok):
     """One policy, several calls: top-k vs logits.topk, reference = base weights, temperature, odd batch sizes."""
     ids, lens = make_batch(tok, TEXTS)
     cfg = _cfg(tiny["llama"], "packed", generation={"temperature": 0.7})
-    expected, logits = hf_logprobs(tiny["llama"], ids, lens, temperature=0.7)
+    expected, _logits = hf_logprobs(tiny["llama"], ids, lens, temperature=0.7)
     with dask_lm.Policy(client, cfg, tok, weights_path=tiny["llama_tuned"]) as policy:
         # the restored weights drive get_logprobs; the reference stays the weights of model_name
         tuned, _ = hf_logprobs(tiny["llama_tuned"], ids, lens, temperature=0.7)

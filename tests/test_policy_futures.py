@@ -120,10 +120,10 @@ def test_submission_order_holds_for_interleaved_train_and_logprobs(client, tiny,
 
 
 def test_submit_names_the_methods_it_takes_and_validates_before_any_work(policy, batch):
-    with pytest.raises(ValueError, match="get_logprobs.*train"):
+    with pytest.raises(ValueError, match=r"get_logprobs.*train"):
         policy.submit("save_checkpoint", "/tmp/x")
     bad = BatchedDataDict(input_ids=batch["input_ids"].float(), input_lengths=batch["input_lengths"])
-    with pytest.raises(ValueError, match="get_logprobs: `input_ids` has dtype torch.float32"):
+    with pytest.raises(ValueError, match=r"get_logprobs: `input_ids` has dtype torch.float32"):
         policy.submit("get_logprobs", bad)
     # SGLang generation runs from the driver: there is no future of it, and submit says so
     import dataclasses
@@ -131,7 +131,7 @@ def test_submit_names_the_methods_it_takes_and_validates_before_any_work(policy,
     cfg = policy.cfg
     policy.cfg = dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, backend="sglang"))
     try:
-        with pytest.raises(ValueError, match="call policy.generate"):
+        with pytest.raises(ValueError, match=r"call policy.generate"):
             policy.submit("generate", batch)
     finally:
         policy.cfg = cfg

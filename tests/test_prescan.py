@@ -76,8 +76,9 @@ def _scan(data, model, **options):
 
 def test_ids_rows_are_counted_past_the_first_few_and_the_cli_exits_2(tiny, tmp_path):
     import json
+    import pathlib
 
-    vocab = json.load(open(f"{tiny['llama']}/config.json"))["vocab_size"]
+    vocab = json.loads(pathlib.Path(f"{tiny['llama']}/config.json").read_text())["vocab_size"]
     ids = [[5, 6, 7, 8] for _ in range(20)]
     for r in (2, 4, 9, 11, 13, 17, 19):
         ids[r] = [5, vocab + r, 6]  # outside the vocabulary

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.cluster
 
 def _nemo_percentile(values, p):
     ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1)))))]
+    return ordered[max(0, min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1))))]
 
 
 def _cfg(model_dir):

@@ -64,7 +64,7 @@ def _check_identical(got, saved):
 
 @pytest.mark.cluster
 def test_refit_info_names_shapes_dtypes(trained, tiny):
-    policy, saved = trained
+    policy, _saved = trained
     info = policy.prepare_refit_info()
     # an independent reference: the names, order and full shapes of the model as Hugging Face loads it
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32).state_dict()

@@ -226,9 +226,9 @@ def test_sglang_generate_server_down(client, tiny, tok):
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
     ids, lens = make_batch(tok, TEXTS[:2])
-    with _sglang_policy(client, tiny, tok, [url], sglang_cfg={"server_urls": [url], "retries": 1}) as policy:
-        with pytest.raises(ConnectionError, match=f"{url} is unreachable"):
-            policy.generate(BatchedDataDict(input_ids=ids, input_lengths=lens))
+    with _sglang_policy(client, tiny, tok, [url], sglang_cfg={"server_urls": [url], "retries": 1}) as policy, \
+            pytest.raises(ConnectionError, match=f"{url} is unreachable"):
+        policy.generate(BatchedDataDict(input_ids=ids, input_lengths=lens))
 
 
 def test_cuda_ipc_payload_passes_sglang_unpickler_and_fails_only_at_the_device(tmp_path):

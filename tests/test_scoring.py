@@ -237,7 +237,7 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
     assert os.stat(out / "part-00000.parquet").st_mtime_ns == kept
     assert pq.read_table(out / "part-00002.parquet").equals(pq.read_table(pa.BufferReader(before["part-00002.parquet"])))
     assert (out / "_SUCCESS").exists()
-    with pytest.raises(ValueError, match="resume=True refused.*options"):
+    with pytest.raises(ValueError, match=r"resume=True refused.*options"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=3,
                               resume=True, progress=False, task_tokens=0)
     # the CLI alike: `--output DIR --resume` alone finishes the job (the cluster from DASK_SCHEDULER_ADDRESS)
@@ -251,10 +251,10 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
     assert "30 (7 scored by this run)" in result.output and re.search(r"parts +4 \(3 already done\)", result.output)
     assert pq.read_table(out / "part-00001.parquet").equals(pq.read_table(pa.BufferReader(before["part-00001.parquet"])))
     assert sorted(_read(out)[0].column("id").to_pylist()) == list(range(30))
-    with pytest.raises(ValueError, match="resume=True refused.*model"):
+    with pytest.raises(ValueError, match=r"resume=True refused.*model"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama_tuned"], client=client, text_column="text",
                               resume=True, progress=False, task_tokens=0)
-    with pytest.raises(ValueError, match="holds a finished dask-lm scoring job.*resume=True.*overwrite=True"):
+    with pytest.raises(ValueError, match=r"holds a finished dask-lm scoring job.*resume=True.*overwrite=True"):
         dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", progress=False,
                               task_tokens=0)
 
@@ -372,6 +372,6 @@ def test_a_file_without_rows_adds_nothing_whatever_its_column_types(client, tiny
                                 id_column="id", progress=False)
     assert res.rows == 3 and sorted(_read(tmp_path / "out")[0]["id"].to_pylist()) == [0, 1, 2]
     pd.DataFrame({"id": pd.Series([], dtype="int64")}).to_parquet(data / "c.parquet", index=False)
-    with pytest.raises(ValueError, match="c.parquet.*'text'"):
+    with pytest.raises(ValueError, match=r"c.parquet.*'text'"):
         dask_lm.score_parquet(data, tmp_path / "out2", model=tiny["llama"], client=client, text_column="text",
                               progress=False)

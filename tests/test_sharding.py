@@ -147,7 +147,7 @@ def test_batched_data_dict_helpers():
         tag=["x", "y"])], pad_value_dict={"input_ids": -1})
     assert joined["input_ids"].shape == (4, 6) and joined["input_ids"][0, 4:].tolist() == [-1, -1]
     assert b.to("cpu") is b and b.size == 4
-    shards, order = b.shard_by_batch_size(2, batch_size=4, dynamic_batching_args={
+    shards, _order = b.shard_by_batch_size(2, batch_size=4, dynamic_batching_args={
         "input_key": "input_ids", "input_lengths_key": "input_lengths", "sequence_length_round": 1,
         "max_tokens_per_microbatch": 8})
     gb = shards[0].get_batch(0, batch_size=2)

@@ -121,7 +121,7 @@ def test_process_start_reads_when_this_process_started():
 
 
 def _entry(buf: SharedBuffer) -> dict:
-    n, b, s, v = buf.shape
+    _n, _b, s, v = buf.shape
     return {"payload_ipc": buf.payload, "buf_idx": 0, "sample_index_in_buf": 0, "actual_shape": [s, v],
             "storage_shape": list(buf.shape)}
 

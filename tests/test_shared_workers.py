@@ -84,7 +84,7 @@ def test_two_groups_on_the_same_workers_run_their_calls_in_one_order(single_thre
     rank 0, queued on worker 0 behind A's rank 0, which waits for A's rank 1, queued behind B's: a deadlock until
     the collective times out. Ordered, B's rank 1 waits for A's, both calls finish, and each worker ran A's call
     before B's."""
-    cluster, client = single_threaded
+    _cluster, client = single_threaded
     a, b = WorkerGroup(client, workers=[0, 1]), WorkerGroup(client, workers=[0, 1])
     try:
         tag = uuid.uuid4().hex[:6]
@@ -134,7 +134,7 @@ def test_a_failed_call_of_one_group_neither_fails_nor_jumps_the_next_call_of_ano
     """Group A's call waits for an input, then fails on both ranks; group B's call, submitted after it, runs after
     it on each worker (unordered, B's ranks would run first, their workers being idle) and finishes: A's failure is
     A's alone, though B's tasks follow A's (Dask fails a task whose dependency failed)."""
-    cluster, client = single_threaded
+    _cluster, client = single_threaded
     a, b = WorkerGroup(client, workers=[0, 1]), WorkerGroup(client, workers=[0, 1])
     try:
         tag = uuid.uuid4().hex[:6]
@@ -265,7 +265,7 @@ def test_two_policies_on_the_same_workers_finish_interleaved_calls_as_each_would
         for name, p in policies.items():
             futures[name]["after"] = p.submit("get_logprobs", fwd)
         every = [f for calls in futures.values() for f in (calls["before"], *calls["train"], calls["after"])]
-        done, pending = wait(every, timeout=FUTURE_BOUND_S)
+        _done, pending = wait(every, timeout=FUTURE_BOUND_S)
         assert not pending, f"{len(pending)} of {len(every)} futures did not finish: the Policies deadlocked"
         for name in policies:
             losses, before, after = want[name]

@@ -115,6 +115,6 @@ def test_one_row_group_is_scored_by_every_worker_and_resumed_by_span(client, tin
     assert again.parts_skipped == res.parts - 1 and (again.rows, again.run_rows) == (120, before.num_rows)
     assert pq.read_table(out / "part-00002.parquet").column("id").equals(before.column("id"))
     os.remove(out / "_SUCCESS")
-    with pytest.raises(ValueError, match="resume=True refused.*cut into parts another way"):
+    with pytest.raises(ValueError, match=r"resume=True refused.*cut into parts another way"):
         dask_lm.score_parquet(one_group, out, model=tiny["llama"], client=client, ids_column="ids",
                               id_column="id", task_tokens=150, resume=True, progress=False)

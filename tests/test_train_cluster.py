@@ -97,7 +97,7 @@ def test_adamw_with_scheduler_over_several_global_batches(client, tiny, tok):
     cfg = _cfg(tiny["llama"], gbs=4, optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
                scheduler=sched, max_grad_norm=None)
     batches = [(b["input_ids"], b["input_lengths"], b["token_mask"], b["sample_mask"]) for b in (first, second, third)]
-    ref_losses, ref_norms, ref_model = hf_nll_steps(tiny["llama"], batches, lr=1e-2, max_grad_norm=None,
+    ref_losses, _ref_norms, ref_model = hf_nll_steps(tiny["llama"], batches, lr=1e-2, max_grad_norm=None,
                                                     optimizer="adamw", lr_factors=[0.5, 0.5, 0.75])
     with dask_lm.Policy(client, cfg, tok) as policy:
         out1 = policy.train(both, dask_lm.NLLLoss())

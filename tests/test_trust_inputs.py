@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import pathlib
 import shutil
 import struct
 
@@ -179,7 +180,7 @@ def test_damaged_model_exits_2_before_any_cluster(tiny, tmp_path, no_cluster, co
 
 
 def test_topk_above_the_vocabulary_exits_2(tiny, tmp_path, no_cluster):
-    vocab = json.loads(open(os.path.join(tiny["llama"], "config.json")).read())["vocab_size"]
+    vocab = json.loads(pathlib.Path(tiny["llama"], "config.json").read_text())["vocab_size"]
     data = _write(tmp_path / "data.parquet", TEXTS[:4])
     args = ["score", str(data), "--model", tiny["llama"], "--text-column", "text", "--output", str(tmp_path / "o"),
             "--no-progress"]
@@ -225,7 +226,7 @@ def test_output_and_input_must_not_nest(tiny, tmp_path, no_cluster):
 
 def _hold_lock(out):
     out.mkdir(exist_ok=True)
-    f = open(out / ".dask-lm.lock", "a+")
+    f = open(out / ".dask-lm.lock", "a+")  # noqa: SIM115 (held open: the lock lasts as long as the file)
     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running job holds it
     return f
 

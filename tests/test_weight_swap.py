@@ -119,7 +119,7 @@ def test_receiver_takes_a_collective_broadcast_and_misuse_is_refused(three, tiny
     try:
         with pytest.raises(ValueError, match="needs init_collective_mcore_generation"):
             dst.swap_weights_via_reshard(is_source=False)
-        with pytest.raises(ValueError, match="'gloo' or 'nccl'.*NVSHMEM"):
+        with pytest.raises(ValueError, match=r"'gloo' or 'nccl'.*NVSHMEM"):
             src.init_collective_mcore_generation("127.0.0.1", 1, 3, rank_offset=0, refit_backend="nvshmem")
         with pytest.raises(ValueError, match="needs GPU ranks"):
             src.init_collective_mcore_generation("127.0.0.1", 1, 3, rank_offset=0, refit_backend="nccl")

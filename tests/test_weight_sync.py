@@ -162,7 +162,7 @@ def test_engines_from_a_policys_nemo_rl_shaped_sglang_cfg():
         "backend": "sglang", "max_new_tokens": 8, "sglang_cfg": sglang_cfg}})
     engines = SGLangEngines.from_policy(SimpleNamespace(cfg=cfg))
     assert engines.get_rollout_engine_urls() == ["http://a:1", "http://b:2"] and engines.num_gpus_per_engine == 2
-    with pytest.raises(ValueError, match="sglang_cfg.server_urls"):
+    with pytest.raises(ValueError, match=r"sglang_cfg.server_urls"):
         SGLangEngines.from_policy(SimpleNamespace(cfg=dask_lm.PolicyConfig.from_dict({"model_name": "m"})))
 
 

@@ -16,6 +16,7 @@ import zmq
 from helpers import WritesMarker
 from torch.multiprocessing import reductions
 
+from dask_lm.model import cuda_ipc
 from dask_lm.refit import wire
 from dask_lm.refit.receiver import receive_via_zmq
 
@@ -35,10 +36,10 @@ def test_cuda_handle_round_trips_through_the_header_as_plain_data():
         "storage_handle", "storage_size_bytes", "storage_offset_bytes", "requires_grad", "ref_counter_handle",
         "ref_counter_offset", "event_handle", "event_sync_required"]
     args = _torch_cuda_args()
-    frame = wire.encode_weights(["w"], 16, transport="ipc", ipc=wire.cuda_handle(args, FAKE_UUID))
+    frame = wire.encode_weights(["w"], 16, transport="ipc", ipc=cuda_ipc.cuda_handle(args, FAKE_UUID))
     raw = msgpack.unpackb(frame)  # any msgpack reader sees plain values: no class, no function
     assert raw["ipc"]["device"] == FAKE_UUID and raw["ipc"]["dtype"] == "uint8"
-    got = wire.cuda_rebuild_args(wire.decode_header(frame)["ipc"], device_index=5)
+    got = cuda_ipc.cuda_rebuild_args(wire.decode_header(frame)["ipc"], device_index=5)
     want = list(args)
     want[0], want[4], want[6] = torch.Tensor, torch.UntypedStorage, 5  # classes chosen here; the local index
     assert got[0] is torch.Tensor and got[4] is torch.UntypedStorage
@@ -52,7 +53,7 @@ def test_encode_cuda_names_the_gpu_by_uuid(monkeypatch):
     args = _torch_cuda_args(index=2)
     monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, args))
     monkeypatch.setattr(device, "device_uuid", lambda index=0: f"GPU-uuid-of-{index}")
-    h = wire.encode_cuda(torch.zeros(1))
+    h = cuda_ipc.encode_cuda(torch.zeros(1))
     assert h["device"] == "GPU-uuid-of-2" and h["handle"] == args[7] and h["ref_counter_handle"] == args[11]
 
 
@@ -70,9 +71,9 @@ def test_encode_cuda_names_the_gpu_by_uuid(monkeypatch):
     ({"storage_offset_bytes": 1 << 41}, "past any device's memory"),
 ])
 def test_cuda_handle_fields_are_checked(change, match):
-    h = {**wire.cuda_handle(_torch_cuda_args(), FAKE_UUID), **change}
+    h = {**cuda_ipc.cuda_handle(_torch_cuda_args(), FAKE_UUID), **change}
     with pytest.raises(ValueError, match=match):
-        wire.cuda_rebuild_args(h, 0)
+        cuda_ipc.cuda_rebuild_args(h, 0)
 
 
 def test_a_pickle_is_not_a_header_and_is_never_unpickled(tmp_path):

@@ -168,7 +168,7 @@ def test_one_rank_failing_names_the_rank_and_the_group_keeps_working(group):
 
 def test_a_value_error_comes_back_as_raised(group):
     """A ValueError (bad input) is the user's to fix: gather raises it as the rank raised it, not wrapped."""
-    with pytest.raises(ValueError, match="^bad input on this rank$") as info:
+    with pytest.raises(ValueError, match=r"^bad input on this rank$") as info:
         group.call(fail, "value", what="v", key_name="v", ranks=[0])
     assert not isinstance(info.value, RankFailedError)
     assert group.broken is None
@@ -281,7 +281,7 @@ def test_settled_futures_raise_the_ranks_error_and_the_chain_goes_on(client, gro
                            per_rank=[(False,), (True,), (False,)], settle=True)
     wait(futures, timeout=BOUND_S)
     assert client.gather(futures[0])["tag"] == "settled"
-    with pytest.raises(RuntimeError, match="^boom on worker 1$"):
+    with pytest.raises(RuntimeError, match=r"^boom on worker 1$"):
         client.gather(futures[1])
     out = group.call(whoami, what="next", key_name="next", ranks=[1])
     assert out[0]["worker"] == 1 and out[0]["prev"] is not None  # chained on the settled (finished) task

@@ -96,7 +96,7 @@ def install(force: bool = False) -> None:
         mod.__path__ = []  # a package, so submodule imports resolve
         if force or name not in sys.modules:
             sys.modules[name] = mod
-    for name, mod in mods.items():  # parent.child attributes, as a real import would set them
+    for name, _mod in mods.items():  # parent.child attributes, as a real import would set them
         parent, _, child = name.rpartition(".")
         if parent:
             setattr(sys.modules[parent], child, sys.modules[name])

@@ -18,6 +18,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import itertools
 import json
 import pathlib
 import re
@@ -45,7 +46,7 @@ def field_docstrings(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for node, after in zip(body, body[1:]):
+    for node, after in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
             docs[node.target.id] = inspect.cleandoc(after.value.value)

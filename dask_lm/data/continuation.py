@@ -23,7 +23,7 @@ loglikelihood`` / ``_encode_pair`` with ``HFLM.tok_encode``), whose numbers eval
 A text row (``--text-column``) is an empty context with the text as continuation: its first token is conditioned
 on BOS / EOS rather than left unscored.
 
-``"separate"`` is the convention of earlier dask-lm releases (kept for outputs that must match earlier ones): the context is
+``"separate"`` is there for outputs that must match ones scored that way: the context is
 ``tokenizer(context)`` with its special tokens, the continuation ``tokenizer(continuation,
 add_special_tokens=False)``, concatenated as they are; a text row is ``tokenizer(text)``, its first token unscored.
 ``dask-lm logprobs`` scores its texts that way too (:data:`LOGPROBS_CONVENTION`): with a tokenizer that adds no

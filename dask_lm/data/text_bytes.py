@@ -49,7 +49,7 @@ __all__ = ["ALWAYS_TOKENIZED_BYTES", "MAX_TEXT_BYTES", "TextBound", "max_token_b
 MAX_TEXT_BYTES = 16 << 20
 
 # A text this short is tokenized whatever the token bound (at most about 200 MiB of tokenizer memory), so that a
-# row over the bound by a little is refused with its exact token count, as before the bound
+# row over the bound by a little is refused with its exact token count
 ALWAYS_TOKENIZED_BYTES = 1 << 20
 
 # the most a Unicode normalization or lowercasing shrinks text, per character (see the module docstring)

@@ -6,9 +6,9 @@ crosses the wire as an Arrow table whose ``input_ids`` column is ``list<int32>``
 ``cu_seqlens`` a varlen forward takes. :meth:`TokenRows.from_table` wraps those buffers without a copy, a
 micro-batch of contiguous rows is a view (:meth:`TokenRows.slice`), and only then does the micro-batch take the
 form its forward needs: packed (:meth:`TokenRows.packed`, no copy of the ids) or right-padded to its own longest
-row (:meth:`TokenRows.padded`, one scatter). Before, the rank padded the whole shard back to ``[B, S]`` on
-arrival and each micro-batch was packed again from that padding (``mask-select``): two copies of every token and
-a ``[B, S]`` tensor per call that only existed to be undone.
+row (:meth:`TokenRows.padded`, one scatter). Padding the whole shard to ``[B, S]`` on arrival and packing each
+micro-batch again from that padding (``mask-select``) would cost two copies of every token and a ``[B, S]`` tensor
+per call that exists only to be undone.
 
 Scoring replicas build the same rows from the token lists a tokenizer gives (:meth:`TokenRows.from_lists`, one
 concatenation) rather than through a padded tensor, and training, whose loss functions read padded micro-batches

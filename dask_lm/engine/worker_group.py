@@ -387,7 +387,7 @@ class WorkerGroup:
                 if deadlock is not None:
                     # its ranks sit in collectives until their timeout: no later call can run on them before
                     self.broken = RankFailedError(deadlock)
-                    raise RankFailedError(deadlock)
+                    raise RankFailedError(deadlock) from None  # the poll's timeout is not its cause
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"{len(pending)} of {len(futures)} rank tasks of {what} did not finish "
                                        f"within {timeout} s") from None

@@ -1,4 +1,4 @@
-"""lm-eval, both halves, in one room (issue 29, "one home per subsystem"): the token-id requests behind the
+"""lm-eval, both halves, in one room (one home per subsystem): the token-id requests behind the
 lm-evaluation-harness model class (:mod:`dask_lm.harness`, which stays at its public path).
 
 The driver half: the request engine (``engine.py``: ``RequestEngine``), which sorts and cuts the requests into

@@ -22,7 +22,7 @@ from dask_lm.errors import NonFiniteError
 from dask_lm.model import device
 from dask_lm.model.forward import final_hidden_states
 from dask_lm.model.logprobs import next_token_logprobs_greedy, output_head
-from dask_lm.scoring import scorer
+from dask_lm.scoring import replicas, scorer
 
 __all__ = ["generate_rows", "loglikelihood_rows"]
 
@@ -49,7 +49,7 @@ def loglikelihood_rows(ids: list[list[int]], starts: list[int], opts: ScoreOptio
         if not 1 <= start < len(row):
             raise ValueError(f"request {names[j]}: start {start} with {len(row)} tokens; a request needs at least "
                              "one context token and one token to score")
-    rep = scorer.replica_for(opts)
+    rep = replicas.replica_for(opts)
     out: list[tuple[float, bool]] = []
     with rep.lock:
         _check_rows(ids, rep.vocab_size, names)
@@ -135,7 +135,7 @@ def generate_rows(contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOpt
     if empty:
         raise ValueError(f"request {empty[0]} has no context tokens to generate after: give it at least the "
                          "BOS / EOS token")
-    rep = scorer.replica_for(opts)
+    rep = replicas.replica_for(opts)
     out: list[list[int]] = [[] for _ in contexts]
     with rep.lock:
         if stops and rep.tokenizer is None:

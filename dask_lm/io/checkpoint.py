@@ -83,7 +83,7 @@ def _fsync(path: str) -> None:
 
 def fsync_tree(path: str) -> None:
     """fsync every file and directory under ``path``, deepest first."""
-    for root, dirs, files in os.walk(path, topdown=False):
+    for root, _dirs, files in os.walk(path, topdown=False):
         for name in files:
             _fsync(os.path.join(root, name))
         _fsync(root)

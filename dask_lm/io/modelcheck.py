@@ -1,7 +1,7 @@
 """Model directories checked on the driver, before any cluster starts: a damaged model is bad input (exit 2).
 
-Without these checks a corrupt ``config.json`` or a truncated weight file was found by the workers, after the
-cluster had started and the output had been created, and reported as a runtime failure (exit 1) in the words of
+Without these checks a corrupt ``config.json`` or a truncated weight file would be found by the workers, after
+the cluster has started and the output has been created, and reported as a runtime failure (exit 1) in the words of
 whichever library tripped over it. Here every file that ``from_pretrained`` will read is checked from its
 metadata alone (no tensor is loaded, nothing is unpickled), and an error names the file and what is wrong:
 

@@ -61,7 +61,7 @@ class NLLLoss(BaseLoss):
                 loss = loss / mask.sum(-1).clamp(min=1)
         else:
             loss = -masked_mean(lp, mask, global_normalization_factor=global_valid_toks)
-        # with dpo_loss the loss is per sample: its metric stays that tensor, as before
+        # with dpo_loss the loss is per sample: its metric is that tensor (detached), one value per sample
         return loss, {"loss": metric(loss) if loss.dim() == 0 else loss.detach(), "num_unmasked_tokens": metric(mask.sum()),
                       "num_valid_samples": metric(sample_mask.sum())}
 

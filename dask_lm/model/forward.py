@@ -19,7 +19,7 @@ import torch
 
 from dask_lm.model.hf import find_decoder
 
-__all__ = ["MicroBatch", "plan_micro_batches", "decoder_of", "final_hidden_states", "pack", "unpack_positions"]
+__all__ = ["MicroBatch", "plan_micro_batches", "decoder_of", "final_hidden_states", "unpack_positions"]
 
 
 @dataclass(frozen=True)

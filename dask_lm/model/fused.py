@@ -1,19 +1,19 @@
 """Compiled kernels on GPUs: the heads' logsumexp and softmax-gradient passes, and the decoder layers (inference and
 training).
 
-Where the time went before (``benchmarks/profile_forward.py``, one H200, random Qwen2.5-0.5B in bf16, packed
+Where the time goes without them (``benchmarks/profile_forward.py``, one H200, random Qwen2.5-0.5B in bf16, packed
 32k-token micro-batches, share of the wall time): decoder 55%, output head 39% (logsumexp 22%, fp32 upcast 9%,
 lm_head matmul 8%), GPU idle 6%. The head spent four times its matmul on memory passes over ``[n, V]`` logits:
 write bf16, read it and write float32, read that twice for the max and the sum of exponentials. The decoder of a
 small model is bound by its elementwise kernels (RMSNorm in float32, rotary embeddings, SiLU, residual adds),
 each a separate pass over the activations.
 
-Two changes, both PyTorch's own machinery (no hand-written kernels, nothing patched into model code):
+Two measures, both PyTorch's own machinery (no hand-written kernels, nothing patched into model code):
 
 - **Head**: the matmul writes float32 logits directly (``torch.mm(..., out_dtype=torch.float32)``: the bf16
-  products accumulate in fp32 as before, the result is no longer rounded to bf16), and one compiled reduction
+  products accumulate in fp32 and the result is never rounded to bf16), and one compiled reduction
   reads them once for the target's logit and the logsumexp. 2.4x faster than the eager head on the H200, and its
-  error against a float64 head drops from 4e-3 to 3e-6 (the bf16 rounding of the logits is gone).
+  error against a float64 head is 3e-6, where bf16 logits give 4e-3.
   Where liger-kernel is installed (the ``cuda`` extra), that pass at temperature 1 is its Triton kernel instead
   (:mod:`dask_lm.model.liger_head`): 10% faster than the compiled one and, cached on disk by Triton, without
   Inductor's seconds of compilation in every worker process, so the scoring path gets the fast head on jobs too

@@ -4,7 +4,7 @@ The ranks find the parts of a model they use after the weights have loaded: the 
 ``_no_split_modules`` (:meth:`~dask_lm.workers.rank_model.RankModel._apply_fsdp`, world size > 1), the
 decoder whose last hidden state every pass reads (:func:`dask_lm.model.forward.decoder_of`), the output
 embeddings of a causal LM (:func:`dask_lm.model.logprobs.output_head`) and the ``score`` head of a reward
-model. A model without one of them used to fail there, minutes into a job, as an ``AssertionError`` in a
+model. A model without one of them would fail there, minutes into a job, as an ``AssertionError`` in a
 worker's traceback. :func:`check_policy_model` asks the same questions before any cluster work starts and
 answers with a ``ValueError`` that names ``policy.model_name``, the architecture and the fix.
 

@@ -75,7 +75,7 @@ def _direct(model_dir: str, files: list[str], dtype: torch.dtype, where: torch.d
     headers: dict[str, tuple[str, list[int]]] = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safetensors' safe_open is no mapping: keys() is all it has)
                 headers[name] = (path, list(f.get_slice(name).get_shape()))
     for name, (_, shape) in headers.items():
         dst = targets.get(name)

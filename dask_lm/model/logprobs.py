@@ -74,7 +74,7 @@ def output_head(model: torch.nn.Module) -> OutputHead:
 
 
 def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]]:
-    step = n if not chunk_size else chunk_size
+    step = chunk_size if chunk_size else n
     return [(s, min(s + step, n)) for s in range(0, n, max(step, 1))]
 
 

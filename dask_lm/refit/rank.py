@@ -24,7 +24,7 @@ import torch
 from dask_lm.comm import collectives
 from dask_lm.comm.progress import report_progress
 from dask_lm.errors import RefitError
-from dask_lm.model import device
+from dask_lm.model import cuda_ipc, device
 from dask_lm.model.weights import local_tensor
 from dask_lm.refit import buckets as bk
 from dask_lm.refit import reshard as reshard_mod
@@ -209,7 +209,7 @@ def _stream_via_zmq(host: RefitHost, refitter: Refitter, *, buffer_size_bytes: i
         nonlocal pending, last, sent_bytes, messages, tensor_bytes
         device.synchronize()
         if transport == "ipc":
-            frames: list[Any] = [wire.encode_weights(names, used, transport="ipc", ipc=wire.encode_cuda(buf))]
+            frames: list[Any] = [wire.encode_weights(names, used, transport="ipc", ipc=cuda_ipc.encode_cuda(buf))]
         else:  # the bytes themselves, without a copy: the buffer is not touched again before the peer answers
             # ndarray.data is memoryview(array) (numpy types the buffer protocol only from Python 3.12)
             frames = [wire.encode_weights(names, used, transport="bytes"), buf[:used].numpy().data]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dask_lm.model import device
+from dask_lm.model import cuda_ipc, device
 from dask_lm.refit import buckets as bk
 from dask_lm.refit import reshard, wire
 
@@ -103,7 +103,7 @@ def _read(frames: list[Any], refit_info: RefitInfo,
             raise ValueError(f"a refit message announces {used} bytes and carries {len(data)}")
         flat = torch.frombuffer(data, dtype=torch.uint8) if used else torch.empty(0, dtype=torch.uint8)
     else:
-        flat = wire.open_cuda(header["ipc"])
+        flat = cuda_ipc.open_cuda(header["ipc"])
         if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < used:
             raise ValueError(f"the CUDA IPC buffer of a refit message is {flat.dtype} {tuple(flat.shape)}, not a flat "
                              f"uint8 buffer of at least {used} bytes")

@@ -11,7 +11,7 @@ bytes. Version 1 headers:
   bytes: the tensors of ``names``, back to back in that order, each at a :data:`ALIGN`-byte aligned offset (shapes
   and dtypes come from the receiver's refit info, so only names travel);
 - the same with ``"transport": "ipc"`` and ``"ipc": {...}`` instead of the frame: a CUDA IPC handle of a uint8
-  buffer on the policy's GPU (:func:`encode_cuda`), the bytes at the same offsets;
+  buffer on the policy's GPU (:func:`dask_lm.model.cuda_ipc.encode_cuda`), the bytes at the same offsets;
 - ``{"v": 1, "kind": "complete"}``: every weight was sent.
 
 **Inference -> policy.** One reply per message, from a fixed set: :data:`ACK` (loaded; the buffer may be reused),
@@ -27,12 +27,15 @@ from typing import Any
 import msgpack
 import torch
 
-# the CUDA IPC handle codec lives in dask_lm.model.cuda_ipc (shared logits buffers use it too); re-exported here,
-# where the refit's callers and tests have always found it
-from dask_lm.model.cuda_ipc import cuda_handle, cuda_rebuild_args, encode_cuda, open_cuda
+from dask_lm.moved import moved_names
 
 __all__ = ["VERSION", "ALIGN", "ACK", "REJECT", "TRANSPORTS", "encode_weights", "encode_complete", "decode_header",
-           "layout", "read_reply", "reject_frames", "encode_cuda", "cuda_handle", "cuda_rebuild_args", "open_cuda"]
+           "layout", "read_reply", "reject_frames"]
+
+# the CUDA IPC handle codec (the ``"ipc"`` field of a weights header) is dask_lm.model.cuda_ipc, which shared logits
+# buffers use too; its old path here warns
+__getattr__ = moved_names(__name__, dict.fromkeys(["encode_cuda", "cuda_handle", "cuda_rebuild_args", "open_cuda"],
+                                                  "dask_lm.model.cuda_ipc"))
 
 VERSION = 1
 ALIGN = 512

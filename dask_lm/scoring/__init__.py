@@ -1,4 +1,4 @@
-"""Scoring, both halves, in one room (issue 29, "one home per subsystem"): ``score_parquet`` and ``dask_lm.score``.
+"""Scoring, both halves, in one room (one home per subsystem): ``score_parquet`` and ``dask_lm.score``.
 
 The driver half: the file job (``job.py``: ``score_parquet``, ``ScoreResult``), the Dask DataFrame in / out
 (``frame.py``: ``dask_lm.score``), the warm-up its cluster start submits (``preload.py``), the driver's pre-scan of

@@ -98,7 +98,7 @@ def score(data: Any, *, model: str | os.PathLike[str], tokenizer: str | os.PathL
     import dask.dataframe as dd
     import pandas as pd
 
-    if isinstance(data, (list, tuple)) or isinstance(data, (pd.Series, dd.Series)):
+    if isinstance(data, (list, tuple, pd.Series, dd.Series)):
         texts = data if isinstance(data, (pd.Series, dd.Series)) else pd.Series(list(data))
         data = texts.rename("text").to_frame()
         if not any((text_column, ids_column, prompt_column, response_column)):

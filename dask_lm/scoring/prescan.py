@@ -1,15 +1,15 @@
 """Every bad row of a scoring job, found by the driver while the workers load the model.
 
-A bad row (a null, an id outside the vocabulary, a row over the position limit, text that is not UTF-8) used to
-be found by the worker that scored its partition: after the cluster's start and the model's load, and one at a
-time, so a newcomer fixing a dataset paid a full start per bad row. Here the driver reads the scored columns and
+A bad row (a null, an id outside the vocabulary, a row over the position limit, text that is not UTF-8) found by
+the worker that scores its partition is found after the cluster's start and the model's load, and one at a time,
+so a newcomer fixing a dataset would pay a full start per bad row. Here the driver reads the scored columns and
 runs the workers' own row checks (:func:`dask_lm.data.rows.prepare_rows`: same rules, same messages) over the
 whole input, in a thread beside the hashes, while the workers import and load. A job with bad rows is refused
 with all of them counted and the first few named, before anything is written.
 
 Only where the data allows: the scan costs a second read and (for text) a second tokenization, so it runs for
 jobs of at most :data:`PRESCAN_MAX_TOKENS` tokens (those it can finish within a model's load); larger jobs, and
-``--skip-bad-rows`` jobs (which list bad rows instead of failing), leave the checks to the workers, as before.
+``--skip-bad-rows`` jobs (which list bad rows instead of failing), leave the checks to the workers.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -164,7 +165,7 @@ def replica_for(opts: ScoreOptions) -> Replica:
 
 
 # ------------------------------------------------------------------------------------------- preloading
-def _preload_key(model: str, tokenizer: str, precision: str) -> tuple:
+def _preload_key(model: str, tokenizer: str, precision: str) -> tuple[str, str, str, str]:
     return ("preloaded", model, tokenizer, precision)
 
 
@@ -242,7 +243,7 @@ def adopt(rep: Replica | None, opts: ScoreOptions) -> Replica | None:
     return rep
 
 
-def _caches(dask_worker: Any = None) -> list[dict[tuple, Any]]:
+def _caches(dask_worker: Any = None) -> list[dict[tuple[Hashable, ...], Replica]]:
     """The replica caches to look at: ``dask_worker``'s (``client.run`` and the lease check pass it), else the
     current task's worker's, else none (no worker: no replica)."""
     from distributed import get_worker

@@ -18,11 +18,12 @@ and renamed, so a retried partition replaces it and every row appears exactly on
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -35,24 +36,23 @@ from dask_lm.interface import again, opt
 from dask_lm.model import device, fused
 from dask_lm.model.inference import forward_rows
 from dask_lm.model.logprobs import next_token_logprobs_greedy, output_head, topk_logits
+from dask_lm.moved import moved_names
+from dask_lm.scoring import replicas
 
-# the replica cache lives in its own module; the three task-facing names stay importable from here, where tasks
-# and benchmarks have always found them
-from dask_lm.scoring.replicas import (  # noqa: F401
-    Replica,
-    preload_replica,
-    release_idle,
-    release_scorers,
-    replica_for,
-)
+__all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "ScoredRows", "score_rows", "score_partition"]
 
-__all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "ScoredRows", "score_rows", "score_partition",
-           "release_scorers", "preload_replica"]
+# the replica cache is dask_lm.scoring.replicas; its names' old path here warns
+__getattr__ = moved_names(__name__, dict.fromkeys(
+    ["Replica", "preload_replica", "release_idle", "release_scorers", "replica_for"], "dask_lm.scoring.replicas"))
+
+# one row's top-k: per position, the k token ids (int32) and their logprobs, each [n, k]
+TopK = tuple[torch.Tensor, torch.Tensor]
 
 
 @torch.no_grad()
-def score_ids(rep: Replica, ids: list[list[int]], opts: ScoreOptions, on_rows: Any = None
-              ) -> tuple[list[torch.Tensor], list | None, list[bool], list[torch.Tensor]]:
+def score_ids(rep: replicas.Replica, ids: list[list[int]], opts: ScoreOptions,
+              on_rows: Callable[[int], None] | None = None
+              ) -> tuple[list[torch.Tensor], list[TopK] | None, list[bool], list[torch.Tensor]]:
     """Per row: logprobs (position 0 = 0), topk per position (ids, logprobs) when ``opts.topk``, whether every value
     is finite, and per position whether the token is the argmax of the model's distribution before it (bool, true
     at position 0). A row without tokens gets empty results without a forward. ``on_rows(k)``, if given, is told
@@ -60,9 +60,9 @@ def score_ids(rep: Replica, ids: list[list[int]], opts: ScoreOptions, on_rows: A
 
     The GPU never waits for the host between micro-batches: a micro-batch's results are copied to the host
     asynchronously and cut into rows only after the next micro-batch has been launched (one micro-batch of lag, as
-    in a Policy's inference pass, :func:`dask_lm.model.inference.run_pass`). Before, every micro-batch ended in a
-    blocking copy, and the next one's host work (its tensor, its packed layout) left the GPU idle: 20% of a 0.5B
-    scoring phase on an H200 (``benchmarks/profile_score.py --profile``)."""
+    in a Policy's inference pass, :func:`dask_lm.model.inference.run_pass`). A blocking copy at the end of each
+    micro-batch would leave the GPU idle during the next one's host work (its tensor, its packed layout): 20% of a
+    0.5B scoring phase on an H200 (``benchmarks/profile_score.py --profile``)."""
     head = output_head(rep.model)
     out = _RowResults(len(ids), opts.topk)
     rows = [i for i in range(len(ids)) if ids[i]]
@@ -75,8 +75,8 @@ def score_ids(rep: Replica, ids: list[list[int]], opts: ScoreOptions, on_rows: A
         tokens = TokenRows.from_lists([ids[i] for i in batch])
         lens = tokens.lengths
         (hidden, layout), rep.compiled = fused.call(
-            rep.compiled, lambda: forward_rows(rep.model, tokens, packed=rep.packed, varlen_ok=rep.varlen,
-                                               where=rep.device), "the scoring forward")
+            rep.compiled, functools.partial(forward_rows, rep.model, tokens, packed=rep.packed, varlen_ok=rep.varlen,
+                                            where=rep.device), "the scoring forward")
         # the head's fused reductions may be compiled where the decoder is not: the eager chain of max / sub / exp
         # / sum passes over [n, V] float32 logits was a third of a 0.5B scoring forward's GPU time, and their one
         # small graph compiles in seconds where the layers take ten (a job long enough chooses it, compile_head)
@@ -102,6 +102,12 @@ def score_ids(rep: Replica, ids: list[list[int]], opts: ScoreOptions, on_rows: A
     return out.lps, out.tops, out.finite, out.greedy
 
 
+class _Event(Protocol):
+    """What :func:`dask_lm.model.device.record_event` gives: a CUDA event, or a stand-in on the CPU."""
+
+    def synchronize(self) -> None: ...
+
+
 @dataclass
 class _Pending:
     """A launched micro-batch whose results are on their way to the host."""
@@ -110,17 +116,17 @@ class _Pending:
     lens: torch.Tensor
     cu: torch.Tensor | None  # packed: the rows' offsets in the [1, T] results
     host: tuple[torch.Tensor, ...]  # logprobs, is_max (and top-k values, ids), host tensors being filled
-    done: Any  # an event after the copies
+    done: _Event  # after the copies
 
 
 class _RowResults:
     """score_ids' results per row, cut out of each micro-batch's host tensors once their copies are done."""
 
     def __init__(self, n: int, topk: int) -> None:
-        self.lps: list[Any] = [torch.zeros(0)] * n
-        self.greedy: list[Any] = [torch.zeros(0, dtype=torch.bool)] * n
+        self.lps: list[torch.Tensor] = [torch.zeros(0)] * n
+        self.greedy: list[torch.Tensor] = [torch.zeros(0, dtype=torch.bool)] * n
         empty_top = (torch.zeros(0, topk, dtype=torch.int32), torch.zeros(0, topk))
-        self.tops: list[Any] | None = [empty_top] * n if topk else None
+        self.tops: list[TopK] | None = [empty_top] * n if topk else None
         self.finite = [True] * n
 
     def collect(self, p: _Pending, packed: bool) -> None:
@@ -178,7 +184,7 @@ def _refuse_if_cancelled(index: int) -> None:
         raise RuntimeError(f"part {index}: its job was cancelled while it ran; not written")
 
 
-def _rows_reporter(progress_id: str | None, index: int, every_s: float = 0.5) -> Any:
+def _rows_reporter(progress_id: str | None, index: int, every_s: float = 0.5) -> Callable[[int], None]:
     """``report(rows)``: part ``index``'s rows scored so far, as an event for the job's bar
     (:func:`dask_lm.comm.progress.report_progress`), the first at once and then at most every ``every_s`` (an
     event per micro-batch would be hundreds a second on a GPU, each a message through the scheduler)."""
@@ -242,7 +248,7 @@ def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: 
     from dask_lm.io import parquet as pio
     from dask_lm.io.results import decode_topk_column
 
-    rep = replica_for(opts)
+    rep = replicas.replica_for(opts)
     with rep.lock:
         startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds,
                    "load_phases": rep.load_phases, "ready_at": rep.ready_at} if rep.fresh else {}
@@ -271,8 +277,9 @@ def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: 
             more = f" (and {len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
             raise BadRowError(f"{rows.errors[bad[0]]}{more}; {bad_fix}")
         keep = [i for i in range(len(row_no)) if rows.errors[i] is None]
-        lps, tops, finite, greedy = score_ids(rep, [rows.ids[i] for i in keep], opts,  # type: ignore[misc]
-                                              report)
+        good = [ids for ids in (rows.ids[i] for i in keep) if ids is not None]
+        assert len(good) == len(keep)  # only a bad row is without ids (PreparedRows)
+        lps, tops, finite, greedy = score_ids(rep, good, opts, report)
     t_output = time.perf_counter()
     nonfinite = [keep[j] for j, ok in enumerate(finite) if not ok]
     if nonfinite and not opts.allow_nonfinite:
@@ -284,7 +291,7 @@ def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: 
                              f"precision overflows (try {opt('precision', 'fp32')}); pass "
                              f"{opt('allow_nonfinite', True)} to keep them")
     sums = [_row_sums(lps[j], greedy[j], rows.start[i]) for j, i in enumerate(keep)]
-    counts = [len(rows.ids[i]) for i in keep]  # type: ignore[arg-type]
+    counts = [len(ids) for ids in good]
     values: dict[str, Any] = {
         "num_tokens": counts, "prompt_tokens": [min(rows.start[i], n) for i, n in zip(keep, counts)],
         "num_scored": [s[0] for s in sums], "truncated": [rows.truncated[i] for i in keep],
@@ -309,8 +316,8 @@ def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: 
              # checking the rows, the model (forwards, heads, results to the host), building (and writing) the output
              "phases": {"rows": t_model - t_rows, "model": t_output - t_model,
                         "output": time.perf_counter() - t_output}}
-    return ScoredRows(keep=keep, table=table, bad=bad, errors=[rows.errors[i] for i in bad],  # type: ignore[misc]
-                      stats=stats)
+    errors = [e for e in (rows.errors[i] for i in bad) if e is not None]  # all of them: bad rows have errors
+    return ScoredRows(keep=keep, table=table, bad=bad, errors=errors, stats=stats)
 
 
 def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], index: int, file: str,
@@ -378,7 +385,8 @@ def _write_proved(table: Any, index: int, file: str, first_row: int, num_rows: i
 
     proof = part_proof.PartProof(identity=opts.identity, part=index, file=file, first_row=first_row,
                                  num_rows=num_rows, rows=table.num_rows, bad_rows=bad_rows) if opts.identity else None
-    return tuple(stamp(pio.write_part(table, opts.output, pio.part_name(index), proof)))  # type: ignore[return-value]
+    written = stamp(pio.write_part(table, opts.output, pio.part_name(index), proof))
+    return written.size, written.mtime_ns, written.ctime_ns
 
 
 def _worker_address() -> str | None:

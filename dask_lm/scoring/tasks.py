@@ -71,15 +71,15 @@ def check_model_config(model: str) -> dict[str, Any]:
 def preload_scorer(model: str, tokenizer: str, precision: str | None, compile: bool, compile_head: bool = False
                    ) -> dict[str, Any]:
     """``score_parquet``: load this worker's replica while the driver checks
-    (:func:`dask_lm.scoring.scorer.preload_replica`)."""
+    (:func:`dask_lm.scoring.replicas.preload_replica`)."""
     with sampling_profiler_paused():  # the model's modeling module is imported here, once per worker process
-        from dask_lm.scoring import scorer
+        from dask_lm.scoring import replicas
 
-        return scorer.preload_replica(model, tokenizer, precision, compile, compile_head)
+        return replicas.preload_replica(model, tokenizer, precision, compile, compile_head)
 
 
 def release_scorers(dask_worker: Any = None) -> int:
     """``score_parquet``'s end: free this worker's scoring replicas (run with ``client.run``)."""
-    from dask_lm.scoring import scorer
+    from dask_lm.scoring import replicas
 
-    return scorer.release_scorers(dask_worker)
+    return replicas.release_scorers(dask_worker)

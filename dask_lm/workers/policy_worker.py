@@ -58,8 +58,8 @@ class PolicyWorker:
         self.full_logits = FullLogitsExport(self.rank_model)
         self.extension_state: dict[str, Any] = {}
 
-    # what a worker extension class reads of its rank (``self.model``, ``self.rank``, ...), as it did when these
-    # were the worker's own attributes
+    # what a worker extension class reads of its rank (``self.model``, ``self.rank``, ...), as attributes of the
+    # worker it extends
     @property
     def cfg(self) -> PolicyConfig:
         return self.rank_model.cfg

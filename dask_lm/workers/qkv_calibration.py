@@ -66,7 +66,7 @@ def percentile_of(values: list[float], p: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, int(round(p / 100.0 * (len(ordered) - 1)))))]
+    return ordered[max(0, min(len(ordered) - 1, round(p / 100.0 * (len(ordered) - 1))))]
 
 
 def calibrate(rm: Any, rows: TokenRows, micro_batch_size: int | None, percentile: float,
