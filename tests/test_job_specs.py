@@ -185,10 +185,10 @@ def test_a_path_object_is_a_path_string():
 
 
 def test_the_job_options_page_is_generated_from_the_specs():
-    """docs/reference/jobs.md holds exactly what ``python -m dask_lm.jobs.doc`` renders from the specs."""
-    from dask_lm.jobs import doc
+    """docs/reference/jobs.md holds exactly what ``python -m dask_lm.job_options`` renders from the specs."""
+    from dask_lm import job_options as doc
 
-    assert doc.current() == doc.markdown(), "stale: run `python -m dask_lm.jobs.doc --write`"
+    assert doc.current() == doc.markdown(), "stale: run `python -m dask_lm.job_options --write`"
     for spec in (ScoreSpec, SFTSpec):
         for f, _o in options_of(spec):
             assert f"| `{f.name}` |" in doc.markdown(), f.name

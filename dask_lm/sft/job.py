@@ -30,7 +30,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -227,7 +227,7 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                 out.pin_precision(precision)
                 bar.wait("tokenizing the rows")
                 rows = _tokenize_all(dask_client, inputs, pins, spec.text_column, spec.prompt_column, spec.response_column, model,
-                                     spec.max_length, spec.truncate, spec.convention)
+                                     spec.max_length, spec.truncate, cast("Convention", spec.convention))
                 steps_per_epoch = math.ceil(len(rows) / spec.global_batch_size)
                 total = steps_per_epoch * spec.epochs if spec.max_steps is None else min(spec.max_steps, steps_per_epoch * spec.epochs)
                 bar.wait("loading the model", total=total)
