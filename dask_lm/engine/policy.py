@@ -45,7 +45,7 @@ from dask_lm.engine.events import log_call
 from dask_lm.engine.futures import Pending, PolicyFuture
 from dask_lm.engine.metrics import FLOPTracker, timed
 from dask_lm.engine.training import TrainingMixin
-from dask_lm.engine.validation import validate_input_batch
+from dask_lm.data.validation import validate_input_batch
 from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.io import hub, modelcheck

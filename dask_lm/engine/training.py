@@ -30,7 +30,7 @@ from dask_lm.engine.events import log_call
 from dask_lm.engine.futures import Pending
 from dask_lm.engine.metrics import timed
 from dask_lm.engine.policy_base import PolicyBase
-from dask_lm.engine.validation import validate_input_batch, validate_train_batch
+from dask_lm.data.validation import validate_input_batch, validate_train_batch
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.losses.base import loss_attribute
 

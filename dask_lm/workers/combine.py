@@ -18,6 +18,7 @@ import torch
 
 from dask_lm.data.batch import BatchedDataDict
 from dask_lm.data.messages import ForwardOutput, TrainResult
+from dask_lm.data.flops import aggregate_flops_metrics
 
 __all__ = ["combine", "join_rows", "join_generated", "reduce_train", "rank_frame"]
 
@@ -55,8 +56,6 @@ def join_generated(results: list[ForwardOutput], pad_token_id: int) -> BatchedDa
 
 def reduce_train(results: list[TrainResult], total_flops: float | None, world_size: int) -> dict[str, Any]:
     """NeMo RL's train() result from the ranks' :class:`TrainResult` (rank order, as NeMo RL concatenates them)."""
-    from dask_lm.engine.metrics import aggregate_flops_metrics
-
     metrics: dict[str, list[Any]] = {}
     for r in results:
         for key, values in r.all_mb_metrics.items():

@@ -112,9 +112,9 @@ def _list_column(frame: Any, name: Any, *, call: str, where: str) -> tuple[torch
 def prepare(value: Any, *, source: str, index: int, call: str, pad_token_id: int, vocab_size: int | None,
             max_length: int | None, train: tuple[Any, Any] | None) -> BatchedDataDict[Any]:
     """One partition (a pandas DataFrame) or the future's batch, as the batch the driver path would have checked:
-    :func:`~dask_lm.engine.validation.validate_input_batch` (and for train ``validate_train_batch`` with
+    :func:`~dask_lm.data.validation.validate_input_batch` (and for train ``validate_train_batch`` with
     ``train = (loss_fn, check_dim_skip_keys)``). Inference keeps only ``input_ids`` and ``input_lengths``."""
-    from dask_lm.engine.validation import validate_input_batch, validate_train_batch
+    from dask_lm.data.validation import validate_input_batch, validate_train_batch
 
     where = _where(source, index)
     if source == "frame":
