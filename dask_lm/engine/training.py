@@ -20,6 +20,7 @@ from dask_lm.data.batch import BatchedDataDict
 from dask_lm.data.messages import (
     ActionRequest,
     PlacementAction,
+    ReduceTrain,
     SaveRequest,
     Shard,
     TrainRequest,
@@ -155,8 +156,7 @@ class TrainingMixin(PolicyBase):
                      grad_norm=None if out["grad_norm"] is None else float(out["grad_norm"]),
                      lr=lr[-1] if lr else None, mfu=out.get("mfu"))
 
-        return Pending(futures, "train", {"total_flops": tracker.total_flops if tracker is not None else None}, label,
-                       done)
+        return Pending(futures, ReduceTrain(tracker.total_flops if tracker is not None else None), label, done)
 
     # ----------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, weights_path: str | os.PathLike[str], optimizer_path: str | os.PathLike[str] | None = None,
