@@ -1,4 +1,4 @@
-"""BatchedDataDict <-> Arrow, losslessly and as data only, with token ids as ``list<int32>``.
+"""A batch's columns <-> Arrow, both directions, losslessly and as data only, with token ids as ``list<int32>``.
 
 Between processes a batch travels as an Arrow table: a right-padded ``[B, S]`` tensor becomes a list column holding
 only each row's first ``input_lengths[b]`` values (when everything after that is one pad value, which is
@@ -27,8 +27,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-
-from dask_lm.data.batch import BatchedDataDict
 
 __all__ = ["to_arrow", "from_arrow", "list_values_offsets", "pad_from_offsets", "trimmed_column"]
 
@@ -210,8 +208,8 @@ def encode_columns(data: Mapping[str, Any]) -> tuple[pa.Table, dict[str, list[An
     return pa.Table.from_arrays(columns, schema=pa.schema(fields)), rest
 
 
-def to_arrow(data: Any) -> pa.Table:
-    """Arrow table of a BatchedDataDict (tensors, or lists with one item per row), data only (see the module doc).
+def to_arrow(data: Mapping[str, Any]) -> pa.Table:
+    """Arrow table of a batch's columns (tensors, or lists with one item per row), data only (see the module doc).
 
     A list column whose rows are not data (a tuple, a numpy array, a tensor, a set, any other object) is a
     ``ValueError`` naming the column, the first such row and the type found there."""
@@ -270,11 +268,13 @@ def _json_rows(name: str, col: pa.ChunkedArray) -> list[Any]:
         raise ValueError(f"column {name!r}: a row is not JSON ({e}): {_FIX_FILE}") from None
 
 
-def from_arrow(table: pa.Table, *, device: torch.device | str | None = None) -> BatchedDataDict[Any]:
-    """The BatchedDataDict that ``to_arrow`` encoded (or plain Arrow columns: lists become padded tensors).
+def from_arrow(table: pa.Table, *, device: torch.device | str | None = None) -> dict[str, Any]:
+    """The columns that ``to_arrow`` encoded, by name in the table's order (or plain Arrow columns: lists become
+    padded tensors); :meth:`BatchedDataDict.from_arrow <dask_lm.data.batch.BatchedDataDict.from_arrow>` makes them
+    a batch. This module knows columns, not the batch type, so that ``batch.py`` can call it without a cycle.
 
     Only data is read: a column whose metadata asks for anything else (a pickle) is a ``ValueError`` naming it."""
-    out: BatchedDataDict[Any] = BatchedDataDict()
+    out: dict[str, Any] = {}
     for name, col in zip(table.column_names, table.columns):
         meta = _field_meta(name, table.schema.field(name))
         if meta is None:  # a foreign table: numbers become tensors, list<number> padded tensors, rest lists

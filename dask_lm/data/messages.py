@@ -105,11 +105,11 @@ class Shard:
         from dask_lm.data.arrow import from_arrow
         from dask_lm.data.batch import BatchedDataDict
 
-        data = from_arrow(self.table)
+        columns = from_arrow(self.table)
         if self.objects:
-            columns = {**data, **self.objects}
-            data = BatchedDataDict({key: columns[key] for key in self.keys})
-        return data
+            columns = {**columns, **self.objects}
+            return BatchedDataDict({key: columns[key] for key in self.keys})
+        return BatchedDataDict(columns)
 
 
 # ------------------------------------------------------------------------------------------- forward passes
