@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-__all__ = ["to_arrow", "from_arrow", "list_values_offsets", "pad_from_offsets", "trimmed_column"]
+__all__ = ["to_arrow", "from_arrow", "join_tables", "list_values_offsets", "pad_from_offsets", "trimmed_column"]
 
 _META = b"dask_lm"
 _TORCH_TO_NP = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
@@ -219,6 +219,36 @@ def to_arrow(data: Mapping[str, Any]) -> pa.Table:
         raise ValueError(f"column {key!r}: row {row} holds {found}, which an Arrow table cannot store as data "
                          f"(dask-lm stores list columns as Arrow types or JSON, never pickled): {_FIX_OBJECTS}")
     return table
+
+
+def join_tables(tables: Sequence[pa.Table], *, width: int, pads: Mapping[str, Any]) -> pa.Table | None:
+    """Tables :func:`to_arrow` made of rows of one batch, as one table: what ``to_arrow`` gives for those rows joined
+    and right-padded to ``width`` (a trimmed column's pad is ``pads[name]``, else 0), with no value decoded (the
+    chunks are the tables' own). None when a column does not travel the same way in every table (a ``[B, S]``
+    column kept whole, another dtype or Arrow type, a list column): join the rows as tensors then."""
+    names = tables[0].column_names
+    if any(t.column_names != names for t in tables):
+        return None
+    rows = sum(t.num_rows for t in tables)
+    fields, columns = [], []
+    for name in names:
+        metas = [_field_meta(name, t.schema.field(name)) for t in tables]
+        types = {t.schema.field(name).type for t in tables}
+        first = metas[0]
+        if len(types) != 1 or any(m is None or m["kind"] != "tensor" or m.get("empty") or m["dtype"] != first["dtype"]
+                                  or len(m["shape"]) != len(first["shape"]) for m in metas):
+            return None
+        assert first is not None
+        if len(first["shape"]) == 1:
+            meta = {**first, "shape": [rows]}
+        elif len(first["shape"]) == 2 and all(m is not None and m.get("trimmed") for m in metas):
+            meta = {**first, "shape": [rows, width], "pad": pads.get(name, 0)}
+        else:
+            return None
+        (kind,) = types
+        fields.append(pa.field(name, kind, metadata={_META: json.dumps(meta).encode()}))
+        columns.append(pa.chunked_array([c for t in tables for c in t.column(name).chunks], kind))
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
 
 def _field_meta(name: str, field: pa.Field) -> dict[str, Any] | None:
