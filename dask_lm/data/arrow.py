@@ -232,16 +232,17 @@ def join_tables(tables: Sequence[pa.Table], *, width: int, pads: Mapping[str, An
     rows = sum(t.num_rows for t in tables)
     fields, columns = [], []
     for name in names:
-        metas = [_field_meta(name, t.schema.field(name)) for t in tables]
+        found = [_field_meta(name, t.schema.field(name)) for t in tables]
+        metas = [m for m in found if m is not None and m["kind"] == "tensor" and not m.get("empty")]
         types = {t.schema.field(name).type for t in tables}
-        first = metas[0]
-        if len(types) != 1 or any(m is None or m["kind"] != "tensor" or m.get("empty") or m["dtype"] != first["dtype"]
-                                  or len(m["shape"]) != len(first["shape"]) for m in metas):
+        if len(types) != 1 or len(metas) != len(tables):
             return None
-        assert first is not None
+        first = metas[0]
+        if any(m["dtype"] != first["dtype"] or len(m["shape"]) != len(first["shape"]) for m in metas):
+            return None
         if len(first["shape"]) == 1:
             meta = {**first, "shape": [rows]}
-        elif len(first["shape"]) == 2 and all(m is not None and m.get("trimmed") for m in metas):
+        elif len(first["shape"]) == 2 and all(m.get("trimmed") for m in metas):
             meta = {**first, "shape": [rows, width], "pad": pads.get(name, 0)}
         else:
             return None
