@@ -43,6 +43,7 @@ from dask_lm.data.messages import (
     Request,
     Shard,
 )
+from dask_lm.data.validation import validate_input_batch
 from dask_lm.engine import progress
 from dask_lm.engine.cluster import as_client
 from dask_lm.engine.dataflow import RemoteRows, is_remote
@@ -50,7 +51,6 @@ from dask_lm.engine.events import log_call
 from dask_lm.engine.futures import Pending, PolicyFuture
 from dask_lm.engine.metrics import FLOPTracker, timed
 from dask_lm.engine.training import TrainingMixin
-from dask_lm.data.validation import validate_input_batch
 from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.io import hub, modelcheck
@@ -62,7 +62,6 @@ from dask_lm.workers import tasks
 __all__ = ["Policy", "SUBMIT", "SUBMITTABLE", "Submittable"]
 
 FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3 value, NeMo RL's default range for Q / K / V scales
-
 
 
 class Posted(NamedTuple):

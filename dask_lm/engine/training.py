@@ -25,13 +25,13 @@ from dask_lm.data.messages import (
     Shard,
     TrainRequest,
 )
+from dask_lm.data.validation import validate_input_batch, validate_train_batch
 from dask_lm.engine import progress
 from dask_lm.engine.dataflow import RemoteRows, is_remote
 from dask_lm.engine.events import log_call
 from dask_lm.engine.futures import Pending
 from dask_lm.engine.metrics import timed
 from dask_lm.engine.policy_base import PolicyBase
-from dask_lm.data.validation import validate_input_batch, validate_train_batch
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.losses.base import loss_attribute
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from dask_lm.data.batch import BatchedDataDict
-from dask_lm.data.messages import ForwardOutput, Join, JoinGenerated, JoinRows, ReduceTrain, TrainResult
 from dask_lm.data.flops import aggregate_flops_metrics
+from dask_lm.data.messages import ForwardOutput, Join, JoinGenerated, JoinRows, ReduceTrain, TrainResult
 
 __all__ = ["JOINS", "combine", "join_rows", "join_generated", "reduce_train", "rank_frame"]
 
