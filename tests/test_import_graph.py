@@ -92,7 +92,9 @@ def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, k
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(*, lazy: bool = False) -> dict[str, set[str]]:
+    """The module graph; ``lazy``: with the ``# lazy:`` marked imports drawn too (they run when their function
+    does)."""
     modules = _modules()
     known = set(modules)
     graph: dict[str, set[str]] = {}
@@ -101,7 +103,7 @@ def import_graph() -> dict[str, set[str]]:
         lines = source.splitlines()
         edges: set[str] = set()
         for node, in_function in _runtime_imports(ast.parse(source, str(path))):
-            if in_function and LAZY_MARK in lines[node.lineno - 1]:
+            if in_function and not lazy and LAZY_MARK in lines[node.lineno - 1]:
                 continue
             edges |= _targets(name, path.name == "__init__.py", node, known)
         edges.discard(name)
@@ -195,6 +197,14 @@ def test_no_import_cycles() -> None:
         " -> ".join(c) for c in cycles)
 
 
+def test_no_import_cycles_through_lazy_imports() -> None:
+    """A ``# lazy:`` import is kept in its function for start-up speed, never to hide a cycle: with those imports
+    drawn too, the graph still has none (the batch's Arrow methods call ``data/arrow.py``, which knows columns, not
+    the batch type)."""
+    cycles = find_cycles(import_graph(lazy=True))
+    assert not cycles, "import cycles through `# lazy:` imports:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
 def test_no_private_names_across_modules() -> None:
     """``from dask_lm.x import _name`` is a seam that the importer should not lean on: make the name public in its
     home instead."""
@@ -283,3 +293,22 @@ def test_sft_imports_no_other_subsystem() -> None:
     bad = sorted(f"{m} imports {e}" for m, edges in graph.items() if _in(m, ("dask_lm.sft",))
                  for e in edges if _in(e, ("dask_lm.scoring", "dask_lm.evaluation")))
     assert not bad, bad
+
+
+# Refit's driver half: imported by the driver only, so it may import the Policy's driver (docs/internals/layout.md)
+REFIT_DRIVER_HALF = {
+    "dask_lm.refit.driver": "the refit methods of Policy, a PolicyBase mixin",
+    "dask_lm.refit.weight_sync": "NeMo RL's WeightSynchronizer, called on the driver beside refit.driver",
+}
+
+
+def test_no_rank_module_imports_the_driver() -> None:
+    """The inverse of the engine's seam: no module of the rank side (``workers/``, ``model/``, ``comm/``, ``refit/``
+    but its driver half) imports ``dask_lm.engine``, not even lazily (a ``# lazy:`` import loads the driver on the
+    rank all the same). What rank code needs of a check or a figure lives below both sides (``data/``, ``model/``)."""
+    graph = import_graph(lazy=True)
+    assert set(REFIT_DRIVER_HALF) <= set(graph), set(REFIT_DRIVER_HALF) - set(graph)
+    bad = sorted(f"{m} imports {e}" for m, edges in graph.items()
+                 if m.startswith(RANK_SIDE) and m not in REFIT_DRIVER_HALF
+                 for e in edges if _in(e, ("dask_lm.engine",)))
+    assert not bad, "rank code imports the Policy's driver:\n" + "\n".join(bad)

@@ -7,13 +7,8 @@ import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from dask_lm.engine.metrics import (
-    FLOPTracker,
-    Timer,
-    aggregate_flops_metrics,
-    device_peak_tflops,
-    flops_per_sequence,
-)
+from dask_lm.engine.metrics import FLOPTracker, Timer, flops_per_sequence
+from dask_lm.data.flops import aggregate_flops_metrics, device_peak_tflops
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

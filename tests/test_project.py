@@ -21,7 +21,7 @@ def boom(*a, **k):
 torch.cuda._lazy_init = boom
 torch.cuda.init = boom
 import dask_lm
-from dask_lm.engine.validation import validate_input_batch
+from dask_lm.data.validation import validate_input_batch
 from dask_lm.engine import cluster
 b = dask_lm.BatchedDataDict(input_ids=torch.tensor([[4, 5, 6], [7, 8, 0]]), input_lengths=torch.tensor([3, 2]))
 validate_input_batch(b, what="t", vocab_size=10, max_length=8, pad_token_id=0)

@@ -1,4 +1,4 @@
-"""BatchedDataDict <-> Arrow, losslessly and as data only, with token ids as ``list<int32>``.
+"""A batch's columns <-> Arrow, both directions, losslessly and as data only, with token ids as ``list<int32>``.
 
 Between processes a batch travels as an Arrow table: a right-padded ``[B, S]`` tensor becomes a list column holding
 only each row's first ``input_lengths[b]`` values (when everything after that is one pad value, which is
@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from dask_lm.data.batch import BatchedDataDict
-
-__all__ = ["to_arrow", "from_arrow", "list_values_offsets", "pad_from_offsets", "trimmed_column"]
+__all__ = ["to_arrow", "from_arrow", "join_tables", "list_values_offsets", "pad_from_offsets", "trimmed_column"]
 
 _META = b"dask_lm"
 _TORCH_TO_NP = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
@@ -210,8 +208,8 @@ def encode_columns(data: Mapping[str, Any]) -> tuple[pa.Table, dict[str, list[An
     return pa.Table.from_arrays(columns, schema=pa.schema(fields)), rest
 
 
-def to_arrow(data: Any) -> pa.Table:
-    """Arrow table of a BatchedDataDict (tensors, or lists with one item per row), data only (see the module doc).
+def to_arrow(data: Mapping[str, Any]) -> pa.Table:
+    """Arrow table of a batch's columns (tensors, or lists with one item per row), data only (see the module doc).
 
     A list column whose rows are not data (a tuple, a numpy array, a tensor, a set, any other object) is a
     ``ValueError`` naming the column, the first such row and the type found there."""
@@ -221,6 +219,37 @@ def to_arrow(data: Any) -> pa.Table:
         raise ValueError(f"column {key!r}: row {row} holds {found}, which an Arrow table cannot store as data "
                          f"(dask-lm stores list columns as Arrow types or JSON, never pickled): {_FIX_OBJECTS}")
     return table
+
+
+def join_tables(tables: Sequence[pa.Table], *, width: int, pads: Mapping[str, Any]) -> pa.Table | None:
+    """Tables :func:`to_arrow` made of rows of one batch, as one table: what ``to_arrow`` gives for those rows joined
+    and right-padded to ``width`` (a trimmed column's pad is ``pads[name]``, else 0), with no value decoded (the
+    chunks are the tables' own). None when a column does not travel the same way in every table (a ``[B, S]``
+    column kept whole, another dtype or Arrow type, a list column): join the rows as tensors then."""
+    names = tables[0].column_names
+    if any(t.column_names != names for t in tables):
+        return None
+    rows = sum(t.num_rows for t in tables)
+    fields, columns = [], []
+    for name in names:
+        found = [_field_meta(name, t.schema.field(name)) for t in tables]
+        metas = [m for m in found if m is not None and m["kind"] == "tensor" and not m.get("empty")]
+        types = {t.schema.field(name).type for t in tables}
+        if len(types) != 1 or len(metas) != len(tables):
+            return None
+        first = metas[0]
+        if any(m["dtype"] != first["dtype"] or len(m["shape"]) != len(first["shape"]) for m in metas):
+            return None
+        if len(first["shape"]) == 1:
+            meta = {**first, "shape": [rows]}
+        elif len(first["shape"]) == 2 and all(m.get("trimmed") for m in metas):
+            meta = {**first, "shape": [rows, width], "pad": pads.get(name, 0)}
+        else:
+            return None
+        (kind,) = types
+        fields.append(pa.field(name, kind, metadata={_META: json.dumps(meta).encode()}))
+        columns.append(pa.chunked_array([c for t in tables for c in t.column(name).chunks], kind))
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
 
 def _field_meta(name: str, field: pa.Field) -> dict[str, Any] | None:
@@ -270,11 +299,13 @@ def _json_rows(name: str, col: pa.ChunkedArray) -> list[Any]:
         raise ValueError(f"column {name!r}: a row is not JSON ({e}): {_FIX_FILE}") from None
 
 
-def from_arrow(table: pa.Table, *, device: torch.device | str | None = None) -> BatchedDataDict[Any]:
-    """The BatchedDataDict that ``to_arrow`` encoded (or plain Arrow columns: lists become padded tensors).
+def from_arrow(table: pa.Table, *, device: torch.device | str | None = None) -> dict[str, Any]:
+    """The columns that ``to_arrow`` encoded, by name in the table's order (or plain Arrow columns: lists become
+    padded tensors); :meth:`BatchedDataDict.from_arrow <dask_lm.data.batch.BatchedDataDict.from_arrow>` makes them
+    a batch. This module knows columns, not the batch type, so that ``batch.py`` can call it without a cycle.
 
     Only data is read: a column whose metadata asks for anything else (a pickle) is a ``ValueError`` naming it."""
-    out: BatchedDataDict[Any] = BatchedDataDict()
+    out: dict[str, Any] = {}
     for name, col in zip(table.column_names, table.columns):
         meta = _field_meta(name, table.schema.field(name))
         if meta is None:  # a foreign table: numbers become tensors, list<number> padded tensors, rest lists

@@ -246,7 +246,7 @@ class BatchedDataDict(UserDict[str, Any], Generic[DictT]):
         """An Arrow table (token ids as ``list<int32>``, padding trimmed when it is uniform); lossless, and data only:
         list columns become Arrow types or JSON text, and one that holds other objects (tuples, numpy arrays, tensors
         inside lists) is a ``ValueError`` naming it (:mod:`dask_lm.data.arrow`)."""
-        from dask_lm.data.arrow import to_arrow  # lazy: pyarrow loads only when a batch is converted
+        from dask_lm.data.arrow import to_arrow  # lazy: pyarrow loads only when a batch is converted (no cycle)
 
         return to_arrow(self)
 
@@ -254,9 +254,9 @@ class BatchedDataDict(UserDict[str, Any], Generic[DictT]):
     def from_arrow(cls, table: Any, *, device: torch.device | str | None = None) -> BatchedDataDict[Any]:
         """The batch ``to_arrow`` encoded, or a plain Arrow table's columns (lists of numbers become padded tensors).
         Only data is read, so a table from a file runs no code: a column marked as pickled is refused."""
-        from dask_lm.data.arrow import from_arrow  # lazy: pyarrow loads only when a batch is converted
+        from dask_lm.data.arrow import from_arrow  # lazy: pyarrow loads only when a batch is converted (no cycle)
 
-        return from_arrow(table, device=device)
+        return cls(from_arrow(table, device=device))
 
     def __repr__(self) -> str:
         parts = []

@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 __all__ = ["GENERATE_BATCH_FACTOR", "MicroBatchPlan", "Shard", "ForwardRequest", "FullLogitsRequest",
            "QKVCalibrationRequest", "GenerateRequest", "ForwardOutput",
-           "TrainRequest", "TrainResult", "SaveRequest", "ActionRequest", "RefitPlan", "CollectiveInitRequest", "WeightSwapRequest",
-           "ExtensionCall",
+           "TrainRequest", "TrainResult", "SaveRequest", "ActionRequest", "HttpRefitRequest", "ZmqRefitRequest", "BroadcastRefitRequest", "ReshardRefitRequest",
+           "RefitRequest", "CollectiveInitRequest", "WeightSwapRequest",
+           "ExtensionCall", "JoinRows", "JoinGenerated", "ReduceTrain", "Join",
            "ScoreOptions", "Request", "ACTIONS"]
 
 
@@ -104,11 +105,11 @@ class Shard:
         from dask_lm.data.arrow import from_arrow
         from dask_lm.data.batch import BatchedDataDict
 
-        data = from_arrow(self.table)
+        columns = from_arrow(self.table)
         if self.objects:
-            columns = {**data, **self.objects}
-            data = BatchedDataDict({key: columns[key] for key in self.keys})
-        return data
+            columns = {**columns, **self.objects}
+            return BatchedDataDict({key: columns[key] for key in self.keys})
+        return BatchedDataDict(columns)
 
 
 # ------------------------------------------------------------------------------------------- forward passes
@@ -194,6 +195,35 @@ class TrainResult:
     num_tokens: int  # real tokens of this rank's shard
 
 
+# ------------------------------------------------------------------------------------------- joining the answers
+# How a call's combine task (:func:`dask_lm.workers.combine.combine`, on rank 0's worker) joins its ranks' answers:
+# one type per kind of answer, each looked up in :data:`dask_lm.workers.combine.JOINS`. Small: pickled with the task.
+@dataclass(frozen=True, slots=True)
+class JoinRows:
+    """Per-row tensors cut by rows over the ranks (:class:`ForwardOutput`), joined and put back in input order."""
+
+    keys: tuple[str, ...]  # the answers' tensors to join
+    order: list[int] | None  # the permutation that restores the input's row order (None: already in order)
+    cat: bool = False  # same-width tensors (top-k, scores): concatenated; else [B, S] right-padded to the widest
+
+
+@dataclass(frozen=True, slots=True)
+class JoinGenerated:
+    """Generation's contiguous per-rank slices (:class:`ForwardOutput`), right-padded to the widest rank's output."""
+
+    pad_token_id: int  # fills ``output_ids``
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceTrain:
+    """The ranks' :class:`TrainResult` reduced to NeMo RL's train() dict."""
+
+    total_flops: float | None  # the call's FLOPs counted on the driver (None: no formula for the model)
+
+
+Join = JoinRows | JoinGenerated | ReduceTrain
+
+
 @dataclass(frozen=True, slots=True)
 class SaveRequest:
     """Write a checkpoint: ``weights`` / ``optimizer`` are ``(staging path, final path)``, ``tokenizer`` adds the
@@ -227,32 +257,52 @@ class ActionRequest:
 
 
 # ------------------------------------------------------------------------------------------- refit
-RefitRoute = Literal["http", "zmq", "broadcast", "reshard"]
+# One request per route the weights take out of the ranks, each answered by its own handler on the rank
+# (:data:`dask_lm.workers.endpoints.ENDPOINTS`); ``progress_id`` names the driver's bar over the bytes sent.
+@dataclass(frozen=True, slots=True)
+class HttpRefitRequest:
+    """Into SGLang servers over HTTP (their weight-update session), in buckets of at most ``buffer_size_bytes``."""
+
+    urls: tuple[str, ...]  # one server per engine
+    layout: list[list[int]]  # layout[e][i]: the policy rank that feeds TP rank i of engine e
+    weight_version: str  # names the update on the servers
+    buffer_size_bytes: int
+    timeout_s: float
+    transport: str | None = None  # how buckets travel ("ipc", "shm", "value"; None: the device's default)
+    progress_id: str | None = None
+
+    def __post_init__(self) -> None:
+        assert self.urls and len(self.layout) == len(self.urls), "an HTTP refit names its servers and their layout"
 
 
 @dataclass(frozen=True, slots=True)
-class RefitPlan:
-    """Send every weight out, in buckets of at most ``buffer_size_bytes``: into SGLang servers over HTTP
-    (``urls``; ``layout[r]`` lists the (engine, tp rank) pairs rank r feeds, ``weight_version`` names the update,
-    ``transport`` overrides how buckets travel), to the inference worker on the same device over this rank's ZMQ
-    socket, from rank 0 over the group of a :class:`CollectiveInitRequest`, or (``reshard``) each rank's boxes of
-    its shards to the inference ranks of that group that need them (the plan of
-    :func:`dask_lm.refit.reshard.build_plan`)."""
+class ZmqRefitRequest:
+    """To the inference worker on the same device, over this rank's ZMQ socket, in two ping-pong buffers of half
+    ``buffer_size_bytes``."""
 
-    route: RefitRoute
     buffer_size_bytes: int
-    timeout_s: float = 600.0
+    timeout_s: float
     progress_id: str | None = None
-    urls: tuple[str, ...] = ()
-    layout: Any = None
-    weight_version: str | None = None
-    transport: str | None = None
-    reshard: Any = None  # the reshard plan: plain data
 
-    def __post_init__(self) -> None:
-        assert (self.route == "reshard") == (self.reshard is not None), "a reshard refit, and only one, has a plan"
-        assert self.route != "http" or (self.urls and self.layout is not None and self.weight_version is not None), \
-            "an HTTP refit names its servers, their layout and the weight version"
+
+@dataclass(frozen=True, slots=True)
+class BroadcastRefitRequest:
+    """From rank 0 over the group of a :class:`CollectiveInitRequest` (NCCL on GPUs, gloo on CPU), in buckets of
+    ``buffer_size_bytes``."""
+
+    buffer_size_bytes: int
+    progress_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardRefitRequest:
+    """Each rank's boxes of its shards to the inference ranks of the refit group that need them."""
+
+    plan: dict[str, Any]  # plain data: the plan of :func:`dask_lm.refit.reshard.build_plan`
+    progress_id: str | None = None
+
+
+RefitRequest = HttpRefitRequest | ZmqRefitRequest | BroadcastRefitRequest | ReshardRefitRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,7 +392,7 @@ class ExtensionCall:
 
 
 Request = (ForwardRequest | FullLogitsRequest | QKVCalibrationRequest | GenerateRequest | TrainRequest | SaveRequest
-           | ActionRequest | RefitPlan
+           | ActionRequest | RefitRequest
            | CollectiveInitRequest | WeightSwapRequest | ExtensionCall)
 
 

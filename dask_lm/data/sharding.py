@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from collections.abc import Callable, Sequence, ValuesView
+from typing import Any, Literal, Protocol, TypedDict, TypeVar
 
 import torch
 
 from dask_lm.data.packing import get_packer
 from dask_lm.errors import BatchError
-
-if TYPE_CHECKING:
-    from dask_lm.data.batch import BatchedDataDict, SlicedDataDict
 
 if sys.version_info >= (3, 11):
     from typing import NotRequired
@@ -52,16 +50,42 @@ class SequencePackingArgs(TypedDict):
     microbatch_order: NotRequired[Literal["packer", "largest_first"]]
 
 
+class Rows(Protocol):
+    """What sharding reads of a batch (a :class:`~dask_lm.data.batch.BatchedDataDict`): its columns, and a
+    selection of its rows. Written here so that this module needs nothing of the batch module, which calls it."""
+
+    def __getitem__(self, key: str, /) -> Any: ...
+
+    def values(self) -> ValuesView[Any]: ...
+
+    def select_indices(self, indices: Sequence[int], /) -> Rows: ...
+
+
+class Cut(Protocol):
+    """A shard as sharding hands it back (a :class:`~dask_lm.data.batch.SlicedDataDict`): rows and their
+    micro-batch layout."""
+
+    micro_batch_indices: list[list[list[int]]] | None
+    micro_batch_lengths: list[list[int]] | None
+    elem_counts_per_gb: list[int] | None
+
+    def __getitem__(self, key: str, /) -> Any: ...
+
+
+CutT = TypeVar("CutT", bound=Cut)
+
+
 def batch_size_of(value: Any) -> int:
     return int(value.shape[0]) if isinstance(value, torch.Tensor) else len(value)
 
 
-def shard_batch(data: BatchedDataDict[Any], shards: int, batch_size: int | None = None,
-                allow_uneven_shards: bool = False, dynamic_batching_args: DynamicBatchingArgs | None = None,
+def shard_batch(data: Rows, shards: int, batch_size: int | None = None, allow_uneven_shards: bool = False,
+                dynamic_batching_args: DynamicBatchingArgs | None = None,
                 sequence_packing_args: SequencePackingArgs | None = None, *,
-                sliced: type[SlicedDataDict]) -> list[SlicedDataDict] | tuple[list[SlicedDataDict], list[int]]:
-    """The body of ``BatchedDataDict.shard_by_batch_size`` (see there). ``sliced`` is the shards' class, handed
-    in by the batch module that defines it, so that this module needs nothing of that one at run time."""
+                sliced: Callable[[Rows], CutT]) -> list[CutT] | tuple[list[CutT], list[int]]:
+    """The body of ``BatchedDataDict.shard_by_batch_size`` (see there). ``sliced`` makes a shard of the selected
+    rows (the shards' class), handed in by the batch module that defines it, so that this module needs nothing of
+    that one."""
     if shards < 1:
         raise BatchError(f"shards must be >= 1, got {shards}")
     if allow_uneven_shards and batch_size is not None:
@@ -98,7 +122,7 @@ def shard_batch(data: BatchedDataDict[Any], shards: int, batch_size: int | None 
         data = data.select_indices(sorted_indices)
 
     shard_size = math.ceil(batch_size / shards) if allow_uneven_shards else batch_size // shards
-    out: list[SlicedDataDict] = []
+    out: list[CutT] = []
     for s in range(shards):
         rows: list[int] = []
         for c in range(num_chunks):
@@ -154,9 +178,8 @@ def _cut_dynamic_micro_batches(shards: list[Any], shard_size: int, num_chunks: i
         sh.micro_batch_lengths = [list(chunk) for chunk in lengths]
 
 
-def _pack_shards(data: BatchedDataDict[Any], shards: int, batch_size: int, num_chunks: int,
-                 args: SequencePackingArgs, allow_uneven: bool,
-                 sliced: type[SlicedDataDict]) -> tuple[list[SlicedDataDict], list[int]]:
+def _pack_shards(data: Rows, shards: int, batch_size: int, num_chunks: int, args: SequencePackingArgs,
+                 allow_uneven: bool, sliced: Callable[[Rows], CutT]) -> tuple[list[CutT], list[int]]:
     order = args.get("microbatch_order")
     if order not in (None, "packer", "largest_first"):
         raise BatchError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', got {order!r}")
@@ -191,7 +214,7 @@ def _pack_shards(data: BatchedDataDict[Any], shards: int, batch_size: int, num_c
             mbi[s].append(chunk_idx)
             mbl[s].append(chunk_len)
             counts[s].append(pos)
-    out: list[SlicedDataDict] = []
+    out: list[CutT] = []
     for s in range(shards):
         shard = sliced(data.select_indices(per_shard_rows[s]))
         shard.micro_batch_indices, shard.micro_batch_lengths, shard.elem_counts_per_gb = mbi[s], mbl[s], counts[s]

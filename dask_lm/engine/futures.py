@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from distributed import Future
 
 from dask_lm import interface
+from dask_lm.data.messages import Join, JoinRows
 from dask_lm.workers import tasks
 
 if TYPE_CHECKING:
@@ -55,10 +56,11 @@ class PolicyFuture(Future[Any]):
         self._done = done
 
     @classmethod
-    def combine(cls, group: WorkerGroup, ranks: Sequence[Future[Any]], kind: str, params: dict[str, Any], *,
+    def combine(cls, group: WorkerGroup, ranks: Sequence[Future[Any]], how: Join, *,
                 call: str, key_name: str, done: Callable[[Any, BaseException | None], None] | None = None
                 ) -> PolicyFuture:
-        """The future of ``dask_lm.workers.tasks.combine`` of ``ranks``' answers, pinned to rank 0's worker.
+        """The future of ``dask_lm.workers.tasks.combine`` of ``ranks``' answers joined as ``how`` says, pinned to
+        rank 0's worker.
         ``done(value, error)`` runs once, at the first ``result()`` (the call's event, its progress bar closed).
 
         :meta private:
@@ -66,7 +68,7 @@ class PolicyFuture(Future[Any]):
         client = group.client
         token = uuid.uuid4().hex[:6]
         where = {"workers": [group.names[0]], "allow_other_workers": True, "pure": False, "retries": 0}
-        joined = client.submit(tasks.combine, kind, params, *ranks, key=f"{key_name}-{group.policy_id}-{token}",
+        joined = client.submit(tasks.combine, how, *ranks, key=f"{key_name}-{group.policy_id}-{token}",
                                **where)
         # the ranks' warnings travel apart from the result (a few strings), so that the result stays the plain value
         # for wait / gather / a dependent task, and .result() raises them again at the user's line
@@ -125,12 +127,12 @@ def _let_go_of_ranks(fut: PolicyFuture) -> None:
 
 
 class Pending(NamedTuple):
-    """A call posted to the ranks, before its answers are joined: what ``Policy._submit_<method>`` returns.
+    """A call posted to the ranks, before its answers are joined: what the ``post`` of a
+    :data:`~dask_lm.engine.policy.SUBMIT` entry returns.
     ``rows`` / ``lengths``: each rank's input row numbers and lengths (inference calls, for :meth:`frame`)."""
 
     futures: list[Future[Any]]
-    kind: str  # how dask_lm.workers.combine joins the answers
-    params: dict[str, Any]
+    join: Join  # how dask_lm.workers.combine joins the answers
     call: str
     done: Callable[[Any, BaseException | None], None]
     rows: list[list[int]] | None = None
@@ -138,7 +140,7 @@ class Pending(NamedTuple):
 
     def future(self, group: WorkerGroup) -> PolicyFuture:
         """The answers joined into the call's result by a task on rank 0's worker (``collect=True``)."""
-        return PolicyFuture.combine(group, self.futures, self.kind, self.params, call=self.call,
+        return PolicyFuture.combine(group, self.futures, self.join, call=self.call,
                                     key_name=self.call.replace("_", "-"), done=self.done)
 
     def frame(self, group: WorkerGroup) -> Any:
@@ -146,8 +148,9 @@ class Pending(NamedTuple):
         its worker (:func:`dask_lm.workers.combine.rank_frame`), a row per input row in the rank's order."""
         import dask.dataframe as dd
 
-        assert self.kind == "rows" and self.rows is not None and self.lengths is not None, "an inference call"
-        keys = tuple(self.params["keys"])
+        assert isinstance(self.join, JoinRows) and self.rows is not None and self.lengths is not None, \
+            "an inference call"
+        keys = self.join.keys
         client, token = group.client, uuid.uuid4().hex[:6]
         parts = [client.submit(tasks.rank_frame, answer, rows=rows, lengths=lens, keys=keys,
                                key=f"{self.call.replace('_', '-')}-frame-{group.policy_id}-{token}-r{r}",

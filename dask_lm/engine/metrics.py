@@ -1,4 +1,5 @@
-"""Timers, training FLOPs per model family, and MFU against the device's dense bf16 peak (driver side).
+"""Timers and training FLOPs per model family (driver side); the MFU of a call from its ranks' devices is
+:mod:`dask_lm.data.flops`.
 
 FLOPs follow the Megatron / NeMo RL convention so numbers compare across projects: matrix-multiply FLOPs of the
 model (2 per multiply-add), causal attention counted as half of the full score matrix, training = 3 x forward
@@ -22,32 +23,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
-__all__ = ["Timer", "timed", "FLOPTracker", "flops_per_sequence", "device_peak_tflops", "aggregate_flops_metrics",
-           "_aggregate_megatron_flops_metrics"]
+from dask_lm.data.flops import device_peak_tflops
+
+__all__ = ["Timer", "timed", "FLOPTracker", "flops_per_sequence", "_aggregate_megatron_flops_metrics"]
 
 logger = logging.getLogger("dask_lm")
 
-# dense (not 2:4 sparse) bf16 tensor-core peaks, TFLOP/s, from the vendors' datasheets; matched by substring of
-# torch.cuda.get_device_name, most specific first
-_BF16_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("GB200", 2500.0), ("B200", 2250.0), ("B100", 1750.0), ("H200", 989.5), ("H100 PCIe", 756.0),
-    ("H100", 989.5), ("H800", 989.5), ("H20", 148.0), ("GH200", 989.5), ("A100", 312.0), ("A800", 312.0),
-    ("L40S", 362.0), ("L40", 181.0), ("A10G", 70.0), ("A10", 125.0), ("L4", 121.0), ("MI300X", 1307.4),
-    ("MI325X", 1307.4), ("RTX 4090", 165.2), ("RTX 6000 Ada", 364.2), ("V100", 125.0),
-)
-
 # model_type -> how to read the decoder's widths from its config; all are dense decoders with a gated MLP
 _DENSE_GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "granite"}
-
-
-def device_peak_tflops(gpu_name: str | None) -> float | None:
-    """Dense bf16 peak of a GPU by name (``None`` for CPUs and unknown devices)."""
-    if not gpu_name or gpu_name == "cpu":
-        return None
-    for key, peak in _BF16_PEAK_TFLOPS:
-        if key.lower() in gpu_name.lower():
-            return peak
-    return None
 
 
 def _widths(config: Any) -> dict[str, int]:
@@ -102,38 +85,6 @@ class FLOPTracker:
 
     def track(self, n_samples: int, seq_len: int) -> None:
         self.total_flops += n_samples * flops_per_sequence(self.config, seq_len, training=self.training)
-
-
-def aggregate_flops_metrics(elapsed_seconds: Sequence[float], gpu_names: Sequence[str | None], world_size: int,
-                            total_flops: float | None) -> dict[str, Any]:
-    """FLOP figures of one ``train()`` call from each rank's time in it and device: total and per-rank TFLOP/s
-    and MFU.
-
-    The elapsed time is the slowest rank's (a step is done when every rank is); the peak is the sum of each
-    rank's device peak. A figure that cannot be known is left out rather than guessed or None, as NeMo RL's
-    Policy leaves ``total_flops`` out without a FLOP formula and ``theoretical_tflops`` out for a device without
-    a known peak (``nemo_rl/models/policy/lm_policy.py:834-845``): its loops test for the key, then divide by it
-    (``nemo_rl/algorithms/sft.py:614-629``). So a CPU rank, or any GPU missing from the peak table, gives no
-    ``theoretical_tflops`` and no ``mfu``; a model family without a formula gives none of the FLOP figures.
-    """
-    out: dict[str, Any] = {"num_ranks": len(elapsed_seconds) or world_size}
-    elapsed = max((float(e or 0.0) for e in elapsed_seconds), default=0.0)
-    out["train_elapsed_seconds"] = elapsed
-    peaks = [device_peak_tflops(name) for name in gpu_names]
-    theoretical = sum(p for p in peaks if p is not None) if peaks and None not in peaks else None
-    if theoretical is not None:
-        out["theoretical_tflops"] = theoretical
-    if total_flops is None:
-        return out
-    out["total_flops"] = total_flops
-    if elapsed <= 0:
-        return out
-    achieved = total_flops / elapsed / 1e12
-    out["achieved_tflops"] = achieved
-    out["achieved_tflops_per_rank"] = achieved / out["num_ranks"]
-    if theoretical:
-        out["mfu"] = achieved / theoretical
-    return out
 
 
 def _aggregate_megatron_flops_metrics(results: Sequence[dict[str, Any]], world_size: int) -> dict[str, Any]:

@@ -16,8 +16,9 @@ import functools
 import logging
 import os
 import time
+import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from distributed import span, wait
@@ -33,11 +34,16 @@ from dask_lm.data.messages import (
     ForwardRequest,
     FullLogitsRequest,
     GenerateRequest,
+    Join,
+    JoinGenerated,
+    JoinRows,
     PlacementAction,
     QKVCalibrationRequest,
+    ReduceTrain,
     Request,
     Shard,
 )
+from dask_lm.data.validation import validate_input_batch
 from dask_lm.engine import progress
 from dask_lm.engine.cluster import as_client
 from dask_lm.engine.dataflow import RemoteRows, is_remote
@@ -45,7 +51,6 @@ from dask_lm.engine.events import log_call
 from dask_lm.engine.futures import Pending, PolicyFuture
 from dask_lm.engine.metrics import FLOPTracker, timed
 from dask_lm.engine.training import TrainingMixin
-from dask_lm.engine.validation import validate_input_batch
 from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.io import hub, modelcheck
@@ -54,12 +59,9 @@ from dask_lm.io.hub import ModelSource
 from dask_lm.refit.driver import RefitMixin
 from dask_lm.workers import tasks
 
-__all__ = ["Policy", "SUBMITTABLE"]
+__all__ = ["Policy", "SUBMIT", "SUBMITTABLE", "Submittable"]
 
 FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3 value, NeMo RL's default range for Q / K / V scales
-
-# the methods Policy.submit takes: the calls whose work is rows on the ranks
-SUBMITTABLE = ("get_logprobs", "get_reference_policy_logprobs", "get_topk_logits", "score", "generate", "train")
 
 
 class Posted(NamedTuple):
@@ -201,14 +203,15 @@ class Policy(TrainingMixin, RefitMixin):
         this process. ``collect=False`` (the four inference methods): the ranks' outputs stay on their workers, as
         a lazy Dask DataFrame with a partition per rank, a row per input row (``row``: its number in the input)
         (docs/guides/policy.md, "Futures")."""
-        if method not in SUBMITTABLE:
+        entry = SUBMIT.get(method)
+        if entry is None:
             raise ValueError(f"Policy.submit: {method!r} cannot be submitted; use one of {list(SUBMITTABLE)}")
-        if not collect and method in ("generate", "train"):
+        if not collect and entry.join is not JoinRows:
             raise ValueError(f"Policy.submit({method!r}, collect=False): only the inference calls "
                              "(get_logprobs, get_reference_policy_logprobs, get_topk_logits, score) give rows that "
                              "can stay on the workers; leave collect=True")
-        fn: Callable[..., Pending] = getattr(self, f"_submit_{method}")
-        pending = fn(*args, **kwargs)
+        pending = entry.post(self, *args, **kwargs)
+        assert isinstance(pending.join, entry.join), f"{method} posts a {type(pending.join).__name__}"
         return pending.future(self.group) if collect else pending.frame(self.group)
 
     def _post_sharded(self, request: Callable[[Shard], Request], data: Any, *, what: str, timer: Any = None,
@@ -260,8 +263,8 @@ class Policy(TrainingMixin, RefitMixin):
         return done
 
     def _rows_future(self, posted: Posted, what: str, keys: tuple[str, ...], cat: bool = False) -> Pending:
-        return Pending(posted.futures, "rows", {"order": posted.order, "keys": keys, "cat": cat}, what, posted.done,
-                       posted.rows, posted.lengths)
+        return Pending(posted.futures, JoinRows(keys, posted.order, cat), what, posted.done, posted.rows,
+                       posted.lengths)
 
     # ----------------------------------------------------------------------------------------- inference
     def get_logprobs(self, data: BatchedDataDict[Any], timer: Any = None) -> BatchedDataDict[Any]:
@@ -421,7 +424,7 @@ class Policy(TrainingMixin, RefitMixin):
                              "itself: call policy.generate(data), which blocks")
         posted = self._post_sharded(functools.partial(GenerateRequest, greedy=greedy, seed=seed), data,
                                     what="generate", contiguous=True)
-        return Pending(posted.futures, "generate", {"pad_token_id": self.pad_token_id}, "generate", posted.done)
+        return Pending(posted.futures, JoinGenerated(self.pad_token_id), "generate", posted.done)
 
     def _generate_sglang(self, data: BatchedDataDict[Any], *, greedy: bool,
                          seed: int | None) -> BatchedDataDict[Any]:
@@ -524,6 +527,25 @@ class Policy(TrainingMixin, RefitMixin):
 
         return policy_html(self)
 
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Submittable:
+    """A method ``Policy.submit`` takes: what posts it to the ranks and what its answers are joined into."""
+
+    post: Callable[..., Pending]  # (policy, the blocking method's arguments) -> the call posted
+    join: type[Join]  # the kind of answer; only rows (JoinRows) can stay on the workers (collect=False)
+
+
+# the methods Policy.submit takes, the calls whose work is rows on the ranks: `submit(method, ...)` is one lookup here
+SUBMIT: Mapping[str, Submittable] = types.MappingProxyType({
+    "get_logprobs": Submittable(Policy._submit_get_logprobs, JoinRows),
+    "get_reference_policy_logprobs": Submittable(Policy._submit_get_reference_policy_logprobs, JoinRows),
+    "get_topk_logits": Submittable(Policy._submit_get_topk_logits, JoinRows),
+    "score": Submittable(Policy._submit_score, JoinRows),
+    "generate": Submittable(Policy._submit_generate, JoinGenerated),
+    "train": Submittable(Policy._submit_train, ReduceTrain),
+})
+SUBMITTABLE = tuple(SUBMIT)
 
 SHUTDOWN_TIMEOUT_S = 30.0
 

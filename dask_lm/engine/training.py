@@ -20,17 +20,18 @@ from dask_lm.data.batch import BatchedDataDict
 from dask_lm.data.messages import (
     ActionRequest,
     PlacementAction,
+    ReduceTrain,
     SaveRequest,
     Shard,
     TrainRequest,
 )
+from dask_lm.data.validation import validate_input_batch, validate_train_batch
 from dask_lm.engine import progress
 from dask_lm.engine.dataflow import RemoteRows, is_remote
 from dask_lm.engine.events import log_call
 from dask_lm.engine.futures import Pending
 from dask_lm.engine.metrics import timed
 from dask_lm.engine.policy_base import PolicyBase
-from dask_lm.engine.validation import validate_input_batch, validate_train_batch
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.losses.base import loss_attribute
 
@@ -155,8 +156,7 @@ class TrainingMixin(PolicyBase):
                      grad_norm=None if out["grad_norm"] is None else float(out["grad_norm"]),
                      lr=lr[-1] if lr else None, mfu=out.get("mfu"))
 
-        return Pending(futures, "train", {"total_flops": tracker.total_flops if tracker is not None else None}, label,
-                       done)
+        return Pending(futures, ReduceTrain(tracker.total_flops if tracker is not None else None), label, done)
 
     # ----------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, weights_path: str | os.PathLike[str], optimizer_path: str | os.PathLike[str] | None = None,

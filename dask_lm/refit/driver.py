@@ -17,7 +17,16 @@ from urllib.parse import urlparse
 
 from distributed import Future
 
-from dask_lm.data.messages import ActionRequest, CollectiveInitRequest, RefitPlan, Request, WeightSwapRequest
+from dask_lm.data.messages import (
+    ActionRequest,
+    BroadcastRefitRequest,
+    CollectiveInitRequest,
+    HttpRefitRequest,
+    Request,
+    ReshardRefitRequest,
+    WeightSwapRequest,
+    ZmqRefitRequest,
+)
 from dask_lm.engine import progress
 from dask_lm.engine.policy_base import PolicyBase
 from dask_lm.workers import tasks
@@ -157,9 +166,9 @@ class RefitMixin(PolicyBase):
         size = self._refit_buffer_size(buffer_size_bytes)
         self._weight_version += 1
         version = str(weight_version) if weight_version is not None else str(self._weight_version)
-        return self._post(lambda progress_id: RefitPlan(
-            "http", buffer_size_bytes=size, timeout_s=float(timeout_s), progress_id=progress_id, urls=tuple(urls),
-            layout=layout, weight_version=version, transport=transport), "stream_weights_via_http")
+        return self._post(lambda progress_id: HttpRefitRequest(
+            tuple(urls), layout, version, buffer_size_bytes=size, timeout_s=float(timeout_s), transport=transport,
+            progress_id=progress_id), "stream_weights_via_http")
 
     # ----------------------------------------------------------------------------------------- ZMQ, colocated
     def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int | None = None, kv_scales: Any = None, *,
@@ -169,8 +178,8 @@ class RefitMixin(PolicyBase):
         if kv_scales is not None:
             raise ValueError("`kv_scales` (FP8 KV-cache scales) are not supported by this backend; pass None")
         size = self._refit_buffer_size(buffer_size_bytes)
-        return self._post(lambda progress_id: RefitPlan("zmq", buffer_size_bytes=size, timeout_s=float(timeout_s),
-                                                        progress_id=progress_id), "stream_weights_via_ipc_zmq")
+        return self._post(lambda progress_id: ZmqRefitRequest(buffer_size_bytes=size, timeout_s=float(timeout_s),
+                                                              progress_id=progress_id), "stream_weights_via_ipc_zmq")
 
     # ----------------------------------------------------------------------------------------- collective
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int,
@@ -284,7 +293,7 @@ class RefitMixin(PolicyBase):
         if num_buffers is not None and num_buffers < 1:
             raise ValueError(f"`num_buffers` must be >= 1, got {num_buffers}")
         size = self._refit_buffer_size(buffer_size_bytes)
-        return self._post(lambda progress_id: RefitPlan("broadcast", buffer_size_bytes=size, progress_id=progress_id),
+        return self._post(lambda progress_id: BroadcastRefitRequest(buffer_size_bytes=size, progress_id=progress_id),
                           "broadcast_weights_for_collective")
 
     def preinit_nvshmem(self) -> list[Future[Any]]:
@@ -369,6 +378,5 @@ class RefitMixin(PolicyBase):
         plan = getattr(self, "_reshard_plan", None)
         if plan is None:
             raise ValueError("nccl_reshard_refit() needs a plan: call prepare_nccl_reshard_refit_info(...) first")
-        return self._post(lambda progress_id: RefitPlan("reshard", buffer_size_bytes=0, reshard=plan,
-                                                        progress_id=progress_id), "nccl_reshard_refit",
+        return self._post(lambda progress_id: ReshardRefitRequest(plan, progress_id=progress_id), "nccl_reshard_refit",
                           show_progress=False)

@@ -1,25 +1,28 @@
 """Join the ranks' answers to one Policy call into its result: the body of the *combine* task of a
 :class:`~dask_lm.engine.futures.PolicyFuture`, run on rank 0's worker.
 
-One function per kind of call, each taking the ranks' answers in rank order (warnings already stripped):
+One function per kind of answer, each taking the ranks' answers in rank order (warnings already stripped), picked
+by the type of the call's join (:data:`JOINS`, from :mod:`dask_lm.data.messages`):
 
-* ``rows``: per-row tensors (logprobs, top-k, scores) cut by rows over the ranks, joined and put back in the input's
+* :class:`~dask_lm.data.messages.JoinRows`: per-row tensors (logprobs, top-k, scores) cut by rows over the ranks, joined and put back in the input's
   row order (dynamic batching and packing sort rows by length before dealing them out);
-* ``generate``: each rank's contiguous slice of rows, right-padded to the widest rank's output;
-* ``train``: the ranks' step results reduced to NeMo RL's train() dict (loss and norms as rank 0 has them, every
+* :class:`~dask_lm.data.messages.JoinGenerated`: each rank's contiguous slice of rows, right-padded to the widest rank's output;
+* :class:`~dask_lm.data.messages.ReduceTrain`: the ranks' step results reduced to NeMo RL's train() dict (loss and norms as rank 0 has them, every
   rank's micro-batch metrics in rank order, FLOP figures from the slowest rank).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from dask_lm.data.batch import BatchedDataDict
-from dask_lm.data.messages import ForwardOutput, TrainResult
+from dask_lm.data.flops import aggregate_flops_metrics
+from dask_lm.data.messages import ForwardOutput, Join, JoinGenerated, JoinRows, ReduceTrain, TrainResult
 
-__all__ = ["combine", "join_rows", "join_generated", "reduce_train", "rank_frame"]
+__all__ = ["JOINS", "combine", "join_rows", "join_generated", "reduce_train", "rank_frame"]
 
 
 def join_rows(results: list[ForwardOutput], order: list[int] | None, keys: tuple[str, ...],
@@ -55,8 +58,6 @@ def join_generated(results: list[ForwardOutput], pad_token_id: int) -> BatchedDa
 
 def reduce_train(results: list[TrainResult], total_flops: float | None, world_size: int) -> dict[str, Any]:
     """NeMo RL's train() result from the ranks' :class:`TrainResult` (rank order, as NeMo RL concatenates them)."""
-    from dask_lm.engine.metrics import aggregate_flops_metrics
-
     metrics: dict[str, list[Any]] = {}
     for r in results:
         for key, values in r.all_mb_metrics.items():
@@ -70,17 +71,27 @@ def reduce_train(results: list[TrainResult], total_flops: float | None, world_si
     return out
 
 
-def combine(kind: str, params: dict[str, Any], results: list[Any]) -> Any:
-    """The result of one call of ``kind`` from its ranks' answers."""
-    if kind == "rows":
-        return join_rows(results, params["order"], tuple(params["keys"]), cat=params["cat"])
-    if kind == "generate":
-        return join_generated(results, params["pad_token_id"])
-    if kind == "train":
-        return reduce_train(results, params["total_flops"], len(results))
-    if kind == "list":  # one answer per rank, as they are (run_all_workers_*)
-        return list(results)
-    raise AssertionError(f"unknown combine kind {kind!r}")
+def _rows(how: JoinRows, results: list[ForwardOutput]) -> BatchedDataDict[Any]:
+    return join_rows(results, how.order, how.keys, cat=how.cat)
+
+
+def _generated(how: JoinGenerated, results: list[ForwardOutput]) -> BatchedDataDict[Any]:
+    return join_generated(results, how.pad_token_id)
+
+
+def _train(how: ReduceTrain, results: list[TrainResult]) -> dict[str, Any]:
+    return reduce_train(results, how.total_flops, len(results))
+
+
+# the code that joins each kind of answer, by the type the driver sent (as the endpoint table maps requests)
+JOINS: dict[type, Callable[[Any, list[Any]], Any]] = {JoinRows: _rows, JoinGenerated: _generated, ReduceTrain: _train}
+
+
+def combine(how: Join, results: list[Any]) -> Any:
+    """The result of one call from its ranks' answers, joined as ``how`` says."""
+    join = JOINS.get(type(how))
+    assert join is not None, f"no join for {type(how).__name__}"
+    return join(how, results)
 
 
 def rank_frame(answer: ForwardOutput, rows: list[int], lengths: list[int], keys: tuple[str, ...]) -> Any:

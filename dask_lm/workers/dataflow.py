@@ -6,8 +6,9 @@ DataFrame or of a future of a batch). Four tasks, each run where Dask puts it:
 2. :func:`lengths`, one per partition: the rows' lengths and width, the only thing the driver gathers;
 3. :func:`cut`, one per (partition, rank) with rows for that rank: the rank's rows of the partition, as a
    :class:`~dask_lm.data.messages.Shard` (Arrow, padding trimmed);
-4. :func:`assemble`, one per rank, pinned to it: the rank's pieces joined, put in the plan's order, padded to the
-   batch's width and wrapped in the call's request; that rank's ``serve`` task takes it as its argument.
+4. :func:`assemble`, one per rank, pinned to it: the rank's pieces joined as Arrow (no row decoded again), put in
+   the plan's order, declared at the batch's width and wrapped in the call's request; that rank's ``serve`` task
+   takes it as its argument.
 
 A Dask DataFrame partition (pandas) becomes a batch by :func:`frame_batch`: ``input_ids`` (a list of token ids per
 row) right-padded with the pad id, ``input_lengths`` the lists' lengths; for ``train``, every other list column one
@@ -26,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from dask_lm.data import arrow
 from dask_lm.data.arrow import list_values_offsets, pad_from_offsets
 from dask_lm.data.batch import BatchedDataDict
 from dask_lm.data.messages import MicroBatchPlan, Shard
@@ -112,9 +114,9 @@ def _list_column(frame: Any, name: Any, *, call: str, where: str) -> tuple[torch
 def prepare(value: Any, *, source: str, index: int, call: str, pad_token_id: int, vocab_size: int | None,
             max_length: int | None, train: tuple[Any, Any] | None) -> BatchedDataDict[Any]:
     """One partition (a pandas DataFrame) or the future's batch, as the batch the driver path would have checked:
-    :func:`~dask_lm.engine.validation.validate_input_batch` (and for train ``validate_train_batch`` with
+    :func:`~dask_lm.data.validation.validate_input_batch` (and for train ``validate_train_batch`` with
     ``train = (loss_fn, check_dim_skip_keys)``). Inference keeps only ``input_ids`` and ``input_lengths``."""
-    from dask_lm.engine.validation import validate_input_batch, validate_train_batch
+    from dask_lm.data.validation import validate_input_batch, validate_train_batch
 
     where = _where(source, index)
     if source == "frame":
@@ -152,12 +154,23 @@ def assemble(*pieces: Shard, order: list[int], plan: MicroBatchPlan, width: int,
              make: Callable[[Shard], Any]) -> Any:
     """The rank's request: its pieces joined (partition order), put in the plan's row order, every per-token column
     right-padded to the batch's ``width`` (``input_ids`` with the pad id, the rest with 0) as the driver path
-    pads them, wrapped by ``make`` (the call's request type, with its options)."""
+    pads them, wrapped by ``make`` (the call's request type, with its options).
+
+    The pieces' Arrow tables are joined as they came (:func:`~dask_lm.data.arrow.join_tables`): the rows were
+    encoded once, by :func:`cut`, and reach the rank in that form. Only columns that cannot be joined that way
+    (kept whole, or Python objects) are decoded and joined as tensors."""
+    identity = order == list(range(len(order)))
+    table = None if any(p.objects for p in pieces) else arrow.join_tables(
+        [p.table for p in pieces], width=width, pads={"input_ids": pad_token_id})
+    if table is not None:
+        if not identity:
+            table = table.take(pa.array(order, type=pa.int64()))
+        return make(Shard(table, plan))
     batches = [p.rows() for p in pieces]
     keys = list(batches[0])
     joined: BatchedDataDict[Any] = BatchedDataDict.from_batches(batches, pad_value_dict={"input_ids": pad_token_id})
     data: BatchedDataDict[Any] = BatchedDataDict({k: joined[k] for k in keys})
-    if order != list(range(len(order))):
+    if not identity:
         data = data.select_indices(order)
     for key, value in data.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] < width:

@@ -19,18 +19,21 @@ from typing import Any
 from dask_lm.data.messages import (
     ACTIONS,
     ActionRequest,
+    BroadcastRefitRequest,
     CollectiveInitRequest,
     ExtensionCall,
     ForwardOutput,
     ForwardRequest,
     FullLogitsRequest,
     GenerateRequest,
+    HttpRefitRequest,
     QKVCalibrationRequest,
-    RefitPlan,
+    ReshardRefitRequest,
     SaveRequest,
     TrainRequest,
     TrainResult,
     WeightSwapRequest,
+    ZmqRefitRequest,
 )
 from dask_lm.workers import generation, qkv_calibration
 from dask_lm.workers.policy_worker import PolicyWorker
@@ -103,18 +106,23 @@ def _action(worker: PolicyWorker, req: ActionRequest) -> Any:
 
 
 # ------------------------------------------------------------------------------------------- refit
-def _refit(worker: PolicyWorker, plan: RefitPlan) -> dict[str, Any]:
-    refitter = worker.refitter
-    if plan.route == "http":
-        return refitter.stream_via_http(list(plan.urls), layout=plan.layout, buffer_size_bytes=plan.buffer_size_bytes,
-                                        weight_version=plan.weight_version, timeout_s=plan.timeout_s,
-                                        transport=plan.transport, progress_id=plan.progress_id)
-    if plan.route == "zmq":
-        return refitter.stream_via_zmq(buffer_size_bytes=plan.buffer_size_bytes, timeout_s=plan.timeout_s,
-                                       progress_id=plan.progress_id)
-    if plan.route == "reshard":
-        return refitter.reshard(plan.reshard)
-    return refitter.broadcast(buffer_size_bytes=plan.buffer_size_bytes, progress_id=plan.progress_id)
+def _refit_http(worker: PolicyWorker, req: HttpRefitRequest) -> dict[str, Any]:
+    return worker.refitter.stream_via_http(list(req.urls), layout=req.layout, buffer_size_bytes=req.buffer_size_bytes,
+                                           weight_version=req.weight_version, timeout_s=req.timeout_s,
+                                           transport=req.transport, progress_id=req.progress_id)
+
+
+def _refit_zmq(worker: PolicyWorker, req: ZmqRefitRequest) -> dict[str, Any]:
+    return worker.refitter.stream_via_zmq(buffer_size_bytes=req.buffer_size_bytes, timeout_s=req.timeout_s,
+                                          progress_id=req.progress_id)
+
+
+def _refit_broadcast(worker: PolicyWorker, req: BroadcastRefitRequest) -> dict[str, Any]:
+    return worker.refitter.broadcast(buffer_size_bytes=req.buffer_size_bytes, progress_id=req.progress_id)
+
+
+def _refit_reshard(worker: PolicyWorker, req: ReshardRefitRequest) -> dict[str, Any]:
+    return worker.refitter.reshard(req.plan)
 
 
 def _collective_init(worker: PolicyWorker, req: CollectiveInitRequest) -> bool:
@@ -160,7 +168,10 @@ ENDPOINTS: dict[type, Callable[[PolicyWorker, Any], Any]] = {
     TrainRequest: _train,
     SaveRequest: _save,
     ActionRequest: _action,
-    RefitPlan: _refit,
+    HttpRefitRequest: _refit_http,
+    ZmqRefitRequest: _refit_zmq,
+    BroadcastRefitRequest: _refit_broadcast,
+    ReshardRefitRequest: _refit_reshard,
     CollectiveInitRequest: _collective_init,
     WeightSwapRequest: _swap,
     ExtensionCall: _extension,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dask_lm.errors import PeerFailedError
 
 if TYPE_CHECKING:
-    from dask_lm.data.messages import Request
+    from dask_lm.data.messages import Join, Request
 
 __all__ = ["find_free_port", "rank_info", "init_policy", "serve", "settled", "unwrap", "link", "result_of",
            "zmq_address", "profiler",
@@ -150,13 +150,13 @@ def serve(_prev: Any, policy_id: str, request: Request) -> Any:
     return interface.Warned(result, tuple(warned)) if warned else result
 
 
-def combine(kind: str, params: dict[str, Any], *answers: Any) -> Any:
+def combine(how: Join, *answers: Any) -> Any:
     """A PolicyFuture's key: the ranks' answers to one call joined into its result
     (:func:`dask_lm.workers.combine.combine`); their warnings go apart (:func:`warnings_of`)."""
     from dask_lm import interface
     from dask_lm.workers.combine import combine as join
 
-    return join(kind, params, [interface.strip(a)[0] for a in answers])
+    return join(how, [interface.strip(a)[0] for a in answers])
 
 
 def rank_frame(answer: Any, **kwargs: Any) -> Any:

@@ -1,7 +1,9 @@
-"""Checks on a batch before any worker sees it. Each error names the key, the row and the fix.
+"""Checks on a batch before any rank works on it. Each error names the key, the row and the fix.
 
-A rejected call changes nothing: validation runs on the driver before anything is scattered or submitted, so
-the Policy keeps working after it.
+A rejected call changes nothing: a batch the driver holds is checked on the driver before anything is scattered
+or submitted, and rows that stay on the workers are checked where their partition is
+(:mod:`dask_lm.workers.dataflow`) before any rank task runs, so the Policy keeps working after it. Both sides
+import it, hence its home in ``data/``.
 """
 
 from __future__ import annotations
