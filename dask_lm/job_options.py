@@ -12,7 +12,7 @@ import dataclasses
 import pathlib
 import sys
 
-from dask_lm.config.doc import cell, generated_block, page_main
+from dask_lm.config.doc import GeneratedTable, cell
 from dask_lm.jobs.spec import JobSpec, options_of
 from dask_lm.scoring.spec import ScoreSpec
 from dask_lm.sft.spec import SFTSpec
@@ -36,9 +36,9 @@ def _default(field: dataclasses.Field[object]) -> str:
     return f"`{field.default!r}`"
 
 
-def markdown() -> str:
-    """The generated block: one table per job, between the :data:`BEGIN` and :data:`END` markers."""
-    lines = [BEGIN]
+def _rows() -> list[str]:
+    """One table per job."""
+    lines: list[str] = []
     for title, name, spec in _JOBS:
         lines += ["", f"## {title} (`{spec.__module__}.{name}`)", "",
                   "| Python | command line | on resume | default | what it does |", "|---|---|---|---|---|"]
@@ -48,16 +48,11 @@ def markdown() -> str:
                 flag = f"{flag} / --no-{flag[2:]}"
             text = cell(o.help).replace("<", "&lt;")  # list<int> is no HTML tag
             lines.append(f"| `{f.name}` | `{flag}` | {_ROLE[o.role]} | {_default(f)} | {text} |")
-    return "\n".join([*lines, "", END]) + "\n"
+    return lines[1:]  # the block's begin marker and a blank line come first
 
 
-def current(page: pathlib.Path = PAGE) -> str:
-    """The block the page holds now (from :data:`BEGIN` through :data:`END`)."""
-    return generated_block(page, BEGIN, END)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return page_main(argv, "dask_lm.job_options", (__doc__ or "").splitlines()[0], PAGE, BEGIN, END, markdown)
+TABLE = GeneratedTable("dask_lm.job_options", (__doc__ or "").splitlines()[0], PAGE, BEGIN, END, _rows)
+markdown, current, main = TABLE.markdown, TABLE.current, TABLE.main
 
 
 if __name__ == "__main__":

@@ -143,15 +143,15 @@ def section_markdown(prefix: str, cls: type, unhonoured: dict[str, list[Row]]) -
     return lines + [""]
 
 
-def markdown() -> str:
-    """The generated block: every section's table, between the :data:`BEGIN` and :data:`END` markers."""
+def _rows() -> list[str]:
+    """Every section's table."""
     unhonoured: dict[str, list[Row]] = {}
     for row in UNHONOURED:
         unhonoured.setdefault(row.key, []).append(row)
-    lines = [BEGIN, ""]
+    lines: list[str] = []
     for prefix, section in sections(PolicyConfig, "policy"):
         lines += section_markdown(prefix, section, unhonoured)
-    return "\n".join([*lines, END]) + "\n"
+    return lines[:-1]  # each section ends with a blank line; the block's end marker follows one
 
 
 def generated_block(page: pathlib.Path, begin: str, end: str) -> str:
@@ -162,34 +162,49 @@ def generated_block(page: pathlib.Path, begin: str, end: str) -> str:
     return text[text.index(begin):text.index(end) + len(end)] + "\n"
 
 
-def page_main(argv: list[str] | None, module: str, description: str, page: pathlib.Path, begin: str, end: str,
-              render: Callable[[], str]) -> int:
-    """The command line of a generated page's table: print it, ``--write`` it into ``page``, or ``--check`` that
-    the page holds it (exit 1 naming the command that rewrites it)."""
-    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
-    action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", action="store_true", help=f"rewrite the table in {page.name}")
-    action.add_argument("--check", action="store_true", help=f"exit 1 when the table in {page.name} is stale")
-    args = parser.parse_args(argv)
-    block = render()
-    if args.write:
-        page.write_text(page.read_text().replace(generated_block(page, begin, end).rstrip("\n"), block.rstrip("\n")))
-    elif args.check:
-        if generated_block(page, begin, end) != block:
-            print(f"{page} is stale: run `python -m {module} --write`", file=sys.stderr)
-            return 1
-    else:
-        sys.stdout.write(block)
-    return 0
+@dataclasses.dataclass(frozen=True)
+class GeneratedTable:
+    """A table generated into a docs page between two marker comments, and the command line that keeps it there
+    (``python -m MODULE``): print it, ``--write`` it into the page, or ``--check`` that the page holds it (exit 1
+    naming the command that rewrites it). Each generator module makes one and hands on its :meth:`current` and
+    :meth:`main`."""
+
+    module: str
+    description: str
+    page: pathlib.Path
+    begin: str
+    end: str
+    rows: Callable[[], list[str]]
+    """The block's lines between the markers."""
+
+    def markdown(self) -> str:
+        """The generated block: the rows, between the begin and end markers."""
+        return "\n".join([self.begin, "", *self.rows(), "", self.end]) + "\n"
+
+    def current(self) -> str:
+        """The block the page holds now (from the begin marker through the end one)."""
+        return generated_block(self.page, self.begin, self.end)
+
+    def main(self, argv: list[str] | None = None) -> int:
+        parser = argparse.ArgumentParser(prog=f"python -m {self.module}", description=self.description)
+        action = parser.add_mutually_exclusive_group()
+        action.add_argument("--write", action="store_true", help=f"rewrite the table in {self.page.name}")
+        action.add_argument("--check", action="store_true", help=f"exit 1 when the table in {self.page.name} is stale")
+        args = parser.parse_args(argv)
+        block = self.markdown()
+        if args.write:
+            self.page.write_text(self.page.read_text().replace(self.current().rstrip("\n"), block.rstrip("\n")))
+        elif args.check:
+            if self.current() != block:
+                print(f"{self.page} is stale: run `python -m {self.module} --write`", file=sys.stderr)
+                return 1
+        else:
+            sys.stdout.write(block)
+        return 0
 
 
-def current(page: pathlib.Path = PAGE) -> str:
-    """The block the config page holds now (from :data:`BEGIN` through :data:`END`)."""
-    return generated_block(page, BEGIN, END)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return page_main(argv, "dask_lm.config.doc", __doc__.splitlines()[0], PAGE, BEGIN, END, markdown)
+TABLE = GeneratedTable("dask_lm.config.doc", (__doc__ or "").splitlines()[0], PAGE, BEGIN, END, _rows)
+markdown, current, main = TABLE.markdown, TABLE.current, TABLE.main
 
 
 if __name__ == "__main__":

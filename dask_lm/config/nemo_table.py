@@ -20,7 +20,7 @@ import sys
 import typing
 from typing import NamedTuple
 
-from dask_lm.config.doc import cell, field_docstrings, generated_block, page_main, section_class, sections
+from dask_lm.config.doc import cell, field_docstrings, GeneratedTable, section_class, sections
 from dask_lm.config.keys import CLOSED, DASK_LM_KEYS, UNHONOURED, Row, condition
 from dask_lm.config.policy import PolicyConfig
 
@@ -88,21 +88,13 @@ def key_statuses() -> list[KeyStatus]:
     return out
 
 
-def markdown() -> str:
-    """The generated block: the table, between the :data:`BEGIN` and :data:`END` markers."""
-    lines = [BEGIN, "", "| key | here | when | what it does here |", "|---|---|---|---|"]
-    for entry in key_statuses():
-        lines.append(f"| `{entry.key}` | {entry.status} | {cell(entry.when)} | {cell(entry.what)} |")
-    return "\n".join([*lines, "", END]) + "\n"
+def _rows() -> list[str]:
+    return ["| key | here | when | what it does here |", "|---|---|---|---|",
+            *(f"| `{e.key}` | {e.status} | {cell(e.when)} | {cell(e.what)} |" for e in key_statuses())]
 
 
-def current(page: pathlib.Path = PAGE) -> str:
-    """The block the NeMo RL keys page holds now (from :data:`BEGIN` through :data:`END`)."""
-    return generated_block(page, BEGIN, END)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return page_main(argv, "dask_lm.config.nemo_table", __doc__.splitlines()[0], PAGE, BEGIN, END, markdown)
+TABLE = GeneratedTable("dask_lm.config.nemo_table", (__doc__ or "").splitlines()[0], PAGE, BEGIN, END, _rows)
+markdown, current, main = TABLE.markdown, TABLE.current, TABLE.main
 
 
 if __name__ == "__main__":

@@ -114,21 +114,24 @@ class PolicyWorker:
         return True  # generation keeps no KV cache between calls
 
     def finish_inference(self) -> bool:
-        self.rank_model.to_host()
-        device.empty_cache()
-        return True
+        return self._to_host(weights=True, optimizer=False)
 
     def offload_before_refit(self) -> bool:
         """Optimizer state (and fp32 masters) to host memory: the weights stay, ready to be streamed."""
-        self.trainer.move_to("cpu")
-        device.empty_cache()
-        return True
+        return self._to_host(weights=False, optimizer=True)
 
     def offload_to_cpu(self) -> bool:
         """Everything to host memory: weights, optimizer state, masters."""
-        self.rank_model.to_host()
         self.rank_model.model.eval()
-        self.trainer.move_to("cpu")
+        return self._to_host(weights=True, optimizer=True)
+
+    def _to_host(self, *, weights: bool, optimizer: bool) -> bool:
+        """The weights and / or the optimizer's state (with the fp32 masters) to host memory, then the device's
+        cached blocks released."""
+        if weights:
+            self.rank_model.to_host()
+        if optimizer:
+            self.trainer.move_to("cpu")
         device.empty_cache()
         return True
 
