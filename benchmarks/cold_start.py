@@ -61,7 +61,7 @@ def _child(model_dir: str, how: str) -> dict[str, float]:
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 @click.command()

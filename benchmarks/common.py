@@ -11,18 +11,40 @@ import torch
 GIB = 2**30
 H200_BF16_DENSE = 989.5e12  # datasheet dense bf16 (perf_anchors.md section 6); MFU is also given against it
 SHAPES = {
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
 }
 SHAPE_CHOICES = ["tiny", *SHAPES]  # what every script's --shape accepts
 
 
-def make_rows(num_rows: int, min_len: int, max_len: int, median_len: int, sigma: float, vocab: int, pad_id: int,
-              seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_rows(
+    num_rows: int, min_len: int, max_len: int, median_len: int, sigma: float, vocab: int, pad_id: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ``input_ids [N, S]`` and ``input_lengths [N]``: lognormal lengths, random ids in [3, vocab)."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.exp(torch.randn(num_rows, generator=g) * sigma + math.log(median_len))
@@ -38,8 +60,17 @@ def build_model(shape: str, root: str, max_len: int) -> str:
     if shape == "tiny":
         from dask_lm.tiny import build_tiny_model
 
-        return build_tiny_model(path, family="llama", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4,
-                                num_kv_heads=2, intermediate_size=512, max_position_embeddings=max(4096, max_len))
+        return build_tiny_model(
+            path,
+            family="llama",
+            vocab_size=4096,
+            hidden_size=256,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=512,
+            max_position_embeddings=max(4096, max_len),
+        )
     import transformers
 
     cfg = transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=max(32768, max_len), pad_token_id=0)
@@ -98,9 +129,7 @@ def _worker_reset_peak() -> int:
     return torch.get_num_threads()
 
 
-
-
-def _worker_last_call_seconds(dask_worker) -> float:  # noqa: ANN001 (client.run passes the Worker)
+def _worker_last_call_seconds(dask_worker) -> float:
     """Runs on the worker: seconds the rank spent inside its last Policy call (its compute, without the driver)."""
     from dask_lm.workers.state import PLUGIN_NAME
 

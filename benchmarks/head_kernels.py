@@ -38,7 +38,7 @@ import torch
 def _inputs(rows: int, hidden: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(seed)
     h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = (torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05)
+    w = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
     t = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
     return h, w, t
 
@@ -51,25 +51,26 @@ def _arm(name: str) -> Any:
     if name == "compiled":
         return torch.compile(fused._pick_minus_lse_greedy, dynamic=True, options=fused._options())
     if name == "liger":
+
         def liger(z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             assert liger_head.available(z), "liger-kernel is not importable here"
             out = liger_head.pick_minus_lse_greedy(z, t)
             assert out is not None, "liger-kernel's kernel failed (see the warning above)"
             return out
+
         return liger
     if name == "matmul":
         return None
     raise ValueError(name)
 
 
-def _head(fn: Any, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, chunk: int
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _head(fn: Any, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     lp = torch.empty(h.shape[0], device="cuda")
     hit = torch.empty(h.shape[0], device="cuda", dtype=torch.bool)
     for s in range(0, h.shape[0], chunk):
-        z = torch.mm(h[s:s + chunk], w.t(), out_dtype=torch.float32)
+        z = torch.mm(h[s : s + chunk], w.t(), out_dtype=torch.float32)
         if fn is not None:
-            lp[s:s + chunk], hit[s:s + chunk] = fn(z, t[s:s + chunk].clone())
+            lp[s : s + chunk], hit[s : s + chunk] = fn(z, t[s : s + chunk].clone())
     return lp, hit
 
 
@@ -98,8 +99,16 @@ def _first_call(name: str, rows: int, hidden: int, vocab: int, chunk: int) -> di
 @click.option("--first-calls", is_flag=True, help="Also time the first call in fresh processes, cold and warm cache.")
 @click.option("--first-call-of", type=click.Choice(["compiled", "liger"]), default=None, hidden=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
-def main(hidden: int, vocab: int, rows: int, chunk: int, iters: int, first_calls: bool, first_call_of: str | None,
-         json_out: str | None) -> None:
+def main(
+    hidden: int,
+    vocab: int,
+    rows: int,
+    chunk: int,
+    iters: int,
+    first_calls: bool,
+    first_call_of: str | None,
+    json_out: str | None,
+) -> None:
     assert torch.cuda.is_available(), "head_kernels.py times GPU kernels"
     if first_call_of:
         print(json.dumps(_first_call(first_call_of, rows, hidden, vocab, chunk)))
@@ -107,7 +116,7 @@ def main(hidden: int, vocab: int, rows: int, chunk: int, iters: int, first_calls
     res: dict[str, Any] = {"hidden": hidden, "vocab": vocab, "rows": rows, "chunk": chunk, "arms": {}}
     h, w, t = _inputs(rows, hidden, vocab)
     n = min(rows, 4096)  # the float64 reference on a slice
-    z64 = (h[:n].double() @ w.double().t())
+    z64 = h[:n].double() @ w.double().t()
     ref_lp = z64.gather(1, t[:n, None]).squeeze(1) - torch.logsumexp(z64, dim=-1)
     ref_hit = z64.argmax(-1) == t[:n]
     del z64
@@ -130,10 +139,16 @@ def main(hidden: int, vocab: int, rows: int, chunk: int, iters: int, first_calls
             arm["max_abs_err_vs_fp64"] = float((lp[:n].double() - ref_lp).abs().max())
             arm["greedy_mismatches"] = int((hit[:n] != ref_hit).sum())
         res["arms"][name] = arm
-        print(f"{name:>9}: {best * 1e3:8.2f} ms per {rows}-row micro-batch ({arm['tflops']:.0f} TFLOP/s of head "
-              f"matmul), first call {first:.2f} s"
-              + (f", |err| vs fp64 {arm['max_abs_err_vs_fp64']:.2e}, greedy mismatches {arm['greedy_mismatches']}"
-                 if fn is not None else ""), flush=True)
+        print(
+            f"{name:>9}: {best * 1e3:8.2f} ms per {rows}-row micro-batch ({arm['tflops']:.0f} TFLOP/s of head "
+            f"matmul), first call {first:.2f} s"
+            + (
+                f", |err| vs fp64 {arm['max_abs_err_vs_fp64']:.2e}, greedy mismatches {arm['greedy_mismatches']}"
+                if fn is not None
+                else ""
+            ),
+            flush=True,
+        )
     if first_calls:
         res["first_calls"] = {}
         for name, cache_var in (("liger", "TRITON_CACHE_DIR"), ("compiled", "TORCHINDUCTOR_CACHE_DIR")):
@@ -143,16 +158,34 @@ def main(hidden: int, vocab: int, rows: int, chunk: int, iters: int, first_calls
                     env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
                 runs = []
                 for _ in ("cold", "warm"):
-                    out = subprocess.run([sys.executable, __file__, "--hidden", str(hidden), "--vocab", str(vocab),
-                                          "--rows", str(rows), "--chunk", str(chunk), "--first-call-of", name],
-                                         env=env, capture_output=True, text=True)
+                    out = subprocess.run(
+                        [
+                            sys.executable,
+                            __file__,
+                            "--hidden",
+                            str(hidden),
+                            "--vocab",
+                            str(vocab),
+                            "--rows",
+                            str(rows),
+                            "--chunk",
+                            str(chunk),
+                            "--first-call-of",
+                            name,
+                        ],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                    )
                     if out.returncode:
                         raise SystemExit(f"the first call of {name} failed in a fresh process:\n{out.stderr[-3000:]}")
                     runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 res["first_calls"][name] = {"cold": runs[0], "warm": runs[1]}
-                print(f"{name:>9} in a fresh process: import {runs[0]['import_s']:.2f} s; first call "
-                      f"{runs[0]['first_call_s']:.2f} s with a cold cache, {runs[1]['first_call_s']:.2f} s warm",
-                      flush=True)
+                print(
+                    f"{name:>9} in a fresh process: import {runs[0]['import_s']:.2f} s; first call "
+                    f"{runs[0]['first_call_s']:.2f} s with a cold cache, {runs[1]['first_call_s']:.2f} s warm",
+                    flush=True,
+                )
     if json_out:
         with open(json_out, "w") as f:
             json.dump(res, f, indent=1)

@@ -33,7 +33,7 @@ import click
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import _worker_last_call_seconds, build_model, make_rows  # noqa: E402
+from common import _worker_last_call_seconds, build_model, make_rows
 
 LOGPROB_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
 
@@ -43,8 +43,9 @@ def _model(models: str, shape: str, max_len: int) -> str:
     return path if os.path.exists(os.path.join(path, "config.json")) else build_model(shape, models, max_len)
 
 
-def _rows(model_dir: str, num_rows: int, median_len: int, max_len: int, seed: int = 0
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(
+    model_dir: str, num_rows: int, median_len: int, max_len: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     import transformers
 
     vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
@@ -64,8 +65,17 @@ def logprobs_arm(client: Any, model_dir: str, tokenizer: Any, calls: int, num_ro
     from dask_lm import BatchedDataDict
 
     ids, lens = _rows(model_dir, num_rows, 256, max_len)
-    policy = dask_lm.Policy(client, {"model_name": model_dir, "precision": "bfloat16", "logprob_chunk_size": 4096,
-                                     "max_total_sequence_length": max_len, "inference_mb_tokens": 32768}, tokenizer)
+    policy = dask_lm.Policy(
+        client,
+        {
+            "model_name": model_dir,
+            "precision": "bfloat16",
+            "logprob_chunk_size": 4096,
+            "max_total_sequence_length": max_len,
+            "inference_mb_tokens": 32768,
+        },
+        tokenizer,
+    )
     try:
         data = BatchedDataDict(input_ids=ids, input_lengths=lens)
         policy.get_logprobs(data)  # compiles and sizes the allocator: not timed
@@ -84,11 +94,19 @@ def train_arm(client: Any, model_dir: str, tokenizer: Any, steps: int, rows: int
     import dask_lm
     from dask_lm import BatchedDataDict
 
-    config = {"model_name": model_dir, "precision": "bfloat16", "max_total_sequence_length": max_len,
-              "train_global_batch_size": rows, "train_micro_batch_size": 8, "max_grad_norm": 1.0,
-              "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5, **({"fused": True}
-                                                                                   if torch.cuda.is_available() else {})}},
-              "sequence_packing": {"enabled": True, "train_mb_tokens": 16384, "logprob_mb_tokens": 16384}}
+    config = {
+        "model_name": model_dir,
+        "precision": "bfloat16",
+        "max_total_sequence_length": max_len,
+        "train_global_batch_size": rows,
+        "train_micro_batch_size": 8,
+        "max_grad_norm": 1.0,
+        "optimizer": {
+            "name": "torch.optim.AdamW",
+            "kwargs": {"lr": 1e-5, **({"fused": True} if torch.cuda.is_available() else {})},
+        },
+        "sequence_packing": {"enabled": True, "train_mb_tokens": 16384, "logprob_mb_tokens": 16384},
+    }
     policy = dask_lm.Policy(client, config, tokenizer, init_reference_model=False)
     walls, ranks, tokens = [], [], 0
     try:
@@ -119,13 +137,22 @@ def score_arm(client: Any, root: str, model_dir: str, num_rows: int, max_len: in
     per_file = num_rows // 4
     for f in range(4):
         rows = range(f * per_file, (f + 1) * per_file)
-        pq.write_table(pa.table({"id": list(rows), "ids": [ids[r, :int(lens[r])].tolist() for r in rows]}),
-                       os.path.join(data, f"part-{f}.parquet"))
+        pq.write_table(
+            pa.table({"id": list(rows), "ids": [ids[r, : int(lens[r])].tolist() for r in rows]}),
+            os.path.join(data, f"part-{f}.parquet"),
+        )
     out: dict[str, Any] = {}
     for run in ("cold", "warm"):
         t0 = time.perf_counter()
-        res = dask_lm.score_parquet(data, os.path.join(root, f"out-{run}"), model=model_dir, client=client,
-                                    ids_column="ids", id_column="id", progress=False)
+        res = dask_lm.score_parquet(
+            data,
+            os.path.join(root, f"out-{run}"),
+            model=model_dir,
+            client=client,
+            ids_column="ids",
+            id_column="id",
+            progress=False,
+        )
         out[run] = {"seconds": time.perf_counter() - t0, "worker_phases": dict(res.phase_seconds)}
     out["tokens"] = int(lens.sum())
     out["tok_per_s"] = out["tokens"] / out["warm"]["seconds"]
@@ -171,14 +198,25 @@ def host_arm(num_rows: int, repeats: int, mb_tokens: int = 32768) -> dict:
             for s, e in bounds:
                 host_layout(data["input_ids"][s:e], data["input_lengths"][s:e], packed=True)
         timings["rank_decode_and_layout_s"].append(time.perf_counter() - t0)
-    return {**{k: statistics.median(v) for k, v in timings.items()}, "micro_batches": len(bounds),
-            "tokens": int(lens.sum()), "rows": num_rows}
+    return {
+        **{k: statistics.median(v) for k, v in timings.items()},
+        "micro_batches": len(bounds),
+        "tokens": int(lens.sum()),
+        "rows": num_rows,
+    }
 
 
 def _summary(walls: list[float], ranks: list[float], tokens: int) -> dict:
     wall, rank = statistics.median(walls), statistics.median(ranks)
-    return {"wall_s": wall, "rank_s": rank, "outside_rank_s": wall - rank, "tok_per_s": tokens / wall,
-            "walls": walls, "ranks": ranks, "tokens": tokens}
+    return {
+        "wall_s": wall,
+        "rank_s": rank,
+        "outside_rank_s": wall - rank,
+        "tok_per_s": tokens / wall,
+        "walls": walls,
+        "ranks": ranks,
+        "tokens": tokens,
+    }
 
 
 def compare(before_path: str, after_path: str) -> None:
@@ -188,8 +226,13 @@ def compare(before_path: str, after_path: str) -> None:
         if arm not in before or arm == "meta":
             continue
         b, a = before[arm], after[arm]
-        figures = (("wall_s", "rank_s", "outside_rank_s", "tok_per_s") if "wall_s" in a else ("warm_s", "tok_per_s")
-                   if "warm" in a else ("driver_encode_s", "rank_decode_and_layout_s"))
+        figures = (
+            ("wall_s", "rank_s", "outside_rank_s", "tok_per_s")
+            if "wall_s" in a
+            else ("warm_s", "tok_per_s")
+            if "warm" in a
+            else ("driver_encode_s", "rank_decode_and_layout_s")
+        )
         if "warm" in a:
             b, a = {**b, "warm_s": b["warm"]["seconds"]}, {**a, "warm_s": a["warm"]["seconds"]}
         for k in figures:
@@ -207,8 +250,18 @@ def compare(before_path: str, after_path: str) -> None:
 @click.option("--arms", default="host,logprobs,train,score", show_default=True)
 @click.option("--tiny", is_flag=True, help="Every arm on the CPU-sized tiny model (a smoke run of the script).")
 @click.option("--compare", "compare_paths", nargs=2, default=None, help="BEFORE.json AFTER.json: print the table.")
-def main(models: str | None, out: str | None, calls: int, rows: int, train_rows: int, train_steps: int,
-         score_rows: int, arms: str, tiny: bool, compare_paths: tuple[str, str] | None) -> None:
+def main(
+    models: str | None,
+    out: str | None,
+    calls: int,
+    rows: int,
+    train_rows: int,
+    train_steps: int,
+    score_rows: int,
+    arms: str,
+    tiny: bool,
+    compare_paths: tuple[str, str] | None,
+) -> None:
     if compare_paths:
         compare(*compare_paths)
         return
@@ -222,9 +275,12 @@ def main(models: str | None, out: str | None, calls: int, rows: int, train_rows:
         return _model(models, "tiny" if tiny else shape, max_len)
 
     wanted = arms.split(",")
-    results: dict[str, Any] = {"meta": {"dask_lm": os.path.dirname(dask_lm.__file__),
-                                        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else
-                                        "cpu"}}
+    results: dict[str, Any] = {
+        "meta": {
+            "dask_lm": os.path.dirname(dask_lm.__file__),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        }
+    }
     if "host" in wanted:
         results["host"] = host_arm(rows, calls)
         print(json.dumps({"host": results["host"]}), flush=True)
@@ -237,16 +293,15 @@ def main(models: str | None, out: str | None, calls: int, rows: int, train_rows:
         try:
             if "logprobs" in wanted:
                 for shape in LOGPROB_SHAPES:
-                    results[f"logprobs {shape}"] = logprobs_arm(client, model(shape), tokenizer,
-                                                                calls, rows, max_len)
+                    results[f"logprobs {shape}"] = logprobs_arm(client, model(shape), tokenizer, calls, rows, max_len)
                     print(json.dumps({f"logprobs {shape}": results[f"logprobs {shape}"]}), flush=True)
             if "train" in wanted:
-                results["train qwen2.5-1.5b packed"] = train_arm(client, model("qwen2.5-1.5b"),
-                                                                 tokenizer, train_steps, train_rows, max_len)
+                results["train qwen2.5-1.5b packed"] = train_arm(
+                    client, model("qwen2.5-1.5b"), tokenizer, train_steps, train_rows, max_len
+                )
                 print(json.dumps({"train": results["train qwen2.5-1.5b packed"]}), flush=True)
             if "score" in wanted:
-                results["score qwen2.5-0.5b"] = score_arm(client, root, model("qwen2.5-0.5b"),
-                                                          score_rows, max_len)
+                results["score qwen2.5-0.5b"] = score_arm(client, root, model("qwen2.5-0.5b"), score_rows, max_len)
                 print(json.dumps({"score": results["score qwen2.5-0.5b"]}), flush=True)
         finally:
             cluster = client.cluster

@@ -35,8 +35,9 @@ from common import (  # benchmarks/ is on sys.path when a script runs
 from dask_lm.tiny import SAMPLE_TEXTS
 
 
-def make_requests(n_loglikelihood: int, n_generate: int, median_words: int, gen_toks: int, seed: int
-                  ) -> tuple[list[tuple[str, str]], list[tuple[str, dict[str, Any]]]]:
+def make_requests(
+    n_loglikelihood: int, n_generate: int, median_words: int, gen_toks: int, seed: int
+) -> tuple[list[tuple[str, str]], list[tuple[str, dict[str, Any]]]]:
     """``(context, continuation)`` pairs (four choices per context) and ``(context, gen_kwargs)`` pairs, of words
     drawn from the tokenizer's training corpus (so each is a few tokens, not bytes)."""
     rng = random.Random(seed)
@@ -77,22 +78,38 @@ def timed(lm: Any, ll: list[Any], gen: list[Any]) -> tuple[list[tuple[float, boo
 
 
 @click.command()
-@click.option("--shape", type=click.Choice(SHAPE_CHOICES), default="tiny", show_default=True,
-              help="Random model to build.")
-@click.option("--requests", "n_requests", type=int, default=None,
-              help="loglikelihood requests [default: 256 on CPU, 4096 on GPU].")
+@click.option(
+    "--shape", type=click.Choice(SHAPE_CHOICES), default="tiny", show_default=True, help="Random model to build."
+)
+@click.option(
+    "--requests",
+    "n_requests",
+    type=int,
+    default=None,
+    help="loglikelihood requests [default: 256 on CPU, 4096 on GPU].",
+)
 @click.option("--gen-requests", type=int, default=None, help="generate_until requests [default: 16 CPU, 256 GPU].")
 @click.option("--gen-toks", type=int, default=None, help="max_gen_toks [default: 16 CPU, 64 GPU].")
-@click.option("--median-words", type=int, default=None, help="Median context length in words [default: 24 CPU, "
-              "160 GPU].")
+@click.option(
+    "--median-words", type=int, default=None, help="Median context length in words [default: 24 CPU, 160 GPU]."
+)
 @click.option("--hf-batch-size", type=int, default=16, show_default=True, help="HFLM's batch_size.")
 @click.option("--batch-tokens", type=int, default=None, help="dask-lm's batch_tokens [default: 8192 CPU, 32768 GPU].")
 @click.option("--n-workers", default="1,2", show_default=True, help="Comma-separated worker counts, one arm each.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
-def main(shape: str, n_requests: int | None, gen_requests: int | None, gen_toks: int | None,
-         median_words: int | None, hf_batch_size: int, batch_tokens: int | None, n_workers: str, seed: int,
-         out: str | None) -> None:
+def main(
+    shape: str,
+    n_requests: int | None,
+    gen_requests: int | None,
+    gen_toks: int | None,
+    median_words: int | None,
+    hf_batch_size: int,
+    batch_tokens: int | None,
+    n_workers: str,
+    seed: int,
+    out: str | None,
+) -> None:
     import transformers
 
     import dask_lm
@@ -113,12 +130,16 @@ def main(shape: str, n_requests: int | None, gen_requests: int | None, gen_toks:
     arms: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="dask-lm-bench-") as root:
         model_dir = build_model(shape, root, 4096)
-        transformers.AutoTokenizer.from_pretrained(train_tiny_tokenizer(os.path.join(root, "tok"))
-                                                   ).save_pretrained(model_dir)
+        transformers.AutoTokenizer.from_pretrained(train_tiny_tokenizer(os.path.join(root, "tok"))).save_pretrained(
+            model_dir
+        )
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         tokens = sum(len(tokenizer(c + x).input_ids) for c, x in pairs)
-        print(f"random {shape} ({precision}); {len(pairs)} loglikelihood requests ({tokens} tokens), "
-              f"{len(prompts)} generate_until requests of {gen_toks} new tokens", flush=True)
+        print(
+            f"random {shape} ({precision}); {len(pairs)} loglikelihood requests ({tokens} tokens), "
+            f"{len(prompts)} generate_until requests of {gen_toks} new tokens",
+            flush=True,
+        )
         results: dict[str, tuple[list[tuple[float, bool]], list[str]]] = {}
         threads = 1
         from dask_lm.harness import DaskLM
@@ -150,12 +171,13 @@ def main(shape: str, n_requests: int | None, gen_requests: int | None, gen_toks:
         scores, texts, t_ll, t_gen = timed(hf, ll, gen)
         results["hf"] = scores, texts
         arms["hf"] = {"workers": 1, "loglikelihood_seconds": t_ll, "generate_seconds": t_gen}
-        print(f"HFLM (batch_size {hf_batch_size}): loglikelihood {t_ll:.2f}s, generate_until {t_gen:.2f}s",
-              flush=True)
+        print(f"HFLM (batch_size {hf_batch_size}): loglikelihood {t_ll:.2f}s, generate_until {t_gen:.2f}s", flush=True)
 
     ref_scores, ref_texts = results["hf"]
-    print(f"\n{'arm':<14}{'loglikelihood req/s':>21}{'vs HF':>8}{'generate req/s':>16}{'vs HF':>8}"
-          f"{'max |ll diff|':>15}{'same text':>11}")
+    print(
+        f"\n{'arm':<14}{'loglikelihood req/s':>21}{'vs HF':>8}{'generate req/s':>16}{'vs HF':>8}"
+        f"{'max |ll diff|':>15}{'same text':>11}"
+    )
     for name, arm in arms.items():
         arm["loglikelihood_req_per_s"] = len(ll) / arm["loglikelihood_seconds"]
         arm["generate_req_per_s"] = len(gen) / arm["generate_seconds"] if gen else 0.0
@@ -163,14 +185,24 @@ def main(shape: str, n_requests: int | None, gen_requests: int | None, gen_toks:
         arm["generate_ratio_vs_hf"] = arms["hf"]["generate_seconds"] / arm["generate_seconds"] if gen else 0.0
         got_scores, got_texts = results[name]
         arm["max_abs_loglikelihood_diff"] = max(abs(a[0] - b[0]) for a, b in zip(got_scores, ref_scores))
-        arm["same_generation_fraction"] = (sum(a == b for a, b in zip(got_texts, ref_texts)) / len(gen)
-                                           if gen else 1.0)
-        print(f"{name:<14}{arm['loglikelihood_req_per_s']:>21.1f}{arm['loglikelihood_ratio_vs_hf']:>7.2f}x"
-              f"{arm['generate_req_per_s']:>16.2f}{arm['generate_ratio_vs_hf']:>7.2f}x"
-              f"{arm['max_abs_loglikelihood_diff']:>15.3g}{arm['same_generation_fraction']:>11.0%}")
-    res = {"shape": shape, "precision": precision, "loglikelihood_requests": len(ll), "loglikelihood_tokens": tokens,
-           "generate_requests": len(gen), "gen_toks": gen_toks, "hf_batch_size": hf_batch_size,
-           "batch_tokens": batch_tokens, "torch_threads_per_worker": threads, "arms": arms}
+        arm["same_generation_fraction"] = sum(a == b for a, b in zip(got_texts, ref_texts)) / len(gen) if gen else 1.0
+        print(
+            f"{name:<14}{arm['loglikelihood_req_per_s']:>21.1f}{arm['loglikelihood_ratio_vs_hf']:>7.2f}x"
+            f"{arm['generate_req_per_s']:>16.2f}{arm['generate_ratio_vs_hf']:>7.2f}x"
+            f"{arm['max_abs_loglikelihood_diff']:>15.3g}{arm['same_generation_fraction']:>11.0%}"
+        )
+    res = {
+        "shape": shape,
+        "precision": precision,
+        "loglikelihood_requests": len(ll),
+        "loglikelihood_tokens": tokens,
+        "generate_requests": len(gen),
+        "gen_toks": gen_toks,
+        "hf_batch_size": hf_batch_size,
+        "batch_tokens": batch_tokens,
+        "torch_threads_per_worker": threads,
+        "arms": arms,
+    }
     print(json.dumps(res))
     if out:
         with open(out, "w", encoding="utf-8") as f:

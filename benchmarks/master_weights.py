@@ -37,14 +37,35 @@ def _config(shape: str, root: str, mode: str, mb_tokens: int) -> Any:
     from dask_lm.config import PolicyConfig
 
     path = os.path.join(root, shape)
-    dims = SHAPES.get(shape, {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512})
+    dims = SHAPES.get(
+        shape,
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+        },
+    )
     transformers.Qwen2Config(**dims, max_position_embeddings=4096, pad_token_id=0).save_pretrained(path)
-    batching = ({"sequence_packing": {"enabled": True, "train_mb_tokens": mb_tokens}} if mode == "packed" else
-                {"dynamic_batching": {"enabled": True, "train_mb_tokens": mb_tokens, "sequence_length_round": 64}})
-    return PolicyConfig.from_dict({"model_name": path, "precision": "bfloat16", "max_total_sequence_length": 4096,
-                                   "train_global_batch_size": 1, "train_micro_batch_size": 1, "max_grad_norm": 1.0,
-                                   "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}}, **batching})
+    batching = (
+        {"sequence_packing": {"enabled": True, "train_mb_tokens": mb_tokens}}
+        if mode == "packed"
+        else {"dynamic_batching": {"enabled": True, "train_mb_tokens": mb_tokens, "sequence_length_round": 64}}
+    )
+    return PolicyConfig.from_dict(
+        {
+            "model_name": path,
+            "precision": "bfloat16",
+            "max_total_sequence_length": 4096,
+            "train_global_batch_size": 1,
+            "train_micro_batch_size": 1,
+            "max_grad_norm": 1.0,
+            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}},
+            **batching,
+        }
+    )
 
 
 def _one_member_group(dev: torch.device) -> Any:
@@ -56,21 +77,39 @@ def _one_member_group(dev: torch.device) -> Any:
     return dist.group.WORLD
 
 
-def _arm(name: str, cfg: Any, dev: torch.device, rows: torch.Tensor, lens: torch.Tensor, mode: str,
-         mb_tokens: int, steps: int) -> dict[str, Any]:
+def _arm(
+    name: str,
+    cfg: Any,
+    dev: torch.device,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    mode: str,
+    mb_tokens: int,
+    steps: int,
+) -> dict[str, Any]:
     from dask_lm.losses import NLLLoss
     from dask_lm.workers.policy_worker import PolicyWorker
 
     fsdp = name == "fsdp"
     torch.manual_seed(0)
-    worker = PolicyWorker(cfg, rank=0, world_size=1, group=_one_member_group(dev) if fsdp else None, pad_token_id=0,
-                          init_optimizer=True, init_reference_model=False, skip_weight_load=True, fsdp=fsdp)
+    worker = PolicyWorker(
+        cfg,
+        rank=0,
+        world_size=1,
+        group=_one_member_group(dev) if fsdp else None,
+        pad_token_id=0,
+        init_optimizer=True,
+        init_reference_model=False,
+        skip_weight_load=True,
+        fsdp=fsdp,
+    )
     shard, plan = _shard(cfg, rows, lens, mode, mb_tokens)
     loss_fn = NLLLoss()
 
     def step() -> float:
-        out = worker.trainer.train(shard, plan, loss_fn, eval_mode=False, gbs=len(lens), mbs=len(lens),
-                                   num_global_batches=1)
+        out = worker.trainer.train(
+            shard, plan, loss_fn, eval_mode=False, gbs=len(lens), mbs=len(lens), num_global_batches=1
+        )
         return float(out.loss[0])
 
     step()  # warm-up: optimizer state, allocator, compiled kernels
@@ -88,8 +127,13 @@ def _arm(name: str, cfg: Any, dev: torch.device, rows: torch.Tensor, lens: torch
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    return {"arm": name, "step_seconds": times, "losses": losses, "peak_gib": peak,
-            "tok_per_s": int(lens.sum()) / min(times)}
+    return {
+        "arm": name,
+        "step_seconds": times,
+        "losses": losses,
+        "peak_gib": peak,
+        "tok_per_s": int(lens.sum()) / min(times),
+    }
 
 
 @click.command()
@@ -118,9 +162,11 @@ def main(shape: str, mode: str, rows: int | None, steps: int, mb_tokens: int | N
         print(f"{r['arm']:<10}{min(r['step_seconds']) * 1e3:>14.1f}{r['tok_per_s']:>12,.0f}{peak:>10}")
     masters, fsdp = results
     diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(masters["losses"], fsdp["losses"]))
-    memory = ("" if masters["peak_gib"] is None else f", {fsdp['peak_gib'] - masters['peak_gib']:+.2f} GiB peak")
-    print(f"FSDP at one rank / MasterWeights: {fsdp['tok_per_s'] / masters['tok_per_s']:.3f}x tokens/s{memory}; "
-          f"largest relative loss difference {diff:.2e}")
+    memory = "" if masters["peak_gib"] is None else f", {fsdp['peak_gib'] - masters['peak_gib']:+.2f} GiB peak"
+    print(
+        f"FSDP at one rank / MasterWeights: {fsdp['tok_per_s'] / masters['tok_per_s']:.3f}x tokens/s{memory}; "
+        f"largest relative loss difference {diff:.2e}"
+    )
     print(json.dumps({"shape": shape, "mode": mode, "device": dev.type, "tokens": tokens, "arms": results}))
 
 

@@ -118,8 +118,15 @@ def child(arm: str, model_dir: str, profile: bool, started: float) -> dict[str, 
 @click.option("--child", "child_arm", type=click.Choice(ARMS), hidden=True)
 @click.option("--model-dir", hidden=True)
 @click.option("--started", type=float, hidden=True)
-def main(shape: str, cold: bool, profile: bool, repeat: int, child_arm: str | None, model_dir: str | None,
-         started: float | None) -> None:
+def main(
+    shape: str,
+    cold: bool,
+    profile: bool,
+    repeat: int,
+    child_arm: str | None,
+    model_dir: str | None,
+    started: float | None,
+) -> None:
     if child_arm is not None:
         assert model_dir is not None and started is not None
         print(json.dumps(child(child_arm, model_dir, profile, started)))
@@ -146,9 +153,21 @@ def main(shape: str, cold: bool, profile: bool, repeat: int, child_arm: str | No
                                 while fh.read(1 << 24):
                                     pass
                     t0 = time.time()
-                    proc = subprocess.run([sys.executable, __file__, "--child", arm, "--model-dir", model_dir,
-                                           "--started", repr(t0), *(["--profile"] if profile else [])],
-                                          capture_output=True, text=True)
+                    proc = subprocess.run(
+                        [
+                            sys.executable,
+                            __file__,
+                            "--child",
+                            arm,
+                            "--model-dir",
+                            model_dir,
+                            "--started",
+                            repr(t0),
+                            *(["--profile"] if profile else []),
+                        ],
+                        capture_output=True,
+                        text=True,
+                    )
                     wall = time.time() - t0
                     if proc.returncode != 0:
                         raise RuntimeError(f"{arm} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
@@ -166,8 +185,17 @@ def main(shape: str, cold: bool, profile: bool, repeat: int, child_arm: str | No
         for state, arm, got in rows:
             vals = " | ".join(f"{float(got[c]):.2f}" for c in cols)
             print(f"| {state} | {arm} | {vals} | {float(got['process']):.2f} | {gb / float(got['load']):.2f} |")
-        print(json.dumps({"shape": shape, "gb": gb, "rows": [
-            {"state": s, "arm": a, **{k: v for k, v in g.items() if k != "profile"}} for s, a, g in rows]}))
+        print(
+            json.dumps(
+                {
+                    "shape": shape,
+                    "gb": gb,
+                    "rows": [
+                        {"state": s, "arm": a, **{k: v for k, v in g.items() if k != "profile"}} for s, a, g in rows
+                    ],
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

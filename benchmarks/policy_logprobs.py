@@ -40,6 +40,7 @@ def main() -> None:
 
     import dask_lm
     from dask_lm import BatchedDataDict
+
     phases["imports"] = time.perf_counter() - T0
 
     files = sorted(os.path.join(a.data, f) for f in os.listdir(a.data)) if os.path.isdir(a.data) else [a.data]
@@ -54,8 +55,11 @@ def main() -> None:
     client = dask_lm.connect(n_workers=a.n_workers)
     phases["cluster"] = time.perf_counter() - T0
     try:
-        config = {"model_name": a.model, "precision": "bfloat16" if torch.cuda.is_available() else "float32",
-                  "max_total_sequence_length": int(lens.max())}
+        config = {
+            "model_name": a.model,
+            "precision": "bfloat16" if torch.cuda.is_available() else "float32",
+            "max_total_sequence_length": int(lens.max()),
+        }
         policy = dask_lm.Policy(client, config, None, init_optimizer=False, init_reference_model=False)
         phases["policy"] = time.perf_counter() - T0
         logprobs = policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))["logprobs"]
@@ -69,11 +73,19 @@ def main() -> None:
     phases["shutdown"] = time.perf_counter() - T0
     pos = torch.arange(ids.shape[1])[None, :]
     sums = (logprobs.double() * ((pos >= 1) & (pos < lens[:, None]))).sum(1)
-    pq.write_table(pa.table({"id": table[a.id_column], "num_tokens": lens.numpy(), "sum_logprob": sums.numpy()}),
-                   a.out)
+    pq.write_table(pa.table({"id": table[a.id_column], "num_tokens": lens.numpy(), "sum_logprob": sums.numpy()}), a.out)
     phases["written"] = time.perf_counter() - T0
-    print(json.dumps({"phases_at": phases, "first_result_at": first_result_at, "end_at": time.time(),
-                      "rows": len(rows), "tokens": int(lens.sum())}))
+    print(
+        json.dumps(
+            {
+                "phases_at": phases,
+                "first_result_at": first_result_at,
+                "end_at": time.time(),
+                "rows": len(rows),
+                "tokens": int(lens.sum()),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":  # the LocalCluster's worker processes re-import this module

@@ -44,31 +44,64 @@ def _worker(shape: str, root: str, mb_tokens: int, mode: str, chunk: int) -> Any
 
     path = os.path.join(root, shape)
     transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, pad_token_id=0).save_pretrained(path)
-    batching = ({"sequence_packing": {"enabled": True, "logprob_mb_tokens": mb_tokens}} if mode == "packed" else
-                {"dynamic_batching": {"enabled": True, "logprob_mb_tokens": mb_tokens, "sequence_length_round": 64}})
-    cfg = PolicyConfig.from_dict({"model_name": path, "precision": "bfloat16", "logprob_chunk_size": chunk,
-                                  "max_total_sequence_length": 4096, **batching})
+    batching = (
+        {"sequence_packing": {"enabled": True, "logprob_mb_tokens": mb_tokens}}
+        if mode == "packed"
+        else {"dynamic_batching": {"enabled": True, "logprob_mb_tokens": mb_tokens, "sequence_length_round": 64}}
+    )
+    cfg = PolicyConfig.from_dict(
+        {
+            "model_name": path,
+            "precision": "bfloat16",
+            "logprob_chunk_size": chunk,
+            "max_total_sequence_length": 4096,
+            **batching,
+        }
+    )
     torch.manual_seed(0)
-    return cfg, RankModel(cfg, rank=0, world_size=1, group=None, pad_token_id=0, trainable=False,
-                          keep_reference=False, skip_weight_load=True)
+    return cfg, RankModel(
+        cfg,
+        rank=0,
+        world_size=1,
+        group=None,
+        pad_token_id=0,
+        trainable=False,
+        keep_reference=False,
+        skip_weight_load=True,
+    )
 
 
-def _shard(cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str,
-           budget: int | None = None) -> tuple[Any, MicroBatchPlan]:
+def _shard(
+    cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str, budget: int | None = None
+) -> tuple[Any, MicroBatchPlan]:
     from dask_lm import BatchedDataDict
     from dask_lm.data.tokens import TokenRows
 
     data = BatchedDataDict(input_ids=ids, input_lengths=lens)
     if mode == "packed":
-        shards, _ = data.shard_by_batch_size(1, allow_uneven_shards=True, sequence_packing_args={
-            "input_key": "input_ids", "input_lengths_key": "input_lengths",
-            "max_tokens_per_microbatch": budget or cfg.sequence_packing.logprob_mb_tokens,
-            "algorithm": cfg.sequence_packing.algorithm, "sequence_length_pad_multiple": 1,
-            "microbatch_order": cfg.sequence_packing.microbatch_order})
+        shards, _ = data.shard_by_batch_size(
+            1,
+            allow_uneven_shards=True,
+            sequence_packing_args={
+                "input_key": "input_ids",
+                "input_lengths_key": "input_lengths",
+                "max_tokens_per_microbatch": budget or cfg.sequence_packing.logprob_mb_tokens,
+                "algorithm": cfg.sequence_packing.algorithm,
+                "sequence_length_pad_multiple": 1,
+                "microbatch_order": cfg.sequence_packing.microbatch_order,
+            },
+        )
     else:
-        shards, _ = data.shard_by_batch_size(1, allow_uneven_shards=True, dynamic_batching_args={
-            "input_key": "input_ids", "input_lengths_key": "input_lengths", "sequence_length_round": 64,
-            "max_tokens_per_microbatch": cfg.dynamic_batching.logprob_mb_tokens})
+        shards, _ = data.shard_by_batch_size(
+            1,
+            allow_uneven_shards=True,
+            dynamic_batching_args={
+                "input_key": "input_ids",
+                "input_lengths_key": "input_lengths",
+                "sequence_length_round": 64,
+                "max_tokens_per_microbatch": cfg.dynamic_batching.logprob_mb_tokens,
+            },
+        )
     shard = shards[0]
     # a rank's inference rows as they arrive (dask_lm.data.tokens): ids and offsets, the micro-batches views of them
     rows = TokenRows.from_padded(shard["input_ids"], shard["input_lengths"])
@@ -88,10 +121,18 @@ def _timed(fn: Callable[[], Any], reps: int = 3) -> tuple[float, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- profile
-_HEAD_OPS = {"aten::linear": "head matmul", "aten::mm": "head matmul", "aten::addmm": "head matmul",
-             "aten::matmul": "head matmul", "aten::_to_copy": "head fp32 upcast", "aten::to": "head fp32 upcast",
-             "aten::logsumexp": "head logsumexp", "aten::gather": "head gather", "aten::topk": "head topk",
-             "aten::sub": "head logsumexp"}
+_HEAD_OPS = {
+    "aten::linear": "head matmul",
+    "aten::mm": "head matmul",
+    "aten::addmm": "head matmul",
+    "aten::matmul": "head matmul",
+    "aten::_to_copy": "head fp32 upcast",
+    "aten::to": "head fp32 upcast",
+    "aten::logsumexp": "head logsumexp",
+    "aten::gather": "head gather",
+    "aten::topk": "head topk",
+    "aten::sub": "head logsumexp",
+}
 
 
 def _category(ev: Any) -> str:
@@ -107,10 +148,10 @@ def _category(ev: Any) -> str:
     if not phases:
         return "outside the pass"
     i = phases[-1]
-    phase = chain[i][len("dask_lm."):]
+    phase = chain[i][len("dask_lm.") :]
     if phase != "head":
         return phase
-    top = next((n for n in chain[i + 1:] if n.startswith("aten::") or "ompiled" in n), ev.name)
+    top = next((n for n in chain[i + 1 :] if n.startswith("aten::") or "ompiled" in n), ev.name)
     if "ompiled" in top:
         return "head fused logsumexp (compiled)"
     return _HEAD_OPS.get(top, f"head other ({top})")
@@ -199,21 +240,26 @@ def head_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict[st
                 print(f"  head {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 return
             peak = (torch.cuda.max_memory_allocated() - base) / GIB
-            results.append({"variant": name, "ms": t * 1e3, "tokens": n, "max_err_vs_fp64": err(lp),
-                            "peak_extra_gib": peak})
-            print(f"  head {name:<38} {t * 1e3:8.2f} ms / {n} tokens   err {err(lp):.2e}   peak +{peak:.2f} GiB",
-                  flush=True)
+            results.append(
+                {"variant": name, "ms": t * 1e3, "tokens": n, "max_err_vs_fp64": err(lp), "peak_extra_gib": peak}
+            )
+            print(
+                f"  head {name:<38} {t * 1e3:8.2f} ms / {n} tokens   err {err(lp):.2e}   peak +{peak:.2f} GiB",
+                flush=True,
+            )
 
         b_ids = layout.ids
         for c in (1024, 4096, 8192, 16384):
-            record(f"library head, chunk {c}",
-                   lambda c=c: next_token_logprobs(hidden, b_ids, valid, head, chunk_size=c)[rows, cols + 1])
+            record(
+                f"library head, chunk {c}",
+                lambda c=c: next_token_logprobs(hidden, b_ids, valid, head, chunk_size=c)[rows, cols + 1],
+            )
 
         def fp32_out(c: int) -> torch.Tensor:
             out = torch.empty(n, dtype=torch.float32, device=h.device)
             for s in range(0, n, c):
-                logits = torch.mm(h[s:s + c], w.t(), out_dtype=torch.float32)
-                out[s:s + c] = logits.gather(1, tgt[s:s + c, None])[:, 0] - torch.logsumexp(logits, -1)
+                logits = torch.mm(h[s : s + c], w.t(), out_dtype=torch.float32)
+                out[s : s + c] = logits.gather(1, tgt[s : s + c, None])[:, 0] - torch.logsumexp(logits, -1)
             return out
 
         for c in (4096, 8192):
@@ -227,8 +273,8 @@ def head_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict[st
         def compiled(c: int, fp32: bool) -> torch.Tensor:
             out = torch.empty(n, dtype=torch.float32, device=h.device)
             for s in range(0, n, c):
-                logits = torch.mm(h[s:s + c], w.t(), out_dtype=torch.float32) if fp32 else h[s:s + c] @ w.t()
-                out[s:s + c] = fused_lse(logits, tgt[s:s + c])
+                logits = torch.mm(h[s : s + c], w.t(), out_dtype=torch.float32) if fp32 else h[s : s + c] @ w.t()
+                out[s : s + c] = fused_lse(logits, tgt[s : s + c])
             return out
 
         for c in (4096, 8192):
@@ -237,8 +283,10 @@ def head_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict[st
         try:
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-            record("liger fused linear CE (reduction=none)",
-                   lambda: -liger_fused_linear_cross_entropy(h, w, tgt, reduction="none"))
+            record(
+                "liger fused linear CE (reduction=none)",
+                lambda: -liger_fused_linear_cross_entropy(h, w, tgt, reduction="none"),
+            )
         except ImportError as e:
             print(f"  liger-kernel not importable: {e}")
         # top-k
@@ -246,31 +294,34 @@ def head_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict[st
 
         allv = layout.valid
         for c in (1024, 4096):
-            record(f"top-20 (library), chunk {c}",
-                   lambda c=c: topk_logits(hidden, allv, head, 20, chunk_size=c)[0][..., 0][rows, cols])
+            record(
+                f"top-20 (library), chunk {c}",
+                lambda c=c: topk_logits(hidden, allv, head, 20, chunk_size=c)[0][..., 0][rows, cols],
+            )
 
         def topk_variant(c: int, segments: int) -> torch.Tensor:
             out = torch.empty(n, dtype=torch.float32, device=h.device)
             for s in range(0, n, c):
-                logits = head(h[s:s + c])
+                logits = head(h[s : s + c])
                 if segments:
                     v = logits.shape[1]
                     seg = v // segments
-                    main = logits[:, :seg * segments].unflatten(1, (segments, seg))
+                    main = logits[:, : seg * segments].unflatten(1, (segments, seg))
                     tv, ti = torch.topk(main, 20, dim=-1)
                     ti = ti + torch.arange(segments, device=ti.device)[None, :, None] * seg
-                    cand_v = torch.cat([tv.flatten(1), logits[:, seg * segments:]], 1)
-                    cand_i = torch.cat([ti.flatten(1), torch.arange(seg * segments, v, device=ti.device).expand(
-                        logits.shape[0], -1)], 1)
+                    cand_v = torch.cat([tv.flatten(1), logits[:, seg * segments :]], 1)
+                    cand_i = torch.cat(
+                        [ti.flatten(1), torch.arange(seg * segments, v, device=ti.device).expand(logits.shape[0], -1)],
+                        1,
+                    )
                     top_v, pos = torch.topk(cand_v, 20, dim=-1)
-                    out[s:s + c] = top_v[:, 0] + 0 * cand_i.gather(1, pos)[:, 0]
+                    out[s : s + c] = top_v[:, 0] + 0 * cand_i.gather(1, pos)[:, 0]
                 else:
-                    out[s:s + c] = torch.topk(logits, 20, dim=-1).values[:, 0]
+                    out[s : s + c] = torch.topk(logits, 20, dim=-1).values[:, 0]
             return out
 
         for segs in (0, 64, 256):
-            record(f"top-20 of fp32 logits, {segs or 'one'} segment(s)",
-                   lambda segs=segs: topk_variant(4096, segs))
+            record(f"top-20 of fp32 logits, {segs or 'one'} segment(s)", lambda segs=segs: topk_variant(4096, segs))
     return results
 
 
@@ -280,7 +331,7 @@ def decoder_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict
 
     mb = worker.plan_pass(shard, plan, None)[0]
     results = []
-    tokens = int(shard.lengths[mb.start:mb.end].sum())
+    tokens = int(shard.lengths[mb.start : mb.end].sum())
     with torch.no_grad():
         with fused.use_compiled(False):
             ref = worker.forward_micro_batch(shard.slice(mb.start, mb.end), mb)[0].float()
@@ -289,12 +340,24 @@ def decoder_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict
             def run() -> torch.Tensor:
                 with fused.use_compiled(compiled):
                     return worker.forward_micro_batch(shard.slice(mb.start, mb.end), mb)[0]
+
             t, out = _timed(run)
             e = float((out.float() - ref).abs().max())
-            results.append({"variant": name, "ms": t * 1e3, "tokens": tokens, "first_call_s": first,
-                            "max_abs_diff_hidden": e, "ref_abs_max": float(ref.abs().max())})
-            print(f"  decoder {name:<30} {t * 1e3:8.2f} ms / {tokens} tokens  first call {first:6.1f} s  "
-                  f"|dh| {e:.3g} (|h| max {float(ref.abs().max()):.3g})", flush=True)
+            results.append(
+                {
+                    "variant": name,
+                    "ms": t * 1e3,
+                    "tokens": tokens,
+                    "first_call_s": first,
+                    "max_abs_diff_hidden": e,
+                    "ref_abs_max": float(ref.abs().max()),
+                }
+            )
+            print(
+                f"  decoder {name:<30} {t * 1e3:8.2f} ms / {tokens} tokens  first call {first:6.1f} s  "
+                f"|dh| {e:.3g} (|h| max {float(ref.abs().max()):.3g})",
+                flush=True,
+            )
 
         record("eager", False, 0.0)
         if worker.compile:  # the worker compiled its layers at start (fused.compile_decoder_layers)
@@ -305,13 +368,22 @@ def decoder_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict
                 with fused.use_compiled(True):
                     worker.forward_micro_batch(shard.slice(other.start, other.end), other)
                 sync(torch.device("cuda"))
-                print(f"  decoder compiled, another length ({int(shard.lengths[other.start:other.end].sum())} "
-                      f"tokens): {time.perf_counter() - t0:.2f} s", flush=True)
+                print(
+                    f"  decoder compiled, another length ({int(shard.lengths[other.start : other.end].sum())} "
+                    f"tokens): {time.perf_counter() - t0:.2f} s",
+                    flush=True,
+                )
         try:
             from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-            _apply_liger_kernel_to_instance(model=worker.model, rope=True, rms_norm=True, swiglu=True,
-                                            fused_linear_cross_entropy=False, cross_entropy=False)
+            _apply_liger_kernel_to_instance(
+                model=worker.model,
+                rope=True,
+                rms_norm=True,
+                swiglu=True,
+                fused_linear_cross_entropy=False,
+                cross_entropy=False,
+            )
             record("liger rms_norm+rope+swiglu", False, 0.0)
         except Exception as e:
             print(f"  liger failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -328,8 +400,17 @@ def decoder_variants(worker: Any, shard: Any, plan: MicroBatchPlan) -> list[dict
 @click.option("--variants/--no-variants", default=False, show_default=True)
 @click.option("--sweep", type=int, multiple=True, help="Also time packed micro-batches of these token budgets.")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
-def main(shape: str, mode: str, num_rows: int, mb_tokens: int, chunk: int, profile_mbs: int, variants: bool,
-         sweep: tuple[int, ...], json_out: str | None) -> None:
+def main(
+    shape: str,
+    mode: str,
+    num_rows: int,
+    mb_tokens: int,
+    chunk: int,
+    profile_mbs: int,
+    variants: bool,
+    sweep: tuple[int, ...],
+    json_out: str | None,
+) -> None:
     import transformers
 
     assert torch.cuda.is_available(), "profile_forward.py profiles the GPU path"
@@ -337,17 +418,29 @@ def main(shape: str, mode: str, num_rows: int, mb_tokens: int, chunk: int, profi
     ids, lens = make_rows(num_rows, 16, 2048, 256, 1.0, cfg_hf.vocab_size, 0, 0)
     flops = forward_flops(cfg_hf, lens)
     peak, what = measured_peak(torch.device("cuda"))
-    report: dict[str, Any] = {"shape": shape, "mode": mode, "rows": num_rows, "useful_tokens": int(lens.sum()),
-                              "mb_tokens": mb_tokens, "chunk": chunk, "measured_peak_tflops": peak / 1e12}
+    report: dict[str, Any] = {
+        "shape": shape,
+        "mode": mode,
+        "rows": num_rows,
+        "useful_tokens": int(lens.sum()),
+        "mb_tokens": mb_tokens,
+        "chunk": chunk,
+        "measured_peak_tflops": peak / 1e12,
+    }
     with tempfile.TemporaryDirectory() as root:
         t0 = time.perf_counter()
         cfg, worker = _worker(shape, root, mb_tokens, mode, chunk)
         shard, plan = _shard(cfg, ids, lens, mode)
-        print(f"{shape} {mode}: built in {time.perf_counter() - t0:.1f}s; {num_rows} rows, {int(lens.sum())} "
-              f"tokens, {len(plan.micro_batch_indices[0])} micro-batches of <= {mb_tokens} tokens", flush=True)
+        print(
+            f"{shape} {mode}: built in {time.perf_counter() - t0:.1f}s; {num_rows} rows, {int(lens.sum())} "
+            f"tokens, {len(plan.micro_batch_indices[0])} micro-batches of <= {mb_tokens} tokens",
+            flush=True,
+        )
         warm = dataclasses.replace(plan, micro_batch_indices=[[[0, 8]]]) if mode == "packed" else None
         t0 = time.perf_counter()
-        worker.get_logprobs(shard, warm or dataclasses.replace(plan, micro_batch_indices=[plan.micro_batch_indices[0][:1]]))
+        worker.get_logprobs(
+            shard, warm or dataclasses.replace(plan, micro_batch_indices=[plan.micro_batch_indices[0][:1]])
+        )
         sync(torch.device("cuda"))
         print(f"first call (8 rows / one micro-batch; compiles): {time.perf_counter() - t0:.2f} s", flush=True)
         t0 = time.perf_counter()
@@ -356,29 +449,45 @@ def main(shape: str, mode: str, num_rows: int, mb_tokens: int, chunk: int, profi
         print(f"first call over all rows: {time.perf_counter() - t0:.2f} s", flush=True)
         sec, _ = _timed(lambda: worker.get_logprobs(shard, plan), reps=2)
         tps = int(lens.sum()) / sec
-        report.update(engine_seconds=sec, engine_tok_per_s=tps, engine_mfu_989=flops / sec / H200_BF16_DENSE,
-                      engine_mfu_measured=flops / sec / peak)
-        print(f"RankModel.get_logprobs, all rows: {sec:.3f} s = {tps:,.0f} tok/s, MFU {flops / sec / 989.5e12:.1%} "
-              f"of 989.5 ({flops / sec / peak:.1%} of measured {what} {peak / 1e12:.0f})", flush=True)
+        report.update(
+            engine_seconds=sec,
+            engine_tok_per_s=tps,
+            engine_mfu_989=flops / sec / H200_BF16_DENSE,
+            engine_mfu_measured=flops / sec / peak,
+        )
+        print(
+            f"RankModel.get_logprobs, all rows: {sec:.3f} s = {tps:,.0f} tok/s, MFU {flops / sec / 989.5e12:.1%} "
+            f"of 989.5 ({flops / sec / peak:.1%} of measured {what} {peak / 1e12:.0f})",
+            flush=True,
+        )
         base = torch.cuda.memory_allocated()
-        for kind, fn in (("logprobs", lambda: worker.get_logprobs(shard, plan)),
-                         ("top-20 logits", lambda: worker.get_topk_logits(shard, plan, 20))):
+        for kind, fn in (
+            ("logprobs", lambda: worker.get_logprobs(shard, plan)),
+            ("top-20 logits", lambda: worker.get_topk_logits(shard, plan, 20)),
+        ):
             torch.cuda.reset_peak_memory_stats()
             fn()
             extra = (torch.cuda.max_memory_allocated() - base) / GIB
             report[f"peak_gib_above_weights_{kind}"] = extra
-            print(f"{kind}: peak {extra:.2f} GiB above the weights ({base / GIB:.2f} GiB), micro-batches of "
-                  f"<= {mb_tokens} tokens, logprob_chunk_size {chunk}", flush=True)
+            print(
+                f"{kind}: peak {extra:.2f} GiB above the weights ({base / GIB:.2f} GiB), micro-batches of "
+                f"<= {mb_tokens} tokens, logprob_chunk_size {chunk}",
+                flush=True,
+            )
         for budget in sweep:
             shard_b, plan_b = _shard(cfg, ids, lens, "packed", budget)
             sec_b, _ = _timed(lambda: worker.get_logprobs(shard_b, plan_b), reps=2)  # noqa: B023 (timed now)
             report[f"packed_{budget}_tok_per_s"] = int(lens.sum()) / sec_b
-            print(f"packed, {budget}-token micro-batches: {int(lens.sum()) / sec_b:,.0f} tok/s, "
-                  f"MFU {flops / sec_b / H200_BF16_DENSE:.1%}", flush=True)
+            print(
+                f"packed, {budget}-token micro-batches: {int(lens.sum()) / sec_b:,.0f} tok/s, "
+                f"MFU {flops / sec_b / H200_BF16_DENSE:.1%}",
+                flush=True,
+            )
         for topk in (0, 20):
             res = profile_phases(worker, shard, plan, profile_mbs, topk)
-            print_phases(res, f"profile, {'logprobs' if not topk else 'top-20 logits'}, first {profile_mbs} "
-                              f"micro-batches")
+            print_phases(
+                res, f"profile, {'logprobs' if not topk else 'top-20 logits'}, first {profile_mbs} micro-batches"
+            )
             report[f"profile_top{topk}"] = res
         if variants:
             print("\nhead variants (first micro-batch):", flush=True)

@@ -43,15 +43,35 @@ def _worker(shape: str, root: str, mode: str, mb_tokens: int, compile_: bool | N
 
     path = os.path.join(root, shape)
     transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, pad_token_id=0).save_pretrained(path)
-    batching = ({"sequence_packing": {"enabled": True, "train_mb_tokens": mb_tokens}} if mode == "packed" else
-                {"dynamic_batching": {"enabled": True, "train_mb_tokens": mb_tokens, "sequence_length_round": 64}})
-    cfg = PolicyConfig.from_dict({"model_name": path, "precision": "bfloat16", "max_total_sequence_length": 4096,
-                                  "train_global_batch_size": 1, "train_micro_batch_size": 1, "max_grad_norm": 1.0,
-                                  "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}},
-                                  "train_compile": compile_, **batching})
+    batching = (
+        {"sequence_packing": {"enabled": True, "train_mb_tokens": mb_tokens}}
+        if mode == "packed"
+        else {"dynamic_batching": {"enabled": True, "train_mb_tokens": mb_tokens, "sequence_length_round": 64}}
+    )
+    cfg = PolicyConfig.from_dict(
+        {
+            "model_name": path,
+            "precision": "bfloat16",
+            "max_total_sequence_length": 4096,
+            "train_global_batch_size": 1,
+            "train_micro_batch_size": 1,
+            "max_grad_norm": 1.0,
+            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}},
+            "train_compile": compile_,
+            **batching,
+        }
+    )
     torch.manual_seed(0)
-    return cfg, PolicyWorker(cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=True,
-                             init_reference_model=False, skip_weight_load=True)
+    return cfg, PolicyWorker(
+        cfg,
+        rank=0,
+        world_size=1,
+        group=None,
+        pad_token_id=0,
+        init_optimizer=True,
+        init_reference_model=False,
+        skip_weight_load=True,
+    )
 
 
 def _shard(cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str, mb_tokens: int) -> tuple[Any, MicroBatchPlan]:
@@ -59,11 +79,17 @@ def _shard(cfg: Any, ids: torch.Tensor, lens: torch.Tensor, mode: str, mb_tokens
 
     mask = (torch.arange(ids.shape[1])[None, :] < lens[:, None]).float()
     data = BatchedDataDict(input_ids=ids, input_lengths=lens, token_mask=mask, sample_mask=torch.ones(len(lens)))
-    args: dict[str, Any] = {"input_key": "input_ids", "input_lengths_key": "input_lengths",
-                            "max_tokens_per_microbatch": mb_tokens}
+    args: dict[str, Any] = {
+        "input_key": "input_ids",
+        "input_lengths_key": "input_lengths",
+        "max_tokens_per_microbatch": mb_tokens,
+    }
     if mode == "packed":
-        args.update(algorithm=cfg.sequence_packing.algorithm, sequence_length_pad_multiple=1,
-                    microbatch_order=cfg.sequence_packing.microbatch_order)
+        args.update(
+            algorithm=cfg.sequence_packing.algorithm,
+            sequence_length_pad_multiple=1,
+            microbatch_order=cfg.sequence_packing.microbatch_order,
+        )
         shards, _ = data.shard_by_batch_size(1, batch_size=len(lens), sequence_packing_args=args)
     else:
         args["sequence_length_round"] = 64
@@ -85,7 +111,7 @@ def _category(ev: Any) -> str:
     if any(n.startswith("autograd::engine::evaluate_function") for n in chain):
         return "backward"
     phase = next((n for n in chain if n.startswith("dask_lm.train.")), None)
-    return phase[len("dask_lm.train."):] if phase else "outside the step"
+    return phase[len("dask_lm.train.") :] if phase else "outside the step"
 
 
 def idle_gaps(trace_path: str, min_us: float = 200.0, top: int = 12) -> list[tuple[str, float, int]]:
@@ -94,10 +120,16 @@ def idle_gaps(trace_path: str, min_us: float = 200.0, top: int = 12) -> list[tup
     its midpoint. Returns ``(host op, total ms, gaps)`` for the ``top`` largest totals."""
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation",
-                                                                         "cuda_driver")]
+    kernels = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    host = [
+        e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation", "cuda_driver")
+    ]
     gaps, end = [], kernels[0][1] if kernels else 0.0
     for a, b in kernels[1:]:
         if a - end >= min_us:
@@ -164,19 +196,27 @@ def head_variants(worker: Any, n: int, chunk: int) -> list[dict[str, Any]]:
         return z.gather(1, t[:, None]).squeeze(1) - torch.logsumexp(z, -1)
 
     def checkpointed(h: torch.Tensor) -> torch.Tensor:
-        return torch.cat([checkpoint(chunk_lp, h[s:s + chunk], targets[s:s + chunk], use_reentrant=False)
-                          for s in range(0, n, chunk)])
+        return torch.cat(
+            [
+                checkpoint(chunk_lp, h[s : s + chunk], targets[s : s + chunk], use_reentrant=False)
+                for s in range(0, n, chunk)
+            ]
+        )
 
-    variants = {"checkpointed autograd": checkpointed,
-                "linear_logprobs": lambda h: linear_logprobs(h, weight, None, targets, chunk_size=chunk),
-                f"linear_logprobs, chunk {4 * chunk}": lambda h: linear_logprobs(h, weight, None, targets,
-                                                                                 chunk_size=4 * chunk)}
+    variants = {
+        "checkpointed autograd": checkpointed,
+        "linear_logprobs": lambda h: linear_logprobs(h, weight, None, targets, chunk_size=chunk),
+        f"linear_logprobs, chunk {4 * chunk}": lambda h: linear_logprobs(
+            h, weight, None, targets, chunk_size=4 * chunk
+        ),
+    }
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
         def liger(h: torch.Tensor) -> torch.Tensor:
-            out = LigerFusedLinearCrossEntropyFunction.apply(h, weight, targets, None, None, -100, 0.0, 0.0, "none",
-                                                              None, False, torch.float32)
+            out = LigerFusedLinearCrossEntropyFunction.apply(
+                h, weight, targets, None, None, -100, 0.0, 0.0, "none", None, False, torch.float32
+            )
             return -(out[0] if isinstance(out, tuple) else out)
 
         variants["liger fused linear CE (reduction none)"] = liger
@@ -194,7 +234,7 @@ def head_variants(worker: Any, n: int, chunk: int) -> list[dict[str, Any]]:
         try:
             out = fn(h)
             out.backward(upstream)
-        except Exception as e:  # noqa: BLE001 - a variant that cannot run here is reported, not fatal
+        except Exception as e:
             rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:200]})
             continue
         sync(dev)
@@ -210,12 +250,24 @@ def head_variants(worker: Any, n: int, chunk: int) -> list[dict[str, Any]]:
             out.backward(upstream)
             sync(dev)
             times.append(time.perf_counter() - t0)
-        rows.append({"variant": name, "ms": min(times) * 1e3,
-                     "peak_gib_above": (torch.cuda.max_memory_allocated() - base) / GIB,
-                     "value_err": float((out[:k].double() - torch.log_softmax(
-                         hidden[:k].double() @ weight.double().t(), -1).gather(1, targets[:k, None]).squeeze(1)
-                                         ).abs().max()),
-                     "grad_h_err": float((h.grad[:k].double() - ref_gh).abs().max())})
+        rows.append(
+            {
+                "variant": name,
+                "ms": min(times) * 1e3,
+                "peak_gib_above": (torch.cuda.max_memory_allocated() - base) / GIB,
+                "value_err": float(
+                    (
+                        out[:k].double()
+                        - torch.log_softmax(hidden[:k].double() @ weight.double().t(), -1)
+                        .gather(1, targets[:k, None])
+                        .squeeze(1)
+                    )
+                    .abs()
+                    .max()
+                ),
+                "grad_h_err": float((h.grad[:k].double() - ref_gh).abs().max()),
+            }
+        )
         weight.grad = None
     return rows
 
@@ -228,14 +280,36 @@ def head_variants(worker: Any, n: int, chunk: int) -> list[dict[str, Any]]:
 @click.option("--max-len", type=int, default=2048, show_default=True)
 @click.option("--mb-tokens", type=int, default=16384, show_default=True)
 @click.option("--steps", type=int, default=3, show_default=True, help="Timed steps (after a warm-up step).")
-@click.option("--compile/--no-compile", "compile_", default=None,
-              help="policy.train_compile [default: its auto setting, compiled layers on a GPU].")
-@click.option("--trace", type=click.Path(dir_okay=False), default=None,
-              help="Write the profiled step's chrome trace here and print where the GPU's idle gaps go.")
-@click.option("--head-variants", "head_variants_", is_flag=True, help="Also time the training head's implementations on one "
-              "micro-batch of --mb-tokens tokens (head_variants).")
-def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tokens: int, steps: int,
-         compile_: bool | None, head_variants_: bool, trace: str | None) -> None:
+@click.option(
+    "--compile/--no-compile",
+    "compile_",
+    default=None,
+    help="policy.train_compile [default: its auto setting, compiled layers on a GPU].",
+)
+@click.option(
+    "--trace",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the profiled step's chrome trace here and print where the GPU's idle gaps go.",
+)
+@click.option(
+    "--head-variants",
+    "head_variants_",
+    is_flag=True,
+    help="Also time the training head's implementations on one micro-batch of --mb-tokens tokens (head_variants).",
+)
+def main(
+    shape: str,
+    mode: str,
+    rows: int,
+    median_len: int,
+    max_len: int,
+    mb_tokens: int,
+    steps: int,
+    compile_: bool | None,
+    head_variants_: bool,
+    trace: str | None,
+) -> None:
     from dask_lm.engine.metrics import flops_per_sequence
     from dask_lm.losses import NLLLoss
 
@@ -269,10 +343,13 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
     best = min(times)
     mfu = flops / best / H200_BF16_DENSE
     n_mb = len(plan.micro_batch_indices[0])
-    print(f"\n{shape} {mode}, {'compiled' if worker.rank_model.train_compile else 'eager'} layers, optimizer "
-          f"{'fused' if worker.trainer.optimizer.defaults.get('fused') else 'foreach'}: {rows} rows, {tokens} tokens, {n_mb} micro-batches of <= {mb_tokens} tokens; step "
-          f"{best * 1e3:.0f} ms (best of {steps}), {tokens / best:,.0f} tok/s, MFU {mfu:.1%} of 989.5 TFLOP/s "
-          f"({flops / best / peak:.1%} of the measured {peak / 1e12:.0f}, {peak_how}); peak {peak_mem:.1f} GiB")
+    print(
+        f"\n{shape} {mode}, {'compiled' if worker.rank_model.train_compile else 'eager'} layers, optimizer "
+        f"{'fused' if worker.trainer.optimizer.defaults.get('fused') else 'foreach'}: {rows} rows, {tokens} tokens, "
+        f"{n_mb} micro-batches of <= {mb_tokens} tokens; step "
+        f"{best * 1e3:.0f} ms (best of {steps}), {tokens / best:,.0f} tok/s, MFU {mfu:.1%} of 989.5 TFLOP/s "
+        f"({flops / best / peak:.1%} of the measured {peak / 1e12:.0f}, {peak_how}); peak {peak_mem:.1f} GiB"
+    )
     wall = res["_wall"]
     print(f"profiled step: {wall * 1e3:.1f} ms wall")
     print(f"{'phase':<44}{'ms':>10}{'share':>9}")
@@ -289,13 +366,29 @@ def main(shape: str, mode: str, rows: int, median_len: int, max_len: int, mb_tok
             if "error" in v:
                 print(f"{v['variant']:<42} failed: {v['error']}")
             else:
-                print(f"{v['variant']:<42}{v['ms']:>9.1f}{v['peak_gib_above']:>11.2f}{v['value_err']:>12.2e}"
-                      f"{v['grad_h_err']:>12.2e}")
-    print(json.dumps({"shape": shape, "mode": mode, "compiled": worker.rank_model.train_compile, "rows": rows,
-                      "head_variants": variants, "tokens": tokens, "micro_batches": n_mb,
-                      "step_seconds": times, "tok_per_s": tokens / best, "mfu": mfu, "peak_gib": peak_mem,
-                      "phases_ms": {k: v * 1e3 for k, v in res.items() if not k.startswith("_")},
-                      "profiled_wall_ms": wall * 1e3}))
+                print(
+                    f"{v['variant']:<42}{v['ms']:>9.1f}{v['peak_gib_above']:>11.2f}{v['value_err']:>12.2e}"
+                    f"{v['grad_h_err']:>12.2e}"
+                )
+    print(
+        json.dumps(
+            {
+                "shape": shape,
+                "mode": mode,
+                "compiled": worker.rank_model.train_compile,
+                "rows": rows,
+                "head_variants": variants,
+                "tokens": tokens,
+                "micro_batches": n_mb,
+                "step_seconds": times,
+                "tok_per_s": tokens / best,
+                "mfu": mfu,
+                "peak_gib": peak_mem,
+                "phases_ms": {k: v * 1e3 for k, v in res.items() if not k.startswith("_")},
+                "profiled_wall_ms": wall * 1e3,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import GIB, SHAPES  # noqa: E402
+from common import GIB, SHAPES
 
 
 def _config_dir(shape: str, root: str) -> str:
@@ -115,9 +115,15 @@ def _timed(client, submit, calls: int) -> tuple[list[float], list[float]]:
 def run_shape(client, shape: str, root: str, tok, buffer_bytes: int, repeats: int, peer_rate: float | None) -> None:
     import dask_lm
 
-    policy = dask_lm.Policy(client, {"model_name": _config_dir(shape, root), "precision": "bfloat16"}, tok,
-                            workers_per_node=1, init_optimizer=False, init_reference_model=False,
-                            skip_weight_load=True)
+    policy = dask_lm.Policy(
+        client,
+        {"model_name": _config_dir(shape, root), "precision": "bfloat16"},
+        tok,
+        workers_per_node=1,
+        init_optimizer=False,
+        init_reference_model=False,
+        skip_weight_load=True,
+    )
     with policy:
         info = policy.prepare_refit_info()
         total = sum(torch.Size(s).numel() * d.itemsize for s, d in info.values())
@@ -125,8 +131,11 @@ def run_shape(client, shape: str, root: str, tok, buffer_bytes: int, repeats: in
         calls = repeats + 1
         # same GPU: CUDA IPC buckets over ZMQ
         parent, child = mp.get_context("spawn").Pipe()
-        proc = _spawn(zmq_receiver, (policy.get_zmq_addresses()[0], info, calls, child),
-                      {"CUDA_VISIBLE_DEVICES": gpu, "DASK_LM_FORCE_CPU": "0"})
+        proc = _spawn(
+            zmq_receiver,
+            (policy.get_zmq_addresses()[0], info, calls, child),
+            {"CUDA_VISIBLE_DEVICES": gpu, "DASK_LM_FORCE_CPU": "0"},
+        )
         child.close()  # so a receiver that dies makes recv() fail instead of waiting forever
         d2d = parent.recv()
         ipc = _timed(client, lambda: policy.stream_weights_via_ipc_zmq(buffer_bytes, timeout_s=120), calls)
@@ -141,20 +150,23 @@ def run_shape(client, shape: str, root: str, tok, buffer_bytes: int, repeats: in
         other = next(g for g in map(str, range(torch.cuda.device_count())) if g != gpu)
         proc = _spawn(nccl_receiver, (port, info, calls), {"CUDA_VISIBLE_DEVICES": other, "DASK_LM_FORCE_CPU": "0"})
         client.gather(policy.init_collective("127.0.0.1", port, 2, train_world_size=1))
-        nccl = _timed(client, lambda: policy.broadcast_weights_for_collective(buffer_size_bytes=buffer_bytes),
-                      calls)
+        nccl = _timed(client, lambda: policy.broadcast_weights_for_collective(buffer_size_bytes=buffer_bytes), calls)
         proc.join(600)
         _report(shape, "NCCL, GPU to GPU", total, nccl, peer_rate, "peer copy")
 
 
-def _report(shape: str, route: str, total: int, timed: tuple[list[float], list[float]], limit: float,
-            limit_name: str) -> None:
+def _report(
+    shape: str, route: str, total: int, timed: tuple[list[float], list[float]], limit: float, limit_name: str
+) -> None:
     times, inside = timed
     best, med, rank_best = min(times), statistics.median(times), min(inside)
     rate = total / best
-    print(f"{shape:>13}  {route:<19} {total / 1e9:6.2f} GB  best {best:6.3f} s  median {med:6.3f} s  "
-          f"{rate / 1e9:7.1f} GB/s  = {rate / limit:5.1%} of {limit_name} {limit / 1e9:.0f} GB/s  "
-          f"(in the rank: {rank_best:6.3f} s, {total / rank_best / 1e9:7.1f} GB/s)", flush=True)
+    print(
+        f"{shape:>13}  {route:<19} {total / 1e9:6.2f} GB  best {best:6.3f} s  median {med:6.3f} s  "
+        f"{rate / 1e9:7.1f} GB/s  = {rate / limit:5.1%} of {limit_name} {limit / 1e9:.0f} GB/s  "
+        f"(in the rank: {rank_best:6.3f} s, {total / rank_best / 1e9:7.1f} GB/s)",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -176,8 +188,11 @@ def main() -> None:
         tok = transformers.AutoTokenizer.from_pretrained(train_tiny_tokenizer(os.path.join(root, "tok")))
         client = dask_lm.connect(cluster="cuda")
         try:
-            print(f"buffer {args.buffer_mb} MiB, {args.repeats} timed calls after a warm-up; "
-                  f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}", flush=True)
+            print(
+                f"buffer {args.buffer_mb} MiB, {args.repeats} timed calls after a warm-up; "
+                f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
+                flush=True,
+            )
             for shape in args.shapes.split(","):
                 run_shape(client, shape, root, tok, args.buffer_mb * 2**20, args.repeats, peer)
         finally:

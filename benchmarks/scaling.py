@@ -14,8 +14,10 @@ from typing import Any
 
 import click
 
-N_WORKERS_HELP = ("Worker counts to measure, comma-separated (1,2,4,8), each on a fresh cluster; 'all' = every "
-                  "power of two up to the GPU count, plus that count")
+N_WORKERS_HELP = (
+    "Worker counts to measure, comma-separated (1,2,4,8), each on a fresh cluster; 'all' = every "
+    "power of two up to the GPU count, plus that count"
+)
 
 
 def powers_up_to(limit: int) -> list[int]:
@@ -44,14 +46,16 @@ def worker_counts(spec: str | None, *, on_gpu: bool, cpu_default: int) -> tuple[
         try:
             n = int(part)
         except ValueError:
-            raise click.BadParameter(f"{part!r} is not a worker count (expected e.g. 1,2,4,8 or all)",
-                                     param_hint="--n-workers") from None
+            raise click.BadParameter(
+                f"{part!r} is not a worker count (expected e.g. 1,2,4,8 or all)", param_hint="--n-workers"
+            ) from None
         if n < 1:
             raise click.BadParameter(f"worker counts must be >= 1, got {n}", param_hint="--n-workers")
         counts.add(n)
     if on_gpu and max(counts) > gpus:
-        raise click.BadParameter(f"{max(counts)} workers but {gpus} GPUs are visible (one worker per GPU)",
-                                 param_hint="--n-workers")
+        raise click.BadParameter(
+            f"{max(counts)} workers but {gpus} GPUs are visible (one worker per GPU)", param_hint="--n-workers"
+        )
     return sorted(counts), True
 
 
@@ -69,8 +73,9 @@ def add_efficiency(rows: list[dict[str, Any]], key: str, out_key: str) -> int:
 Column = tuple[str, str, str]  # (header, row key, format spec: "{:.2f}", "{:.1%}", ...)
 
 
-def print_table(title: str, columns: Sequence[Column], rows: Sequence[dict[str, Any]],
-                notes: Sequence[str] = ()) -> None:
+def print_table(
+    title: str, columns: Sequence[Column], rows: Sequence[dict[str, Any]], notes: Sequence[str] = ()
+) -> None:
     """A Markdown table (pastes into the scaling document as is); a missing or None value prints as ``-``."""
 
     def cell(r: dict[str, Any], key: str, fmt: str) -> str:
@@ -92,12 +97,10 @@ def efficiency_header(n0: int) -> str:
     return "efficiency vs 1 worker" if n0 == 1 else f"efficiency vs {n0} workers (no 1-worker arm)"
 
 
-def mfu_columns(on_gpu: bool, key_989: str, key_measured: str, peak_what: str,
-                what: str = "") -> list[Column]:
+def mfu_columns(on_gpu: bool, key_989: str, key_measured: str, peak_what: str, what: str = "") -> list[Column]:
     """Per-GPU MFU against the 989.5 TFLOP/s datasheet peak (GPU runs) and against the peak measured in this run."""
     cols: list[Column] = []
     if on_gpu:
         cols.append((f"per-GPU MFU{what} (989.5 datasheet)", key_989, "{:.1%}"))
     cols.append((f"per-{'GPU' if on_gpu else 'worker'} MFU{what} (measured {peak_what})", key_measured, "{:.1%}"))
     return cols
-

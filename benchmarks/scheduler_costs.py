@@ -38,8 +38,9 @@ def _size(payload: bytes) -> int:
 @click.option("--n-workers", type=int, default=2, show_default=True)
 @click.option("--repeats", type=int, default=200, show_default=True)
 @click.option("--tasks", type=int, default=5000, show_default=True)
-@click.option("--payload-mb", type=float, default=16.0, show_default=True,
-              help="Bytes scattered to each worker per SPMD call.")
+@click.option(
+    "--payload-mb", type=float, default=16.0, show_default=True, help="Bytes scattered to each worker per SPMD call."
+)
 @click.option("--calls", type=int, default=10, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), default=None)
 def main(n_workers: int, repeats: int, tasks: int, payload_mb: float, calls: int, out: str | None) -> None:
@@ -80,14 +81,21 @@ def main(n_workers: int, repeats: int, tasks: int, payload_mb: float, calls: int
         cluster.close()
 
     scattered = payload_mb * len(workers)
-    result = {"n_workers": len(workers), "round_trip_ms": round_trip * 1e3, "tasks_per_s": throughput,
-              "spmd_call_ms": call * 1e3, "spmd_payload_mb_per_worker": payload_mb,
-              "driver_scatter_mb_per_s": scattered / call}
+    result = {
+        "n_workers": len(workers),
+        "round_trip_ms": round_trip * 1e3,
+        "tasks_per_s": throughput,
+        "spmd_call_ms": call * 1e3,
+        "spmd_payload_mb_per_worker": payload_mb,
+        "driver_scatter_mb_per_s": scattered / call,
+    }
     print(f"{len(workers)} workers (local processes, one thread each)")
     print(f"  round trip (submit + result, median of {repeats}):  {round_trip * 1e3:8.2f} ms")
     print(f"  independent tasks ({tasks} no-ops, as_completed):  {throughput:8.0f} tasks/s")
-    print(f"  SPMD call (1 pinned task per worker, {payload_mb:g} MB scattered to each, median of {calls}): "
-          f"{call * 1e3:.1f} ms = {scattered / call:,.0f} MB/s from the driver")
+    print(
+        f"  SPMD call (1 pinned task per worker, {payload_mb:g} MB scattered to each, median of {calls}): "
+        f"{call * 1e3:.1f} ms = {scattered / call:,.0f} MB/s from the driver"
+    )
     if out:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)

@@ -53,13 +53,25 @@ def write_texts(path: str, rows: int, median_words: int, max_words: int, row_gro
 @click.option("--shape", type=click.Choice(SHAPE_CHOICES), default="tiny", show_default=True)
 @click.option("--rows", type=int, default=None, help="Rows (one epoch) [default: 64 CPU, 2048 GPU].")
 @click.option("--global-batch-size", type=int, default=None, help="[default: 16 CPU, 128 GPU]")
-@click.option("--micro-batch-size", type=int, default=8, show_default=True,
-              help="sft's micro_batch_size (token budget = max_length x this) and the HF loop's batch rows.")
+@click.option(
+    "--micro-batch-size",
+    type=int,
+    default=8,
+    show_default=True,
+    help="sft's micro_batch_size (token budget = max_length x this) and the HF loop's batch rows.",
+)
 @click.option("--max-length", type=int, default=None, help="[default: 256 CPU, 2048 GPU]")
 @click.option("--median-words", type=int, default=None, help="[default: 40 CPU, 200 GPU]")
 @click.option("--n-workers", type=int, default=1, show_default=True)
-def main(shape: str, rows: int | None, global_batch_size: int | None, micro_batch_size: int,
-         max_length: int | None, median_words: int | None, n_workers: int) -> None:
+def main(
+    shape: str,
+    rows: int | None,
+    global_batch_size: int | None,
+    micro_batch_size: int,
+    max_length: int | None,
+    median_words: int | None,
+    n_workers: int,
+) -> None:
     import transformers
 
     import dask_lm
@@ -84,9 +96,19 @@ def main(shape: str, rows: int | None, global_batch_size: int | None, micro_batc
         client = dask_lm.connect(n_workers=n_workers)
         try:
             t0 = time.perf_counter()
-            res = sft_parquet(data, os.path.join(root, "out"), model=model_dir, client=client,
-                                      text_column="text", global_batch_size=gbs, micro_batch_size=micro_batch_size,
-                                      max_length=max_length, save_every=10**9, progress=False, truncate=True)
+            res = sft_parquet(
+                data,
+                os.path.join(root, "out"),
+                model=model_dir,
+                client=client,
+                text_column="text",
+                global_batch_size=gbs,
+                micro_batch_size=micro_batch_size,
+                max_length=max_length,
+                save_every=10**9,
+                progress=False,
+                truncate=True,
+            )
             end_to_end = time.perf_counter() - t0
         finally:
             cluster = client.cluster
@@ -100,11 +122,11 @@ def main(shape: str, rows: int | None, global_batch_size: int | None, micro_batc
         flops = sum(flops_per_sequence(cfg, len(r)) for r in ids_rows)
         steps = []
         for s in [0] + list(range(0, len(ids_rows), gbs)):
-            chunk = ids_rows[s:s + gbs]
+            chunk = ids_rows[s : s + gbs]
             lens = torch.tensor([len(r) for r in chunk])
             x = torch.zeros(len(chunk), int(lens.max()), dtype=torch.int64)
             for i, r in enumerate(chunk):
-                x[i, :len(r)] = torch.tensor(r)
+                x[i, : len(r)] = torch.tensor(r)
             steps.append((x, lens))
         _losses, hf_seconds, _peak = run_hf(model_dir, precision, dev, steps, micro_batch_size, 1e-5)
         sync(dev)
@@ -115,18 +137,36 @@ def main(shape: str, rows: int | None, global_batch_size: int | None, micro_batc
     def mfu(seconds: float) -> str:
         return f"{flops / seconds / H200_BF16_DENSE:.1%} ({flops / seconds / peak:.1%} of measured)"
 
-    print(f"\n{shape} ({precision}), {rows} rows, {tokens} tokens, {res.steps} steps of {gbs} rows; peak matmul "
-          f"{peak / 1e12:.0f} TFLOP/s ({peak_how})")
+    print(
+        f"\n{shape} ({precision}), {rows} rows, {tokens} tokens, {res.steps} steps of {gbs} rows; peak matmul "
+        f"{peak / 1e12:.0f} TFLOP/s ({peak_how})"
+    )
     print(f"{'arm':<36}{'seconds':>9}{'tok/s':>11}  MFU vs 989.5 TFLOP/s")
     print(f"{'plain HF loop (steps only)':<36}{hf_seconds:>9.2f}{hf_tokens / hf_seconds:>11.0f}  {mfu(hf_seconds)}")
-    print(f"{'dask-lm sft, Policy.train (all steps)':<36}{res.train_seconds:>9.2f}{tokens / res.train_seconds:>11.0f}  "
-          f"{mfu(res.train_seconds)}")
-    print(f"{'dask-lm sft, end to end':<36}{end_to_end:>9.2f}{tokens / end_to_end:>11.0f}  {mfu(end_to_end)}   "
-          f"(checkpoint {res.checkpoint_seconds:.1f} s)")
+    print(
+        f"{'dask-lm sft, Policy.train (all steps)':<36}{res.train_seconds:>9.2f}{tokens / res.train_seconds:>11.0f}  "
+        f"{mfu(res.train_seconds)}"
+    )
+    print(
+        f"{'dask-lm sft, end to end':<36}{end_to_end:>9.2f}{tokens / end_to_end:>11.0f}  {mfu(end_to_end)}   "
+        f"(checkpoint {res.checkpoint_seconds:.1f} s)"
+    )
     print(f"dask-lm / HF: {hf_seconds / res.train_seconds:.2f}x training, {hf_seconds / end_to_end:.2f}x end to end")
-    print(json.dumps({"shape": shape, "rows": rows, "tokens": tokens, "steps": res.steps, "hf_seconds": hf_seconds,
-                      "train_seconds": res.train_seconds, "end_to_end_seconds": end_to_end,
-                      "checkpoint_seconds": res.checkpoint_seconds, "flops": flops}))
+    print(
+        json.dumps(
+            {
+                "shape": shape,
+                "rows": rows,
+                "tokens": tokens,
+                "steps": res.steps,
+                "hf_seconds": hf_seconds,
+                "train_seconds": res.train_seconds,
+                "end_to_end_seconds": end_to_end,
+                "checkpoint_seconds": res.checkpoint_seconds,
+                "flops": flops,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":  # Dask's LocalCluster spawns worker processes that re-import this module

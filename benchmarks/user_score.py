@@ -28,7 +28,6 @@ T0 = time.perf_counter()
 
 import argparse  # noqa: E402  (the clock starts before the imports: they are part of what the user waits for)
 import json  # noqa: E402
-import os  # noqa: E402
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
@@ -36,19 +35,20 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 
-def load(model_dir, dtype, device):  # noqa: ANN001, ANN201
+def load(model_dir, dtype, device):
     """The model in ``dtype`` with sdpa, straight to ``device`` (``device_map``: no CPU copy), or, where this
     transformers wants ``accelerate`` for that and it is missing, loaded on the host and moved."""
     try:
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa",
-                                                    device_map={"": device}).eval()
+        return AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation="sdpa", device_map={"": device}
+        ).eval()
     except (ImportError, ValueError) as e:
         if "accelerate" not in str(e):
             raise
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
 
 
-def score_rows(model, rows, order, budget, chunk_tokens, device, per_token=False):  # noqa: ANN001, ANN201
+def score_rows(model, rows, order, budget, chunk_tokens, device, per_token=False):
     """Each row's summed logprob of tokens 1.. (and with ``per_token`` its logprobs, on the host), in batches of
     rows taken longest first (``order``) up to ``budget`` padded tokens; and when the first batch's sums were on
     the host (``time.time()``). Used as well by ``benchmarks/logprobs.py``'s competent arm."""
@@ -60,21 +60,21 @@ def score_rows(model, rows, order, budget, chunk_tokens, device, per_token=False
         while s < len(order):
             width = len(rows[order[s]])  # longest first: the first row of a batch is its widest
             take = max(1, budget // width)
-            batch = order[s:s + take]
+            batch = order[s : s + take]
             s += take
             x = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
             for r, i in enumerate(batch):
-                x[r, :len(rows[i])] = torch.as_tensor(rows[i])
-                mask[r, :len(rows[i])] = 1
+                x[r, : len(rows[i])] = torch.as_tensor(rows[i])
+                mask[r, : len(rows[i])] = 1
             x, mask = x.to(device), mask.to(device)
             hidden = model.model(input_ids=x, attention_mask=mask).last_hidden_state
             lps = []
             chunk = max(1, chunk_tokens // len(batch))  # positions per slice
             for c in range(0, width - 1, chunk):
-                logits = model.lm_head(hidden[:, c:c + chunk]).float()
-                target = x[:, c + 1:c + 1 + chunk]
-                logits = logits[:, :target.shape[1]]
+                logits = model.lm_head(hidden[:, c : c + chunk]).float()
+                target = x[:, c + 1 : c + 1 + chunk]
+                logits = logits[:, : target.shape[1]]
                 lps.append(logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, -1))
             lp = (torch.cat(lps, 1) if lps else torch.zeros(len(batch), 0, device=device)) * mask[:, 1:]
             for r, v in zip(batch, lp.double().sum(1).tolist()):
@@ -82,7 +82,7 @@ def score_rows(model, rows, order, budget, chunk_tokens, device, per_token=False
             if tokens is not None:
                 host = lp.cpu()
                 for k, r in enumerate(batch):
-                    tokens[r] = host[k, :len(rows[r]) - 1]
+                    tokens[r] = host[k, : len(rows[r]) - 1]
             if first_batch_at is None:
                 first_batch_at = time.time()
     return sums, tokens, first_batch_at
@@ -96,7 +96,9 @@ def main() -> None:
     ap.add_argument("--ids-column", default="ids")
     ap.add_argument("--id-column", default="id")
     ap.add_argument("--budget", type=int, default=65536, help="padded tokens per batch")
-    ap.add_argument("--chunk-tokens", type=int, default=16384, help="tokens (rows x positions) per head / logsumexp slice")
+    ap.add_argument(
+        "--chunk-tokens", type=int, default=16384, help="tokens (rows x positions) per head / logsumexp slice"
+    )
     args = ap.parse_args()
     phases = {"imports": time.perf_counter() - T0}
 
@@ -111,12 +113,29 @@ def main() -> None:
 
     sums, _, first_batch_at = score_rows(model, rows, order, args.budget, args.chunk_tokens, device)
     phases["scoring"] = time.perf_counter() - T0
-    pq.write_table(pa.table({args.id_column: table[args.id_column],
-                             "num_tokens": pa.array([len(r) for r in rows], pa.int32()),
-                             "sum_logprob": pa.array(sums, pa.float64())}), args.out)
+    pq.write_table(
+        pa.table(
+            {
+                args.id_column: table[args.id_column],
+                "num_tokens": pa.array([len(r) for r in rows], pa.int32()),
+                "sum_logprob": pa.array(sums, pa.float64()),
+            }
+        ),
+        args.out,
+    )
     phases["write"] = time.perf_counter() - T0
-    print(json.dumps({"phases_at": phases, "first_batch_at": first_batch_at, "end_at": time.time(),
-                      "rows": len(rows), "tokens": sum(len(r) for r in rows)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "phases_at": phases,
+                "first_batch_at": first_batch_at,
+                "end_at": time.time(),
+                "rows": len(rows),
+                "tokens": sum(len(r) for r in rows),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

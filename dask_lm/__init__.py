@@ -40,10 +40,26 @@ _EXPORTS: dict[str, str] = {
     "RankFailedError": "dask_lm.errors",
     "WorkerLostError": "dask_lm.errors",
     "RefitError": "dask_lm.errors",
-    **{name: "dask_lm.losses" for name in (
-        "ClippedPGLossConfig", "ClippedPGLossFn", "DistillationLossConfig", "DistillationLossFn", "DPOLossConfig",
-        "DPOLossFn", "LossFunction", "LossInputType", "LossType", "NLLLoss", "NLLLossFn", "PreferenceLossFn",
-        "calculate_kl", "masked_mean", "prepare_loss_input")},
+    **{
+        name: "dask_lm.losses"
+        for name in (
+            "ClippedPGLossConfig",
+            "ClippedPGLossFn",
+            "DistillationLossConfig",
+            "DistillationLossFn",
+            "DPOLossConfig",
+            "DPOLossFn",
+            "LossFunction",
+            "LossInputType",
+            "LossType",
+            "NLLLoss",
+            "NLLLossFn",
+            "PreferenceLossFn",
+            "calculate_kl",
+            "masked_mean",
+            "prepare_loss_input",
+        )
+    },
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

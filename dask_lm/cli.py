@@ -15,12 +15,14 @@ import sys
 import time
 import traceback
 import typing
-from typing import Any
+from typing import Any, ClassVar
 
 import click
 
-from dask_lm import __version__  # the package imports its heavy modules lazily: --help stays fast
-from dask_lm import interface  # the standard library only
+from dask_lm import (
+    __version__,  # the package imports its heavy modules lazily: --help stays fast
+    interface,  # the standard library only
+)
 from dask_lm.jobs import interrupts  # signal and threading only
 from dask_lm.jobs.spec import JobSpec, options_of  # the jobs' specs and their checks: the standard library only
 from dask_lm.scoring.spec import ScoreSpec
@@ -35,22 +37,25 @@ class _CliError(click.ClickException):
 
 class _Precision(click.Choice):
     """``--precision`` with one spelling in every subcommand (``auto``, ``bf16``, ``fp32``, ``fp16``); the torch
-    names (``bfloat16``, ``float32``, ``float16``) that ``logprobs`` once took are accepted and not shown."""
+    names (``bfloat16``, ``float32``, ``float16``) are accepted too, and not shown."""
 
-    ALIASES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+    ALIASES: ClassVar[dict[str, str]] = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
         return super().convert(self.ALIASES.get(value, value), param, ctx)
 
 
 def _precision_option(*choices: str, help: str) -> Any:
-    return click.option("--precision", type=_Precision(["auto", *choices]), default="auto", show_default=True,
-                        help=help)
+    return click.option(
+        "--precision", type=_Precision(["auto", *choices]), default="auto", show_default=True, help=help
+    )
 
 
 # options every job command shares, spelled and described once
-_SCHEDULER_HELP = ("Attach to this scheduler address (tcp://host:8786) or scheduler file; default: "
-                   "$DASK_SCHEDULER_ADDRESS, else a local cluster that the command starts and stops.")
+_SCHEDULER_HELP = (
+    "Attach to this scheduler address (tcp://host:8786) or scheduler file; default: "
+    "$DASK_SCHEDULER_ADDRESS, else a local cluster that the command starts and stops."
+)
 _N_WORKERS_HELP = "Size of the local cluster (default: one worker per GPU, or 2 on a CPU machine)."
 _REVISION_HELP = "Branch, tag or commit of a Hub --model (default: the repository's main branch)."
 
@@ -79,8 +84,13 @@ def _spec_options(job: str, *names: str, exclude: tuple[str, ...] = ()) -> Any:
                 kwargs.update(is_flag=True, flag_value=not default)
             else:
                 decls = [spelled, f.name]
-                kwargs["type"] = (_Precision(list(o.choices)) if f.name == "precision" else
-                                  click.Choice(list(o.choices)) if o.choices else base)
+                kwargs["type"] = (
+                    _Precision(list(o.choices))
+                    if f.name == "precision"
+                    else click.Choice(list(o.choices))
+                    if o.choices
+                    else base
+                )
             fn = click.option(*decls, **kwargs)(fn)
         return fn
 
@@ -109,10 +119,13 @@ def _job_given(ctx: click.Context, options: dict[str, Any], *, job: str) -> None
                 raise click.MissingParameter(ctx=ctx, param=param)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog="""Exit codes, of every command: 0 done;
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="""Exit codes, of every command: 0 done;
 2 bad usage or input (one line naming the option, file or row); 1 a runtime failure; 130 interrupted by Ctrl-C
 (SIGINT) and 143 by SIGTERM (a batch scheduler's stop): a score or sft job says on one line what it kept, and the
-same command with --resume continues it.""")
+same command with --resume continues it.""",
+)
 @click.version_option(__version__, "--version", "-V", prog_name="dask-lm", message="%(prog)s %(version)s")
 @click.option("--verbose", "-v", is_flag=True, help="Show Dask's logs and full tracebacks.")
 @click.pass_context
@@ -151,37 +164,65 @@ def _exit_codes(ctx: click.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
         sys.exit(1)
 
 
-@main.command(epilog="""Examples:
+@main.command(
+    epilog="""Examples:
 
 \b
   dask-lm logprobs "The capital of France is Paris."
   dask-lm logprobs --model Qwen/Qwen2.5-0.5B --topk 3 "Dask runs tasks." "On every GPU."
-  dask-lm logprobs --model ./my-model --json "one text" > logprobs.jsonl""")
+  dask-lm logprobs --model ./my-model --json "one text" > logprobs.jsonl"""
+)
 @click.argument("texts", nargs=-1)
-@click.option("--model", "model_dir", default=None, help="Hugging Face Hub id (e.g. Qwen/Qwen2.5-0.5B) or model "
-              "directory (default: a tiny random model built on the spot).")
+@click.option(
+    "--model",
+    "model_dir",
+    default=None,
+    help="Hugging Face Hub id (e.g. Qwen/Qwen2.5-0.5B) or model "
+    "directory (default: a tiny random model built on the spot).",
+)
 @click.option("--revision", default=None, help=_REVISION_HELP)
 @click.option("--scheduler-address", default=None, help=_SCHEDULER_HELP)
 @click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
 @_precision_option("bf16", "fp32", "fp16", help="auto: bf16 on a local GPU cluster, fp32 otherwise.")
-@click.option("--topk", type=int, default=0, show_default=True, help="Also show the k most likely tokens at each "
-              "position.")
+@click.option(
+    "--topk", type=int, default=0, show_default=True, help="Also show the k most likely tokens at each position."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per text instead of a table.")
 @click.pass_context
-def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, revision: str | None,
-             scheduler_address: str | None, n_workers: int | None, precision: str, topk: int, as_json: bool) -> None:
+def logprobs(
+    ctx: click.Context,
+    texts: tuple[str, ...],
+    model_dir: str | None,
+    revision: str | None,
+    scheduler_address: str | None,
+    n_workers: int | None,
+    precision: str,
+    topk: int,
+    as_json: bool,
+) -> None:
     """Per-token log-probabilities of TEXTS (default: two sample sentences).
 
     Each text is encoded as tokenizer(text) and its first token has no context, so it is not scored: the sum is
     over tokens 2..n (dask-lm score --convention separate). dask-lm score's default convention (lm-eval) scores
     the first token too, conditioned on BOS (EOS when the tokenizer adds no BOS): with a tokenizer that adds no BOS
     its sum has one more term, and the two differ. The output says which convention it used."""
-    _exit_codes(ctx, _run_logprobs, list(texts) or ["The quick brown fox jumps over the lazy dog.",
-                                                    "Dask schedules tasks across the workers of a cluster."],
-                model_dir, scheduler_address, n_workers, precision, topk, as_json, revision)
+    _exit_codes(
+        ctx,
+        _run_logprobs,
+        list(texts)
+        or ["The quick brown fox jumps over the lazy dog.", "Dask schedules tasks across the workers of a cluster."],
+        model_dir,
+        scheduler_address,
+        n_workers,
+        precision,
+        topk,
+        as_json,
+        revision,
+    )
 
 
-@main.command(epilog="""Examples:
+@main.command(
+    epilog="""Examples:
 
 \b
   dask-lm score data/*.parquet --model Qwen/Qwen2.5-0.5B --text-column text --id-column id --output scores/
@@ -194,7 +235,8 @@ def logprobs(ctx: click.Context, texts: tuple[str, ...], model_dir: str | None, 
 Exit codes: 0 done; 2 bad usage or input: refused before anything is written, or a bad row found while scoring
 (the parts written are kept: --resume --skip-bad-rows finishes the job); 1 a runtime failure (a lost scheduler
 too: --resume continues); 130 interrupted by Ctrl-C (SIGINT), 143 by SIGTERM: --resume continues. --verbose adds
-the traceback and keeps the code.""")
+the traceback and keeps the code."""
+)
 @click.argument("inputs", nargs=-1, metavar="INPUTS...")  # required, unless --resume (checked in the command)
 @_spec_options("score", "model")
 @click.option("--revision", default=None, help=_REVISION_HELP)
@@ -202,17 +244,34 @@ the traceback and keeps the code.""")
 @_spec_options("score", exclude=("model", "skip_bad_rows"))
 @click.option("--scheduler-address", default=None, help=_SCHEDULER_HELP)
 @click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
-@click.option("--resume", is_flag=True, help="Finish the job in --output: INPUTS, --model and every option not "
-              "given are its _manifest.json's (--output DIR --resume alone will do); a given option that differs is "
-              "refused. Parts already written are kept (a finished job returns at once). May add --skip-bad-rows.")
-@click.option("--overwrite", is_flag=True, help="Delete the earlier job's files in --output and score again with "
-              "these options (files dask-lm did not write are never deleted).")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Finish the job in --output: INPUTS, --model and every option not "
+    "given are its _manifest.json's (--output DIR --resume alone will do); a given option that differs is "
+    "refused. Parts already written are kept (a finished job returns at once). May add --skip-bad-rows.",
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Delete the earlier job's files in --output and score again with "
+    "these options (files dask-lm did not write are never deleted).",
+)
 @_spec_options("score", "skip_bad_rows")
 @click.option("--performance-report", default=None, help="Write Dask's HTML performance report to this file.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (also: DASK_LM_PROGRESS=0).")
 @click.pass_context
-def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str | None, output: str,
-          scheduler_address: str | None, n_workers: int | None, no_progress: bool, **options: Any) -> None:
+def score(
+    ctx: click.Context,
+    /,
+    inputs: tuple[str, ...],
+    model: str | None,
+    output: str,
+    scheduler_address: str | None,
+    n_workers: int | None,
+    no_progress: bool,
+    **options: Any,
+) -> None:
     """Per-token logprobs, log-likelihood and perplexity of every row of parquet INPUTS (files, directories,
     globs).
 
@@ -226,14 +285,22 @@ def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str | None, out
         import dask_lm
 
         # the checks run before any cluster starts; score_parquet then connects, and closes what it started
-        result = dask_lm.score_parquet(list(inputs) or None, output, model=model, scheduler_address=scheduler_address,
-                                       n_workers=n_workers, progress=not no_progress, **options)
+        result = dask_lm.score_parquet(
+            list(inputs) or None,
+            output,
+            model=model,
+            scheduler_address=scheduler_address,
+            n_workers=n_workers,
+            progress=not no_progress,
+            **options,
+        )
         _print_summary(result)
 
     _exit_codes(ctx, run)
 
 
-@main.command(epilog="""Examples:
+@main.command(
+    epilog="""Examples:
 
 \b
   dask-lm sft data/ --model Qwen/Qwen2.5-0.5B --prompt-column prompt --response-column response \\
@@ -243,18 +310,27 @@ def score(ctx: click.Context, /, inputs: tuple[str, ...], model: str | None, out
 
 Exit codes: 0 done; 2 bad usage or input (refused before any training step), 1 a runtime failure; 130 interrupted
 by Ctrl-C (SIGINT), 143 by SIGTERM: --resume continues from the newest checkpoint. --verbose adds the traceback and
-keeps the code.""")
+keeps the code."""
+)
 @click.argument("inputs", nargs=-1, metavar="INPUTS...")  # required, unless --resume (checked in the command)
 @_spec_options("sft", "model")
 @click.option("--revision", default=None, help=_REVISION_HELP)
 @click.option("--output", required=True, help="Run directory: step_N/ checkpoints, _manifest.json, _SUCCESS.")
 @_spec_options("sft", exclude=("model",))
-@click.option("--resume", is_flag=True, help="Continue the run in --output from its newest complete checkpoint (a "
-              "run that reached its last step returns at once): INPUTS, --model and every option not given are its "
-              "_manifest.json's (--output DIR --resume alone will do); a given option that differs is refused, a "
-              "larger --max-steps trains on.")
-@click.option("--overwrite", is_flag=True, help="Delete the earlier run's checkpoints in --output and train again "
-              "(files dask-lm did not write are never deleted).")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue the run in --output from its newest complete checkpoint (a "
+    "run that reached its last step returns at once): INPUTS, --model and every option not given are its "
+    "_manifest.json's (--output DIR --resume alone will do); a given option that differs is refused, a "
+    "larger --max-steps trains on.",
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Delete the earlier run's checkpoints in --output and train again "
+    "(files dask-lm did not write are never deleted).",
+)
 @click.option("--scheduler-address", default=None, help=_SCHEDULER_HELP)
 @click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
 @click.option("--no-progress", is_flag=True, help="No progress bar (also: DASK_LM_PROGRESS=0).")
@@ -268,30 +344,36 @@ def sft(ctx: click.Context, /, inputs: tuple[str, ...], no_progress: bool, **opt
 
         result = sft_parquet(list(inputs) or None, progress=not no_progress, **options)
         if result.already_complete:
-            click.echo(f"already complete: the run in {result.output} reached step {result.steps}; nothing was "
-                       f"run (pass --overwrite to train again)\ncheckpoint  {result.checkpoint}")
+            click.echo(
+                f"already complete: the run in {result.output} reached step {result.steps}; nothing was "
+                f"run (pass --overwrite to train again)\ncheckpoint  {result.checkpoint}"
+            )
             return
         first, last = (result.losses[0], result.losses[-1]) if result.losses else (float("nan"), float("nan"))
-        click.echo(f"steps       {result.steps} ({result.epochs_completed} epochs"
-                   f"{f', resumed from step {result.resumed_from}' if result.resumed_from is not None else ''})\n"
-                   f"loss        {first:.4f} -> {last:.4f}\ncheckpoint  {result.checkpoint}\n"
-                   f"seconds     {result.seconds:.1f} (training {result.train_seconds:.1f}, checkpoints "
-                   f"{result.checkpoint_seconds:.1f})\n"
-                   f"tokens      {result.tokens:,}"
-                   + (f" ({result.run_tokens:,} by this run)" if result.resumed_from is not None else "")
-                   + f" ({result.run_tokens / max(result.train_seconds, 1e-9):,.0f} per second of training)")
+        click.echo(
+            f"steps       {result.steps} ({result.epochs_completed} epochs"
+            f"{f', resumed from step {result.resumed_from}' if result.resumed_from is not None else ''})\n"
+            f"loss        {first:.4f} -> {last:.4f}\ncheckpoint  {result.checkpoint}\n"
+            f"seconds     {result.seconds:.1f} (training {result.train_seconds:.1f}, checkpoints "
+            f"{result.checkpoint_seconds:.1f})\n"
+            f"tokens      {result.tokens:,}"
+            + (f" ({result.run_tokens:,} by this run)" if result.resumed_from is not None else "")
+            + f" ({result.run_tokens / max(result.train_seconds, 1e-9):,.0f} per second of training)"
+        )
 
     _exit_codes(ctx, run)
 
 
-@main.command(epilog="""Examples:
+@main.command(
+    epilog="""Examples:
 
 \b
   dask-lm demo
   dask-lm demo --rows 4096 --n-workers 4
 
 It ends with the next commands, for this machine: score a parquet file of your own with the model it built, then
-read the scores back with pandas.""")
+read the scores back with pandas."""
+)
 @click.option("--rows", type=int, default=512, show_default=True, help="Rows in the sample dataset.")
 @click.option("--n-workers", type=int, default=None, help=_N_WORKERS_HELP)
 @click.pass_context
@@ -312,20 +394,25 @@ def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
         built = time.monotonic() - built
         output = os.path.join(cache_root(), "demo", "scores")
         shutil.rmtree(output, ignore_errors=True)  # the demo's own output from an earlier run
-        click.echo(f"model   {model_dir} (tiny random llama)\ndata    {data} ({rows} rows)"
-                   + (f"\n        (built in {built:.1f} s; later runs reuse them)" if built >= 0.5 else ""))
+        click.echo(
+            f"model   {model_dir} (tiny random llama)\ndata    {data} ({rows} rows)"
+            + (f"\n        (built in {built:.1f} s; later runs reuse them)" if built >= 0.5 else "")
+        )
         # score_parquet starts the local cluster and closes it, as `dask-lm score` does: its summary's wall time
         # then counts the cluster's start and close too, and the dashboard's address is printed while it is up
-        result = dask_lm.score_parquet(data, output, model=model_dir, n_workers=n_workers, text_column="text",
-                                       id_column="id")
+        result = dask_lm.score_parquet(
+            data, output, model=model_dir, n_workers=n_workers, text_column="text", id_column="id"
+        )
         _print_summary(result)
         click.echo("\n".join(_next_steps(model_dir, data)))
 
     _exit_codes(ctx, run)
 
 
-@main.command("nemo-rl", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
-              epilog="""Examples:
+@main.command(
+    "nemo-rl",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    epilog="""Examples:
 
 \b
   # in a NeMo RL checkout, or anywhere with `pip install nemo-rl`:
@@ -336,13 +423,18 @@ def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
 dask-lm's own options come before SCRIPT; everything after it is the script's (its --config, Hydra overrides).
 Exit codes: 0 done; 2 bad usage or input (SCRIPT missing, NeMo RL or Ray not installed, a config key refused, a
 cluster smaller than the config asks for); 1 a runtime failure; 130 / 143 interrupted; a code the script exits
-with itself is passed on. Guide: docs/guides/nemo_rl.md.""")
+with itself is passed on. Guide: docs/guides/nemo_rl.md.""",
+)
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@click.option("--scheduler-address", default=None, help="Run the Policy on the Dask cluster of this scheduler "
-              "address (tcp://host:8786) or scheduler file; default: $DASK_SCHEDULER_ADDRESS, else a local cluster "
-              "of cluster.gpus_per_node x cluster.num_nodes workers (GPU workers where GPUs are visible, CPU "
-              "workers otherwise), started when NeMo RL asks for it and stopped at the end.")
+@click.option(
+    "--scheduler-address",
+    default=None,
+    help="Run the Policy on the Dask cluster of this scheduler "
+    "address (tcp://host:8786) or scheduler file; default: $DASK_SCHEDULER_ADDRESS, else a local cluster "
+    "of cluster.gpus_per_node x cluster.num_nodes workers (GPU workers where GPUs are visible, CPU "
+    "workers otherwise), started when NeMo RL asks for it and stopped at the end.",
+)
 @click.pass_context
 def nemo_rl(ctx: click.Context, script: str, args: tuple[str, ...], scheduler_address: str | None) -> None:
     """Run NeMo RL's entry point SCRIPT (examples/run_sft.py, run_dpo.py, ...) unmodified, with dask-lm's Policy on
@@ -367,26 +459,35 @@ def _next_steps(model_dir: str, data: str) -> list[str]:
     new folder of the current directory, then read it back."""
     import shlex
 
-    output = next(name for name in ("my-scores", *(f"my-scores-{i}" for i in range(2, 1000)))
-                  if not os.path.exists(name))
+    output = next(
+        name for name in ("my-scores", *(f"my-scores-{i}" for i in range(2, 1000))) if not os.path.exists(name)
+    )
     python = _python()
     # ``dask-lm`` where the one on PATH is this environment's (beside this python, or the script running now);
     # else the module, run by this interpreter
     script = shutil.which("dask-lm")
-    here = script is not None and (os.path.dirname(os.path.abspath(script)) == os.path.dirname(sys.executable)
-                                   or os.path.abspath(script) == os.path.abspath(sys.argv[0]))
+    here = script is not None and (
+        os.path.dirname(os.path.abspath(script)) == os.path.dirname(sys.executable)
+        or os.path.abspath(script) == os.path.abspath(sys.argv[0])
+    )
     command = "dask-lm" if here else f"{python} -m dask_lm"
     read = f"import dask_lm; print(dask_lm.read_scores({output!r}))"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a clone's, where dask-lm runs from one
-    where = (os.path.join(repo, "docs", "quickstart.md") if os.path.isfile(os.path.join(repo, "pyproject.toml"))
-             and os.path.isdir(os.path.join(repo, "docs")) else "docs/quickstart.md in the dask-lm repository")
+    where = (
+        os.path.join(repo, "docs", "quickstart.md")
+        if os.path.isfile(os.path.join(repo, "pyproject.toml")) and os.path.isdir(os.path.join(repo, "docs"))
+        else "docs/quickstart.md in the dask-lm repository"
+    )
     sample, model = (shlex.quote(os.path.abspath(p)) for p in (os.path.join(data, "a.parquet"), model_dir))
-    return ["", "next:",
-            "  # score a parquet file of your own with this model (--text-column names your text column); on a demo file:",
-            f"  {command} score {sample} --model {model} --text-column text --output {output}",
-            "  # read the scores back as a pandas DataFrame (one row per input row, in input order):",
-            f'  {python} -c "{read}"',
-            f"  # more: {where}"]
+    return [
+        "",
+        "next:",
+        "  # score a parquet file of your own with this model (--text-column names your text column); on a demo file:",
+        f"  {command} score {sample} --model {model} --text-column text --output {output}",
+        "  # read the scores back as a pandas DataFrame (one row per input row, in input order):",
+        f'  {python} -c "{read}"',
+        f"  # more: {where}",
+    ]
 
 
 def _python() -> str:
@@ -414,8 +515,16 @@ def _print_summary(result: Any) -> None:
         click.echo(f"{key:<{width}}  {value}")
 
 
-def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: str | None, n_workers: int | None,
-                  precision: str, topk: int, as_json: bool, revision: str | None) -> None:
+def _run_logprobs(
+    texts: list[str],
+    model_dir: str | None,
+    scheduler_address: str | None,
+    n_workers: int | None,
+    precision: str,
+    topk: int,
+    as_json: bool,
+    revision: str | None,
+) -> None:
     import transformers
 
     import dask_lm
@@ -441,8 +550,7 @@ def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: st
     ids, lengths = enc["input_ids"], enc["attention_mask"].sum(1)
     client = dask_lm.connect(scheduler_address, n_workers=n_workers)
     try:
-        cfg = {"model_name": model_dir, "precision": precision,
-               "max_total_sequence_length": max(int(lengths.max()), 1)}
+        cfg = {"model_name": model_dir, "precision": precision, "max_total_sequence_length": max(int(lengths.max()), 1)}
         with dask_lm.Policy(client, cfg, tokenizer, init_optimizer=False, init_reference_model=False) as policy:
             batch: dask_lm.BatchedDataDict[Any] = dask_lm.BatchedDataDict(input_ids=ids, input_lengths=lengths)
             lp = policy.get_logprobs(batch)["logprobs"]
@@ -458,15 +566,22 @@ def _run_logprobs(texts: list[str], model_dir: str | None, scheduler_address: st
         n = int(lengths[b])
         tokens = token_strings(tokenizer, ids[b, :n].tolist())
         values = lp[b, :n].tolist()
-        record: dict[str, Any] = {"text": text, "tokens": tokens, "logprobs": values,
-                                  "sum_logprob": sum(values[1:]), "num_tokens": n, "convention": LOGPROBS_CONVENTION}
+        record: dict[str, Any] = {
+            "text": text,
+            "tokens": tokens,
+            "logprobs": values,
+            "sum_logprob": sum(values[1:]),
+            "num_tokens": n,
+            "convention": LOGPROBS_CONVENTION,
+        }
         if tk is not None:
             record["topk"] = [token_strings(tokenizer, tk["topk_indices"][b, i].tolist()) for i in range(n)]
         if as_json:
             click.echo(json.dumps(record))
             continue
-        click.echo(f"\n{text!r}  ({n} tokens, sum logprob {record['sum_logprob']:.3f} over tokens 2..{n}, "
-                   f"{ranks} rank(s))")
+        click.echo(
+            f"\n{text!r}  ({n} tokens, sum logprob {record['sum_logprob']:.3f} over tokens 2..{n}, {ranks} rank(s))"
+        )
         for i, (tok, value) in enumerate(zip(tokens, values)):
             # the strings the model ranked first for this position (a token's own leading space shows in repr)
             extra = f"  top: {', '.join(map(repr, record['topk'][i - 1]))}" if tk is not None and i else ""

@@ -47,8 +47,36 @@ def demo_model() -> str:
     return root
 
 
-_WORDS = ("dask cluster worker task graph token model parquet column row score batch gpu rank shard log "
-          "probability language the a of and to in is on with for").split()
+_WORDS = [
+    "dask",
+    "cluster",
+    "worker",
+    "task",
+    "graph",
+    "token",
+    "model",
+    "parquet",
+    "column",
+    "row",
+    "score",
+    "batch",
+    "gpu",
+    "rank",
+    "shard",
+    "log",
+    "probability",
+    "language",
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "on",
+    "with",
+    "for",
+]
 
 
 def demo_data(rows: int = 512) -> str:
@@ -74,8 +102,9 @@ def demo_data(rows: int = 512) -> str:
     tmp = tempfile.mkdtemp(prefix=".demo-", dir=directory)  # complete before it gets its name
     half = rows // 2
     for name, lo, hi in (("a.parquet", 0, half), ("b.parquet", half, rows)):
-        pq.write_table(pa.table({"id": list(range(lo, hi)), "text": texts[lo:hi]}), os.path.join(tmp, name),
-                       row_group_size=64)
+        pq.write_table(
+            pa.table({"id": list(range(lo, hi)), "text": texts[lo:hi]}), os.path.join(tmp, name), row_group_size=64
+        )
     try:
         os.replace(tmp, target)
     except OSError:  # built by a concurrent demo

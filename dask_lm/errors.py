@@ -7,10 +7,21 @@ modules that raise them import them from here; the public ones are also ``dask_l
 
 from __future__ import annotations
 
-__all__ = ["BatchError", "LossConfigError", "BadRowError", "UnsafeCheckpointError", "CheckpointWriteError",
-           "PartWriteError",
-           "RankFailedError", "WorkerLostError", "PeerFailedError", "RefitError", "NonFiniteError",
-           "InputChangedError", "SchedulerLostError"]
+__all__ = [
+    "BatchError",
+    "LossConfigError",
+    "BadRowError",
+    "UnsafeCheckpointError",
+    "CheckpointWriteError",
+    "PartWriteError",
+    "RankFailedError",
+    "WorkerLostError",
+    "PeerFailedError",
+    "RefitError",
+    "NonFiniteError",
+    "InputChangedError",
+    "SchedulerLostError",
+]
 
 
 # ------------------------------------------------------------------------------------------- bad input

@@ -50,8 +50,15 @@ from dask_lm.evaluation.engine import DEFAULT_TASK_TOKENS, RequestEngine
 
 __all__ = ["DaskLM", "main"]
 
-_PRECISIONS = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
-               "float16": "float16", "fp16": "float16"}
+_PRECISIONS = {
+    "auto": None,
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+}
 _OPEN: weakref.WeakSet[DaskLM] = weakref.WeakSet()  # what main() closes when lm-eval's command returns
 
 
@@ -96,21 +103,38 @@ class DaskLM(TemplateLM):
     lm-eval's: the model's positions), ``max_gen_toks`` (default 256), ``add_bos_token`` (as ``HFLM``'s), ``compile``
     (compile the scoring forward on each worker)."""
 
-    def __init__(self, pretrained: str, tokenizer: str | None = None, revision: str | None = None,
-                 scheduler_address: str | None = None, n_workers: int | str | None = None, client: Any = None,
-                 dtype: str | None = None, precision: str | None = None, batch_tokens: int | str = PADDED_BATCH_TOKENS,
-                 task_tokens: int | str = DEFAULT_TASK_TOKENS, max_length: int | str | None = None,
-                 max_gen_toks: int | str = 256, add_bos_token: bool | str | None = None,
-                 compile: bool | str = False, trust_remote_code: bool | str = False,
-                 batch_size: Any = None, max_batch_size: Any = None, device: Any = None, **unknown: Any) -> None:
+    def __init__(
+        self,
+        pretrained: str,
+        tokenizer: str | None = None,
+        revision: str | None = None,
+        scheduler_address: str | None = None,
+        n_workers: int | str | None = None,
+        client: Any = None,
+        dtype: str | None = None,
+        precision: str | None = None,
+        batch_tokens: int | str = PADDED_BATCH_TOKENS,
+        task_tokens: int | str = DEFAULT_TASK_TOKENS,
+        max_length: int | str | None = None,
+        max_gen_toks: int | str = 256,
+        add_bos_token: bool | str | None = None,
+        compile: bool | str = False,
+        trust_remote_code: bool | str = False,
+        batch_size: Any = None,
+        max_batch_size: Any = None,
+        device: Any = None,
+        **unknown: Any,
+    ) -> None:
         # batch_size / max_batch_size / device: lm-eval passes them to every model (its --batch_size / --device);
         # here the batches are cut by tokens (batch_tokens, task_tokens) and each worker uses its own device
         del batch_size, max_batch_size, device
         if unknown:
             key = min(unknown)
-            raise ValueError(f"unknown model_args key {key!r} for dask-lm; it takes pretrained, tokenizer, revision, "
-                             "scheduler_address, n_workers, dtype (or precision), batch_tokens, task_tokens, "
-                             "max_length, max_gen_toks, add_bos_token, compile")
+            raise ValueError(
+                f"unknown model_args key {key!r} for dask-lm; it takes pretrained, tokenizer, revision, "
+                "scheduler_address, n_workers, dtype (or precision), batch_tokens, task_tokens, "
+                "max_length, max_gen_toks, add_bos_token, compile"
+            )
         super().__init__()
         import transformers
 
@@ -118,8 +142,10 @@ class DaskLM(TemplateLM):
         from dask_lm.jobs import model_files
 
         if _bool("trust_remote_code", trust_remote_code):
-            raise ValueError("model_args trust_remote_code=true: dask-lm workers load models with the classes "
-                             "transformers ships, never remote code; drop trust_remote_code")
+            raise ValueError(
+                "model_args trust_remote_code=true: dask-lm workers load models with the classes "
+                "transformers ships, never remote code; drop trust_remote_code"
+            )
         if dtype is not None and precision is not None and dtype != precision:
             raise ValueError(f"model_args dtype={dtype!r} and precision={precision!r}: give one of them")
         chosen = str(dtype if dtype is not None else precision if precision is not None else "auto").lower()
@@ -137,11 +163,18 @@ class DaskLM(TemplateLM):
         config = transformers.AutoConfig.from_pretrained(source.path, trust_remote_code=False)
         self._max_length = given or resolve_max_length(config, self.tokenizer)
         self._max_gen_toks = _int("max_gen_toks", max_gen_toks)
-        self.engine = RequestEngine(source.path, tok_dir, client=client, scheduler_address=scheduler_address,
-                                    n_workers=_opt_int("n_workers", n_workers),
-                                    precision=_PRECISIONS[chosen], batch_tokens=_int("batch_tokens", batch_tokens),
-                                    task_tokens=_int("task_tokens", task_tokens), max_length=self._max_length,
-                                    compile=bool(_bool("compile", compile)))
+        self.engine = RequestEngine(
+            source.path,
+            tok_dir,
+            client=client,
+            scheduler_address=scheduler_address,
+            n_workers=_opt_int("n_workers", n_workers),
+            precision=_PRECISIONS[chosen],
+            batch_tokens=_int("batch_tokens", batch_tokens),
+            task_tokens=_int("task_tokens", task_tokens),
+            max_length=self._max_length,
+            compile=bool(_bool("compile", compile)),
+        )
         _OPEN.add(self)
 
     # ------------------------------------------------------------------------------------------ tokens
@@ -149,8 +182,10 @@ class DaskLM(TemplateLM):
     def eot_token_id(self) -> int:
         eos = self.tokenizer.eos_token_id
         if eos is None:
-            raise ValueError(f"the tokenizer of {self.pretrained} has no EOS token, which generate_until adds to "
-                             "its stop strings; give the tokenizer an eos_token")
+            raise ValueError(
+                f"the tokenizer of {self.pretrained} has no EOS token, which generate_until adds to "
+                "its stop strings; give the tokenizer an eos_token"
+            )
         return int(eos)
 
     @property
@@ -174,8 +209,9 @@ class DaskLM(TemplateLM):
             return {"add_special_tokens": add_special_tokens}
         return {} if self.add_bos_token is None else {"add_special_tokens": self.add_bos_token}
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs: Any) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs: Any
+    ) -> list[int]:
         """``HFLM.tok_encode``: the tokenizer's special tokens (or ``add_bos_token``), none for a text that already
         starts with the prefix token's text."""
         special = self._special(add_special_tokens)
@@ -223,16 +259,22 @@ class DaskLM(TemplateLM):
         windows: list[tuple[None, list[int], list[int]]] = []
         counts: list[int] = []
         for (string,) in (req.args for req in requests):
-            rolling = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
-                context_len=1)]
+            rolling = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
             windows.extend((None, a, b) for a, b in rolling)
             counts.append(len(rolling))
         answers = self._loglikelihood_tokens(windows)
         out: list[float] = []
         at = 0
         for req, n in zip(requests, counts):
-            total = sum(a[0] for a in answers[at:at + n])
+            total = sum(a[0] for a in answers[at : at + n])
             at += n
             out.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
@@ -253,10 +295,12 @@ class DaskLM(TemplateLM):
             if kwargs.get("do_sample") is False and kwargs.get("temperature", 0.0) == 0.0:
                 kwargs.pop("temperature", None)  # greedy: HF warns about a temperature it does not use
             if max_gen_toks >= self.max_length:
-                raise ValueError(f"generate_until: max_gen_toks ({max_gen_toks}) leaves no room for a context in "
-                                 f"max_length ({self.max_length}); lower max_gen_toks or raise max_length")
+                raise ValueError(
+                    f"generate_until: max_gen_toks ({max_gen_toks}) leaves no room for a context in "
+                    f"max_length ({self.max_length}); lower max_gen_toks or raise max_length"
+                )
             contexts = [requests[i].args[0] for i in index]
-            ids = [c[-(self.max_length - max_gen_toks):] for c in self._encode_contexts(contexts)]
+            ids = [c[-(self.max_length - max_gen_toks) :] for c in self._encode_contexts(contexts)]
             limits = [max_gen_toks if total is None else max(1, int(total) - len(c)) for c in ids]
             new = self.engine.generate(ids, {**kwargs, "max_new_tokens": max(limits), "stop": until})
             for i, context, tokens, limit in zip(index, contexts, new, limits):
@@ -266,13 +310,21 @@ class DaskLM(TemplateLM):
         return out
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return str(self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=not add_generation_prompt))
+        return str(
+            self.tokenizer.apply_chat_template(
+                chat_history,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt,
+            )
+        )
 
     def get_model_info(self) -> dict[str, Any]:
-        return {"model_dtype": self.engine.opts.precision, "model_revision": self.revision,
-                "dask_workers": self.engine.workers}
+        return {
+            "model_dtype": self.engine.opts.precision,
+            "model_revision": self.revision,
+            "dask_workers": self.engine.workers,
+        }
 
     # ------------------------------------------------------------------------------------------ lifetime
     def close(self) -> None:

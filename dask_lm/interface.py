@@ -24,8 +24,20 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["Interface", "current", "cli", "speaking", "opt", "opts", "again", "warn", "caught", "Warned",
-           "reissue", "strip"]
+__all__ = [
+    "Interface",
+    "current",
+    "cli",
+    "speaking",
+    "opt",
+    "opts",
+    "again",
+    "warn",
+    "caught",
+    "Warned",
+    "reissue",
+    "strip",
+]
 
 Interface = Literal["python", "cli"]
 
@@ -64,8 +76,14 @@ def cli() -> Iterator[None]:
             os.environ[_ENV] = env
 
 
-def _show_cli_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                      file: Any = None, line: str | None = None) -> None:
+def _show_cli_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
     # a command's user did not write the line a warning would point at: the message alone, as the errors are shown
     try:
         print(f"Warning: {message}", file=file if file is not None else sys.stderr)

@@ -25,8 +25,9 @@ def moved_names(old: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
         home = homes.get(name)
         if home is None:
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
-        warnings.warn(f"{old}.{name} moved: import it from {home} ({old}.{name} will be removed)", FutureWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"{old}.{name} moved: import it from {home} ({old}.{name} will be removed)", FutureWarning, stacklevel=2
+        )
         return getattr(importlib.import_module(home), name)
 
     return __getattr__

@@ -36,12 +36,16 @@ def _shard(entry: Any) -> dict[str, Any]:
     if isinstance(entry, dict) and "teacher_shards" in entry:
         shards = entry["teacher_shards"]
         if not isinstance(shards, list) or len(shards) != 1:
-            raise ValueError("an entry of get_full_logits_ipc from dask-lm has exactly one teacher shard; got "
-                             f"{len(shards) if isinstance(shards, list) else type(shards).__name__}")
+            raise ValueError(
+                "an entry of get_full_logits_ipc from dask-lm has exactly one teacher shard; got "
+                f"{len(shards) if isinstance(shards, list) else type(shards).__name__}"
+            )
         entry = shards[0]
     if not isinstance(entry, dict) or "payload_ipc" not in entry:
-        raise ValueError("expected an entry of Policy.get_full_logits_ipc ({'teacher_shards': [shard]}) or one of "
-                         f"its shards; got {type(entry).__name__}")
+        raise ValueError(
+            "expected an entry of Policy.get_full_logits_ipc ({'teacher_shards': [shard]}) or one of "
+            f"its shards; got {type(entry).__name__}"
+        )
     for key in (*_INDEX_KEYS, "actual_shape", "storage_shape"):
         if key not in entry:
             raise ValueError(f"a full-logits shard lacks `{key}`")
@@ -56,13 +60,17 @@ def _view(storage: torch.Tensor, shard: dict[str, Any]) -> torch.Tensor:
     if not isinstance(actual, (list, tuple)) or len(actual) != 2 or not all(type(d) is int for d in actual):
         raise ValueError(f"`actual_shape` of a full-logits shard must be (positions, vocabulary), got {actual!r}")
     if storage.dim() != 4 or list(storage.shape) != list(shard["storage_shape"]):
-        raise ValueError(f"the buffer holds {list(storage.shape)}, the shard says {shard['storage_shape']!r}: it "
-                         "was grown or released since this list was made; call get_full_logits_ipc again")
+        raise ValueError(
+            f"the buffer holds {list(storage.shape)}, the shard says {shard['storage_shape']!r}: it "
+            "was grown or released since this list was made; call get_full_logits_ipc again"
+        )
     n, b, s, v = storage.shape
     i, j = shard["buf_idx"], shard["sample_index_in_buf"]
     if not (0 <= i < n and 0 <= j < b and 0 <= actual[0] <= s and 0 <= actual[1] <= v):
-        raise ValueError(f"a full-logits shard points outside its buffer {list(storage.shape)}: buf_idx {i}, "
-                         f"sample_index_in_buf {j}, actual_shape {tuple(actual)}")
+        raise ValueError(
+            f"a full-logits shard points outside its buffer {list(storage.shape)}: buf_idx {i}, "
+            f"sample_index_in_buf {j}, actual_shape {tuple(actual)}"
+        )
     return storage[i, j, : actual[0], : actual[1]]
 
 
@@ -87,6 +95,8 @@ def open_full_logits_batch(entries: Sequence[Any]) -> torch.Tensor:
             opened[key] = open_payload(shard["payload_ipc"])
         views.append(_view(opened[key], shard))
     if len({tuple(v.shape) for v in views}) != 1:
-        raise ValueError(f"the entries have different shapes {sorted({tuple(v.shape) for v in views})}: they come "
-                         "from different calls; open them one by one with open_full_logits")
+        raise ValueError(
+            f"the entries have different shapes {sorted({tuple(v.shape) for v in views})}: they come "
+            "from different calls; open them one by one with open_full_logits"
+        )
     return torch.stack(views)

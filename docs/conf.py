@@ -7,7 +7,8 @@ cross-reference, a page outside every toctree, a bad directive) fails the build.
 Pages are MyST Markdown; the reference pages are generated: the CLI from the click commands (sphinx-click), the
 API from the docstrings (autodoc). The Policy config keys (``reference/config.md``) are a Markdown table that
 ``python -m dask_lm.config.doc --write`` generates from the dataclasses of ``dask_lm/config/``. No intersphinx: CI
-reaches no network but the package index, so references to other projects' types cannot be linked (``nitpick_ignore`` below lists the ones our public signatures name).
+reaches no network but the package index, so references to other projects' types cannot be linked
+(``nitpick_ignore`` below lists the ones our public signatures name).
 """
 
 from __future__ import annotations
@@ -83,7 +84,12 @@ html_theme_options = {
     "icon_links": [],
 }
 # the section's pages on the left; the top-level pages without sub-pages get no (empty) left column
-html_sidebars = {"**": ["sidebar-nav-bs"], "index": [], "quickstart": [], "benchmarks": [],
-                 "reference/config": []}  # its wide tables need the room; the navbar still leads to Reference
+html_sidebars = {
+    "**": ["sidebar-nav-bs"],
+    "index": [],
+    "quickstart": [],
+    "benchmarks": [],
+    "reference/config": [],
+}  # its wide tables need the room; the navbar still leads to Reference
 html_show_sourcelink = False
 html_copy_source = False

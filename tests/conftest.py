@@ -6,7 +6,6 @@ import os
 import tempfile
 
 import pytest
-
 from type_gate import MYPY_RUN
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -58,8 +57,9 @@ def tiny(tmp_path_factory):
         "tokenizer": tok,
         "llama": build_tiny_model(str(root / "llama"), family="llama", tokenizer_path=tok, seed=1),
         "qwen2": build_tiny_model(str(root / "qwen2"), family="qwen2", tokenizer_path=tok, seed=2),
-        "llama_rm": build_tiny_model(str(root / "llama_rm"), family="llama", sequence_classification=True,
-                                     tokenizer_path=tok, seed=3),
+        "llama_rm": build_tiny_model(
+            str(root / "llama_rm"), family="llama", sequence_classification=True, tokenizer_path=tok, seed=3
+        ),
         "llama_tuned": build_tiny_model(str(root / "llama_tuned"), family="llama", tokenizer_path=tok, seed=4),
     }
     return paths
@@ -89,16 +89,48 @@ def attached_cluster(tmp_path):
 
     def start(nworkers=1):
         sched = tmp_path / "scheduler.json"
-        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                                       "--port", "0", "--dashboard-address", ":0", "--scheduler-file", str(sched)],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "distributed.cli.dask_scheduler",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--dashboard-address",
+                    ":0",
+                    "--scheduler-file",
+                    str(sched),
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         deadline = time.time() + 60
         while not sched.exists():
             assert time.time() < deadline, "the scheduler did not start"
             time.sleep(0.2)
-        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
-                                       str(sched), "--nthreads", "1", "--nworkers", str(nworkers)],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "distributed.cli.dask_worker",
+                    "--scheduler-file",
+                    str(sched),
+                    "--nthreads",
+                    "1",
+                    "--nworkers",
+                    str(nworkers),
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         return sched
 
     yield start

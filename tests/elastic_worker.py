@@ -79,8 +79,10 @@ def dask_setup(worker: Any) -> None:
         if other and not first:
             _wait(other, lambda: os.path.exists(other))
         if cfg.get("distinct") and not first:
-            _wait(f"{cfg['distinct']} workers in {cfg['mark']}",
-                  lambda: len(set(pathlib.Path(cfg["mark"]).read_text().split())) >= int(cfg["distinct"]))
+            _wait(
+                f"{cfg['distinct']} workers in {cfg['mark']}",
+                lambda: len(set(pathlib.Path(cfg["mark"]).read_text().split())) >= int(cfg["distinct"]),
+            )
         if cfg.get("hold"):
             _wait("this worker's retirement", lambda: me.status != Status.running)
         return original(*args, **kwargs)

@@ -19,8 +19,11 @@ class _Missing:
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("_"):  # pytest's collection probes module members for markers and fixtures
             raise AttributeError(attr)
-        pytest.fail(f"{self._name} is not installed ({self._error}); these tests compare against it: install the "
-                    "test extra, pip install -e '.[test]'", pytrace=False)
+        pytest.fail(
+            f"{self._name} is not installed ({self._error}); these tests compare against it: install the "
+            "test extra, pip install -e '.[test]'",
+            pytrace=False,
+        )
 
 
 def extra(name: str) -> Any:
@@ -62,8 +65,9 @@ TEXTS = [
 ]
 
 
-def hf_nll_steps(model_dir: str, batches, *, lr: float, max_grad_norm: float | None, optimizer: str = "sgd",
-                 lr_factors=None):
+def hf_nll_steps(
+    model_dir: str, batches, *, lr: float, max_grad_norm: float | None, optimizer: str = "sgd", lr_factors=None
+):
     """The reference trainer: one process, plain Hugging Face, fp32. For each global batch (ids, lens, token_mask,
     sample_mask): the NLL over all its valid tokens, backward, clip by total norm, one optimizer step. Returns
     (losses, pre-clip grad norms, model)."""
@@ -110,8 +114,9 @@ def sft_batch(tokenizer, texts, pad_to: int | None = None):
 
     ids, lens = make_batch(tokenizer, texts, pad_to)
     token_mask = (torch.arange(ids.shape[1])[None, :] < lens[:, None]).float()
-    return BatchedDataDict(input_ids=ids, input_lengths=lens, token_mask=token_mask,
-                           sample_mask=torch.ones(ids.shape[0]))
+    return BatchedDataDict(
+        input_ids=ids, input_lengths=lens, token_mask=token_mask, sample_mask=torch.ones(ids.shape[0])
+    )
 
 
 def saved_weights(policy, path) -> dict[str, torch.Tensor]:
@@ -139,9 +144,18 @@ def launch_chromium(playwright: Any) -> Any:
         if os.environ.get("CI"):
             pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package")
         pytest.skip("needs Debian's chromium (apt-get install chromium); .ci/run installs it")
-    return playwright.chromium.launch(executable_path=chromium, args=[
-        "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"])
+    return playwright.chromium.launch(
+        executable_path=chromium,
+        args=[
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+        ],
+    )
 
 
 class WritesMarker:
@@ -170,8 +184,8 @@ def qkv_reference_samples(model_dir, ids, lens, rows_per_forward):
         layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True)
     out = {}
     for s in range(0, ids.shape[0], rows_per_forward):
-        x, n = ids[s:s + rows_per_forward], lens[s:s + rows_per_forward]
-        x = x[:, :int(n.max())]  # the rows as a micro-batch holds them: padded to its longest row
+        x, n = ids[s : s + rows_per_forward], lens[s : s + rows_per_forward]
+        x = x[:, : int(n.max())]  # the rows as a micro-batch holds them: padded to its longest row
         real = (torch.arange(x.shape[1])[None, :] < n[:, None]).float()
         with torch.no_grad():
             model(input_ids=x, attention_mask=real.long())

@@ -30,8 +30,9 @@ def zmq_peer(address: str, refit_info: dict, out_path: str, timeout_s: float = 1
     torch.save({"weights": got, "messages": messages, "stats": stats}, out_path)
 
 
-def collective_peer(ip: str, port: int, world_size: int, rank: int, refit_info: dict, out_path: str,
-                    calls: int = 1) -> None:
+def collective_peer(
+    ip: str, port: int, world_size: int, rank: int, refit_info: dict, out_path: str, calls: int = 1
+) -> None:
     import torch
 
     from dask_lm.refit.receiver import CollectiveReceiver
@@ -76,8 +77,23 @@ def sglang_cuda_payload_check(out_path: str) -> None:
     from dask_lm.refit import buckets as bk
 
     fake_uuid = "GPU-12345678-1234-1234-1234-123456789abc"
-    args = (torch.Tensor, (16,), (1,), 0, torch.UntypedStorage, torch.uint8, 0, b"\x01" * 64, 16, 0, False,
-            "/torch_ipc_ref", 0, b"\x02" * 64, True)
+    args = (
+        torch.Tensor,
+        (16,),
+        (1,),
+        0,
+        torch.UntypedStorage,
+        torch.uint8,
+        0,
+        b"\x01" * 64,
+        16,
+        0,
+        False,
+        "/torch_ipc_ref",
+        0,
+        b"\x02" * 64,
+        True,
+    )
     reductions.reduce_tensor = lambda t: (reductions.rebuild_cuda_tensor, args)
     device.device_uuid = lambda index=0: fake_uuid
     plan = bk.plan_buckets({"w": ((4,), torch.float32)}, 1024)

@@ -32,8 +32,10 @@ import torch
 
 _TOP_K_ALL = 1 << 30  # the contract's top_k default ("all"); -1 means the same
 _SESSION_MSG = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
-_FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
-            "the operation will not be performed.)\n")
+_FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+    "the operation will not be performed.)\n"
+)
 
 
 def install_triton_stub() -> None:
@@ -41,6 +43,7 @@ def install_triton_stub() -> None:
     when ``import triton`` fails, serve MagicMock modules for triton and its submodules."""
     try:
         import triton  # noqa: F401
+
         return
     except ImportError:
         pass
@@ -107,8 +110,11 @@ class FakeSGLang:
     def session(self, begin: bool) -> tuple[int, dict[str, Any]]:
         with self.lock:
             if begin == self.session_open:  # 0.5.23's exact texts
-                msg = ("a weight-update session is already open; call end_weight_update() first" if begin else
-                       "no weight-update session is open; call begin_weight_update() first")
+                msg = (
+                    "a weight-update session is already open; call end_weight_update() first"
+                    if begin
+                    else "no weight-update session is open; call begin_weight_update() first"
+                )
                 return 400, {"success": False, "message": msg}
             self.session_open = begin
             self.sessions_begun += begin
@@ -126,9 +132,16 @@ class FakeSGLang:
 
     def update(self, body: dict[str, Any], entries: list[bytes]) -> tuple[int, dict[str, Any]]:
         fmt, version = body.get("load_format"), body.get("weight_version")
-        rec: dict[str, Any] = {"names": [], "num_entries": len(entries), "load_format": fmt,
-                               "flush_cache": bool(body.get("flush_cache", True)), "weight_version": version,
-                               "bucket_bytes": 0, "success": False, "message": ""}
+        rec: dict[str, Any] = {
+            "names": [],
+            "num_entries": len(entries),
+            "load_format": fmt,
+            "flush_cache": bool(body.get("flush_cache", True)),
+            "weight_version": version,
+            "bucket_bytes": 0,
+            "success": False,
+            "message": "",
+        }
 
         def fail(msg: str) -> tuple[int, dict[str, Any]]:
             rec["message"] = msg
@@ -146,7 +159,7 @@ class FakeSGLang:
             for rank, entry in enumerate(entries):  # entry i is exactly what TP rank i deserializes
                 try:
                     ranks.append(self._decode(entry, fmt))
-                except Exception as e:  # noqa: BLE001 -- a real scheduler dies here; a 400 keeps tests readable
+                except Exception as e:
                     return fail(f"TP rank {rank} failed to deserialize: {type(e).__name__}: {e}")
             named = ranks[0]
             rec["names"] = [n for n, _ in named]
@@ -162,8 +175,10 @@ class FakeSGLang:
                 if dst is None:
                     return fail(f"Failed to update parameter online: unknown parameter name {name}")
                 if tuple(dst.shape) != tuple(t.shape):
-                    return fail(f"Failed to update parameter online: shape mismatch for {name}: "
-                                f"got {tuple(t.shape)}, expected {tuple(dst.shape)}")
+                    return fail(
+                        f"Failed to update parameter online: shape mismatch for {name}: "
+                        f"got {tuple(t.shape)}, expected {tuple(dst.shape)}"
+                    )
             with torch.no_grad():
                 for name, t in named:
                     self.targets[name].copy_(t)  # casts to the served dtype, like SGLang's param.data.copy_
@@ -195,14 +210,20 @@ class FakeSGLang:
                 return v
             return [v] * len(rows)
 
-        cols = zip(rows, per_row("sampling_params", {}), per_row("return_logprob", False),
-                   per_row("logprob_start_len", -1), per_row("rid", None))
+        cols = zip(
+            rows,
+            per_row("sampling_params", {}),
+            per_row("return_logprob", False),
+            per_row("logprob_start_len", -1),
+            per_row("rid", None),
+        )
         with self.lock:
             out = [self._generate_row(*c) for c in cols]
         return out[0] if single else out
 
-    def _generate_row(self, prompt: list[int], sp: dict[str, Any], want_lp: bool, lp_start: int,
-                      rid: str | None) -> dict[str, Any]:
+    def _generate_row(
+        self, prompt: list[int], sp: dict[str, Any], want_lp: bool, lp_start: int, rid: str | None
+    ) -> dict[str, Any]:
         def param(key: str, default: Any) -> Any:  # the contract allows explicit nulls, meaning the default
             return default if sp.get(key) is None else sp[key]
 
@@ -240,19 +261,25 @@ class FakeSGLang:
                     finish, keep = {"type": "stop", "matched": tok}, len(out_ids) - 1
                     break
                 if len(out_ids) < max_new:
-                    out = self.model(input_ids=torch.tensor([[tok]]), use_cache=True,
-                                     **{cache_key: out[cache_key]})
+                    out = self.model(input_ids=torch.tensor([[tok]]), use_cache=True, **{cache_key: out[cache_key]})
         if text is None:
             text = self.tokenizer.decode(out_ids[:keep], skip_special_tokens=skip_special)
-        meta: dict[str, Any] = {"id": rid or uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(prompt),
-                                "completion_tokens": len(out_ids), "cached_tokens": 0,
-                                "weight_version": self.weight_version}
+        meta: dict[str, Any] = {
+            "id": rid or uuid.uuid4().hex,
+            "finish_reason": finish,
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(out_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+        }
         if want_lp:
             # logprob_start_len -1 means output only: one input entry, the last prompt token. The first returned
             # input position always has a null logprob; later ones hold log p(tok_i | tok_<i).
             start = len(prompt) - 1 if lp_start < 0 else min(lp_start, len(prompt) - 1)
-            meta["input_token_logprobs"] = [[None if i == start else float(prompt_lp[i - 1, prompt[i]]), prompt[i],
-                                             None] for i in range(start, len(prompt))]
+            meta["input_token_logprobs"] = [
+                [None if i == start else float(prompt_lp[i - 1, prompt[i]]), prompt[i], None]
+                for i in range(start, len(prompt))
+            ]
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out_lps, out_ids)]
             meta["output_token_logprobs_length"] = len(out_ids)
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
@@ -269,14 +296,21 @@ class FakeSGLang:
 
     def state_dict_sha(self) -> dict[str, str]:
         with self.lock:
-            return {k: hashlib.sha256(_raw(v).numpy().tobytes()).hexdigest() for k, v in self.model.state_dict().items()}
+            return {
+                k: hashlib.sha256(_raw(v).numpy().tobytes()).hexdigest() for k, v in self.model.state_dict().items()
+            }
 
     def state(self) -> dict[str, Any]:
         with self.lock:  # copies: the handler serializes after the lock is released
-            return {"updates": [dict(u) for u in self.updates], "sessions_begun": self.sessions_begun,
-                    "sessions_ended": self.sessions_ended, "session_open": self.session_open,
-                    "flushes": self.flushes, "generate_requests": list(self.generate_requests),
-                    "weight_version": self.weight_version}
+            return {
+                "updates": [dict(u) for u in self.updates],
+                "sessions_begun": self.sessions_begun,
+                "sessions_ended": self.sessions_ended,
+                "session_open": self.session_open,
+                "flushes": self.flushes,
+                "generate_requests": list(self.generate_requests),
+                "weight_version": self.weight_version,
+            }
 
 
 def _sample(scaled: torch.Tensor, top_k: int, top_p: float, gen: torch.Generator) -> int:
@@ -322,10 +356,18 @@ def make_handler(srv: FakeSGLang) -> type[BaseHTTPRequestHandler]:
                 return self._send(200, "", text=True)
             if path == "/model_info":
                 cfg = srv.model.config
-                return self._send(200, {"model_path": srv.args.model, "tokenizer_path": srv.args.model,
-                                        "served_model_name": srv.args.model, "is_generation": True,
-                                        "weight_version": srv.weight_version, "model_type": cfg.model_type,
-                                        "architectures": cfg.architectures})
+                return self._send(
+                    200,
+                    {
+                        "model_path": srv.args.model,
+                        "tokenizer_path": srv.args.model,
+                        "served_model_name": srv.args.model,
+                        "is_generation": True,
+                        "weight_version": srv.weight_version,
+                        "model_type": cfg.model_type,
+                        "architectures": cfg.architectures,
+                    },
+                )
             if path == "/flush_cache":  # GET or POST
                 return self._send(*srv.flush(), text=True)
             if path in ("/begin_weight_update", "/end_weight_update") and post:
@@ -340,8 +382,14 @@ def make_handler(srv: FakeSGLang) -> type[BaseHTTPRequestHandler]:
                 try:  # the HTTP layer's Base64Bytes: standard alphabet with padding, nothing else
                     raw = [base64.b64decode(e, validate=True) for e in entries]
                 except binascii.Error:
-                    return self._send(422, {"detail": [{"type": "value_error", "loc": loc,
-                                                        "msg": "Value error, Expected base64-encoded bytes"}]})
+                    return self._send(
+                        422,
+                        {
+                            "detail": [
+                                {"type": "value_error", "loc": loc, "msg": "Value error, Expected base64-encoded bytes"}
+                            ]
+                        },
+                    )
                 return self._send(*srv.update(body, raw))
             if path == "/generate" and post:
                 with srv.lock:
@@ -433,10 +481,20 @@ class ServerHandle:
 def start_server(model_dir: str, *, tp: int = 1, extra_args: Sequence[str] = (), timeout: float = 120) -> ServerHandle:
     """Launch this script on a free port; return once it printed READY, else raise with its stderr."""
     fd, err_path = tempfile.mkstemp(prefix="fake_sglang_", suffix=".stderr")  # a file: a full pipe would block it
-    cmd = [sys.executable, os.path.abspath(__file__), "--model", str(model_dir), "--port", "0", "--tp", str(tp),
-           *map(str, extra_args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=fd, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        "--tp",
+        str(tp),
+        *map(str, extra_args),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=fd, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    )
     os.close(fd)
     handle, lines = ServerHandle(proc, 0, err_path), queue.Queue()
 

@@ -62,18 +62,27 @@ def test_list_buffers_become_tensors_without_copy_and_respect_slicing():
 
 
 def test_foreign_table_from_dask_dataframe_columns():
-    table = pa.table({"input_ids": pa.array([[3, 4], [5]], type=pa.list_(pa.int32())),
-                      "input_lengths": pa.array([2, 1], type=pa.int64()), "id": ["x", "y"]})
+    table = pa.table(
+        {
+            "input_ids": pa.array([[3, 4], [5]], type=pa.list_(pa.int32())),
+            "input_lengths": pa.array([2, 1], type=pa.int64()),
+            "id": ["x", "y"],
+        }
+    )
     b = BatchedDataDict.from_arrow(table)
     assert b["input_ids"].tolist() == [[3, 4], [5, 0]] and b["input_lengths"].tolist() == [2, 1]
     assert b["id"] == ["x", "y"]
 
 
 def test_edge_shapes_and_dtypes_round_trip():
-    b = BatchedDataDict(input_ids=torch.tensor([[4, 5, 0]]), input_lengths=torch.tensor([2]),
-                        bf=torch.tensor([[2.0, 3.0, 1.0]], dtype=torch.bfloat16),
-                        mask=torch.tensor([[True, True, False]]), nothing=torch.zeros(1, 0),
-                        wide=torch.tensor([[2**40, 1, 0]]))
+    b = BatchedDataDict(
+        input_ids=torch.tensor([[4, 5, 0]]),
+        input_lengths=torch.tensor([2]),
+        bf=torch.tensor([[2.0, 3.0, 1.0]], dtype=torch.bfloat16),
+        mask=torch.tensor([[True, True, False]]),
+        nothing=torch.zeros(1, 0),
+        wide=torch.tensor([[2**40, 1, 0]]),
+    )
     back = from_arrow(to_arrow(b))
     for k, v in b.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
@@ -99,8 +108,16 @@ def _identical(a, b) -> bool:
 
 
 def test_the_comparison_tells_apart_what_plain_equality_does_not():
-    for a, b in [([1], [1.0]), ([True], [1]), ([0.0], [-0.0]), ([{"a": 1, "b": 2}], [{"b": 2, "a": 1}]),
-                 ([[1, 2]], [(1, 2)]), ([{"a": None}], [{}]), (["1"], [1]), ([b"x"], ["x"])]:
+    for a, b in [
+        ([1], [1.0]),
+        ([True], [1]),
+        ([0.0], [-0.0]),
+        ([{"a": 1, "b": 2}], [{"b": 2, "a": 1}]),
+        ([[1, 2]], [(1, 2)]),
+        ([{"a": None}], [{}]),
+        (["1"], [1]),
+        ([b"x"], ["x"]),
+    ]:
         assert not _identical(a, b) and not _identical(b, a), (a, b)
     assert _identical([float("nan"), {"x": [-0.0]}], [float("nan"), {"x": [-0.0]}])
 
@@ -113,8 +130,10 @@ OBJECT_COLUMNS = {
     "dicts_same_keys": ([{"a": 1, "b": "x"}, {"a": 2, "b": "y"}, {"a": 3, "b": None}], "list"),
     "dicts_same_keys_other_order": ([{"a": 1, "b": 2}, {"b": 3, "a": 4}, {"a": 5, "b": 6}], "json"),
     "dicts_differing_keys": ([{"a": 1}, {"b": 2}, {}], "json"),  # a struct would fill the missing keys with None
-    "nested_dicts_in_lists": ([[{"role": "user", "content": "hi"}], [{"role": "assistant", "meta": {"t": [1]}}], []],
-                              "json"),
+    "nested_dicts_in_lists": (
+        [[{"role": "user", "content": "hi"}], [{"role": "assistant", "meta": {"t": [1]}}], []],
+        "json",
+    ),
     "mixed_per_row": ([1, 2.5, "s", None, True, [1], {"k": False}], "json"),
     "ints_and_floats": ([1, 2.5, 3], "json"),  # Arrow would make 1 into 1.0
     "bools_and_ints": ([True, 1, 0], "json"),

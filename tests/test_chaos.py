@@ -26,11 +26,32 @@ def cluster(tmp_path):
     from distributed import Client
 
     sched_file = tmp_path / "scheduler.json"
-    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False", "DASK_LM_LEASE_CHECK_S": "1",
-           "DASK_LM_REPLICA_IDLE_S": "2"}
-    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                               "--port", "0", "--dashboard-address", "127.0.0.1:0", "--scheduler-file",
-                               str(sched_file)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    env = {
+        **os.environ,
+        "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
+        "DASK_LM_LEASE_CHECK_S": "1",
+        "DASK_LM_REPLICA_IDLE_S": "2",
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "distributed.cli.dask_scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--dashboard-address",
+                "127.0.0.1:0",
+                "--scheduler-file",
+                str(sched_file),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
     client = None
     try:
         deadline = time.time() + 60
@@ -38,10 +59,27 @@ def cluster(tmp_path):
             assert time.time() < deadline, "the scheduler did not start"
             time.sleep(0.2)
         for name in ("w0", "w1"):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file", str(sched_file), "--host",
-                 "127.0.0.1", "--nthreads", "1", "--name", name, "--nanny"],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "distributed.cli.dask_worker",
+                        "--scheduler-file",
+                        str(sched_file),
+                        "--host",
+                        "127.0.0.1",
+                        "--nthreads",
+                        "1",
+                        "--name",
+                        name,
+                        "--nanny",
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         client = Client(scheduler_file=str(sched_file))
         client.wait_for_workers(2, timeout=120)
         yield client, str(sched_file)
@@ -58,10 +96,34 @@ def cluster(tmp_path):
 
 
 def _score(data, out, model, sched, *extra) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dask_lm", "score", str(data), "--model", model, "--text-column",
-                             "text", "--id-column", "id", "--output", str(out), "--scheduler-address", sched,
-                             "--batch-tokens", "64", "--task-tokens", "0", "--no-progress", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dask_lm",
+            "score",
+            str(data),
+            "--model",
+            model,
+            "--text-column",
+            "text",
+            "--id-column",
+            "id",
+            "--output",
+            str(out),
+            "--scheduler-address",
+            sched,
+            "--batch-tokens",
+            "64",
+            "--task-tokens",
+            "0",
+            "--no-progress",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _parts(out) -> int:
@@ -81,8 +143,11 @@ def test_worker_and_driver_killed_mid_job_then_resumed(cluster, tiny, tmp_path):
     n, parts = 300, 30
     data = tmp_path / "data"
     data.mkdir()
-    pq.write_table(pa.table({"id": list(range(n)), "text": [TEXTS[i % len(TEXTS)] * (1 + i % 4) for i in range(n)]}),
-                   data / "a.parquet", row_group_size=n // parts)
+    pq.write_table(
+        pa.table({"id": list(range(n)), "text": [TEXTS[i % len(TEXTS)] * (1 + i % 4) for i in range(n)]}),
+        data / "a.parquet",
+        row_group_size=n // parts,
+    )
 
     reference = tmp_path / "reference"
     proc = _score(data, reference, tiny["llama"], sched)

@@ -25,13 +25,23 @@ CORPUS = TEXTS + ["Checkpoints appear whole or not at all.", "Resume continues t
 
 
 def _cfg(model_dir, **extra):
-    cfg = {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 8,
-           "train_micro_batch_size": 2, "logprob_chunk_size": 5, "max_total_sequence_length": 128,
-           "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.01}},
-           "scheduler": [{"name": "torch.optim.lr_scheduler.LinearLR",
-                          "kwargs": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 3}},
-                         {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0, "total_iters": 1}},
-                         {"milestones": [3]}]}
+    cfg = {
+        "model_name": model_dir,
+        "precision": "float32",
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 2,
+        "logprob_chunk_size": 5,
+        "max_total_sequence_length": 128,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.01}},
+        "scheduler": [
+            {
+                "name": "torch.optim.lr_scheduler.LinearLR",
+                "kwargs": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 3},
+            },
+            {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0, "total_iters": 1}},
+            {"milestones": [3]},
+        ],
+    }
     cfg.update(extra)
     return cfg
 
@@ -63,15 +73,18 @@ def test_round_trip_continues_identically(client, tiny, tok, batches, tmp_path, 
     # a Hugging Face directory: from_pretrained loads it as users do, and it scores what the policy scored
     assert (w / "config.json").exists() and (w / "model.safetensors").exists()
     hf = transformers.AutoModelForCausalLM.from_pretrained(w, dtype=torch.float32)
-    torch.testing.assert_close(model_logprobs(hf, first["input_ids"], first["input_lengths"]), saved_lp,
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        model_logprobs(hf, first["input_ids"], first["input_lengths"]), saved_lp, atol=1e-5, rtol=0
+    )
     assert transformers.AutoTokenizer.from_pretrained(t)("Dask")["input_ids"] == tok("Dask")["input_ids"]
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # nothing left under a temporary name
-    with dask_lm.Policy(client, _cfg(tiny["qwen2"]), tok, workers_per_node=load_ranks, weights_path=w,
-                        optimizer_path=o) as restored:
+    with dask_lm.Policy(
+        client, _cfg(tiny["qwen2"]), tok, workers_per_node=load_ranks, weights_path=w, optimizer_path=o
+    ) as restored:
         torch.testing.assert_close(restored.get_logprobs(first)["logprobs"], saved_lp, atol=1e-5, rtol=0)
-        torch.testing.assert_close(restored.get_reference_policy_logprobs(first)["reference_logprobs"], base_ref,
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            restored.get_reference_policy_logprobs(first)["reference_logprobs"], base_ref, atol=1e-5, rtol=0
+        )
         again = restored.train(second, dask_lm.NLLLoss())
         torch.testing.assert_close(restored.get_logprobs(second)["logprobs"], cont_lp, atol=1e-5, rtol=0)
     assert float(again["loss"][0]) == pytest.approx(float(cont["loss"][0]), abs=1e-6)
@@ -86,8 +99,11 @@ def test_sharded_async_save_appears_only_when_complete(client, tiny, tok, batche
     with dask_lm.Policy(client, _cfg(tiny["llama"]), tok) as policy:
         policy.train(first, dask_lm.NLLLoss())
         lp = policy.get_logprobs(first)["logprobs"]
-        policy.save_checkpoint(w, optimizer_path=o, checkpointing_cfg={"async_save": True, "max_shard_size": 40_000,
-                                                                       "checkpoint_dir": str(tmp_path)})
+        policy.save_checkpoint(
+            w,
+            optimizer_path=o,
+            checkpointing_cfg={"async_save": True, "max_shard_size": 40_000, "checkpoint_dir": str(tmp_path)},
+        )
         assert not w.exists() and not o.exists()  # staged, not published
         policy.train(first, dask_lm.NLLLoss())  # training goes on while the bytes are written
         policy.finalize_async_save()
@@ -106,8 +122,13 @@ def test_bf16_policy_keeps_fp32_masters(client, tiny, tok, batches, tmp_path):
     first, _ = batches
     base = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32).state_dict()
     for ranks in (1, 2):
-        cfg = _cfg(tiny["llama"], precision="bfloat16", scheduler=None, max_grad_norm=None,
-                   optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5, "weight_decay": 0.0}})
+        cfg = _cfg(
+            tiny["llama"],
+            precision="bfloat16",
+            scheduler=None,
+            max_grad_norm=None,
+            optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5, "weight_decay": 0.0}},
+        )
         with dask_lm.Policy(client, cfg, tok, workers_per_node=ranks) as policy:
             policy.train(first, dask_lm.NLLLoss())
             policy.save_checkpoint(tmp_path / f"w{ranks}")
@@ -194,8 +215,9 @@ def test_publish_replaces_only_when_complete(tmp_path):
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("async_save", [False, True])
-def test_a_failure_on_one_rank_discards_everything_and_the_policy_saves_again(client, tiny, tok, batches, tmp_path,
-                                                                               async_save):
+def test_a_failure_on_one_rank_discards_everything_and_the_policy_saves_again(
+    client, tiny, tok, batches, tmp_path, async_save
+):
     """Rank 0 fails after the weights are gathered (its tokenizer save raises): every rank learns of it, nothing
     is published, no temporary directory is left, and the next save works."""
     from types import SimpleNamespace
@@ -238,8 +260,9 @@ def test_optimizer_saved_before_any_step_restores_the_same_first_step(client, ti
         policy.save_checkpoint(tmp_path / "w", optimizer_path=tmp_path / "o")
         expected = policy.train(first, dask_lm.NLLLoss())
         after = policy.get_logprobs(first)["logprobs"]
-    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok, weights_path=tmp_path / "w",
-                        optimizer_path=tmp_path / "o") as restored:
+    with dask_lm.Policy(
+        client, _cfg(tiny["llama"]), tok, weights_path=tmp_path / "w", optimizer_path=tmp_path / "o"
+    ) as restored:
         got = restored.train(first, dask_lm.NLLLoss())
         torch.testing.assert_close(restored.get_logprobs(first)["logprobs"], after, atol=1e-5, rtol=0)
     assert float(got["loss"][0]) == pytest.approx(float(expected["loss"][0]), abs=1e-6)
@@ -341,8 +364,10 @@ def test_a_dcp_write_error_becomes_one_line_naming_the_path(tmp_path, monkeypatc
     assert "\n" in str(raw.value)  # what DCP raises: a traceback as its message
     err = ckpt.write_error(raw.value, str(path))
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC
-    assert str(err) == (f"could not write the checkpoint {path}: No space left on device; free space on that "
-                        "filesystem (or raise the quota) or save to another directory, then save again")
+    assert str(err) == (
+        f"could not write the checkpoint {path}: No space left on device; free space on that "
+        "filesystem (or raise the quota) or save to another directory, then save again"
+    )
     # what is not a filesystem error stays as it was (a peer lost in a collective, a user's mistake)
     for other in (RuntimeError("Connection closed by peer"), ValueError("bad key")):
         assert ckpt.write_error(other, str(path)) is other

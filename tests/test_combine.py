@@ -27,8 +27,10 @@ def test_rows_go_back_to_their_input_positions():
     out = combine(JoinRows(("logprobs",), [2, 0, 3, 1]), [rank0, rank1])
     expected = torch.tensor([[0.0, 0.1, 0.2], [0.0, 1.1, 0.0], [0.0, 2.1, 2.2], [0.0, 3.1, 0.0]])
     torch.testing.assert_close(out["logprobs"], expected, rtol=0, atol=0)
-    scores = combine(JoinRows(("scores",), None, cat=True),
-                     [ForwardOutput({"scores": torch.tensor([1.0])}), ForwardOutput({"scores": torch.tensor([2.0])})])
+    scores = combine(
+        JoinRows(("scores",), None, cat=True),
+        [ForwardOutput({"scores": torch.tensor([1.0])}), ForwardOutput({"scores": torch.tensor([2.0])})],
+    )
     torch.testing.assert_close(scores["scores"], torch.tensor([1.0, 2.0]), rtol=0, atol=0)
 
 
@@ -36,8 +38,15 @@ def test_generation_is_padded_with_the_pad_id():
     def rank(ids: list[list[int]]) -> ForwardOutput:
         t = torch.tensor(ids)
         n = torch.full((t.shape[0],), t.shape[1])
-        return ForwardOutput({"output_ids": t, "logprobs": torch.ones(t.shape), "generation_lengths": n,
-                              "unpadded_sequence_lengths": n, "truncated": torch.zeros(t.shape[0], dtype=torch.bool)})
+        return ForwardOutput(
+            {
+                "output_ids": t,
+                "logprobs": torch.ones(t.shape),
+                "generation_lengths": n,
+                "unpadded_sequence_lengths": n,
+                "truncated": torch.zeros(t.shape[0], dtype=torch.bool),
+            }
+        )
 
     out = combine(JoinGenerated(pad_token_id=7), [rank([[1, 2, 3]]), rank([[4]])])
     torch.testing.assert_close(out["output_ids"], torch.tensor([[1, 2, 3], [4, 7, 7]]), rtol=0, atol=0)
@@ -46,9 +55,17 @@ def test_generation_is_padded_with_the_pad_id():
 
 def test_train_results_reduce_to_nemo_rl_s_dict():
     def rank(r: int, seconds: float) -> TrainResult:
-        return TrainResult(loss=torch.tensor([0.5]), grad_norm=torch.tensor([1.0]), grad_norms=[1.0],
-                           all_mb_metrics={"lr": [0.1 * (r + 1)]}, train_elapsed_seconds=seconds, rank=r,
-                           gpu_name="cpu", model_dtype="float32", num_tokens=10 + r)
+        return TrainResult(
+            loss=torch.tensor([0.5]),
+            grad_norm=torch.tensor([1.0]),
+            grad_norms=[1.0],
+            all_mb_metrics={"lr": [0.1 * (r + 1)]},
+            train_elapsed_seconds=seconds,
+            rank=r,
+            gpu_name="cpu",
+            model_dtype="float32",
+            num_tokens=10 + r,
+        )
 
     out = combine(ReduceTrain(total_flops=6e12), [rank(0, 2.0), rank(1, 3.0)])
     assert out["all_mb_metrics"] == {"lr": [0.1, 0.2]} and out["num_tokens"] == 21

@@ -14,21 +14,33 @@ from dask_lm.workers.policy_worker import PolicyWorker
 
 
 def _step(model_dir: str, batch: dask_lm.BatchedDataDict, compile_: bool, packed: bool) -> tuple[float, dict]:
-    cfg = {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 4,
-           "train_micro_batch_size": 2, "max_grad_norm": 1.0, "train_compile": compile_,
-           "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}}}
+    cfg = {
+        "model_name": model_dir,
+        "precision": "float32",
+        "train_global_batch_size": 4,
+        "train_micro_batch_size": 2,
+        "max_grad_norm": 1.0,
+        "train_compile": compile_,
+        "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+    }
     if packed:
         cfg["sequence_packing"] = {"enabled": True, "train_mb_tokens": 64}
     cfg = PolicyConfig.from_dict(cfg)
-    worker = PolicyWorker(cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=True,
-                          init_reference_model=False)
+    worker = PolicyWorker(
+        cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=True, init_reference_model=False
+    )
     model = worker.rank_model
     assert model.train_compile is compile_ and not model.compile  # inference stays eager on the CPU
     args = {"batch_size": 4}
     if packed:
-        args["sequence_packing_args"] = {"input_key": "input_ids", "input_lengths_key": "input_lengths",
-                                         "max_tokens_per_microbatch": 64, "algorithm": "modified_first_fit_decreasing",
-                                         "sequence_length_pad_multiple": 1, "microbatch_order": "packer"}
+        args["sequence_packing_args"] = {
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "max_tokens_per_microbatch": 64,
+            "algorithm": "modified_first_fit_decreasing",
+            "sequence_length_pad_multiple": 1,
+            "microbatch_order": "packer",
+        }
     shards = batch.shard_by_batch_size(1, **args)
     shard = shards[0][0] if packed else shards[0]  # packing also returns the order it sorted the rows in
     plan = MicroBatchPlan(micro_batch_indices=shard.micro_batch_indices, packed=packed)

@@ -31,8 +31,17 @@ def _command(command: str, model: pathlib.Path, tmp_path: pathlib.Path) -> list[
         return ["logprobs", "--model", str(model), "a text"]
     data = tmp_path / "data.parquet"
     pq.write_table(pa.table({"text": ["a text", "another text"]}), data)
-    return [command, str(data), "--model", str(model), "--text-column", "text", "--output", str(tmp_path / "out"),
-            "--no-progress"]
+    return [
+        command,
+        str(data),
+        "--model",
+        str(model),
+        "--text-column",
+        "text",
+        "--output",
+        str(tmp_path / "out"),
+        "--no-progress",
+    ]
 
 
 @pytest.mark.parametrize("command", ["score", "logprobs", "sft"])
@@ -42,8 +51,10 @@ def test_a_billion_token_vocabulary_exits_2_before_any_cluster(tiny, tmp_path, n
     result = CliRunner().invoke(cli, _command(command, model, tmp_path))
     assert result.exit_code == 2, result.output
     flat = " ".join(result.output.split())
-    assert f"{model / 'config.json'}: vocab_size = 1,000,000,000 is larger than any model dask-lm can load (limit " \
-           "16,777,216" in flat, result.output
+    assert (
+        f"{model / 'config.json'}: vocab_size = 1,000,000,000 is larger than any model dask-lm can load (limit "
+        "16,777,216" in flat
+    ), result.output
     assert not no_cluster and not (tmp_path / "out").exists()
 
 
@@ -68,8 +79,13 @@ def test_policy_refuses_impossible_sizes_in_a_nested_config_and_in_overrides(tin
     with pytest.raises(ValueError, match=rf"{config}: text_config\.vocab_size = 1,073,741,824 is larger"):
         dask_lm.Policy(object(), {"model_name": str(model)}, None, init_optimizer=False, init_reference_model=False)
     with pytest.raises(ValueError, match=r"`policy.hf_config_overrides` .*: vocab_size = 1,000,000,000 is larger"):
-        dask_lm.Policy(object(), {"model_name": tiny["llama"], "hf_config_overrides": {"vocab_size": 10**9}}, None,
-                       init_optimizer=False, init_reference_model=False)
+        dask_lm.Policy(
+            object(),
+            {"model_name": tiny["llama"], "hf_config_overrides": {"vocab_size": 10**9}},
+            None,
+            init_optimizer=False,
+            init_reference_model=False,
+        )
 
 
 @pytest.mark.parametrize("depth", [200, 100_000])
@@ -91,22 +107,58 @@ def test_a_deeply_nested_config_is_a_value_error_naming_the_file(tiny, tmp_path,
 # the sizes of released models, from their config.json (the largest vocabularies, widths, depths, contexts and
 # expert counts there are): each must pass, or the limits refuse a real model
 REAL = {
-    "Llama-3.1-405B": {"vocab_size": 128256, "hidden_size": 16384, "intermediate_size": 53248,
-                       "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
-                       "max_position_embeddings": 131072},
-    "DeepSeek-V3": {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-                    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
-                    "n_routed_experts": 256, "max_position_embeddings": 163840},
-    "Kimi-K2": {"vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-                "num_hidden_layers": 61, "n_routed_experts": 384, "max_position_embeddings": 131072},
-    "Gemma-3-27B": {"model_type": "gemma3", "text_config": {"vocab_size": 262208, "hidden_size": 5376,
-                                                            "intermediate_size": 21504, "num_hidden_layers": 62,
-                                                            "head_dim": 128, "num_attention_heads": 32,
-                                                            "max_position_embeddings": 131072},
-                    "vision_config": {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27}},
-    "Llama-4-Scout": {"text_config": {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
-                                      "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
-                                      "num_local_experts": 16, "max_position_embeddings": 10485760}},
+    "Llama-3.1-405B": {
+        "vocab_size": 128256,
+        "hidden_size": 16384,
+        "intermediate_size": 53248,
+        "num_hidden_layers": 126,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+    },
+    "DeepSeek-V3": {
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "n_routed_experts": 256,
+        "max_position_embeddings": 163840,
+    },
+    "Kimi-K2": {
+        "vocab_size": 163840,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "n_routed_experts": 384,
+        "max_position_embeddings": 131072,
+    },
+    "Gemma-3-27B": {
+        "model_type": "gemma3",
+        "text_config": {
+            "vocab_size": 262208,
+            "hidden_size": 5376,
+            "intermediate_size": 21504,
+            "num_hidden_layers": 62,
+            "head_dim": 128,
+            "num_attention_heads": 32,
+            "max_position_embeddings": 131072,
+        },
+        "vision_config": {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27},
+    },
+    "Llama-4-Scout": {
+        "text_config": {
+            "vocab_size": 202048,
+            "hidden_size": 5120,
+            "intermediate_size": 8192,
+            "intermediate_size_mlp": 16384,
+            "num_hidden_layers": 48,
+            "num_local_experts": 16,
+            "max_position_embeddings": 10485760,
+        }
+    },
     "GPT-2-XL": {"vocab_size": 50257, "n_embd": 1600, "n_layer": 48, "n_head": 25, "n_positions": 1024},
 }
 

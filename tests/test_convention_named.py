@@ -25,8 +25,9 @@ def test_both_helps_name_the_convention_and_the_difference():
     score = " ".join(CliRunner().invoke(cli, ["score", "--help"]).output.split())
     assert "its first token has no context, so it is not scored" in logprobs, logprobs
     assert "(dask-lm score --convention separate)" in logprobs and "default convention (lm-eval)" in logprobs
-    assert "By default (--convention lm-eval) every token of a text is scored, the first one conditioned on BOS" \
-        in score, score
+    assert (
+        "By default (--convention lm-eval) every token of a text is scored, the first one conditioned on BOS" in score
+    ), score
     assert "dask-lm logprobs leaves a text's first token unscored, as --convention separate does" in score
 
 
@@ -53,8 +54,10 @@ def test_each_command_names_its_convention_and_computes_it(client, tiny, tmp_pat
     base = ["logprobs", "--model", model_dir, "--scheduler-address", address, "--precision", "fp32"]
     table = CliRunner().invoke(cli, [*base, *TEXTS])
     assert table.exit_code == 0, table.output
-    assert "convention: separate: each text as tokenizer(text) encodes it, its first token unscored (sums over " \
-           "tokens 2..n, as dask-lm logprobs)" in table.output, table.output
+    assert (
+        "convention: separate: each text as tokenizer(text) encodes it, its first token unscored (sums over "
+        "tokens 2..n, as dask-lm logprobs)" in table.output
+    ), table.output
     as_json = CliRunner().invoke(cli, [*base, "--json", *TEXTS])
     assert as_json.exit_code == 0, as_json.output
     lines = [line.rsplit("\r", 1)[-1].strip() for line in as_json.output.split("\n")]  # the bar's \r lines aside
@@ -65,13 +68,35 @@ def test_each_command_names_its_convention_and_computes_it(client, tiny, tmp_pat
     data = tmp_path / "data.parquet"
     pq.write_table(pa.table({"text": TEXTS}), data)
     for convention, expected, line in (
-            ("lm-eval", lm_eval, "lm-eval: every token of each text scored, the first one conditioned on BOS (EOS "
-                                 "when the tokenizer has no BOS), as lm-evaluation-harness scores a text"),
-            ("separate", separate, "separate: each text as tokenizer(text) encodes it, its first token unscored")):
+        (
+            "lm-eval",
+            lm_eval,
+            "lm-eval: every token of each text scored, the first one conditioned on BOS (EOS "
+            "when the tokenizer has no BOS), as lm-evaluation-harness scores a text",
+        ),
+        ("separate", separate, "separate: each text as tokenizer(text) encodes it, its first token unscored"),
+    ):
         out = tmp_path / convention
-        result = CliRunner().invoke(cli, ["score", str(data), "--model", model_dir, "--text-column", "text",
-                                          "--output", str(out), "--convention", convention, "--precision", "fp32",
-                                          "--scheduler-address", address, "--no-progress"])
+        result = CliRunner().invoke(
+            cli,
+            [
+                "score",
+                str(data),
+                "--model",
+                model_dir,
+                "--text-column",
+                "text",
+                "--output",
+                str(out),
+                "--convention",
+                convention,
+                "--precision",
+                "fp32",
+                "--scheduler-address",
+                address,
+                "--no-progress",
+            ],
+        )
         assert result.exit_code == 0, result.output
         assert _summary(result.output)["convention"].startswith(line), result.output
         assert json.loads((out / "_SUCCESS").read_text())["convention"].startswith(line)

@@ -19,9 +19,14 @@ pytestmark = pytest.mark.cluster
 
 
 def _cfg(model_dir):
-    return {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 4,
-            "train_micro_batch_size": 2, "max_total_sequence_length": 128,
-            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-3}}}
+    return {
+        "model_name": model_dir,
+        "precision": "float32",
+        "train_global_batch_size": 4,
+        "train_micro_batch_size": 2,
+        "max_total_sequence_length": 128,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-3}},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +40,14 @@ def policy(client, tiny):
 
 def _span_tokens(name):
     def read(dask_scheduler):
-        return sum(v for span in dask_scheduler.extensions["spans"].spans.values() if span.name and span.name[-1] == name
-                   for k, v in span.cumulative_worker_metrics.items() if k[-2:] == ("tokens", "count"))
+        return sum(
+            v
+            for span in dask_scheduler.extensions["spans"].spans.values()
+            if span.name and span.name[-1] == name
+            for k, v in span.cumulative_worker_metrics.items()
+            if k[-2:] == ("tokens", "count")
+        )
+
     return read
 
 
@@ -56,8 +67,10 @@ def test_each_call_is_an_event_and_a_span_with_its_tokens(client, policy):
     before = client.run_on_scheduler(_span_tokens("dask-lm/get_logprobs"))
     policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))
     # the fine performance metrics reach the scheduler with the workers' heartbeats
-    _wait_for(lambda: client.run_on_scheduler(_span_tokens("dask-lm/get_logprobs")) - before == tokens,
-              "the span's token count")
+    _wait_for(
+        lambda: client.run_on_scheduler(_span_tokens("dask-lm/get_logprobs")) - before == tokens,
+        "the span's token count",
+    )
     out = policy.train(sft_batch(policy.tok, TEXTS[:4]), dask_lm.NLLLoss())
     mine = [e for _, e in client.get_events("dask-lm") if e["policy"] == policy.group.policy_id]
     lp = [e for e in mine if e["call"] == "get_logprobs"][-1]
@@ -90,6 +103,7 @@ def test_a_quiet_call_reports_no_progress(client, policy):
     to the scheduler, which keeps them in the order they came. The quiet call finished on rank 0 before the loud
     one started there, so any event the quiet call sent is ahead of the loud call's in that one stream: once the
     loud call's last event is in, all of the quiet call's are too."""
+
     def progress_events():
         return [e for _, e in client.get_events("dask-lm-progress")]
 
@@ -113,16 +127,23 @@ def test_workers_table_gauges_and_policy_repr(client, policy):
     def gauges():
         info = client.scheduler_info(n_workers=-1)["workers"].values()
         g = {str(w["name"]): w["metrics"] for w in info}
-        ok = all(g[str(n)].get("dask_lm_tokens_per_s", 0) > 0 and g[str(n)].get("dask_lm_device_mem_gib", 0) > 0
-                 and g[str(n)].get("dask_lm_policies", 0) >= 1 for n in policy.group.names)
+        ok = all(
+            g[str(n)].get("dask_lm_tokens_per_s", 0) > 0
+            and g[str(n)].get("dask_lm_device_mem_gib", 0) > 0
+            and g[str(n)].get("dask_lm_policies", 0) >= 1
+            for n in policy.group.names
+        )
         return g if ok else None
 
     _wait_for(gauges, "the dask-lm gauges in the scheduler's worker metrics")
     page = policy._repr_html_()
     assert policy.cfg.model_name in page and "float32" in page and "memory in use (GiB)" in page
     # one row per rank, each with its memory gauge (GiB, 2 decimals) and its tokens/s
-    rows = re.findall(r"<tr><td[^>]*>(\d+)</td><td[^>]*>([^<]*)</td><td[^>]*>[^<]*</td><td[^>]*>cpu</td>"
-                      r"<td[^>]*>(\d+\.\d\d)</td><td[^>]*>([\d,]+)</td></tr>", page)
+    rows = re.findall(
+        r"<tr><td[^>]*>(\d+)</td><td[^>]*>([^<]*)</td><td[^>]*>[^<]*</td><td[^>]*>cpu</td>"
+        r"<td[^>]*>(\d+\.\d\d)</td><td[^>]*>([\d,]+)</td></tr>",
+        page,
+    )
     assert [(int(r), w) for r, w, _, _ in rows] == list(enumerate(map(str, policy.group.names)))
     assert all(float(m) > 0 and int(t.replace(",", "")) > 0 for _, _, m, t in rows)
 
@@ -133,8 +154,9 @@ def test_dashboard_workers_page_shows_the_dask_lm_columns_in_a_browser(client, p
     ids, lens = make_batch(policy.tok, TEXTS)
     policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))
     url = client.dashboard_link.replace("/status", "/workers")
-    shot = os.path.join(os.environ.get("DASK_LM_TEST_ARTIFACTS") or str(tmp_path_factory.mktemp("artifacts")),
-                        "dashboard-workers.png")
+    shot = os.path.join(
+        os.environ.get("DASK_LM_TEST_ARTIFACTS") or str(tmp_path_factory.mktemp("artifacts")), "dashboard-workers.png"
+    )
     with sync_playwright() as p:
         browser = launch_chromium(p)
         try:

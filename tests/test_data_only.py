@@ -54,16 +54,29 @@ def hostile(tmp_path):
     marker = tmp_path / "the-pickle-ran"
     payload = _payload(marker)
     n = len(TEXTS)
-    schema = pa.schema([
-        pa.field("id", pa.int64()),
-        pa.field("text", pa.string()),
-        pa.field("input_ids", pa.list_(pa.int32())),
-        pa.field("evil", pa.binary(), metadata={b"dask_lm": json.dumps({"kind": "pickle"}).encode()}),
-        pa.field("evil_ext", pa.binary(), metadata={b"ARROW:extension:name": b"arrow.py_extension_type",
-                                                    b"ARROW:extension:metadata": payload}),
-    ])
-    table = pa.Table.from_arrays([pa.array(range(n)), pa.array(TEXTS), pa.array([[5, 6, 7]] * n, pa.list_(pa.int32())),
-                                  pa.array([payload] * n), pa.array([payload] * n)], schema=schema)
+    schema = pa.schema(
+        [
+            pa.field("id", pa.int64()),
+            pa.field("text", pa.string()),
+            pa.field("input_ids", pa.list_(pa.int32())),
+            pa.field("evil", pa.binary(), metadata={b"dask_lm": json.dumps({"kind": "pickle"}).encode()}),
+            pa.field(
+                "evil_ext",
+                pa.binary(),
+                metadata={b"ARROW:extension:name": b"arrow.py_extension_type", b"ARROW:extension:metadata": payload},
+            ),
+        ]
+    )
+    table = pa.Table.from_arrays(
+        [
+            pa.array(range(n)),
+            pa.array(TEXTS),
+            pa.array([[5, 6, 7]] * n, pa.list_(pa.int32())),
+            pa.array([payload] * n),
+            pa.array([payload] * n),
+        ],
+        schema=schema,
+    )
     path = tmp_path / "hostile.parquet"
     pq.write_table(table, path)
     # the file really carries the metadata: parquet keeps field metadata (in its stored Arrow schema)
@@ -115,23 +128,27 @@ def test_pyarrows_pickled_extension_type_is_not_loaded(entry, hostile):
 
 
 def _table_with(field_meta: bytes, column: pa.Array) -> pa.Table:
-    schema = pa.schema([pa.field("input_lengths", pa.int64()),
-                        pa.field("x", column.type, metadata={b"dask_lm": field_meta})])
+    schema = pa.schema(
+        [pa.field("input_lengths", pa.int64()), pa.field("x", column.type, metadata={b"dask_lm": field_meta})]
+    )
     return pa.Table.from_arrays([pa.array([1, 2]), column], schema=schema)
 
 
-@pytest.mark.parametrize("meta, column, why", [
-    (b'{"kind": "pickle"}', pa.array([b"a", b"b"]), "never unpickles"),
-    (b'{"kind": "cloudpickle"}', pa.array([b"a", b"b"]), "kind 'cloudpickle' is not one this dask-lm reads"),
-    (b'{"kind": "tensor", "dtype": "object", "shape": [2]}', pa.array([1, 2]), "tensor dtype 'object'"),
-    (b'{"kind": "tensor", "shape": [2]}', pa.array([1, 2]), "tensor dtype None"),
-    (b'{"kind": "tensor", "dtype": "int64", "shape": "2"}', pa.array([1, 2]), "shape '2'"),
-    (b'{not json', pa.array([1, 2]), "not a JSON object with a 'kind'"),
-    (b'["pickle"]', pa.array([1, 2]), "not a JSON object with a 'kind'"),
-    (b'{"kind": 3}', pa.array([1, 2]), "not a JSON object with a 'kind'"),
-    (b'{"kind": "json"}', pa.array(["[1]", "{oops"], pa.large_string()), "a row is not JSON"),
-    (b'{"kind": "json"}', pa.array([b"1", b"2"]), "a JSON column holds strings"),
-])
+@pytest.mark.parametrize(
+    "meta, column, why",
+    [
+        (b'{"kind": "pickle"}', pa.array([b"a", b"b"]), "never unpickles"),
+        (b'{"kind": "cloudpickle"}', pa.array([b"a", b"b"]), "kind 'cloudpickle' is not one this dask-lm reads"),
+        (b'{"kind": "tensor", "dtype": "object", "shape": [2]}', pa.array([1, 2]), "tensor dtype 'object'"),
+        (b'{"kind": "tensor", "shape": [2]}', pa.array([1, 2]), "tensor dtype None"),
+        (b'{"kind": "tensor", "dtype": "int64", "shape": "2"}', pa.array([1, 2]), "shape '2'"),
+        (b"{not json", pa.array([1, 2]), "not a JSON object with a 'kind'"),
+        (b'["pickle"]', pa.array([1, 2]), "not a JSON object with a 'kind'"),
+        (b'{"kind": 3}', pa.array([1, 2]), "not a JSON object with a 'kind'"),
+        (b'{"kind": "json"}', pa.array(["[1]", "{oops"], pa.large_string()), "a row is not JSON"),
+        (b'{"kind": "json"}', pa.array([b"1", b"2"]), "a JSON column holds strings"),
+    ],
+)
 def test_metadata_asking_for_anything_but_data_is_refused_naming_the_column(meta, column, why):
     with pytest.raises(ValueError) as e:
         dask_lm.data.arrow.from_arrow(_table_with(meta, column))
@@ -144,8 +161,9 @@ def test_arrow_module_does_not_import_pickle():
     import ast
 
     tree = ast.parse(pathlib.Path(dask_lm.data.arrow.__file__).read_text())
-    imported = {a.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                for a in node.names} | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported = {
+        a.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names
+    } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "json" in imported and not {"pickle", "_pickle", "cloudpickle", "dill"} & imported, imported
 
 
@@ -154,9 +172,13 @@ def _batch_with_objects() -> dask_lm.BatchedDataDict:
     """NeMo RL's kind of batch: a ``message_log`` of dicts holding tensors, a tuple column, and data columns."""
     return dask_lm.BatchedDataDict(
         input_ids=torch.tensor([[5, 6, 7], [8, 9, 0]]),
-        message_log=[[{"role": "user", "token_ids": torch.tensor([5, 6])}, {"role": "assistant",
-                                                                             "token_ids": torch.tensor([7])}],
-                     [{"role": "user", "token_ids": torch.tensor([8, 9])}]],
+        message_log=[
+            [
+                {"role": "user", "token_ids": torch.tensor([5, 6])},
+                {"role": "assistant", "token_ids": torch.tensor([7])},
+            ],
+            [{"role": "user", "token_ids": torch.tensor([8, 9])}],
+        ],
         input_lengths=torch.tensor([3, 2]),
         spans=[(0, 3), (1, 2)],
         text=["a", "b"],
@@ -221,8 +243,9 @@ def test_a_shard_with_object_columns_reaches_a_worker(client):
 def test_score_parquet_of_a_hostile_file_scores_the_text_and_runs_nothing(client, tiny, hostile, tmp_path, id_column):
     path, marker = hostile
     out = tmp_path / "scored"
-    res = dask_lm.score_parquet(path, out, model=tiny["llama"], client=client, text_column="text",
-                                id_column=id_column, progress=False)
+    res = dask_lm.score_parquet(
+        path, out, model=tiny["llama"], client=client, text_column="text", id_column=id_column, progress=False
+    )
     assert not marker.exists()
     assert res.rows == len(TEXTS)
     parts = sorted(f for f in os.listdir(out) if f.startswith("part-"))
@@ -248,9 +271,22 @@ def test_the_score_command_on_a_hostile_file_runs_nothing(client, tiny, hostile,
 
     path, marker = hostile
     out = tmp_path / "cli"
-    result = CliRunner().invoke(cli, ["score", str(path), "--model", tiny["llama"], "--text-column", "text",
-                                      "--output", str(out), "--scheduler-address", client.scheduler.address,
-                                      "--no-progress"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "score",
+            str(path),
+            "--model",
+            tiny["llama"],
+            "--text-column",
+            "text",
+            "--output",
+            str(out),
+            "--scheduler-address",
+            client.scheduler.address,
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads((out / "_SUCCESS").read_text())["rows"] == len(TEXTS)
     assert not marker.exists()
@@ -261,6 +297,17 @@ def test_sft_parquet_of_a_hostile_file_trains_on_the_text_and_runs_nothing(clien
     path, marker = hostile
     from dask_lm.sft.job import sft_parquet  # the job behind `dask-lm sft` (not a top-level name)
 
-    res = sft_parquet(path, tmp_path / "sft", model=tiny["llama"], client=client, text_column="text",
-                      global_batch_size=2, micro_batch_size=1, lr=1e-3, max_steps=2, save_every=2, progress=False)
+    res = sft_parquet(
+        path,
+        tmp_path / "sft",
+        model=tiny["llama"],
+        client=client,
+        text_column="text",
+        global_batch_size=2,
+        micro_batch_size=1,
+        lr=1e-3,
+        max_steps=2,
+        save_every=2,
+        progress=False,
+    )
     assert res.steps == 2 and not marker.exists()

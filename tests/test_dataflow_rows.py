@@ -20,8 +20,9 @@ PAD = 9
 def _frame(ids: list[list[int]], with_mask: bool) -> pd.DataFrame:
     columns = {"input_ids": pd.Series(ids, dtype=pd.ArrowDtype(pa.list_(pa.int64())))}
     if with_mask:
-        columns["token_mask"] = pd.Series([[float(i % 2) for i in range(len(r))] for r in ids],
-                                          dtype=pd.ArrowDtype(pa.list_(pa.float32())))
+        columns["token_mask"] = pd.Series(
+            [[float(i % 2) for i in range(len(r))] for r in ids], dtype=pd.ArrowDtype(pa.list_(pa.float32()))
+        )
         columns["sample_mask"] = pd.Series([1.0] * len(ids), dtype="float32")
     return pd.DataFrame(columns)
 
@@ -33,8 +34,12 @@ def _padded(rows: list[list[float]], width: int, fill: float, dtype: torch.dtype
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_the_rank_gets_the_partitions_rows_encoded_once(monkeypatch, with_mask):
     parts = [[[1, 2, 3], [4]], [[5, 6], [7, 8, 0, 1, 2]]]
-    batches = [dataflow.frame_batch(_frame(p, with_mask), pad_token_id=PAD, call="train", where=f"partition {i}",
-                                    all_columns=with_mask) for i, p in enumerate(parts)]
+    batches = [
+        dataflow.frame_batch(
+            _frame(p, with_mask), pad_token_id=PAD, call="train", where=f"partition {i}", all_columns=with_mask
+        )
+        for i, p in enumerate(parts)
+    ]
     # the rank's rows: partition 1's row 1, partition 0's rows 0 and 1, partition 1's row 0; plan order reversed
     pieces = [dataflow.cut(batches[0], [0, 1]), dataflow.cut(batches[1], [1, 0])]
     order = [3, 2, 1, 0]
@@ -43,8 +48,9 @@ def test_the_rank_gets_the_partitions_rows_encoded_once(monkeypatch, with_mask):
     encoded = []
     real = arrow.encode_columns
     monkeypatch.setattr(arrow, "encode_columns", lambda data: encoded.append(1) or real(data))
-    shard = dataflow.assemble(*pieces, order=order, plan=MicroBatchPlan(), width=width, pad_token_id=PAD,
-                              make=lambda s: s)
+    shard = dataflow.assemble(
+        *pieces, order=order, plan=MicroBatchPlan(), width=width, pad_token_id=PAD, make=lambda s: s
+    )
     assert not encoded, "the assemble task encoded the rows again"
 
     dealt = [[1, 2, 3], [4], [7, 8, 0, 1, 2], [5, 6]]  # the pieces' rows in partition order

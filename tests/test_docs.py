@@ -51,9 +51,13 @@ QUICKSTART_BASH = _blocks(DOCS / "quickstart.md", "bash")
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DASK_LM_PROGRESS": "0",
-           # `dask-lm` and `python` as a newcomer's activated virtual environment has them
-           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "DASK_LM_PROGRESS": "0",
+        # `dask-lm` and `python` as a newcomer's activated virtual environment has them
+        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+    }
     env.pop("DASK_SCHEDULER_ADDRESS", None)  # each example starts its own local cluster, as on a laptop
     return env
 
@@ -64,16 +68,33 @@ def site(tmp_path_factory):
     """One build of the site for the whole module: ``(exit code, sphinx's output, the HTML directory)``."""
     out = tmp_path_factory.mktemp("site") / "html"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS),
-                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return done.returncode, done.stdout + done.stderr, out
 
 
 def test_the_site_builds_with_warnings_as_errors(site):
     code, log, out = site
     assert code == 0, f"sphinx-build -W failed:\n{log[-6000:]}"
-    for page in ("index", "quickstart", "guides/index", "reference/index", "reference/cli", "reference/api",
-                 "reference/output", "reference/exit-codes", "reference/config", "benchmarks", "internals/index"):
+    for page in (
+        "index",
+        "quickstart",
+        "guides/index",
+        "reference/index",
+        "reference/cli",
+        "reference/api",
+        "reference/output",
+        "reference/exit-codes",
+        "reference/config",
+        "benchmarks",
+        "internals/index",
+    ):
         assert (out / f"{page}.html").is_file(), page
 
 
@@ -161,12 +182,18 @@ def test_the_config_page_lists_every_key_with_its_default(site):
     fields = _config_fields(PolicyConfig, "policy")
     assert len(fields) > 80 and sorted(rows) == sorted(k for k, _ in fields)
     for key, f in fields:
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        )
         if not dataclasses.is_dataclass(default) and key != "policy.model_name":
             # JSON spellings, as a YAML or dict config writes them
-            expected = {None: "null", True: "true", False: "false"}.get(default, default) \
-                if isinstance(default, (bool, type(None))) else default
+            expected = (
+                {None: "null", True: "true", False: "false"}.get(default, default)
+                if isinstance(default, (bool, type(None)))
+                else default
+            )
             assert rows[key][2].replace('"', "") == str(expected).replace("'", ""), (key, rows[key])
     assert rows["policy.model_name"][2] == "required"
     assert rows["policy.generation.top_p"][1:3] == ["float", "1.0"]
@@ -214,8 +241,9 @@ def test_the_pages_have_their_scripts_and_the_quickstart_its_commands():
 @pytest.mark.parametrize("page,script", SCRIPTS, ids=[f"{p}-{i}" for i, (p, _) in enumerate(SCRIPTS)])
 def test_a_script_runs_as_written(page, script, tmp_path):
     (tmp_path / "example.py").write_text(script)
-    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "example.py"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, f"{page}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     assert done.stdout.strip(), f"{page}: the script printed nothing"
     # every job the script started finished: each output folder it made (a manifest) holds its _SUCCESS
@@ -228,8 +256,14 @@ def test_the_quickstart_commands_run_in_order(tmp_path):
     import pyarrow.parquet as pq
 
     for i, block in enumerate(QUICKSTART_BASH):
-        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=_env(),
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", block],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, f"quickstart block {i}:\n{block}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     # the newcomer's own file was scored whole: every row of it is in the output, once
     inputs = [p for p in tmp_path.glob("*.parquet")]
@@ -270,9 +304,12 @@ def test_the_quickstart_page_renders_with_its_navigation_in_a_browser(site):
                 heading = page.locator("h1").first
                 heading.wait_for(state="visible", timeout=30_000)
                 heading_text = heading.inner_text()
-                links = page.eval_on_selector_all("a[href]", """els => els.map(a => ({
+                links = page.eval_on_selector_all(
+                    "a[href]",
+                    """els => els.map(a => ({
                     text: a.innerText.trim(), href: a.getAttribute('href'),
-                    visible: !!(a.offsetWidth || a.offsetHeight || a.getClientRects().length)}))""")
+                    visible: !!(a.offsetWidth || a.offsetHeight || a.getClientRects().length)}))""",
+                )
                 page.screenshot(path=str(shot))
             finally:
                 browser.close()

@@ -126,8 +126,9 @@ def _check_against_hf(model: str, out: str) -> None:
 def test_the_workers_load_once_while_the_driver_checks(client, settled_model, data, tmp_path):
     client.run(_count_loads, 0)
     try:
-        res = dask_lm.score_parquet(data, tmp_path / "out", model=settled_model, client=client,
-                                    ids_column="ids", id_column="id", progress=False)
+        res = dask_lm.score_parquet(
+            data, tmp_path / "out", model=settled_model, client=client, ids_column="ids", id_column="id", progress=False
+        )
         loads = client.run(_loads)
     finally:
         client.run(_restore)
@@ -141,8 +142,9 @@ def test_the_workers_load_once_while_the_driver_checks(client, settled_model, da
 def test_a_replica_whose_files_were_not_settled_is_loaded_again(client, settled_model, data, tmp_path):
     client.run(_count_loads, 3600 * 10**9)  # on the workers no stamp is settled: the preload cannot vouch
     try:
-        dask_lm.score_parquet(data, tmp_path / "out", model=settled_model, client=client, ids_column="ids",
-                              id_column="id", progress=False)
+        dask_lm.score_parquet(
+            data, tmp_path / "out", model=settled_model, client=client, ids_column="ids", id_column="id", progress=False
+        )
         loads = client.run(_loads)
     finally:
         client.run(_restore)
@@ -158,16 +160,18 @@ def test_a_refused_job_closes_the_cluster_it_started_and_writes_nothing(tiny, da
 
     before = set(distributed.Client._instances) if hasattr(distributed.Client, "_instances") else set()
     with pytest.raises(ValueError, match="column 'body' is missing"):
-        dask_lm.score_parquet(data, tmp_path / "out", model=tiny["llama"], text_column="body", n_workers=1,
-                              progress=False)
+        dask_lm.score_parquet(
+            data, tmp_path / "out", model=tiny["llama"], text_column="body", n_workers=1, progress=False
+        )
     assert not (tmp_path / "out").exists()
     after = {c for c in getattr(distributed.Client, "_instances", set()) if c.status != "closed"}
     assert after <= before  # no client (and so no cluster) left running
 
 
 @pytest.mark.cluster
-def test_a_config_transformers_cannot_load_is_refused_by_a_worker_before_anything_is_written(client, tiny, data,
-                                                                                              tmp_path):
+def test_a_config_transformers_cannot_load_is_refused_by_a_worker_before_anything_is_written(
+    client, tiny, data, tmp_path
+):
     """The config check runs on a worker (scoring/preload.py: Preload), through the workers' transformers; its
     refusal still comes before the output exists, and names the file."""
     model = tmp_path / "model"
@@ -175,15 +179,16 @@ def test_a_config_transformers_cannot_load_is_refused_by_a_worker_before_anythin
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "model_type": "no-such-architecture"}))
     with pytest.raises(ValueError, match=r"config\.json is not a config transformers can load"):
-        dask_lm.score_parquet(data, tmp_path / "out", model=str(model), client=client, ids_column="ids",
-                              id_column="id", progress=False)
+        dask_lm.score_parquet(
+            data, tmp_path / "out", model=str(model), client=client, ids_column="ids", id_column="id", progress=False
+        )
     assert not (tmp_path / "out").exists()
     # and the check was the workers': none of this process's modules loaded the config
     code = f"""
 import sys, dask_lm
 from dask_lm.scoring import job
 try:
-    dask_lm.score_parquet({str(data)!r}, {str(tmp_path / 'out2')!r}, model={str(model)!r},
+    dask_lm.score_parquet({str(data)!r}, {str(tmp_path / "out2")!r}, model={str(model)!r},
                           client=dask_lm.connect({client.scheduler.address!r}), ids_column="ids", id_column="id",
                           progress=False)
 except ValueError as e:
@@ -194,8 +199,7 @@ except ValueError as e:
 
 
 @pytest.mark.cluster
-def test_the_driver_checks_the_config_itself_when_no_worker_answers_in_time(client, tiny, data, tmp_path,
-                                                                            monkeypatch):
+def test_the_driver_checks_the_config_itself_when_no_worker_answers_in_time(client, tiny, data, tmp_path, monkeypatch):
     """A worker busy with another task does not hold the job's checks: past CONFIG_CHECK_WAIT_S the driver loads the
     config itself, and the job runs as usual."""
     from dask_lm.scoring import preload
@@ -203,8 +207,9 @@ def test_the_driver_checks_the_config_itself_when_no_worker_answers_in_time(clie
     monkeypatch.setattr(preload, "CONFIG_CHECK_WAIT_S", 0.5)
     busy = [client.submit(time.sleep, 4, workers=[w], pure=False) for w in client.scheduler_info()["workers"]]
     try:
-        res = dask_lm.score_parquet(data, tmp_path / "out", model=tiny["llama"], client=client, ids_column="ids",
-                                    id_column="id", progress=False)
+        res = dask_lm.score_parquet(
+            data, tmp_path / "out", model=tiny["llama"], client=client, ids_column="ids", id_column="id", progress=False
+        )
     finally:
         client.cancel(busy)
     assert res.rows == 12 and "config_checked" not in res.start_phases

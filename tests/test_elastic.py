@@ -1,8 +1,8 @@
-"""Workers that come and go during a scoring job (issue 28): a real ``dask scheduler`` and ``dask worker`` processes
+"""Workers that come and go during a scoring job: a real ``dask scheduler`` and ``dask worker`` processes
 (``--no-nanny``, one thread each), a worker that joins mid-job, one retired mid-job (``client.retire_workers``), one
 retired before the job's warm-up ran on it, a job started before any worker; and an in-process
-``LocalCluster.adapt`` that scales up mid-job. Each output is compared, exactly, with an undisturbed run on the same scheduler,
-and holds every row once.
+``LocalCluster.adapt`` that scales up mid-job. Each output is compared, exactly, with an undisturbed run on the same
+scheduler, and holds every row once.
 
 The workers order their partitions through files (tests/elastic_worker.py, their preload): the first worker waits,
 after its first partition, until the joiner has begun one, so the join is mid-job by construction rather than by a
@@ -87,10 +87,24 @@ def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
 def _start_scheduler(logs: Path) -> tuple[subprocess.Popen[bytes], str]:
     address = f"tcp://127.0.0.1:{_free_port()}"
     with open(logs / "scheduler.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                                 "--port", address.rsplit(":", 1)[1], "--dashboard-address", "127.0.0.1:0",
-                                 "--idle-timeout", "600"], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": _tests_path()})  # run_on_scheduler(_clients)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "distributed.cli.dask_scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                address.rsplit(":", 1)[1],
+                "--dashboard-address",
+                "127.0.0.1:0",
+                "--idle-timeout",
+                "600",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": _tests_path()},
+        )  # run_on_scheduler(_clients)
     return proc, address
 
 
@@ -129,10 +143,17 @@ class Workers:
     def __init__(self, address: str, client: Any, root: Path) -> None:
         self.address, self.client, self.root = address, client, root
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-                    # one thread each, on the CPU: every worker computes the same bits as the undisturbed run's
-                    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "DASK_LM_FORCE_CPU": "1",
-                    "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": _tests_path()}
+        self.env = {
+            **os.environ,
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            # one thread each, on the CPU: every worker computes the same bits as the undisturbed run's
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "DASK_LM_FORCE_CPU": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONPATH": _tests_path(),
+        }
 
     def arm(self, name: str, **settings: Any) -> None:
         tmp = self.root / f".{name}.json"
@@ -143,10 +164,30 @@ class Workers:
         self.arm(name, **settings)
         log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 (the child holds it; closed here after)
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "distributed.cli.dask_worker", self.address, "--name", name, "--nthreads", "1",
-             "--no-nanny", "--no-dashboard", "--memory-limit", "0", "--death-timeout", "60",
-             "--preload", "elastic_worker", "--local-directory", str(self.root / name)],
-            stdout=log, stderr=subprocess.STDOUT, env={**self.env, "ELASTIC_CONFIG": str(self.root / f"{name}.json")})
+            [
+                sys.executable,
+                "-m",
+                "distributed.cli.dask_worker",
+                self.address,
+                "--name",
+                name,
+                "--nthreads",
+                "1",
+                "--no-nanny",
+                "--no-dashboard",
+                "--memory-limit",
+                "0",
+                "--death-timeout",
+                "60",
+                "--preload",
+                "elastic_worker",
+                "--local-directory",
+                str(self.root / name),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**self.env, "ELASTIC_CONFIG": str(self.root / f"{name}.json")},
+        )
         log.close()
         return self.procs[name]
 
@@ -157,8 +198,9 @@ class Workers:
         return _until(lambda: set(names) <= set(self.addresses()) and self.addresses(), f"workers {names} to join")
 
     def logs(self) -> str:
-        return "\n".join(f"----- {f.name}\n{f.read_text(errors='replace')[-3000:]}"
-                         for f in sorted(self.root.glob("*.log")))
+        return "\n".join(
+            f"----- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(self.root.glob("*.log"))
+        )
 
     def stop(self, *names: str) -> None:
         """Kill the workers ``names`` (all without), and wait until the scheduler has dropped them."""
@@ -204,8 +246,9 @@ def _frame() -> Any:
 
 def _score(data: Path, out: Path, model: str, **kwargs: Any) -> Any:
     kwargs.setdefault("precision", "float32")
-    return dask_lm.score_parquet(data, out, model=model, text_column="text", id_column="id", progress=False,
-                                 task_tokens=0, **kwargs)  # a part per row group: 10 parts
+    return dask_lm.score_parquet(
+        data, out, model=model, text_column="text", id_column="id", progress=False, task_tokens=0, **kwargs
+    )  # a part per row group: 10 parts
 
 
 def _parts(out: Path) -> list[pa.Table]:
@@ -219,8 +262,9 @@ def reference(cluster, data, tiny, tmp_path_factory) -> dict[str, Any]:
     assert list(cluster.addresses()) == ["a"]
     res = _score(data, out, tiny["llama"], client=cluster.client)
     assert res.parts == len(ROWS) and res.rows == len(ROWS)
-    frame = dask_lm.score(_frame(), model=tiny["llama"], client=cluster.client, text_column="text",
-                          precision="float32").compute()
+    frame = dask_lm.score(
+        _frame(), model=tiny["llama"], client=cluster.client, text_column="text", precision="float32"
+    ).compute()
     return {"parts": _parts(out), "frame": frame}
 
 
@@ -236,7 +280,8 @@ def _check_output(out: Path, reference: dict[str, Any]) -> None:
 
 
 def test_a_worker_that_joins_mid_job_scores_parts_and_the_output_is_the_undisturbed_one(
-        workers, reference, data, tiny, tmp_path):
+    workers, reference, data, tiny, tmp_path
+):
     joined = tmp_path / "b.began"  # b's partitions mark it; a's wait for it after a's first
     workers.arm("a", wait_for=joined)
     out = tmp_path / "scored"
@@ -283,8 +328,7 @@ def test_a_dask_frame_scored_while_a_worker_joins_equals_the_undisturbed_one(wor
 
     began, joined = tmp_path / "a.began", tmp_path / "b.began"
     workers.arm("a", mark=began, wait_for=joined)
-    lazy = dask_lm.score(_frame(), model=tiny["llama"], client=workers.client, text_column="text",
-                         precision="float32")
+    lazy = dask_lm.score(_frame(), model=tiny["llama"], client=workers.client, text_column="text", precision="float32")
     with get_task_stream(client=workers.client) as stream:
         fut = workers.client.compute(lazy)
         _until(lambda: began.exists() or fut.done(), "a to begin a partition")
@@ -328,17 +372,18 @@ def _precision(out: Path) -> str:
     return str(manifest["options"]["precision"])
 
 
-def test_the_config_check_and_preload_of_a_worker_retired_before_they_ran_run_on_another(workers, reference, data,
-                                                                                        tiny, tmp_path, monkeypatch):
+def test_the_config_check_and_preload_of_a_worker_retired_before_they_ran_run_on_another(
+    workers, reference, data, tiny, tmp_path, monkeypatch
+):
     """The job's config check and preload go to the workers there are at its start; one retired before they ran
     (here ``a``, busy with another task) hands them to a worker that joined, so the job's start does not wait out
     its config check's timeout (CONFIG_CHECK_WAIT_S) for a worker that is gone. Last in this module: ``a`` leaves.
 
     The check's timeout is raised to the test's own deadline: its clock runs from the job's start, through ``b``'s
     process start and its first imports of torch and transformers, which on a loaded 2-core CI machine took more
-    than the default 60 s. In two CI runs the check queued on ``a`` was never run elsewhere at all: the driver now
-    asks again when the check's worker has left (``Preload._ask_again_if_gone``, dask_lm/scoring/preload.py). A check left waiting for ``a``
-    would still time out before the job's deadline, and fail the test."""
+    than the default 60 s. A check queued on ``a`` is asked again elsewhere when its worker has left
+    (``Preload._ask_again_if_gone``, dask_lm/scoring/preload.py); one left waiting for ``a`` would time out before
+    the job's deadline, and fail the test."""
     from elastic_worker import hold_until_retiring
 
     from dask_lm.scoring import preload
@@ -374,8 +419,9 @@ def _queued_on(address: str, dask_scheduler: Any = None) -> int:
     return sum(1 for k in keys if k.startswith(("dask-lm-config", "dask-lm-preload")))
 
 
-def test_an_adaptive_cluster_scales_up_mid_job_and_the_output_is_the_undisturbed_one(reference, data, tiny, tmp_path,
-                                                                                    monkeypatch):
+def test_an_adaptive_cluster_scales_up_mid_job_and_the_output_is_the_undisturbed_one(
+    reference, data, tiny, tmp_path, monkeypatch
+):
     """``LocalCluster.adapt(minimum=1, maximum=2)`` (in-process workers, which start at once): the job's queued
     parts make the scheduler ask for a second worker, which joins and scores some; the first waits, after its
     first part, until the second has begun one."""
@@ -390,8 +436,10 @@ def test_an_adaptive_cluster_scales_up_mid_job_and_the_output_is_the_undisturbed
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same bits as the reference's one-thread worker processes
     try:
-        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
-                Client(cluster) as client:
+        with (
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster,
+            Client(cluster) as client,
+        ):
             client.register_plugin(Gate(), name="elastic-gate")
             cluster.adapt(minimum=1, maximum=2, interval="200ms")
             out = tmp_path / "scored"

@@ -25,8 +25,10 @@ from dask_lm.cli import main as cli
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
 # (pytest -m "not cluster")
 
-TEXTS = [f"row {i}: " + " ".join(["the dask", "tokens of", "a score", "parquet", "model"][: 1 + i % 5]) * (1 + i % 3)
-         for i in range(24)]
+TEXTS = [
+    f"row {i}: " + " ".join(["the dask", "tokens of", "a score", "parquet", "model"][: 1 + i % 5]) * (1 + i % 3)
+    for i in range(24)
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +46,17 @@ def job(client, tiny, tmp_path_factory):
     pq.write_table(pa.table({"id": list(range(16)), "text": TEXTS[:16]}), data / "a.parquet", row_group_size=6)
     pq.write_table(pa.table({"id": list(range(16, 24)), "text": TEXTS[16:]}), data / "b.parquet")
     out = root / "out"
-    res = dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text", topk=3,
-                                decode_topk=True, task_tokens=0, progress=False)
+    res = dask_lm.score_parquet(
+        data,
+        out,
+        model=tiny["llama"],
+        client=client,
+        text_column="text",
+        topk=3,
+        decode_topk=True,
+        task_tokens=0,
+        progress=False,
+    )
     return res, out
 
 
@@ -106,8 +117,10 @@ def test_read_scores_refuses_what_is_not_a_finished_scoring_output(job, tmp_path
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
     (copy / "_SUCCESS").unlink()
-    with pytest.raises(ValueError, match=f"{copy} holds an unfinished dask-lm scoring job .*4 of 4 parts.*--resume"
-                                         ".*allow_incomplete=True"):
+    with pytest.raises(
+        ValueError,
+        match=f"{copy} holds an unfinished dask-lm scoring job .*4 of 4 parts.*--resume.*allow_incomplete=True",
+    ):
         dask_lm.read_scores(copy)
     (copy / names[1]).unlink()  # a job still running: the parts written so far, in order, gaps and all
     partial = dask_lm.read_scores(copy, allow_incomplete=True)
@@ -116,8 +129,11 @@ def test_read_scores_refuses_what_is_not_a_finished_scoring_output(job, tmp_path
     lost = tmp_path / "lost"
     shutil.copytree(out, lost)
     (lost / names[2]).unlink()
-    with pytest.raises(ValueError, match=f"{lost} is a finished dask-lm scoring job that lost 1 of its 4 parts "
-                                         f"\\({names[2]} first\\).*--overwrite"):
+    with pytest.raises(
+        ValueError,
+        match=f"{lost} is a finished dask-lm scoring job that lost 1 of its 4 parts "
+        f"\\({names[2]} first\\).*--overwrite",
+    ):
         dask_lm.read_scores(lost)
     plain = tmp_path / "plain"  # parquet files, but no job's
     plain.mkdir()
@@ -136,8 +152,20 @@ def test_decode_topk_needs_topk(tiny, tmp_path):
     pq.write_table(pa.table({"text": ["a b c"]}), data)
     with pytest.raises(ValueError, match=r"decode_topk=True .* needs topk=K"):
         dask_lm.score_parquet(data, tmp_path / "out", model=tiny["llama"], text_column="text", decode_topk=True)
-    result = CliRunner().invoke(cli, ["score", str(data), "--model", tiny["llama"], "--text-column", "text",
-                                      "--output", str(tmp_path / "out"), "--decode-topk"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "score",
+            str(data),
+            "--model",
+            tiny["llama"],
+            "--text-column",
+            "text",
+            "--output",
+            str(tmp_path / "out"),
+            "--decode-topk",
+        ],
+    )
     assert result.exit_code == 2 and "--decode-topk decodes the top-k ids: it needs --topk K" in result.output
     assert not (tmp_path / "out").exists()
 
@@ -145,8 +173,22 @@ def test_decode_topk_needs_topk(tiny, tmp_path):
 @pytest.mark.cluster
 def test_logprobs_cli_shows_the_topk_as_the_tokenizers_strings(client, tiny, tok):
     text = "the dask tokens of a score"
-    result = CliRunner().invoke(cli, ["logprobs", "--model", tiny["llama"], "--scheduler-address",
-                                      client.scheduler.address, "--precision", "fp32", "--topk", "2", "--json", text])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "logprobs",
+            "--model",
+            tiny["llama"],
+            "--scheduler-address",
+            client.scheduler.address,
+            "--precision",
+            "fp32",
+            "--topk",
+            "2",
+            "--json",
+            text,
+        ],
+    )
     assert result.exit_code == 0, result.output
     record = json.loads(result.output.strip().splitlines()[-1])
     ids = tok(text)["input_ids"]
@@ -163,10 +205,21 @@ def test_the_demos_next_commands_run_as_printed(tmp_path):
     the machine the demo ran on (the environment's bin directory on PATH, as an activated virtualenv has it)."""
     cwd, cache = tmp_path / "work", tmp_path / "cache"
     cwd.mkdir()
-    env = {**os.environ, "DASK_LM_CACHE_DIR": str(cache), "COLUMNS": "80", "LINES": "24",  # pandas' print width
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "dask_lm", "demo", "--rows", "64"], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "DASK_LM_CACHE_DIR": str(cache),
+        "COLUMNS": "80",
+        "LINES": "24",  # pandas' print width
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "dask_lm", "demo", "--rows", "64"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the summary, and the dashboard's address while its cluster was up (the summary, printed after the demo's
     # cluster closed, leaves it out)
@@ -179,8 +232,9 @@ def test_the_demos_next_commands_run_as_printed(tmp_path):
     assert "docs" in block[-1] and "quickstart.md" in block[-1]
     commands = [line.strip() for line in block if line.strip() and not line.strip().startswith("#")]
     assert len(commands) == 2 and str(cache / "tiny-llama") in commands[0] and "--output my-scores" in commands[0]
-    ran = [subprocess.run(c, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-           for c in commands]
+    ran = [
+        subprocess.run(c, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600) for c in commands
+    ]
     assert [r.returncode for r in ran] == [0, 0], [r.stderr[-3000:] for r in ran]
     # the first scored the demo's own file into ./my-scores: its rows, in its order
     source = pq.read_table(cache / "demo" / "data-64" / "a.parquet")
@@ -188,8 +242,13 @@ def test_the_demos_next_commands_run_as_printed(tmp_path):
     assert (cwd / "my-scores" / "_SUCCESS").exists() and scored.num_rows == source.num_rows == 32
     assert scored.select(["id", "text"]).equals(source)
     # the second printed those rows: the frame pandas itself reads from the folder, printed alike
-    reference = subprocess.run([sys.executable, "-c", "import pandas as pd; print(pd.read_parquet('my-scores', "
-                                "dtype_backend='pyarrow'))"], cwd=cwd, env=env, capture_output=True, text=True)
+    reference = subprocess.run(
+        [sys.executable, "-c", "import pandas as pd; print(pd.read_parquet('my-scores', dtype_backend='pyarrow'))"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert reference.returncode == 0 and ran[1].stdout == reference.stdout
     assert "[32 rows x 11 columns]" in ran[1].stdout  # the id and text columns, and the 9 scoring columns
 
@@ -206,8 +265,10 @@ def test_the_next_commands_name_this_python_where_dask_lm_is_not_on_path(tmp_pat
     (tmp_path / "my-scores").mkdir()
     lines = _next_steps("/models/tiny llama", "/data/demo")
     python = shlex.quote(sys.executable)
-    assert lines[3] == (f"  {python} -m dask_lm score /data/demo/a.parquet --model '/models/tiny llama' "
-                        "--text-column text --output my-scores-2")
+    assert lines[3] == (
+        f"  {python} -m dask_lm score /data/demo/a.parquet --model '/models/tiny llama' "
+        "--text-column text --output my-scores-2"
+    )
     assert lines[5] == f'''  {python} -c "import dask_lm; print(dask_lm.read_scores('my-scores-2'))"'''
     help_text = CliRunner().invoke(cli, ["demo", "--help"]).output
     assert "next commands" in help_text and "read the scores back" in help_text

@@ -57,25 +57,34 @@ def test_a_buffer_never_closed_is_removed_when_collected():
 
 
 def _payload(**change):
-    base = {"v": 1, "kind": "shm", "name": "dask_lm_1_0123456789abcdef", "shape": [1, 1, 2, 2], "dtype": "float32",
-            "nbytes": 16}
+    base = {
+        "v": 1,
+        "kind": "shm",
+        "name": "dask_lm_1_0123456789abcdef",
+        "shape": [1, 1, 2, 2],
+        "dtype": "float32",
+        "nbytes": 16,
+    }
     return {**base, **change}
 
 
-@pytest.mark.parametrize("payload,match", [
-    (_payload(name="../../etc/passwd"), "not one dask-lm makes"),
-    (_payload(name="dask_lm_1_0123456789abcdef/../x"), "not one dask-lm makes"),
-    (_payload(kind="pickle"), "kind must be"),
-    (_payload(v=2), "not a dask-lm shared-buffer payload"),
-    (_payload(extra=1), "has keys"),
-    (_payload(dtype="__class__"), "must be one of"),
-    (_payload(shape=[1, "2"]), "list of 1 to 8"),
-    (_payload(nbytes=1 << 40), "not shape x itemsize"),
-    (_payload(nbytes=True), "not shape x itemsize"),
-    ({"v": 1, "kind": "cuda", "cuda": {"device": "GPU-0", "tensor_cls": "os.system"}}, "has keys"),
-    ({"v": 1, "kind": "cuda", "cuda": "x"}, "must be a dict"),
-    ("a string", "not a dask-lm shared-buffer payload"),
-])
+@pytest.mark.parametrize(
+    "payload,match",
+    [
+        (_payload(name="../../etc/passwd"), "not one dask-lm makes"),
+        (_payload(name="dask_lm_1_0123456789abcdef/../x"), "not one dask-lm makes"),
+        (_payload(kind="pickle"), "kind must be"),
+        (_payload(v=2), "not a dask-lm shared-buffer payload"),
+        (_payload(extra=1), "has keys"),
+        (_payload(dtype="__class__"), "must be one of"),
+        (_payload(shape=[1, "2"]), "list of 1 to 8"),
+        (_payload(nbytes=1 << 40), "not shape x itemsize"),
+        (_payload(nbytes=True), "not shape x itemsize"),
+        ({"v": 1, "kind": "cuda", "cuda": {"device": "GPU-0", "tensor_cls": "os.system"}}, "has keys"),
+        ({"v": 1, "kind": "cuda", "cuda": "x"}, "must be a dict"),
+        ("a string", "not a dask-lm shared-buffer payload"),
+    ],
+)
 def test_a_forged_payload_is_refused(payload, match):
     with pytest.raises(ValueError, match=match):
         open_payload(payload)
@@ -84,8 +93,20 @@ def test_a_forged_payload_is_refused(payload, match):
 def test_a_pickled_payload_is_never_unpickled(tmp_path):
     marker = tmp_path / "pwned"
     hostile = pickle.dumps(WritesMarker(marker))
-    for forged in (hostile, {"teacher_shards": [{"payload_ipc": hostile, "buf_idx": 0, "sample_index_in_buf": 0,
-                                                 "actual_shape": (1, 1), "storage_shape": (1, 1, 1, 1)}]}):
+    for forged in (
+        hostile,
+        {
+            "teacher_shards": [
+                {
+                    "payload_ipc": hostile,
+                    "buf_idx": 0,
+                    "sample_index_in_buf": 0,
+                    "actual_shape": (1, 1),
+                    "storage_shape": (1, 1, 1, 1),
+                }
+            ]
+        },
+    ):
         with pytest.raises(ValueError):
             open_full_logits(forged)
     assert not marker.exists()
@@ -95,8 +116,13 @@ def test_a_pickled_payload_is_never_unpickled(tmp_path):
 def test_a_shard_pointing_outside_its_buffer_is_refused():
     buf = SharedBuffer((1, 2, 3, 4), torch.float32, torch.device("cpu"))
     try:
-        shard = {"payload_ipc": buf.payload, "buf_idx": 0, "sample_index_in_buf": 2, "actual_shape": (3, 4),
-                 "storage_shape": (1, 2, 3, 4)}
+        shard = {
+            "payload_ipc": buf.payload,
+            "buf_idx": 0,
+            "sample_index_in_buf": 2,
+            "actual_shape": (3, 4),
+            "storage_shape": (1, 2, 3, 4),
+        }
         with pytest.raises(ValueError, match="outside its buffer"):
             open_full_logits(shard)
         with pytest.raises(ValueError, match="was grown or released"):
@@ -138,8 +164,11 @@ def test_a_request_too_big_for_the_device_is_refused_before_any_forward(monkeypa
     export = FullLogitsExport(rm)  # type: ignore[arg-type]
     rows = TokenRows.from_lists([[1, 2, 3], [4, 5], [6]], width=64)
     monkeypatch.setattr(device, "shareable_free_bytes", lambda: 1 << 20)  # 1 MiB; the call needs 2 x 2 x 64 x 10k x 4 B
-    with pytest.raises(ValueError, match=r"rank 0 needs 0\.01 GiB .*\[2 micro-batches, 2 rows, 64 positions, 10000 "
-                                         r"vocabulary\].*release_ipc_buffer"):
+    with pytest.raises(
+        ValueError,
+        match=r"rank 0 needs 0\.01 GiB .*\[2 micro-batches, 2 rows, 64 positions, 10000 "
+        r"vocabulary\].*release_ipc_buffer",
+    ):
         export.export(rows, None)
     assert rm.forwards == 0 and export.buffer is None
 
@@ -151,8 +180,14 @@ def tok(tiny):
 
 
 def _cfg(model_dir, **extra):
-    return {"model_name": model_dir, "precision": "float32", "logprob_batch_size": 2, "logprob_chunk_size": 5,
-            "max_total_sequence_length": 128, **extra}
+    return {
+        "model_name": model_dir,
+        "precision": "float32",
+        "logprob_batch_size": 2,
+        "logprob_chunk_size": 5,
+        "max_total_sequence_length": 128,
+        **extra,
+    }
 
 
 def _shm_files(entries):
@@ -175,7 +210,8 @@ def test_full_logits_match_hf_in_another_process(client, tiny, tok, n_ranks):
         assert shard["full_vocab_size"] == logits.shape[-1] and not shard["vocab_sharded"]
         # rows in input order, rank by rank
         assert [e["teacher_shards"][0]["world_rank"] for e in entries] == sorted(
-            e["teacher_shards"][0]["world_rank"] for e in entries)
+            e["teacher_shards"][0]["world_rank"] for e in entries
+        )
         assert len(_shm_files(entries)) == n_ranks
         valid = torch.arange(ids.shape[1])[None, :] < lens[:, None]
         for i, entry in enumerate(entries):
@@ -191,15 +227,19 @@ def test_full_logits_match_hf_in_another_process(client, tiny, tok, n_ranks):
         assert _shm_files(again) == _shm_files(entries)
         assert again[0]["teacher_shards"][0]["payload_ipc"] == entries[0]["teacher_shards"][0]["payload_ipc"]
         torch.testing.assert_close(open_full_logits(again[0])[: lens[-1]], logits[-1][: lens[-1]], atol=1e-4, rtol=0)
-        assert torch.all(open_full_logits(again[0])[lens[-1]:] == 0)  # the earlier, longer row's values are gone
+        assert torch.all(open_full_logits(again[0])[lens[-1] :] == 0)  # the earlier, longer row's values are gone
 
         # a call needing more grows it: a new buffer, the old one removed
         wider = BatchedDataDict(input_ids=torch.cat([ids, ids]), input_lengths=torch.cat([lens, lens]))
         grown = policy.get_full_logits_ipc(wider, micro_batch_size=2)
         assert not (_shm_files(grown) & _shm_files(entries))
         assert not any(os.path.exists(p) for p in _shm_files(entries))
-        torch.testing.assert_close(open_full_logits_batch(grown)[torch.cat([valid, valid])],
-                                   torch.cat([logits, logits])[torch.cat([valid, valid])], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            open_full_logits_batch(grown)[torch.cat([valid, valid])],
+            torch.cat([logits, logits])[torch.cat([valid, valid])],
+            atol=1e-4,
+            rtol=0,
+        )
 
         policy.release_ipc_buffer()
         assert not any(os.path.exists(p) for p in _shm_files(grown))

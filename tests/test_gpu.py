@@ -15,8 +15,8 @@ import torch
 import transformers
 from helpers import TEXTS, hf_logprobs, make_batch
 
-from dask_lm import BatchedDataDict
 import dask_lm
+from dask_lm import BatchedDataDict
 
 pytestmark = pytest.mark.gpu
 
@@ -66,16 +66,21 @@ def test_bf16_logprobs_on_cuda_cluster(gpu_client, tiny, mode):
         assert packed == (mode in ("packed", "auto")), (mode, packed)
         # packed bf16 rows run through flash varlen attention (no [T, T] mask) on these GPUs, and every rank
         # (FSDP-sharded ones included) through compiled layers (fused.py)
-        flags = gpu_client.run(lambda dask_worker: [
-            (pw.rank_model.varlen, pw.rank_model.compile) for pw in dask_worker.plugins["dask-lm"].policies.values()])
+        flags = gpu_client.run(
+            lambda dask_worker: [
+                (pw.rank_model.varlen, pw.rank_model.compile) for pw in dask_worker.plugins["dask-lm"].policies.values()
+            ]
+        )
         assert all(f == [(True, True)] for f in flags.values()), flags
     expected = _hf_bf16_logprobs(tiny["qwen2"], ids, lens)
     diff = (out - expected).abs()
     # against float32 (CPU): the engine's bf16 error must not exceed the plain bf16 forward's by more than noise
     exact, _ = hf_logprobs(tiny["qwen2"], ids, lens)
     ours, theirs = (out - exact).abs(), (expected - exact).abs()
-    print(f"{mode}: ranks={len(infos)} max|diff|={diff.max():.4f} mean|diff|={diff.mean():.5f}; vs fp32 "
-          f"mean {ours.mean():.5f} (HF bf16 {theirs.mean():.5f}) max {ours.max():.4f} (HF bf16 {theirs.max():.4f})")
+    print(
+        f"{mode}: ranks={len(infos)} max|diff|={diff.max():.4f} mean|diff|={diff.mean():.5f}; vs fp32 "
+        f"mean {ours.mean():.5f} (HF bf16 {theirs.mean():.5f}) max {ours.max():.4f} (HF bf16 {theirs.max():.4f})"
+    )
     assert diff.max() < 0.1 and diff.mean() < 0.01
     assert ours.mean() <= 1.25 * theirs.mean() + 1e-4
     assert torch.equal(ref["reference_logprobs"], out)
@@ -91,8 +96,15 @@ def test_compiled_training_layers_do_not_recompile_across_token_counts():
     from dask_lm.model import fused
 
     torch._dynamo.reset()
-    cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+    cfg = transformers.Qwen2Config(
+        vocab_size=512,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16)
     assert fused.compile_decoder_layers(model) == 2
     before = None
@@ -146,7 +158,7 @@ def _hf_bf16_master_step(model_dir, batch, lr, max_norm):
     import math
 
     ids, lens = batch["input_ids"].cuda(), batch["input_lengths"].cuda()
-    mask = (torch.arange(ids.shape[1], device="cuda")[None, :] < lens[:, None])
+    mask = torch.arange(ids.shape[1], device="cuda")[None, :] < lens[:, None]
     m = (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]).cuda()
 
     def logprobs(model):
@@ -189,12 +201,22 @@ def test_bf16_train_step_on_cuda_cluster(gpu_client, tiny, n_ranks, mode):
         pytest.skip(f"needs {n_ranks} GPUs")
     tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
     batch = _sft(tok, TEXTS + TEXTS[:3])
-    cfg = {"model_name": tiny["qwen2"], "precision": "bfloat16", "train_global_batch_size": 8,
-           "train_micro_batch_size": 2, "max_total_sequence_length": 128, "max_grad_norm": 1.0,
-           "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}}}
+    cfg = {
+        "model_name": tiny["qwen2"],
+        "precision": "bfloat16",
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 2,
+        "max_total_sequence_length": 128,
+        "max_grad_norm": 1.0,
+        "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+    }
     if mode == "dynamic":
-        cfg["dynamic_batching"] = {"enabled": True, "train_mb_tokens": 96, "logprob_mb_tokens": 96,
-                                   "sequence_length_round": 16}
+        cfg["dynamic_batching"] = {
+            "enabled": True,
+            "train_mb_tokens": 96,
+            "logprob_mb_tokens": 96,
+            "sequence_length_round": 16,
+        }
     else:
         cfg["sequence_packing"] = {"enabled": True, "train_mb_tokens": 96, "logprob_mb_tokens": 96}
     with dask_lm.Policy(gpu_client, cfg, tok, workers_per_node=n_ranks) as policy:
@@ -206,13 +228,16 @@ def test_bf16_train_step_on_cuda_cluster(gpu_client, tiny, n_ranks, mode):
     # HF's: eager, padded, bf16 logits) are held to the same step done in fp32: the step (lr 0.5, so it amplifies
     # bf16 gradient rounding) and the forward after it both count, and ours must stay as close as HF's own
     diff, hf_diff = (after - fp32).abs(), (hf_bf16 - fp32).abs()
-    print(f"train {mode} ranks={n_ranks}: loss {float(out['loss'][0]):.5f} vs {loss:.5f}, grad norm "
-          f"{float(out['grad_norm'][0]):.4f} vs {norm:.4f}, logprobs after vs the fp32 step max|diff|={diff.max():.4f} "
-          f"mean={diff.mean():.5f} (HF bf16: {hf_diff.max():.4f} / {hf_diff.mean():.5f}), MFU field {out['mfu']}")
+    print(
+        f"train {mode} ranks={n_ranks}: loss {float(out['loss'][0]):.5f} vs {loss:.5f}, grad norm "
+        f"{float(out['grad_norm'][0]):.4f} vs {norm:.4f}, logprobs after vs the fp32 step max|diff|={diff.max():.4f} "
+        f"mean={diff.mean():.5f} (HF bf16: {hf_diff.max():.4f} / {hf_diff.mean():.5f}), MFU field {out['mfu']}"
+    )
     assert float(out["loss"][0]) == pytest.approx(loss, rel=1e-2)
     assert float(out["grad_norm"][0]) == pytest.approx(norm, rel=3e-2)
     assert diff.max() < max(0.15, 1.5 * hf_diff.max()) and diff.mean() < 1.5 * hf_diff.mean() + 2e-3, (
-        f"max {diff.max():.4f} mean {diff.mean():.5f} vs HF bf16 max {hf_diff.max():.4f} mean {hf_diff.mean():.5f}")
+        f"max {diff.max():.4f} mean {diff.mean():.5f} vs HF bf16 max {hf_diff.max():.4f} mean {hf_diff.mean():.5f}"
+    )
     assert out["theoretical_tflops"] and out["mfu"] is not None and out["total_flops"] > 0
 
 
@@ -223,8 +248,14 @@ def test_offload_frees_and_restores_device_memory(gpu_client, tmp_path):
     from dask_lm.tiny import train_tiny_tokenizer
 
     tok_dir = train_tiny_tokenizer(str(tmp_path / "tok"))
-    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
-                                   num_attention_heads=8, num_key_value_heads=8)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(tmp_path / "m")
@@ -232,8 +263,13 @@ def test_offload_frees_and_restores_device_memory(gpu_client, tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
     batch = _sft(tok, TEXTS * 4)
     ranks = min(2, torch.cuda.device_count())
-    pcfg = {"model_name": str(tmp_path / "m"), "precision": "bfloat16", "train_global_batch_size": 20,
-            "train_micro_batch_size": 5, "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}}}
+    pcfg = {
+        "model_name": str(tmp_path / "m"),
+        "precision": "bfloat16",
+        "train_global_batch_size": 20,
+        "train_micro_batch_size": 5,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}},
+    }
     with dask_lm.Policy(gpu_client, pcfg, tok, init_reference_model=False) as policy:
         policy.train(batch, dask_lm.NLLLoss())
         trained = policy.get_free_memory_bytes()
@@ -245,9 +281,11 @@ def test_offload_frees_and_restores_device_memory(gpu_client, tmp_path):
         back = policy.get_free_memory_bytes()
         lp = policy.get_logprobs(batch)["logprobs"]
     adam = 8 * n_params / ranks  # two fp32 moments per parameter, sharded over the ranks
-    print(f"free GiB per GPU (min over {ranks}): trained {trained / 2**30:.2f}, optimizer offloaded "
-          f"{no_optimizer / 2**30:.2f}, all offloaded {nothing / 2**30:.2f}, back {back / 2**30:.2f}; "
-          f"Adam state {adam / 2**30:.2f} GiB/GPU")
+    print(
+        f"free GiB per GPU (min over {ranks}): trained {trained / 2**30:.2f}, optimizer offloaded "
+        f"{no_optimizer / 2**30:.2f}, all offloaded {nothing / 2**30:.2f}, back {back / 2**30:.2f}; "
+        f"Adam state {adam / 2**30:.2f} GiB/GPU"
+    )
     assert no_optimizer - trained > 0.8 * adam
     # then the weights left: at least their bf16 copy (the fp32 masters went with the optimizer state above)
     assert nothing - no_optimizer > 0.8 * 2 * n_params / ranks
@@ -261,8 +299,13 @@ def test_async_checkpoint_on_gpus_round_trips(gpu_client, tiny, tmp_path):
     restore on the same ranks reproduces the logprobs and the next step."""
     tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
     batch = _sft(tok, TEXTS + TEXTS[:3])
-    cfg = {"model_name": tiny["qwen2"], "precision": "bfloat16", "train_global_batch_size": 8,
-           "train_micro_batch_size": 4, "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-3}}}
+    cfg = {
+        "model_name": tiny["qwen2"],
+        "precision": "bfloat16",
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 4,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-3}},
+    }
     with dask_lm.Policy(gpu_client, cfg, tok) as policy:
         policy.train(batch, dask_lm.NLLLoss())
         saved = policy.get_logprobs(batch)["logprobs"]
@@ -273,8 +316,7 @@ def test_async_checkpoint_on_gpus_round_trips(gpu_client, tiny, tmp_path):
         torch.testing.assert_close(again.get_logprobs(batch)["logprobs"], saved, atol=0, rtol=0)
         got = again.train(batch, dask_lm.NLLLoss())
         ranks = again.data_parallel_size
-    print(f"async checkpoint on {ranks} GPUs: next loss {float(got['loss'][0]):.6f} vs "
-          f"{float(nxt['loss'][0]):.6f}")
+    print(f"async checkpoint on {ranks} GPUs: next loss {float(got['loss'][0]):.6f} vs {float(nxt['loss'][0]):.6f}")
     assert float(got["loss"][0]) == pytest.approx(float(nxt["loss"][0]), rel=1e-6)
 
 
@@ -290,21 +332,32 @@ def test_score_parquet_on_gpus_matches_hf_bf16(gpu_client, tiny, tmp_path, compi
     tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
     texts = TEXTS * 4
     pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), tmp_path / "d.parquet", row_group_size=5)
-    res = dask_lm.score_parquet(tmp_path / "d.parquet", tmp_path / "out", model=tiny["qwen2"], client=gpu_client,
-                                text_column="text", id_column="id", topk=2, progress=False,
-                                compile=compile,  # a job this short would not compile by default
-                                batch_tokens=64,  # several micro-batches per part: the pipeline's lag shows
-                                convention="separate")  # tokenizer(text), as make_batch below
-    table = pa.concat_tables([pq.read_table(tmp_path / "out" / f) for f in sorted(os.listdir(tmp_path / "out"))
-                              if f.startswith("part-")])
+    res = dask_lm.score_parquet(
+        tmp_path / "d.parquet",
+        tmp_path / "out",
+        model=tiny["qwen2"],
+        client=gpu_client,
+        text_column="text",
+        id_column="id",
+        topk=2,
+        progress=False,
+        compile=compile,  # a job this short would not compile by default
+        batch_tokens=64,  # several micro-batches per part: the pipeline's lag shows
+        convention="separate",
+    )  # tokenizer(text), as make_batch below
+    table = pa.concat_tables(
+        [pq.read_table(tmp_path / "out" / f) for f in sorted(os.listdir(tmp_path / "out")) if f.startswith("part-")]
+    )
     ids, lens = make_batch(tok, texts)
     expected = _hf_bf16_logprobs(tiny["qwen2"], ids, lens)
     worst = 0.0
     for r in table.to_pylist():
         n = int(lens[r["id"]])
         worst = max(worst, float((torch.tensor(r["logprobs"]) - expected[r["id"], :n]).abs().max()))
-    print(f"score_parquet on GPUs: {res.rows} rows, {res.parts} parts, max|diff| vs HF bf16 = {worst:.4f}; "
-          f"load {res.model_load_seconds:.1f}s, compile {res.compile_seconds:.1f}s")
+    print(
+        f"score_parquet on GPUs: {res.rows} rows, {res.parts} parts, max|diff| vs HF bf16 = {worst:.4f}; "
+        f"load {res.model_load_seconds:.1f}s, compile {res.compile_seconds:.1f}s"
+    )
     assert res.rows == len(texts) and worst < 0.1
     assert (res.compile_seconds > 0) == compile  # compiled layers and head, or nothing compiled
 
@@ -326,12 +379,14 @@ def test_lm_eval_requests_on_gpus_match_hf_fp32(gpu_client, tiny):
         pairs.append((ids[:cut], ids[cut:]))
     with torch.no_grad():  # and one greedy continuation, so that is_greedy is true at least once
         ctx = tok(TEXTS[0])["input_ids"]
-        pairs.append((ctx, model.generate(torch.tensor([ctx]), max_new_tokens=6, do_sample=False)[0, len(ctx):].tolist()))
+        pairs.append(
+            (ctx, model.generate(torch.tensor([ctx]), max_new_tokens=6, do_sample=False)[0, len(ctx) :].tolist())
+        )
     with RequestEngine(tiny["llama"], client=gpu_client, precision="fp32", compile=True, progress=False) as engine:
         got = engine.loglikelihood(pairs)
     for (ctx, cont), (total, greedy) in zip(pairs, got):
         with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([ctx + cont])).logits[0].double(), -1)[len(ctx) - 1:-1]
+            logp = torch.log_softmax(model(torch.tensor([ctx + cont])).logits[0].double(), -1)[len(ctx) - 1 : -1]
         want = logp.gather(1, torch.tensor(cont)[:, None]).sum()
         assert abs(total - float(want)) < 1e-3
         assert greedy == bool((logp.argmax(-1) == torch.tensor(cont)).all())
@@ -351,21 +406,32 @@ def test_generate_on_gpus(gpu_client, tiny):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32).cuda()
     for b in range(ids.shape[0]):
         n, g = int(lens[b]), int(out["generation_lengths"][b])
-        want = model.generate(ids[b:b + 1, :n].cuda(), attention_mask=torch.ones(1, n, dtype=torch.long).cuda(),
-                              do_sample=False, max_new_tokens=16, pad_token_id=tok.pad_token_id)[0, n:].cpu()
-        assert out["output_ids"][b, n:n + g].tolist() == want[:g].tolist()
+        want = model.generate(
+            ids[b : b + 1, :n].cuda(),
+            attention_mask=torch.ones(1, n, dtype=torch.long).cuda(),
+            do_sample=False,
+            max_new_tokens=16,
+            pad_token_id=tok.pad_token_id,
+        )[0, n:].cpu()
+        assert out["output_ids"][b, n : n + g].tolist() == want[:g].tolist()
     del model
-    cfg = {"model_name": tiny["llama"], "precision": "bfloat16",
-           "generation": {"max_new_tokens": 16, "temperature": 0.8, "top_p": 0.9}}
+    cfg = {
+        "model_name": tiny["llama"],
+        "precision": "bfloat16",
+        "generation": {"max_new_tokens": 16, "temperature": 0.8, "top_p": 0.9},
+    }
     with dask_lm.Policy(gpu_client, cfg, tok, init_optimizer=False, init_reference_model=False) as policy:
         out = policy.generate(batch, seed=1)
-        lp = policy.get_logprobs(BatchedDataDict(input_ids=out["output_ids"],
-                                                 input_lengths=out["unpadded_sequence_lengths"]))["logprobs"]
+        lp = policy.get_logprobs(
+            BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
+        )["logprobs"]
         ranks = policy.data_parallel_size
     mask = out["logprobs"] != 0
     diff = ((lp - out["logprobs"]) * mask).abs()
-    print(f"generate on {ranks} GPUs: greedy fp32 equals HF generate; bf16 sampled logprobs vs get_logprobs "
-          f"max|diff|={diff.max():.4f} mean={diff.sum() / mask.sum():.5f}")
+    print(
+        f"generate on {ranks} GPUs: greedy fp32 equals HF generate; bf16 sampled logprobs vs get_logprobs "
+        f"max|diff|={diff.max():.4f} mean={diff.sum() / mask.sum():.5f}"
+    )
     assert diff.max() < 0.1
 
 
@@ -391,8 +457,7 @@ def test_full_logits_over_cuda_ipc_match_cpu_reference(gpu_client, tiny):
         assert torch.all(got.cpu()[~valid] == 0)
         again = policy.get_full_logits_ipc(batch)
         assert again[0]["teacher_shards"][0]["payload_ipc"] == entries[0]["teacher_shards"][0]["payload_ipc"]
-        torch.testing.assert_close(open_full_logits(again[1]).cpu()[: lens[1]], logits[1][: lens[1]], atol=1e-3,
-                                   rtol=0)
+        torch.testing.assert_close(open_full_logits(again[1]).cpu()[: lens[1]], logits[1][: lens[1]], atol=1e-3, rtol=0)
         del got
         torch.cuda.synchronize()
         policy.release_ipc_buffer()
@@ -408,10 +473,16 @@ def test_qkv_fp8_calibration_on_cuda_ranks_matches_cpu_reference(gpu_client, tin
     ids, lens = make_batch(tok, TEXTS)
     cfg = {"model_name": tiny["llama"], "precision": "float32"}
     with dask_lm.Policy(gpu_client, cfg, tok, init_reference_model=False, init_optimizer=False) as policy:
-        got = policy.calibrate_qkv_fp8_scales(BatchedDataDict(input_ids=ids, input_lengths=lens),
-                                              micro_batch_size=2, percentile=100, margin=1.0, include_q=True)
+        got = policy.calibrate_qkv_fp8_scales(
+            BatchedDataDict(input_ids=ids, input_lengths=lens),
+            micro_batch_size=2,
+            percentile=100,
+            margin=1.0,
+            include_q=True,
+        )
     ref = qkv_reference_samples(tiny["llama"], ids, lens, len(TEXTS))
     for i, samples in ref.items():
         for n, key in (("q", "attn.q_scale"), ("k", "k_scale"), ("v", "v_scale")):
-            assert got["layers"][f"model.layers.{i}.self_attn.{key}"] == pytest.approx(max(samples[n]) / 448,
-                                                                                        rel=1e-4), (i, n)
+            assert got["layers"][f"model.layers.{i}.self_attn.{key}"] == pytest.approx(
+                max(samples[n]) / 448, rel=1e-4
+            ), (i, n)

@@ -26,11 +26,12 @@ def _frame(ids, lens, npartitions, **columns):
     import pandas as pd
     import pyarrow as pa
 
-    rows = [ids[i, :int(n)].tolist() for i, n in enumerate(lens)]
+    rows = [ids[i, : int(n)].tolist() for i, n in enumerate(lens)]
     data = {"input_ids": pd.Series(rows, dtype=pd.ArrowDtype(pa.list_(pa.int64())))}
     for name, values in columns.items():
-        data[name] = pd.Series([values[i, :int(n)].tolist() for i, n in enumerate(lens)],
-                               dtype=pd.ArrowDtype(pa.list_(pa.float32())))
+        data[name] = pd.Series(
+            [values[i, : int(n)].tolist() for i, n in enumerate(lens)], dtype=pd.ArrowDtype(pa.list_(pa.float32()))
+        )
     return dd.from_pandas(pd.DataFrame(data), npartitions=npartitions)
 
 
@@ -43,12 +44,15 @@ def test_dask_lm_score_of_a_dask_dataframe_on_gpus_matches_hf_bf16(gpu_client, t
     tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
     texts = TEXTS * 4
     ddf = dd.from_pandas(pd.DataFrame({"id": range(len(texts)), "text": texts}), npartitions=4)
-    out = dask_lm.score(ddf, model=tiny["qwen2"], text_column="text", convention="separate",
-                        client=gpu_client).compute()
+    out = dask_lm.score(
+        ddf, model=tiny["qwen2"], text_column="text", convention="separate", client=gpu_client
+    ).compute()
     ids, lens = make_batch(tok, texts)
     expected = _hf_bf16_logprobs(tiny["qwen2"], ids, lens)
-    diffs = [(torch.tensor(r.logprobs, dtype=torch.float32) - expected[r.id, :int(lens[r.id])]).abs()
-             for r in out.itertuples()]
+    diffs = [
+        (torch.tensor(r.logprobs, dtype=torch.float32) - expected[r.id, : int(lens[r.id])]).abs()
+        for r in out.itertuples()
+    ]
     worst, mean = max(float(d.max()) for d in diffs), float(torch.cat(diffs).mean())
     print(f"dask_lm.score on GPUs: {len(out)} rows, max|diff| vs HF bf16 = {worst:.4f}, mean {mean:.5f}")
     assert sorted(out.id) == list(range(len(texts)))
@@ -64,9 +68,14 @@ def test_policy_futures_fed_by_a_dask_dataframe_equal_the_blocking_calls_on_gpus
     mask = (torch.arange(ids.shape[1])[None, :] < lens[:, None]).float()
     batch = BatchedDataDict(input_ids=ids, input_lengths=lens, token_mask=mask, sample_mask=torch.ones(len(texts)))
     frame = _frame(ids, lens, 3, token_mask=mask)
-    cfg = {"model_name": tiny["llama"], "precision": "bfloat16", "train_global_batch_size": len(texts),
-           "train_micro_batch_size": 4, "max_total_sequence_length": 128,
-           "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-4}}}
+    cfg = {
+        "model_name": tiny["llama"],
+        "precision": "bfloat16",
+        "train_global_batch_size": len(texts),
+        "train_micro_batch_size": 4,
+        "max_total_sequence_length": 128,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-4}},
+    }
     with dask_lm.Policy(gpu_client, cfg, tok) as a, dask_lm.Policy(gpu_client, cfg, tok) as b:
         blocking = a.get_logprobs(batch)["logprobs"]
         submitted = b.submit("get_logprobs", frame).result()["logprobs"]
@@ -75,7 +84,9 @@ def test_policy_futures_fed_by_a_dask_dataframe_equal_the_blocking_calls_on_gpus
         assert float((blocking - expected).abs().max()) < 0.1
         step_a = a.train(batch, dask_lm.NLLLoss())
         step_b = b.submit("train", frame, dask_lm.NLLLoss()).result()
-        print(f"bf16 train step on {a.data_parallel_size} GPU rank(s): loss {float(step_a['loss']):.6f} (batch) vs "
-              f"{float(step_b['loss']):.6f} (Dask DataFrame)")
+        print(
+            f"bf16 train step on {a.data_parallel_size} GPU rank(s): loss {float(step_a['loss']):.6f} (batch) vs "
+            f"{float(step_b['loss']):.6f} (Dask DataFrame)"
+        )
         assert float(step_a["loss"]) == float(step_b["loss"])
         assert torch.equal(a.get_logprobs(batch)["logprobs"], b.submit("get_logprobs", frame).result()["logprobs"])

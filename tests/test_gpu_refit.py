@@ -20,8 +20,14 @@ pytestmark = pytest.mark.gpu
 
 def _bf16_policy_and_saved(gpu_client, tiny, tmp_path, **kwargs):  # noqa: F811
     tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
-    policy = dask_lm.Policy(gpu_client, {"model_name": tiny["qwen2"], "precision": "bfloat16"}, tok,
-                            init_optimizer=False, init_reference_model=False, **kwargs)
+    policy = dask_lm.Policy(
+        gpu_client,
+        {"model_name": tiny["qwen2"], "precision": "bfloat16"},
+        tok,
+        init_optimizer=False,
+        init_reference_model=False,
+        **kwargs,
+    )
     return policy, saved_weights(policy, tmp_path / "w"), tok
 
 
@@ -59,8 +65,10 @@ def test_cuda_ipc_http_refit_into_sglang_decoder(gpu_client, tiny, tmp_path):  #
     finally:
         for s in servers:
             s.stop()
-    print(f"CUDA IPC refit over HTTP: {n} ranks -> {n} servers, {stats[0]['buckets']} buckets; worker allocated "
-          f"bytes before {before} after {after}")
+    print(
+        f"CUDA IPC refit over HTTP: {n} ranks -> {n} servers, {stats[0]['buckets']} buckets; worker allocated "
+        f"bytes before {before} after {after}"
+    )
     assert before == after
 
 
@@ -82,8 +90,10 @@ def test_zmq_ipc_refit_on_gpus_is_bit_identical(gpu_client, tiny, tmp_path):  # 
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         os.environ["DASK_LM_FORCE_CPU"] = "0"
         try:
-            procs = [mp.get_context("spawn").Process(target=refit_peers.zmq_peer, args=(a, info, str(o)))
-                     for a, o in zip(addresses, outs)]
+            procs = [
+                mp.get_context("spawn").Process(target=refit_peers.zmq_peer, args=(a, info, str(o)))
+                for a, o in zip(addresses, outs)
+            ]
             for p in procs:
                 p.start()
         finally:
@@ -188,8 +198,10 @@ def test_every_listener_of_a_cuda_cluster_and_nccl_policy_is_on_loopback(gpu_cli
     with dask_lm.Policy(gpu_client, {"model_name": tiny["qwen2"], "precision": "bfloat16"}, tok) as policy:
         policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))
         pids = [os.getpid(), *gpu_client.run(os.getpid).values()]
-        found = {pid: [c.laddr for c in psutil.Process(pid).net_connections(kind="inet")
-                       if c.status == psutil.CONN_LISTEN] for pid in pids}
+        found = {
+            pid: [c.laddr for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+            for pid in pids
+        }
     exposed = {pid: [a for a in addrs if not ipaddress.ip_address(a.ip).is_loopback] for pid, addrs in found.items()}
     assert not any(exposed.values()), exposed
 
@@ -233,8 +245,13 @@ def test_weight_swap_between_two_gpu_workers_over_gloo(tiny, tmp_path):
     from helpers import sft_batch
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
-    cfg = {"model_name": tiny["qwen2"], "precision": "bfloat16", "train_global_batch_size": 4,
-           "train_micro_batch_size": 2, "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}}
+    cfg = {
+        "model_name": tiny["qwen2"],
+        "precision": "bfloat16",
+        "train_global_batch_size": 4,
+        "train_micro_batch_size": 2,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
+    }
     client = dask_lm.connect(n_workers=2, cluster="cpu")
     src = dask_lm.Policy(client, cfg, tok, workers=[0])
     dst = dask_lm.Policy(client, cfg, tok, workers=[1], init_reference_model=False)
@@ -247,8 +264,9 @@ def test_weight_swap_between_two_gpu_workers_over_gloo(tiny, tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        joined = (src.init_collective_mcore_generation("127.0.0.1", port, 2, rank_offset=0, refit_backend="gloo")
-                  + dst.init_collective_mcore_generation("127.0.0.1", port, 2, rank_offset=1, refit_backend="gloo"))
+        joined = src.init_collective_mcore_generation(
+            "127.0.0.1", port, 2, rank_offset=0, refit_backend="gloo"
+        ) + dst.init_collective_mcore_generation("127.0.0.1", port, 2, rank_offset=1, refit_backend="gloo")
         assert client.gather(joined) == [True, True]
         moved = src.swap_weights_via_reshard(is_source=True) + dst.swap_weights_via_reshard(is_source=False)
         assert client.gather(moved) == [True, True]

@@ -49,14 +49,19 @@ def test_hub_id_resolves_to_its_cached_snapshot_by_branch_and_tag(hub_cache, tin
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
     # a local directory stays what it is
-    assert resolve_model(tiny["llama"]).path == os.path.abspath(tiny["llama"]) and resolve_model(tiny["llama"]).hub_id is None
+    assert (
+        resolve_model(tiny["llama"]).path == os.path.abspath(tiny["llama"])
+        and resolve_model(tiny["llama"]).hub_id is None
+    )
 
 
 def test_missing_names_say_what_was_tried_and_the_fix(hub_cache, tmp_path):
     with pytest.raises(ValueError) as e:
         resolve_model("dask-lm-tests/not-there")
     msg = str(e.value)
-    assert "dask-lm-tests/not-there" in msg and str(hub_cache) in msg and "HF_HUB_OFFLINE" in msg and "hf download" in msg
+    assert (
+        "dask-lm-tests/not-there" in msg and str(hub_cache) in msg and "HF_HUB_OFFLINE" in msg and "hf download" in msg
+    )
     with pytest.raises(ValueError, match="does not exist: pass a local Hugging Face model directory, or a Hub id"):
         resolve_model(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="does not exist"):
@@ -87,20 +92,41 @@ def test_policy_and_score_parquet_take_a_hub_id_and_the_manifest_records_it(hub_
     torch.testing.assert_close(ours * enc["attention_mask"], ref, atol=1e-5, rtol=1e-5)
 
     pq.write_table(pa.table({"text": texts}), tmp_path / "d.parquet")
-    res = dask_lm.score_parquet(tmp_path / "d.parquet", tmp_path / "out", model=REPO, client=client,
-                                text_column="text", progress=False)
+    res = dask_lm.score_parquet(
+        tmp_path / "d.parquet", tmp_path / "out", model=REPO, client=client, text_column="text", progress=False
+    )
     assert res.rows == 2
     manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
-    assert manifest["model_source"] == {"path": str(hub_cache / f"models--dask-lm-tests--tiny-llama/snapshots/{MAIN}"),
-                                        "hub_id": REPO, "revision": None, "commit": MAIN}
+    assert manifest["model_source"] == {
+        "path": str(hub_cache / f"models--dask-lm-tests--tiny-llama/snapshots/{MAIN}"),
+        "hub_id": REPO,
+        "revision": None,
+        "commit": MAIN,
+    }
 
 
 def test_cli_names_a_missing_hub_model_with_exit_2_and_no_cluster(hub_cache, tmp_path):
     pq.write_table(pa.table({"text": ["a b c"]}), tmp_path / "d.parquet")
     env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-m", "dask_lm", "score", str(tmp_path / "d.parquet"), "--model",
-                          "Qwen/Qwen2.5-0.5B", "--output", str(tmp_path / "out"), "--text-column", "text"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dask_lm",
+            "score",
+            str(tmp_path / "d.parquet"),
+            "--model",
+            "Qwen/Qwen2.5-0.5B",
+            "--output",
+            str(tmp_path / "out"),
+            "--text-column",
+            "text",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     assert "Qwen/Qwen2.5-0.5B" in out.stderr and "hf download Qwen/Qwen2.5-0.5B" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "out").exists()

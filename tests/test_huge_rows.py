@@ -15,21 +15,28 @@ import pyarrow.parquet as pq
 import pytest
 import transformers
 from click.testing import CliRunner
+from tokenizer_kinds import _train
 
 import dask_lm
 from dask_lm.cli import main as cli
-from dask_lm.data.text_bytes import (ALWAYS_TOKENIZED_BYTES, MAX_TEXT_BYTES, max_token_bytes, text_bound,
-                                    tokenizer_token_bytes)
+from dask_lm.data.text_bytes import (
+    ALWAYS_TOKENIZED_BYTES,
+    MAX_TEXT_BYTES,
+    max_token_bytes,
+    text_bound,
+    tokenizer_token_bytes,
+)
 from dask_lm.errors import BadRowError
-
-from tokenizer_kinds import _train
 
 HUGE = 8 << 20  # bytes of one repeated letter: a few KB of zstd; tokenizing it takes the tiny tokenizer ~40 s, 1.6 GB
 
 
 def _huge_file(path, size=HUGE):
-    pq.write_table(pa.table({"id": [0, 1, 2], "text": ["dask tokens score", "a" * size, "parquet model worker"]}),
-                   path, compression="zstd")
+    pq.write_table(
+        pa.table({"id": [0, 1, 2], "text": ["dask tokens score", "a" * size, "parquet model worker"]}),
+        path,
+        compression="zstd",
+    )
     assert os.path.getsize(path) < size // 100  # the shape of the report: a small file, one enormous value
     return path
 
@@ -48,8 +55,16 @@ def test_no_text_has_fewer_tokens_than_its_bytes_over_the_bound(kind):
     k = tokenizer_token_bytes(tok)
     assert k is not None and k >= 4
     longest = max((tok.convert_tokens_to_string([t]) for t in tok.get_vocab()), key=lambda s: len(s.encode()))
-    texts = [longest * 50, " " * 5000, "a" * 5000, "é" * 3000, "日本語" * 1000, "\U0001F600" * 1000,
-             "dask tokens score parquet model cluster worker " * 100, "x=1; y=2\n" * 500]
+    texts = [
+        longest * 50,
+        " " * 5000,
+        "a" * 5000,
+        "é" * 3000,
+        "日本語" * 1000,
+        "\U0001f600" * 1000,
+        "dask tokens score parquet model cluster worker " * 100,
+        "x=1; y=2\n" * 500,
+    ]
     for text in texts:
         n = len(tok(text, add_special_tokens=False)["input_ids"])
         assert n * k >= len(text.encode()), (kind, text[:20], n, k)
@@ -78,13 +93,15 @@ def test_the_bound_from_a_tokenizer_json_by_rule():
     byte_level = {"type": "ByteLevel", "add_prefix_space": False}  # one character per byte: "▁▁" is 2 bytes
     assert max_token_bytes({"model": {**bpe, "vocab": {"a": 0, "ĠĠĠĠĠ": 1}}, "pre_tokenizer": byte_level}) == 5
     # what can make one token of unbounded text, or drop text, has no bound
-    for spec in ({"model": {**bpe, "unk_token": "<unk>", "fuse_unk": True}},
-                 {"model": {"type": "WordPiece", "vocab": vocab, "unk_token": "[UNK]"}},
-                 {"model": {"type": "Unigram", "vocab": [["a", 0.0]], "unk_id": 0}},
-                 {"model": bpe, "normalizer": {"type": "Strip", "left": True, "right": True}},
-                 {"model": bpe, "normalizer": {"type": "Replace", "pattern": {"Regex": "\\s+"}, "content": " "}},
-                 {"model": bpe, "pre_tokenizer": {"type": "Whitespace"}},
-                 {"model": bpe, "added_tokens": [{"content": "<mask>", "lstrip": True}]}):
+    for spec in (
+        {"model": {**bpe, "unk_token": "<unk>", "fuse_unk": True}},
+        {"model": {"type": "WordPiece", "vocab": vocab, "unk_token": "[UNK]"}},
+        {"model": {"type": "Unigram", "vocab": [["a", 0.0]], "unk_id": 0}},
+        {"model": bpe, "normalizer": {"type": "Strip", "left": True, "right": True}},
+        {"model": bpe, "normalizer": {"type": "Replace", "pattern": {"Regex": "\\s+"}, "content": " "}},
+        {"model": bpe, "pre_tokenizer": {"type": "Whitespace"}},
+        {"model": bpe, "added_tokens": [{"content": "<mask>", "lstrip": True}]},
+    ):
         assert max_token_bytes(spec) is None, spec
     # byte fallback: no unknown token, the pieces bound it
     assert max_token_bytes({"model": {**bpe, "unk_token": "<unk>", "fuse_unk": True, "byte_fallback": True}}) == 6
@@ -115,8 +132,13 @@ def test_a_huge_row_is_named_at_the_cost_of_reading_it_not_of_tokenizing_it(tiny
     size = 16 << 20
     path = _huge_file(tmp_path / "huge.parquet", size)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(path), tiny["tokenizer"]], env=env, capture_output=True,
-                         text=True, timeout=540)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(path), tiny["tokenizer"]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["errors"][0] is None and got["errors"][2] is None and got["ids"] == [True, False, True]
@@ -125,8 +147,9 @@ def test_a_huge_row_is_named_at_the_cost_of_reading_it_not_of_tokenizing_it(tiny
 
 
 def _cli(client, args):
-    return CliRunner().invoke(cli, ["score", *map(str, args), "--scheduler-address", client.scheduler.address,
-                                    "--no-progress"])
+    return CliRunner().invoke(
+        cli, ["score", *map(str, args), "--scheduler-address", client.scheduler.address, "--no-progress"]
+    )
 
 
 @pytest.mark.cluster
@@ -138,20 +161,35 @@ def test_a_huge_row_is_refused_by_name_or_skipped_and_listed(client, tiny, tmp_p
     result = _cli(client, [data, "--model", tiny["llama"], "--text-column", "text", "--output", tmp_path / "o1"])
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
-    assert f"huge.parquet: row 1, column 'text': {HUGE:,} bytes of text, more than the {bound:,} a row may hold" \
-        in said and "--truncate" in said, said
+    assert (
+        f"huge.parquet: row 1, column 'text': {HUGE:,} bytes of text, more than the {bound:,} a row may hold" in said
+        and "--truncate" in said
+    ), said
     assert not (tmp_path / "o1" / "_SUCCESS").exists()
 
     # --skip-bad-rows: the scan is left to the workers, which list the row and score the others
-    res = dask_lm.score_parquet(data, tmp_path / "o2", model=tiny["llama"], client=client, text_column="text",
-                                skip_bad_rows=True, progress=False)
+    res = dask_lm.score_parquet(
+        data,
+        tmp_path / "o2",
+        model=tiny["llama"],
+        client=client,
+        text_column="text",
+        skip_bad_rows=True,
+        progress=False,
+    )
     errors = pq.read_table(tmp_path / "o2" / "_errors.parquet").to_pylist()
     assert res.bad_rows == 1 and [(e["file"], e["row"]) for e in errors] == [(str(data), 1)]
     assert f"{HUGE:,} bytes of text" in errors[0]["error"]
     # the other rows score as they do in a file without the huge one
     pq.write_table(pq.read_table(data).take([0, 2]), tmp_path / "small.parquet")
-    dask_lm.score_parquet(tmp_path / "small.parquet", tmp_path / "o3", model=tiny["llama"], client=client,
-                          text_column="text", progress=False)
+    dask_lm.score_parquet(
+        tmp_path / "small.parquet",
+        tmp_path / "o3",
+        model=tiny["llama"],
+        client=client,
+        text_column="text",
+        progress=False,
+    )
     got, expect = _rows(tmp_path / "o2"), _rows(tmp_path / "o3")
     assert [r["id"] for r in got] == [0, 2] and len(expect) == 2
     assert [r["num_tokens"] for r in got] == [r["num_tokens"] for r in expect]
@@ -171,14 +209,13 @@ def test_dask_lm_score_names_or_drops_a_huge_python_string(client, tiny):
     with pytest.raises(BadRowError, match=f"row 1 \\(index 11\\), column 'text': {HUGE:,} bytes of text"):
         dask_lm.score(frame, model=tiny["llama"], client=client, text_column="text")
     with pytest.warns(UserWarning, match="1 bad row of 3 left out"):
-        out = dask_lm.score(frame, model=tiny["llama"], client=client, text_column="text",
-                            skip_bad_rows=True)
+        out = dask_lm.score(frame, model=tiny["llama"], client=client, text_column="text", skip_bad_rows=True)
     assert list(out.index) == [10, 12]
 
 
 def test_sft_refuses_a_huge_row_before_tokenizing_it(tiny, tmp_path):
-    from dask_lm.sft.job import _tokenize_partition
     from dask_lm.io import parquet as pio
+    from dask_lm.sft.job import _tokenize_partition
 
     path = str(_huge_file(tmp_path / "huge.parquet"))
     part = pio.read_partition(path, 0, 0, 3, ["text"])

@@ -42,7 +42,8 @@ def _modules() -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _runtime_imports(tree: ast.Module) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
@@ -78,7 +79,7 @@ def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, k
         return out
     if node.level:
         base = module.split(".") if is_package else module.split(".")[:-1]
-        base = base[:len(base) - (node.level - 1)]
+        base = base[: len(base) - (node.level - 1)]
         source = ".".join(base + ([node.module] if node.module else []))
     else:
         source = node.module or ""
@@ -186,15 +187,18 @@ def test_relative_and_submodule_imports_resolve() -> None:
     (sub,) = ast.parse("from dask_lm.model import device, nothing").body
     assert isinstance(rel, ast.ImportFrom) and isinstance(sub, ast.ImportFrom)
     assert _targets("dask_lm.model.fused", False, rel, known) == {"dask_lm.comm.progress"}
-    assert _targets("dask_lm.model", True, ast.parse("from . import device").body[0], known) == {  # type: ignore[arg-type]
-        "dask_lm.model.device"}
+    device_import = ast.parse("from . import device").body[0]
+    assert _targets("dask_lm.model", True, device_import, known) == {  # type: ignore[arg-type]
+        "dask_lm.model.device"
+    }
     assert _targets("x", False, sub, known) == {"dask_lm.model.device", "dask_lm.model"}
 
 
 def test_no_import_cycles() -> None:
     cycles = [c for c in find_cycles(import_graph()) if frozenset(c) not in ALLOWED_CYCLES]
     assert not cycles, "import cycles in dask_lm (mark a start-up-speed local import `# lazy: <why>`):\n" + "\n".join(
-        " -> ".join(c) for c in cycles)
+        " -> ".join(c) for c in cycles
+    )
 
 
 def test_no_import_cycles_through_lazy_imports() -> None:
@@ -216,8 +220,11 @@ def test_no_private_names_across_modules() -> None:
             if not isinstance(node, ast.ImportFrom):
                 continue
             for alias in node.names:
-                if alias.name.startswith("_") and not alias.name.startswith("__") and _targets(
-                        name, path.name == "__init__.py", node, known):
+                if (
+                    alias.name.startswith("_")
+                    and not alias.name.startswith("__")
+                    and _targets(name, path.name == "__init__.py", node, known)
+                ):
                     bad.append(f"{name}:{node.lineno} imports {alias.name}")
     assert not bad, "\n".join(bad)
 
@@ -225,16 +232,29 @@ def test_no_private_names_across_modules() -> None:
 # The rank side, by package prefix, and the rank halves of the subsystems that keep both halves in one package
 # (issue 29, "one home per subsystem"): scoring's and lm-eval's modules that run inside the Dask workers.
 RANK_SIDE = ("dask_lm.workers.", "dask_lm.model.", "dask_lm.comm.", "dask_lm.refit.")
-SUBSYSTEM_RANK_HALVES = frozenset({"dask_lm.scoring.scorer", "dask_lm.scoring.replicas", "dask_lm.scoring.partitions",
-                                   "dask_lm.evaluation.requests"})
+SUBSYSTEM_RANK_HALVES = frozenset(
+    {"dask_lm.scoring.scorer", "dask_lm.scoring.replicas", "dask_lm.scoring.partitions", "dask_lm.evaluation.requests"}
+)
 # What the driver submits: each module calls into its rank side on the worker, never the other way
 TASK_MODULES = ("dask_lm.workers.tasks", "dask_lm.scoring.tasks", "dask_lm.evaluation.tasks")
 # The subsystem packages, above the shared ones
 SUBSYSTEMS = ("dask_lm.scoring", "dask_lm.evaluation", "dask_lm.sft")
 # The shared packages (and top-level modules) the subsystems are built on: none of them imports a subsystem
-SHARED = ("dask_lm.engine", "dask_lm.jobs", "dask_lm.workers", "dask_lm.model", "dask_lm.comm", "dask_lm.refit",
-          "dask_lm.data", "dask_lm.io", "dask_lm.config", "dask_lm.losses", "dask_lm.compat", "dask_lm.errors",
-          "dask_lm.interface")
+SHARED = (
+    "dask_lm.engine",
+    "dask_lm.jobs",
+    "dask_lm.workers",
+    "dask_lm.model",
+    "dask_lm.comm",
+    "dask_lm.refit",
+    "dask_lm.data",
+    "dask_lm.io",
+    "dask_lm.config",
+    "dask_lm.losses",
+    "dask_lm.compat",
+    "dask_lm.errors",
+    "dask_lm.interface",
+)
 
 
 def _in(module: str, packages: tuple[str, ...]) -> bool:
@@ -250,8 +270,11 @@ def test_no_rank_module_imports_the_task_entry_points() -> None:
     rank module can be read (and imported) without the task layer above it. Only driver modules import it."""
     graph = import_graph()
     drivers = {"dask_lm.refit.driver"}
-    bad = sorted(m for m, edges in graph.items() if "dask_lm.workers.tasks" in edges and m.startswith(RANK_SIDE)
-                 and m not in drivers)
+    bad = sorted(
+        m
+        for m, edges in graph.items()
+        if "dask_lm.workers.tasks" in edges and m.startswith(RANK_SIDE) and m not in drivers
+    )
     assert not bad, bad
 
 
@@ -259,21 +282,27 @@ def test_no_rank_module_imports_a_subsystem_task_module() -> None:
     """The same for scoring's and lm-eval's task modules (``scoring/tasks.py``, ``evaluation/tasks.py``): no rank
     module, the subsystems' own rank halves included, imports any of the task modules."""
     graph = import_graph()
-    assert SUBSYSTEM_RANK_HALVES <= set(graph), SUBSYSTEM_RANK_HALVES - set(graph)
+    assert set(graph) >= SUBSYSTEM_RANK_HALVES, SUBSYSTEM_RANK_HALVES - set(graph)
     drivers = {"dask_lm.refit.driver"}
-    bad = sorted(f"{m} imports {t}" for m, edges in graph.items() for t in TASK_MODULES
-                 if t in edges and _is_rank_module(m) and m not in drivers)
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, edges in graph.items()
+        for t in TASK_MODULES
+        if t in edges and _is_rank_module(m) and m not in drivers
+    )
     assert not bad, bad
 
 
 def test_the_shared_packages_import_no_subsystem() -> None:
     """Scoring, lm-eval and SFT sit above the shared packages (the jobs' scaffold, the engine's cluster, the workers'
     plugin state, the model code, ...): a module of ``SHARED`` imports none of ``dask_lm.scoring``,
-    ``dask_lm.evaluation`` and ``dask_lm.sft``. (The workers' lease check finds scoring's replicas by name in ``sys.modules``, never
-    importing them; ``dask_lm``'s public names and the CLI reach the jobs by name, on first use.)"""
+    ``dask_lm.evaluation`` and ``dask_lm.sft``. (The workers' lease check finds scoring's replicas by name in
+    ``sys.modules``, never importing them; ``dask_lm``'s public names and the CLI reach the jobs by name, on first
+    use.)"""
     graph = import_graph()
-    bad = sorted(f"{m} imports {e}" for m, edges in graph.items() if _in(m, SHARED)
-                 for e in edges if _in(e, SUBSYSTEMS))
+    bad = sorted(
+        f"{m} imports {e}" for m, edges in graph.items() if _in(m, SHARED) for e in edges if _in(e, SUBSYSTEMS)
+    )
     assert not bad, bad
 
 
@@ -281,8 +310,13 @@ def test_scoring_does_not_import_evaluation() -> None:
     """lm-eval is built on scoring (its ranks score on scoring's replicas, its engine frees them with scoring's
     task): scoring never imports it back."""
     graph = import_graph()
-    bad = sorted(f"{m} imports {e}" for m, edges in graph.items() if _in(m, ("dask_lm.scoring",))
-                 for e in edges if _in(e, ("dask_lm.evaluation",)))
+    bad = sorted(
+        f"{m} imports {e}"
+        for m, edges in graph.items()
+        if _in(m, ("dask_lm.scoring",))
+        for e in edges
+        if _in(e, ("dask_lm.evaluation",))
+    )
     assert not bad, bad
 
 
@@ -290,8 +324,13 @@ def test_sft_imports_no_other_subsystem() -> None:
     """SFT is built on the shared packages alone (the jobs' scaffold, the Policy): it imports neither scoring nor
     lm-eval."""
     graph = import_graph()
-    bad = sorted(f"{m} imports {e}" for m, edges in graph.items() if _in(m, ("dask_lm.sft",))
-                 for e in edges if _in(e, ("dask_lm.scoring", "dask_lm.evaluation")))
+    bad = sorted(
+        f"{m} imports {e}"
+        for m, edges in graph.items()
+        if _in(m, ("dask_lm.sft",))
+        for e in edges
+        if _in(e, ("dask_lm.scoring", "dask_lm.evaluation"))
+    )
     assert not bad, bad
 
 
@@ -308,7 +347,11 @@ def test_no_rank_module_imports_the_driver() -> None:
     rank all the same). What rank code needs of a check or a figure lives below both sides (``data/``, ``model/``)."""
     graph = import_graph(lazy=True)
     assert set(REFIT_DRIVER_HALF) <= set(graph), set(REFIT_DRIVER_HALF) - set(graph)
-    bad = sorted(f"{m} imports {e}" for m, edges in graph.items()
-                 if m.startswith(RANK_SIDE) and m not in REFIT_DRIVER_HALF
-                 for e in edges if _in(e, ("dask_lm.engine",)))
+    bad = sorted(
+        f"{m} imports {e}"
+        for m, edges in graph.items()
+        if m.startswith(RANK_SIDE) and m not in REFIT_DRIVER_HALF
+        for e in edges
+        if _in(e, ("dask_lm.engine",))
+    )
     assert not bad, "rank code imports the Policy's driver:\n" + "\n".join(bad)

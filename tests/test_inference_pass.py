@@ -71,8 +71,12 @@ class _FakeWorker:
 def test_run_pass_writes_every_token_and_row_where_it_belongs():
     ids, lens = _rows([5, 1, 3, 6, 2], 8)
     data = TokenRows.from_padded(ids, lens)
-    plan = [MicroBatch(0, 2, packed=True), MicroBatch(2, 4), MicroBatch(4, 5, packed=True),
-            MicroBatch(0, 1, packed=True, dummy=True)]
+    plan = [
+        MicroBatch(0, 2, packed=True),
+        MicroBatch(2, 4),
+        MicroBatch(4, 5, packed=True),
+        MicroBatch(0, 1, packed=True, dummy=True),
+    ]
     worker = _FakeWorker(plan)
     per_token = torch.full((5, 8), -1.0)
     doubled = torch.full((5, 8, 2), -1.0)
@@ -85,8 +89,15 @@ def test_run_pass_writes_every_token_and_row_where_it_belongs():
     assert per_token[0, 5:].eq(-1).all() and per_token[4, 2:].eq(-1).all() and per_token[3, 6:].eq(-1).all()
     assert worker.finished == 1
     scores = torch.zeros(5)
-    run_pass(_FakeWorker(plan[:3]), data, {}, None,
-             lambda h, layout: (torch.as_tensor(layout.host.lens, dtype=torch.float32),), (scores,), per_row=True)
+    run_pass(
+        _FakeWorker(plan[:3]),
+        data,
+        {},
+        None,
+        lambda h, layout: (torch.as_tensor(layout.host.lens, dtype=torch.float32),),
+        (scores,),
+        per_row=True,
+    )
     assert scores.tolist() == lens.float().tolist()
 
 
@@ -123,8 +134,15 @@ def test_scorer_packed_micro_batches_equal_padded_ones_and_hf(tiny):
     from dask_lm.data.messages import ScoreOptions
     from dask_lm.scoring import replicas, scorer
 
-    opts = ScoreOptions(model=tiny["llama"], tokenizer=tiny["llama"], precision="float32", output="-",
-                               topk=3, batch_tokens=40, chunk_size=7)
+    opts = ScoreOptions(
+        model=tiny["llama"],
+        tokenizer=tiny["llama"],
+        precision="float32",
+        output="-",
+        topk=3,
+        batch_tokens=40,
+        chunk_size=7,
+    )
     rep = replicas.Replica(opts.model, opts.tokenizer, opts.precision)
     assert not rep.packed and not rep.compiled  # the CPU pads and stays eager
     import transformers
@@ -179,6 +197,7 @@ def test_a_failed_compilation_falls_back_to_eager_once(monkeypatch, caplog):
         def broken(*args):
             calls.append(1)
             raise torch._dynamo.exc.TorchDynamoException("no C compiler found")
+
         return broken
 
     monkeypatch.setattr(fused, "_compilable", lambda t: True)
@@ -235,6 +254,7 @@ def test_compiled_layers_run_only_inside_inference_and_only_in_that_thread(tiny,
         def compiled(*args, **kw):
             calls.append(threading.current_thread().name)
             return fn(*args, **kw)
+
         return compiled
 
     monkeypatch.setattr(fused.torch, "compile", fake_compile)

@@ -18,11 +18,11 @@ from click.testing import CliRunner
 
 import dask_lm
 from dask_lm.cli import main as cli
-from dask_lm.sft import job as sft
 from dask_lm.errors import InputChangedError
 from dask_lm.io import fingerprint
 from dask_lm.io import parquet as pio
 from dask_lm.scoring import job
+from dask_lm.sft import job as sft
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
 # (pytest -m "not cluster")
@@ -35,8 +35,14 @@ def _texts(n, letter="a", start=0):
 
 def _write(path, texts, row_group_size=None):
     # no dictionary, no compression, no statistics: the file's size depends on the rows' lengths only
-    pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), path, row_group_size=row_group_size,
-                   use_dictionary=False, compression="none", write_statistics=False)
+    pq.write_table(
+        pa.table({"id": list(range(len(texts))), "text": texts}),
+        path,
+        row_group_size=row_group_size,
+        use_dictionary=False,
+        compression="none",
+        write_statistics=False,
+    )
     return str(path)
 
 
@@ -129,16 +135,18 @@ def test_an_input_changed_after_its_last_read_fails_before_success(client, tiny,
     original = pathlib.Path(data).read_bytes()
     _after_last_part(monkeypatch, lambda: _replace_same_size(data, _texts(20, "q"), row_group_size=5))
     with pytest.raises(InputChangedError, match="same size, different content") as e:
-        dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text", progress=False,
-                              task_tokens=0)
+        dask_lm.score_parquet(
+            data, out, model=tiny["llama"], client=client, text_column="text", progress=False, task_tokens=0
+        )
     assert data in str(e.value)
     assert not (out / "_SUCCESS").exists() and len(list(out.glob("part-*.parquet"))) == 4
     monkeypatch.undo()
     # the advice holds: the file restored, --resume finishes the job from the parts already written
     with open(data, "wb") as f:
         f.write(original)
-    result = dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text",
-                                   progress=False, resume=True, task_tokens=0)
+    result = dask_lm.score_parquet(
+        data, out, model=tiny["llama"], client=client, text_column="text", progress=False, resume=True, task_tokens=0
+    )
     assert (result.run_rows, result.rows) == (0, 20) and result.parts_skipped == 4 and (out / "_SUCCESS").exists()
 
 
@@ -151,8 +159,9 @@ def test_a_model_file_changed_during_the_job_fails_before_success(client, tiny, 
     data = _write(tmp_path / "a.parquet", _texts(6))
     out = tmp_path / "out"
     # same length, another value: a different model with the same file size
-    _after_last_part(monkeypatch, lambda: config.write_text(text.replace('"rms_norm_eps": 1e-06',
-                                                                         '"rms_norm_eps": 9e-06')))
+    _after_last_part(
+        monkeypatch, lambda: config.write_text(text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 9e-06'))
+    )
     assert '"rms_norm_eps": 1e-06' in text
     with pytest.raises(InputChangedError, match=r"config.json") as e:
         dask_lm.score_parquet(data, out, model=str(model), client=client, text_column="text", progress=False)
@@ -174,11 +183,24 @@ def test_cli_input_replaced_mid_job_exits_1_without_success(client, tiny, tmp_pa
         return real(self, n, postfix, **kwargs)
 
     monkeypatch.setattr(dask_lm.engine.progress.JobBar, "update", update)
-    result = CliRunner().invoke(cli, ["score", data, "--model", tiny["llama"], "--text-column", "text", "--output",
-                                      str(out), "--scheduler-address", client.scheduler.address, "--no-progress"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "score",
+            data,
+            "--model",
+            tiny["llama"],
+            "--text-column",
+            "text",
+            "--output",
+            str(out),
+            "--scheduler-address",
+            client.scheduler.address,
+            "--no-progress",
+        ],
+    )
     assert replaced and result.exit_code == 1, result.output
-    assert "InputChangedError" in result.output and data in result.output and "--resume" in result.output, \
-        result.output
+    assert "InputChangedError" in result.output and data in result.output and "--resume" in result.output, result.output
     assert not (out / "_SUCCESS").exists()
     written = sorted(out.glob("part-*.parquet"))
     assert 1 <= len(written) < 20
@@ -198,8 +220,17 @@ def test_sft_input_changed_during_the_run_fails_before_success(client, tiny, tmp
 
     monkeypatch.setattr(sft, "_save", save)
     with pytest.raises(InputChangedError, match="different content"):
-        sft.sft_parquet(data, out, model=tiny["llama"], client=client, text_column="text", global_batch_size=8,
-                        micro_batch_size=4, max_steps=1, progress=False)
+        sft.sft_parquet(
+            data,
+            out,
+            model=tiny["llama"],
+            client=client,
+            text_column="text",
+            global_batch_size=8,
+            micro_batch_size=4,
+            max_steps=1,
+            progress=False,
+        )
     assert not (out / "_SUCCESS").exists() and (out / "step_1").is_dir()
 
 
@@ -221,8 +252,9 @@ def test_a_symlinked_directory_of_rows_is_scored(client, tiny, tmp_path):
     assert files == [str(data / "a.parquet"), str(data / "more" / "deep" / "b.parquet")]
     out = tmp_path / "out"
     with pytest.warns(UserWarning, match="reached a second way"):
-        result = dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text",
-                                       progress=False)
+        result = dask_lm.score_parquet(
+            data, out, model=tiny["llama"], client=client, text_column="text", progress=False
+        )
     assert result.rows == 500
     scored = pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("part-*.parquet")))
     assert sorted(scored.column("text").to_pylist()) == sorted(_texts(100) + _texts(400, start=100))

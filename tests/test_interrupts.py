@@ -7,6 +7,7 @@ a signal and what the job is doing show there, not on an idle machine."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -16,8 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-
-import contextlib
 
 import psutil
 import pyarrow as pa
@@ -38,7 +37,23 @@ ROWS = 900
 def long_job(tmp_path_factory):
     """A job of many small parts (about 60), long enough on 2 CPU workers to be interrupted mid-way."""
     rng = random.Random(0)
-    words = "the quick brown fox jumps over a lazy dog while dask schedules tasks on workers".split()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "dask",
+        "schedules",
+        "tasks",
+        "on",
+        "workers",
+    ]
     path = tmp_path_factory.mktemp("interrupts") / "data.parquet"
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(40, 160))) for _ in range(ROWS)]
     pq.write_table(pa.table({"id": list(range(ROWS)), "text": texts}), path, row_group_size=100)
@@ -46,8 +61,25 @@ def long_job(tmp_path_factory):
 
 
 def _score(data, model, out, *extra, task_tokens=3000):
-    return [sys.executable, "-m", "dask_lm", "score", data, "--model", model, "--text-column", "text",
-            "--id-column", "id", "--output", str(out), "--task-tokens", str(task_tokens), "--no-progress", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "dask_lm",
+        "score",
+        data,
+        "--model",
+        model,
+        "--text-column",
+        "text",
+        "--id-column",
+        "id",
+        "--output",
+        str(out),
+        "--task-tokens",
+        str(task_tokens),
+        "--no-progress",
+        *extra,
+    ]
 
 
 @contextlib.contextmanager
@@ -64,8 +96,9 @@ def _busy():
 
 def _interrupt_after_first_part(cmd, out, sig, **popen):
     with _busy():
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, **popen)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **popen
+        )
         deadline = time.time() + 400
         while not glob.glob(os.path.join(out, "part-*.parquet")):
             assert proc.poll() is None, proc.communicate()
@@ -79,7 +112,11 @@ def _interrupt_after_first_part(cmd, out, sig, **popen):
 
 
 def _ids(out):
-    return [i for f in sorted(glob.glob(os.path.join(out, "part-*.parquet"))) for i in pq.read_table(f).column("id").to_pylist()]
+    return [
+        i
+        for f in sorted(glob.glob(os.path.join(out, "part-*.parquet")))
+        for i in pq.read_table(f).column("id").to_pylist()
+    ]
 
 
 @pytest.mark.cluster
@@ -92,14 +129,19 @@ def test_a_signal_mid_job_says_what_is_kept_and_resume_finishes_exactly_once(tin
     assert len(lines) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     kept = len(glob.glob(str(out / "part-*.parquet")))
     manifest = json.loads((out / "_manifest.json").read_text())
-    assert lines[0] == (f"interrupted: {kept} of {manifest['partitions']} parts kept in {out}; run the same "
-                        "command with --resume to score the rest")
+    assert lines[0] == (
+        f"interrupted: {kept} of {manifest['partitions']} parts kept in {out}; run the same "
+        "command with --resume to score the rest"
+    )
     time.sleep(1.0)  # the workers are gone: nothing more is written after the command has exited
     assert len(glob.glob(str(out / "part-*.parquet"))) == kept
     assert not (out / "_SUCCESS").exists()
     # after SIGTERM the resume is given nothing but the output: the inputs, model and options are the manifest's
-    resume = (_score(long_job, tiny["llama"], out, "--resume") if sig == signal.SIGINT else
-              [sys.executable, "-m", "dask_lm", "score", "--output", str(out), "--resume", "--no-progress"])
+    resume = (
+        _score(long_job, tiny["llama"], out, "--resume")
+        if sig == signal.SIGINT
+        else [sys.executable, "-m", "dask_lm", "score", "--output", str(out), "--resume", "--no-progress"]
+    )
     done = subprocess.run(resume, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     ids = _ids(out)
@@ -115,8 +157,9 @@ def test_a_sigint_is_taken_even_where_the_command_was_started_with_it_ignored(ti
     the job ran to its end, exit 0. The command takes SIGINT for its duration whatever it inherited."""
     out = tmp_path / "out"
     ignored = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 - in the child, before its exec
-    code, _, stderr = _interrupt_after_first_part(_score(long_job, tiny["llama"], out), str(out), signal.SIGINT,
-                                                  preexec_fn=ignored)
+    code, _, stderr = _interrupt_after_first_part(
+        _score(long_job, tiny["llama"], out), str(out), signal.SIGINT, preexec_fn=ignored
+    )
     assert code == 130, (code, stderr)
     assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("interrupted: "), stderr
     assert not (out / "_SUCCESS").exists()
@@ -131,8 +174,13 @@ def test_a_ctrl_c_while_the_workers_start_prints_one_line_and_no_worker_tracebac
     pq.write_table(pa.table({"id": [0, 1, 2], "text": ["a b c", "dask scores rows", "the quick fox"]}), data)
     out = tmp_path / "out"
     with _busy():
-        proc = subprocess.Popen(_score(str(data), tiny["llama"], out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            _score(str(data), tiny["llama"], out),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         driver, deadline = psutil.Process(proc.pid), time.time() + 300
         # a worker process well into its imports (a fifth of a CPU second: Python has set up its own SIGINT handler,
         # and the worker's preload is seconds away): a signal before that kills it silently, as SIG_DFL does
@@ -147,8 +195,9 @@ def test_a_ctrl_c_while_the_workers_start_prints_one_line_and_no_worker_tracebac
     print(f"exited {proc.returncode} after {time.perf_counter() - sent:.2f} s")
     assert proc.returncode == 130, (proc.returncode, stderr)
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
-    assert stderr.strip().splitlines() == [f"interrupted: nothing was written to {out}; run the same command again "
-                                           "to start over"], stderr
+    assert stderr.strip().splitlines() == [
+        f"interrupted: nothing was written to {out}; run the same command again to start over"
+    ], stderr
     assert not out.exists()
 
 
@@ -177,8 +226,12 @@ def test_a_lost_scheduler_is_one_line_that_names_resume(tiny, long_job, tmp_path
     with Client(scheduler_file=str(sched)) as c:
         scheduler_pid = c.run_on_scheduler(os.getpid)
     out = tmp_path / "out"
-    proc = subprocess.Popen(_score(long_job, tiny["llama"], out, "--scheduler-address", str(sched)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _score(long_job, tiny["llama"], out, "--scheduler-address", str(sched)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 300
     while not glob.glob(str(out / "part-*.parquet")):
         assert proc.poll() is None, proc.communicate()
@@ -190,17 +243,19 @@ def test_a_lost_scheduler_is_one_line_that_names_resume(tiny, long_job, tmp_path
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
     parts = json.loads((out / "_manifest.json").read_text())["partitions"]
-    said = re.fullmatch(rf"Error: SchedulerLostError: lost the Dask scheduler at tcp://127\.0\.0\.1:\d+ \(stopped, or "
-                        rf"the network to it failed\): (\d+) of {parts} parts kept in {re.escape(str(out))}; once a "
-                        rf"scheduler is up, run the same command with --resume to score the rest", lines[0])
+    said = re.fullmatch(
+        rf"Error: SchedulerLostError: lost the Dask scheduler at tcp://127\.0\.0\.1:\d+ \(stopped, or "
+        rf"the network to it failed\): (\d+) of {parts} parts kept in {re.escape(str(out))}; once a "
+        rf"scheduler is up, run the same command with --resume to score the rest",
+        lines[0],
+    )
     assert said, lines[0]
     # the workers outlive their scheduler: a part they were writing may still land after the line was said
     assert 1 <= int(said.group(1)) <= len(glob.glob(str(out / "part-*.parquet"))) < parts
 
 
 @pytest.mark.cluster
-def test_on_an_attached_cluster_no_part_appears_after_the_command_has_gone(tiny, long_job, tmp_path,
-                                                                           attached_cluster):
+def test_on_an_attached_cluster_no_part_appears_after_the_command_has_gone(tiny, long_job, tmp_path, attached_cluster):
     """The cluster outlives the command: its in-flight task must not write a part once the job is cancelled
     (scoring/scorer.py: _refuse_if_cancelled). Text rows, so that the driver's own config check runs beside the
     row pre-scan's tokenizer load, as it does when the cluster has no worker yet (modelcheck.transformers_module)."""

@@ -45,15 +45,24 @@ def one_part_job(client, tiny, tmp_path_factory):
     part: ``(result, the bar's text, time before the call, time after it)``."""
     root = tmp_path_factory.mktemp("numbers")
     data = root / "data.parquet"
-    pq.write_table(pa.table({"id": list(range(ROWS)), "text": [f"row {i}: dask scores " * (1 + i % 3)
-                                                                for i in range(ROWS)]}), data)
+    pq.write_table(
+        pa.table({"id": list(range(ROWS)), "text": [f"row {i}: dask scores " * (1 + i % 3) for i in range(ROWS)]}), data
+    )
     client.run(_preloads, True)
     bar = io.StringIO()
     try:
         before = time.time()
         with contextlib.redirect_stderr(bar):
-            res = dask_lm.score_parquet(data, root / "out", model=tiny["llama"], client=client, text_column="text",
-                                        id_column="id", task_tokens=0, progress=True)
+            res = dask_lm.score_parquet(
+                data,
+                root / "out",
+                model=tiny["llama"],
+                client=client,
+                text_column="text",
+                id_column="id",
+                task_tokens=0,
+                progress=True,
+            )
         after = time.time()
     finally:
         client.run(_preloads, False)
@@ -106,10 +115,23 @@ def test_the_summary_after_the_call_closed_its_cluster_has_no_dashboard(tiny, tm
     data = tmp_path / "data.parquet"
     pq.write_table(pa.table({"text": ["a b c", "dask scores rows", "the quick fox"]}), data)
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["score", str(data), "--model", tiny["llama"], "--text-column", "text",
-                                      "--output", str(out), "--n-workers", "1"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "score",
+            str(data),
+            "--model",
+            tiny["llama"],
+            "--text-column",
+            "text",
+            "--output",
+            str(out),
+            "--n-workers",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    summary = result.stdout[result.stdout.index("rows "):]
+    summary = result.stdout[result.stdout.index("rows ") :]
     assert "http://" not in summary and "dashboard" not in summary, summary
     assert "watch the job on the Dask dashboard at http://" in result.stderr  # while it ran
     done = json.loads((out / "_SUCCESS").read_text())

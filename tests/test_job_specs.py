@@ -16,54 +16,153 @@ from dask_lm.jobs.spec import options_of
 from dask_lm.scoring.spec import ScoreSpec
 from dask_lm.sft.spec import SFTSpec
 
-SCORE_PINNED = {"text_column", "ids_column", "prompt_length_column", "prompt_column", "response_column",
-                "id_column", "convention", "topk", "decode_topk", "max_length", "truncate", "precision",
-                "skip_bad_rows"}
+SCORE_PINNED = {
+    "text_column",
+    "ids_column",
+    "prompt_length_column",
+    "prompt_column",
+    "response_column",
+    "id_column",
+    "convention",
+    "topk",
+    "decode_topk",
+    "max_length",
+    "truncate",
+    "precision",
+    "skip_bad_rows",
+}
 SCORE_SETTINGS = {"allow_nonfinite", "batch_tokens", "task_tokens", "compile"}
-SFT_PINNED = {"text_column", "prompt_column", "response_column", "convention", "epochs", "global_batch_size", "lr",
-              "weight_decay", "warmup_steps", "max_length", "truncate", "precision", "seed", "shuffle"}
+SFT_PINNED = {
+    "text_column",
+    "prompt_column",
+    "response_column",
+    "convention",
+    "epochs",
+    "global_batch_size",
+    "lr",
+    "weight_decay",
+    "warmup_steps",
+    "max_length",
+    "truncate",
+    "precision",
+    "seed",
+    "shuffle",
+}
 SFT_SETTINGS = {"max_steps", "micro_batch_size", "save_every", "keep"}
 
 
 def _manifest(spec, model="/m"):
     """A manifest as a job writes one: its sources by path (content hashes left out) and the spec's options."""
-    return {"format": 1, "model": model, "inputs": [{"path": p, "size": 1, "sha256": "0" * 64} for p in spec.input],
-            "options": spec.manifest_options(), "settings": spec.manifest_settings()}
+    return {
+        "format": 1,
+        "model": model,
+        "inputs": [{"path": p, "size": 1, "sha256": "0" * 64} for p in spec.input],
+        "options": spec.manifest_options(),
+        "settings": spec.manifest_settings(),
+    }
 
 
 def test_a_call_gets_the_documented_defaults():
     spec = ScoreSpec.build({"input": "a.parquet", "model": "/m", "text_column": "text", "topk": None})
     assert spec.input == ("a.parquet",) and spec.model == "/m"
-    assert (spec.convention, spec.topk, spec.decode_topk, spec.truncate, spec.skip_bad_rows, spec.precision,
-            spec.compile) == ("lm-eval", 0, False, False, False, "auto", None)
+    assert (
+        spec.convention,
+        spec.topk,
+        spec.decode_topk,
+        spec.truncate,
+        spec.skip_bad_rows,
+        spec.precision,
+        spec.compile,
+    ) == ("lm-eval", 0, False, False, False, "auto", None)
     sft = SFTSpec.build({"input": ["a.parquet"], "model": "/m", "prompt_column": "p", "response_column": "r"})
-    assert (sft.epochs, sft.global_batch_size, sft.micro_batch_size, sft.lr, sft.weight_decay, sft.warmup_steps,
-            sft.max_length, sft.save_every, sft.keep, sft.seed, sft.shuffle, sft.convention) == (
-        1, 32, 4, 1e-5, 0.01, 0, 1024, 100, 2, 0, True, "lm-eval")
+    assert (
+        sft.epochs,
+        sft.global_batch_size,
+        sft.micro_batch_size,
+        sft.lr,
+        sft.weight_decay,
+        sft.warmup_steps,
+        sft.max_length,
+        sft.save_every,
+        sft.keep,
+        sft.seed,
+        sft.shuffle,
+        sft.convention,
+    ) == (1, 32, 4, 1e-5, 0.01, 0, 1024, 100, 2, 0, True, "lm-eval")
 
 
 def test_the_manifest_pins_the_options_and_records_the_settings():
-    spec = ScoreSpec.build({"input": ("a.parquet",), "model": "/m", "ids_column": "ids", "decode_topk": None,
-                            "precision": "bf16", "task_tokens": 0})
+    spec = ScoreSpec.build(
+        {
+            "input": ("a.parquet",),
+            "model": "/m",
+            "ids_column": "ids",
+            "decode_topk": None,
+            "precision": "bf16",
+            "task_tokens": 0,
+        }
+    )
     assert set(spec.manifest_options()) == SCORE_PINNED - {"decode_topk"}  # written only once set
     assert spec.manifest_options()["precision"] == "bfloat16"
     assert set(spec.manifest_settings()) == SCORE_SETTINGS
-    assert set(ScoreSpec.build({"input": "a", "model": "/m", "text_column": "t", "topk": 2,
-                                "decode_topk": True}).manifest_options()) == SCORE_PINNED
+    assert (
+        set(
+            ScoreSpec.build(
+                {"input": "a", "model": "/m", "text_column": "t", "topk": 2, "decode_topk": True}
+            ).manifest_options()
+        )
+        == SCORE_PINNED
+    )
     sft = SFTSpec.build({"input": "a", "model": "/m", "text_column": "t"})
     assert set(sft.manifest_options()) == SFT_PINNED and set(sft.manifest_settings()) == SFT_SETTINGS
     assert sft.manifest_options()["precision"] is None  # auto: pinned once the workers are known
 
 
-@pytest.mark.parametrize("spec", [
-    ScoreSpec(input=("a.parquet", "b.parquet"), model="/m", prompt_column="p", response_column="r", topk=3,
-              decode_topk=True, max_length=64, truncate=True, precision="fp32", skip_bad_rows=True, task_tokens=0,
-              batch_tokens=512, compile=False, allow_nonfinite=True, convention="separate", id_column="id"),
-    ScoreSpec(input=("a.parquet",), model="/m", ids_column="ids", prompt_length_column="n"),
-    SFTSpec(input=("a.parquet",), model="/m", text_column="t", epochs=3, max_steps=7, global_batch_size=8,
-            micro_batch_size=2, lr=0.5, weight_decay=0.0, warmup_steps=2, max_length=77, truncate=True,
-            precision="bf16", save_every=3, keep=1, seed=9, shuffle=False, convention="separate"),
-], ids=["score-pair", "score-ids", "sft"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ScoreSpec(
+            input=("a.parquet", "b.parquet"),
+            model="/m",
+            prompt_column="p",
+            response_column="r",
+            topk=3,
+            decode_topk=True,
+            max_length=64,
+            truncate=True,
+            precision="fp32",
+            skip_bad_rows=True,
+            task_tokens=0,
+            batch_tokens=512,
+            compile=False,
+            allow_nonfinite=True,
+            convention="separate",
+            id_column="id",
+        ),
+        ScoreSpec(input=("a.parquet",), model="/m", ids_column="ids", prompt_length_column="n"),
+        SFTSpec(
+            input=("a.parquet",),
+            model="/m",
+            text_column="t",
+            epochs=3,
+            max_steps=7,
+            global_batch_size=8,
+            micro_batch_size=2,
+            lr=0.5,
+            weight_decay=0.0,
+            warmup_steps=2,
+            max_length=77,
+            truncate=True,
+            precision="bf16",
+            save_every=3,
+            keep=1,
+            seed=9,
+            shuffle=False,
+            convention="separate",
+        ),
+    ],
+    ids=["score-pair", "score-ids", "sft"],
+)
 def test_a_resume_given_nothing_rebuilds_the_spec_from_the_manifest(spec):
     assert type(spec).build({}, manifest=_manifest(spec)) == spec
 
@@ -104,15 +203,19 @@ def test_the_shuffle_flag_is_named_as_the_command_spells_it(tmp_path):
     old = SFTSpec(input=("a",), model="/m", text_column="t")
     resumed = SFTSpec.build({"shuffle": False}, manifest=_manifest(old))
     with interface.cli(), pytest.raises(ValueError, match="--no-shuffle"):
-        resume.check_resume(_manifest(old), _manifest(resumed), output=str(tmp_path), what="trained",
-                            flags=SFTSpec.flags())
+        resume.check_resume(
+            _manifest(old), _manifest(resumed), output=str(tmp_path), what="trained", flags=SFTSpec.flags()
+        )
 
 
 def test_a_manifest_value_of_the_wrong_type_names_the_file_and_the_key():
     bad = _manifest(ScoreSpec(input=("a",), model="/m", text_column="t"))
     bad["options"]["topk"] = "five"
-    with pytest.raises(ValueError, match=r'/out/_manifest.json: "topk" holds \'five\', a str, where the option takes '
-                                         r"an int; .*overwrite"):
+    with pytest.raises(
+        ValueError,
+        match=r'/out/_manifest.json: "topk" holds \'five\', a str, where the option takes '
+        r"an int; .*overwrite",
+    ):
         ScoreSpec.build({}, manifest=bad, manifest_path="/out/_manifest.json")
 
 
@@ -123,14 +226,17 @@ def test_a_given_value_of_the_wrong_type_names_the_option_as_the_caller_spells_i
         ScoreSpec.build({"input": "a", "model": "/m", "text_column": "t", "topk": "5"})
 
 
-@pytest.mark.parametrize("given, message", [
-    ({"text_column": "t", "ids_column": "i"}, "give exactly one of"),
-    ({"text_column": "t", "topk": -1}, "topk and task_tokens must be >= 0"),
-    ({"text_column": "t", "decode_topk": True}, "decode_topk=True decodes the top-k ids"),
-    ({"text_column": "t", "convention": "hf"}, "convention must be one of"),
-    ({"text_column": "t", "precision": "int8"}, "precision must be auto, bf16, fp32 or fp16"),
-    ({"text_column": "t", "prompt_length_column": "n"}, "prompt_length_column goes with ids_column"),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({"text_column": "t", "ids_column": "i"}, "give exactly one of"),
+        ({"text_column": "t", "topk": -1}, "topk and task_tokens must be >= 0"),
+        ({"text_column": "t", "decode_topk": True}, "decode_topk=True decodes the top-k ids"),
+        ({"text_column": "t", "convention": "hf"}, "convention must be one of"),
+        ({"text_column": "t", "precision": "int8"}, "precision must be auto, bf16, fp32 or fp16"),
+        ({"text_column": "t", "prompt_length_column": "n"}, "prompt_length_column goes with ids_column"),
+    ],
+)
 def test_a_spec_checks_itself_naming_the_option(given, message):
     with interface.speaking("python"), pytest.raises(ValueError, match=message):
         ScoreSpec(input=("a",), model="/m", **given)
@@ -143,8 +249,9 @@ def test_sft_checks_its_ranges_and_precisions():
         SFTSpec(input=("a",), model="/m", text_column="t", precision="fp16")
 
 
-@pytest.mark.parametrize("spec, function", [(ScoreSpec, "dask_lm.scoring.job:score_parquet"),
-                                            (SFTSpec, "dask_lm.sft.job:sft_parquet")])
+@pytest.mark.parametrize(
+    "spec, function", [(ScoreSpec, "dask_lm.scoring.job:score_parquet"), (SFTSpec, "dask_lm.sft.job:sft_parquet")]
+)
 def test_every_option_of_a_spec_is_a_keyword_of_its_function_and_an_option_of_its_command(spec, function):
     import importlib
 
@@ -179,8 +286,7 @@ def test_specs_are_frozen_and_keyword_only():
 def test_a_path_object_is_a_path_string():
     import pathlib
 
-    spec = ScoreSpec.build({"input": [pathlib.Path("x/a.parquet")], "model": pathlib.Path("/m"),
-                            "text_column": "t"})
+    spec = ScoreSpec.build({"input": [pathlib.Path("x/a.parquet")], "model": pathlib.Path("/m"), "text_column": "t"})
     assert spec.input == (os.path.join("x", "a.parquet"),) and spec.model == "/m"
 
 
@@ -199,8 +305,9 @@ def _rows(path, n, word="alpha"):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"id": list(range(n)), "text": [f"{word} {i} beta gamma" for i in range(n)]}), path,
-                   compression="none")  # same-length words: a file of the same size
+    pq.write_table(
+        pa.table({"id": list(range(n)), "text": [f"{word} {i} beta gamma" for i in range(n)]}), path, compression="none"
+    )  # same-length words: a file of the same size
 
 
 @pytest.fixture()
@@ -243,11 +350,14 @@ def test_a_resume_rebuilds_the_spec_from_the_folder_and_plans_the_same_job(stopp
         job.out.pin(manifest, old, pins)  # the content check passes too
 
 
-@pytest.mark.parametrize("change, named", [
-    ("added", "input file {data}/c.parquet is new"),
-    ("removed", "input file {data}/b.parquet is gone"),
-    ("grown", "input file {data}/a.parquet changed: {old} -> {new} bytes"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ("added", "input file {data}/c.parquet is new"),
+        ("removed", "input file {data}/b.parquet is gone"),
+        ("grown", "input file {data}/a.parquet changed: {old} -> {new} bytes"),
+    ],
+)
 def test_an_input_file_added_removed_or_changed_is_named_before_any_cluster(stopped_job, no_cluster, change, named):
     data, out = stopped_job
     old = os.path.getsize(data / "a.parquet")
@@ -273,12 +383,15 @@ def test_an_input_changed_in_content_at_the_same_size_is_named_once_hashed(stopp
     size = os.path.getsize(data / "a.parquet")
     _rows(data / "a.parquet", 6, word="omega")  # the same layout, other letters: same size, other bytes
     assert os.path.getsize(data / "a.parquet") == size
-    job = plan_job(resume.spec_for(ScoreSpec, out, resume=True, given={}), out, resume=True, overwrite=False,
-                   revision=None)
+    job = plan_job(
+        resume.spec_for(ScoreSpec, out, resume=True, given={}), out, resume=True, overwrite=False, revision=None
+    )
     manifest, pins = job.manifest()
-    with pytest.raises(ValueError, match=r"a\.parquet changed: same size \(\d+ bytes\), different content"):
-        with job.out.locked() as old:
-            job.out.pin(manifest, old, pins)
+    with (
+        pytest.raises(ValueError, match=r"a\.parquet changed: same size \(\d+ bytes\), different content"),
+        job.out.locked() as old,
+    ):
+        job.out.pin(manifest, old, pins)
     assert not list(out.glob("part-*"))
 
 

@@ -40,8 +40,9 @@ def _write(path, texts, row_group_size=None):
 
 
 def _score(data, out, model, client, **kw):
-    return dask_lm.score_parquet(data, out, model=model, client=client, text_column="text", progress=False,
-                                 task_tokens=0, **kw)
+    return dask_lm.score_parquet(
+        data, out, model=model, client=client, text_column="text", progress=False, task_tokens=0, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_a_part_proof_hashes_the_pages_and_a_check_catches_each_lie(tmp_path):
     import hashlib
 
     written, _ = part_proof.read_proof(path)
-    assert written.data_sha256 == hashlib.sha256(raw[:len(raw) - 8 - length]).hexdigest()
+    assert written.data_sha256 == hashlib.sha256(raw[: len(raw) - 8 - length]).hexdigest()
     assert pq.read_table(path).equals(table)
     columns = [("id", None), ("text", pa.string())]
     part_proof.check(path, proof, columns)
@@ -171,8 +172,9 @@ def test_an_edited_manifest_is_refused_naming_the_key(jobs, tmp_path, monkeypatc
     with pytest.raises(ValueError, match=rf'_manifest\.json was edited: "{key}" \(in "options"\)'):
         dask_lm.score_parquet(None, out, resume=True, progress=False)
     shown = CliRunner().invoke(cli, ["score", "--output", str(out), "--resume"])
-    assert shown.exit_code == 2 and f'was edited: "{key}"' in shown.output and "--overwrite" in shown.output, \
+    assert shown.exit_code == 2 and f'was edited: "{key}"' in shown.output and "--overwrite" in shown.output, (
         shown.output
+    )
     assert not (out / "_SUCCESS").exists()
     assert {p.name: p.read_bytes() for p in out.glob("part-*.parquet")} == parts
 
@@ -182,8 +184,13 @@ def test_a_wrong_typed_manifest_entry_names_the_key_and_the_file(tmp_path):
     out.mkdir()
     path = out / "_manifest.json"
     # a manifest of format 4 has no seal to say it was edited: the type itself is refused
-    manifest = {"format": 4, "options": {"topk": "3", "text_column": "text"}, "model": "/m",
-                "inputs": [{"path": "/in.parquet", "size": 10, "sha256": "ab"}], "partitions": 1}
+    manifest = {
+        "format": 4,
+        "options": {"topk": "3", "text_column": "text"},
+        "model": "/m",
+        "inputs": [{"path": "/in.parquet", "size": 10, "sha256": "ab"}],
+        "partitions": 1,
+    }
     path.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r'_manifest\.json: "topk" holds \'3\', a str') as e:
         spec_for(ScoreSpec, out, resume=True, given={"input": None, "model": None, "topk": None})
@@ -233,9 +240,24 @@ def test_cli_input_changed_on_a_worker_says_resume_as_a_flag(client, tiny, tmp_p
         return real(self, n, postfix, **kwargs)
 
     monkeypatch.setattr(dask_lm.engine.progress.JobBar, "update", update)
-    result = CliRunner().invoke(cli, ["score", data, "--model", tiny["llama"], "--text-column", "text", "--output",
-                                      str(out), "--scheduler-address", client.scheduler.address, "--no-progress",
-                                      "--task-tokens", "0"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "score",
+            data,
+            "--model",
+            tiny["llama"],
+            "--text-column",
+            "text",
+            "--output",
+            str(out),
+            "--scheduler-address",
+            client.scheduler.address,
+            "--no-progress",
+            "--task-tokens",
+            "0",
+        ],
+    )
     assert replaced and result.exit_code == 1, result.output
     assert "InputChangedError" in result.output and "run the same command with --resume" in result.output
     assert "resume=True" not in result.output and "overwrite=True" not in result.output, result.output
@@ -246,8 +268,9 @@ def test_the_summary_names_the_errors_file_when_rows_were_skipped(tiny, client, 
     data = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"id": [0, 1, 2], "text": ["a good row", None, "another good row"]}), data)
     out = tmp_path / "out"
-    result = dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text",
-                                   progress=False, skip_bad_rows=True)
+    result = dask_lm.score_parquet(
+        data, out, model=tiny["llama"], client=client, text_column="text", progress=False, skip_bad_rows=True
+    )
     errors = os.path.join(str(out), pio.ERRORS)
     assert result.bad_rows == 1 and pq.read_table(errors).column("row").to_pylist() == [1]
     assert dict(result.summary())["bad rows"] == f"1 (left out, listed in {errors})"

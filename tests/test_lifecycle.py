@@ -53,8 +53,11 @@ def _policies_on_workers(client) -> dict[str, list[str]]:
 
 
 def _listening(pid: int) -> list[tuple[str, int]]:
-    return [(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN]
+    return [
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
 
 
 def test_every_listener_of_a_local_cluster_and_policy_is_on_loopback(client, tiny, tok):
@@ -67,8 +70,10 @@ def test_every_listener_of_a_local_cluster_and_policy_is_on_loopback(client, tin
         worker_pids = list(client.run(os.getpid).values())
         sockets = {pid: _listening(pid) for pid in [os.getpid(), *worker_pids]}
     assert all(sockets[pid] for pid in worker_pids), sockets  # the workers do listen (Dask, store, gloo)
-    exposed = {pid: [(ip, port) for ip, port in found if not ipaddress.ip_address(ip).is_loopback]
-               for pid, found in sockets.items()}
+    exposed = {
+        pid: [(ip, port) for ip, port in found if not ipaddress.ip_address(ip).is_loopback]
+        for pid, found in sockets.items()
+    }
     assert not any(exposed.values()), f"listeners off loopback: {exposed}"
 
 
@@ -92,8 +97,12 @@ def test_a_dead_drivers_policy_does_not_brick_the_cluster(own_client, tiny, tok,
     model is freed on the surviving worker."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    proc = subprocess.Popen([sys.executable, str(script), own_client.scheduler.address, tiny["llama"]],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), own_client.scheduler.address, tiny["llama"]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("READY 2"), line

@@ -23,8 +23,15 @@ def test_targets_are_the_llama_family_norms_and_silu_mlps(tiny):
 
 
 def test_other_formulas_are_left_alone():
-    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8)
+    small = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     gelu = _model(transformers.Qwen2Config(hidden_act="gelu", **small))
     norms, mlps = liger_layers.targets(gelu)
     assert len(norms) == 5 and mlps == []  # a GELU gate is not liger's SiLU product

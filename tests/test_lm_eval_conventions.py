@@ -32,16 +32,16 @@ pytestmark = pytest.mark.cluster
 # (context, continuation); "{bos}" becomes the text of the tokenizer's prefix token (BOS, else EOS)
 CASES = [
     ("Answer:", " 42"),
-    ("Answer: ", "42"),                       # 1. trailing whitespace moves to the continuation
+    ("Answer: ", "42"),  # 1. trailing whitespace moves to the continuation
     ("Q: what is it? A:", " yes!"),
-    ("hello", "!"),                           # 2. Metaspace: "!" encoded alone would be a new word
-    ("hello wor", "ld"),                      # 3. a token spanning the join
+    ("hello", "!"),  # 2. Metaspace: "!" encoded alone would be a new word
+    ("hello wor", "ld"),  # 3. a token spanning the join
     ("The quick brown", " fox jumps over the lazy dog."),
-    ("", "hello world"),                      # 4. empty prompt: every token scored, given BOS / EOS
-    ("", "The"),                              # ... a one-token response is scored too
-    ("{bos}hello", " world"),                 # 5. a prompt that already starts with the BOS text: one BOS
+    ("", "hello world"),  # 4. empty prompt: every token scored, given BOS / EOS
+    ("", "The"),  # ... a one-token response is scored too
+    ("{bos}hello", " world"),  # 5. a prompt that already starts with the BOS text: one BOS
     ("line\n", "break"),
-    ("  ", "spaced"),                         # a prompt of whitespace only: an empty prompt once moved
+    ("  ", "spaced"),  # a prompt of whitespace only: an empty prompt once moved
     ("x=1;", " y=2"),
     ("The", "quick"),
     ("Dask schedules tasks across the", " workers of a cluster."),
@@ -72,13 +72,12 @@ def _lm_eval_encoding(hflm, context, continuation):
         return pair, bool(pair[1])
     ctx, cont = hflm._encode_pair(context, continuation)
     stripped = context.rstrip()
-    whole = hflm.tok_encode(stripped + context[len(stripped):] + continuation)
-    return (ctx, cont), bool(ctx) and bool(cont) and whole[:len(ctx)] == ctx
+    whole = hflm.tok_encode(stripped + context[len(stripped) :] + continuation)
+    return (ctx, cont), bool(ctx) and bool(cont) and whole[: len(ctx)] == ctx
 
 
 def _score(client, path, out, data, **kw):
-    dask_lm.score_parquet(data, out, model=path, client=client, id_column="id", progress=False,
-                          precision="fp32", **kw)
+    dask_lm.score_parquet(data, out, model=path, client=client, id_column="id", progress=False, precision="fp32", **kw)
     return sorted(pq.read_table(out).to_pylist(), key=lambda r: r["id"])
 
 
@@ -87,8 +86,8 @@ def _hf_sum(model, ids, start):
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
     targets = torch.tensor(ids[start:])
-    picked = logp[start - 1:-1].gather(1, targets[:, None])[:, 0]
-    return float(picked.sum()), bool((logp[start - 1:-1].argmax(-1) == targets).all())
+    picked = logp[start - 1 : -1].gather(1, targets[:, None])[:, 0]
+    return float(picked.sum()), bool((logp[start - 1 : -1].argmax(-1) == targets).all())
 
 
 def test_prompt_response_scores_are_lm_evals(client, kind, tmp_path):
@@ -106,23 +105,29 @@ def test_prompt_response_scores_are_lm_evals(client, kind, tmp_path):
         ctx, cont = ours[i]
         assert ctx and cont, (name, cases[i])
         whole = tok(context + continuation, add_special_tokens=True)["input_ids"]
-        assert ctx + cont in (whole, [hflm.prefix_token_id] + whole,
-                              [hflm.prefix_token_id] + tok(context + continuation,
-                                                           add_special_tokens=False)["input_ids"]), (name, cases[i])
+        assert ctx + cont in (
+            whole,
+            [hflm.prefix_token_id] + whole,
+            [hflm.prefix_token_id] + tok(context + continuation, add_special_tokens=False)["input_ids"],
+        ), (name, cases[i])
 
     data = tmp_path / "pairs.parquet"
-    pq.write_table(pa.table({"id": list(range(len(cases))), "prompt": [c for c, _ in cases],
-                             "response": [r for _, r in cases]}), data)
+    pq.write_table(
+        pa.table({"id": list(range(len(cases))), "prompt": [c for c, _ in cases], "response": [r for _, r in cases]}),
+        data,
+    )
     rows = _score(client, path, tmp_path / "out", data, prompt_column="prompt", response_column="response")
-    requests = [lm_eval_api.Instance(request_type="loglikelihood", doc={}, arguments=cases[i], idx=i)
-                for i in coherent]
+    requests = [lm_eval_api.Instance(request_type="loglikelihood", doc={}, arguments=cases[i], idx=i) for i in coherent]
     results = dict(zip(coherent, hflm.loglikelihood(requests)))
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for i, row in enumerate(rows):
         ctx, cont = ours[i]
         # the columns: prompt length, scored tokens, and the sums over exactly the continuation
-        assert (row["prompt_tokens"], row["num_scored"], row["num_tokens"]) == (len(ctx), len(cont),
-                                                                                len(ctx) + len(cont))
+        assert (row["prompt_tokens"], row["num_scored"], row["num_tokens"]) == (
+            len(ctx),
+            len(cont),
+            len(ctx) + len(cont),
+        )
         want = results[i] if i in results else _hf_sum(model, ctx + cont, len(ctx))
         assert row["sum_logprob"] == pytest.approx(want[0], abs=1e-4), (name, cases[i])
         assert row["is_greedy"] == want[1], (name, cases[i])
@@ -134,11 +139,23 @@ def test_ids_mode_prompt_lengths_give_lm_evals_continuation_scores(client, kind,
     theirs = [_lm_eval_encoding(hflm, c, r) for c, r in cases]
     keep = [i for i, (_, ok) in enumerate(theirs) if ok]
     data = tmp_path / "ids.parquet"
-    pq.write_table(pa.table({"id": keep, "ids": [theirs[i][0][0] + theirs[i][0][1] for i in keep],
-                             "plen": [len(theirs[i][0][0]) for i in keep]}), data)
+    pq.write_table(
+        pa.table(
+            {
+                "id": keep,
+                "ids": [theirs[i][0][0] + theirs[i][0][1] for i in keep],
+                "plen": [len(theirs[i][0][0]) for i in keep],
+            }
+        ),
+        data,
+    )
     rows = _score(client, path, tmp_path / "out", data, ids_column="ids", prompt_length_column="plen")
-    results = hflm.loglikelihood([lm_eval_api.Instance(request_type="loglikelihood", doc={}, arguments=cases[i], idx=j)
-                                  for j, i in enumerate(keep)])
+    results = hflm.loglikelihood(
+        [
+            lm_eval_api.Instance(request_type="loglikelihood", doc={}, arguments=cases[i], idx=j)
+            for j, i in enumerate(keep)
+        ]
+    )
     for row, (total, greedy), i in zip(rows, results, keep):
         assert row["num_scored"] == len(theirs[i][0][1]) and row["prompt_tokens"] == len(theirs[i][0][0])
         assert row["sum_logprob"] == pytest.approx(total, abs=1e-4) and row["is_greedy"] == greedy, (name, i)
@@ -150,17 +167,28 @@ def test_truncation_cuts_the_context_from_the_left_as_lm_eval_does(client, kind,
     than the row's tokens: it never feeds the last token)."""
     name, path, tok, _, _ = kind
     limit = 8
-    cases = [("Dask schedules tasks across the workers of a cluster. The quick brown fox jumps over the", " lazy dog."),
-             ("Log probabilities are summed to score a whole sequence, and", " packing")]
-    short = lm_eval_hf.HFLM(pretrained=path, device="cpu", dtype="float32", batch_size=4, max_length=limit - 1,
-                            logits_cache=False)
+    cases = [
+        ("Dask schedules tasks across the workers of a cluster. The quick brown fox jumps over the", " lazy dog."),
+        ("Log probabilities are summed to score a whole sequence, and", " packing"),
+    ]
+    short = lm_eval_hf.HFLM(
+        pretrained=path, device="cpu", dtype="float32", batch_size=4, max_length=limit - 1, logits_cache=False
+    )
     data = tmp_path / "long.parquet"
-    pq.write_table(pa.table({"id": [0, 1], "prompt": [c for c, _ in cases], "response": [r for _, r in cases]}),
-                   data)
-    rows = _score(client, path, tmp_path / "out", data, prompt_column="prompt", response_column="response",
-                  max_length=limit, truncate=True)
-    results = short.loglikelihood([lm_eval_api.Instance(request_type="loglikelihood", doc={}, arguments=c, idx=i)
-                                   for i, c in enumerate(cases)])
+    pq.write_table(pa.table({"id": [0, 1], "prompt": [c for c, _ in cases], "response": [r for _, r in cases]}), data)
+    rows = _score(
+        client,
+        path,
+        tmp_path / "out",
+        data,
+        prompt_column="prompt",
+        response_column="response",
+        max_length=limit,
+        truncate=True,
+    )
+    results = short.loglikelihood(
+        [lm_eval_api.Instance(request_type="loglikelihood", doc={}, arguments=c, idx=i) for i, c in enumerate(cases)]
+    )
     for row, (total, greedy), (c, r) in zip(rows, results, cases):
         ctx, cont = encode_pairs(tok, [c], [r])[0]
         assert len(ctx) + len(cont) > limit and row["truncated"] and row["num_tokens"] == limit
@@ -174,10 +202,18 @@ def test_the_separate_convention_encodes_prompt_and_response_apart(client, tiny,
     tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
     pairs = [("Answer: ", "42"), ("hello wor", "ld"), ("The quick", " brown fox")]
     data = tmp_path / "d.parquet"
-    pq.write_table(pa.table({"id": [0, 1, 2], "prompt": [p for p, _ in pairs], "response": [r for _, r in pairs]}),
-                   data)
-    rows = _score(client, tiny["llama"], tmp_path / "out", data, prompt_column="prompt", response_column="response",
-                  convention="separate")
+    pq.write_table(
+        pa.table({"id": [0, 1, 2], "prompt": [p for p, _ in pairs], "response": [r for _, r in pairs]}), data
+    )
+    rows = _score(
+        client,
+        tiny["llama"],
+        tmp_path / "out",
+        data,
+        prompt_column="prompt",
+        response_column="response",
+        convention="separate",
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32).eval()
     for row, (p, r) in zip(rows, pairs):
         ctx, cont = tok(p)["input_ids"], tok(r, add_special_tokens=False)["input_ids"]
@@ -185,5 +221,11 @@ def test_the_separate_convention_encodes_prompt_and_response_apart(client, tiny,
         total, greedy = _hf_sum(model, ctx + cont, len(ctx))
         assert row["sum_logprob"] == pytest.approx(total, abs=1e-4) and row["is_greedy"] == greedy
     with pytest.raises(ValueError, match="convention must be one of 'lm-eval', 'separate'"):
-        dask_lm.score_parquet(data, tmp_path / "x", model=tiny["llama"], prompt_column="prompt",
-                              response_column="response", convention="lm_eval")
+        dask_lm.score_parquet(
+            data,
+            tmp_path / "x",
+            model=tiny["llama"],
+            prompt_column="prompt",
+            response_column="response",
+            convention="lm_eval",
+        )

@@ -35,8 +35,7 @@ def model_dirs(tmp_path_factory):
     short = build("gpt2", str(root / "short"))
     from transformers import AutoTokenizer
 
-    build_tiny_model(short, vocab_size=len(AutoTokenizer.from_pretrained(short)), max_position_embeddings=SHORT,
-                     seed=5)
+    build_tiny_model(short, vocab_size=len(AutoTokenizer.from_pretrained(short)), max_position_embeddings=SHORT, seed=5)
     dirs["short"] = short
     return dirs
 
@@ -53,8 +52,9 @@ def pair(model_dirs, client):
 
     def get(name: str) -> tuple[Any, Any]:
         if name not in made:
-            hf = lm_eval_hf.HFLM(pretrained=model_dirs[name], device="cpu", dtype="float32", batch_size=1,
-                                 logits_cache=False)
+            hf = lm_eval_hf.HFLM(
+                pretrained=model_dirs[name], device="cpu", dtype="float32", batch_size=1, logits_cache=False
+            )
             made[name] = hf, harness.DaskLM(pretrained=model_dirs[name], client=client, dtype="float32")
         return made[name]
 
@@ -86,7 +86,7 @@ def _coherent(hf: Any, context: str, continuation: str) -> bool:
         return True
     stripped = context.rstrip()
     head, whole = hf.tok_encode(stripped), hf.tok_encode(context + continuation)
-    return whole[:len(head)] == head and len(whole) > len(head)
+    return whole[: len(head)] == head and len(whole) > len(head)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama2"])
@@ -129,19 +129,34 @@ def test_truncated_requests_and_rolling_windows_match_hflm(pair):
 @pytest.mark.parametrize("name", ["gpt2", "llama2", "short"])
 def test_generate_until_matches_hflm(pair, name):
     hf, ours = pair(name)
-    contexts = ["The quick brown", "Dask schedules tasks", "Q: what is it? A:", " ".join(SAMPLE_TEXTS[:3]),
-                "Numbers like 3, 14", "hello"]
+    contexts = [
+        "The quick brown",
+        "Dask schedules tasks",
+        "Q: what is it? A:",
+        " ".join(SAMPLE_TEXTS[:3]),
+        "Numbers like 3, 14",
+        "hello",
+    ]
     # stop strings the random models produce early, so rows stop (and are cut) at different points
-    kwargs = [{"until": ["e"], "max_gen_toks": 12}, {"until": ["s", "o"], "max_gen_toks": 10, "do_sample": False},
-              {"until": "\n", "max_gen_toks": 5, "temperature": 0.0}]
+    kwargs = [
+        {"until": ["e"], "max_gen_toks": 12},
+        {"until": ["s", "o"], "max_gen_toks": 10, "do_sample": False},
+        {"until": "\n", "max_gen_toks": 5, "temperature": 0.0},
+    ]
     requests = _instances("generate_until", [(c, kwargs[i % len(kwargs)]) for i, c in enumerate(contexts)])
     assert ours.generate_until(requests) == hf.generate_until(requests)
 
 
 def test_add_bos_token_is_hflms(model_dirs, client):
     """``add_bos_token=False`` on a tokenizer that adds BOS: lm-eval's own split and encodings, as HFLM's."""
-    hf = lm_eval_hf.HFLM(pretrained=model_dirs["llama2"], device="cpu", dtype="float32", batch_size=2,
-                         logits_cache=False, add_bos_token=False)
+    hf = lm_eval_hf.HFLM(
+        pretrained=model_dirs["llama2"],
+        device="cpu",
+        dtype="float32",
+        batch_size=2,
+        logits_cache=False,
+        add_bos_token=False,
+    )
     ours = harness.DaskLM(pretrained=model_dirs["llama2"], client=client, add_bos_token="false")
     try:
         from transformers import AutoTokenizer
@@ -159,31 +174,53 @@ def test_add_bos_token_is_hflms(model_dirs, client):
 
 def _write_tasks(root) -> list[str]:
     """Three local tasks over jsonl files (no downloads): multiple choice, perplexity, generation."""
+
     def jsonl(name: str, rows: list[dict]) -> str:
         path = root / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(path)
 
     choices = ["fox", "dog", "cluster", "token"]
-    mc = jsonl("mc", [{"question": f"{t.split(' ')[0]} {t.split(' ')[1]}", "choices": choices, "label": i % 4}
-                      for i, t in enumerate(SAMPLE_TEXTS)])
-    ppl = jsonl("ppl", [{"text": " ".join(SAMPLE_TEXTS[i:i + 3])} for i in range(0, 8, 2)])
+    mc = jsonl(
+        "mc",
+        [
+            {"question": f"{t.split(' ')[0]} {t.split(' ')[1]}", "choices": choices, "label": i % 4}
+            for i, t in enumerate(SAMPLE_TEXTS)
+        ],
+    )
+    ppl = jsonl("ppl", [{"text": " ".join(SAMPLE_TEXTS[i : i + 3])} for i in range(0, 8, 2)])
     gen = jsonl("gen", [{"question": t[:14], "answer": t[14:20]} for t in SAMPLE_TEXTS[:6]])
     cache = str(root / "hf_datasets")
     specs = {
-        "dlm_mc": (mc, ("output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: choices\n"
-                        "doc_to_target: label\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")),
-        "dlm_ppl": (ppl, ("output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
-                          "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n"
-                          "  - metric: bits_per_byte\n")),
-        "dlm_gen": (gen, ("output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
-                          "generation_kwargs:\n  until: ['.']\n  max_gen_toks: 5\n  do_sample: false\n"
-                          "metric_list:\n  - metric: exact_match\n")),
+        "dlm_mc": (
+            mc,
+            (
+                "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: choices\n"
+                "doc_to_target: label\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+            ),
+        ),
+        "dlm_ppl": (
+            ppl,
+            (
+                "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+                "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n"
+                "  - metric: bits_per_byte\n"
+            ),
+        ),
+        "dlm_gen": (
+            gen,
+            (
+                "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+                "generation_kwargs:\n  until: ['.']\n  max_gen_toks: 5\n  do_sample: false\n"
+                "metric_list:\n  - metric: exact_match\n"
+            ),
+        ),
     }
     for task, (data, body) in specs.items():
         (root / f"{task}.yaml").write_text(
             f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-            f"  cache_dir: {cache}\ntest_split: test\n{body}")
+            f"  cache_dir: {cache}\ntest_split: test\n{body}"
+        )
     return list(specs)
 
 
@@ -230,8 +267,9 @@ def test_a_bad_model_arg_is_a_valueerror_naming_it(model_dirs, client):
 
     assert get_model("dask-lm") is harness.DaskLM
     with pytest.raises(ValueError, match="'bogus_key'"):
-        get_model("dask-lm").create_from_arg_string(f"pretrained={model_dirs['gpt2']},bogus_key=1",
-                                                    {"batch_size": 1, "device": "cpu"})
+        get_model("dask-lm").create_from_arg_string(
+            f"pretrained={model_dirs['gpt2']},bogus_key=1", {"batch_size": 1, "device": "cpu"}
+        )
     with pytest.raises(ValueError, match="n_workers='two'"):
         harness.DaskLM(pretrained=model_dirs["gpt2"], client=client, n_workers="two")
     with pytest.raises(ValueError, match="dtype='int8'"):

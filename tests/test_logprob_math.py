@@ -44,8 +44,9 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_forward_equals_unpacked(tiny, attn):
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32,
-                                                              attn_implementation=attn).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny["llama"], dtype=torch.float32, attn_implementation=attn
+    ).eval()
     lens = torch.tensor([7, 3, 5])
     ids = torch.randint(3, 300, (3, 7)) * (torch.arange(7)[None, :] < lens[:, None])
     with torch.no_grad():

@@ -11,22 +11,28 @@ import transformers
 
 import dask_lm
 from dask_lm.config import PolicyConfig
+from dask_lm.data.tokens import TokenRows
 from dask_lm.losses import calculate_kl, masked_mean, prepare_loss_input
 from dask_lm.losses.base import LossConfigError
-from dask_lm.data.tokens import TokenRows
 from dask_lm.model.inference import forward_rows
 from dask_lm.model.loss_inputs import loss_inputs_from_hidden
 
 
 def _pg_data(curr, prev, gen, ref, adv, token_mask=None, sample_mask=None):
     """[B, S-1] values placed at positions 1.. of [B, S] tensors, as get_logprobs returns them."""
+
     def full(x):
         return torch.cat([torch.zeros(x.shape[0], 1), x], dim=1)
+
     b, s1 = curr.shape
-    return {"prev_logprobs": full(prev), "generation_logprobs": full(gen), "reference_policy_logprobs": full(ref),
-            "advantages": full(adv),
-            "token_mask": token_mask if token_mask is not None else torch.cat([torch.zeros(b, 1), torch.ones(b, s1)], 1),
-            "sample_mask": sample_mask if sample_mask is not None else torch.ones(b)}
+    return {
+        "prev_logprobs": full(prev),
+        "generation_logprobs": full(gen),
+        "reference_policy_logprobs": full(ref),
+        "advantages": full(adv),
+        "token_mask": token_mask if token_mask is not None else torch.cat([torch.zeros(b, 1), torch.ones(b, s1)], 1),
+        "sample_mask": sample_mask if sample_mask is not None else torch.ones(b),
+    }
 
 
 def test_clipped_pg_on_policy_is_minus_mean_advantage_with_its_gradient():
@@ -39,7 +45,8 @@ def test_clipped_pg_on_policy_is_minus_mean_advantage_with_its_gradient():
     mask = tm[:, 1:] * sm[:, None]
     n = mask.sum()
     loss, metrics = dask_lm.ClippedPGLossFn({"reference_policy_kl_penalty": 0.2})(
-        data, torch.tensor(float(n)), torch.tensor(float(n)), next_token_logprobs=curr)
+        data, torch.tensor(float(n)), torch.tensor(float(n)), next_token_logprobs=curr
+    )
     assert loss.item() == pytest.approx(-float((adv * mask).sum() / n), abs=1e-6)
     assert metrics["kl_penalty"] == pytest.approx(0.0, abs=1e-7)
     assert metrics["probs_ratio"] == pytest.approx(1.0, abs=1e-6)
@@ -59,8 +66,9 @@ def test_clipping_and_dual_clip_by_hand():
     # A<0 r=1.5 -> 1.5 (pessimistic, unclipped); A=-2 r=5 -> 10
     assert float(loss) == pytest.approx((-1.3 + 0.8 + 1.5 + 10.0) / 4, abs=1e-5)
     assert m["probs_ratio_clamped_max"] == pytest.approx(1.3) and m["probs_ratio_max"] == pytest.approx(5.0)
-    dual, _ = dask_lm.ClippedPGLossFn({**cfg, "ratio_clip_c": 3.0})(data, torch.tensor(1.0), torch.tensor(4.0),
-                                                                      next_token_logprobs=curr)
+    dual, _ = dask_lm.ClippedPGLossFn({**cfg, "ratio_clip_c": 3.0})(
+        data, torch.tensor(1.0), torch.tensor(4.0), next_token_logprobs=curr
+    )
     # the dual clip caps negative-advantage tokens at -A * c: 10 -> 6
     assert float(dual) == pytest.approx((-1.3 + 0.8 + 1.5 + 6.0) / 4, abs=1e-5)
 
@@ -80,13 +88,17 @@ def test_k3_kl_and_clamps_by_hand():
 
 def test_dpo_at_the_reference_is_log2_and_sft_term():
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.1, -4.0]])
-    data = {"token_mask": torch.tensor([[0.0, 1, 1, 1], [0, 1, 1, 0]]), "sample_mask": torch.ones(2),
-            "reference_policy_logprobs": torch.cat([torch.zeros(2, 1), lp], 1)}
+    data = {
+        "token_mask": torch.tensor([[0.0, 1, 1, 1], [0, 1, 1, 0]]),
+        "sample_mask": torch.ones(2),
+        "reference_policy_logprobs": torch.cat([torch.zeros(2, 1), lp], 1),
+    }
     loss, m = dask_lm.DPOLossFn()(data, torch.tensor(2.0), torch.tensor(5.0), next_token_logprobs=lp)
     assert float(loss) == pytest.approx(math.log(2), abs=1e-6)
     assert m["accuracy"] == 0.0 and m["num_valid_samples"] == 1.0
-    both, m = dask_lm.DPOLossFn({"sft_loss_weight": 0.5})(data, torch.tensor(2.0), torch.tensor(5.0),
-                                                          next_token_logprobs=lp)
+    both, m = dask_lm.DPOLossFn({"sft_loss_weight": 0.5})(
+        data, torch.tensor(2.0), torch.tensor(5.0), next_token_logprobs=lp
+    )
     assert m["sft_loss"] == pytest.approx(3.5)  # -sum of the chosen row's masked logprobs, over 1 pair
     assert float(both) == pytest.approx(math.log(2) + 0.5 * 3.5, abs=1e-6)
 
@@ -95,8 +107,13 @@ def test_distillation_of_identical_distributions_is_zero():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 5, 11, generator=g)
     top = torch.topk(logits, 4, dim=-1)
-    data = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "token_mask": torch.ones(2, 5),
-            "sample_mask": torch.ones(2), "teacher_topk_logits": top.values, "teacher_topk_indices": top.indices}
+    data = {
+        "input_ids": torch.zeros(2, 5, dtype=torch.long),
+        "token_mask": torch.ones(2, 5),
+        "sample_mask": torch.ones(2),
+        "teacher_topk_logits": top.values,
+        "teacher_topk_indices": top.indices,
+    }
     for kl in ("forward", "reverse", "mixed"):
         fn = dask_lm.DistillationLossFn({"kl_type": kl})
         inputs, _ = prepare_loss_input(logits, data, fn)
@@ -106,21 +123,32 @@ def test_distillation_of_identical_distributions_is_zero():
 
 def test_masked_mean_and_configs():
     assert float(masked_mean(torch.ones(3), torch.zeros(3))) == 0.0
-    assert float(masked_mean(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 1.0]), global_normalization_factor=4)) \
-        == pytest.approx(1.0)
+    assert float(
+        masked_mean(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 1.0]), global_normalization_factor=4)
+    ) == pytest.approx(1.0)
     with pytest.raises(ValueError, match=r"'ratio_clip_mn' \(did you mean 'ratio_clip_min'\?\)"):
         dask_lm.ClippedPGLossFn({"ratio_clip_mn": 0.1})
     with pytest.raises(ValueError, match="use_cispo is incompatible with dual clipping"):
         dask_lm.ClippedPGLossFn({"use_cispo": True, "ratio_clip_c": 3.0})
     with pytest.raises(LossConfigError, match="ratio_min must be <="):
-        dask_lm.ClippedPGLossFn({"use_importance_sampling_correction": True, "truncated_importance_sampling_type":
-                                 "tis", "truncated_importance_sampling_ratio": 1.0,
-                                 "truncated_importance_sampling_ratio_min": 2.0})
+        dask_lm.ClippedPGLossFn(
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "tis",
+                "truncated_importance_sampling_ratio": 1.0,
+                "truncated_importance_sampling_ratio_min": 2.0,
+            }
+        )
     cfg = dask_lm.ClippedPGLossConfig(reference_policy_kl_penalty=0.0)
     cfg.token_level_loss = False  # configs are mutable, read when the loss is built
     assert dask_lm.ClippedPGLossFn(cfg).loss_type == dask_lm.LossType.SEQUENCE_LEVEL
-    assert dask_lm.ClippedPGLossFn(cfg).required_keys == ("token_mask", "sample_mask", "advantages",
-                                                          "generation_logprobs", "prev_logprobs")
+    assert dask_lm.ClippedPGLossFn(cfg).required_keys == (
+        "token_mask",
+        "sample_mask",
+        "advantages",
+        "generation_logprobs",
+        "prev_logprobs",
+    )
     assert dask_lm.ClippedPGLossFn({"force_on_policy_ratio": True}).required_keys[-1] == "reference_policy_logprobs"
 
 
@@ -140,27 +168,40 @@ def test_chunked_training_inputs_equal_full_logits(tiny, packed, loss_name):
     """The trainer's memory-flat inputs (chunks recomputed in backward, packed rows mapped back) give the same loss
     and the same parameter gradients as prepare_loss_input on the full [B, S, V] logits."""
     tok = transformers.AutoTokenizer.from_pretrained(tiny["qwen2"])
-    enc = tok(["a short row", "a considerably longer row of several more tokens here", "mid sized row"],
-              padding=True, return_tensors="pt")
+    enc = tok(
+        ["a short row", "a considerably longer row of several more tokens here", "mid sized row"],
+        padding=True,
+        return_tensors="pt",
+    )
     ids, lens = enc["input_ids"], enc["attention_mask"].sum(1)
     b, s = ids.shape
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny["qwen2"], dtype=torch.float32)
     generation = {"temperature": 0.7, "top_k": 20, "top_p": 0.9} if loss_name == "pg_filtered" else None
-    cfg = PolicyConfig.from_dict({"model_name": tiny["qwen2"], "precision": "float32", "logprob_chunk_size": 4,
-                                  "generation": generation})
+    cfg = PolicyConfig.from_dict(
+        {"model_name": tiny["qwen2"], "precision": "float32", "logprob_chunk_size": 4, "generation": generation}
+    )
     worker = SimpleNamespace(model=model, cfg=cfg, temperature=0.7 if generation else 1.0)
     valid = torch.arange(s)[None] < lens[:, None]
     g = torch.Generator().manual_seed(3)
-    data = {"input_ids": ids, "input_lengths": lens, "token_mask": valid.float(), "sample_mask": torch.ones(b),
-            "advantages": torch.randn(b, s, generator=g), "prev_logprobs": -torch.rand(b, s, generator=g),
-            "generation_logprobs": -torch.rand(b, s, generator=g),
-            "reference_policy_logprobs": -torch.rand(b, s, generator=g)}
+    data = {
+        "input_ids": ids,
+        "input_lengths": lens,
+        "token_mask": valid.float(),
+        "sample_mask": torch.ones(b),
+        "advantages": torch.randn(b, s, generator=g),
+        "prev_logprobs": -torch.rand(b, s, generator=g),
+        "generation_logprobs": -torch.rand(b, s, generator=g),
+        "reference_policy_logprobs": -torch.rand(b, s, generator=g),
+    }
     with torch.no_grad():
         top = torch.topk(torch.randn(b, s, 64, generator=g), 5, dim=-1)
     data["teacher_topk_logits"], data["teacher_topk_indices"] = top.values, top.indices * 3
-    loss_fn = {"nll": dask_lm.NLLLoss(), "pg_filtered": dask_lm.ClippedPGLossFn({"reference_policy_kl_penalty": 0.1}),
-               "distill_reverse_zero": dask_lm.DistillationLossFn({"kl_type": "reverse", "zero_outside_topk": True}),
-               "distill_forward": dask_lm.DistillationLossFn({"kl_type": "forward"})}[loss_name]
+    loss_fn = {
+        "nll": dask_lm.NLLLoss(),
+        "pg_filtered": dask_lm.ClippedPGLossFn({"reference_policy_kl_penalty": 0.1}),
+        "distill_reverse_zero": dask_lm.DistillationLossFn({"kl_type": "reverse", "zero_outside_topk": True}),
+        "distill_forward": dask_lm.DistillationLossFn({"kl_type": "forward"}),
+    }[loss_name]
     gvs, gvt = torch.tensor(float(b)), torch.tensor(float(valid[:, 1:].sum()))
 
     def grads(loss):
@@ -176,7 +217,9 @@ def test_chunked_training_inputs_equal_full_logits(tiny, packed, loss_name):
     ref_grads = grads(ref_loss)
     # the training path
     # the rows through the worker's own forward (its host layout; block-diagonal mask when packed)
-    hidden, info = forward_rows(model, TokenRows.from_padded(ids, lens), packed=packed, varlen_ok=False, where=ids.device)
+    hidden, info = forward_rows(
+        model, TokenRows.from_padded(ids, lens), packed=packed, varlen_ok=False, where=ids.device
+    )
     mb_data = dict(data)
     ours, mb_data = loss_inputs_from_hidden(worker, hidden, info, mb_data, loss_fn), mb_data
     loss, _ = loss_fn(mb_data, gvs, gvt, **ours)

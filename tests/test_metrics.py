@@ -7,8 +7,8 @@ import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from dask_lm.engine.metrics import FLOPTracker, Timer, flops_per_sequence
 from dask_lm.data.flops import aggregate_flops_metrics, device_peak_tflops
+from dask_lm.engine.metrics import FLOPTracker, Timer, flops_per_sequence
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -16,13 +16,17 @@ def test_forward_flops_match_torch_flop_counter(tiny, family):
     """torch counts every matmul of an eager-attention forward, the full S x S score matrix included; our formula
     counts the causal half of attention, so the two differ by exactly 2 L S^2 q."""
     cfg = transformers.AutoConfig.from_pretrained(tiny[family])
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny[family], dtype=torch.float32,
-                                                              attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny[family], dtype=torch.float32, attn_implementation="eager"
+    )
     s = 37
     ids = torch.randint(0, cfg.vocab_size, (1, s))
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(ids)
-    heads, head_dim = cfg.num_attention_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    heads, head_dim = (
+        cfg.num_attention_heads,
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+    )
     causal_discount = 2 * cfg.num_hidden_layers * s * s * heads * head_dim
     assert flops_per_sequence(cfg, s, training=False) == counter.get_total_flops() - causal_discount
     assert flops_per_sequence(cfg, s) == 3 * flops_per_sequence(cfg, s, training=False)
@@ -47,7 +51,10 @@ def test_mfu_aggregation():
     assert "mfu" not in cpu and "theoretical_tflops" not in cpu and cpu["achieved_tflops"] == pytest.approx(1.0)
     # no FLOP formula for the model: no FLOP figure at all (NeMo RL's loops test `"total_flops" in result`)
     assert set(aggregate_flops_metrics([1.0], ["NVIDIA H200"], 1, None)) == {
-        "num_ranks", "train_elapsed_seconds", "theoretical_tflops"}
+        "num_ranks",
+        "train_elapsed_seconds",
+        "theoretical_tflops",
+    }
 
 
 def test_timer():

@@ -64,6 +64,7 @@ class ToyForCausalLM(PreTrainedModel):
 
 def _variant(name: str, **attrs) -> tuple[type, type]:
     """A config type of its own (the Auto mappings are keyed by config class) and a model class for it."""
+
     class VariantConfig(PretrainedConfig):
         model_type = f"dask_lm_test_{name.lower()}"
 
@@ -91,8 +92,15 @@ def _cfg(reward: bool = False) -> PolicyConfig:
 
 
 def _llama(**kw) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                    num_attention_heads=2, num_key_value_heads=1, **kw)
+    return transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        **kw,
+    )
 
 
 def _real(variant: tuple[type, type]) -> nn.Module:
@@ -110,16 +118,27 @@ def test_standard_models_pass(world_size):
 def test_a_70b_sized_config_is_checked_without_allocating_it():
     # 80 layers of width 8192: ~70e9 parameters, 280 GB in fp32, far beyond this machine; on the meta device the
     # structure costs nothing, so the check completes
-    big = transformers.LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                                   num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)
+    big = transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    )
     check_policy_model(big, _cfg(), world_size=8)
 
 
 def test_architecture_without_a_causal_lm_class_is_refused():
-    t5 = transformers.T5Config(num_layers=1, d_model=8, d_ff=16, num_heads=1, architectures=["T5ForConditionalGeneration"])
+    t5 = transformers.T5Config(
+        num_layers=1, d_model=8, d_ff=16, num_heads=1, architectures=["T5ForConditionalGeneration"]
+    )
     assert model_class(t5, reward_model=False) is None
-    with pytest.raises(ValueError, match=r"`policy\.model_name` = '/models/toy' \(T5ForConditionalGeneration\).*"
-                                         r"no causal-LM class for model type 't5'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`policy\.model_name` = '/models/toy' \(T5ForConditionalGeneration\).*"
+        r"no causal-LM class for model type 't5'",
+    ):
         check_policy_model(t5, _cfg(), world_size=1)
 
 
@@ -132,8 +151,14 @@ def test_reward_model_needs_a_sequence_classification_class():
 
 def test_reward_model_needs_a_score_head():
     # BertForSequenceClassification calls its head `classifier`; the worker's score() reads `model.score`
-    bert = transformers.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
-                                   intermediate_size=16, architectures=["BertForSequenceClassification"])
+    bert = transformers.BertConfig(
+        vocab_size=32,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        intermediate_size=16,
+        architectures=["BertForSequenceClassification"],
+    )
     real = transformers.BertForSequenceClassification(bert)
     assert getattr(real, "score", None) is None  # what the worker's assert would trip on
     with pytest.raises(ValueError, match=r"\(BertForSequenceClassification\).*has no `score` head"):

@@ -55,8 +55,9 @@ def _same(a, b) -> None:
     assert not a.training and a.config._attn_implementation == b.config._attn_implementation
 
 
-@pytest.mark.parametrize("family,tie,shard", [("qwen2", True, False), ("llama", False, False), ("llama", False, True),
-                                              ("qwen2", True, True)])
+@pytest.mark.parametrize(
+    "family,tie,shard", [("qwen2", True, False), ("llama", False, False), ("llama", False, True), ("qwen2", True, True)]
+)
 def test_direct_load_equals_from_pretrained(tmp_path, monkeypatch, family, tie, shard):
     path = _model_dir(tmp_path, family, tie=tie, shard=shard)
     if shard:
@@ -114,4 +115,3 @@ def test_bin_weights_and_quantised_configs_are_not_taken_directly(tmp_path, monk
         json.dump({**cfg, "quantization_config": {"quant_method": "fp8"}}, f)
     monkeypatch.setattr(model_load, "_from_pretrained", lambda *a: "from_pretrained")
     assert model_load.load_causal_lm(path, torch.float32, torch.device("cpu")) == "from_pretrained"
-

@@ -46,6 +46,7 @@ def test_the_old_receiver_module_warns_naming_its_new_path(monkeypatch):
 
 @pytest.mark.parametrize("args", [["-c", "import dask_lm"], ["-m", "dask_lm", "--help"]], ids=["import", "cli"])
 def test_dask_lm_and_its_cli_use_no_old_path(args):
-    out = subprocess.run([sys.executable, "-W", "error::FutureWarning", *args], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-W", "error::FutureWarning", *args], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr

@@ -50,8 +50,10 @@ NAMES = {"a0": "127.0.0.2", "a1": "127.0.0.2", "b0": "127.0.0.3", "b1": "127.0.0
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 DASK = os.path.join(os.path.dirname(sys.executable), "dask")
 CORPUS = TEXTS + ["Tokens flow through the cluster.", "Every rank runs the same steps.", "Short one."]
-SCORE_TEXTS = [f"host {i % 2} row {i}: " + " ".join(["dask", "tokens", "score", "parquet"][: 1 + i % 4]) * (1 + i % 3)
-               for i in range(16)]
+SCORE_TEXTS = [
+    f"host {i % 2} row {i}: " + " ".join(["dask", "tokens", "score", "parquet"][: 1 + i % 4]) * (1 + i % 3)
+    for i in range(16)
+]
 
 
 # ----------------------------------------------------------------------------------------- the two-host cluster
@@ -104,10 +106,16 @@ def two_hosts(root: Path, host_env: dict[str, dict[str, str]] | None = None) -> 
     logs.mkdir(parents=True)
     port = _free_port("127.0.0.1")
     address = f"tcp://127.0.0.1:{port}"
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           # tests/ importable on the workers: tasks from refit_peers and this module run there
-           "PYTHONPATH": os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p),
-           "DASK_LM_LEASE_CHECK_S": "2", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        # tests/ importable on the workers: tasks from refit_peers and this module run there
+        "PYTHONPATH": os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p),
+        "DASK_LM_LEASE_CHECK_S": "2",
+        "PYTHONUNBUFFERED": "1",
+    }
     procs: list[subprocess.Popen[bytes]] = []
     names: list[str] = []
     files = []
@@ -116,21 +124,55 @@ def two_hosts(root: Path, host_env: dict[str, dict[str, str]] | None = None) -> 
         log = open(logs / f"{name}.log", "wb")  # noqa: SIM115  (closed in the finally below)
         files.append(log)
         names.append(name)
-        procs.append(subprocess.Popen([DASK, *args], stdout=log, stderr=subprocess.STDOUT, env={**env, **extra},
-                                      cwd=root))
+        procs.append(
+            subprocess.Popen([DASK, *args], stdout=log, stderr=subprocess.STDOUT, env={**env, **extra}, cwd=root)
+        )
 
     client = None
     try:
         # --no-dashboard still serves Dask's HTTP routes (health, metrics), on every interface unless told where
         # (--idle-timeout: a scheduler orphaned by a killed pytest goes away by itself, and its workers with it)
-        spawn("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
-                            "--dashboard-address", f"127.0.0.1:{_free_port('127.0.0.1')}", "--idle-timeout", "600"],
-              {})
+        spawn(
+            "scheduler",
+            [
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--no-dashboard",
+                "--dashboard-address",
+                f"127.0.0.1:{_free_port('127.0.0.1')}",
+                "--idle-timeout",
+                "600",
+            ],
+            {},
+        )
         for name, host in NAMES.items():
-            spawn(name, ["worker", address, "--host", host, "--name", name, "--nthreads", "1", "--no-nanny",
-                         "--no-dashboard", "--dashboard-address", f"{host}:0", "--memory-limit", "0",
-                         "--death-timeout", "60",
-                         "--local-directory", str(root / name)], (host_env or {}).get(name[0], {}))
+            spawn(
+                name,
+                [
+                    "worker",
+                    address,
+                    "--host",
+                    host,
+                    "--name",
+                    name,
+                    "--nthreads",
+                    "1",
+                    "--no-nanny",
+                    "--no-dashboard",
+                    "--dashboard-address",
+                    f"{host}:0",
+                    "--memory-limit",
+                    "0",
+                    "--death-timeout",
+                    "60",
+                    "--local-directory",
+                    str(root / name),
+                ],
+                (host_env or {}).get(name[0], {}),
+            )
         deadline = time.time() + 90
         while client is None:
             dead = [n for n, p in zip(names, procs) if p.poll() is not None]
@@ -143,8 +185,10 @@ def two_hosts(root: Path, host_env: dict[str, dict[str, str]] | None = None) -> 
         while len(scheduler_info(client)["workers"]) < len(NAMES):
             dead = [n for n, p in zip(names, procs) if p.poll() is not None]
             if dead or time.time() > deadline:
-                raise RuntimeError(f"only {len(scheduler_info(client)['workers'])} of {len(NAMES)} workers "
-                                   f"joined (exited: {dead})\n{_tails(logs)}")
+                raise RuntimeError(
+                    f"only {len(scheduler_info(client)['workers'])} of {len(NAMES)} workers "
+                    f"joined (exited: {dead})\n{_tails(logs)}"
+                )
             time.sleep(0.5)
         yield client, logs
     finally:
@@ -197,9 +241,17 @@ def _by_name(client: Any) -> dict[str, str]:
 
 
 def _cfg(model_dir: str, **extra: Any) -> dict[str, Any]:
-    return {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 8,
-            "train_micro_batch_size": 2, "logprob_batch_size": 2, "max_total_sequence_length": 128,
-            "max_grad_norm": 1.0, "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}}, **extra}
+    return {
+        "model_name": model_dir,
+        "precision": "float32",
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 2,
+        "logprob_batch_size": 2,
+        "max_total_sequence_length": 128,
+        "max_grad_norm": 1.0,
+        "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+        **extra,
+    }
 
 
 # ----------------------------------------------------------------------------------------- checks (CPU and GPU)
@@ -211,8 +263,9 @@ def check_placement(client: Any, policy: Any) -> None:
     assert WorkerGroup.per_node(client, 2) == ["a0", "a1", "b0", "b1"]
     # the rendezvous port is found on the asked worker's own address
     for name, host in NAMES.items():
-        got_host, port = client.submit(tasks.find_free_port, workers=[name], allow_other_workers=False,
-                                       pure=False).result()
+        got_host, port = client.submit(
+            tasks.find_free_port, workers=[name], allow_other_workers=False, pure=False
+        ).result()
         assert got_host == host and 0 < port < 65536
     assert policy.data_parallel_size == 2
     assert policy.group.names == ["a0", "b0"] and policy.group.hosts == ["127.0.0.2", "127.0.0.3"]
@@ -238,8 +291,11 @@ def train_step(policy: Any, model_dir: str, tok: Any) -> dict[str, Any]:
     """One clipped SGD step of the policy over both "hosts", and the same step in one process of plain HF."""
     batch = sft_batch(tok, CORPUS)
     losses, norms, ref_model = hf_nll_steps(
-        model_dir, [(batch["input_ids"], batch["input_lengths"], batch["token_mask"], batch["sample_mask"])],
-        lr=0.5, max_grad_norm=1.0)
+        model_dir,
+        [(batch["input_ids"], batch["input_lengths"], batch["token_mask"], batch["sample_mask"])],
+        lr=0.5,
+        max_grad_norm=1.0,
+    )
     out = policy.train(batch, dask_lm.NLLLoss())
     after = policy.get_logprobs(batch)["logprobs"]
     return {"batch": batch, "out": out, "after": after, "losses": losses, "norms": norms, "ref_model": ref_model}
@@ -265,8 +321,10 @@ def check_listeners(client: Any, policy: Any) -> None:
     # gloo's and NCCL's own sockets are pinned to the interface of the ranks' addresses: the loopback one
     lo = next(n for n, addrs in psutil.net_if_addrs().items() if any(a.address == "127.0.0.1" for a in addrs))
     expected = (os.environ.get("GLOO_SOCKET_IFNAME", lo), os.environ.get("NCCL_SOCKET_IFNAME", lo))
-    pinned = client.run(lambda: (os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")),
-                        workers=[addr["a0"], addr["b0"]])
+    pinned = client.run(
+        lambda: (os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")),
+        workers=[addr["a0"], addr["b0"]],
+    )
     assert set(pinned.values()) == {expected}, pinned
     pids = client.run(os.getpid)
     found = {a: _listeners(pid) for a, pid in pids.items()}
@@ -275,8 +333,11 @@ def check_listeners(client: Any, policy: Any) -> None:
     for a, las in found.items():
         host = _hosts_by_address(client)[a]
         assert any(la.ip == host and a.endswith(f":{la.port}") for la in las), (a, las)  # Dask's own listener
-        bad = [la for la in las if ipaddress.ip_address(la.ip).is_unspecified
-               or not ipaddress.ip_address(la.ip).is_loopback]
+        bad = [
+            la
+            for la in las
+            if ipaddress.ip_address(la.ip).is_unspecified or not ipaddress.ip_address(la.ip).is_loopback
+        ]
         assert not bad, f"worker {a} listens off loopback: {bad} (all: {las})"
 
 
@@ -297,8 +358,16 @@ def check_scoring(client: Any, model_dir: str, tok: Any, root: Path, atol: float
     data = root / "score.parquet"
     pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), data, row_group_size=2)
     with get_task_stream(client=client) as stream:
-        res = dask_lm.score_parquet(data, root / "scored", model=model_dir, client=client, text_column="text",
-                                    precision="float32", progress=False, task_tokens=0)  # a task per row group
+        res = dask_lm.score_parquet(
+            data,
+            root / "scored",
+            model=model_dir,
+            client=client,
+            text_column="text",
+            precision="float32",
+            progress=False,
+            task_tokens=0,
+        )  # a task per row group
     assert res.parts == len(texts) // 2 and res.rows == len(texts)
     hosts = _hosts_by_address(client)
     ran = [t["worker"] for t in stream.data if str(t["key"]).startswith("score_partition")]
@@ -381,14 +450,13 @@ def test_zmq_refit_sockets_are_private_ipc_files_of_each_rank(client, policy):
     pids = client.run(os.getpid)
     addr = _by_name(client)
     for rank, (name, address) in enumerate(zip(policy.group.names, addresses)):
-        path = address[len("ipc://"):]
+        path = address[len("ipc://") :]
         assert f"dask-lm-refit-r{rank}-" in path
         owners = {n for n in NAMES if path in _unix_sockets(pids[addr[n]])}
         assert owners == {name}, (path, owners)
 
 
-def test_refit_collective_store_on_rank0s_host_reaches_a_worker_of_the_other_host(client, policy, trained,
-                                                                                    tmp_path):
+def test_refit_collective_store_on_rank0s_host_reaches_a_worker_of_the_other_host(client, policy, trained, tmp_path):
     """init_collective at rank 0's host address, with the inference rank on worker b1 (the other host): the store
     listens there only, and the broadcast delivers the weights a single HF process has after the same step."""
     import refit_peers
@@ -397,8 +465,18 @@ def test_refit_collective_store_on_rank0s_host_reaches_a_worker_of_the_other_hos
     host = policy.group.hosts[0]
     port = _free_port(host)
     out = tmp_path / "peer.pt"
-    peer = client.submit(refit_peers.collective_peer, host, port, 3, 2, info, str(out), workers=["b1"],
-                         allow_other_workers=False, pure=False)
+    peer = client.submit(
+        refit_peers.collective_peer,
+        host,
+        port,
+        3,
+        2,
+        info,
+        str(out),
+        workers=["b1"],
+        allow_other_workers=False,
+        pure=False,
+    )
     client.gather(policy.init_collective(host, port, 3, train_world_size=2))
     addr = _by_name(client)
     pids = client.run(os.getpid)

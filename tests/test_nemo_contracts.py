@@ -45,8 +45,9 @@ def test_pack_refuses_overlong_rows_even_with_bin_count_rules(algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("lengths", [[50], [30, 30, 30, 30, 30], [100, 100, 100],
-                                     [10, 50, 100, 20, 80, 30, 70, 40, 60, 90]])
+@pytest.mark.parametrize(
+    "lengths", [[50], [30, 30, 30, 30, 30], [100, 100, 100], [10, 50, 100, 20, 80, 30, 70, 40, 60, 90]]
+)
 def test_pack_accepts_sequences_up_to_the_capacity(algorithm, lengths):
     bins = get_packer(algorithm, 100).pack(lengths)
     assert _valid(lengths, bins, 100)
@@ -63,11 +64,13 @@ def test_pack_of_nothing_is_no_bins(algorithm):
 
 # ------------------------------------------------------------------------------------------ from_batches
 def test_from_batches_keeps_optional_keys_missing_only_from_empty_batches():
-    empty = BatchedDataDict(output_ids=torch.zeros((0, 0), dtype=torch.long),
-                            generation_lengths=torch.zeros(0, dtype=torch.long))
+    empty = BatchedDataDict(
+        output_ids=torch.zeros((0, 0), dtype=torch.long), generation_lengths=torch.zeros(0, dtype=torch.long)
+    )
     routed = torch.arange(1 * 3 * 2 * 2, dtype=torch.int32).reshape(1, 3, 2, 2)
-    full = BatchedDataDict(output_ids=torch.tensor([[1, 2, 3]]), generation_lengths=torch.tensor([3]),
-                           routed_experts=routed)
+    full = BatchedDataDict(
+        output_ids=torch.tensor([[1, 2, 3]]), generation_lengths=torch.tensor([3]), routed_experts=routed
+    )
 
     stacked = BatchedDataDict.from_batches([empty, full], pad_value_dict={"output_ids": 0})
 

@@ -36,9 +36,16 @@ NEMO_AXES = ["pipeline_parallel", "data_parallel", "context_parallel", "tensor_p
 
 
 def _cfg(model_dir, **extra):
-    cfg = {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 8,
-           "train_micro_batch_size": 2, "logprob_batch_size": 2, "max_total_sequence_length": 128,
-           "max_grad_norm": 1.0, "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}}}
+    cfg = {
+        "model_name": model_dir,
+        "precision": "float32",
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 2,
+        "logprob_batch_size": 2,
+        "max_total_sequence_length": 128,
+        "max_grad_norm": 1.0,
+        "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+    }
     cfg.update(extra)
     return cfg
 
@@ -88,8 +95,9 @@ class KeywordsOnly(NeMoStyleNLL):
     def __call__(self, **kwargs):
         names = sorted(kwargs)
         assert names == ["data", "global_valid_seqs", "global_valid_toks", "next_token_logprobs"], names
-        return super().__call__(kwargs["next_token_logprobs"], kwargs["data"], kwargs["global_valid_seqs"],
-                                kwargs["global_valid_toks"])
+        return super().__call__(
+            kwargs["next_token_logprobs"], kwargs["data"], kwargs["global_valid_seqs"], kwargs["global_valid_toks"]
+        )
 
 
 @pytest.mark.parametrize("loss_cls", [NeMoStyleNLL, NeMoStyleLogitNLL, KeywordsOnly])
@@ -98,16 +106,20 @@ def test_a_loss_written_as_nemo_rl_writes_one_trains_like_one_process(client, ti
     """Loss, pre-clip gradient norm and the weights after one clipped SGD step on 2 ranks equal one Hugging Face
     process, for a loss that lists its input first and is called by keyword (4 micro-batches per rank)."""
     ref_losses, ref_norms, ref_model = hf_nll_steps(
-        tiny["llama"], [(batch["input_ids"], batch["input_lengths"], batch["token_mask"], batch["sample_mask"])],
-        lr=0.5, max_grad_norm=1.0)
+        tiny["llama"],
+        [(batch["input_ids"], batch["input_lengths"], batch["token_mask"], batch["sample_mask"])],
+        lr=0.5,
+        max_grad_norm=1.0,
+    )
     extra = {"sequence_packing": {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64}} if packed else {}
     with dask_lm.Policy(client, _cfg(tiny["llama"], **extra), tok) as policy:
         out = policy.train(batch, loss_cls())
         after = policy.get_logprobs(batch)["logprobs"]
     assert float(out["loss"][0]) == pytest.approx(ref_losses[0], abs=1e-5)
     assert float(out["grad_norm"][0]) == pytest.approx(ref_norms[0], rel=1e-5)
-    torch.testing.assert_close(after, model_logprobs(ref_model, batch["input_ids"], batch["input_lengths"]),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        after, model_logprobs(ref_model, batch["input_ids"], batch["input_lengths"]), atol=1e-4, rtol=0
+    )
     assert sum(out["all_mb_metrics"]["num_valid_samples"]) == pytest.approx(len(CORPUS))
 
 
@@ -136,8 +148,7 @@ def test_sharding_annotations_are_nemo_rl_axes(client, tiny, tok, ranks):
         s = policy.sharding_annotations
         assert s.get_axis_size("data_parallel") == ranks == policy.data_parallel_size
         assert s.names == NEMO_AXES
-        assert s.shape == {"pipeline_parallel": 1, "data_parallel": ranks, "context_parallel": 1,
-                           "tensor_parallel": 1}
+        assert s.shape == {"pipeline_parallel": 1, "data_parallel": ranks, "context_parallel": 1, "tensor_parallel": 1}
         np.testing.assert_array_equal(s.layout, np.arange(ranks).reshape(1, -1, 1, 1))
         assert [s.get_worker_coords(r)["data_parallel"] for r in range(ranks)] == list(range(ranks))
         with pytest.raises(ValueError, match="no axis named 'dp'"):
@@ -151,9 +162,10 @@ def test_dpo_partial_batch_padding_uses_the_data_parallel_size(policy, batch):
     rows = batch.slice(0, 7)
     multiple = dp * 2
     pad = -rows.size % multiple
-    padded = dask_lm.BatchedDataDict({k: torch.cat([v, v[-1:].repeat(pad, *[1] * (v.dim() - 1))])
-                                      for k, v in rows.items()})
-    padded["sample_mask"][rows.size:] = 0
+    padded = dask_lm.BatchedDataDict(
+        {k: torch.cat([v, v[-1:].repeat(pad, *[1] * (v.dim() - 1))]) for k, v in rows.items()}
+    )
+    padded["sample_mask"][rows.size :] = 0
     out = policy.train(padded, dask_lm.NLLLoss(), eval_mode=True, gbs=padded.size, mbs=2)
     assert padded.size % multiple == 0 and sum(out["all_mb_metrics"]["num_valid_samples"]) == 7
 
@@ -184,8 +196,11 @@ def test_flops_tracker_counts_each_train_call(policy, tiny, batch):
     half = batch.slice(0, 4)
     second = policy.train(half, dask_lm.NLLLoss(), gbs=4)
     # reset per call, as NeMo RL's train() resets it: the second call's rows only
-    assert tracker.total_flops == second["total_flops"] == pytest.approx(
-        _training_flops(config, half["input_lengths"].tolist()), rel=1e-9)
+    assert (
+        tracker.total_flops
+        == second["total_flops"]
+        == pytest.approx(_training_flops(config, half["input_lengths"].tolist()), rel=1e-9)
+    )
     assert isinstance(second["num_ranks"], int) and second["num_ranks"] == 2
 
 

@@ -32,19 +32,20 @@ FAKE_NEMO_RL = {
     "nemo_rl/distributed/virtual_cluster.py": f"""
 class RayVirtualCluster:
     def __init__(self, *args, **kwargs):
-        {_RAISE.format('RayVirtualCluster')}
+        {_RAISE.format("RayVirtualCluster")}
 
 
 def init_ray(log_dir=None):
-    {_RAISE.format('init_ray')}
+    {_RAISE.format("init_ray")}
 """,
-    "nemo_rl/distributed/batched_data_dict.py": "from dask_lm import BatchedDataDict  # NeMo RL's, as dask-lm mirrors it\n",
+    # NeMo RL's, as dask-lm mirrors it
+    "nemo_rl/distributed/batched_data_dict.py": "from dask_lm import BatchedDataDict\n",
     "nemo_rl/models/__init__.py": "",
     "nemo_rl/models/policy/__init__.py": "",
     "nemo_rl/models/policy/lm_policy.py": f"""
 class Policy:
     def __init__(self, *args, **kwargs):
-        {_RAISE.format('Policy')}
+        {_RAISE.format("Policy")}
 """,
     "nemo_rl/algorithms/__init__.py": "",
     # as nemo_rl/algorithms/sft.py: the names imported when the module loads, before the runner could patch them
@@ -114,8 +115,12 @@ if __name__ == "__main__":
     main()
 """,
 }
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "Dask", "Tokens flow through the cluster of workers.",
-         "Parquet files store columns."]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Dask",
+    "Tokens flow through the cluster of workers.",
+    "Parquet files store columns.",
+]
 LR, MAX_GRAD_NORM = 0.5, 1.0
 
 
@@ -127,11 +132,20 @@ def _checkout(root: pathlib.Path, **replace: str) -> pathlib.Path:
 
 
 def _config(tmp_path: pathlib.Path, model: str, **extra) -> str:
-    config = {"cluster": {"gpus_per_node": 1, "num_nodes": 1},
-              "policy": {"model_name": model, "precision": "float32", "train_global_batch_size": len(TEXTS),
-                         "train_micro_batch_size": 2, "logprob_batch_size": 2, "max_total_sequence_length": 128,
-                         "max_grad_norm": MAX_GRAD_NORM,
-                         "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": LR}}}, **extra}
+    config = {
+        "cluster": {"gpus_per_node": 1, "num_nodes": 1},
+        "policy": {
+            "model_name": model,
+            "precision": "float32",
+            "train_global_batch_size": len(TEXTS),
+            "train_micro_batch_size": 2,
+            "logprob_batch_size": 2,
+            "max_total_sequence_length": 128,
+            "max_grad_norm": MAX_GRAD_NORM,
+            "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": LR}},
+        },
+        **extra,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     return str(path)
@@ -139,18 +153,29 @@ def _config(tmp_path: pathlib.Path, model: str, **extra) -> str:
 
 def _dask_lm(*args: str, cwd: pathlib.Path, pythonpath: str = str(ROOT)) -> subprocess.CompletedProcess:
     # CPU workers whatever the machine has; nemo_rl only from the fake checkout the script is in
-    env = {**os.environ, "PYTHONPATH": pythonpath, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
-           "DASK_LM_PROGRESS": "0"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": pythonpath,
+        "CUDA_VISIBLE_DEVICES": "",
+        "HF_HUB_OFFLINE": "1",
+        "DASK_LM_PROGRESS": "0",
+    }
     env.pop("DASK_SCHEDULER_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "dask_lm", "nemo-rl", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "dask_lm", "nemo-rl", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def _result(done: subprocess.CompletedProcess) -> dict:
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, done.stdout[-3000:]
-    return json.loads(lines[0][len("RESULT "):])
+    return json.loads(lines[0][len("RESULT ") :])
 
 
 @pytest.mark.cluster
@@ -173,12 +198,14 @@ def test_a_nemo_rl_script_trains_on_a_local_dask_cluster_sized_from_its_config(t
     ids, lens, mask = enc["input_ids"], enc["attention_mask"].sum(1), enc["attention_mask"].float()
     expected, _ = hf_logprobs(tiny["llama"], ids, lens)
     torch.testing.assert_close(torch.tensor(result["logprobs"]), expected, atol=1e-4, rtol=0)
-    losses, norms, model = hf_nll_steps(tiny["llama"], [(ids, lens, mask, torch.ones(len(TEXTS)))], lr=LR,
-                                        max_grad_norm=MAX_GRAD_NORM)
+    losses, norms, model = hf_nll_steps(
+        tiny["llama"], [(ids, lens, mask, torch.ones(len(TEXTS)))], lr=LR, max_grad_norm=MAX_GRAD_NORM
+    )
     assert result["loss"] == pytest.approx(losses[0], abs=1e-5)
     assert result["grad_norm"] == pytest.approx(norms[0], rel=1e-5)
-    torch.testing.assert_close(torch.tensor(result["logprobs_after"]), model_logprobs(model, ids, lens), atol=1e-4,
-                               rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(result["logprobs_after"]), model_logprobs(model, ids, lens), atol=1e-4, rtol=0
+    )
 
 
 @pytest.mark.cluster
@@ -192,16 +219,28 @@ def test_an_attached_cluster_gives_the_config_its_workers_and_stays_up(tmp_path,
     config = _config(tmp_path, tiny["llama"])
     with Client(scheduler_file=str(sched)) as c:
         c.wait_for_workers(3, timeout=120)
-    done = _dask_lm("--scheduler-address", str(sched), str(script), "--config", config, "cluster.gpus_per_node=2",
-                    cwd=tmp_path)
+    done = _dask_lm(
+        "--scheduler-address", str(sched), str(script), "--config", config, "cluster.gpus_per_node=2", cwd=tmp_path
+    )
     result = _result(done)
     assert result["world_size"] == 2 and result["data_parallel_size"] == 2
 
-    done = _dask_lm("--scheduler-address", str(sched), str(script), "--config", config, "cluster.gpus_per_node=2",
-                    "cluster.num_nodes=2", cwd=tmp_path)
+    done = _dask_lm(
+        "--scheduler-address",
+        str(sched),
+        str(script),
+        "--config",
+        config,
+        "cluster.gpus_per_node=2",
+        "cluster.num_nodes=2",
+        cwd=tmp_path,
+    )
     assert done.returncode == 2, (done.stdout[-2000:], done.stderr[-3000:])
-    assert ("asks for 4 GPU worker(s) (cluster.gpus_per_node=2 x cluster.num_nodes=2), but the Dask cluster at "
-            in done.stderr and "has 3 worker(s)" in done.stderr), done.stderr
+    assert (
+        "asks for 4 GPU worker(s) (cluster.gpus_per_node=2 x cluster.num_nodes=2), but the Dask cluster at "
+        in done.stderr
+        and "has 3 worker(s)" in done.stderr
+    ), done.stderr
     with Client(scheduler_file=str(sched)) as c:
         assert len(c.scheduler_info()["workers"]) == 3  # neither run closed the attached cluster
 
@@ -214,14 +253,17 @@ _NO_RAY = 'raise ModuleNotFoundError("No module named \'ray\'", name="ray")\n'
 def test_what_stops_before_any_cluster_says_what_to_do(tmp_path, tiny, case):
     """Exit 2 with one line naming the fix (docs/reference/exit-codes.md) for a missing SCRIPT, a NeMo RL that is
     not installed, and a NeMo RL that cannot import Ray; the script's own exit code passes through."""
-    checkout = _checkout(tmp_path / "RL", **({"nemo_rl/distributed/virtual_cluster.py": "import ray\n"}
-                                             if case == "no ray" else {}))
+    checkout = _checkout(
+        tmp_path / "RL", **({"nemo_rl/distributed/virtual_cluster.py": "import ray\n"} if case == "no ray" else {})
+    )
     script, pythonpath, config = str(checkout / "examples" / "run_fake.py"), str(ROOT), _config(tmp_path, "unused")
-    expected = {"no script": "SCRIPT 'missing.py' does not exist",
-                "not python": "is not a Python file",
-                "no nemo_rl": "NeMo RL is not installed (no module named 'nemo_rl'): `pip install nemo-rl`",
-                "no ray": "NeMo RL imports Ray when its modules load (nemo_rl.distributed.virtual_cluster imports "
-                          "ray), though dask-lm never starts it: `pip install ray`"}.get(case)
+    expected = {
+        "no script": "SCRIPT 'missing.py' does not exist",
+        "not python": "is not a Python file",
+        "no nemo_rl": "NeMo RL is not installed (no module named 'nemo_rl'): `pip install nemo-rl`",
+        "no ray": "NeMo RL imports Ray when its modules load (nemo_rl.distributed.virtual_cluster imports "
+        "ray), though dask-lm never starts it: `pip install ray`",
+    }.get(case)
     if case == "no script":
         script = "missing.py"
     elif case == "not python":

@@ -32,17 +32,17 @@ from dask_lm.io import modelcheck
 ROOT = pathlib.Path(dask_lm.__file__).resolve().parent.parent  # the tree under test, for the subprocesses
 NOBODY = "tcp://127.0.0.1:9"  # a scheduler address nothing listens on: a refused entry never gets that far
 
-_MODULE = '''import pathlib
+_MODULE = """import pathlib
 pathlib.Path({marker!r}).open("a").write("{name} ran\\n")
 {body}
-'''
+"""
 _BODIES = {
     "configuration_evil": "from transformers import LlamaConfig\n\n\nclass EvilConfig(LlamaConfig):\n"
-                          "    model_type = 'evil_llama'\n",
+    "    model_type = 'evil_llama'\n",
     "modeling_evil": "from transformers import LlamaForCausalLM\n\n\nclass EvilForCausalLM(LlamaForCausalLM):\n"
-                     "    pass\n",
+    "    pass\n",
     "tokenization_evil": "from transformers import PreTrainedTokenizerFast\n\n\n"
-                         "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n",
+    "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n",
 }
 
 
@@ -61,23 +61,38 @@ def evil(tiny, tmp_path):
     shutil.copytree(tiny["llama"], model)
     for name, body in _BODIES.items():
         (model / f"{name}.py").write_text(_MODULE.format(marker=str(marker), name=name, body=body))
-    _edit_json(model / "config.json", model_type="evil_llama", architectures=["EvilForCausalLM"],
-               auto_map={"AutoConfig": "configuration_evil.EvilConfig",
-                         "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
-    _edit_json(model / "tokenizer_config.json", tokenizer_class="EvilTokenizer",
-               auto_map={"AutoTokenizer": [None, "tokenization_evil.EvilTokenizer"]})
+    _edit_json(
+        model / "config.json",
+        model_type="evil_llama",
+        architectures=["EvilForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_evil.EvilConfig",
+            "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
+        },
+    )
+    _edit_json(
+        model / "tokenizer_config.json",
+        tokenizer_class="EvilTokenizer",
+        auto_map={"AutoTokenizer": [None, "tokenization_evil.EvilTokenizer"]},
+    )
     return model, marker
 
 
 def _in_terminal(args: list[str], tmp_path: pathlib.Path) -> tuple[int, str, int]:
     """Run ``args`` with a pseudo-terminal as stdin, stdout and stderr, answering ``y`` to every "[y/N]" question.
     Returns (exit code, everything it printed, questions answered)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "HF_MODULES_CACHE": str(tmp_path / "hf-modules"), "HF_HUB_OFFLINE": "1",
-           "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "5s", "TERM": "dumb"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "HF_MODULES_CACHE": str(tmp_path / "hf-modules"),
+        "HF_HUB_OFFLINE": "1",
+        "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "5s",
+        "TERM": "dumb",
+    }
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen(args, stdin=secondary, stdout=secondary, stderr=secondary, env=env, cwd=tmp_path,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, stdin=secondary, stdout=secondary, stderr=secondary, env=env, cwd=tmp_path, start_new_session=True
+    )
     os.close(secondary)
     out, answered = b"", 0
     give_up = time.monotonic() + 480  # a guard against a hang only, inside pytest-timeout's 600 s
@@ -135,18 +150,41 @@ def test_a_model_with_auto_map_is_refused_in_a_terminal_and_its_code_never_runs(
         pytest.importorskip("lm_eval")
         args = [sys.executable, "-c", _LM_EVAL.format(nobody=NOBODY), str(model)]
     elif entry == "logprobs":
-        args = [sys.executable, "-m", "dask_lm", "logprobs", "--model", str(model), "--scheduler-address", NOBODY,
-                "a text"]
+        args = [
+            sys.executable,
+            "-m",
+            "dask_lm",
+            "logprobs",
+            "--model",
+            str(model),
+            "--scheduler-address",
+            NOBODY,
+            "a text",
+        ]
     else:
         data = tmp_path / "data.parquet"
         pq.write_table(pa.table({"text": ["a text", "another text"]}), data)
-        args = [sys.executable, "-m", "dask_lm", "score", str(data), "--model", str(model), "--text-column", "text",
-                "--output", str(tmp_path / "out"), "--scheduler-address", NOBODY, "--no-progress"]
+        args = [
+            sys.executable,
+            "-m",
+            "dask_lm",
+            "score",
+            str(data),
+            "--model",
+            str(model),
+            "--text-column",
+            "text",
+            "--output",
+            str(tmp_path / "out"),
+            "--scheduler-address",
+            NOBODY,
+            "--no-progress",
+        ]
     code, out, answered = _in_terminal(args, tmp_path)
     assert not marker.exists(), f"the model's own code ran ({marker.read_text()!r}); output:\n{out[-3000:]}"
     assert code == 2, out[-3000:]
     flat = " ".join(out.split())  # the terminal wraps nothing, but the message may span lines
-    assert f"{model / 'config.json'} has \"auto_map\"" in flat, out[-3000:]
+    assert f'{model / "config.json"} has "auto_map"' in flat, out[-3000:]
     assert "dask-lm runs only the classes transformers ships" in flat, out[-3000:]
     assert answered == 0 and "[y/N]" not in out, out[-3000:]  # nobody was asked
 
@@ -159,13 +197,28 @@ def test_a_tokenizer_with_auto_map_is_refused_naming_its_file(tiny, tmp_path, no
     _edit_json(tok / "tokenizer_config.json", auto_map={"AutoTokenizer": [None, "tokenization_x.XTokenizer"]})
     data = tmp_path / "data.parquet"
     pq.write_table(pa.table({"text": ["a text"]}), data)
-    result = CliRunner().invoke(cli, ["score", str(data), "--model", tiny["llama"], "--tokenizer", str(tok),
-                                      "--text-column", "text", "--output", str(tmp_path / "out"), "--no-progress"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "score",
+            str(data),
+            "--model",
+            tiny["llama"],
+            "--tokenizer",
+            str(tok),
+            "--text-column",
+            "text",
+            "--output",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 2, result.output
     flat = " ".join(result.output.split())
-    assert f"--tokenizer '{tok}': {tok / 'tokenizer_config.json'} has \"auto_map\" (tokenization_x.XTokenizer)" \
-        in flat, result.output
-    assert "If transformers ships this tokenizer, delete \"auto_map\" from tokenizer_config.json" in flat
+    assert (
+        f"--tokenizer '{tok}': {tok / 'tokenizer_config.json'} has \"auto_map\" (tokenization_x.XTokenizer)" in flat
+    ), result.output
+    assert 'If transformers ships this tokenizer, delete "auto_map" from tokenizer_config.json' in flat
     assert not no_cluster and not (tmp_path / "out").exists()
 
 
@@ -176,9 +229,12 @@ def test_auto_map_is_refused_even_where_transformers_ships_the_architecture(tiny
     model = tmp_path / "model"
     shutil.copytree(tiny["llama"], model)
     _edit_json(model / "config.json", auto_map={"AutoConfig": "configuration_x.XConfig"})
-    with pytest.raises(ValueError, match=r"has \"auto_map\" \(configuration_x\.XConfig\).*If transformers ships "
-                                         r"this architecture \(model_type 'llama'\), delete \"auto_map\" from "
-                                         r"config\.json"):
+    with pytest.raises(
+        ValueError,
+        match=r"has \"auto_map\" \(configuration_x\.XConfig\).*If transformers ships "
+        r"this architecture \(model_type 'llama'\), delete \"auto_map\" from "
+        r"config\.json",
+    ):
         dask_lm.Policy(object(), {"model_name": str(model)}, None, init_optimizer=False, init_reference_model=False)
 
 
@@ -195,13 +251,17 @@ def test_every_transformers_load_in_the_package_passes_trust_remote_code_false()
         tree = ast.parse(path.read_text(), filename=str(path))
         dicts = {}  # name -> keys of a dict literal assigned to it (rank_model builds from_pretrained's kwargs so)
         for node in ast.walk(tree):
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and len(node.targets) == 1 \
-                    and isinstance(node.targets[0], ast.Name):
-                dicts[node.targets[0].id] = {k.value: v for k, v in zip(node.value.keys, node.value.values)
-                                             if isinstance(k, ast.Constant)}
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Dict)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+            ):
+                dicts[node.targets[0].id] = {
+                    k.value: v for k, v in zip(node.value.keys, node.value.values) if isinstance(k, ast.Constant)
+                }
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in _LOADERS):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LOADERS):
                 continue
             if isinstance(node.func.value, ast.Name) and node.func.value.id == "FLOPTracker":
                 continue

@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 import dask_lm
 from dask_lm.cli import main as cli
-from dask_lm.sft.job import sft_parquet
-from dask_lm.jobs import folder
 from dask_lm.io import parquet as pio
+from dask_lm.jobs import folder
+from dask_lm.sft.job import sft_parquet
 
 TEXTS = ["the cat sat on the mat", "a dog ran in the park today", "dask runs tasks on workers", "tokens have logprobs"]
 VICTIM = b"the user's own file: not dask-lm's\n"
@@ -37,13 +37,24 @@ def victim(tmp_path):
 
 
 def _score(data, out, tiny, client, **kw):
-    return dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text", id_column="id",
-                                 progress=False, **kw)
+    return dask_lm.score_parquet(
+        data, out, model=tiny["llama"], client=client, text_column="text", id_column="id", progress=False, **kw
+    )
 
 
 def _sft(data, out, tiny, client, **kw):
-    return sft_parquet(data, out, model=tiny["llama"], client=client, text_column="text", global_batch_size=4,
-                       micro_batch_size=2, epochs=1, progress=False, **kw)
+    return sft_parquet(
+        data,
+        out,
+        model=tiny["llama"],
+        client=client,
+        text_column="text",
+        global_batch_size=4,
+        micro_batch_size=2,
+        epochs=1,
+        progress=False,
+        **kw,
+    )
 
 
 def _plant_lock(out, victim):
@@ -59,8 +70,10 @@ def _plant_lock(out, victim):
 def test_locked_output_refuses_a_linked_lock(tmp_path, victim):
     out = tmp_path / "out"
     lock = _plant_lock(out, victim)
-    with pytest.raises(ValueError, match=rf"{lock}.* is a symbolic link.*remove the link"), \
-            folder.locked_output(str(out)):
+    with (
+        pytest.raises(ValueError, match=rf"{lock}.* is a symbolic link.*remove the link"),
+        folder.locked_output(str(out)),
+    ):
         pass
     assert victim.read_bytes() == VICTIM
     # a dangling link: O_CREAT would have created the file it names
@@ -89,9 +102,22 @@ def test_score_refuses_a_linked_lock_new_and_resumed(client, tiny, data, tmp_pat
 def test_cli_score_with_a_linked_lock_exits_2(client, tiny, data, tmp_path, victim):
     out = tmp_path / "out"
     lock = _plant_lock(out, victim)
-    result = CliRunner().invoke(cli, ["score", str(data), "--model", tiny["llama"], "--text-column", "text",
-                                      "--output", str(out), "--no-progress", "--scheduler-address",
-                                      client.scheduler.address])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "score",
+            str(data),
+            "--model",
+            tiny["llama"],
+            "--text-column",
+            "text",
+            "--output",
+            str(out),
+            "--no-progress",
+            "--scheduler-address",
+            client.scheduler.address,
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert f"{lock} is a symbolic link" in result.output and "--output" in result.output
     assert victim.read_bytes() == VICTIM

@@ -26,8 +26,16 @@ from dask_lm.sft.job import sft_parquet
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
 # (pytest -m "not cluster")
 
-TEXTS = ["the cat sat on the mat", "a dog ran in the park today", "dask runs tasks on workers", "tokens have logprobs",
-         "gradients flow backwards through layers", "the loss goes down", "two ranks agree on it", "parquet has columns"]
+TEXTS = [
+    "the cat sat on the mat",
+    "a dog ran in the park today",
+    "dask runs tasks on workers",
+    "tokens have logprobs",
+    "gradients flow backwards through layers",
+    "the loss goes down",
+    "two ranks agree on it",
+    "parquet has columns",
+]
 
 
 @pytest.fixture
@@ -49,13 +57,13 @@ def bad_data(tmp_path):
 
 
 def _score(data, out, model, client, **kw):
-    return dask_lm.score_parquet(data, out, model=model, client=client, text_column="text", id_column="id",
-                                 progress=False, **kw)
+    return dask_lm.score_parquet(
+        data, out, model=model, client=client, text_column="text", id_column="id", progress=False, **kw
+    )
 
 
 @pytest.mark.cluster
-def test_a_bad_row_then_resume_with_skip_bad_rows_keeps_the_good_part(client, tiny, bad_data, tmp_path,
-                                                                      monkeypatch):
+def test_a_bad_row_then_resume_with_skip_bad_rows_keeps_the_good_part(client, tiny, bad_data, tmp_path, monkeypatch):
     out = tmp_path / "out"
     # a job too large for the driver's pre-scan (scoring/prescan.py): its worker finds the bad row mid-job, after
     # the parts before it were written
@@ -65,7 +73,9 @@ def test_a_bad_row_then_resume_with_skip_bad_rows_keeps_the_good_part(client, ti
     # the retry the first error suggests, without --resume: refused, naming what to type, before any model check
     with monkeypatch.context() as m:
         m.setattr(cluster, "connect", lambda *a, **k: pytest.fail("a cluster was started"))
-        with pytest.raises(ValueError, match=r"unfinished dask-lm scoring job.*resume=True.*skip_bad_rows=True.*overwrite=True"):
+        with pytest.raises(
+            ValueError, match=r"unfinished dask-lm scoring job.*resume=True.*skip_bad_rows=True.*overwrite=True"
+        ):
             _score(bad_data, out, str(tmp_path / "no-such-model"), None, skip_bad_rows=True)
     result = _score(bad_data, out, tiny["llama"], client, skip_bad_rows=True, resume=True)
     assert result.bad_rows == 1 and not result.already_complete
@@ -134,13 +144,21 @@ def test_overwrite_never_deletes_files_dask_lm_did_not_write(client, tiny, tmp_p
 
 
 @pytest.mark.cluster
-def test_sft_finished_run_resumes_at_once_overwrite_retrains_and_weights_are_self_contained(client, tiny, tmp_path,
-                                                                                            monkeypatch):
+def test_sft_finished_run_resumes_at_once_overwrite_retrains_and_weights_are_self_contained(
+    client, tiny, tmp_path, monkeypatch
+):
     data = tmp_path / "sft.parquet"
     pq.write_table(pa.table({"text": TEXTS[:8]}), data)
     out = tmp_path / "run"
-    args = dict(model=tiny["llama"], text_column="text", global_batch_size=4, micro_batch_size=2, lr=1e-3,
-                save_every=1, progress=False)
+    args = dict(
+        model=tiny["llama"],
+        text_column="text",
+        global_batch_size=4,
+        micro_batch_size=2,
+        lr=1e-3,
+        save_every=1,
+        progress=False,
+    )
     done = sft_parquet(data, out, client=client, **args)
     assert done.steps == 2 and not done.already_complete
     success = (out / "_SUCCESS").read_bytes()
@@ -157,8 +175,9 @@ def test_sft_finished_run_resumes_at_once_overwrite_retrains_and_weights_are_sel
     want = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
     assert tok(TEXTS[5])["input_ids"] == want(TEXTS[5])["input_ids"]
     transformers.AutoModelForCausalLM.from_pretrained(weights)
-    scored = dask_lm.score_parquet(data, tmp_path / "scores", model=weights, client=client, text_column="text",
-                                   progress=False)
+    scored = dask_lm.score_parquet(
+        data, tmp_path / "scores", model=weights, client=client, text_column="text", progress=False
+    )
     assert scored.rows == 8
     # --overwrite trains again from the start (other options allowed); a longer --max-steps continues instead
     redone = sft_parquet(data, out, client=client, overwrite=True, **{**args, "lr": 2e-3})
@@ -170,7 +189,19 @@ def test_cli_refusals_name_the_next_command(tiny, bad_data, tmp_path, no_cluster
     out = tmp_path / "o"
     out.mkdir()
     (out / "_manifest.json").write_text(json.dumps({"format": 2, "options": {}}))
-    result = CliRunner().invoke(cli, ["score", str(bad_data), "--model", tiny["llama"], "--text-column", "text",
-                                      "--output", str(out), "--skip-bad-rows"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "score",
+            str(bad_data),
+            "--model",
+            tiny["llama"],
+            "--text-column",
+            "text",
+            "--output",
+            str(out),
+            "--skip-bad-rows",
+        ],
+    )
     assert result.exit_code == 2 and "pass --resume" in result.output and "--overwrite" in result.output
     assert "Traceback" not in result.output

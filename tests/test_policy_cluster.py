@@ -20,8 +20,14 @@ MODES = {
 
 
 def _cfg(model_dir, mode="plain", **extra):
-    cfg = {"model_name": model_dir, "precision": "float32", "logprob_batch_size": 2, "logprob_chunk_size": 5,
-           "max_total_sequence_length": 128, **MODES[mode]}
+    cfg = {
+        "model_name": model_dir,
+        "precision": "float32",
+        "logprob_batch_size": 2,
+        "logprob_chunk_size": 5,
+        "max_total_sequence_length": 128,
+        **MODES[mode],
+    }
     cfg.update(extra)
     return cfg
 
@@ -37,8 +43,7 @@ def tok(tiny):
 def test_logprobs_match_hf(client, tiny, tok, family, mode, n_ranks):
     ids, lens = make_batch(tok, TEXTS)
     expected, _ = hf_logprobs(tiny[family], ids, lens)
-    with dask_lm.Policy(client, _cfg(tiny[family], mode), tok,
-                        workers_per_node=None if n_ranks == 2 else 1) as policy:
+    with dask_lm.Policy(client, _cfg(tiny[family], mode), tok, workers_per_node=None if n_ranks == 2 else 1) as policy:
         assert policy.data_parallel_size == n_ranks
         out = policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))["logprobs"]
     assert out.dtype == torch.float32 and out.shape == ids.shape
@@ -166,8 +171,7 @@ def test_bad_input_is_rejected_and_policy_keeps_working(client, tiny, tok):
             (BatchedDataDict(input_ids=ids.float(), input_lengths=lens), "integers"),
             (BatchedDataDict(input_ids=ids, input_lengths=lens[:2]), "input_lengths"),
             (BatchedDataDict(input_ids=ids, input_lengths=lens + ids.shape[1]), "columns"),
-            (BatchedDataDict(input_ids=torch.where(ids == ids[0, 1], 10_000, ids), input_lengths=lens),
-             "vocabulary"),
+            (BatchedDataDict(input_ids=torch.where(ids == ids[0, 1], 10_000, ids), input_lengths=lens), "vocabulary"),
             (BatchedDataDict(input_ids=ids, input_lengths=lens, advantages=torch.zeros(2)), "advantages"),
         ]
         long_ids, long_lens = make_batch(tok, [TEXTS[2] * 3])
@@ -190,8 +194,9 @@ def test_policies_side_by_side_and_shutdown_frees_workers(client, tiny, tok):
     ids, lens = make_batch(tok, TEXTS)
     batch = BatchedDataDict(input_ids=ids, input_lengths=lens)
     policy = dask_lm.Policy(client, _cfg(tiny["llama"]), tok)
-    reward = dask_lm.Policy(client, _cfg(tiny["llama_rm"], reward_model_cfg={"enabled": True}), tok,
-                            init_reference_model=False)
+    reward = dask_lm.Policy(
+        client, _cfg(tiny["llama_rm"], reward_model_cfg={"enabled": True}), tok, init_reference_model=False
+    )
     lp = policy.get_logprobs(batch)["logprobs"]
     scores = reward.score(batch)["scores"]
     torch.testing.assert_close(lp, hf_logprobs(tiny["llama"], ids, lens)[0], atol=1e-4, rtol=0)
@@ -201,15 +206,20 @@ def test_policies_side_by_side_and_shutdown_frees_workers(client, tiny, tok):
     assert all(len(v) == 2 for v in held.values())
     policy.shutdown()
     reward.shutdown()
-    state = client.run(lambda dask_worker: (len(dask_worker.plugins["dask-lm"].policies),
-                                            __import__("torch").distributed.is_initialized()))
+    state = client.run(
+        lambda dask_worker: (
+            len(dask_worker.plugins["dask-lm"].policies),
+            __import__("torch").distributed.is_initialized(),
+        )
+    )
     assert all(v == (0, False) for v in state.values()), state
     with pytest.raises(RuntimeError, match="shut down"):
         policy.get_logprobs(batch)
     # a fresh Policy on the same client starts cleanly
     with dask_lm.Policy(client, _cfg(tiny["qwen2"], "dynamic"), tok) as again:
-        torch.testing.assert_close(again.get_logprobs(batch)["logprobs"], hf_logprobs(tiny["qwen2"], ids, lens)[0],
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            again.get_logprobs(batch)["logprobs"], hf_logprobs(tiny["qwen2"], ids, lens)[0], atol=1e-4, rtol=0
+        )
 
 
 class CountingExtension:
@@ -225,8 +235,13 @@ class CountingExtension:
 
 
 def test_run_all_workers_with_extension(client, tiny, tok):
-    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok, init_reference_model=False,
-                        worker_extension_cls_fqn="test_policy_cluster.CountingExtension") as policy:
+    with dask_lm.Policy(
+        client,
+        _cfg(tiny["llama"]),
+        tok,
+        init_reference_model=False,
+        worker_extension_cls_fqn="test_policy_cluster.CountingExtension",
+    ) as policy:
         total = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"]).num_parameters()
         shards = policy.run_all_workers_single_data("count_parameters", scale=2)
         assert len(shards) == 2 and sum(shards) == 2 * total  # FSDP: each rank holds half
@@ -238,8 +253,9 @@ def test_run_all_workers_with_extension(client, tiny, tok):
         batch = BatchedDataDict(input_ids=ids, input_lengths=lens)
         with pytest.raises(ValueError, match="init_reference_model"):
             policy.get_reference_policy_logprobs(batch)
-        torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], hf_logprobs(tiny["llama"], ids, lens)[0],
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            policy.get_logprobs(batch)["logprobs"], hf_logprobs(tiny["llama"], ids, lens)[0], atol=1e-4, rtol=0
+        )
         policy.print_node_ip_and_gpu_id()
         policy.prepare_for_lp_inference()
         policy.offload_to_cpu()
@@ -256,8 +272,7 @@ def test_calls_show_as_dask_spans_with_token_counts(client, tiny, tok):
         total = 0
         for span in dask_scheduler.extensions["spans"].spans.values():
             if span.name and span.name[-1] == "dask-lm/get_logprobs":
-                total += sum(v for k, v in span.cumulative_worker_metrics.items()
-                             if k[-2:] == ("tokens", "count"))
+                total += sum(v for k, v in span.cumulative_worker_metrics.items() if k[-2:] == ("tokens", "count"))
         return total
 
     import time

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 from distributed import Future, as_completed, wait
-from helpers import TEXTS, hf_logprobs, hf_nll_steps, make_batch, model_logprobs, sft_batch
+from helpers import TEXTS, hf_logprobs, hf_nll_steps, model_logprobs, sft_batch
 
 import dask_lm
 from dask_lm import BatchedDataDict
@@ -18,10 +18,18 @@ CORPUS = TEXTS + ["Tokens flow through the cluster.", "Every rank runs the same 
 
 
 def _cfg(model_dir, **extra):
-    cfg = {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 8, "train_micro_batch_size": 2,
-           "logprob_batch_size": 2, "logprob_chunk_size": 5, "max_total_sequence_length": 128, "max_grad_norm": 1.0,
-           "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
-           "generation": {"max_new_tokens": 4, "temperature": 1.0}}
+    cfg = {
+        "model_name": model_dir,
+        "precision": "float32",
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 2,
+        "logprob_batch_size": 2,
+        "logprob_chunk_size": 5,
+        "max_total_sequence_length": 128,
+        "max_grad_norm": 1.0,
+        "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+        "generation": {"max_new_tokens": 4, "temperature": 1.0},
+    }
     cfg.update(extra)
     return cfg
 
@@ -54,8 +62,12 @@ def _same(a, b):
 def test_futures_equal_the_blocking_calls(policy, batch):
     """Each inference method: the future's result is the blocking method's, exactly (the weights do not change)."""
     fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
-    calls = [("get_logprobs", (fwd,), {}), ("get_reference_policy_logprobs", (fwd,), {"micro_batch_size": 1}),
-             ("get_topk_logits", (fwd,), {"k": 3}), ("generate", (fwd,), {"greedy": True})]
+    calls = [
+        ("get_logprobs", (fwd,), {}),
+        ("get_reference_policy_logprobs", (fwd,), {"micro_batch_size": 1}),
+        ("get_topk_logits", (fwd,), {"k": 3}),
+        ("generate", (fwd,), {"greedy": True}),
+    ]
     futures = [policy.submit(name, *args, **kwargs) for name, args, kwargs in calls]
     assert all(isinstance(f, Future) and isinstance(f, dask_lm.PolicyFuture) for f in futures)
     wait(futures)
@@ -101,9 +113,12 @@ def test_as_completed_and_gather_take_policy_futures(policy, batch, client):
 def test_submission_order_holds_for_interleaved_train_and_logprobs(client, tiny, tok, batch):
     """get_logprobs submitted before a train step finished sees the trained weights; one submitted before the
     step sees the weights before it: both against single-process HF."""
-    losses, norms, ref_model = hf_nll_steps(tiny["llama"], [(batch["input_ids"], batch["input_lengths"],
-                                                             batch["token_mask"], batch["sample_mask"])],
-                                            lr=0.5, max_grad_norm=1.0)
+    losses, norms, ref_model = hf_nll_steps(
+        tiny["llama"],
+        [(batch["input_ids"], batch["input_lengths"], batch["token_mask"], batch["sample_mask"])],
+        lr=0.5,
+        max_grad_norm=1.0,
+    )
     fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
     before, _ = hf_logprobs(tiny["llama"], fwd["input_ids"], fwd["input_lengths"])
     after = model_logprobs(ref_model, fwd["input_ids"], fwd["input_lengths"])
@@ -185,8 +200,11 @@ def test_an_error_on_one_rank_does_not_hang_result_wait_or_as_completed(tiny, to
         assert fut.status == "error"
         assert list(as_completed([fut], timeout=600)) == [fut]
         ranks = list(fut._ranks)
-        with pytest.raises(dask_lm.RankFailedError, match=r"^train failed on rank 1 \(worker 1\): RuntimeError: "
-                                                          r"boom on rank 1$"):
+        with pytest.raises(
+            dask_lm.RankFailedError,
+            match=r"^train failed on rank 1 \(worker 1\): RuntimeError: "
+            r"boom on rank 1$",
+        ):
             fut.result()
         assert ranks[0].status == "pending"  # rank 0 was still in its collective when .result() raised
         with pytest.raises(dask_lm.RankFailedError, match="did not finish train after a peer failed"):
@@ -208,16 +226,21 @@ def _frame(batch, npartitions=3):
     ids = pd.ArrowDtype(pa.list_(pa.int64()))
     cols = {"input_ids": pd.Series([batch["input_ids"][i, :n].tolist() for i, n in enumerate(lens)], dtype=ids)}
     if "token_mask" in batch:
-        cols["token_mask"] = pd.Series([batch["token_mask"][i, :n].tolist() for i, n in enumerate(lens)],
-                                       dtype=pd.ArrowDtype(pa.list_(pa.float32())))
+        cols["token_mask"] = pd.Series(
+            [batch["token_mask"][i, :n].tolist() for i, n in enumerate(lens)],
+            dtype=pd.ArrowDtype(pa.list_(pa.float32())),
+        )
         cols["sample_mask"] = batch["sample_mask"].numpy()
     return dd.from_pandas(pd.DataFrame(cols), npartitions=npartitions, sort=False)
 
 
 @pytest.mark.parametrize("mode", ["plain", "packed"])
 def test_a_train_step_fed_by_a_dask_dataframe_equals_the_step_fed_by_a_batch(client, tiny, tok, batch, mode):
-    extra = {"sequence_packing": {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64}} \
-        if mode == "packed" else {}
+    extra = (
+        {"sequence_packing": {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64}}
+        if mode == "packed"
+        else {}
+    )
     fwd = BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
     with dask_lm.Policy(client, _cfg(tiny["llama"], **extra), tok) as p:
         expected = p.train(batch, dask_lm.NLLLoss())
@@ -249,8 +272,9 @@ def test_dataframes_and_futures_as_inference_data(policy, batch, client):
     generated = policy.submit("generate", prompts, greedy=True)
     scored = policy.submit("get_logprobs", generated)  # the generated rows go from rank 0's worker to the ranks
     gen = generated.result()
-    expected = policy.get_logprobs(BatchedDataDict(input_ids=gen["output_ids"],
-                                                   input_lengths=gen["unpadded_sequence_lengths"]))
+    expected = policy.get_logprobs(
+        BatchedDataDict(input_ids=gen["output_ids"], input_lengths=gen["unpadded_sequence_lengths"])
+    )
     _same(scored.result(), expected)
 
 
@@ -277,12 +301,18 @@ def test_rows_on_the_workers_are_checked_there_with_partition_and_row(policy, ba
 
     bad = dd.from_pandas(pdf, npartitions=2, sort=False)
     last = len(bad.partitions[1].compute()) - 1
-    with pytest.raises(ValueError, match=rf"get_logprobs \(partition 1 of the Dask DataFrame\): "
-                                         rf"`input_ids\[{last}, 2\]` = {policy.vocab_size + 7} is outside the "
-                                         "model's vocabulary"):
+    with pytest.raises(
+        ValueError,
+        match=rf"get_logprobs \(partition 1 of the Dask DataFrame\): "
+        rf"`input_ids\[{last}, 2\]` = {policy.vocab_size + 7} is outside the "
+        "model's vocabulary",
+    ):
         policy.submit("get_logprobs", bad)
-    with pytest.raises(ValueError, match=r"train \(partition 0 of the Dask DataFrame\): NLLLoss needs the data keys "
-                                         r"\['token_mask'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"train \(partition 0 of the Dask DataFrame\): NLLLoss needs the data keys "
+        r"\['token_mask'\]",
+    ):
         policy.submit("train", frame, dask_lm.NLLLoss())
     # nothing ran: the Policy is as it was
     _same(policy.submit("get_logprobs", frame).result(), policy.get_logprobs(fwd))
@@ -307,10 +337,15 @@ def test_collect_false_leaves_the_outputs_on_the_workers_as_a_dask_dataframe(pol
     expected = policy.get_logprobs(fwd)["logprobs"]
     expected_top = policy.get_topk_logits(fwd, 2)
     for i, n in enumerate(lens):
-        torch.testing.assert_close(torch.tensor(got["logprobs"].iloc[i], dtype=torch.float32), expected[i, :n],
-                                   rtol=0, atol=0)
-        torch.testing.assert_close(torch.tensor(list(got_top["topk_logits"].iloc[i]), dtype=torch.float32),
-                                   expected_top["topk_logits"][i, :n], rtol=0, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(got["logprobs"].iloc[i], dtype=torch.float32), expected[i, :n], rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor(list(got_top["topk_logits"].iloc[i]), dtype=torch.float32),
+            expected_top["topk_logits"][i, :n],
+            rtol=0,
+            atol=0,
+        )
         assert list(got_top["topk_indices"].iloc[i]) == expected_top["topk_indices"][i, :n].tolist()
     with pytest.raises(ValueError, match="collect=False"):
         policy.submit("train", batch, dask_lm.NLLLoss(), collect=False)

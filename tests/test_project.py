@@ -55,8 +55,13 @@ def test_environment_yml_matches_pyproject():
         want = conda_names.get(name, name)
         assert want in listed, f"{name} is in pyproject.toml but {want} is not in environment.yml"
     # and nothing in environment.yml that the project does not declare (besides python / pip)
-    declared = {conda_names.get(n, n) for n in _pyproject_deps()} | {"python", "pip", "dask-cuda", "pytest",
-                                                                     "pytest-timeout"}
+    declared = {conda_names.get(n, n) for n in _pyproject_deps()} | {
+        "python",
+        "pip",
+        "dask-cuda",
+        "pytest",
+        "pytest-timeout",
+    }
     assert listed <= declared, listed - declared
 
 
@@ -93,8 +98,7 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
-    version = subprocess.run([sys.executable, "-m", "dask_lm", "--version"], capture_output=True, text=True,
-                             timeout=60)
+    version = subprocess.run([sys.executable, "-m", "dask_lm", "--version"], capture_output=True, text=True, timeout=60)
     import tomllib
 
     import dask_lm

@@ -72,7 +72,8 @@ def test_scales_match_a_hf_reference_over_two_ranks_and_one(client, tiny, tmp_pa
         for n in "kv":
             assert len(set(samples[n])) > 1  # the percentile has something to choose between
             assert got["layers"][f"model.layers.{i}.self_attn.{n}_scale"] == pytest.approx(
-                _nemo_percentile(samples[n], 50) / 448, rel=1e-5), (i, n)
+                _nemo_percentile(samples[n], 50) / 448, rel=1e-5
+            ), (i, n)
 
 
 def test_bad_arguments_are_refused_before_any_work(client, tiny):
@@ -80,7 +81,11 @@ def test_bad_arguments_are_refused_before_any_work(client, tiny):
     ids, lens = make_batch(tok, TEXTS[:2])
     data = dask_lm.BatchedDataDict(input_ids=ids, input_lengths=lens)
     with dask_lm.Policy(client, _cfg(tiny["llama"]), tok, init_optimizer=False, workers_per_node=1) as policy:
-        for kwargs, match in [({"percentile": 0}, "percentile"), ({"percentile": 101}, "percentile"),
-                              ({"margin": 0}, "margin"), ({"micro_batch_size": 0}, "micro_batch_size")]:
+        for kwargs, match in [
+            ({"percentile": 0}, "percentile"),
+            ({"percentile": 101}, "percentile"),
+            ({"margin": 0}, "margin"),
+            ({"micro_batch_size": 0}, "micro_batch_size"),
+        ]:
             with pytest.raises(ValueError, match=match):
                 policy.calibrate_qkv_fp8_scales(data, **kwargs)

@@ -23,9 +23,14 @@ from dask_lm.refit import buckets as bk
 
 
 def _cfg(model_dir):
-    return {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 4,
-            "train_micro_batch_size": 2, "max_total_sequence_length": 128,
-            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}}
+    return {
+        "model_name": model_dir,
+        "precision": "float32",
+        "train_global_batch_size": 4,
+        "train_micro_batch_size": 2,
+        "max_total_sequence_length": 128,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
+    }
 
 
 def _saved_weights(path):
@@ -149,8 +154,9 @@ def test_a_pickled_answer_on_the_policy_socket_is_never_read(trained, tmp_path):
     marker = tmp_path / "pwned"
     addresses = policy.get_zmq_addresses()
     peers = [_run_in_thread(_pickle_answering_peer, a, pickle.dumps(WritesMarker(marker))) for a in addresses]
-    with pytest.raises(Exception, match="answered refit message 1 with something other than a dask-lm refit reply"
-                       ) as err:
+    with pytest.raises(
+        Exception, match="answered refit message 1 with something other than a dask-lm refit reply"
+    ) as err:
         policy.client.gather(policy.stream_weights_via_ipc_zmq(buffer_size_bytes=64 * 1024, timeout_s=30))
     assert any(a in str(err.value) for a in addresses)
     for t, _ in peers:
@@ -201,8 +207,7 @@ def test_collective_broadcast_is_bit_identical(trained, tmp_path):
     info = policy.prepare_refit_info()
     port = _free_port()
     outs = [tmp_path / "peer2.pt", tmp_path / "peer3.pt"]
-    procs = [_spawn(refit_peers.collective_peer, "127.0.0.1", port, 4, 2 + i, info, str(outs[i]), 2)
-             for i in range(2)]
+    procs = [_spawn(refit_peers.collective_peer, "127.0.0.1", port, 4, 2 + i, info, str(outs[i]), 2) for i in range(2)]
     policy.client.gather(policy.init_collective("127.0.0.1", port, 4, train_world_size=2))
     first = policy.client.gather(policy.broadcast_weights_for_collective(buffer_size_bytes=48 * 1024))
     assert first[0]["buckets"] > 3
@@ -227,14 +232,22 @@ def test_collective_store_listens_only_on_the_given_address(trained, tmp_path):
 
     policy, _ = trained
     port = _free_port()
-    proc = _spawn(refit_peers.collective_peer, "127.0.0.1", port, 3, 2, policy.prepare_refit_info(),
-                  str(tmp_path / "peer.pt"), 0)
+    proc = _spawn(
+        refit_peers.collective_peer, "127.0.0.1", port, 3, 2, policy.prepare_refit_info(), str(tmp_path / "peer.pt"), 0
+    )
     policy.client.gather(policy.init_collective("127.0.0.1", port, 3, train_world_size=2))
-    listening = {c.laddr.ip for c in psutil.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    listening = {
+        c.laddr.ip
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
     # and every other listener of the ranks (Dask's, the gloo pairs of the policy's and the refit's groups)
-    ranks = {c.laddr.ip for pid in policy.client.run(os.getpid).values()
-             for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    ranks = {
+        c.laddr.ip
+        for pid in policy.client.run(os.getpid).values()
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
     proc.join(60)
     assert listening == {"127.0.0.1"}
     assert ranks == {"127.0.0.1"}, ranks
@@ -268,8 +281,12 @@ def test_collective_receiver_with_other_refit_info_fails_loudly(trained, tmp_pat
 
 
 def test_plan_aligns_every_tensor_and_isolates_oversized_ones():
-    info = {"a": ((3,), torch.bfloat16), "b": ((5,), torch.float32), "big": ((4096,), torch.float32),
-            "c": ((7,), torch.int64)}
+    info = {
+        "a": ((3,), torch.bfloat16),
+        "b": ((5,), torch.float32),
+        "big": ((4096,), torch.float32),
+        "c": ((7,), torch.int64),
+    }
     plan = bk.plan_buckets(info, 2048)
     assert [[s.name for s in b] for b in plan] == [["a", "b"], ["big"], ["c"]]
     for b in plan:
@@ -292,11 +309,19 @@ def test_reshard_plan_covers_every_slice_exactly_once():
     rank counts (the plan is built from shapes only: an independent tiling check, cell by cell)."""
     from dask_lm.refit import reshard
 
-    info = {"model.embed_tokens.weight": ((7, 5), torch.float32), "model.layers.0.mlp.down_proj.weight": ((5, 9),
-            torch.float32), "model.layers.0.self_attn.q_proj.bias": ((5,), torch.float32),
-            "model.norm.weight": ((3,), torch.float32)}
-    for n, m, tp, split in [(1, 1, 1, "rows"), (2, 2, 2, "tensor_parallel"), (3, 2, 2, "columns"),
-                            (4, 3, 3, "rows"), (2, 4, 2, "tensor_parallel")]:
+    info = {
+        "model.embed_tokens.weight": ((7, 5), torch.float32),
+        "model.layers.0.mlp.down_proj.weight": ((5, 9), torch.float32),
+        "model.layers.0.self_attn.q_proj.bias": ((5,), torch.float32),
+        "model.norm.weight": ((3,), torch.float32),
+    }
+    for n, m, tp, split in [
+        (1, 1, 1, "rows"),
+        (2, 2, 2, "tensor_parallel"),
+        (3, 2, 2, "columns"),
+        (4, 3, 3, "rows"),
+        (2, 4, 2, "tensor_parallel"),
+    ]:
         plan = reshard.build_plan(info, train_world_size=n, gen_world_size=m, split=split, gen_tp=tp)
         for p in plan["params"]:
             shape = p["shape"]
@@ -312,19 +337,22 @@ def test_reshard_plan_covers_every_slice_exactly_once():
                 assert torch.equal(cover, want), (p["name"], n, m, split)
     plan = reshard.build_plan(info, train_world_size=2, gen_world_size=2, split="tensor_parallel")
     dims = {p["name"]: p["split_dim"] for p in plan["params"]}
-    assert dims == {"model.embed_tokens.weight": 0, "model.layers.0.mlp.down_proj.weight": 1,
-                    "model.layers.0.self_attn.q_proj.bias": 0, "model.norm.weight": None}
+    assert dims == {
+        "model.embed_tokens.weight": 0,
+        "model.layers.0.mlp.down_proj.weight": 1,
+        "model.layers.0.self_attn.q_proj.bias": 0,
+        "model.norm.weight": None,
+    }
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("gen_world_size,tp,split", [(1, 1, "rows"), (2, 2, "rows"), (2, 2, "columns"),
-                                                      (2, 2, "tensor_parallel")])
+@pytest.mark.parametrize(
+    "gen_world_size,tp,split", [(1, 1, "rows"), (2, 2, "rows"), (2, 2, "columns"), (2, 2, "tensor_parallel")]
+)
 def test_reshard_refit_gives_each_receiver_exactly_its_slice(trained, tmp_path, gen_world_size, tp, split):
     """A 2-rank FSDP policy sends its shards' boxes to 1 or 2 receiver processes (gloo); each receiver's slices
     equal the saved weights cut the receiver's way (torch.chunk along the split dimension)."""
     import refit_peers
-
-    from dask_lm.refit import reshard
 
     policy, saved = trained
     n = policy.data_parallel_size
@@ -332,10 +360,11 @@ def test_reshard_refit_gives_each_receiver_exactly_its_slice(trained, tmp_path, 
     plan = policy.prepare_nccl_reshard_refit_info({"dp": n}, {"tp": tp, "split": split}, n, gen_world_size)
     port = _free_port()
     outs = [tmp_path / f"gen{j}.pt" for j in range(gen_world_size)]
-    procs = [_spawn(refit_peers.reshard_peer, "127.0.0.1", port, world, n + j, plan, str(outs[j]))
-             for j in range(gen_world_size)]
-    policy.client.gather(policy.init_nccl_reshard_comm_group(["127.0.0.1"], [port], 1, [0] * n, world,
-                                                             list(range(n))))
+    procs = [
+        _spawn(refit_peers.reshard_peer, "127.0.0.1", port, world, n + j, plan, str(outs[j]))
+        for j in range(gen_world_size)
+    ]
+    policy.client.gather(policy.init_nccl_reshard_comm_group(["127.0.0.1"], [port], 1, [0] * n, world, list(range(n))))
     stats = policy.client.gather(policy.nccl_reshard_refit())
     for p in procs:
         p.join(60)

@@ -24,9 +24,14 @@ BUFFER = 64 * 1024  # several buckets for the tiny model; its 96 KiB embedding i
 
 
 def _cfg(model_dir, **extra):
-    cfg = {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 4,
-           "train_micro_batch_size": 2, "max_total_sequence_length": 128,
-           "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}}
+    cfg = {
+        "model_name": model_dir,
+        "precision": "float32",
+        "train_global_batch_size": 4,
+        "train_micro_batch_size": 2,
+        "max_total_sequence_length": 128,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
+    }
     cfg.update(extra)
     return cfg
 
@@ -78,8 +83,13 @@ def test_refit_after_train_serves_the_policys_weights(policy, tiny, tok, tmp_pat
         st = server.state()
         assert st["sessions_begun"] == st["sessions_ended"] == 1 and not st["session_open"]
         assert len(st["updates"]) == stats[0]["buckets"] > 3
-        assert all(u["num_entries"] == 1 and u["load_format"] == "flattened_bucket" and u["flush_cache"] is False
-                   and u["weight_version"] == st["weight_version"] for u in st["updates"])
+        assert all(
+            u["num_entries"] == 1
+            and u["load_format"] == "flattened_bucket"
+            and u["flush_cache"] is False
+            and u["weight_version"] == st["weight_version"]
+            for u in st["updates"]
+        )
         assert ["model.embed_tokens.weight"] in [u["names"] for u in st["updates"]]  # oversized: alone
         assert all(u["bucket_bytes"] <= BUFFER for u in st["updates"] if len(u["names"]) > 1)
         assert st["flushes"] == 1
@@ -115,8 +125,10 @@ def test_two_engines_one_per_rank(policy, tiny, tok):
 
 @pytest.mark.cluster
 def test_single_rank_feeds_a_tp2_engine(client, tiny, tok):
-    with dask_lm.Policy(client, _cfg(tiny["llama"]), tok, workers_per_node=1) as one, \
-            start_server(tiny["llama"], tp=2) as server:
+    with (
+        dask_lm.Policy(client, _cfg(tiny["llama"]), tok, workers_per_node=1) as one,
+        start_server(tiny["llama"], tp=2) as server,
+    ):
         _train_step(one, tok, TEXTS[:4])
         _refit(one, [server.url], 2, transport="value")  # the bytes inside the payload, as for a remote server
         _assert_serves_policy(server, one, tok)
@@ -172,34 +184,49 @@ def test_bad_arguments_fail_before_any_work(policy):
 # ----------------------------------------------------------------------------------------- generation backend
 def _sglang_policy(client, tiny, tok, urls, **generation):
     gen = {"backend": "sglang", "max_new_tokens": 10, "sglang_cfg": {"server_urls": urls}, **generation}
-    return dask_lm.Policy(client, _cfg(tiny["llama"], generation=gen), tok, init_optimizer=False,
-                          init_reference_model=False, workers_per_node=1)
+    return dask_lm.Policy(
+        client,
+        _cfg(tiny["llama"], generation=gen),
+        tok,
+        init_optimizer=False,
+        init_reference_model=False,
+        workers_per_node=1,
+    )
 
 
 @pytest.mark.cluster
 def test_sglang_generate_greedy_equals_hf_generate(client, tiny, tok):
     ids, lens = make_batch(tok, TEXTS)
-    with start_server(tiny["llama"]) as a, start_server(tiny["llama"]) as b, \
-            _sglang_policy(client, tiny, tok, [a.url, b.url],
-                           sglang_cfg={"server_urls": [a.url, b.url], "rows_per_request": 2}) as policy:
+    with (
+        start_server(tiny["llama"]) as a,
+        start_server(tiny["llama"]) as b,
+        _sglang_policy(
+            client, tiny, tok, [a.url, b.url], sglang_cfg={"server_urls": [a.url, b.url], "rows_per_request": 2}
+        ) as policy,
+    ):
         out = policy.generate(BatchedDataDict(input_ids=ids, input_lengths=lens), greedy=True)
         na, nb = len(a.state()["generate_requests"]), len(b.state()["generate_requests"])
         assert na >= 1 and nb >= 1 and na + nb == -(-ids.shape[0] // 2)  # chunks of 2 rows, round-robin
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32)
     for r in range(ids.shape[0]):
         n, g = int(lens[r]), int(out["generation_lengths"][r])
-        want = model.generate(ids[r:r + 1, :n], attention_mask=torch.ones(1, n, dtype=torch.long), do_sample=False,
-                              max_new_tokens=10, pad_token_id=tok.pad_token_id)[0, n:]
+        want = model.generate(
+            ids[r : r + 1, :n],
+            attention_mask=torch.ones(1, n, dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=10,
+            pad_token_id=tok.pad_token_id,
+        )[0, n:]
         assert out["output_ids"][r, :n].tolist() == ids[r, :n].tolist()
-        assert out["output_ids"][r, n:n + g].tolist() == want[:g].tolist()
+        assert out["output_ids"][r, n : n + g].tolist() == want[:g].tolist()
         assert bool(out["truncated"][r]) == (g == 10)
         assert int(out["unpadded_sequence_lengths"][r]) == n + g
-        assert (out["output_ids"][r, n + g:] == tok.pad_token_id).all()
+        assert (out["output_ids"][r, n + g :] == tok.pad_token_id).all()
     # logprobs of the generated tokens equal a plain HF forward over the returned sequences
     ref, _ = hf_logprobs(tiny["llama"], out["output_ids"], out["unpadded_sequence_lengths"])
     gen_mask = torch.zeros_like(ref, dtype=torch.bool)
     for r in range(ids.shape[0]):
-        gen_mask[r, int(lens[r]):int(out["unpadded_sequence_lengths"][r])] = True
+        gen_mask[r, int(lens[r]) : int(out["unpadded_sequence_lengths"][r])] = True
     torch.testing.assert_close(out["logprobs"][gen_mask], ref[gen_mask], rtol=0, atol=1e-5)
     assert (out["logprobs"][~gen_mask] == 0).all()
 
@@ -207,15 +234,32 @@ def test_sglang_generate_greedy_equals_hf_generate(client, tiny, tok):
 @pytest.mark.cluster
 def test_sglang_generate_sends_only_keys_sglang_accepts(client, tiny, tok):
     ids, lens = make_batch(tok, TEXTS[:3])
-    with start_server(tiny["llama"], extra_args=["--drop-first-generate", "1"]) as server, \
-            _sglang_policy(client, tiny, tok, [server.url], temperature=0.7, top_k=20, top_p=0.9,
-                           stop_token_ids=[5], stop_strings=["zz"]) as policy:
+    with (
+        start_server(tiny["llama"], extra_args=["--drop-first-generate", "1"]) as server,
+        _sglang_policy(
+            client,
+            tiny,
+            tok,
+            [server.url],
+            temperature=0.7,
+            top_k=20,
+            top_p=0.9,
+            stop_token_ids=[5],
+            stop_strings=["zz"],
+        ) as policy,
+    ):
         out = policy.generate(BatchedDataDict(input_ids=ids, input_lengths=lens), seed=3)
         reqs = server.state()["generate_requests"]
     assert out["output_ids"].shape[0] == 3 and (out["generation_lengths"] >= 1).all()
     assert len(reqs) == 2 and reqs[0] == reqs[1]  # the dropped request, then its retry
-    common = {"max_new_tokens": 10, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "stop_token_ids": [5],
-              "stop": ["zz"]}
+    common = {
+        "max_new_tokens": 10,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "stop_token_ids": [5],
+        "stop": ["zz"],
+    }
     # a seed per row: SGLang's seeded sampler would give equal prompts equal samples under one seed
     assert reqs[0]["sampling_params"] == [dict(common, sampling_seed=3 + r) for r in range(3)]
 
@@ -226,8 +270,10 @@ def test_sglang_generate_server_down(client, tiny, tok):
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
     ids, lens = make_batch(tok, TEXTS[:2])
-    with _sglang_policy(client, tiny, tok, [url], sglang_cfg={"server_urls": [url], "retries": 1}) as policy, \
-            pytest.raises(ConnectionError, match=f"{url} is unreachable"):
+    with (
+        _sglang_policy(client, tiny, tok, [url], sglang_cfg={"server_urls": [url], "retries": 1}) as policy,
+        pytest.raises(ConnectionError, match=f"{url} is unreachable"),
+    ):
         policy.generate(BatchedDataDict(input_ids=ids, input_lengths=lens))
 
 

@@ -34,15 +34,37 @@ class _Refitter:
 
 
 ROUTES = [
-    (HttpRefitRequest(("http://a:1", "http://b:2"), [[0], [1]], "7", buffer_size_bytes=64, timeout_s=5.0,
-                      transport="shm", progress_id="p"),
-     ("stream_via_http", (["http://a:1", "http://b:2"],),
-      {"layout": [[0], [1]], "buffer_size_bytes": 64, "weight_version": "7", "timeout_s": 5.0, "transport": "shm",
-       "progress_id": "p"})),
-    (ZmqRefitRequest(buffer_size_bytes=32, timeout_s=3.0, progress_id="q"),
-     ("stream_via_zmq", (), {"buffer_size_bytes": 32, "timeout_s": 3.0, "progress_id": "q"})),
-    (BroadcastRefitRequest(buffer_size_bytes=16, progress_id=None),
-     ("broadcast", (), {"buffer_size_bytes": 16, "progress_id": None})),
+    (
+        HttpRefitRequest(
+            ("http://a:1", "http://b:2"),
+            [[0], [1]],
+            "7",
+            buffer_size_bytes=64,
+            timeout_s=5.0,
+            transport="shm",
+            progress_id="p",
+        ),
+        (
+            "stream_via_http",
+            (["http://a:1", "http://b:2"],),
+            {
+                "layout": [[0], [1]],
+                "buffer_size_bytes": 64,
+                "weight_version": "7",
+                "timeout_s": 5.0,
+                "transport": "shm",
+                "progress_id": "p",
+            },
+        ),
+    ),
+    (
+        ZmqRefitRequest(buffer_size_bytes=32, timeout_s=3.0, progress_id="q"),
+        ("stream_via_zmq", (), {"buffer_size_bytes": 32, "timeout_s": 3.0, "progress_id": "q"}),
+    ),
+    (
+        BroadcastRefitRequest(buffer_size_bytes=16, progress_id=None),
+        ("broadcast", (), {"buffer_size_bytes": 16, "progress_id": None}),
+    ),
     (ReshardRefitRequest({"boxes": []}), ("reshard", ({"boxes": []},), {})),
 ]
 
@@ -55,7 +77,9 @@ def test_every_route_has_its_own_handler():
     assert not hasattr(messages, "RefitPlan")
 
 
-@pytest.mark.parametrize("request_, call", ROUTES, ids=lambda x: type(x).__name__ if dataclasses.is_dataclass(x) else "")
+@pytest.mark.parametrize(
+    "request_, call", ROUTES, ids=lambda x: type(x).__name__ if dataclasses.is_dataclass(x) else ""
+)
 def test_a_route_s_request_reaches_its_refitter_method(request_, call):
     worker = types.SimpleNamespace(refitter=_Refitter())
     assert handle(worker, request_) == {"route": call[0]}  # type: ignore[arg-type]
@@ -65,8 +89,15 @@ def test_a_route_s_request_reaches_its_refitter_method(request_, call):
 def test_a_route_carries_only_its_own_fields():
     fields = {r.__name__: {f.name for f in dataclasses.fields(r)} for r in typing.get_args(RefitRequest)}
     assert fields == {
-        "HttpRefitRequest": {"urls", "layout", "weight_version", "buffer_size_bytes", "timeout_s", "transport",
-                             "progress_id"},
+        "HttpRefitRequest": {
+            "urls",
+            "layout",
+            "weight_version",
+            "buffer_size_bytes",
+            "timeout_s",
+            "transport",
+            "progress_id",
+        },
         "ZmqRefitRequest": {"buffer_size_bytes", "timeout_s", "progress_id"},
         "BroadcastRefitRequest": {"buffer_size_bytes", "progress_id"},
         "ReshardRefitRequest": {"plan", "progress_id"},

@@ -3,8 +3,6 @@ code that writes score_parquet's parts, against score_parquet itself and a singl
 
 from __future__ import annotations
 
-import os
-
 import dask
 import dask.dataframe as dd
 import pandas as pd
@@ -42,8 +40,9 @@ def _reference(hf, tok, text):
 @pytest.fixture()
 def frame():
     """Twelve labelled rows in three groups; a Dask DataFrame of three partitions of four rows."""
-    pdf = pd.DataFrame({"text": TEXTS[:12], "group": ["a", "b", "c"] * 4},
-                       index=pd.Index([f"r{i}" for i in range(12)], name="key"))
+    pdf = pd.DataFrame(
+        {"text": TEXTS[:12], "group": ["a", "b", "c"] * 4}, index=pd.Index([f"r{i}" for i in range(12)], name="key")
+    )
     return pdf, dd.from_pandas(pdf, npartitions=3, sort=False)
 
 
@@ -51,8 +50,9 @@ def frame():
 def test_dask_frame_matches_score_parquet_and_hf(client, tiny, tok, hf, tmp_path):
     data = tmp_path / "data.parquet"
     pq.write_table(pa.table({"id": list(range(20)), "text": TEXTS[:20]}), data, row_group_size=7)
-    dask_lm.score_parquet(data, tmp_path / "out", model=tiny["llama"], client=client, text_column="text", topk=3,
-                          progress=False)
+    dask_lm.score_parquet(
+        data, tmp_path / "out", model=tiny["llama"], client=client, text_column="text", topk=3, progress=False
+    )
     written = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda r: r["id"])
     ddf = dd.read_parquet(data, dtype_backend="pyarrow", split_row_groups=True)
     scored = dask_lm.score(ddf, model=tiny["llama"], text_column="text", topk=3, client=client)
@@ -85,12 +85,15 @@ def test_meta_equals_the_computed_frame(client, tiny, frame, topk, decode):
     scored = dask_lm.score(ddf, model=tiny["llama"], text_column="text", topk=topk, decode_topk=decode)
     meta = scored._meta
     assert list(meta.columns) == [*pdf.columns, *(n for n, _ in output_schema_columns(topk, decode))]
-    assert all(isinstance(meta[c].dtype, pd.ArrowDtype) for c in meta.columns[len(pdf.columns):])
+    assert all(isinstance(meta[c].dtype, pd.ArrowDtype) for c in meta.columns[len(pdf.columns) :])
     got = scored.partitions[1].compute()
     assert list(got.index) == list(pdf.index[4:8])
     pd.testing.assert_series_equal(got.dtypes, meta.dtypes)
-    empty = dask_lm.score(ddf[ddf.group == "none"], model=tiny["llama"], text_column="text", topk=topk,
-                          decode_topk=decode).partitions[0].compute()
+    empty = (
+        dask_lm.score(ddf[ddf.group == "none"], model=tiny["llama"], text_column="text", topk=topk, decode_topk=decode)
+        .partitions[0]
+        .compute()
+    )
     assert len(empty) == 0
     pd.testing.assert_series_equal(empty.dtypes, meta.dtypes)  # a partition left empty by a filter, too
 
@@ -114,10 +117,16 @@ def test_pandas_and_a_list_of_texts_give_pandas(client, tiny, tok, hf, frame):
 @pytest.mark.cluster
 def test_ids_and_prompt_response_columns(client, tiny, tok, hf):
     prompts, responses = TEXTS[:4], [t.upper()[:20] for t in TEXTS[4:8]]
-    pdf = pd.DataFrame({"prompt": prompts, "response": responses,
-                        "ids": [tok(p)["input_ids"] + tok(r, add_special_tokens=False)["input_ids"]
-                                for p, r in zip(prompts, responses)],
-                        "context": [len(tok(p)["input_ids"]) for p in prompts]})
+    pdf = pd.DataFrame(
+        {
+            "prompt": prompts,
+            "response": responses,
+            "ids": [
+                tok(p)["input_ids"] + tok(r, add_special_tokens=False)["input_ids"] for p, r in zip(prompts, responses)
+            ],
+            "context": [len(tok(p)["input_ids"]) for p in prompts],
+        }
+    )
     ddf = dd.from_pandas(pdf, npartitions=2, sort=False)
     by_text = dask_lm.score(ddf, model=tiny["llama"], prompt_column="prompt", response_column="response").compute()
     by_ids = dask_lm.score(pdf, model=tiny["llama"], ids_column="ids", prompt_length_column="context")
@@ -161,8 +170,9 @@ def test_without_a_client_a_local_cluster_is_started_and_closed(client, tiny, mo
 
     started = []
     monkeypatch.setattr(distributed, "default_client", no_default)
-    monkeypatch.setattr(cluster, "connect", lambda *a, **k: started.append(distributed.Client(client.cluster))
-                        or started[-1])
+    monkeypatch.setattr(
+        cluster, "connect", lambda *a, **k: started.append(distributed.Client(client.cluster)) or started[-1]
+    )
     got = dask_lm.score(["a dask cluster scores the rows"], model=tiny["llama"])
     assert len(got) == 1 and got.num_tokens[0] > 1
     assert len(started) == 1 and started[0].status == "closed"
@@ -176,8 +186,9 @@ def test_it_composes_with_a_filter_before_and_a_groupby_after(client, tiny, tok,
     scored = dask_lm.score(ddf[ddf.group != "c"], model=tiny["llama"], text_column="text")
     by_group = scored.groupby("group").sum_logprob.sum()
     per_group, everything = dask.compute(by_group, scored)  # one graph, two results
-    pd.testing.assert_series_equal(everything["sum_logprob"].astype(float), expected.rename("sum_logprob"),
-                                   check_index=False, atol=1e-3)
+    pd.testing.assert_series_equal(
+        everything["sum_logprob"].astype(float), expected.rename("sum_logprob"), check_index=False, atol=1e-3
+    )
     assert list(everything.index) == list(kept.index)
     for g in ("a", "b"):
         assert per_group[g] == pytest.approx(expected[kept.group == g].sum(), abs=1e-3)
@@ -199,9 +210,11 @@ def test_a_bad_row_names_partition_row_and_label_and_skip_drops_it(client, tiny,
     ddf = dd.from_pandas(pdf, npartitions=3, sort=False)
     with pytest.raises(BadRowError) as e:
         dask_lm.score(ddf, model=tiny["llama"], text_column="text").compute()
-    assert str(e.value) == ("partition 1: row 1 (index 'r5'), column 'text': expected a string, got null; fix the "
-                            "data, or pass skip_bad_rows=True to leave bad rows out of the result (a warning says "
-                            "how many)")
+    assert str(e.value) == (
+        "partition 1: row 1 (index 'r5'), column 'text': expected a string, got null; fix the "
+        "data, or pass skip_bad_rows=True to leave bad rows out of the result (a warning says "
+        "how many)"
+    )
     with pytest.warns(UserWarning, match=r"^dask_lm.score: 1 bad row of 12 left out \(skip_bad_rows=True\)"):
         got = dask_lm.score(pdf, model=tiny["llama"], text_column="text", skip_bad_rows=True, client=client)
     assert list(got.index) == [k for k in pdf.index if k != "r5"]
@@ -212,8 +225,10 @@ def test_a_bad_row_names_partition_row_and_label_and_skip_drops_it(client, tiny,
     import pickle
 
     said = [pickle.loads(event["message"]) for _, event in client.get_events("warn")]
-    assert ("dask_lm.score: 1 bad row of partition 1 left out (skip_bad_rows=True); the first: partition 1: row 1 "
-            "(index 'r5'), column 'text': expected a string, got null") in [str(w) for w in said]
+    assert (
+        "dask_lm.score: 1 bad row of partition 1 left out (skip_bad_rows=True); the first: partition 1: row 1 "
+        "(index 'r5'), column 'text': expected a string, got null"
+    ) in [str(w) for w in said]
 
 
 @pytest.mark.cluster
@@ -234,11 +249,17 @@ def test_a_long_pandas_input_is_cut_finer_than_a_partition_per_worker(client, ti
 def test_usage_errors_come_before_any_graph(tiny, frame):
     pdf, ddf = frame
     clash = ddf.rename(columns={"group": "perplexity"})
-    with pytest.raises(ValueError, match=r"the data's column 'perplexity' has the name of a column dask_lm.score "
-                                         r"adds .*rename it first"):
+    with pytest.raises(
+        ValueError,
+        match=r"the data's column 'perplexity' has the name of a column dask_lm.score "
+        r"adds .*rename it first",
+    ):
         dask_lm.score(clash, model=tiny["llama"], text_column="text")
-    with pytest.raises(ValueError, match=r"^text_column='body': the data has no column 'body'; its columns are "
-                                         r"\['text', 'group'\]$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^text_column='body': the data has no column 'body'; its columns are "
+        r"\['text', 'group'\]$",
+    ):
         dask_lm.score(pdf, model=tiny["llama"], text_column="body")
     with pytest.raises(ValueError, match="give exactly one of"):
         dask_lm.score(ddf, model=tiny["llama"], text_column="text", ids_column="text")

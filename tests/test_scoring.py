@@ -7,8 +7,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -25,8 +23,10 @@ from dask_lm.cli import main as cli
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
 # (pytest -m "not cluster")
 
-TEXTS = [f"row {i}: " + " ".join(["dask", "tokens", "score", "parquet", "model"][: 1 + i % 5]) * (1 + i % 4)
-         for i in range(30)]
+TEXTS = [
+    f"row {i}: " + " ".join(["dask", "tokens", "score", "parquet", "model"][: 1 + i % 5]) * (1 + i % 4)
+    for i in range(30)
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,9 @@ def dataset(tmp_path):
     """Two files, the first with three row groups: four partitions."""
     d = tmp_path / "data"
     d.mkdir()
-    pq.write_table(pa.table({"id": list(range(20)), "text": TEXTS[:20], "lang": ["en"] * 20}), d / "a.parquet",
-                   row_group_size=7)
+    pq.write_table(
+        pa.table({"id": list(range(20)), "text": TEXTS[:20], "lang": ["en"] * 20}), d / "a.parquet", row_group_size=7
+    )
     pq.write_table(pa.table({"id": list(range(20, 30)), "text": TEXTS[20:], "lang": ["en"] * 10}), d / "b.parquet")
     return d
 
@@ -67,8 +68,9 @@ def _read(out):
 @pytest.mark.cluster
 def test_text_mode_matches_hf_with_schema_and_topk(client, tiny, tok, hf, dataset, tmp_path):
     out = tmp_path / "out"
-    res = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=3,
-                                progress=False)
+    res = dask_lm.score_parquet(
+        dataset, out, model=tiny["llama"], client=client, text_column="text", topk=3, progress=False
+    )
     table, parts = _read(out)
     # two files: the small row groups of each are merged into one task (dask_lm.scoring.spans), one part per file
     assert parts == [f"part-{i:05d}.parquet" for i in range(2)] and res.parts == 2 and res.rows == 30
@@ -106,14 +108,25 @@ def test_text_mode_matches_hf_with_schema_and_topk(client, tiny, tok, hf, datase
 @pytest.mark.cluster
 def test_job_is_a_dask_span_with_its_tokens_and_writes_a_performance_report(client, tiny, dataset, tmp_path):
     report = tmp_path / "report.html"
-    res = dask_lm.score_parquet(dataset, tmp_path / "out", model=tiny["llama"], client=client, text_column="text",
-                                progress=False, performance_report=str(report))
+    res = dask_lm.score_parquet(
+        dataset,
+        tmp_path / "out",
+        model=tiny["llama"],
+        client=client,
+        text_column="text",
+        progress=False,
+        performance_report=str(report),
+    )
     assert report.exists() and report.stat().st_size > 1000
 
     def span_tokens(dask_scheduler):
-        return sum(v for span in dask_scheduler.extensions["spans"].spans.values()
-                   if span.name and span.name[-1] == "dask-lm/score"
-                   for k, v in span.cumulative_worker_metrics.items() if k[-2:] == ("tokens", "count"))
+        return sum(
+            v
+            for span in dask_scheduler.extensions["spans"].spans.values()
+            if span.name and span.name[-1] == "dask-lm/score"
+            for k, v in span.cumulative_worker_metrics.items()
+            if k[-2:] == ("tokens", "count")
+        )
 
     deadline = time.time() + 20  # worker metrics reach the scheduler with the heartbeat
     while time.time() < deadline and client.run_on_scheduler(span_tokens) < res.tokens:
@@ -126,13 +139,31 @@ def test_ids_and_prompt_response_modes(client, tiny, tok, hf, tmp_path):
     data = tmp_path / "pr.parquet"
     prompts, responses = TEXTS[:6], [t.upper()[:20] for t in TEXTS[6:12]]
     ids_col = [tok(p)["input_ids"] for p in prompts]
-    pq.write_table(pa.table({"key": [f"k{i}" for i in range(6)], "prompt": prompts, "response": responses,
-                             "ids": pa.array(ids_col, pa.list_(pa.int64()))}), data)
+    pq.write_table(
+        pa.table(
+            {
+                "key": [f"k{i}" for i in range(6)],
+                "prompt": prompts,
+                "response": responses,
+                "ids": pa.array(ids_col, pa.list_(pa.int64())),
+            }
+        ),
+        data,
+    )
     out_pr, out_ids = tmp_path / "pr", tmp_path / "ids"
-    dask_lm.score_parquet(data, out_pr, model=tiny["llama"], client=client, prompt_column="prompt",
-                          response_column="response", id_column="key", progress=False)
-    dask_lm.score_parquet(data, out_ids, model=tiny["llama"], client=client, ids_column="ids", id_column="key",
-                          progress=False)
+    dask_lm.score_parquet(
+        data,
+        out_pr,
+        model=tiny["llama"],
+        client=client,
+        prompt_column="prompt",
+        response_column="response",
+        id_column="key",
+        progress=False,
+    )
+    dask_lm.score_parquet(
+        data, out_ids, model=tiny["llama"], client=client, ids_column="ids", id_column="key", progress=False
+    )
     pr, _ = _read(out_pr)
     assert pr.column_names[0] == "key" and "prompt" not in pr.column_names
     for i, r in enumerate(pr.to_pylist()):
@@ -165,11 +196,13 @@ def test_bad_input_exit_2_and_nothing_written(tiny, dataset, tmp_path):
         assert result.exit_code == 2, (args, result.output)
         assert message in result.output and "Traceback" not in result.output, result.output
     # --verbose adds the traceback, not another exit code
-    result = runner.invoke(cli, ["-v", "score", str(dataset), "--text-column", "body", "--model", tiny["llama"],
-                                 "--output", str(out)])
+    result = runner.invoke(
+        cli, ["-v", "score", str(dataset), "--text-column", "body", "--model", tiny["llama"], "--output", str(out)]
+    )
     assert result.exit_code == 2 and "Traceback" in result.output and "column 'body' is missing" in result.output
-    result = runner.invoke(cli, ["score", str(dataset), "--text-column", "text", "--model", str(no_weights),
-                                 "--output", str(out)])
+    result = runner.invoke(
+        cli, ["score", str(dataset), "--text-column", "text", "--model", str(no_weights), "--output", str(out)]
+    )
     assert result.exit_code == 2 and "has no weights" in result.output
     # without --resume INPUTS and --model are required (click's usage error); with it, a folder that holds no
     # job has nothing to take them from
@@ -179,7 +212,8 @@ def test_bad_input_exit_2_and_nothing_written(tiny, dataset, tmp_path):
     assert result.exit_code == 2 and result.output.strip() == (
         f"Error: --resume: nothing to resume in {out}: it holds no _manifest.json (no dask-lm scoring job was "
         "started there), so the inputs and --model cannot be taken from it; pass the --output of the job to resume, "
-        "or give the inputs, --model and the options to start one")
+        "or give the inputs, --model and the options to start one"
+    )
     assert not out.exists()
 
 
@@ -189,12 +223,21 @@ def test_bad_rows_fail_or_are_skipped(client, tiny, tok, tmp_path):
     texts = ["fine text", None, "", "also fine", "ok"]
     pq.write_table(pa.table({"id": [0, 1, 2, 3, 4], "text": texts}), data)
     with pytest.raises(ValueError, match=r"bad.parquet: row 1, column 'text': expected a string, got null"):
-        dask_lm.score_parquet(data, tmp_path / "o1", model=tiny["llama"], client=client, text_column="text",
-                              progress=False)
+        dask_lm.score_parquet(
+            data, tmp_path / "o1", model=tiny["llama"], client=client, text_column="text", progress=False
+        )
     assert not (tmp_path / "o1" / "_SUCCESS").exists()
     with pytest.warns(UserWarning, match="nothing to score"):
-        res = dask_lm.score_parquet(data, tmp_path / "o2", model=tiny["llama"], client=client, text_column="text",
-                                    skip_bad_rows=True, max_length=3, progress=False)
+        res = dask_lm.score_parquet(
+            data,
+            tmp_path / "o2",
+            model=tiny["llama"],
+            client=client,
+            text_column="text",
+            skip_bad_rows=True,
+            max_length=3,
+            progress=False,
+        )
     table, _ = _read(tmp_path / "o2")
     errors = pq.read_table(tmp_path / "o2" / "_errors.parquet").to_pylist()
     long_rows = {i for i, t in enumerate(texts) if t is not None and 1 + len(tok(t)["input_ids"]) > 3}  # + BOS
@@ -211,8 +254,9 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
     """One part per row group as written (task_tokens=0), so that the parts are known to the test. The resumes
     give nothing but the output: inputs, model, columns, --topk and --task-tokens are the manifest's."""
     out = tmp_path / "out"
-    first = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=2,
-                                  progress=False, task_tokens=0)
+    first = dask_lm.score_parquet(
+        dataset, out, model=tiny["llama"], client=client, text_column="text", topk=2, progress=False, task_tokens=0
+    )
     before = {f: (out / f).read_bytes() for f in os.listdir(out) if f.startswith("part-")}
     os.remove(out / "part-00002.parquet")
     os.remove(out / "_SUCCESS")  # as if the job had died before its last part
@@ -222,7 +266,9 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
         dask_lm.score_parquet(None, out, client=None, resume=True, topk=3, progress=False)
     again = dask_lm.score_parquet(None, out, client=client, resume=True, progress=False)
     # the part scored again is the uninterrupted run's, value for value, and every row is there once
-    assert pq.read_table(out / "part-00002.parquet").equals(pq.read_table(pa.BufferReader(before["part-00002.parquet"])))
+    assert pq.read_table(out / "part-00002.parquet").equals(
+        pq.read_table(pa.BufferReader(before["part-00002.parquet"]))
+    )
     assert sorted(_read(out)[0].column("id").to_pylist()) == list(range(30))
     # row groups of 7, 7, 6 and 10: the totals are the output's (all 30 rows), this run's 6 apart
     assert again.parts_skipped == 3 and (again.rows, again.run_rows) == (30, 6) and first.rows == first.run_rows == 30
@@ -231,15 +277,27 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
     assert (success["rows"], success["tokens"]) == (parts.num_rows, sum(parts.column("num_tokens").to_pylist()))
     assert (again.tokens, success["run_rows"]) == (success["tokens"], 6) and again.tokens > again.run_tokens > 0
     assert dict(again.summary())["rows"] == "30 (6 scored by this run)"
-    done = dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text",
-                                 resume=True, progress=False, task_tokens=0)
+    done = dask_lm.score_parquet(
+        dataset, out, model=tiny["llama"], client=client, text_column="text", resume=True, progress=False, task_tokens=0
+    )
     assert done.already_complete and (done.rows, done.tokens, done.run_rows) == (30, success["tokens"], 0)
     assert os.stat(out / "part-00000.parquet").st_mtime_ns == kept
-    assert pq.read_table(out / "part-00002.parquet").equals(pq.read_table(pa.BufferReader(before["part-00002.parquet"])))
+    assert pq.read_table(out / "part-00002.parquet").equals(
+        pq.read_table(pa.BufferReader(before["part-00002.parquet"]))
+    )
     assert (out / "_SUCCESS").exists()
     with pytest.raises(ValueError, match=r"resume=True refused.*options"):
-        dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", topk=3,
-                              resume=True, progress=False, task_tokens=0)
+        dask_lm.score_parquet(
+            dataset,
+            out,
+            model=tiny["llama"],
+            client=client,
+            text_column="text",
+            topk=3,
+            resume=True,
+            progress=False,
+            task_tokens=0,
+        )
     # the CLI alike: `--output DIR --resume` alone finishes the job (the cluster from DASK_SCHEDULER_ADDRESS)
     os.remove(out / "part-00001.parquet")
     os.remove(out / "_SUCCESS")
@@ -249,14 +307,25 @@ def test_resume_finishes_only_missing_parts_and_refuses_changes(client, tiny, da
     result = CliRunner().invoke(cli, ["score", "--output", str(out), "--resume"], env=env)
     assert result.exit_code == 0, result.output
     assert "30 (7 scored by this run)" in result.output and re.search(r"parts +4 \(3 already done\)", result.output)
-    assert pq.read_table(out / "part-00001.parquet").equals(pq.read_table(pa.BufferReader(before["part-00001.parquet"])))
+    assert pq.read_table(out / "part-00001.parquet").equals(
+        pq.read_table(pa.BufferReader(before["part-00001.parquet"]))
+    )
     assert sorted(_read(out)[0].column("id").to_pylist()) == list(range(30))
     with pytest.raises(ValueError, match=r"resume=True refused.*model"):
-        dask_lm.score_parquet(dataset, out, model=tiny["llama_tuned"], client=client, text_column="text",
-                              resume=True, progress=False, task_tokens=0)
+        dask_lm.score_parquet(
+            dataset,
+            out,
+            model=tiny["llama_tuned"],
+            client=client,
+            text_column="text",
+            resume=True,
+            progress=False,
+            task_tokens=0,
+        )
     with pytest.raises(ValueError, match=r"holds a finished dask-lm scoring job.*resume=True.*overwrite=True"):
-        dask_lm.score_parquet(dataset, out, model=tiny["llama"], client=client, text_column="text", progress=False,
-                              task_tokens=0)
+        dask_lm.score_parquet(
+            dataset, out, model=tiny["llama"], client=client, text_column="text", progress=False, task_tokens=0
+        )
 
 
 def _limit_file_size(limit):
@@ -277,9 +346,24 @@ def test_a_part_that_cannot_be_written_is_named_with_the_fix(client, tiny, datas
     out = tmp_path / "out"
     limits = client.run(_limit_file_size, 1024)
     try:
-        result = CliRunner().invoke(cli, ["score", str(dataset), "--model", tiny["llama"], "--text-column", "text",
-                                          "--output", str(out), "--task-tokens", "0", "--no-progress",
-                                          "--scheduler-address", client.scheduler.address])
+        result = CliRunner().invoke(
+            cli,
+            [
+                "score",
+                str(dataset),
+                "--model",
+                tiny["llama"],
+                "--text-column",
+                "text",
+                "--output",
+                str(out),
+                "--task-tokens",
+                "0",
+                "--no-progress",
+                "--scheduler-address",
+                client.scheduler.address,
+            ],
+        )
     finally:
         # the job's other task may still be running (a cancelled task is not stopped): the limit stays until the
         # workers are idle, so that no part appears, and no temporary is seen half-written, after the command
@@ -292,13 +376,17 @@ def test_a_part_that_cannot_be_written_is_named_with_the_fix(client, tiny, datas
     match = re.match(r"Error: PartWriteError: could not write (part-\d{5}\.parquet) ", result.output)
     assert match, result.output
     name = match.group(1)
-    assert result.output == (f"Error: PartWriteError: could not write {name} ({out / name}): "
-                             f"{os.strerror(errno.EFBIG)}; free space (or fix what the reason names), then run the "
-                             "same command with --resume; the parts already written are kept\n")
+    assert result.output == (
+        f"Error: PartWriteError: could not write {name} ({out / name}): "
+        f"{os.strerror(errno.EFBIG)}; free space (or fix what the reason names), then run the "
+        "same command with --resume; the parts already written are kept\n"
+    )
     assert sorted(os.listdir(out)) == [".dask-lm.lock", "_errors", "_manifest.json"]  # no part, no temporary
     assert os.listdir(out / "_errors") == []
-    done = CliRunner().invoke(cli, ["score", "--output", str(out), "--resume", "--no-progress",
-                                    "--scheduler-address", client.scheduler.address])
+    done = CliRunner().invoke(
+        cli,
+        ["score", "--output", str(out), "--resume", "--no-progress", "--scheduler-address", client.scheduler.address],
+    )
     assert done.exit_code == 0, done.output
     assert sorted(_read(out)[0].column("id").to_pylist()) == list(range(30))
 
@@ -312,8 +400,7 @@ def test_a_killed_worker_costs_a_retry_not_a_row(tiny, tmp_path):
     d = tmp_path / "data"
     d.mkdir()
     n = 240
-    pq.write_table(pa.table({"id": list(range(n)), "text": [TEXTS[i % 30] * 3 for i in range(n)]}),
-                   d / "a.parquet")
+    pq.write_table(pa.table({"id": list(range(n)), "text": [TEXTS[i % 30] * 3 for i in range(n)]}), d / "a.parquet")
     assert pq.ParquetFile(d / "a.parquet").metadata.num_row_groups == 1
     out = tmp_path / "out"
     client = dask_lm.connect(n_workers=2, cluster="cpu")
@@ -331,8 +418,17 @@ def test_a_killed_worker_costs_a_retry_not_a_row(tiny, tmp_path):
 
         killer = threading.Thread(target=kill_when_started)
         killer.start()
-        res = dask_lm.score_parquet(d, out, model=tiny["llama"], client=client, text_column="text",
-                                    id_column="id", batch_tokens=64, task_tokens=50, progress=False)
+        res = dask_lm.score_parquet(
+            d,
+            out,
+            model=tiny["llama"],
+            client=client,
+            text_column="text",
+            id_column="id",
+            batch_tokens=64,
+            task_tokens=50,
+            progress=False,
+        )
         killer.join()
         assert victim not in client.run(os.getpid).values()  # the worker really died (and was replaced)
     finally:
@@ -348,9 +444,22 @@ def test_a_killed_worker_costs_a_retry_not_a_row(tiny, tmp_path):
 def test_cli_attaches_to_a_separately_started_cluster(tiny, dataset, tmp_path, attached_cluster):
     sched_file = attached_cluster(1)
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["score", str(dataset), "--model", tiny["llama"], "--text-column", "text",
-                                      "--output", str(out), "--scheduler-address", str(sched_file),
-                                      "--no-progress"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "score",
+            str(dataset),
+            "--model",
+            tiny["llama"],
+            "--text-column",
+            "text",
+            "--output",
+            str(out),
+            "--scheduler-address",
+            str(sched_file),
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "rows" in result.output and json.loads((out / "_SUCCESS").read_text())["rows"] == 30
 
@@ -363,15 +472,19 @@ def test_a_file_without_rows_adds_nothing_whatever_its_column_types(client, tiny
 
     data = tmp_path / "data"
     data.mkdir()
-    pq.write_table(pa.table({"id": [0, 1, 2], "text": ["a b c", "dask scores rows", "the quick fox"]}),
-                   data / "a.parquet")
+    pq.write_table(
+        pa.table({"id": [0, 1, 2], "text": ["a b c", "dask scores rows", "the quick fox"]}), data / "a.parquet"
+    )
     pd.DataFrame({"id": pd.Series([], dtype="int64"), "text": pd.Series([], dtype=object)}).to_parquet(
-        data / "b.parquet", index=False)
+        data / "b.parquet", index=False
+    )
     assert pq.read_schema(data / "b.parquet").field("text").type == pa.null()
-    res = dask_lm.score_parquet(data, tmp_path / "out", model=tiny["llama"], client=client, text_column="text",
-                                id_column="id", progress=False)
+    res = dask_lm.score_parquet(
+        data, tmp_path / "out", model=tiny["llama"], client=client, text_column="text", id_column="id", progress=False
+    )
     assert res.rows == 3 and sorted(_read(tmp_path / "out")[0]["id"].to_pylist()) == [0, 1, 2]
     pd.DataFrame({"id": pd.Series([], dtype="int64")}).to_parquet(data / "c.parquet", index=False)
     with pytest.raises(ValueError, match=r"c.parquet.*'text'"):
-        dask_lm.score_parquet(data, tmp_path / "out2", model=tiny["llama"], client=client, text_column="text",
-                              progress=False)
+        dask_lm.score_parquet(
+            data, tmp_path / "out2", model=tiny["llama"], client=client, text_column="text", progress=False
+        )

@@ -28,8 +28,13 @@ WORDS = "dask tokens score parquet model cluster worker"
 @pytest.fixture(scope="module")
 def short(tiny, tmp_path_factory):
     """A tiny llama with 64 positions (the session's models have 4096), and its limit read back from config.json."""
-    path = build_tiny_model(str(tmp_path_factory.mktemp("short") / "llama64"), family="llama",
-                            max_position_embeddings=64, tokenizer_path=tiny["tokenizer"], seed=5)
+    path = build_tiny_model(
+        str(tmp_path_factory.mktemp("short") / "llama64"),
+        family="llama",
+        max_position_embeddings=64,
+        tokenizer_path=tiny["tokenizer"],
+        seed=5,
+    )
     with open(os.path.join(path, "config.json")) as f:
         return path, json.load(f)["max_position_embeddings"]
 
@@ -56,8 +61,9 @@ def _read(out):
 
 def _cli(client, args):
     """`dask-lm score` attached to the test cluster (no cluster of its own to start)."""
-    return CliRunner().invoke(cli, ["score", *map(str, args), "--scheduler-address", client.scheduler.address,
-                                    "--no-progress"])
+    return CliRunner().invoke(
+        cli, ["score", *map(str, args), "--scheduler-address", client.scheduler.address, "--no-progress"]
+    )
 
 
 @pytest.mark.cluster
@@ -69,18 +75,23 @@ def test_rows_longer_than_the_model_are_bad_rows_or_keep_their_last_tokens(clien
 
     result = _cli(client, [data, "--model", model, "--ids-column", "ids", "--output", tmp_path / "o1"])
     assert result.exit_code == 2, result.output
-    assert f"long.parquet: row 0, column 'ids': {limit + 11} tokens, more than the model's {limit} positions" \
-        in result.output and "--truncate" in result.output
+    assert (
+        f"long.parquet: row 0, column 'ids': {limit + 11} tokens, more than the model's {limit} positions"
+        in result.output
+        and "--truncate" in result.output
+    )
     assert not (tmp_path / "o1" / "_SUCCESS").exists()
 
-    res = dask_lm.score_parquet(data, tmp_path / "o2", model=model, client=client, ids_column="ids",
-                                skip_bad_rows=True, progress=False)
+    res = dask_lm.score_parquet(
+        data, tmp_path / "o2", model=model, client=client, ids_column="ids", skip_bad_rows=True, progress=False
+    )
     errors = pq.read_table(tmp_path / "o2" / "_errors.parquet").to_pylist()
     assert [(e["row"], f"{limit + 11} tokens" in e["error"]) for e in errors] == [(0, True)] and res.bad_rows == 1
     assert [r["id"] for r in _read(tmp_path / "o2")] == [1, 2]  # a row of exactly the limit is fine
 
-    dask_lm.score_parquet(data, tmp_path / "o3", model=model, client=client, ids_column="ids", truncate=True,
-                          progress=False)
+    dask_lm.score_parquet(
+        data, tmp_path / "o3", model=model, client=client, ids_column="ids", truncate=True, progress=False
+    )
     got = _read(tmp_path / "o3")
     assert [r["truncated"] for r in got] == [True, False, False]
     kept = rows[0][-limit:]  # the context side goes, the end of the row stays
@@ -100,29 +111,57 @@ def test_truncated_prompt_response_rows_keep_the_whole_response(client, short, t
     data = tmp_path / "pr.parquet"
     pq.write_table(pa.table({"id": [0, 1], "prompt": [prompt, "short"], "response": [response, too_long]}), data)
 
-    with pytest.raises(ValueError, match=r"pr.parquet: row 0, columns 'prompt' \+ 'response': prompt \+ response "
-                                         rf"are {len(p) + len(r)} tokens, more than the model's {limit} positions"):
-        dask_lm.score_parquet(data, tmp_path / "o1", model=model, client=client, prompt_column="prompt",
-                              response_column="response", progress=False)
+    with pytest.raises(
+        ValueError,
+        match=r"pr.parquet: row 0, columns 'prompt' \+ 'response': prompt \+ response "
+        rf"are {len(p) + len(r)} tokens, more than the model's {limit} positions",
+    ):
+        dask_lm.score_parquet(
+            data,
+            tmp_path / "o1",
+            model=model,
+            client=client,
+            prompt_column="prompt",
+            response_column="response",
+            progress=False,
+        )
 
-    res = dask_lm.score_parquet(data, tmp_path / "o2", model=model, client=client, prompt_column="prompt",
-                                response_column="response", truncate=True, skip_bad_rows=True, progress=False)
+    res = dask_lm.score_parquet(
+        data,
+        tmp_path / "o2",
+        model=model,
+        client=client,
+        prompt_column="prompt",
+        response_column="response",
+        truncate=True,
+        skip_bad_rows=True,
+        progress=False,
+    )
     errors = pq.read_table(tmp_path / "o2" / "_errors.parquet").to_pylist()
     assert [e["row"] for e in errors] == [1] and "the response alone is" in errors[0]["error"]
     (row,) = _read(tmp_path / "o2")
     kept = (p + r)[-limit:]
-    assert kept[-len(r):] == r and row["truncated"] and row["num_tokens"] == limit and row["num_scored"] == len(r)
+    assert kept[-len(r) :] == r and row["truncated"] and row["num_tokens"] == limit and row["num_scored"] == len(r)
     want = _hf_logprobs(model, kept)
-    assert row["sum_logprob"] == pytest.approx(float(want[-len(r):].double().sum()), abs=1e-3)
+    assert row["sum_logprob"] == pytest.approx(float(want[-len(r) :].double().sum()), abs=1e-3)
     assert res.rows == 1 and res.bad_rows == 1
 
     # a --max-length below the model's limit cuts there instead
-    dask_lm.score_parquet(data, tmp_path / "o3", model=model, client=client, prompt_column="prompt",
-                          response_column="response", truncate=True, max_length=20, skip_bad_rows=True,
-                          progress=False)
+    dask_lm.score_parquet(
+        data,
+        tmp_path / "o3",
+        model=model,
+        client=client,
+        prompt_column="prompt",
+        response_column="response",
+        truncate=True,
+        max_length=20,
+        skip_bad_rows=True,
+        progress=False,
+    )
     (row,) = _read(tmp_path / "o3")
     want = _hf_logprobs(model, (p + r)[-20:])
-    assert row["num_tokens"] == 20 and row["sum_logprob"] == pytest.approx(float(want[-len(r):].sum()), abs=1e-3)
+    assert row["num_tokens"] == 20 and row["sum_logprob"] == pytest.approx(float(want[-len(r) :].sum()), abs=1e-3)
 
 
 def _nan_model(src, dst):
@@ -140,8 +179,7 @@ def _nan_model(src, dst):
 def test_nan_weights_fail_the_job_unless_allowed(client, tiny, tmp_path):
     model = _nan_model(tiny["llama"], str(tmp_path / "nan_model"))
     data = tmp_path / "d.parquet"
-    pq.write_table(pa.table({"id": list(range(8)), "text": [f"{WORDS} {i}" for i in range(8)]}), data,
-                   row_group_size=4)
+    pq.write_table(pa.table({"id": list(range(8)), "text": [f"{WORDS} {i}" for i in range(8)]}), data, row_group_size=4)
     out = tmp_path / "o1"
     result = _cli(client, [data, "--model", model, "--text-column", "text", "--output", out])
     assert result.exit_code == 1, result.output
@@ -149,8 +187,9 @@ def test_nan_weights_fail_the_job_unless_allowed(client, tiny, tmp_path):
     assert "--allow-nonfinite" in result.output
     assert not (out / "_SUCCESS").exists() and not [f for f in os.listdir(out) if f.startswith("part-")]
 
-    res = dask_lm.score_parquet(data, tmp_path / "o2", model=model, client=client, text_column="text",
-                                allow_nonfinite=True, progress=False)
+    res = dask_lm.score_parquet(
+        data, tmp_path / "o2", model=model, client=client, text_column="text", allow_nonfinite=True, progress=False
+    )
     got = _read(tmp_path / "o2")
     assert res.rows == 8 and (tmp_path / "o2" / "_SUCCESS").exists()
     assert all(torch.isnan(torch.tensor(r["logprobs"][1:])).all() for r in got)
@@ -162,11 +201,28 @@ def test_rows_with_nothing_to_score_have_null_sums_and_are_counted(client, tiny,
     texts = ["dask tokens score", "a", "", "parquet model"]
     assert [len(tok(t)["input_ids"]) for t in texts][1:3] == [1, 0]  # one token, and none
     data = tmp_path / "d.parquet"
-    pq.write_table(pa.table({"id": [0, 1, 2, 3], "text": texts, "prompt": ["dask tokens", "score", "model", "x"],
-                             "response": [" score", "", " parquet", ""]}), data)
+    pq.write_table(
+        pa.table(
+            {
+                "id": [0, 1, 2, 3],
+                "text": texts,
+                "prompt": ["dask tokens", "score", "model", "x"],
+                "response": [" score", "", " parquet", ""],
+            }
+        ),
+        data,
+    )
     with pytest.warns(UserWarning, match="2 rows had nothing to score"):  # the text's first token: its context
-        res = dask_lm.score_parquet(data, tmp_path / "t", model=model, client=client, text_column="text",
-                                    id_column="id", progress=False, convention="separate")
+        res = dask_lm.score_parquet(
+            data,
+            tmp_path / "t",
+            model=model,
+            client=client,
+            text_column="text",
+            id_column="id",
+            progress=False,
+            convention="separate",
+        )
     got = _read(tmp_path / "t")
     assert [r["num_scored"] for r in got] == [max(len(tok(t)["input_ids"]) - 1, 0) for t in texts]
     assert [r["num_scored"] for r in got][1:3] == [0, 0]
@@ -182,26 +238,37 @@ def test_rows_with_nothing_to_score_have_null_sums_and_are_counted(client, tiny,
     assert json.loads((tmp_path / "t" / "_SUCCESS").read_text())["empty_rows"] == 2
 
     with pytest.warns(UserWarning, match="2 rows had nothing to score"):
-        dask_lm.score_parquet(data, tmp_path / "pr", model=model, client=client, prompt_column="prompt",
-                              response_column="response", id_column="id", progress=False, convention="separate")
+        dask_lm.score_parquet(
+            data,
+            tmp_path / "pr",
+            model=model,
+            client=client,
+            prompt_column="prompt",
+            response_column="response",
+            id_column="id",
+            progress=False,
+            convention="separate",
+        )
     got = _read(tmp_path / "pr")
-    assert [r["num_scored"] for r in got] == [len(tok(t, add_special_tokens=False)["input_ids"])
-                                              for t in (" score", "", " parquet", "")]
+    assert [r["num_scored"] for r in got] == [
+        len(tok(t, add_special_tokens=False)["input_ids"]) for t in (" score", "", " parquet", "")
+    ]
     assert got[1]["sum_logprob"] is None and got[3]["perplexity"] is None and got[0]["sum_logprob"] is not None
     assert json.loads((tmp_path / "pr" / "_SUCCESS").read_text())["empty_rows"] == 2
     # prompt_tokens marks where the response starts: the prompt's own tokens, and the sums cover what follows
     prompts = ["dask tokens", "score", "model", "x"]
     assert [r["prompt_tokens"] for r in got] == [len(tok(p)["input_ids"]) for p in prompts]
     assert all(r["num_tokens"] == r["prompt_tokens"] + r["num_scored"] for r in got)
-    assert got[0]["sum_logprob"] == pytest.approx(sum(got[0]["logprobs"][got[0]["prompt_tokens"]:]), abs=1e-5)
+    assert got[0]["sum_logprob"] == pytest.approx(sum(got[0]["logprobs"][got[0]["prompt_tokens"] :]), abs=1e-5)
     # in text mode the first token is the context: one prompt token (none for an empty text)
     assert [r["prompt_tokens"] for r in _read(tmp_path / "t")] == [1, 1, 0, 1]
 
     # lm-evaluation-harness's convention (the default): a text is an empty prompt plus the text, so its first token
     # is scored given BOS (this tokenizer adds none itself) and only the empty text has nothing to score
     with pytest.warns(UserWarning, match="1 rows had nothing to score"):
-        dask_lm.score_parquet(data, tmp_path / "lm", model=model, client=client, text_column="text",
-                              id_column="id", progress=False)
+        dask_lm.score_parquet(
+            data, tmp_path / "lm", model=model, client=client, text_column="text", id_column="id", progress=False
+        )
     got = _read(tmp_path / "lm")
     bos = tok.bos_token_id
     assert [r["num_scored"] for r in got] == [len(tok(t)["input_ids"]) for t in texts]
@@ -219,16 +286,46 @@ def _invalid_utf8_strings(values):
 
 BAD_ROWS = [
     # (name, columns, mode, bad row, column named, what the error says)
-    ("null_text", {"text": ["dask tokens", None, "score parquet"]}, ["--text-column", "text"], 1, "text",
-     "expected a string, got null"),
-    ("not_utf8", {"text": _invalid_utf8_strings([b"dask tokens", b"ok \xff\xfe bytes", b"score"])},
-     ["--text-column", "text"], 1, "text", "expected a string, got bytes that are not valid UTF-8 (byte 3"),
-    ("null_list", {"ids": pa.array([[5, 6, 7], None, [8, 9]], pa.list_(pa.int64()))}, ["--ids-column", "ids"], 1,
-     "ids", "expected a list of token ids, got null"),
-    ("null_id", {"ids": pa.array([[5, 6, 7], [8, None, 9], [8, 9]], pa.list_(pa.int64()))},
-     ["--ids-column", "ids"], 1, "ids", "null token id at position 1"),
-    ("out_of_vocab", {"ids": pa.array([[5, 6, 7], [8, 9], [8, 100000]], pa.list_(pa.int64()))},
-     ["--ids-column", "ids"], 2, "ids", "token id 100000 at position 1 is outside the model's vocabulary"),
+    (
+        "null_text",
+        {"text": ["dask tokens", None, "score parquet"]},
+        ["--text-column", "text"],
+        1,
+        "text",
+        "expected a string, got null",
+    ),
+    (
+        "not_utf8",
+        {"text": _invalid_utf8_strings([b"dask tokens", b"ok \xff\xfe bytes", b"score"])},
+        ["--text-column", "text"],
+        1,
+        "text",
+        "expected a string, got bytes that are not valid UTF-8 (byte 3",
+    ),
+    (
+        "null_list",
+        {"ids": pa.array([[5, 6, 7], None, [8, 9]], pa.list_(pa.int64()))},
+        ["--ids-column", "ids"],
+        1,
+        "ids",
+        "expected a list of token ids, got null",
+    ),
+    (
+        "null_id",
+        {"ids": pa.array([[5, 6, 7], [8, None, 9], [8, 9]], pa.list_(pa.int64()))},
+        ["--ids-column", "ids"],
+        1,
+        "ids",
+        "null token id at position 1",
+    ),
+    (
+        "out_of_vocab",
+        {"ids": pa.array([[5, 6, 7], [8, 9], [8, 100000]], pa.list_(pa.int64()))},
+        ["--ids-column", "ids"],
+        2,
+        "ids",
+        "token id 100000 at position 1 is outside the model's vocabulary",
+    ),
 ]
 
 
@@ -242,8 +339,10 @@ def test_bad_rows_are_located_and_skippable(client, tiny, tmp_path, name, column
     assert f"{name}.parquet: row {row}, column {column!r}: {what}" in result.output, result.output
     assert "--skip-bad-rows" in result.output and not (tmp_path / "o1" / "_SUCCESS").exists()
 
-    result = _cli(client, [data, "--model", tiny["llama"], *mode, "--output", tmp_path / "o2", "--skip-bad-rows",
-                           "--id-column", "id"])
+    result = _cli(
+        client,
+        [data, "--model", tiny["llama"], *mode, "--output", tmp_path / "o2", "--skip-bad-rows", "--id-column", "id"],
+    )
     assert result.exit_code == 0, result.output
     errors = pq.read_table(tmp_path / "o2" / "_errors.parquet").to_pylist()
     assert [(e["file"], e["row"]) for e in errors] == [(str(data), row)] and what in errors[0]["error"]
@@ -253,8 +352,12 @@ def test_bad_rows_are_located_and_skippable(client, tiny, tmp_path, name, column
 @pytest.mark.cluster
 def test_a_corrupt_data_page_names_its_row_group_and_skips_its_rows(client, tiny, tmp_path):
     data = tmp_path / "corrupt.parquet"
-    pq.write_table(pa.table({"id": list(range(12)), "text": [f"{WORDS} {i}" for i in range(12)]}), data,
-                   row_group_size=4, compression="none")
+    pq.write_table(
+        pa.table({"id": list(range(12)), "text": [f"{WORDS} {i}" for i in range(12)]}),
+        data,
+        row_group_size=4,
+        compression="none",
+    )
     chunk = pq.ParquetFile(data).metadata.row_group(1).column(1)
     with open(data, "r+b") as f:  # garbage over the page header of row group 1's text page; the footer stays valid
         f.seek(chunk.data_page_offset)
@@ -269,8 +372,16 @@ def test_a_corrupt_data_page_names_its_row_group_and_skips_its_rows(client, tiny
     # merged into one task (the default for small row groups) and one task per row group as written: the same rows
     # out, the same rows listed, and where a whole task is unreadable, an empty part of the output's schema
     for out, task_tokens, parts in ((tmp_path / "o2", None, 1), (tmp_path / "o3", 0, 3)):
-        res = dask_lm.score_parquet(data, out, model=tiny["llama"], client=client, text_column="text",
-                                    skip_bad_rows=True, progress=False, task_tokens=task_tokens)
+        res = dask_lm.score_parquet(
+            data,
+            out,
+            model=tiny["llama"],
+            client=client,
+            text_column="text",
+            skip_bad_rows=True,
+            progress=False,
+            task_tokens=task_tokens,
+        )
         errors = pq.read_table(out / "_errors.parquet").to_pylist()
         assert [e["row"] for e in errors] == [4, 5, 6, 7] and all("row group 1" in e["error"] for e in errors)
         assert [r["id"] for r in _read(out)] == [0, 1, 2, 3, 8, 9, 10, 11]
@@ -286,8 +397,9 @@ def test_values_of_a_pandas_object_column_are_checked_one_by_one():
     from dask_lm.data.messages import ScoreOptions
     from dask_lm.data.rows import prepare_rows
 
-    opts = ScoreOptions(model="-", tokenizer="-", precision="float32", output="-", ids_column="ids", max_length=4,
-                        truncate=True)
+    opts = ScoreOptions(
+        model="-", tokenizer="-", precision="float32", output="-", ids_column="ids", max_length=4, truncate=True
+    )
     values = [[1, 2, 3], pd.NA, [1, None, 2], "abc", [1.5, 2], [], list(range(1, 8))]
     pdf = pd.DataFrame({"ids": pd.Series(values, dtype=object)})
     rows = prepare_rows(pdf, opts, tokenizer=None, vocab_size=10, max_positions=64, file="f.parquet", first_row=100)
@@ -297,7 +409,9 @@ def test_values_of_a_pandas_object_column_are_checked_one_by_one():
         "f.parquet: row 102, column 'ids': null token id at position 1 (of 3)",
         "f.parquet: row 103, column 'ids': expected a list of token ids, got str 'abc'",
         "f.parquet: row 104, column 'ids': token id 1.5 at position 0 is not an integer",
-        None, None]
+        None,
+        None,
+    ]
     assert rows.ids[5] == [] and rows.ids[6] == [4, 5, 6, 7] and rows.truncated == [False] * 6 + [True]
 
 
@@ -309,23 +423,36 @@ def test_ids_mode_prompt_lengths_set_the_first_scored_id_and_are_checked():
     from dask_lm.data.messages import ScoreOptions
     from dask_lm.data.rows import prepare_rows
 
-    opts = ScoreOptions(model="-", tokenizer="-", precision="float32", output="-", ids_column="ids",
-                        prompt_length_column="plen", max_length=5, truncate=True)
+    opts = ScoreOptions(
+        model="-",
+        tokenizer="-",
+        precision="float32",
+        output="-",
+        ids_column="ids",
+        prompt_length_column="plen",
+        max_length=5,
+        truncate=True,
+    )
     ids = [[1, 2, 3, 4], [1, 2, 3], [1, 2], [1, 2], [1, 2], list(range(1, 9)), list(range(1, 9))]
     plen = [2, 0, 3, None, 1.5, 6, 2]
     pdf = pd.DataFrame({"ids": pd.Series(ids, dtype=object), "plen": pd.Series(plen, dtype=object)})
     rows = prepare_rows(pdf, opts, tokenizer=None, vocab_size=10, max_positions=64, file="f.parquet", first_row=0)
     assert rows.errors[:2] == [None, None] and rows.start[:2] == [2, 1]  # position 0 has no context: from 1
-    assert rows.errors[2] == ("f.parquet: row 2, column 'plen': prompt length 3 is outside [0, 2] (the row has 2 "
-                              "token ids); it counts the leading ids that are context, not scored")
+    assert rows.errors[2] == (
+        "f.parquet: row 2, column 'plen': prompt length 3 is outside [0, 2] (the row has 2 "
+        "token ids); it counts the leading ids that are context, not scored"
+    )
     assert rows.errors[3] == "f.parquet: row 3, column 'plen': expected a prompt length (an integer), got null"
-    assert rows.errors[4].startswith("f.parquet: row 4, column 'plen': expected a prompt length (an integer), got "
-                                     "float 1.5")
+    assert rows.errors[4].startswith(
+        "f.parquet: row 4, column 'plen': expected a prompt length (an integer), got float 1.5"
+    )
     # 8 ids, 6 of them context, limit 5: the first 3 ids go, the 2 scored ones stay whole after 3 context ids
     assert rows.errors[5] is None and rows.ids[5] == [4, 5, 6, 7, 8] and rows.start[5] == 3 and rows.truncated[5]
-    assert rows.errors[6] == ("f.parquet: row 6, columns 'ids' + 'plen': the response alone is 6 tokens, and "
-                              "scoring it needs it plus at least one context token within max_length=5; truncate=True "
-                              "cannot keep it whole: shorten the response or use a model with more positions")
+    assert rows.errors[6] == (
+        "f.parquet: row 6, columns 'ids' + 'plen': the response alone is 6 tokens, and "
+        "scoring it needs it plus at least one context token within max_length=5; truncate=True "
+        "cannot keep it whole: shorten the response or use a model with more positions"
+    )
 
 
 def test_merge_errors_keeps_what_an_interrupted_merge_wrote(tmp_path):
@@ -338,10 +465,12 @@ def test_merge_errors_keeps_what_an_interrupted_merge_wrote(tmp_path):
     pq.write_table(pio.errors_table(0, "a.parquet", [3, 4], ["bad", "bad"]), out / pio.ERRORS)
     assert pio.merge_errors(str(out)) == 2  # nothing new: the merged file stands
     os.makedirs(pio.errors_dir(str(out)))
-    pq.write_table(pio.errors_table(1, "a.parquet", [12], ["bad"]), os.path.join(pio.errors_dir(str(out)),
-                                                                                   pio.part_name(1)))
-    pq.write_table(pio.errors_table(0, "a.parquet", [4], ["bad"]), os.path.join(pio.errors_dir(str(out)),
-                                                                                  pio.part_name(0)))
+    pq.write_table(
+        pio.errors_table(1, "a.parquet", [12], ["bad"]), os.path.join(pio.errors_dir(str(out)), pio.part_name(1))
+    )
+    pq.write_table(
+        pio.errors_table(0, "a.parquet", [4], ["bad"]), os.path.join(pio.errors_dir(str(out)), pio.part_name(0))
+    )
     assert pio.merge_errors(str(out)) == 2
     merged = pq.read_table(out / pio.ERRORS)
     assert sorted(zip(merged.column("part").to_pylist(), merged.column("row").to_pylist())) == [(0, 4), (1, 12)]
@@ -351,19 +480,24 @@ def test_compiling_is_chosen_by_the_tokens_the_footers_promise_per_worker(tmp_pa
     """score_parquet(compile=None) compiles only where the job is long enough to pay: its size comes from the
     footers (no read: an ids column's value count, a text column's uncompressed bytes), per worker; other columns
     do not count."""
-    from dask_lm.scoring import compile_choice
     from dask_lm.io import parquet as pio
+    from dask_lm.scoring import compile_choice
 
     g = torch.Generator().manual_seed(0)  # distinct values: the footers count bytes after dictionary encoding
     texts = ["".join(chr(97 + int(c)) for c in torch.randint(0, 26, (400,), generator=g)) for _ in range(50)]
     ids = torch.randint(0, 2**40, (50, 100), generator=g).tolist()  # 5,000 int64 ids
-    pq.write_table(pa.table({"text": texts, "ids": pa.array(ids, pa.list_(pa.int64())), "other": texts}),
-                   tmp_path / "d.parquet", row_group_size=10)
+    pq.write_table(
+        pa.table({"text": texts, "ids": pa.array(ids, pa.list_(pa.int64())), "other": texts}),
+        tmp_path / "d.parquet",
+        row_group_size=10,
+    )
     files = [str(tmp_path / "d.parquet")]
-    text = pio.inspect_inputs(files, text_column="text", ids_column=None, prompt_column=None, response_column=None,
-                              id_column=None)
-    by_ids = pio.inspect_inputs(files, text_column=None, ids_column="ids", prompt_column=None, response_column=None,
-                                id_column=None)
+    text = pio.inspect_inputs(
+        files, text_column="text", ids_column=None, prompt_column=None, response_column=None, id_column=None
+    )
+    by_ids = pio.inspect_inputs(
+        files, text_column=None, ids_column="ids", prompt_column=None, response_column=None, id_column=None
+    )
     meta = pq.ParquetFile(files[0]).metadata
     want = sum(meta.row_group(g).column(0).total_uncompressed_size for g in range(meta.num_row_groups))
     # the text column's 20,000 characters (about 5,000 tokens), not "other"'s

@@ -19,23 +19,50 @@ from dask_lm.sft.job import sft_parquet
 
 pytestmark = pytest.mark.cluster
 
-CORPUS = ["the cat sat on the mat", "a dog ran in the park", "dask runs tasks on workers", "tokens become logprobs",
-          "gradients flow backwards", "the loss goes down", "two ranks agree", "parquet holds columns",
-          "checkpoints appear whole", "resume continues the run"]
+CORPUS = [
+    "the cat sat on the mat",
+    "a dog ran in the park",
+    "dask runs tasks on workers",
+    "tokens become logprobs",
+    "gradients flow backwards",
+    "the loss goes down",
+    "two ranks agree",
+    "parquet holds columns",
+    "checkpoints appear whole",
+    "resume continues the run",
+]
 
 
 @pytest.fixture()
 def data(tmp_path):
     path = tmp_path / "sft.parquet"
-    pq.write_table(pa.table({"prompt": [c.split()[0] for c in CORPUS],
-                             "response": [" " + " ".join(c.split()[1:]) for c in CORPUS], "text": CORPUS}), path,
-                   row_group_size=4)
+    pq.write_table(
+        pa.table(
+            {
+                "prompt": [c.split()[0] for c in CORPUS],
+                "response": [" " + " ".join(c.split()[1:]) for c in CORPUS],
+                "text": CORPUS,
+            }
+        ),
+        path,
+        row_group_size=4,
+    )
     return path
 
 
 def _run(data, out, tiny, client, **kw):
-    args = dict(model=tiny["llama"], client=client, text_column="text", global_batch_size=4, micro_batch_size=2,
-                lr=3e-3, epochs=3, save_every=2, keep=2, progress=False)
+    args = dict(
+        model=tiny["llama"],
+        client=client,
+        text_column="text",
+        global_batch_size=4,
+        micro_batch_size=2,
+        lr=3e-3,
+        epochs=3,
+        save_every=2,
+        keep=2,
+        progress=False,
+    )
     args.update(kw)
     return sft_parquet(data, out, **args)
 
@@ -64,8 +91,11 @@ def test_interrupted_then_resumed_equals_one_run(client, tiny, data, tmp_path, m
     assert resumed.resumed_from == 4
     assert resumed.losses == pytest.approx(whole.losses, abs=1e-5)
     # the totals are the trained model's (all 9 steps), this run's 5 steps apart; _SUCCESS says the same
-    first4 = sum(1 + len(ids) for s in range(4) for ids, _ in sft._step_rows(
-        [(tok(c)["input_ids"], 1) for c in CORPUS], s, 4, 0, True))
+    first4 = sum(
+        1 + len(ids)
+        for s in range(4)
+        for ids, _ in sft._step_rows([(tok(c)["input_ids"], 1) for c in CORPUS], s, 4, 0, True)
+    )
     assert resumed.tokens == whole.tokens == whole.run_tokens and resumed.run_tokens == whole.tokens - first4
     assert json.loads((tmp_path / "part" / "_SUCCESS").read_text())["tokens"] == whole.tokens
     done = _run(data, tmp_path / "part", tiny, client, resume=True)
@@ -85,28 +115,78 @@ def test_interrupted_then_resumed_equals_one_run(client, tiny, data, tmp_path, m
 def test_cli_prompt_response_and_bad_input(client, tiny, data, tmp_path):
     out = tmp_path / "run"
     runner = CliRunner()
-    result = runner.invoke(cli, ["sft", str(data), "--model", tiny["llama"], "--output", str(out),
-                                 "--prompt-column", "prompt", "--response-column", "response", "--max-steps", "2",
-                                 "--global-batch-size", "4", "--micro-batch-size", "2", "--save-every", "1",
-                                 "--no-progress", "--scheduler-address", client.scheduler.address])
+    result = runner.invoke(
+        cli,
+        [
+            "sft",
+            str(data),
+            "--model",
+            tiny["llama"],
+            "--output",
+            str(out),
+            "--prompt-column",
+            "prompt",
+            "--response-column",
+            "response",
+            "--max-steps",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--save-every",
+            "1",
+            "--no-progress",
+            "--scheduler-address",
+            client.scheduler.address,
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "steps       2" in result.output and (out / "step_2" / "weights" / "config.json").exists()
     assert result.output.startswith("steps ") and "loading the model" not in result.output  # --no-progress: no bar
     # --resume alone: the run reached its --max-steps 2, so it returns at once
-    resumed = runner.invoke(cli, ["sft", "--output", str(out), "--resume", "--scheduler-address",
-                                  client.scheduler.address])
+    resumed = runner.invoke(
+        cli, ["sft", "--output", str(out), "--resume", "--scheduler-address", client.scheduler.address]
+    )
     assert resumed.exit_code == 0 and resumed.output.startswith(f"already complete: the run in {out} reached step 2")
     # a larger --max-steps trains on, and is what the next --resume goes by
-    longer = runner.invoke(cli, ["sft", "--output", str(out), "--resume", "--max-steps", "3", "--no-progress",
-                                 "--scheduler-address", client.scheduler.address])
+    longer = runner.invoke(
+        cli,
+        [
+            "sft",
+            "--output",
+            str(out),
+            "--resume",
+            "--max-steps",
+            "3",
+            "--no-progress",
+            "--scheduler-address",
+            client.scheduler.address,
+        ],
+    )
     assert longer.exit_code == 0 and "steps       3 " in longer.output and "resumed from step 2" in longer.output
-    again = runner.invoke(cli, ["sft", "--output", str(out), "--resume", "--scheduler-address",
-                                client.scheduler.address])
+    again = runner.invoke(
+        cli, ["sft", "--output", str(out), "--resume", "--scheduler-address", client.scheduler.address]
+    )
     assert again.exit_code == 0 and again.output.startswith(f"already complete: the run in {out} reached step 3")
-    again = runner.invoke(cli, ["sft", str(data), "--model", tiny["llama"], "--output", str(out), "--text-column",
-                                "text", "--scheduler-address", client.scheduler.address])
+    again = runner.invoke(
+        cli,
+        [
+            "sft",
+            str(data),
+            "--model",
+            tiny["llama"],
+            "--output",
+            str(out),
+            "--text-column",
+            "text",
+            "--scheduler-address",
+            client.scheduler.address,
+        ],
+    )
     assert again.exit_code == 2 and "holds a finished dask-lm sft run" in again.output, again.output
-    bad = runner.invoke(cli, ["sft", str(data), "--model", tiny["llama"], "--output", str(tmp_path / "x"),
-                              "--text-column", "nope"])
+    bad = runner.invoke(
+        cli, ["sft", str(data), "--model", tiny["llama"], "--output", str(tmp_path / "x"), "--text-column", "nope"]
+    )
     assert bad.exit_code == 2 and "column 'nope' is missing" in bad.output
     assert not (tmp_path / "x").exists()

@@ -15,8 +15,12 @@ def _batch(lengths, width=None):
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     for i, n in enumerate(lengths):
         ids[i, :n] = torch.arange(1, n + 1)
-    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor(lengths), row=torch.arange(len(lengths)),
-                           tag=[f"r{i}" for i in range(len(lengths))])
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=torch.tensor(lengths),
+        row=torch.arange(len(lengths)),
+        tag=[f"r{i}" for i in range(len(lengths))],
+    )
 
 
 def test_plain_split_takes_the_same_slice_of_every_global_batch():
@@ -48,8 +52,12 @@ def test_split_errors_name_the_problem_and_are_value_errors():
 def test_dynamic_batching_reference_example():
     """The worked example: lengths (2,8,4,16,28,32,2,32), 2 shards, round 4, budget 32."""
     b = BatchedDataDict(data=torch.ones(8, 128), input_lengths=torch.tensor([2, 8, 4, 16, 28, 32, 2, 32]))
-    args = {"input_key": "data", "input_lengths_key": "input_lengths", "sequence_length_round": 4,
-            "max_tokens_per_microbatch": 32}
+    args = {
+        "input_key": "data",
+        "input_lengths_key": "input_lengths",
+        "sequence_length_round": 4,
+        "max_tokens_per_microbatch": 32,
+    }
     (s0, s1), order = b.shard_by_batch_size(2, dynamic_batching_args=args)
     assert order == [0, 2, 3, 5, 6, 1, 4, 7]  # sorted [0,6,2,1,3,4,5,7], dealt round-robin
     assert s0["input_lengths"].tolist() == [2, 4, 16, 32] and s1["input_lengths"].tolist() == [2, 8, 28, 32]
@@ -68,9 +76,16 @@ def test_dynamic_batching_properties(seed, shards):
     lengths = [rng.randint(1, 60) for _ in range(n)]
     b = _batch(lengths, width=64)
     budget = 128
-    out, order = b.shard_by_batch_size(shards, allow_uneven_shards=True, dynamic_batching_args={
-        "input_key": "input_ids", "input_lengths_key": "input_lengths", "sequence_length_round": 8,
-        "max_tokens_per_microbatch": budget})
+    out, order = b.shard_by_batch_size(
+        shards,
+        allow_uneven_shards=True,
+        dynamic_batching_args={
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "sequence_length_round": 8,
+            "max_tokens_per_microbatch": budget,
+        },
+    )
     assert sorted(order) == list(range(n))
     counts = {len(s.micro_batch_indices[0]) for s in out}
     assert len(counts) == 1  # every rank runs the same number of forwards
@@ -90,9 +105,16 @@ def test_packing_properties(algorithm, shards):
     rng = random.Random(7)
     lengths = [rng.randint(1, 100) for _ in range(36)]
     b = _batch(lengths, width=100)
-    out, order = b.shard_by_batch_size(shards, sequence_packing_args={
-        "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": 160,
-        "algorithm": algorithm, "sequence_length_pad_multiple": 4})
+    out, order = b.shard_by_batch_size(
+        shards,
+        sequence_packing_args={
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "max_tokens_per_microbatch": 160,
+            "algorithm": algorithm,
+            "sequence_length_pad_multiple": 4,
+        },
+    )
     assert sorted(order) == list(range(len(lengths)))
     assert len({len(s.micro_batch_indices[0]) for s in out}) == 1  # bins are a multiple of the shard count
     seen = []
@@ -109,14 +131,27 @@ def test_packing_properties(algorithm, shards):
 
 
 def test_packing_fewer_rows_than_ranks_for_inference():
-    out, order = _batch([5]).shard_by_batch_size(2, allow_uneven_shards=True, sequence_packing_args={
-        "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": 16,
-        "algorithm": "modified_first_fit_decreasing"})
+    out, order = _batch([5]).shard_by_batch_size(
+        2,
+        allow_uneven_shards=True,
+        sequence_packing_args={
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "max_tokens_per_microbatch": 16,
+            "algorithm": "modified_first_fit_decreasing",
+        },
+    )
     assert [s.size for s in out] == [1, 0] and order == [0]
     with pytest.raises(ValueError, match="is not a multiple of shards"):  # training-style splits stay strict
-        _batch([5]).shard_by_batch_size(2, sequence_packing_args={
-            "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": 16,
-            "algorithm": "concatenative"})
+        _batch([5]).shard_by_batch_size(
+            2,
+            sequence_packing_args={
+                "input_key": "input_ids",
+                "input_lengths_key": "input_lengths",
+                "max_tokens_per_microbatch": 16,
+                "algorithm": "concatenative",
+            },
+        )
 
 
 def test_packers_respect_capacity_and_bin_counts():
@@ -142,14 +177,30 @@ def test_batched_data_dict_helpers():
     with pytest.raises(ValueError, match="not a multiple of the provided microbatch size"):
         list(b.make_microbatch_iterator(3))
     assert b.chunk(1, 2)["row"].tolist() == [2, 3]
-    joined = BatchedDataDict.from_batches([b.slice(0, 2), BatchedDataDict(
-        input_ids=torch.ones(2, 6, dtype=torch.long), input_lengths=torch.tensor([6, 6]), row=torch.tensor([8, 9]),
-        tag=["x", "y"])], pad_value_dict={"input_ids": -1})
+    joined = BatchedDataDict.from_batches(
+        [
+            b.slice(0, 2),
+            BatchedDataDict(
+                input_ids=torch.ones(2, 6, dtype=torch.long),
+                input_lengths=torch.tensor([6, 6]),
+                row=torch.tensor([8, 9]),
+                tag=["x", "y"],
+            ),
+        ],
+        pad_value_dict={"input_ids": -1},
+    )
     assert joined["input_ids"].shape == (4, 6) and joined["input_ids"][0, 4:].tolist() == [-1, -1]
     assert b.to("cpu") is b and b.size == 4
-    shards, _order = b.shard_by_batch_size(2, batch_size=4, dynamic_batching_args={
-        "input_key": "input_ids", "input_lengths_key": "input_lengths", "sequence_length_round": 1,
-        "max_tokens_per_microbatch": 8})
+    shards, _order = b.shard_by_batch_size(
+        2,
+        batch_size=4,
+        dynamic_batching_args={
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "sequence_length_round": 1,
+            "max_tokens_per_microbatch": 8,
+        },
+    )
     gb = shards[0].get_batch(0, batch_size=2)
     assert gb.micro_batch_indices == [shards[0].micro_batch_indices[0]]
     assert gb.get_microbatch_iterator_dynamic_shapes_len() == len(shards[0].micro_batch_indices[0])
@@ -158,9 +209,16 @@ def test_batched_data_dict_helpers():
 @pytest.mark.parametrize("rows, shards", [(3, 2), (7, 4), (11, 2), (1, 3)])
 def test_inference_packing_accepts_any_batch_size(rows, shards):
     b = _batch([8] * rows)
-    out, order = b.shard_by_batch_size(shards, allow_uneven_shards=True, sequence_packing_args={
-        "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": 8,
-        "algorithm": "modified_first_fit_decreasing"})
+    out, order = b.shard_by_batch_size(
+        shards,
+        allow_uneven_shards=True,
+        sequence_packing_args={
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "max_tokens_per_microbatch": 8,
+            "algorithm": "modified_first_fit_decreasing",
+        },
+    )
     assert sorted(order) == list(range(rows)) and sum(s.size for s in out) == rows
 
 
@@ -170,9 +228,15 @@ def test_packing_gives_an_overlong_row_its_own_bin(algorithm):
     # Rows 1 (length 20) and 4 (length 17) exceed 16 tokens; the other four (14 tokens in all) fit one bin, so
     # there are 3 bins before the multiple-of-shards rule, which makes 4 by splitting the shared bin.
     lengths = [4, 20, 5, 3, 17, 2]
-    out, order = _batch(lengths).shard_by_batch_size(2, sequence_packing_args={
-        "input_key": "input_ids", "input_lengths_key": "input_lengths", "max_tokens_per_microbatch": 16,
-        "algorithm": algorithm})
+    out, order = _batch(lengths).shard_by_batch_size(
+        2,
+        sequence_packing_args={
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "max_tokens_per_microbatch": 16,
+            "algorithm": algorithm,
+        },
+    )
     assert sorted(order) == list(range(6))
     bins = [[int(r) for r in s["row"][lo:hi]] for s in out for lo, hi in s.micro_batch_indices[0]]
     assert len(bins) == 4 and [1] in bins and [4] in bins

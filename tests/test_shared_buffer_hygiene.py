@@ -92,8 +92,9 @@ def test_reclaim_spares_other_users_locked_and_live_makers_files(monkeypatch):
             assert not set(paths) & set(removed) and all(os.path.exists(p) for p in paths)
             # the same live pid, but its process started after the file last changed: a reused pid
             changed, real = os.stat(alive).st_ctime, shared_buffer._process_start
-            monkeypatch.setattr(shared_buffer, "_process_start",
-                                lambda pid: changed + 60 if pid == sleeper.pid else real(pid))
+            monkeypatch.setattr(
+                shared_buffer, "_process_start", lambda pid: changed + 60 if pid == sleeper.pid else real(pid)
+            )
             removed = shared_buffer.reclaim_stale()
             assert alive in removed and not os.path.exists(alive)
             assert all(os.path.exists(p) for p in paths if p != alive)
@@ -122,8 +123,13 @@ def test_process_start_reads_when_this_process_started():
 
 def _entry(buf: SharedBuffer) -> dict:
     _n, _b, s, v = buf.shape
-    return {"payload_ipc": buf.payload, "buf_idx": 0, "sample_index_in_buf": 0, "actual_shape": [s, v],
-            "storage_shape": list(buf.shape)}
+    return {
+        "payload_ipc": buf.payload,
+        "buf_idx": 0,
+        "sample_index_in_buf": 0,
+        "actual_shape": [s, v],
+        "storage_shape": list(buf.shape),
+    }
 
 
 def test_the_reader_maps_only_its_own_users_files_that_no_one_else_may_write(monkeypatch):

@@ -31,8 +31,10 @@ BOUND_S = 30
 @pytest.fixture()
 def single_threaded():
     """Three workers of one thread each (a GPU worker's setting): a task running on a worker keeps the next one out."""
-    with LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address=":0") as cl, \
-            Client(cl) as c:
+    with (
+        LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         yield cl, c
 
 
@@ -66,8 +68,9 @@ def fail(prev, call, *_deps):
 
 def _rank1_waits(dask_scheduler, policy_id):
     """A rank-1 task of ``policy_id`` waits on the scheduler for a dependency."""
-    return any(ts.state == "waiting" for k, ts in dask_scheduler.tasks.items()
-               if policy_id in str(k) and "-r1-" in str(k))
+    return any(
+        ts.state == "waiting" for k, ts in dask_scheduler.tasks.items() if policy_id in str(k) and "-r1-" in str(k)
+    )
 
 
 def _poll(condition, what):
@@ -95,6 +98,7 @@ def test_two_groups_on_the_same_workers_run_their_calls_in_one_order(single_thre
         if b_calls == "submit":
             fb = b.submit(meet, call_b, per_rank=[(0, 2), (1, 2)], key_name="b")
         else:
+
             def blocking_b():
                 try:
                     answer["out"] = b.call(meet, call_b, per_rank=[(0, 2), (1, 2)], key_name="b", what="call B")
@@ -144,8 +148,10 @@ def test_a_failed_call_of_one_group_neither_fails_nor_jumps_the_next_call_of_ano
         fb = b.submit(meet, call_b, per_rank=[(0, 2), (1, 2)], key_name="b")
         Event(hold).set()
         # both ranks fail: the error names whichever failure reached the driver first
-        with pytest.raises(RankFailedError, match=f"^call A failed on rank ([01]) \\(worker \\1\\): RuntimeError: "
-                                                  f"{call_a} failed on worker \\1$"):
+        with pytest.raises(
+            RankFailedError,
+            match=f"^call A failed on rank ([01]) \\(worker \\1\\): RuntimeError: {call_a} failed on worker \\1$",
+        ):
             a.gather(fa, what="call A", timeout=3 * BOUND_S)
         assert [o["call"] for o in b.gather(fb, what="call B", timeout=3 * BOUND_S)] == [call_b, call_b]
         for worker in ("0", "1"):
@@ -175,8 +181,10 @@ def test_policies_of_two_clients_that_deadlock_are_named_long_before_the_collect
             _poll(lambda: Event(f"{call_b}-r1").is_set(), "group B's rank 1 never started")
             Event(hold).set()
             for group, futures, me, peer in ((a, fa, "call A", b), (b, fb, "call B", a)):
-                expected = (f"^{me} of policy {group.policy_id} is deadlocked with policy {peer.policy_id} on the "
-                            "same workers: .* create them with the same Client")
+                expected = (
+                    f"^{me} of policy {group.policy_id} is deadlocked with policy {peer.policy_id} on the "
+                    "same workers: .* create them with the same Client"
+                )
                 with pytest.raises(RankFailedError, match=expected):
                     group.gather(futures, what=me, timeout=3 * BOUND_S)
                 assert str(group.broken).startswith(f"{me} of policy {group.policy_id} is deadlocked")
@@ -189,15 +197,23 @@ def test_policies_of_two_clients_that_deadlock_are_named_long_before_the_collect
 
 # ------------------------------------------------------------------------------------------- a lost scheduler
 
+
 @pytest.fixture(scope="module")
 def tok(tiny):
     return transformers.AutoTokenizer.from_pretrained(tiny["llama"])
 
 
 def _cfg(model_dir, **extra):
-    cfg = {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 8, "train_micro_batch_size": 2,
-           "logprob_batch_size": 2, "max_total_sequence_length": 128, "max_grad_norm": 1.0,
-           "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}}}
+    cfg = {
+        "model_name": model_dir,
+        "precision": "float32",
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 2,
+        "logprob_batch_size": 2,
+        "max_total_sequence_length": 128,
+        "max_grad_norm": 1.0,
+        "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+    }
     cfg.update(extra)
     return cfg
 
@@ -254,8 +270,10 @@ def test_two_policies_on_the_same_workers_finish_interleaved_calls_as_each_would
         before, _ = hf_logprobs(path, fwd["input_ids"], fwd["input_lengths"])
         want[name] = (losses, before, model_logprobs(trained, fwd["input_ids"], fwd["input_lengths"]))
     cfg = {"collective_timeout_s": FUTURE_BOUND_S - 30}
-    with dask_lm.Policy(client, _cfg(models["a"], **cfg), tok) as pa, \
-            dask_lm.Policy(client, _cfg(models["b"], **cfg), tok) as pb:
+    with (
+        dask_lm.Policy(client, _cfg(models["a"], **cfg), tok) as pa,
+        dask_lm.Policy(client, _cfg(models["b"], **cfg), tok) as pb,
+    ):
         policies = {"a": pa, "b": pb}
         assert pa.group.names == pb.group.names == [0, 1]
         futures = {name: {"before": p.submit("get_logprobs", fwd), "train": []} for name, p in policies.items()}

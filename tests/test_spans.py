@@ -34,7 +34,11 @@ def test_large_groups_are_split_and_small_ones_merged_within_a_file():
     merged = spans.plan_spans(GROUPS, [5, 5, 4, 6], 100)
     assert [(s.file, s.groups, s.num_rows) for s in merged] == [("a", (0, 1, 2), 20), ("b", (3,), 10)]
     assert [(s.groups, s.num_rows) for s in spans.plan_spans(GROUPS, [5, 5, 4, 6], 0)] == [
-        ((0,), 7), ((1,), 7), ((2,), 6), ((3,), 10)]  # as written
+        ((0,), 7),
+        ((1,), 7),
+        ((2,), 6),
+        ((3,), 10),
+    ]  # as written
     one_row = spans.plan_spans([("c", 0, 0, 1)], [10**7], 100)
     assert [(s.num_rows, s.whole) for s in one_row] == [(1, True)]  # a single row is never cut
 
@@ -90,13 +94,29 @@ def _hf_sums(model_dir, rows):
 def test_one_row_group_is_scored_by_every_worker_and_resumed_by_span(client, tiny, one_group, tmp_path):
     from distributed import get_task_stream
 
-    whole = dask_lm.score_parquet(one_group, tmp_path / "whole", model=tiny["llama"], client=client,
-                                  ids_column="ids", id_column="id", task_tokens=0, progress=False)
+    whole = dask_lm.score_parquet(
+        one_group,
+        tmp_path / "whole",
+        model=tiny["llama"],
+        client=client,
+        ids_column="ids",
+        id_column="id",
+        task_tokens=0,
+        progress=False,
+    )
     assert whole.parts == 1
     out = tmp_path / "out"
     with get_task_stream(client) as stream:
-        res = dask_lm.score_parquet(one_group, out, model=tiny["llama"], client=client, ids_column="ids",
-                                    id_column="id", task_tokens=300, progress=False)
+        res = dask_lm.score_parquet(
+            one_group,
+            out,
+            model=tiny["llama"],
+            client=client,
+            ids_column="ids",
+            id_column="id",
+            task_tokens=300,
+            progress=False,
+        )
     scored_on = {t["worker"] for t in stream.data if str(t["key"]).startswith("score_partition")}
     assert res.parts >= 4 and res.rows == 120 and len(scored_on) == 2  # the one row group, on both workers
     reads = [t for t in stream.data if str(t["key"]).startswith("read_partition")]
@@ -110,11 +130,29 @@ def test_one_row_group_is_scored_by_every_worker_and_resumed_by_span(client, tin
     before = pq.read_table(out / "part-00002.parquet")
     os.remove(out / "part-00002.parquet")
     os.remove(out / "_SUCCESS")
-    again = dask_lm.score_parquet(one_group, out, model=tiny["llama"], client=client, ids_column="ids",
-                                  id_column="id", task_tokens=300, resume=True, progress=False)
+    again = dask_lm.score_parquet(
+        one_group,
+        out,
+        model=tiny["llama"],
+        client=client,
+        ids_column="ids",
+        id_column="id",
+        task_tokens=300,
+        resume=True,
+        progress=False,
+    )
     assert again.parts_skipped == res.parts - 1 and (again.rows, again.run_rows) == (120, before.num_rows)
     assert pq.read_table(out / "part-00002.parquet").column("id").equals(before.column("id"))
     os.remove(out / "_SUCCESS")
     with pytest.raises(ValueError, match=r"resume=True refused.*cut into parts another way"):
-        dask_lm.score_parquet(one_group, out, model=tiny["llama"], client=client, ids_column="ids",
-                              id_column="id", task_tokens=150, resume=True, progress=False)
+        dask_lm.score_parquet(
+            one_group,
+            out,
+            model=tiny["llama"],
+            client=client,
+            ids_column="ids",
+            id_column="id",
+            task_tokens=150,
+            resume=True,
+            progress=False,
+        )

@@ -18,8 +18,14 @@ def _bare_policy() -> Policy:
 
 def test_each_entry_takes_the_blocking_method_s_arguments():
     """``submit(method, ...)`` takes what ``method`` takes: the entry's post has the blocking method's parameters."""
-    assert SUBMITTABLE == ("get_logprobs", "get_reference_policy_logprobs", "get_topk_logits", "score", "generate",
-                           "train")
+    assert SUBMITTABLE == (
+        "get_logprobs",
+        "get_reference_policy_logprobs",
+        "get_topk_logits",
+        "score",
+        "generate",
+        "train",
+    )
     for name, entry in SUBMIT.items():
         blocking = inspect.signature(getattr(Policy, name)).parameters
         posted = inspect.signature(entry.post).parameters
@@ -29,13 +35,21 @@ def test_each_entry_takes_the_blocking_method_s_arguments():
 
 def test_each_entry_names_its_kind_of_answer():
     assert {n: e.join for n, e in SUBMIT.items()} == {
-        "get_logprobs": JoinRows, "get_reference_policy_logprobs": JoinRows, "get_topk_logits": JoinRows,
-        "score": JoinRows, "generate": JoinGenerated, "train": ReduceTrain}
+        "get_logprobs": JoinRows,
+        "get_reference_policy_logprobs": JoinRows,
+        "get_topk_logits": JoinRows,
+        "score": JoinRows,
+        "generate": JoinGenerated,
+        "train": ReduceTrain,
+    }
 
 
 def test_an_unknown_method_is_named_with_the_valid_ones():
-    with pytest.raises(ValueError, match=r"Policy.submit: 'save_checkpoint' cannot be submitted; use one of "
-                                         r"\['get_logprobs', .*'train'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"Policy.submit: 'save_checkpoint' cannot be submitted; use one of "
+        r"\['get_logprobs', .*'train'\]",
+    ):
         _bare_policy().submit("save_checkpoint", "/tmp/x")
 
 

@@ -26,7 +26,7 @@ def _as_lists(ids: torch.Tensor, lens: torch.Tensor) -> list[list[int]]:
 
 
 def _rows_of(t: TokenRows) -> list[list[int]]:
-    return [t.values[int(t.offsets[b]):int(t.offsets[b + 1])].tolist() for b in range(t.size)]
+    return [t.values[int(t.offsets[b]) : int(t.offsets[b + 1])].tolist() for b in range(t.size)]
 
 
 def test_a_shards_rows_are_its_arrow_buffers_and_equal_the_padded_batch():
@@ -77,6 +77,6 @@ def test_rows_from_lists_equal_rows_from_the_padded_tensor():
     assert _rows_of(rows) == lists and rows.width == 5 and rows.values.dtype == torch.int64
     padded = torch.zeros(4, 5, dtype=torch.int64)
     for b, r in enumerate(lists):
-        padded[b, :len(r)] = torch.tensor(r, dtype=torch.int64)
+        padded[b, : len(r)] = torch.tensor(r, dtype=torch.int64)
     again = TokenRows.from_padded(padded, torch.tensor([len(r) for r in lists]))
     assert torch.equal(again.values, rows.values) and torch.equal(again.offsets, rows.offsets)

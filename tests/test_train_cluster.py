@@ -17,8 +17,17 @@ pytestmark = pytest.mark.cluster
 MODES = {
     "mbs1": ({}, 1),
     "mbs4": ({}, 4),
-    "dynamic": ({"dynamic_batching": {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64,
-                                      "sequence_length_round": 4}}, 2),
+    "dynamic": (
+        {
+            "dynamic_batching": {
+                "enabled": True,
+                "train_mb_tokens": 64,
+                "logprob_mb_tokens": 64,
+                "sequence_length_round": 4,
+            }
+        },
+        2,
+    ),
     "packed": ({"sequence_packing": {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64}}, 2),
 }
 CORPUS = TEXTS + ["Tokens flow through the cluster.", "Every rank runs the same steps.", "Short one."]
@@ -26,10 +35,18 @@ CORPUS = TEXTS + ["Tokens flow through the cluster.", "Every rank runs the same 
 
 def _cfg(model_dir, mode="mbs1", *, gbs=8, optimizer=None, **extra):
     batching, mbs = MODES[mode]
-    cfg = {"model_name": model_dir, "precision": "float32", "train_global_batch_size": gbs,
-           "train_micro_batch_size": mbs, "logprob_batch_size": 2, "logprob_chunk_size": 5,
-           "max_total_sequence_length": 128, "max_grad_norm": 1.0,
-           "optimizer": optimizer or {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}}, **batching}
+    cfg = {
+        "model_name": model_dir,
+        "precision": "float32",
+        "train_global_batch_size": gbs,
+        "train_micro_batch_size": mbs,
+        "logprob_batch_size": 2,
+        "logprob_chunk_size": 5,
+        "max_total_sequence_length": 128,
+        "max_grad_norm": 1.0,
+        "optimizer": optimizer or {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+        **batching,
+    }
     cfg.update(extra)
     return cfg
 
@@ -45,8 +62,9 @@ def batch(tok):
 
 
 def _ref(model_dir, batch, **kw):
-    return hf_nll_steps(model_dir, [(batch["input_ids"], batch["input_lengths"], batch["token_mask"],
-                                     batch["sample_mask"])], **kw)
+    return hf_nll_steps(
+        model_dir, [(batch["input_ids"], batch["input_lengths"], batch["token_mask"], batch["sample_mask"])], **kw
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -83,8 +101,9 @@ def test_fsdp_blocks_kept_gathered_from_forward_to_backward_give_the_same_step(c
         after = policy.get_logprobs(batch)["logprobs"]
     assert abs(float(out["loss"][0]) - losses[0]) < 1e-5
     assert abs(float(out["grad_norm"][0]) - norms[0]) < 1e-5 * norms[0]
-    torch.testing.assert_close(after, model_logprobs(ref_model, batch["input_ids"], batch["input_lengths"]),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        after, model_logprobs(ref_model, batch["input_ids"], batch["input_lengths"]), atol=1e-4, rtol=0
+    )
 
 
 def test_adamw_with_scheduler_over_several_global_batches(client, tiny, tok):
@@ -92,13 +111,21 @@ def test_adamw_with_scheduler_over_several_global_batches(client, tiny, tok):
     first, second = sft_batch(tok, CORPUS[:4], pad_to=40), sft_batch(tok, CORPUS[4:], pad_to=40)
     both = BatchedDataDict.from_batches([first, second])
     third = sft_batch(tok, CORPUS[1:5], pad_to=40)
-    sched = {"name": "torch.optim.lr_scheduler.LinearLR",
-             "kwargs": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 2}}
-    cfg = _cfg(tiny["llama"], gbs=4, optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
-               scheduler=sched, max_grad_norm=None)
+    sched = {
+        "name": "torch.optim.lr_scheduler.LinearLR",
+        "kwargs": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 2},
+    }
+    cfg = _cfg(
+        tiny["llama"],
+        gbs=4,
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
+        scheduler=sched,
+        max_grad_norm=None,
+    )
     batches = [(b["input_ids"], b["input_lengths"], b["token_mask"], b["sample_mask"]) for b in (first, second, third)]
-    ref_losses, _ref_norms, ref_model = hf_nll_steps(tiny["llama"], batches, lr=1e-2, max_grad_norm=None,
-                                                    optimizer="adamw", lr_factors=[0.5, 0.5, 0.75])
+    ref_losses, _ref_norms, ref_model = hf_nll_steps(
+        tiny["llama"], batches, lr=1e-2, max_grad_norm=None, optimizer="adamw", lr_factors=[0.5, 0.5, 0.75]
+    )
     with dask_lm.Policy(client, cfg, tok) as policy:
         out1 = policy.train(both, dask_lm.NLLLoss())
         out2 = policy.train(third, dask_lm.NLLLoss())
@@ -107,8 +134,9 @@ def test_adamw_with_scheduler_over_several_global_batches(client, tiny, tok):
     torch.testing.assert_close(out2["loss"], torch.tensor(ref_losses[2:]), atol=1e-5, rtol=0)
     assert out1["all_mb_metrics"]["lr"][0] == pytest.approx(5e-3)
     assert out2["all_mb_metrics"]["lr"][0] == pytest.approx(7.5e-3)
-    torch.testing.assert_close(after, model_logprobs(ref_model, third["input_ids"], third["input_lengths"]),
-                               atol=2e-4, rtol=0)
+    torch.testing.assert_close(
+        after, model_logprobs(ref_model, third["input_ids"], third["input_lengths"]), atol=2e-4, rtol=0
+    )
 
 
 def test_eval_mode_changes_nothing(client, tiny, tok, batch):
@@ -120,8 +148,7 @@ def test_eval_mode_changes_nothing(client, tiny, tok, batch):
         lr = policy.train(batch, dask_lm.NLLLoss())["all_mb_metrics"]["lr"][0]
     assert torch.equal(before, after)
     assert out["grad_norm"] is None
-    assert float(out["loss"][0]) == pytest.approx(_ref(tiny["llama"], batch, lr=0.5, max_grad_norm=1.0)[0][0],
-                                                  abs=1e-5)
+    assert float(out["loss"][0]) == pytest.approx(_ref(tiny["llama"], batch, lr=0.5, max_grad_norm=1.0)[0][0], abs=1e-5)
     assert torch.equal(out["loss"], out2["loss"])
     assert lr == pytest.approx(0.5)  # eval calls did not step the scheduler either
 
@@ -136,8 +163,15 @@ def test_clipped_pg_on_policy_is_minus_mean_advantage(client, tiny, tok, batch):
         torch.testing.assert_close(ref, lp, atol=1e-6, rtol=0)
         g = torch.Generator().manual_seed(0)
         adv = torch.randn(batch["input_ids"].shape, generator=g)
-        data = BatchedDataDict({**batch, "advantages": adv, "prev_logprobs": lp, "generation_logprobs": lp,
-                                "reference_policy_logprobs": ref})
+        data = BatchedDataDict(
+            {
+                **batch,
+                "advantages": adv,
+                "prev_logprobs": lp,
+                "generation_logprobs": lp,
+                "reference_policy_logprobs": ref,
+            }
+        )
         data["sample_mask"] = torch.tensor([1.0, 1, 0, 1, 1, 1, 1, 1])
         loss_fn = dask_lm.ClippedPGLossFn({"reference_policy_kl_penalty": 0.1})
         out = policy.train(data, loss_fn, eval_mode=True)
@@ -168,8 +202,9 @@ def test_distillation_from_itself_is_zero(client, tiny, tok, batch):
     """A teacher identical to the student: the top-k distributions match, every KL is 0."""
     with dask_lm.Policy(client, _cfg(tiny["qwen2"], "packed"), tok) as policy:
         top = policy.get_topk_logits(batch, k=8)
-        data = BatchedDataDict({**batch, "teacher_topk_logits": top["topk_logits"],
-                                "teacher_topk_indices": top["topk_indices"]})
+        data = BatchedDataDict(
+            {**batch, "teacher_topk_logits": top["topk_logits"], "teacher_topk_indices": top["topk_indices"]}
+        )
         for kl in ("forward", "reverse", "mixed"):
             out = policy.train(data, dask_lm.DistillationLossFn({"kl_type": kl}), eval_mode=True)
             assert abs(float(out["loss"][0])) < 1e-6, kl
@@ -179,9 +214,16 @@ def test_distillation_from_itself_is_zero(client, tiny, tok, batch):
 
 def test_sft_reaches_a_clearly_lower_loss(client, tiny, tok):
     """A few dozen AdamW steps on a fixed toy corpus: the model memorises it."""
-    corpus = ["the cat sat on the mat", "a dog ran in the park", "dask runs tasks on workers",
-              "tokens become logprobs", "gradients flow backwards", "the loss goes down", "two ranks agree",
-              "parquet holds columns"]
+    corpus = [
+        "the cat sat on the mat",
+        "a dog ran in the park",
+        "dask runs tasks on workers",
+        "tokens become logprobs",
+        "gradients flow backwards",
+        "the loss goes down",
+        "two ranks agree",
+        "parquet holds columns",
+    ]
     data = sft_batch(tok, corpus)
     cfg = _cfg(tiny["llama"], "dynamic", optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 3e-3}})
     with dask_lm.Policy(client, cfg, tok) as policy:
@@ -196,10 +238,15 @@ def test_bad_training_input_fails_before_any_rank_runs(client, tiny, tok, batch)
         pg = dask_lm.ClippedPGLossFn()
         with pytest.raises(ValueError, match=r"advantages"):
             policy.train(batch, pg)
-        bad = BatchedDataDict({**batch, "advantages": torch.zeros(batch["input_ids"].shape),
-                               "prev_logprobs": torch.zeros(batch["input_ids"].shape),
-                               "generation_logprobs": torch.zeros(batch["input_ids"].shape),
-                               "reference_policy_logprobs": torch.zeros(batch["input_ids"].shape)})
+        bad = BatchedDataDict(
+            {
+                **batch,
+                "advantages": torch.zeros(batch["input_ids"].shape),
+                "prev_logprobs": torch.zeros(batch["input_ids"].shape),
+                "generation_logprobs": torch.zeros(batch["input_ids"].shape),
+                "reference_policy_logprobs": torch.zeros(batch["input_ids"].shape),
+            }
+        )
         bad["advantages"][2, 1] = float("nan")
         with pytest.raises(ValueError, match=r"`advantages` holds 1 NaN"):
             policy.train(bad, pg)
@@ -220,9 +267,8 @@ def test_bad_training_input_fails_before_any_rank_runs(client, tiny, tok, batch)
         after = policy.get_logprobs(batch)["logprobs"]
     assert torch.equal(before, after)
     cfg = _cfg(tiny["llama"], "dynamic")
-    with dask_lm.Policy(client, cfg, tok) as policy:
-        with pytest.raises(ValueError, match="dynamic batching"):
-            policy.train(batch, dask_lm.DPOLossFn())
+    with dask_lm.Policy(client, cfg, tok) as policy, pytest.raises(ValueError, match="dynamic batching"):
+        policy.train(batch, dask_lm.DPOLossFn())
     with dask_lm.Policy(client, _cfg(tiny["llama"]), tok, init_optimizer=False) as policy:
         with pytest.raises(ValueError, match="init_optimizer"):
             policy.train(batch, dask_lm.NLLLoss())
@@ -230,8 +276,13 @@ def test_bad_training_input_fails_before_any_rank_runs(client, tiny, tok, batch)
     with pytest.raises(ValueError, match=r"policy.optimizer.name"):
         dask_lm.Policy(client, _cfg(tiny["llama"], optimizer={"name": "torch.optim.Adamm"}), tok)
     with pytest.raises(ValueError, match=r"policy.scheduler.kwargs"):
-        dask_lm.Policy(client, _cfg(tiny["llama"], scheduler={"name": "torch.optim.lr_scheduler.LinearLR",
-                                                             "kwargs": {"start_factr": 0.1}}), tok)
+        dask_lm.Policy(
+            client,
+            _cfg(
+                tiny["llama"], scheduler={"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"start_factr": 0.1}}
+            ),
+            tok,
+        )
 
 
 def test_user_loss_in_the_reference_convention(client, tiny, tok, batch):

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 
 import dask_lm
 from dask_lm.cli import main as cli
-from dask_lm.sft.job import sft_parquet
 from dask_lm.io.parquet import resolve_input_files
+from dask_lm.sft.job import sft_parquet
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier
 # (pytest -m "not cluster")
@@ -69,8 +69,21 @@ def test_same_size_rewrite_of_an_input_refuses_resume(client, tiny, tmp_path, no
     before = _snapshot(out)
     with pytest.raises(ValueError, match=rf"resume=True refused.*input file {data}"):
         _score(data, out, tiny["llama"], resume=True)  # interrupted job
-    result = CliRunner().invoke(cli, ["score", str(data), "--model", tiny["llama"], "--text-column", "text",
-                                      "--output", str(out), "--resume", "--no-progress"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "score",
+            str(data),
+            "--model",
+            tiny["llama"],
+            "--text-column",
+            "text",
+            "--output",
+            str(out),
+            "--resume",
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 2 and str(data) in result.output, result.output
     # the content is known only once hashed, beside the cluster's start: the cluster may have been asked for
     # (here refused by the fixture), and the output is as it was
@@ -79,8 +92,9 @@ def test_same_size_rewrite_of_an_input_refuses_resume(client, tiny, tmp_path, no
 
 def _snapshot(out):
     """Every file of ``out`` (but the lock) with its bytes."""
-    return {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()
-            and p.name != ".dask-lm.lock"}
+    return {
+        p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".dask-lm.lock"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +102,13 @@ def wide_model(tiny, tmp_path_factory):
     """A model whose safetensors file is several MiB, so a change can avoid its first and last MiB."""
     from dask_lm.tiny import build_tiny_model
 
-    path = build_tiny_model(str(tmp_path_factory.mktemp("wide") / "model"), hidden_size=128,
-                            intermediate_size=1024, tokenizer_path=tiny["tokenizer"], seed=5)
+    path = build_tiny_model(
+        str(tmp_path_factory.mktemp("wide") / "model"),
+        hidden_size=128,
+        intermediate_size=1024,
+        tokenizer_path=tiny["tokenizer"],
+        seed=5,
+    )
     assert os.path.getsize(os.path.join(path, "model.safetensors")) > 3 * MiB
     return path
 
@@ -106,7 +125,7 @@ def test_weights_changed_mid_file_refuse_resume(client, wide_model, tmp_path, no
     (header_len,) = struct.unpack("<Q", before[:8])
     middle = 8 + header_len + (len(before) - 8 - header_len) // 2  # inside the tensor data
     changed = bytearray(before)
-    changed[middle:middle + 16] = bytes(b ^ 0xFF for b in changed[middle:middle + 16])
+    changed[middle : middle + 16] = bytes(b ^ 0xFF for b in changed[middle : middle + 16])
     weights.write_bytes(bytes(changed))
     assert len(changed) == len(before) and changed[:MiB] == before[:MiB] and changed[-MiB:] == before[-MiB:]
     assert changed != before
@@ -172,8 +191,9 @@ def test_damaged_model_exits_2_before_any_cluster(tiny, tmp_path, no_cluster, co
     damaged = _damage(model, case)
     data = _write(tmp_path / "data.parquet", TEXTS[:4])
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, [command, str(data), "--model", str(model), "--text-column", "text",
-                                      "--output", str(out), "--no-progress"])
+    result = CliRunner().invoke(
+        cli, [command, str(data), "--model", str(model), "--text-column", "text", "--output", str(out), "--no-progress"]
+    )
     assert result.exit_code == 2, result.output
     assert str(damaged) in result.output and "Traceback" not in result.output, result.output
     assert not no_cluster and not out.exists()
@@ -182,27 +202,57 @@ def test_damaged_model_exits_2_before_any_cluster(tiny, tmp_path, no_cluster, co
 def test_topk_above_the_vocabulary_exits_2(tiny, tmp_path, no_cluster):
     vocab = json.loads(pathlib.Path(tiny["llama"], "config.json").read_text())["vocab_size"]
     data = _write(tmp_path / "data.parquet", TEXTS[:4])
-    args = ["score", str(data), "--model", tiny["llama"], "--text-column", "text", "--output", str(tmp_path / "o"),
-            "--no-progress"]
+    args = [
+        "score",
+        str(data),
+        "--model",
+        tiny["llama"],
+        "--text-column",
+        "text",
+        "--output",
+        str(tmp_path / "o"),
+        "--no-progress",
+    ]
     result = CliRunner().invoke(cli, [*args, "--topk", str(vocab + 1)])
-    assert result.exit_code == 2 and f"--topk {vocab + 1}" in result.output and str(vocab) in result.output, \
+    assert result.exit_code == 2 and f"--topk {vocab + 1}" in result.output and str(vocab) in result.output, (
         result.output
+    )
     assert not no_cluster
 
 
 def test_sft_over_an_input_without_rows_exits_2(tiny, tmp_path, no_cluster):
     data = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), data)
-    result = CliRunner().invoke(cli, ["sft", str(data), "--model", tiny["llama"], "--text-column", "text",
-                                      "--output", str(tmp_path / "run"), "--no-progress"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "sft",
+            str(data),
+            "--model",
+            tiny["llama"],
+            "--text-column",
+            "text",
+            "--output",
+            str(tmp_path / "run"),
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 2 and "no rows" in result.output and str(data) in result.output, result.output
     assert not no_cluster
 
 
 def test_paths_starting_with_underscore_or_dot_are_skipped_at_any_depth(tmp_path):
     root = tmp_path / "data"
-    for rel in ("a.parquet", "_x/b.parquet", ".x/c.parquet", "sub/d.parquet", "sub/_y/e.parquet",
-                "sub/.z/f.parquet", "sub/_g.parquet", "sub/.h.parquet"):
+    for rel in (
+        "a.parquet",
+        "_x/b.parquet",
+        ".x/c.parquet",
+        "sub/d.parquet",
+        "sub/_y/e.parquet",
+        "sub/.z/f.parquet",
+        "sub/_g.parquet",
+        "sub/.h.parquet",
+    ):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         _write(root / rel, TEXTS[:2])
     assert resolve_input_files(root) == [str(root / "a.parquet"), str(root / "sub" / "d.parquet")]
@@ -233,9 +283,13 @@ def _hold_lock(out):
 
 def test_a_second_job_on_a_locked_output_is_refused(tiny, tmp_path, no_cluster):
     data = _write(tmp_path / "data.parquet", TEXTS[:4])
-    for name, job in (("score", lambda out: _score(data, out, tiny["llama"], resume=True)),
-                      ("sft", lambda out: sft_parquet(data, out, model=tiny["llama"], text_column="text",
-                                                      resume=True, progress=False))):
+    for name, job in (
+        ("score", lambda out: _score(data, out, tiny["llama"], resume=True)),
+        (
+            "sft",
+            lambda out: sft_parquet(data, out, model=tiny["llama"], text_column="text", resume=True, progress=False),
+        ),
+    ):
         out = tmp_path / name
         lock = _hold_lock(out)
         try:
@@ -250,8 +304,10 @@ def test_a_second_job_on_a_locked_output_is_refused(tiny, tmp_path, no_cluster):
             _score(data, tmp_path / "score", str(tmp_path / "no-such-model"), resume=True)
     finally:
         lock.close()
-    result = CliRunner().invoke(cli, ["score", str(data), "--model", tiny["llama"], "--text-column", "text",
-                                      "--output", str(out), "--no-progress"])
+    result = CliRunner().invoke(
+        cli,
+        ["score", str(data), "--model", tiny["llama"], "--text-column", "text", "--output", str(out), "--no-progress"],
+    )
     assert result.exit_code == 1 and "connect() was called" in result.output  # unlocked: the job goes on
     assert len(no_cluster) == 1
 
@@ -265,8 +321,18 @@ def test_next_sft_start_removes_stale_checkpoint_temporaries(client, tiny, tmp_p
     (stale / "weights" / "model.safetensors").write_bytes(b"\0" * 4096)  # a save killed halfway
     keep = out / ".notes"
     keep.write_text("not ours")
-    res = sft_parquet(data, out, model=tiny["llama"], client=client, text_column="text", global_batch_size=4,
-                      micro_batch_size=2, max_steps=1, save_every=1, progress=False)
+    res = sft_parquet(
+        data,
+        out,
+        model=tiny["llama"],
+        client=client,
+        text_column="text",
+        global_batch_size=4,
+        micro_batch_size=2,
+        max_steps=1,
+        save_every=1,
+        progress=False,
+    )
     assert res.steps == 1 and (out / "step_1" / "weights" / "config.json").exists()
     assert not stale.exists() and keep.exists()
     assert not [d for d in os.listdir(out) if ".tmp-" in d]

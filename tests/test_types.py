@@ -9,14 +9,15 @@ import subprocess
 import sys
 
 import pytest
-
 from type_gate import MYPY_RUN, start_mypy
 
 
 @pytest.mark.timeout(1200)
 def test_mypy_reports_no_error(request):
-    if shutil.which("mypy") is None and subprocess.run([sys.executable, "-m", "mypy", "--version"],
-                                                       capture_output=True).returncode != 0:
+    if (
+        shutil.which("mypy") is None
+        and subprocess.run([sys.executable, "-m", "mypy", "--version"], capture_output=True).returncode != 0
+    ):
         pytest.fail("mypy is not installed: it is in the `test` extra (pip install -e '.[test]')")
     run = request.config.stash.get(MYPY_RUN, None)
     if run is None:  # collected without the conftest hook's knowledge (e.g. -p no:... or a plugin reordering)

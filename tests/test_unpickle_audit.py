@@ -53,8 +53,9 @@ def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
 
 
 def _weights_only(call: ast.Call) -> bool:
-    return any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
-               for k in call.keywords)
+    return any(
+        k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True for k in call.keywords
+    )
 
 
 def audit(source: str, filename: str) -> list[str]:
@@ -64,8 +65,11 @@ def audit(source: str, filename: str) -> list[str]:
     found: list[tuple[int, str]] = []
     called: set[int] = set()  # the func nodes of torch.load calls, checked with their keywords
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module in _PICKLE_MODULES and \
-                any(a.name == "*" for a in node.names):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module in _PICKLE_MODULES
+            and any(a.name == "*" for a in node.names)
+        ):
             found.append((node.lineno, f"`from {node.module} import *` hides which loaders are used"))
         elif isinstance(node, ast.Call):
             name = _dotted(node.func, aliases)
@@ -78,7 +82,8 @@ def audit(source: str, filename: str) -> list[str]:
         elif isinstance(node, ast.ClassDef):
             bases = [name for name in (_dotted(b, aliases) for b in node.bases) if name in UNPICKLERS]
             own = {s.name for s in node.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))} | {
-                t.id for s in node.body if isinstance(s, ast.Assign) for t in s.targets if isinstance(t, ast.Name)}
+                t.id for s in node.body if isinstance(s, ast.Assign) for t in s.targets if isinstance(t, ast.Name)
+            }
             if bases and "find_class" not in own:
                 found.append((node.lineno, f"class {node.name}({bases[0]}) has no find_class of its own"))
         if isinstance(node, ast.Attribute) and node.attr == "recv_pyobj":
@@ -103,13 +108,21 @@ def test_no_module_of_dask_lm_unpickles():
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("path, legit, broken, rule", [
-    # the Unpickler that reads DCP metadata passes because of its find_class
-    ("dask_lm/io/safe_load.py", "def find_class", "def find_klass", "has no find_class"),
-    # the torch loads pass because of their keyword
-    ("dask_lm/io/safe_load.py", "weights_only=True", "weights_only=False", "torch.load without weights_only"),
-    ("dask_lm/workers/checkpointing.py", "weights_only=True", "weights_only=None", "torch.load without weights_only"),
-])
+@pytest.mark.parametrize(
+    "path, legit, broken, rule",
+    [
+        # the Unpickler that reads DCP metadata passes because of its find_class
+        ("dask_lm/io/safe_load.py", "def find_class", "def find_klass", "has no find_class"),
+        # the torch loads pass because of their keyword
+        ("dask_lm/io/safe_load.py", "weights_only=True", "weights_only=False", "torch.load without weights_only"),
+        (
+            "dask_lm/workers/checkpointing.py",
+            "weights_only=True",
+            "weights_only=None",
+            "torch.load without weights_only",
+        ),
+    ],
+)
 def test_the_real_code_passes_for_the_reason_it_should(path, legit, broken, rule):
     """Each legitimate use is seen by the audit: undo what makes it safe and the audit names it."""
     source = (ROOT / path).read_text()
@@ -139,16 +152,20 @@ BAD = {
     "torch.load variable": ("import torch\ntorch.load(p, weights_only=flag)\n", "torch.load without weights_only"),
     "torch.load kwargs": ("import torch\ntorch.load(p, **kw)\n", "torch.load without weights_only"),
     "torch.load from": ("from torch import load\nload(p, map_location='cpu')\n", "torch.load without weights_only"),
-    "torch.serialization": ("import torch.serialization\ntorch.serialization.load(p)\n",
-                            "torch.serialization.load without weights_only"),
+    "torch.serialization": (
+        "import torch.serialization\ntorch.serialization.load(p)\n",
+        "torch.serialization.load without weights_only",
+    ),
     "torch.load passed": ("import torch\nstate = list(map(torch.load, paths))\n", "torch.load passed around"),
     "recv_pyobj": ("def f(sock):\n    return sock.recv_pyobj()\n", ".recv_pyobj"),
     "recv_pyobj flags": ("msg = self._socket.recv_pyobj(flags=0)\n", ".recv_pyobj"),
     "Unpickler direct": ("import io, pickle\npickle.Unpickler(io.BytesIO(b)).load()\n", "pickle.Unpickler(...)"),
     "Unpickler from": ("from pickle import Unpickler as U\nU(f).load()\n", "pickle.Unpickler(...)"),
     "subclass without find_class": ("import pickle\nclass U(pickle.Unpickler):\n    pass\n", "has no find_class"),
-    "_pickle subclass": ("import _pickle\nclass U(_pickle.Unpickler):\n    def load_more(self):\n        pass\n",
-                         "has no find_class"),
+    "_pickle subclass": (
+        "import _pickle\nclass U(_pickle.Unpickler):\n    def load_more(self):\n        pass\n",
+        "has no find_class",
+    ),
     "subclass from import": ("from pickle import Unpickler\nclass Mine(Unpickler):\n    x = 1\n", "has no find_class"),
 }
 
@@ -163,7 +180,8 @@ def test_the_audit_flags_each_way_to_unpickle(case):
 
 def test_the_audit_names_the_line():
     assert audit("import json\n\nx = 1\nimport pickle\ny = pickle.loads(b)\n", "m.py") == [
-        "m.py:5: pickle.loads unpickles"]
+        "m.py:5: pickle.loads unpickles"
+    ]
 
 
 GOOD = {
@@ -174,10 +192,14 @@ GOOD = {
     "json.loads": "import json\njson.loads(s)\n",
     "msgpack.loads": "import msgpack\nmsgpack.unpackb(b)\nmsgpack.loads(b)\n",
     "own load function": "def load(x):\n    return x\nload(1)\nloads = 2\n",
-    "a restricted Unpickler": ("import pickle\nclass Safe(pickle.Unpickler):\n    def find_class(self, module, name):\n"
-                               "        raise pickle.UnpicklingError(name)\nSafe(f).load()\n"),
-    "docstrings and comments": ('"""pickle.loads(b) and torch.load(p) in a docstring."""\n'
-                                "# pickle.loads(b); sock.recv_pyobj() in a comment\nx = 'pickle.loads(b)'\n"),
+    "a restricted Unpickler": (
+        "import pickle\nclass Safe(pickle.Unpickler):\n    def find_class(self, module, name):\n"
+        "        raise pickle.UnpicklingError(name)\nSafe(f).load()\n"
+    ),
+    "docstrings and comments": (
+        '"""pickle.loads(b) and torch.load(p) in a docstring."""\n'
+        "# pickle.loads(b); sock.recv_pyobj() in a comment\nx = 'pickle.loads(b)'\n"
+    ),
     "isinstance of Unpickler": "import pickle\nisinstance(u, pickle.Unpickler)\n",
     "recv of data": "def f(sock):\n    return sock.recv_multipart(copy=False)\n",
 }

@@ -19,8 +19,13 @@ pytestmark = pytest.mark.cluster
 
 
 def _cfg(model_dir, precision="float32", train=True):
-    cfg = {"model_name": model_dir, "precision": precision, "train_global_batch_size": 4,
-           "train_micro_batch_size": 2, "max_total_sequence_length": 128}
+    cfg = {
+        "model_name": model_dir,
+        "precision": precision,
+        "train_global_batch_size": 4,
+        "train_micro_batch_size": 2,
+        "max_total_sequence_length": 128,
+    }
     if train:
         cfg["optimizer"] = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}
     return cfg
@@ -60,8 +65,9 @@ def _batch(tok):
 def _swap(src, dst, backend="gloo"):
     port, world = _free_port(), src.data_parallel_size + dst.data_parallel_size
     a = src.init_collective_mcore_generation("127.0.0.1", port, world, rank_offset=0, refit_backend=backend)
-    b = dst.init_collective_mcore_generation("127.0.0.1", port, world, rank_offset=src.data_parallel_size,
-                                             refit_backend=backend)
+    b = dst.init_collective_mcore_generation(
+        "127.0.0.1", port, world, rank_offset=src.data_parallel_size, refit_backend=backend
+    )
     assert src.client.gather(a + b) == [True] * world
     moved = src.swap_weights_via_reshard(is_source=True) + dst.swap_weights_via_reshard(is_source=False)
     assert src.client.gather(moved) == [True] * world
@@ -83,8 +89,9 @@ def test_two_ranks_to_one_equal_weights_and_logprobs(three, tiny, tok, tmp_path)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
         torch.testing.assert_close(got, src.get_logprobs(data)["logprobs"], atol=2e-5, rtol=0)
         # the reference weights stay as loaded
-        torch.testing.assert_close(dst.get_reference_policy_logprobs(data)["reference_logprobs"], before,
-                                   atol=2e-5, rtol=0)
+        torch.testing.assert_close(
+            dst.get_reference_policy_logprobs(data)["reference_logprobs"], before, atol=2e-5, rtol=0
+        )
     finally:
         src.shutdown()
         dst.shutdown()

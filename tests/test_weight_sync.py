@@ -98,16 +98,23 @@ def test_nemo_rl_http_sequence_and_staleness():
     policy, _, sync = _pair(refit_buffer_size_gb=0.5)
     assert isinstance(sync, WeightSynchronizer) and isinstance(sync, HTTPWeightSynchronizer)
     sync.init_communicator()
-    assert policy.log == [("set_rollout_num_gpus_per_engine", 2), ("prepare_refit_info",),
-                          ("generation.prepare_refit_info", ("w",))]
+    assert policy.log == [
+        ("set_rollout_num_gpus_per_engine", 2),
+        ("prepare_refit_info",),
+        ("generation.prepare_refit_info", ("w",)),
+    ]
     assert sync.is_stale  # a fresh run syncs first (grpo.py:2422-2427 reads this with no completed step)
     del policy.log[:]
     timer = dask_lm.Timer()
     metrics = sync.sync_weights(timer=timer)
     assert policy.log == [
-        ("offload_before_refit",), ("generation.prepare_for_generation", ["weights"]),
-        ("stream_weights_via_http", ("http://h:1", "http://h:2"), GIB // 2), ("gather", 2),
-        ("offload_after_refit",), ("generation.prepare_for_generation", ["kv_cache"])]
+        ("offload_before_refit",),
+        ("generation.prepare_for_generation", ["weights"]),
+        ("stream_weights_via_http", ("http://h:1", "http://h:2"), GIB // 2),
+        ("gather", 2),
+        ("offload_after_refit",),
+        ("generation.prepare_for_generation", ["kv_cache"]),
+    ]
     assert not sync.is_stale
     assert timer.reduce("prepare_for_generation/transfer_and_update_weights", "count") == 1
     assert metrics == {"http_bytes_sent": 140.0, "http_buckets": 5.0, "http_transfer_s": 0.5}
@@ -156,10 +163,13 @@ def test_engines_from_a_policys_nemo_rl_shaped_sglang_cfg():
     # (nemo_rl/models/generation/sglang/sglang_generation.py:91-97)
     from types import SimpleNamespace
 
-    sglang_cfg = {"server_urls": ["http://a:1", "http://b:2/"],
-                  "sglang_server_config": {"num_gpus_per_engine": 2, "num_gpus": 4, "needs_offload": True}}
-    cfg = dask_lm.PolicyConfig.from_dict({"model_name": "m", "generation": {
-        "backend": "sglang", "max_new_tokens": 8, "sglang_cfg": sglang_cfg}})
+    sglang_cfg = {
+        "server_urls": ["http://a:1", "http://b:2/"],
+        "sglang_server_config": {"num_gpus_per_engine": 2, "num_gpus": 4, "needs_offload": True},
+    }
+    cfg = dask_lm.PolicyConfig.from_dict(
+        {"model_name": "m", "generation": {"backend": "sglang", "max_new_tokens": 8, "sglang_cfg": sglang_cfg}}
+    )
     engines = SGLangEngines.from_policy(SimpleNamespace(cfg=cfg))
     assert engines.get_rollout_engine_urls() == ["http://a:1", "http://b:2"] and engines.num_gpus_per_engine == 2
     with pytest.raises(ValueError, match=r"sglang_cfg.server_urls"):
@@ -205,9 +215,14 @@ def tok(tiny):
 
 @pytest.fixture(scope="module")
 def policy(client, tiny, tok):
-    cfg = {"model_name": tiny["llama"], "precision": "float32", "train_global_batch_size": 4,
-           "train_micro_batch_size": 2, "max_total_sequence_length": 128,
-           "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}}
+    cfg = {
+        "model_name": tiny["llama"],
+        "precision": "float32",
+        "train_global_batch_size": 4,
+        "train_micro_batch_size": 2,
+        "max_total_sequence_length": 128,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
+    }
     p = dask_lm.Policy(client, cfg, tok)
     yield p
     p.shutdown()
@@ -255,8 +270,9 @@ def test_grpo_call_sequence_refits_the_trained_weights(policy, tiny, tok, tmp_pa
 @pytest.mark.cluster
 def test_refused_update_raises_and_leaves_the_synchronizer_stale(policy, tiny, tok):
     with start_server(tiny["llama"], extra_args=["--fail-update", "2"]) as server:
-        sync = create_weight_synchronizer(policy, SGLangEngines([server.url]), "sglang", True,
-                                          refit_buffer_size_gb=BUFFER_GB)
+        sync = create_weight_synchronizer(
+            policy, SGLangEngines([server.url]), "sglang", True, refit_buffer_size_gb=BUFFER_GB
+        )
         sync.init_communicator()
         with pytest.raises(RuntimeError, match="injected failure on bucket 2"):
             sync.sync_weights()

@@ -25,16 +25,44 @@ FAKE_UUID = "GPU-12345678-1234-1234-1234-123456789abc"
 
 def _torch_cuda_args(index=2):
     """What torch's reduce_tensor gives rebuild_cuda_tensor for a 4096-byte uint8 CUDA buffer (15 arguments)."""
-    return (torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, index, b"\x01" * 64,
-            4096, 1024, False, b"/torch_123_456_7", 3, b"\x02" * 64, True)
+    return (
+        torch.Tensor,
+        torch.Size([4096]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        index,
+        b"\x01" * 64,
+        4096,
+        1024,
+        False,
+        b"/torch_123_456_7",
+        3,
+        b"\x02" * 64,
+        True,
+    )
 
 
 def test_cuda_handle_round_trips_through_the_header_as_plain_data():
     # the argument order assumed by cuda_handle / cuda_rebuild_args is the installed torch's
     assert list(inspect.signature(reductions.rebuild_cuda_tensor).parameters) == [
-        "tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls", "dtype", "storage_device",
-        "storage_handle", "storage_size_bytes", "storage_offset_bytes", "requires_grad", "ref_counter_handle",
-        "ref_counter_offset", "event_handle", "event_sync_required"]
+        "tensor_cls",
+        "tensor_size",
+        "tensor_stride",
+        "tensor_offset",
+        "storage_cls",
+        "dtype",
+        "storage_device",
+        "storage_handle",
+        "storage_size_bytes",
+        "storage_offset_bytes",
+        "requires_grad",
+        "ref_counter_handle",
+        "ref_counter_offset",
+        "event_handle",
+        "event_sync_required",
+    ]
     args = _torch_cuda_args()
     frame = wire.encode_weights(["w"], 16, transport="ipc", ipc=cuda_ipc.cuda_handle(args, FAKE_UUID))
     raw = msgpack.unpackb(frame)  # any msgpack reader sees plain values: no class, no function
@@ -43,8 +71,9 @@ def test_cuda_handle_round_trips_through_the_header_as_plain_data():
     want = list(args)
     want[0], want[4], want[6] = torch.Tensor, torch.UntypedStorage, 5  # classes chosen here; the local index
     assert got[0] is torch.Tensor and got[4] is torch.UntypedStorage
-    assert [tuple(a) if isinstance(a, torch.Size) else a for a in got] == \
-        [tuple(a) if isinstance(a, torch.Size) else a for a in want]
+    assert [tuple(a) if isinstance(a, torch.Size) else a for a in got] == [
+        tuple(a) if isinstance(a, torch.Size) else a for a in want
+    ]
 
 
 def test_encode_cuda_names_the_gpu_by_uuid(monkeypatch):
@@ -57,19 +86,22 @@ def test_encode_cuda_names_the_gpu_by_uuid(monkeypatch):
     assert h["device"] == "GPU-uuid-of-2" and h["handle"] == args[7] and h["ref_counter_handle"] == args[11]
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"tensor_cls": "os.system"}, "has keys"),
-    ({"dtype": "__class__"}, "is not one of"),
-    ({"ref_counter_handle": b"/../../etc/passwd"}, "reference counter"),
-    ({"handle": "not bytes"}, "must be bytes"),
-    ({"size": [8192]}, "reaches byte"),
-    ({"tensor_offset": 4000}, "reaches byte"),
-    ({"requires_grad": True}, "autograd"),
-    ({"storage_size_bytes": True}, "non-negative int"),
-    ({"size": [2, 2], "stride": [1]}, "differ in length"),
-    ({"ref_counter_offset": 10_000}, "outside torch's reference counter"),
-    ({"storage_offset_bytes": 1 << 41}, "past any device's memory"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"tensor_cls": "os.system"}, "has keys"),
+        ({"dtype": "__class__"}, "is not one of"),
+        ({"ref_counter_handle": b"/../../etc/passwd"}, "reference counter"),
+        ({"handle": "not bytes"}, "must be bytes"),
+        ({"size": [8192]}, "reaches byte"),
+        ({"tensor_offset": 4000}, "reaches byte"),
+        ({"requires_grad": True}, "autograd"),
+        ({"storage_size_bytes": True}, "non-negative int"),
+        ({"size": [2, 2], "stride": [1]}, "differ in length"),
+        ({"ref_counter_offset": 10_000}, "outside torch's reference counter"),
+        ({"storage_offset_bytes": 1 << 41}, "past any device's memory"),
+    ],
+)
 def test_cuda_handle_fields_are_checked(change, match):
     h = {**cuda_ipc.cuda_handle(_torch_cuda_args(), FAKE_UUID), **change}
     with pytest.raises(ValueError, match=match):
@@ -83,15 +115,18 @@ def test_a_pickle_is_not_a_header_and_is_never_unpickled(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("header,match", [
-    ({"v": 2, "kind": "complete"}, "version 2"),
-    ({"v": 1, "kind": "exec"}, "unknown refit message kind"),
-    ({"v": 1, "kind": "complete", "extra": 1}, "has keys"),
-    ({"v": 1, "kind": "weights", "names": [1], "used": 4, "transport": "bytes"}, "list of strings"),
-    ({"v": 1, "kind": "weights", "names": ["a"], "used": True, "transport": "bytes"}, "byte count"),
-    ({"v": 1, "kind": "weights", "names": ["a"], "used": 4, "transport": "shm"}, "transport"),
-    ({"v": 1, "kind": "weights", "names": ["a"], "used": 4, "transport": "ipc"}, "has keys"),
-])
+@pytest.mark.parametrize(
+    "header,match",
+    [
+        ({"v": 2, "kind": "complete"}, "version 2"),
+        ({"v": 1, "kind": "exec"}, "unknown refit message kind"),
+        ({"v": 1, "kind": "complete", "extra": 1}, "has keys"),
+        ({"v": 1, "kind": "weights", "names": [1], "used": 4, "transport": "bytes"}, "list of strings"),
+        ({"v": 1, "kind": "weights", "names": ["a"], "used": True, "transport": "bytes"}, "byte count"),
+        ({"v": 1, "kind": "weights", "names": ["a"], "used": 4, "transport": "shm"}, "transport"),
+        ({"v": 1, "kind": "weights", "names": ["a"], "used": 4, "transport": "ipc"}, "has keys"),
+    ],
+)
 def test_bad_headers_are_refused(header, match):
     with pytest.raises(ValueError, match=match):
         wire.decode_header(msgpack.packb(header))
@@ -101,7 +136,10 @@ def test_layout_follows_the_refit_info():
     info = {"a": ((3,), torch.float32), "b": ((2, 2), torch.bfloat16), "c": ((1,), torch.int64)}
     # a: bytes 0-12; b starts at the next multiple of 512 and spans 8 bytes; c at 1024
     assert wire.layout(["a", "b", "c"], 1024 + 8, info, set()) == [
-        ("a", 0, (3,), torch.float32), ("b", 512, (2, 2), torch.bfloat16), ("c", 1024, (1,), torch.int64)]
+        ("a", 0, (3,), torch.float32),
+        ("b", 512, (2, 2), torch.bfloat16),
+        ("c", 1024, (1,), torch.int64),
+    ]
     with pytest.raises(ValueError, match="'z' is not in this receiver's refit info"):
         wire.layout(["z"], 4, info, set())
     with pytest.raises(ValueError, match="does not match its 1 tensors"):
@@ -203,12 +241,15 @@ def test_receiver_refuses_a_pickle_from_a_hostile_policy(receiver, tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("frames,match", [
-    ([wire.encode_weights(["w"], 4, transport="bytes"), b"\0" * 4], "'w' is not in this receiver's refit info"),
-    ([wire.encode_weights(["a"], 4, transport="bytes"), b"\0" * 3], "announces 4 bytes and carries 3"),
-    ([wire.encode_weights(["a"], 4, transport="bytes")], "should have 2 frame"),
-    ([wire.encode_complete()], "1 of 1 weights not sent"),
-])
+@pytest.mark.parametrize(
+    "frames,match",
+    [
+        ([wire.encode_weights(["w"], 4, transport="bytes"), b"\0" * 4], "'w' is not in this receiver's refit info"),
+        ([wire.encode_weights(["a"], 4, transport="bytes"), b"\0" * 3], "announces 4 bytes and carries 3"),
+        ([wire.encode_weights(["a"], 4, transport="bytes")], "should have 2 frame"),
+        ([wire.encode_complete()], "1 of 1 weights not sent"),
+    ],
+)
 def test_receiver_names_what_is_wrong(receiver, frames, match):
     policy, run = receiver
     _got, finished = run({"a": ((1,), torch.float32)})

@@ -62,6 +62,7 @@ def group(client):
 # ---------------------------------------------------------------------------------------- rank functions
 # each takes the rank's previous chained result first, as WorkerGroup.submit passes it
 
+
 def whoami(prev, tag=None):
     return {"worker": get_worker().name, "prev": prev, "tag": tag}
 
@@ -99,6 +100,7 @@ def peer_gone(prev, notice):
 
 # ---------------------------------------------------------------------------------------- (a) gather
 
+
 def relay(prev, hold, release):
     """Waits for ``hold`` (when given), then sets ``release`` (when given): chains the ranks' finishing order."""
     if hold is not None:
@@ -124,8 +126,9 @@ def test_gather_returns_each_ranks_result_in_rank_order_whatever_order_they_fini
             self.n += k
 
     bar = Bar()
-    out = group.gather(group.submit(relay, key_name="order", per_rank=args), what="order", progress=bar,
-                       timeout=BOUND_S)
+    out = group.gather(
+        group.submit(relay, key_name="order", per_rank=args), what="order", progress=bar, timeout=BOUND_S
+    )
     assert [o["worker"] for o in out] == [0, 1, 2]
     assert bar.n == 3
 
@@ -153,14 +156,22 @@ def test_gather_raises_the_ranks_warning_once(group):
 
 # ---------------------------------------------------------------------------------------- (b) failures
 
+
 def test_one_rank_failing_names_the_rank_and_the_group_keeps_working(group):
     """A rank's error comes back as RankFailedError naming the call, rank and worker, with the rank's exception as
     its cause; its peers finished, so the group is not broken and the next call runs (worker_group: "the Policy
     keeps working after a rejected or failed call")."""
-    with pytest.raises(RankFailedError, match=r"^scoring failed on rank 1 \(worker 1\): RuntimeError: boom on "
-                                              r"worker 1$") as info:
-        group.call(lambda prev, bad: fail(prev) if bad else whoami(prev), what="scoring", key_name="fail1",
-                   per_rank=[(False,), (True,), (False,)])
+    with pytest.raises(
+        RankFailedError,
+        match=r"^scoring failed on rank 1 \(worker 1\): RuntimeError: boom on "
+        r"worker 1$",
+    ) as info:
+        group.call(
+            lambda prev, bad: fail(prev) if bad else whoami(prev),
+            what="scoring",
+            key_name="fail1",
+            per_rank=[(False,), (True,), (False,)],
+        )
     assert type(info.value) is RankFailedError and isinstance(info.value.__cause__, RuntimeError)
     assert group.broken is None
     assert [o["worker"] for o in group.call(whoami, what="next", key_name="next")] == [0, 1, 2]
@@ -206,8 +217,10 @@ def test_a_peer_stuck_after_a_failure_breaks_the_group_for_every_later_call(clie
     message = str(group.broken)
     assert message.startswith("workers [1] did not finish train after a peer failed")
     assert "create it again" in message
-    for later in (lambda: group.call(whoami, what="later", key_name="later"),
-                  lambda: group.scatter([1, 2, 3], what="later")):
+    for later in (
+        lambda: group.call(whoami, what="later", key_name="later"),
+        lambda: group.scatter([1, 2, 3], what="later"),
+    ):
         with pytest.raises(RankFailedError) as info:
             later()
         assert type(info.value) is RankFailedError and str(info.value) == message
@@ -220,6 +233,7 @@ def test_a_peer_stuck_after_a_failure_breaks_the_group_for_every_later_call(clie
 
 
 # ---------------------------------------------------------------------------------------- (c) the chain
+
 
 def test_each_rank_runs_after_its_previous_task_and_gets_its_result(group, events):
     """Chained calls: rank r's next task depends on its previous one (it gets that result as ``prev``), so it waits
@@ -257,8 +271,12 @@ def test_after_a_failed_call_the_chain_starts_again(group):
     failed, so the next call would fail with the old error. The next call runs on every rank, and the rank that
     failed starts its chain again (no previous result)."""
     with pytest.raises(RankFailedError):
-        group.call(lambda prev, bad: fail(prev) if bad else whoami(prev), what="bad", key_name="bad",
-                   per_rank=[(False,), (True,), (False,)])
+        group.call(
+            lambda prev, bad: fail(prev) if bad else whoami(prev),
+            what="bad",
+            key_name="bad",
+            per_rank=[(False,), (True,), (False,)],
+        )
     out = group.call(whoami, what="after", key_name="after")
     assert [o["worker"] for o in out] == [0, 1, 2]
     assert out[1]["prev"] is None
@@ -277,8 +295,12 @@ def test_a_failed_call_nobody_gathered_is_not_chained_on(group):
 def test_settled_futures_raise_the_ranks_error_and_the_chain_goes_on(client, group):
     """``settle=True``: the futures handed back resolve to each rank's result or raise its own error, while that
     rank's chain goes on past the failure (the next chained call runs after it and is not failed by it)."""
-    futures = group.submit(lambda prev, bad: fail(prev) if bad else whoami(prev, "settled"), key_name="settled",
-                           per_rank=[(False,), (True,), (False,)], settle=True)
+    futures = group.submit(
+        lambda prev, bad: fail(prev) if bad else whoami(prev, "settled"),
+        key_name="settled",
+        per_rank=[(False,), (True,), (False,)],
+        settle=True,
+    )
     wait(futures, timeout=BOUND_S)
     assert client.gather(futures[0])["tag"] == "settled"
     with pytest.raises(RuntimeError, match=r"^boom on worker 1$"):
@@ -289,11 +311,14 @@ def test_settled_futures_raise_the_ranks_error_and_the_chain_goes_on(client, gro
 
 # ---------------------------------------------------------------------------------------- (d) a lost worker
 
+
 @pytest.fixture()
 def own_cluster():
     """Two workers of which the test closes one: a cluster of the test's own."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cl, \
-            Client(cl) as c:
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         yield cl, c
 
 
@@ -312,8 +337,11 @@ def test_a_worker_closed_mid_call_is_a_worker_lost_error_on_this_and_every_later
     group = WorkerGroup(client)
     group.settle_timeout_s = 0.5
     hold, notice = events(), events()
-    futures = group.submit(lambda prev, r: peer_gone(prev, notice.name) if r == 0 else
-                           wait_then_whoami(prev, hold.name), key_name="lost", per_rank=[(0,), (1,)])
+    futures = group.submit(
+        lambda prev, r: peer_gone(prev, notice.name) if r == 0 else wait_then_whoami(prev, hold.name),
+        key_name="lost",
+        per_rank=[(0,), (1,)],
+    )
     _close_worker(cluster, 1)
     notice.set()  # rank 0's collective now fails, as gloo's does when its peer's socket closes
     message = "worker 1 (rank 1 of 2) died or restarted during get_logprobs"
@@ -334,8 +362,11 @@ def test_a_worker_closed_mid_call_while_its_peer_finished_is_a_worker_lost_error
     cluster, client = own_cluster
     group = WorkerGroup(client)
     hold = events()
-    futures = group.submit(lambda prev, r: whoami(prev) if r == 0 else wait_then_whoami(prev, hold.name),
-                           key_name="lost-alone", per_rank=[(0,), (1,)])
+    futures = group.submit(
+        lambda prev, r: whoami(prev) if r == 0 else wait_then_whoami(prev, hold.name),
+        key_name="lost-alone",
+        per_rank=[(0,), (1,)],
+    )
     wait(futures[0], timeout=BOUND_S)
     _close_worker(cluster, 1)
     try:

@@ -35,24 +35,33 @@ def _train(kind: str):
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                           show_progress=False))
+        tok.train_from_iterator(
+            texts,
+            trainers.BpeTrainer(
+                vocab_size=400,
+                special_tokens=specials,
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                show_progress=False,
+            ),
+        )
         if kind == "gpt2":
             tok.post_processor = processors.ByteLevel(trim_offsets=False)
             return tok, {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                           special_tokens=[(bos, tok.token_to_id(bos))])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
         return tok, {"bos_token": bos, "eos_token": "<|end_of_text|>"}
     assert kind == "llama2", kind
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=False))
     tok.normalizer = normalizers.Sequence([])
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
-                                                       show_progress=False))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
     return tok, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 

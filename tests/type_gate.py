@@ -19,8 +19,13 @@ class MypyRun:
     def __init__(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="dask-lm-mypy-")
         self._out = open(pathlib.Path(self._dir.name) / "mypy.out", "w+")  # noqa: SIM115 (close() closes it)
-        self._proc = subprocess.Popen([sys.executable, "-m", "mypy", "--cache-dir", str(pathlib.Path(self._dir.name)
-                                       / "cache")], cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT, text=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "mypy", "--cache-dir", str(pathlib.Path(self._dir.name) / "cache")],
+            cwd=ROOT,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def verdict(self, timeout: float) -> tuple[int, str]:
         """Waits for mypy; its exit status and what it printed."""

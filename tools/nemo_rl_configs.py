@@ -52,8 +52,11 @@ def load(root: pathlib.Path, path: pathlib.Path) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         register_omegaconf_resolvers()
     cfg = load_config(str(path))
-    return {name: OmegaConf.to_container(cfg[name], resolve=True) for name in SECTIONS
-            if name in cfg and cfg[name] is not None}
+    return {
+        name: OmegaConf.to_container(cfg[name], resolve=True)
+        for name in SECTIONS
+        if name in cfg and cfg[name] is not None
+    }
 
 
 def on_dtensor_path(path: pathlib.Path, sections: dict[str, Any]) -> bool:
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         name = str(path.relative_to(root / "examples" / "configs"))
         try:
             sections = load(root, path)
-        except Exception as e:  # noqa: BLE001 - a config NeMo RL's own loader cannot resolve here is reported
+        except Exception as e:
             print(f"unresolved  {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
             skipped += 1
             continue
@@ -124,19 +127,24 @@ def main(argv: list[str] | None = None) -> int:
                         kind = refusal_kind(error)
                         refusals[kind if section_name == "policy" else f"{section_name}: {kind}"] += 1
                     errors.append(f"{section_name}: {error}")
-                    keys |= {f"{section_name}.{k}" if section_name != "policy" else f"policy.{k}"
-                             for k in refused_keys} or {refusal_kind(error)}
+                    keys |= {
+                        f"{section_name}.{k}" if section_name != "policy" else f"policy.{k}" for k in refused_keys
+                    } or {refusal_kind(error)}
         if errors:
             refused += 1
             all_refused.update(keys)
-            print(f"refused     {name}: {errors[0][:300]}" + (f"  [all refused keys: {', '.join(sorted(keys))}]"
-                                                             if len(keys) > 1 else ""))
+            print(
+                f"refused     {name}: {errors[0][:300]}"
+                + (f"  [all refused keys: {', '.join(sorted(keys))}]" if len(keys) > 1 else "")
+            )
             continue
         warning_kinds.update({warning_kind(line) for line in lines})
         if lines:
             warned += 1
-            print(f"accepted    {name}: {len(lines)} warning line(s): "
-                  f"{', '.join(sorted({warning_kind(line) for line in lines}))}")
+            print(
+                f"accepted    {name}: {len(lines)} warning line(s): "
+                f"{', '.join(sorted({warning_kind(line) for line in lines}))}"
+            )
             if args.verbose:
                 for line in lines:
                     print(f"              {line}")
@@ -144,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             accepted += 1
             print(f"accepted    {name}")
     total = accepted + warned + refused
-    print(f"\n{total} configs on the DTensor path: {accepted + warned} accepted ({accepted} silently, {warned} with "
-          f"warnings), {refused} refused" + (f"; {skipped} could not be resolved here" if skipped else ""))
+    print(
+        f"\n{total} configs on the DTensor path: {accepted + warned} accepted ({accepted} silently, {warned} with "
+        f"warnings), {refused} refused" + (f"; {skipped} could not be resolved here" if skipped else "")
+    )
     print("\nwarning kinds (configs):")
     for kind, n in warning_kinds.most_common():
         print(f"  {n:4d}  {kind}")

@@ -26,8 +26,16 @@ import torch
 
 from dask_lm.errors import PeerFailedError
 
-__all__ = ["all_agree", "any_rank", "sum_over_ranks", "max_over_ranks", "first_message", "capture", "raise_together",
-           "failing_together"]
+__all__ = [
+    "all_agree",
+    "any_rank",
+    "sum_over_ranks",
+    "max_over_ranks",
+    "first_message",
+    "capture",
+    "raise_together",
+    "failing_together",
+]
 
 
 def _all_reduce(t: torch.Tensor, op: Any, group: Any, standalone: bool) -> None:
@@ -111,9 +119,15 @@ def capture(fn: Callable[[], Any]) -> BaseException | None:
         return e
 
 
-def raise_together(error: BaseException | None, group: Any, *, peer_message: str,
-                   where: torch.device | str = "cpu", agreed: bool | None = None,
-                   on_failure: Callable[[], None] | None = None) -> None:
+def raise_together(
+    error: BaseException | None,
+    group: Any,
+    *,
+    peer_message: str,
+    where: torch.device | str = "cpu",
+    agreed: bool | None = None,
+    on_failure: Callable[[], None] | None = None,
+) -> None:
     """Agree whether any rank failed; if one did, ``on_failure()`` runs (cleanup: it must not use ``group``) and
     every rank raises: ``error`` where it happened, ``PeerFailedError(peer_message)`` on the others.
 
@@ -131,8 +145,9 @@ def raise_together(error: BaseException | None, group: Any, *, peer_message: str
 
 
 @contextlib.contextmanager
-def failing_together(group: Any, *, peer_message: str, where: torch.device | str = "cpu",
-                     on_failure: Callable[[], None] | None = None) -> Iterator[None]:
+def failing_together(
+    group: Any, *, peer_message: str, where: torch.device | str = "cpu", on_failure: Callable[[], None] | None = None
+) -> Iterator[None]:
     """The body's exception, if any, is held until every rank has reported in; then :func:`raise_together`.
 
     Usage, on every rank::

@@ -16,8 +16,11 @@ def report_progress(progress_id: str | None, done: int, part: int | None = None)
         return
     from distributed import get_worker
 
-    msg = {"id": progress_id, "done": int(done)} if part is None else {"id": progress_id, "done": int(done),
-                                                                       "part": int(part)}
+    msg = (
+        {"id": progress_id, "done": int(done)}
+        if part is None
+        else {"id": progress_id, "done": int(done), "part": int(part)}
+    )
     try:
         get_worker().log_event("dask-lm-progress", msg)
     except ValueError:  # not on a worker (direct calls in tests)

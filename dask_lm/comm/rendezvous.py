@@ -82,8 +82,9 @@ def pin_interfaces(host: str) -> None:
     """Keep gloo's and NCCL's own sockets on the worker's interface (user settings win)."""
     iface = interface_for(host)
     if iface is None:
-        logger.info("no interface holds %s; gloo/NCCL choose their own (set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME)",
-                    host)
+        logger.info(
+            "no interface holds %s; gloo/NCCL choose their own (set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME)", host
+        )
         return
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         os.environ.setdefault(var, iface)
@@ -95,8 +96,9 @@ def listen_fd(host: str, port: int, *, what: str) -> int:
     try:
         family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
-        raise ValueError(f"{what}: {host!r} does not resolve on this worker ({e.strerror}); pass an address of "
-                         "its host") from None
+        raise ValueError(
+            f"{what}: {host!r} does not resolve on this worker ({e.strerror}); pass an address of its host"
+        ) from None
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -104,13 +106,22 @@ def listen_fd(host: str, port: int, *, what: str) -> int:
         sock.listen(128)
     except OSError as e:
         sock.close()
-        raise ValueError(f"{what}: cannot listen on {host}:{port} ({e.strerror}): pass an address of this host "
-                         "and a free port") from None
+        raise ValueError(
+            f"{what}: cannot listen on {host}:{port} ({e.strerror}): pass an address of this host and a free port"
+        ) from None
     return sock.detach()
 
 
-def create_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float,
-                 wait_for_workers: bool = False, what: str = "the process group rendezvous") -> Any:
+def create_store(
+    host: str,
+    port: int,
+    world_size: int,
+    *,
+    is_master: bool,
+    timeout_s: float,
+    wait_for_workers: bool = False,
+    what: str = "the process group rendezvous",
+) -> Any:
     """A ``TCPStore`` at ``host:port``; the master listens on ``host`` only (a socket bound here, not by torch,
     whose own listener takes every interface)."""
     import torch.distributed as dist
@@ -120,5 +131,12 @@ def create_store(host: str, port: int, world_size: int, *, is_master: bool, time
         return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
     fd = listen_fd(host, int(port), what=what)
     # the store owns the descriptor from here on and closes it with itself
-    return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=timeout,
-                         wait_for_workers=wait_for_workers, master_listen_fd=fd)
+    return dist.TCPStore(
+        host,
+        int(port),
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=wait_for_workers,
+        master_listen_fd=fd,
+    )

@@ -32,8 +32,11 @@ def _loss_modules() -> dict[str, types.ModuleType]:
     everything = losses.__all__
     interfaces = ("LossFunction", "LossType", "LossInputType", "MetricNormalizer")
     helpers = ("masked_mean", "calculate_kl")
-    model_utils = ("get_logprobs_from_logits", "get_next_token_logprobs_from_logits",
-                   "get_distillation_topk_logprobs_from_logits")
+    model_utils = (
+        "get_logprobs_from_logits",
+        "get_next_token_logprobs_from_logits",
+        "get_distillation_topk_logprobs_from_logits",
+    )
     utils = _module("nemo_rl.algorithms.utils", losses, helpers)
     dist_utils = _module("nemo_rl.distributed.model_utils", losses, model_utils)
     return {
@@ -42,10 +45,10 @@ def _loss_modules() -> dict[str, types.ModuleType]:
         "nemo_rl.algorithms.loss_functions": _module("nemo_rl.algorithms.loss_functions", losses, everything),
         "nemo_rl.algorithms.loss": _module("nemo_rl.algorithms.loss", losses, everything),
         "nemo_rl.algorithms.loss.interfaces": _module("nemo_rl.algorithms.loss.interfaces", losses, interfaces),
-        "nemo_rl.algorithms.loss.loss_functions": _module("nemo_rl.algorithms.loss.loss_functions", losses,
-                                                          everything),
-        "nemo_rl.algorithms.loss.loss_input": _module("nemo_rl.algorithms.loss.loss_input", losses,
-                                                      ("prepare_loss_input",)),
+        "nemo_rl.algorithms.loss.loss_functions": _module("nemo_rl.algorithms.loss.loss_functions", losses, everything),
+        "nemo_rl.algorithms.loss.loss_input": _module(
+            "nemo_rl.algorithms.loss.loss_input", losses, ("prepare_loss_input",)
+        ),
         "nemo_rl.distributed.model_utils": dist_utils,
         "nemo_rl.utils": types.ModuleType("nemo_rl.utils"),
         "nemo_rl.utils.timer": _module("nemo_rl.utils.timer", metrics, ("Timer",)),
@@ -81,9 +84,18 @@ def _modules() -> dict[str, types.ModuleType]:
     }
 
 
-ALIASES = ("nemo_rl.distributed.batched_data_dict", "nemo_rl.distributed.named_sharding", "nemo_rl.data.packing", "nemo_rl.data.packing.algorithms",
-           "nemo_rl.algorithms.loss_functions", "nemo_rl.algorithms.loss", "nemo_rl.algorithms.utils",
-           "nemo_rl.distributed.model_utils", "nemo_rl.utils.timer", "nemo_rl.utils.flops_tracker")
+ALIASES = (
+    "nemo_rl.distributed.batched_data_dict",
+    "nemo_rl.distributed.named_sharding",
+    "nemo_rl.data.packing",
+    "nemo_rl.data.packing.algorithms",
+    "nemo_rl.algorithms.loss_functions",
+    "nemo_rl.algorithms.loss",
+    "nemo_rl.algorithms.utils",
+    "nemo_rl.distributed.model_utils",
+    "nemo_rl.utils.timer",
+    "nemo_rl.utils.flops_tracker",
+)
 
 
 def install(force: bool = False) -> None:

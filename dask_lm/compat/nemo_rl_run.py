@@ -66,26 +66,35 @@ class _Session:
         from dask_lm.engine import cluster
         from dask_lm.engine.worker_group import live_workers
 
-        asked = (f"NeMo RL's {name or 'cluster'} asks for {world_size} GPU worker(s) (cluster.gpus_per_node="
-                 f"{gpus_per_node} x cluster.num_nodes={num_nodes})")
+        asked = (
+            f"NeMo RL's {name or 'cluster'} asks for {world_size} GPU worker(s) (cluster.gpus_per_node="
+            f"{gpus_per_node} x cluster.num_nodes={num_nodes})"
+        )
         if self.client is None:
             if self.scheduler_address is None:
                 gpus = cluster.count_gpus()
                 if 0 < gpus < world_size:
-                    raise ValueError(f"{asked}, but this machine has {gpus} GPU(s): set cluster.gpus_per_node="
-                                     f"{gpus} cluster.num_nodes=1, or attach to a Dask cluster with "
-                                     f"{opt('scheduler_address', meta='ADDRESS')}")
+                    raise ValueError(
+                        f"{asked}, but this machine has {gpus} GPU(s): set cluster.gpus_per_node="
+                        f"{gpus} cluster.num_nodes=1, or attach to a Dask cluster with "
+                        f"{opt('scheduler_address', meta='ADDRESS')}"
+                    )
                 with _main_module(self.main):
                     self.client = cluster.connect(n_workers=world_size)
             else:
                 self.client = cluster.connect(self.scheduler_address)
-            print(f"dask-lm: NeMo RL's Policy runs on the Dask cluster at {self.client.scheduler.address} "
-                  f"(dashboard {self.client.dashboard_link})", flush=True)
+            print(
+                f"dask-lm: NeMo RL's Policy runs on the Dask cluster at {self.client.scheduler.address} "
+                f"(dashboard {self.client.dashboard_link})",
+                flush=True,
+            )
         names = sorted((w["name"] for w in live_workers(self.client)["workers"].values()), key=_name_key)
         if len(names) < world_size:
-            raise ValueError(f"{asked}, but the Dask cluster at {self.client.scheduler.address} has "
-                             f"{len(names)} worker(s): start more workers, or set cluster.gpus_per_node and "
-                             "cluster.num_nodes to what it has")
+            raise ValueError(
+                f"{asked}, but the Dask cluster at {self.client.scheduler.address} has "
+                f"{len(names)} worker(s): start more workers, or set cluster.gpus_per_node and "
+                "cluster.num_nodes to what it has"
+            )
         return names[:world_size]
 
     def close(self) -> None:
@@ -129,9 +138,15 @@ class DaskVirtualCluster:
 
     session: _Session  # set on the per-run subclass that :func:`patched` makes
 
-    def __init__(self, bundle_ct_per_node_list: list[int], use_gpus: bool = True,
-                 max_colocated_worker_groups: int = 1, num_gpus_per_node: int = 8, name: str = "",
-                 **_placement: Any) -> None:
+    def __init__(
+        self,
+        bundle_ct_per_node_list: list[int],
+        use_gpus: bool = True,
+        max_colocated_worker_groups: int = 1,
+        num_gpus_per_node: int = 8,
+        name: str = "",
+        **_placement: Any,
+    ) -> None:
         self.name = name
         self._bundle_ct_per_node_list = list(bundle_ct_per_node_list)
         self.num_gpus_per_node = num_gpus_per_node
@@ -139,8 +154,10 @@ class DaskVirtualCluster:
         self.max_colocated_worker_groups = max_colocated_worker_groups
         world = sum(self._bundle_ct_per_node_list)
         if world < 1:
-            raise ValueError(f"NeMo RL's {name or 'cluster'} asks for no GPU (bundle_ct_per_node_list="
-                             f"{self._bundle_ct_per_node_list}): set cluster.gpus_per_node and cluster.num_nodes")
+            raise ValueError(
+                f"NeMo RL's {name or 'cluster'} asks for no GPU (bundle_ct_per_node_list="
+                f"{self._bundle_ct_per_node_list}): set cluster.gpus_per_node and cluster.num_nodes"
+            )
         self.workers = self.session.workers_for(name, world, num_gpus_per_node, self.node_count())
         self.client = self.session.client
 
@@ -154,9 +171,11 @@ class DaskVirtualCluster:
         return True  # the run closes its Dask client once, when the script ends
 
     def _ray_only(self, what: str) -> Any:
-        raise RuntimeError(f"NeMo RL asked its {self.name or 'cluster'} for {what}, which only its Ray workers use "
-                           "(vLLM / SGLang / TRT-LLM generation, or a weight transfer between two clusters): dask-lm "
-                           f"runs the Policy, not those workers. See '{GUIDE}' for what dask-lm offers instead")
+        raise RuntimeError(
+            f"NeMo RL asked its {self.name or 'cluster'} for {what}, which only its Ray workers use "
+            "(vLLM / SGLang / TRT-LLM generation, or a weight transfer between two clusters): dask-lm "
+            f"runs the Policy, not those workers. See '{GUIDE}' for what dask-lm offers instead"
+        )
 
     def get_placement_groups(self) -> Any:
         return self._ray_only("Ray placement groups")
@@ -176,26 +195,46 @@ class NemoRLPolicy(Policy):
     the :class:`DaskVirtualCluster` NeMo RL made, whose workers become the ranks. A Dask client, cluster or
     scheduler address is taken too, as ``dask_lm.Policy`` takes it."""
 
-    def __init__(self, cluster: Any, config: Any, tokenizer: Any, name_prefix: str = "lm_policy",
-                 workers_per_node: int | list[int] | None = None, init_optimizer: bool = True,
-                 weights_path: Any = None, optimizer_path: Any = None, init_reference_model: bool = True,
-                 processor: Any = None, worker_extension_cls_fqn: str | None = None,
-                 skip_weight_load: bool = False) -> None:
+    def __init__(
+        self,
+        cluster: Any,
+        config: Any,
+        tokenizer: Any,
+        name_prefix: str = "lm_policy",
+        workers_per_node: int | list[int] | None = None,
+        init_optimizer: bool = True,
+        weights_path: Any = None,
+        optimizer_path: Any = None,
+        init_reference_model: bool = True,
+        processor: Any = None,
+        worker_extension_cls_fqn: str | None = None,
+        skip_weight_load: bool = False,
+    ) -> None:
         workers = None
         if isinstance(cluster, DaskVirtualCluster):
             cluster.session.policies.add(self)
             if isinstance(workers_per_node, list):  # NeMo RL's per-node counts: the cluster's first workers
-                workers = cluster.workers[:sum(workers_per_node)]
+                workers = cluster.workers[: sum(workers_per_node)]
             elif workers_per_node is None:
                 workers = cluster.workers
             cluster = cluster.client
         if isinstance(workers_per_node, list):
             workers_per_node = None
-        super().__init__(cluster, config, tokenizer, name_prefix=name_prefix, workers_per_node=workers_per_node,
-                         init_optimizer=init_optimizer, weights_path=weights_path, optimizer_path=optimizer_path,
-                         init_reference_model=init_reference_model, processor=processor,
-                         worker_extension_cls_fqn=worker_extension_cls_fqn, skip_weight_load=skip_weight_load,
-                         workers=workers)
+        super().__init__(
+            cluster,
+            config,
+            tokenizer,
+            name_prefix=name_prefix,
+            workers_per_node=workers_per_node,
+            init_optimizer=init_optimizer,
+            weights_path=weights_path,
+            optimizer_path=optimizer_path,
+            init_reference_model=init_reference_model,
+            processor=processor,
+            worker_extension_cls_fqn=worker_extension_cls_fqn,
+            skip_weight_load=skip_weight_load,
+            workers=workers,
+        )
 
 
 def _init_ray(log_dir: str | None = None) -> None:
@@ -207,13 +246,17 @@ def _import_nemo_rl(script: str | None) -> dict[str, types.ModuleType]:
     Ray, which it imports, is missing. A script of a NeMo RL checkout finds that checkout when nothing else does."""
     top = sys.modules.get("nemo_rl")
     if top is not None and getattr(top, "_dask_lm_alias", False):
-        raise ValueError("`nemo_rl` in this process is dask-lm's alias (dask_lm.compat.nemo_rl.install()), not NeMo "
-                         "RL: run the recipe in a fresh process")
+        raise ValueError(
+            "`nemo_rl` in this process is dask-lm's alias (dask_lm.compat.nemo_rl.install()), not NeMo "
+            "RL: run the recipe in a fresh process"
+        )
     if top is None and importlib.util.find_spec("nemo_rl") is None:
         root = _checkout_root(script)
         if root is None:
-            raise ValueError("NeMo RL is not installed (no module named 'nemo_rl'): `pip install nemo-rl`, or run a "
-                             "script of a NeMo RL checkout, or put the checkout on PYTHONPATH")
+            raise ValueError(
+                "NeMo RL is not installed (no module named 'nemo_rl'): `pip install nemo-rl`, or run a "
+                "script of a NeMo RL checkout, or put the checkout on PYTHONPATH"
+            )
         sys.path.insert(0, root)
     modules = {}
     for name in REPLACED:
@@ -222,10 +265,14 @@ def _import_nemo_rl(script: str | None) -> dict[str, types.ModuleType]:
         except ModuleNotFoundError as e:
             missing = e.name or ""
             if missing == "ray" or missing.startswith("ray."):
-                raise ValueError(f"NeMo RL imports Ray when its modules load ({name} imports {missing}), though "
-                                 "dask-lm never starts it: `pip install ray` (a dependency of NeMo RL)") from e
-            raise ValueError(f"NeMo RL's {name} imports {missing!r}, which is not installed: install NeMo RL with "
-                             "its dependencies (`pip install nemo-rl`)") from e
+                raise ValueError(
+                    f"NeMo RL imports Ray when its modules load ({name} imports {missing}), though "
+                    "dask-lm never starts it: `pip install ray` (a dependency of NeMo RL)"
+                ) from e
+            raise ValueError(
+                f"NeMo RL's {name} imports {missing!r}, which is not installed: install NeMo RL with "
+                "its dependencies (`pip install nemo-rl`)"
+            ) from e
     return modules
 
 
@@ -278,8 +325,10 @@ def run(script: str, args: Sequence[str] = (), *, scheduler_address: str | None 
     ``sys.exit``) passes through; ``sys.argv`` and ``sys.path`` are restored after."""
     if not script.endswith(".py") or not os.path.isfile(script):
         what = "does not exist" if not os.path.exists(script) else "is not a Python file"
-        raise ValueError(f"SCRIPT {script!r} {what}: give the path of a NeMo RL entry point, such as "
-                         "examples/run_sft.py of a NeMo RL checkout")
+        raise ValueError(
+            f"SCRIPT {script!r} {what}: give the path of a NeMo RL entry point, such as "
+            "examples/run_sft.py of a NeMo RL checkout"
+        )
     argv, path = sys.argv[:], sys.path[:]
     try:
         with patched(scheduler_address, script=script):

@@ -16,10 +16,28 @@ The dependency order is ``schema -> generation -> equivalents -> keys -> policy`
 one that imports it."""
 
 from dask_lm.config.generation import GenerationConfig, SGLangConfig
-from dask_lm.config.policy import (DTensorConfig, DynamicBatchingConfig, MegatronConfig, OptimizerConfig,
-                                   PolicyConfig, RewardModelConfig, SequencePackingConfig, TokenizerConfig)
+from dask_lm.config.policy import (
+    DTensorConfig,
+    DynamicBatchingConfig,
+    MegatronConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    RewardModelConfig,
+    SequencePackingConfig,
+    TokenizerConfig,
+)
 from dask_lm.config.schema import config_from_dict
 
-__all__ = ["PolicyConfig", "TokenizerConfig", "DTensorConfig", "MegatronConfig", "DynamicBatchingConfig",
-           "SequencePackingConfig", "GenerationConfig", "SGLangConfig", "RewardModelConfig", "OptimizerConfig",
-           "config_from_dict"]
+__all__ = [
+    "PolicyConfig",
+    "TokenizerConfig",
+    "DTensorConfig",
+    "MegatronConfig",
+    "DynamicBatchingConfig",
+    "SequencePackingConfig",
+    "GenerationConfig",
+    "SGLangConfig",
+    "RewardModelConfig",
+    "OptimizerConfig",
+    "config_from_dict",
+]

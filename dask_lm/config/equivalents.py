@@ -27,8 +27,16 @@ from typing import Any
 __all__ = ["OptimizerSubstitute", "optimizer_substitute", "is_fused_adam"]
 
 _DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
-_STORAGE = ("master_weights", "master_weight_dtype", "store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype",
-            "capturable", "set_grad_none", "use_decoupled_grad")
+_STORAGE = (
+    "master_weights",
+    "master_weight_dtype",
+    "store_param_remainders",
+    "exp_avg_dtype",
+    "exp_avg_sq_dtype",
+    "capturable",
+    "set_grad_none",
+    "use_decoupled_grad",
+)
 
 
 @dataclass(frozen=True)
@@ -58,25 +66,39 @@ def optimizer_substitute(name: str, kwargs: dict[str, Any]) -> OptimizerSubstitu
     known = [*_DEFAULTS, "adam_w_mode", "bias_correction", "amsgrad", *_STORAGE]
     unknown = sorted(set(kwargs) - set(known))
     if unknown:
-        raise ValueError(f"{unknown} are not keyword arguments of Transformer Engine's FusedAdam (it would refuse "
-                         f"them too); its keywords are {sorted(known)}")
+        raise ValueError(
+            f"{unknown} are not keyword arguments of Transformer Engine's FusedAdam (it would refuse "
+            f"them too); its keywords are {sorted(known)}"
+        )
     if kwargs.get("bias_correction", True) is not True:
-        raise ValueError("FusedAdam's `bias_correction: false` has no torch equivalent (torch's Adam and AdamW always "
-                         "correct the moments' bias); remove it")
+        raise ValueError(
+            "FusedAdam's `bias_correction: false` has no torch equivalent (torch's Adam and AdamW always "
+            "correct the moments' bias); remove it"
+        )
     if kwargs.get("amsgrad", False):
-        raise ValueError("FusedAdam does not support `amsgrad` (it raises); remove it, or name torch.optim.AdamW "
-                         "with amsgrad: true")
+        raise ValueError(
+            "FusedAdam does not support `amsgrad` (it raises); remove it, or name torch.optim.AdamW with amsgrad: true"
+        )
     adamw = kwargs.get("adam_w_mode", True) is not False
     torch_kwargs = {key: kwargs.get(key, default) for key, default in _DEFAULTS.items()}
     notes = []
-    low = sorted({_dtype_name(kwargs[k]) for k in ("exp_avg_dtype", "exp_avg_sq_dtype")
-                  if k in kwargs and _dtype_name(kwargs[k]) not in ("float32", "float")})
+    low = sorted(
+        {
+            _dtype_name(kwargs[k])
+            for k in ("exp_avg_dtype", "exp_avg_sq_dtype")
+            if k in kwargs and _dtype_name(kwargs[k]) not in ("float32", "float")
+        }
+    )
     if low:
-        notes.append(f"its moments are kept in float32, not {'/'.join(low)} (the same update with less rounding; "
-                     "twice the moments' memory)")
+        notes.append(
+            f"its moments are kept in float32, not {'/'.join(low)} (the same update with less rounding; "
+            "twice the moments' memory)"
+        )
     if kwargs.get("master_weights") and _dtype_name(kwargs.get("master_weight_dtype", "float32")) != "float32":
-        notes.append("master weights are float32 (as dask-lm keeps them for bf16 / fp16 training), not "
-                     + _dtype_name(kwargs["master_weight_dtype"]))
+        notes.append(
+            "master weights are float32 (as dask-lm keeps them for bf16 / fp16 training), not "
+            + _dtype_name(kwargs["master_weight_dtype"])
+        )
     if kwargs.get("use_decoupled_grad"):
         notes.append("the gradients are read from .grad (use_decoupled_grad is for Megatron's optimizer)")
     cls = "torch.optim.AdamW" if adamw else "torch.optim.Adam"

@@ -223,12 +223,22 @@ CLOSED = ("dtensor_cfg.automodel_kwargs", "dtensor_cfg.automodel_kwargs.freeze_c
 
 # The config keys that are dask-lm's own (NeMo RL has no such key): everything else of the dataclasses in
 # dask_lm.config that the table does not name is a NeMo RL key dask-lm honours.
-DASK_LM_KEYS = frozenset({
-    "model_revision", "attn_implementation", "inference_packing", "inference_mb_tokens", "inference_compile",
-    "train_compile", "collective_timeout_s", "dtensor_cfg.reshard_after_forward",
-    "generation.sglang_cfg.server_urls", "generation.sglang_cfg.rows_per_request", "generation.sglang_cfg.timeout_s",
-    "generation.sglang_cfg.retries",
-})
+DASK_LM_KEYS = frozenset(
+    {
+        "model_revision",
+        "attn_implementation",
+        "inference_packing",
+        "inference_mb_tokens",
+        "inference_compile",
+        "train_compile",
+        "collective_timeout_s",
+        "dtensor_cfg.reshard_after_forward",
+        "generation.sglang_cfg.server_urls",
+        "generation.sglang_cfg.rows_per_request",
+        "generation.sglang_cfg.timeout_s",
+        "generation.sglang_cfg.retries",
+    }
+)
 
 
 def _parse_inert(text: str) -> Any:
@@ -336,17 +346,23 @@ def findings(cfg: PolicyConfig | dict[str, Any]) -> list[Finding]:
     for closed in CLOSED:
         section, _ = _lookup(cfg, closed)
         known = _known_keys(closed)
-        for name, value in (section.items() if isinstance(section, dict) else ()):
+        for name, value in section.items() if isinstance(section, dict) else ():
             if name not in known and value is not None:
-                out.append(Finding(f"{closed}.{name}", "refuse", value,
-                                   "NeMo RL passes it on to NeMo Automodel, and dask-lm cannot tell whether it "
-                                   f"changes the model; remove it (the keys known here: {', '.join(known)})"))
+                out.append(
+                    Finding(
+                        f"{closed}.{name}",
+                        "refuse",
+                        value,
+                        "NeMo RL passes it on to NeMo Automodel, and dask-lm cannot tell whether it "
+                        f"changes the model; remove it (the keys known here: {', '.join(known)})",
+                    )
+                )
     return out
 
 
 def _known_keys(section: str) -> list[str]:
     keys = {row.key for row in UNHONOURED} | set(CLOSED)
-    return sorted(k[len(section) + 1:].split(".")[0] for k in keys if k.startswith(section + "."))
+    return sorted(k[len(section) + 1 :].split(".")[0] for k in keys if k.startswith(section + "."))
 
 
 def _optimizer_findings(cfg: Any) -> list[Finding]:

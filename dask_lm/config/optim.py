@@ -23,8 +23,9 @@ def resolve_class(path: str, key: str) -> type:
     try:
         found: type = getattr(importlib.import_module(module), name)  # what it is, the caller checks
     except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"`{key}` = {path!r} cannot be imported ({e}); give a full import path such as "
-                         "'torch.optim.AdamW'") from e
+        raise ValueError(
+            f"`{key}` = {path!r} cannot be imported ({e}); give a full import path such as 'torch.optim.AdamW'"
+        ) from e
     return found
 
 
@@ -56,7 +57,9 @@ def scheduler_entries(sched: Any) -> tuple[list[tuple[str, dict[str, Any], str]]
     if isinstance(sched, dict):
         sched = [sched]
     if not isinstance(sched, list):
-        raise ValueError(f"`policy.scheduler` must be a dict {{name, kwargs}} or a list of them, got {type(sched).__name__}")
+        raise ValueError(
+            f"`policy.scheduler` must be a dict {{name, kwargs}} or a list of them, got {type(sched).__name__}"
+        )
     entries, milestones = [], None
     for i, item in enumerate(sched):
         key = f"policy.scheduler[{i}]" if len(sched) > 1 else "policy.scheduler"
@@ -69,14 +72,19 @@ def scheduler_entries(sched: Any) -> tuple[list[tuple[str, dict[str, Any], str]]
             continue
         unknown = set(item) - {"name", "kwargs"}
         if unknown or "name" not in item:
-            raise ValueError(f"`{key}` needs `name` (a class path) and optional `kwargs`; unknown keys {sorted(unknown)}")
+            raise ValueError(
+                f"`{key}` needs `name` (a class path) and optional `kwargs`; unknown keys {sorted(unknown)}"
+            )
         entries.append((item["name"], dict(item.get("kwargs") or {}), key))
     if len(entries) > 1 and milestones is None:
-        raise ValueError("`policy.scheduler` lists several schedulers but no {milestones: [...]} entry saying when "
-                         "each one takes over")
+        raise ValueError(
+            "`policy.scheduler` lists several schedulers but no {milestones: [...]} entry saying when "
+            "each one takes over"
+        )
     if milestones is not None and len(milestones) != len(entries) - 1:
-        raise ValueError(f"`policy.scheduler` milestones {milestones} must have one entry fewer than the "
-                         f"{len(entries)} schedulers")
+        raise ValueError(
+            f"`policy.scheduler` milestones {milestones} must have one entry fewer than the {len(entries)} schedulers"
+        )
     return entries, milestones
 
 

@@ -23,8 +23,17 @@ from dask_lm.config.generation import GenerationConfig
 from dask_lm.config.keys import check_unhonoured
 from dask_lm.config.schema import Section, config_from_dict
 
-__all__ = ["PolicyConfig", "TokenizerConfig", "DTensorConfig", "MegatronConfig", "DynamicBatchingConfig",
-           "SequencePackingConfig", "RewardModelConfig", "OptimizerConfig", "Precision"]
+__all__ = [
+    "PolicyConfig",
+    "TokenizerConfig",
+    "DTensorConfig",
+    "MegatronConfig",
+    "DynamicBatchingConfig",
+    "SequencePackingConfig",
+    "RewardModelConfig",
+    "OptimizerConfig",
+    "Precision",
+]
 
 Precision = Literal["float32", "bfloat16", "float16"]
 
@@ -109,7 +118,8 @@ class DynamicBatchingConfig(Section):
     train_mb_tokens: int | None = None
     """Token budget of a training micro-batch (default: max_total_sequence_length x train_micro_batch_size)."""
     logprob_mb_tokens: int | None = None
-    """Token budget of a logprob / top-k / score micro-batch (default: max_total_sequence_length x logprob_batch_size)."""
+    """Token budget of a logprob / top-k / score micro-batch (default: max_total_sequence_length x
+    logprob_batch_size)."""
     sequence_length_round: int = 64
     """A micro-batch's padded width is rounded up to a multiple of this."""
 
@@ -124,8 +134,9 @@ class SequencePackingConfig(Section):
     logprob_mb_tokens: int | None = None
     """Token budget of a packed logprob / top-k / score micro-batch (default: max_total_sequence_length x
     logprob_batch_size)."""
-    algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle",
-                       "concatenative"] = "modified_first_fit_decreasing"
+    algorithm: Literal[
+        "modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle", "concatenative"
+    ] = "modified_first_fit_decreasing"
     """The bin-packing algorithm that groups rows into micro-batches."""
     microbatch_order: Literal["packer", "largest_first"] = "packer"
     """The order of the packed micro-batches: as the packer made them, or the largest first."""
@@ -148,8 +159,9 @@ class RewardModelConfig(Section):
 class OptimizerConfig(Section):
     name: str = "torch.optim.AdamW"
     """Import path of the optimizer class."""
-    kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 5e-6, "weight_decay": 0.01,
-                                                            "betas": [0.9, 0.999], "eps": 1e-8})
+    kwargs: dict[str, Any] = field(
+        default_factory=lambda: {"lr": 5e-6, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}
+    )
     """Keyword arguments of the optimizer class (learning rate, weight decay, ...)."""
 
 
@@ -265,8 +277,13 @@ class PolicyConfig(Section):
 
     def __post_init__(self) -> None:
         p = "policy"
-        for key in ("train_global_batch_size", "train_micro_batch_size", "max_total_sequence_length",
-                    "generation_batch_size", "make_sequence_length_divisible_by"):
+        for key in (
+            "train_global_batch_size",
+            "train_micro_batch_size",
+            "max_total_sequence_length",
+            "generation_batch_size",
+            "make_sequence_length_divisible_by",
+        ):
             if getattr(self, key) < 1:
                 raise ValueError(f"`{p}.{key}` must be >= 1, got {getattr(self, key)}")
         if self.logprob_batch_size is None:
@@ -276,19 +293,25 @@ class PolicyConfig(Section):
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             raise ValueError(f"`{p}.logprob_chunk_size` must be >= 1 or null, got {self.logprob_chunk_size}")
         if self.dynamic_batching.sequence_length_round < 1:
-            raise ValueError(f"`{p}.dynamic_batching.sequence_length_round` must be >= 1, got "
-                             f"{self.dynamic_batching.sequence_length_round}")
+            raise ValueError(
+                f"`{p}.dynamic_batching.sequence_length_round` must be >= 1, got "
+                f"{self.dynamic_batching.sequence_length_round}"
+            )
         if self.inference_mb_tokens is not None and self.inference_mb_tokens < 1:
             raise ValueError(f"`{p}.inference_mb_tokens` must be >= 1 or null, got {self.inference_mb_tokens}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"`{p}.collective_timeout_s` must be > 0, got {self.collective_timeout_s}")
         if self.train_compile is True and self.dtensor_cfg.activation_checkpointing:
-            raise ValueError(f"`{p}.train_compile` true and `{p}.dtensor_cfg.activation_checkpointing` true do not "
-                             "combine (the recomputation would run the layers eagerly): set train_compile to null or "
-                             "false to checkpoint activations")
+            raise ValueError(
+                f"`{p}.train_compile` true and `{p}.dtensor_cfg.activation_checkpointing` true do not "
+                "combine (the recomputation would run the layers eagerly): set train_compile to null or "
+                "false to checkpoint activations"
+            )
         if self.dynamic_batching.enabled and self.sequence_packing.enabled:
-            raise ValueError(f"`{p}.dynamic_batching.enabled` and `{p}.sequence_packing.enabled` cannot both be "
-                             "true: pick one way to cut micro-batches")
+            raise ValueError(
+                f"`{p}.dynamic_batching.enabled` and `{p}.sequence_packing.enabled` cannot both be "
+                "true: pick one way to cut micro-batches"
+            )
         for section in (self.dynamic_batching, self.sequence_packing):
             if section.train_mb_tokens is None:
                 section.train_mb_tokens = self.max_total_sequence_length * self.train_micro_batch_size
@@ -296,7 +319,7 @@ class PolicyConfig(Section):
                 section.logprob_mb_tokens = self.max_total_sequence_length * self.logprob_batch_size
         name = "dynamic_batching" if self.dynamic_batching.enabled else "sequence_packing"
         active = self.dynamic_batching if self.dynamic_batching.enabled else self.sequence_packing
-        if (self.dynamic_batching.enabled or self.sequence_packing.enabled):
+        if self.dynamic_batching.enabled or self.sequence_packing.enabled:
             for key in ("train_mb_tokens", "logprob_mb_tokens"):
                 if getattr(active, key) < 1:
                     raise ValueError(f"`{p}.{name}.{key}` must be >= 1, got {getattr(active, key)}")

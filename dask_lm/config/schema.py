@@ -114,8 +114,11 @@ def config_from_dict(cls: type[_D], data: dict[str, Any], *, prefix: str = "poli
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required field is missing
-        missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
-                   and f.default_factory is dataclasses.MISSING]
+        missing = [
+            n
+            for n, f in fields.items()
+            if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         if missing:
             raise ValueError(f"missing required config key `{prefix}.{missing[0]}`") from e
         raise

@@ -31,15 +31,25 @@ import torch
 __all__ = ["to_arrow", "from_arrow", "join_tables", "list_values_offsets", "pad_from_offsets", "trimmed_column"]
 
 _META = b"dask_lm"
-_TORCH_TO_NP = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-                torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-                torch.uint8: np.uint8, torch.bool: np.bool_}
+_TORCH_TO_NP = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+}
 _NAME_TO_TORCH = {str(t).replace("torch.", ""): t for t in [*_TORCH_TO_NP, torch.bfloat16]}
 _KINDS = ("tensor", "list", "json")  # what from_arrow reads; anything else (a "pickle" column) is refused
 _SCALARS = (type(None), bool, int, float, str)  # the leaves of a JSON tree (type(x) is, never isinstance)
 _FIX_OBJECTS = "convert it to lists / dicts of str, numbers, bools and None, or to a tensor"
-_FIX_FILE = ("re-encode the batch with this dask-lm's to_arrow, which stores only data (tensors, Arrow types and "
-             "JSON), or drop the column")
+_FIX_FILE = (
+    "re-encode the batch with this dask-lm's to_arrow, which stores only data (tensors, Arrow types and "
+    "JSON), or drop the column"
+)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -59,7 +69,7 @@ def list_values_offsets(arr: pa.Array | pa.ChunkedArray) -> tuple[torch.Tensor, 
     if arr.null_count:
         raise ValueError("list column has null rows; every row needs a list of values")
     offsets = arr.offsets.to_numpy(zero_copy_only=True)
-    values = arr.values.to_numpy(zero_copy_only=True)[offsets[0]: offsets[-1]]
+    values = arr.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
     import warnings
 
     with warnings.catch_warnings():  # Arrow buffers are read-only; we never write through these views
@@ -68,9 +78,14 @@ def list_values_offsets(arr: pa.Array | pa.ChunkedArray) -> tuple[torch.Tensor, 
     return v, torch.from_numpy((offsets - offsets[0]).astype(np.int64))
 
 
-def pad_from_offsets(values: torch.Tensor, offsets: torch.Tensor, width: int | None = None,
-                     pad_value: Any = 0, dtype: torch.dtype | None = None,
-                     device: torch.device | str | None = None) -> torch.Tensor:
+def pad_from_offsets(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    width: int | None = None,
+    pad_value: Any = 0,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """Right-pad jagged rows (values + offsets) into ``[B, width]`` with one scatter, on ``device``."""
     lengths = offsets[1:] - offsets[:-1]
     b = lengths.numel()
@@ -81,7 +96,8 @@ def pad_from_offsets(values: torch.Tensor, offsets: torch.Tensor, width: int | N
     if values.numel():
         rows = torch.repeat_interleave(torch.arange(b, device=values.device), lengths.to(values.device))
         cols = torch.arange(values.numel(), device=values.device) - torch.repeat_interleave(
-            offsets[:-1].to(values.device), lengths.to(values.device))
+            offsets[:-1].to(values.device), lengths.to(values.device)
+        )
         out[rows, cols] = values
     return out
 
@@ -112,8 +128,13 @@ def _tensor_column(value: torch.Tensor, lengths: torch.Tensor | None) -> tuple[p
     else:
         # bf16 travels as int16 bits and bools have no zero-copy view: both go whole, untrimmed
         pad = None if value.dtype in (torch.bfloat16, torch.bool) else _trim_info(value.cpu(), lengths)
-        if pad is not None and value.dtype in (torch.int64, torch.int32) and value.numel() and \
-                int(value.min()) >= -(2**31) and int(value.max()) < 2**31:
+        if (
+            pad is not None
+            and value.dtype in (torch.int64, torch.int32)
+            and value.numel()
+            and int(value.min()) >= -(2**31)
+            and int(value.max()) < 2**31
+        ):
             arr = arr.astype(np.int32)  # token ids: list<int32>
         if pad is not None:
             assert lengths is not None  # _trim_info only trims rows it has lengths for
@@ -216,8 +237,10 @@ def to_arrow(data: Mapping[str, Any]) -> pa.Table:
     table, rest = encode_columns(data)
     for key, items in rest.items():
         row, found = next((i, w) for i, w in enumerate(map(_not_json, items)) if w is not None)
-        raise ValueError(f"column {key!r}: row {row} holds {found}, which an Arrow table cannot store as data "
-                         f"(dask-lm stores list columns as Arrow types or JSON, never pickled): {_FIX_OBJECTS}")
+        raise ValueError(
+            f"column {key!r}: row {row} holds {found}, which an Arrow table cannot store as data "
+            f"(dask-lm stores list columns as Arrow types or JSON, never pickled): {_FIX_OBJECTS}"
+        )
     return table
 
 
@@ -263,21 +286,32 @@ def _field_meta(name: str, field: pa.Field) -> dict[str, Any] | None:
     except (ValueError, RecursionError):
         meta = None
     if not isinstance(meta, dict) or not isinstance(meta.get("kind"), str):
-        raise ValueError(f"column {name!r}: its dask-lm field metadata is not a JSON object with a 'kind' "
-                         f"({raw[:80]!r}): {_FIX_FILE}")
+        raise ValueError(
+            f"column {name!r}: its dask-lm field metadata is not a JSON object with a 'kind' "
+            f"({raw[:80]!r}): {_FIX_FILE}"
+        )
     kind = meta["kind"]
     if kind == "pickle":
-        raise ValueError(f"column {name!r} holds pickled Python objects (dask-lm metadata kind 'pickle'): dask-lm "
-                         f"never unpickles table data, since a file's bytes could run code when unpickled; "
-                         f"{_FIX_FILE}")
+        raise ValueError(
+            f"column {name!r} holds pickled Python objects (dask-lm metadata kind 'pickle'): dask-lm "
+            f"never unpickles table data, since a file's bytes could run code when unpickled; "
+            f"{_FIX_FILE}"
+        )
     if kind not in _KINDS:
-        raise ValueError(f"column {name!r}: dask-lm metadata kind {kind!r} is not one this dask-lm reads "
-                         f"({', '.join(_KINDS)}; it never unpickles): {_FIX_FILE}")
+        raise ValueError(
+            f"column {name!r}: dask-lm metadata kind {kind!r} is not one this dask-lm reads "
+            f"({', '.join(_KINDS)}; it never unpickles): {_FIX_FILE}"
+        )
     shape = meta.get("shape")
-    if kind == "tensor" and (meta.get("dtype") not in _NAME_TO_TORCH or not isinstance(shape, list)
-                             or not all(type(n) is int and n >= 0 for n in shape)):
-        raise ValueError(f"column {name!r}: tensor dtype {meta.get('dtype')!r} and shape {shape!r} are not a dtype "
-                         f"dask-lm stores ({', '.join(_NAME_TO_TORCH)}) and a list of sizes: {_FIX_FILE}")
+    if kind == "tensor" and (
+        meta.get("dtype") not in _NAME_TO_TORCH
+        or not isinstance(shape, list)
+        or not all(type(n) is int and n >= 0 for n in shape)
+    ):
+        raise ValueError(
+            f"column {name!r}: tensor dtype {meta.get('dtype')!r} and shape {shape!r} are not a dtype "
+            f"dask-lm stores ({', '.join(_NAME_TO_TORCH)}) and a list of sizes: {_FIX_FILE}"
+        )
     return meta
 
 
@@ -335,8 +369,9 @@ def from_arrow(table: pa.Table, *, device: torch.device | str | None = None) -> 
             t = pad_from_offsets(v, o, shape[1], meta["pad"], dtype=carrier, device=device)
         else:
             arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-            flat = arr.values.to_numpy(zero_copy_only=False)[arr.offset * arr.type.list_size:
-                                                             (arr.offset + len(arr)) * arr.type.list_size]
+            flat = arr.values.to_numpy(zero_copy_only=False)[
+                arr.offset * arr.type.list_size : (arr.offset + len(arr)) * arr.type.list_size
+            ]
             t = torch.from_numpy(flat.copy()).to(carrier).reshape(shape)
         if dtype == torch.bfloat16:
             t = t.view(torch.bfloat16)

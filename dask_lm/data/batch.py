@@ -47,8 +47,9 @@ class BatchedDataDict(UserDict[str, Any], Generic[DictT]):
 
     # ----------------------------------------------------------------------------------------- build / join
     @classmethod
-    def from_batches(cls, batches: Sequence[Mapping[str, Any]],
-                     pad_value_dict: dict[str, int | float] | None = None) -> BatchedDataDict[DictT]:
+    def from_batches(
+        cls, batches: Sequence[Mapping[str, Any]], pad_value_dict: dict[str, int | float] | None = None
+    ) -> BatchedDataDict[DictT]:
         """Stack batches row-wise. Lists concatenate; 1-D tensors concatenate; tensors with a sequence axis are
         right-padded along dim 1 (pad value from ``pad_value_dict``, default 0) to the widest, then stacked.
 
@@ -75,12 +76,16 @@ class BatchedDataDict(UserDict[str, Any], Generic[DictT]):
                     continue
                 pad = pad_value_dict.get(k, 0)
                 width = max(v.shape[1] for v in values)
-                padded = [F.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]), value=pad)
-                          if v.shape[1] < width else v for v in values]
+                padded = [
+                    F.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]), value=pad) if v.shape[1] < width else v
+                    for v in values
+                ]
                 out[k] = torch.cat(padded, dim=0)
             else:
-                raise NotImplementedError(f"Attempted to stack for unsupported type {type(first)} with key {k}. "
-                                          "Please provide either a tensor or a list of picklable objects.")
+                raise NotImplementedError(
+                    f"Attempted to stack for unsupported type {type(first)} with key {k}. "
+                    "Please provide either a tensor or a list of picklable objects."
+                )
         return out
 
     # ----------------------------------------------------------------------------------------- shape
@@ -142,8 +147,10 @@ class BatchedDataDict(UserDict[str, Any], Generic[DictT]):
         if b % chunks:
             raise BatchError(f"batch size ({b}) is not a multiple of chunks ({chunks})")
         if b // chunks <= rank:
-            raise BatchError(f"index OOB: not enough splits for this rank. rollout_batch_size: {b}, chunks ({chunks}), "
-                             f"rank_idx ({rank})")
+            raise BatchError(
+                f"index OOB: not enough splits for this rank. rollout_batch_size: {b}, chunks ({chunks}), "
+                f"rank_idx ({rank})"
+            )
         idx = torch.arange(b).tensor_split(chunks)[rank]
         out = SlicedDataDict()
         for k, v in self.data.items():
@@ -173,18 +180,29 @@ class BatchedDataDict(UserDict[str, Any], Generic[DictT]):
                 self.data[k] = [v[i] for i in inverse]
 
     # ----------------------------------------------------------------------------------------- sharding
-    def shard_by_batch_size(self, shards: int, batch_size: int | None = None, allow_uneven_shards: bool = False,
-                            dynamic_batching_args: DynamicBatchingArgs | None = None,
-                            sequence_packing_args: SequencePackingArgs | None = None
-                            ) -> list[SlicedDataDict] | tuple[list[SlicedDataDict], list[int]]:
+    def shard_by_batch_size(
+        self,
+        shards: int,
+        batch_size: int | None = None,
+        allow_uneven_shards: bool = False,
+        dynamic_batching_args: DynamicBatchingArgs | None = None,
+        sequence_packing_args: SequencePackingArgs | None = None,
+    ) -> list[SlicedDataDict] | tuple[list[SlicedDataDict], list[int]]:
         """Split into ``shards`` data-parallel shards (see ``dask_lm.data.sharding``).
 
         Cuts the batch into ``batch_size`` chunks (default: one chunk) and gives shard s the s-th slice of each:
         with 8 rows, ``batch_size=4`` and 2 shards, shard 0 holds rows 0, 1, 4, 5. With dynamic batching or
         sequence packing returns ``(shards, batch_sorted_indices)``; ``reorder_data`` undoes the permutation.
         """
-        return shard_batch(self, shards, batch_size, allow_uneven_shards, dynamic_batching_args,
-                           sequence_packing_args, sliced=SlicedDataDict)
+        return shard_batch(
+            self,
+            shards,
+            batch_size,
+            allow_uneven_shards,
+            dynamic_batching_args,
+            sequence_packing_args,
+            sliced=SlicedDataDict,
+        )
 
     def get_batch(self, batch_idx: int, batch_size: int | None = None) -> SlicedDataDict:
         """Global batch ``batch_idx`` of a shard, keeping only that batch's micro-batch metadata."""
@@ -209,15 +227,18 @@ class BatchedDataDict(UserDict[str, Any], Generic[DictT]):
     def make_microbatch_iterator(self, microbatch_size: int) -> Iterator[SlicedDataDict]:
         size = self.size
         if size % microbatch_size:
-            raise BatchError(f"Data dict size ({size}) is not a multiple of the provided microbatch size "
-                             f"({microbatch_size})")
+            raise BatchError(
+                f"Data dict size ({size}) is not a multiple of the provided microbatch size ({microbatch_size})"
+            )
         for start in range(0, size, microbatch_size):
             yield self.slice(start, start + microbatch_size)
 
     def _single_chunk(self) -> tuple[list[list[int]], list[int]]:
         if self.micro_batch_indices is None or self.micro_batch_lengths is None or len(self.micro_batch_indices) != 1:
-            raise BatchError("micro-batch iterators need the micro-batch layout of exactly one global batch: call "
-                             "shard_by_batch_size with dynamic batching or packing, then get_batch(i)")
+            raise BatchError(
+                "micro-batch iterators need the micro-batch layout of exactly one global batch: call "
+                "shard_by_batch_size with dynamic batching or packing, then get_batch(i)"
+            )
         return self.micro_batch_indices[0], self.micro_batch_lengths[0]
 
     def make_microbatch_iterator_with_dynamic_shapes(self, sequence_dim: int = 1) -> Iterator[SlicedDataDict]:

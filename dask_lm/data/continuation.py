@@ -38,8 +38,16 @@ from typing import Any, Literal
 
 from dask_lm.interface import opt
 
-__all__ = ["CONVENTIONS", "Convention", "check_convention", "describe", "encode_pairs", "encode_texts",
-           "prefix_token_id", "LOGPROBS_CONVENTION"]
+__all__ = [
+    "CONVENTIONS",
+    "Convention",
+    "check_convention",
+    "describe",
+    "encode_pairs",
+    "encode_texts",
+    "prefix_token_id",
+    "LOGPROBS_CONVENTION",
+]
 
 Convention = Literal["lm-eval", "separate"]
 CONVENTIONS: tuple[Convention, ...] = ("lm-eval", "separate")
@@ -48,12 +56,12 @@ LOGPROBS_CONVENTION: Convention = "separate"
 
 _DESCRIBED = {
     ("lm-eval", "text"): "every token of each text scored, the first one conditioned on BOS (EOS when the tokenizer "
-                         "has no BOS), as lm-evaluation-harness scores a text",
+    "has no BOS), as lm-evaluation-harness scores a text",
     ("separate", "text"): "each text as tokenizer(text) encodes it, its first token unscored (sums over tokens 2..n, "
-                          "as dask-lm logprobs)",
+    "as dask-lm logprobs)",
     ("lm-eval", "pair"): "the response tokens scored, encoded in context as lm-evaluation-harness does",
     ("separate", "pair"): "tokenizer(prompt) then tokenizer(response) without special tokens, the response tokens "
-                          "scored",
+    "scored",
 }
 
 
@@ -67,8 +75,10 @@ def describe(convention: Convention, rows: Literal["text", "pair", "ids"] = "tex
 
 def check_convention(convention: str, key: str = "convention") -> Convention:
     if convention not in CONVENTIONS:
-        raise ValueError(f"{key} must be one of {', '.join(map(repr, CONVENTIONS))}, got {convention!r}: 'lm-eval' "
-                         "tokenizes prompt + response as lm-evaluation-harness does, 'separate' encodes them apart")
+        raise ValueError(
+            f"{key} must be one of {', '.join(map(repr, CONVENTIONS))}, got {convention!r}: 'lm-eval' "
+            "tokenizes prompt + response as lm-evaluation-harness does, 'separate' encodes them apart"
+        )
     return convention
 
 
@@ -78,11 +88,13 @@ def prefix_token_id(tokenizer: Any) -> int:
         value = getattr(tokenizer, name, None)
         if isinstance(value, int):
             return value
-    raise ValueError(f"the tokenizer {type(tokenizer).__name__} has neither a BOS nor an EOS token, so an empty prompt "
-                     "(or a text row) has nothing to condition its first token on; give the tokenizer a bos_token or "
-                     f"eos_token, or use the 'separate' convention ({opt('convention', 'separate')}), which leaves "
-                     "that token "
-                     "unscored")
+    raise ValueError(
+        f"the tokenizer {type(tokenizer).__name__} has neither a BOS nor an EOS token, so an empty prompt "
+        "(or a text row) has nothing to condition its first token on; give the tokenizer a bos_token or "
+        f"eos_token, or use the 'separate' convention ({opt('convention', 'separate')}), which leaves "
+        "that token "
+        "unscored"
+    )
 
 
 def _encode(tokenizer: Any, texts: Sequence[str], prefix_text: str | None) -> list[list[int]]:
@@ -113,8 +125,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return k
 
 
-def encode_pairs(tokenizer: Any, contexts: Sequence[str], continuations: Sequence[str], *,
-                 convention: Convention = "lm-eval") -> list[tuple[list[int], list[int]]]:
+def encode_pairs(
+    tokenizer: Any, contexts: Sequence[str], continuations: Sequence[str], *, convention: Convention = "lm-eval"
+) -> list[tuple[list[int], list[int]]]:
     """``(context ids, continuation ids)`` per pair, in ``convention`` (see the module docstring): the ids given to
     the model are their concatenation, and the continuation's are the ones scored."""
     assert len(contexts) == len(continuations)
@@ -127,7 +140,7 @@ def encode_pairs(tokenizer: Any, contexts: Sequence[str], continuations: Sequenc
     moved: list[tuple[str, str]] = []
     for context, continuation in zip(contexts, continuations):
         stripped = context.rstrip()
-        moved.append((stripped, context[len(stripped):] + continuation))
+        moved.append((stripped, context[len(stripped) :] + continuation))
     full = [i for i, (c, _) in enumerate(moved) if c]
     wholes = _encode(tokenizer, [moved[i][0] + moved[i][1] for i in full], prefix_text)
     heads = _encode(tokenizer, [moved[i][0] for i in full], prefix_text)
@@ -151,8 +164,9 @@ def encode_pairs(tokenizer: Any, contexts: Sequence[str], continuations: Sequenc
     return out
 
 
-def encode_texts(tokenizer: Any, texts: Sequence[str], *, convention: Convention = "lm-eval"
-                 ) -> list[tuple[list[int], list[int]]]:
+def encode_texts(
+    tokenizer: Any, texts: Sequence[str], *, convention: Convention = "lm-eval"
+) -> list[tuple[list[int], list[int]]]:
     """A text row as ``(context ids, scored ids)``: in ``"lm-eval"`` an empty context with the text as continuation
     (the first token conditioned on BOS / EOS); in ``"separate"`` ``tokenizer(text)`` whose first token is the
     context (left unscored)."""

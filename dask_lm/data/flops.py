@@ -14,10 +14,27 @@ __all__ = ["device_peak_tflops", "aggregate_flops_metrics"]
 # dense (not 2:4 sparse) bf16 tensor-core peaks, TFLOP/s, from the vendors' datasheets; matched by substring of
 # torch.cuda.get_device_name, most specific first
 _BF16_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("GB200", 2500.0), ("B200", 2250.0), ("B100", 1750.0), ("H200", 989.5), ("H100 PCIe", 756.0),
-    ("H100", 989.5), ("H800", 989.5), ("H20", 148.0), ("GH200", 989.5), ("A100", 312.0), ("A800", 312.0),
-    ("L40S", 362.0), ("L40", 181.0), ("A10G", 70.0), ("A10", 125.0), ("L4", 121.0), ("MI300X", 1307.4),
-    ("MI325X", 1307.4), ("RTX 4090", 165.2), ("RTX 6000 Ada", 364.2), ("V100", 125.0),
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("B100", 1750.0),
+    ("H200", 989.5),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.5),
+    ("H800", 989.5),
+    ("H20", 148.0),
+    ("GH200", 989.5),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("L4", 121.0),
+    ("MI300X", 1307.4),
+    ("MI325X", 1307.4),
+    ("RTX 4090", 165.2),
+    ("RTX 6000 Ada", 364.2),
+    ("V100", 125.0),
 )
 
 
@@ -31,8 +48,9 @@ def device_peak_tflops(gpu_name: str | None) -> float | None:
     return None
 
 
-def aggregate_flops_metrics(elapsed_seconds: Sequence[float], gpu_names: Sequence[str | None], world_size: int,
-                            total_flops: float | None) -> dict[str, Any]:
+def aggregate_flops_metrics(
+    elapsed_seconds: Sequence[float], gpu_names: Sequence[str | None], world_size: int, total_flops: float | None
+) -> dict[str, Any]:
     """FLOP figures of one ``train()`` call from each rank's time in it and device: total and per-rank TFLOP/s
     and MFU.
 

@@ -32,12 +32,35 @@ if TYPE_CHECKING:
     from dask_lm.data.batch import BatchedDataDict
     from dask_lm.data.tokens import TokenRows
 
-__all__ = ["GENERATE_BATCH_FACTOR", "MicroBatchPlan", "Shard", "ForwardRequest", "FullLogitsRequest",
-           "QKVCalibrationRequest", "GenerateRequest", "ForwardOutput",
-           "TrainRequest", "TrainResult", "SaveRequest", "ActionRequest", "HttpRefitRequest", "ZmqRefitRequest", "BroadcastRefitRequest", "ReshardRefitRequest",
-           "RefitRequest", "CollectiveInitRequest", "WeightSwapRequest",
-           "ExtensionCall", "JoinRows", "JoinGenerated", "ReduceTrain", "Join",
-           "ScoreOptions", "Request", "ACTIONS"]
+__all__ = [
+    "GENERATE_BATCH_FACTOR",
+    "MicroBatchPlan",
+    "Shard",
+    "ForwardRequest",
+    "FullLogitsRequest",
+    "QKVCalibrationRequest",
+    "GenerateRequest",
+    "ForwardOutput",
+    "TrainRequest",
+    "TrainResult",
+    "SaveRequest",
+    "ActionRequest",
+    "HttpRefitRequest",
+    "ZmqRefitRequest",
+    "BroadcastRefitRequest",
+    "ReshardRefitRequest",
+    "RefitRequest",
+    "CollectiveInitRequest",
+    "WeightSwapRequest",
+    "ExtensionCall",
+    "JoinRows",
+    "JoinGenerated",
+    "ReduceTrain",
+    "Join",
+    "ScoreOptions",
+    "Request",
+    "ACTIONS",
+]
 
 
 # ------------------------------------------------------------------------------------------- rows
@@ -53,8 +76,12 @@ class MicroBatchPlan:
 
     @classmethod
     def of(cls, batch: BatchedDataDict[Any], *, packed: bool) -> MicroBatchPlan:
-        return cls(packed=packed, micro_batch_indices=batch.micro_batch_indices,
-                   micro_batch_lengths=batch.micro_batch_lengths, elem_counts_per_gb=batch.elem_counts_per_gb)
+        return cls(
+            packed=packed,
+            micro_batch_indices=batch.micro_batch_indices,
+            micro_batch_lengths=batch.micro_batch_lengths,
+            elem_counts_per_gb=batch.elem_counts_per_gb,
+        )
 
     def global_batch(self, index: int, rows: int) -> tuple[int, int, list[list[list[int]]] | None]:
         """Global batch ``index`` of the shard: its rows ``[start, end)`` (``rows`` each without packing, else as
@@ -238,13 +265,28 @@ class SaveRequest:
 
 
 # ------------------------------------------------------------------------------------------- argument-free calls
-PlacementAction = Literal["prepare_for_training", "finish_training", "prepare_for_lp_inference", "finish_inference",
-                          "prepare_for_generation", "finish_generation", "invalidate_kv_cache", "offload_before_refit",
-                          "offload_after_refit", "offload_to_cpu"]
-Action = PlacementAction | Literal["prepare_refit_info", "report_device_id", "finalize_async_save",
-                                  "release_ipc_buffer"]
-ACTIONS: tuple[str, ...] = (*typing.get_args(PlacementAction), "prepare_refit_info", "report_device_id",
-                            "finalize_async_save", "release_ipc_buffer")
+PlacementAction = Literal[
+    "prepare_for_training",
+    "finish_training",
+    "prepare_for_lp_inference",
+    "finish_inference",
+    "prepare_for_generation",
+    "finish_generation",
+    "invalidate_kv_cache",
+    "offload_before_refit",
+    "offload_after_refit",
+    "offload_to_cpu",
+]
+Action = (
+    PlacementAction | Literal["prepare_refit_info", "report_device_id", "finalize_async_save", "release_ipc_buffer"]
+)
+ACTIONS: tuple[str, ...] = (
+    *typing.get_args(PlacementAction),
+    "prepare_refit_info",
+    "report_device_id",
+    "finalize_async_save",
+    "release_ipc_buffer",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,9 +378,11 @@ class WeightSwapRequest:
 # keeps the last position's only)
 GENERATE_BATCH_FACTOR = 8
 
+
 @dataclass(frozen=True, slots=True)
 class ScoreOptions:
-    """One ``score_parquet`` job's settings, sent with every partition task (:func:`dask_lm.scoring.tasks.score_partition`)."""
+    """One ``score_parquet`` job's settings, sent with every partition task
+    (:func:`dask_lm.scoring.tasks.score_partition`)."""
 
     model: str
     tokenizer: str
@@ -391,9 +435,19 @@ class ExtensionCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-Request = (ForwardRequest | FullLogitsRequest | QKVCalibrationRequest | GenerateRequest | TrainRequest | SaveRequest
-           | ActionRequest | RefitRequest
-           | CollectiveInitRequest | WeightSwapRequest | ExtensionCall)
+Request = (
+    ForwardRequest
+    | FullLogitsRequest
+    | QKVCalibrationRequest
+    | GenerateRequest
+    | TrainRequest
+    | SaveRequest
+    | ActionRequest
+    | RefitRequest
+    | CollectiveInitRequest
+    | WeightSwapRequest
+    | ExtensionCall
+)
 
 
 # ------------------------------------------------------------------------------------------- on the wire
@@ -407,8 +461,9 @@ def _register_dask_serialization(cls: type) -> None:
 
     @dask_serialize.register(cls)
     def _serialize(message: Any) -> tuple[dict[str, Any], list[Any]]:
-        header, frames = serialize({n: getattr(message, n) for n in names}, serializers=("dask", "pickle"),
-                                   on_error="raise")
+        header, frames = serialize(
+            {n: getattr(message, n) for n in names}, serializers=("dask", "pickle"), on_error="raise"
+        )
         return {"fields": header}, frames
 
     @dask_deserialize.register(cls)
@@ -416,6 +471,14 @@ def _register_dask_serialization(cls: type) -> None:
         return cls(**deserialize(header["fields"], frames))
 
 
-for _cls in (Shard, MicroBatchPlan, ForwardRequest, GenerateRequest, ForwardOutput, TrainRequest, TrainResult,
-             SaveRequest):
+for _cls in (
+    Shard,
+    MicroBatchPlan,
+    ForwardRequest,
+    GenerateRequest,
+    ForwardOutput,
+    TrainRequest,
+    TrainResult,
+    SaveRequest,
+):
     _register_dask_serialization(_cls)

@@ -45,8 +45,10 @@ class NamedSharding:
         self._layout: np.ndarray[Any, Any] = array
         self._names = [str(n) for n in names]
         if array.ndim != len(self._names):
-            raise ValueError(f"NamedSharding: the layout has {array.ndim} dimensions but {len(self._names)} names "
-                             f"were given ({self._names})")
+            raise ValueError(
+                f"NamedSharding: the layout has {array.ndim} dimensions but {len(self._names)} names "
+                f"were given ({self._names})"
+            )
         if len(set(self._names)) != len(self._names):
             raise ValueError(f"NamedSharding: axis names must be distinct, got {self._names}")
         ranks, counts = np.unique(array, return_counts=True)
@@ -92,8 +94,10 @@ class NamedSharding:
         """``{axis name: index}`` of rank ``worker_id``."""
         where = np.argwhere(self._layout == worker_id)
         if not len(where):
-            raise ValueError(f"NamedSharding: rank {worker_id} is not in the layout (ranks "
-                             f"{sorted(self._layout.flatten().tolist())})")
+            raise ValueError(
+                f"NamedSharding: rank {worker_id} is not in the layout (ranks "
+                f"{sorted(self._layout.flatten().tolist())})"
+            )
         return {name: int(i) for name, i in zip(self._names, where[0])}
 
     @staticmethod
@@ -117,8 +121,9 @@ class NamedSharding:
         for name, i in coords.items():
             axis = self._axis[self._check(name)]
             if not 0 <= i < self._layout.shape[axis]:
-                raise IndexError(f"NamedSharding: index {i} is out of range for axis {name!r} of size "
-                                 f"{self._layout.shape[axis]}")
+                raise IndexError(
+                    f"NamedSharding: index {i} is out of range for axis {name!r} of size {self._layout.shape[axis]}"
+                )
             index[axis] = i
         sub = self._layout[tuple(index)]
         rest = [n for n in self._names if n not in coords]

@@ -45,8 +45,13 @@ class PackingAlgorithm(enum.Enum):
 class SequencePacker(ABC):
     """Base class: ``pack(lengths) -> bins``; subclasses implement ``_pack_implementation``."""
 
-    def __init__(self, bin_capacity: int, collect_metrics: bool = False, min_bin_count: int | None = None,
-                 bin_count_multiple: int | None = None) -> None:
+    def __init__(
+        self,
+        bin_capacity: int,
+        collect_metrics: bool = False,
+        min_bin_count: int | None = None,
+        bin_count_multiple: int | None = None,
+    ) -> None:
         if min_bin_count is not None and min_bin_count < 0:
             raise ValueError("min_bin_count must be nonnegative")
         if bin_count_multiple is not None and bin_count_multiple < 1:
@@ -68,8 +73,10 @@ class SequencePacker(ABC):
         # checked here, before any algorithm runs, so all four fail alike and the message can name the index
         for i, n in enumerate(lengths):
             if n > self.bin_capacity:
-                raise ValueError(f"Sequence length {n} (sequence {i}) exceeds bin capacity {self.bin_capacity}: "
-                                 "raise the capacity (the micro-batch token budget) or shorten that sequence")
+                raise ValueError(
+                    f"Sequence length {n} (sequence {i}) exceeds bin capacity {self.bin_capacity}: "
+                    "raise the capacity (the micro-batch token budget) or shorten that sequence"
+                )
         bins = self.adjust_bin_count(self._pack_implementation(lengths))
         if self.collect_metrics:
             self.metrics = self.compute_metrics(lengths, bins)
@@ -91,9 +98,11 @@ class SequencePacker(ABC):
             return bins
         total = sum(len(b) for b in bins)
         if total < target:
-            raise ValueError(f"Cannot create {target} bins with only {total} sequences. Each bin must contain at "
-                             "least one sequence. Either reduce min_bin_count/bin_count_multiple or provide more "
-                             "sequences.")
+            raise ValueError(
+                f"Cannot create {target} bins with only {total} sequences. Each bin must contain at "
+                "least one sequence. Either reduce min_bin_count/bin_count_multiple or provide more "
+                "sequences."
+            )
         out = [list(b) for b in bins]
         # donors: the bins with the most items first (ties: later bin first); each gives items from its end
         # until one is left, so a lone (possibly oversized) sequence is never split off and no bin gets fuller
@@ -121,9 +130,14 @@ class SequencePacker(ABC):
     def compute_metrics(self, sequence_lengths: list[int], bins: list[list[int]]) -> dict[str, float]:
         loads = [sum(sequence_lengths[i] for i in b) for b in bins]
         cap = len(bins) * self.bin_capacity
-        return {"num_bins": float(len(bins)), "num_sequences": float(len(sequence_lengths)),
-                "total_tokens": float(sum(loads)), "efficiency": sum(loads) / cap if cap else 0.0,
-                "max_bin_load": float(max(loads, default=0)), "min_bin_load": float(min(loads, default=0))}
+        return {
+            "num_bins": float(len(bins)),
+            "num_sequences": float(len(sequence_lengths)),
+            "total_tokens": float(sum(loads)),
+            "efficiency": sum(loads) / cap if cap else 0.0,
+            "max_bin_load": float(max(loads, default=0)),
+            "min_bin_load": float(min(loads, default=0)),
+        }
 
     def reset_metrics(self) -> None:
         self.metrics = {} if self.collect_metrics else None
@@ -263,8 +277,13 @@ _PACKERS: dict[PackingAlgorithm, type[SequencePacker]] = {
 }
 
 
-def get_packer(algorithm: PackingAlgorithm | str, bin_capacity: int, collect_metrics: bool = False,
-               min_bin_count: int | None = None, bin_count_multiple: int | None = None) -> SequencePacker:
+def get_packer(
+    algorithm: PackingAlgorithm | str,
+    bin_capacity: int,
+    collect_metrics: bool = False,
+    min_bin_count: int | None = None,
+    bin_count_multiple: int | None = None,
+) -> SequencePacker:
     """A packer by enum member or (case-insensitive) name, e.g. ``"modified_first_fit_decreasing"``."""
     available = ", ".join(a.name for a in PackingAlgorithm)
     if isinstance(algorithm, str):
@@ -274,8 +293,12 @@ def get_packer(algorithm: PackingAlgorithm | str, bin_capacity: int, collect_met
             raise ValueError(f"Unknown packing algorithm: {algorithm}. Available algorithms: {available}") from None
     if algorithm not in _PACKERS:
         raise ValueError(f"Unknown packing algorithm: {algorithm}. Available algorithms: {available}")
-    return _PACKERS[algorithm](bin_capacity, collect_metrics=collect_metrics, min_bin_count=min_bin_count,
-                               bin_count_multiple=bin_count_multiple)
+    return _PACKERS[algorithm](
+        bin_capacity,
+        collect_metrics=collect_metrics,
+        min_bin_count=min_bin_count,
+        bin_count_multiple=bin_count_multiple,
+    )
 
 
 def longest_first(lengths: Sequence[int], budget: int, *, padded: bool = False) -> list[list[int]]:

@@ -52,8 +52,14 @@ def _bad(file: str, row: int, column: str | tuple[str, str], why: str) -> str:
     return f"{file}: row {row}, {where}: {why}"
 
 
-def _arrow_values(series: Any, bound: TextBound | None = None, file: str = "", first_row: int = 0,
-                  column: str = "", errors: list[str | None] | None = None) -> tuple[Any, list[Any]] | None:
+def _arrow_values(
+    series: Any,
+    bound: TextBound | None = None,
+    file: str = "",
+    first_row: int = 0,
+    column: str = "",
+    errors: list[str | None] | None = None,
+) -> tuple[Any, list[Any]] | None:
     """(Arrow type, Python values) of an Arrow-backed column, strings as ``bytes`` so that decoding is per row;
     ``None`` for a column pandas holds as Python objects. With ``bound``, a string value over its bytes is a bad
     row (its error in ``errors``) and comes back as ``None``: its length is read from the Arrow offsets, and the
@@ -70,14 +76,16 @@ def _arrow_values(series: Any, bound: TextBound | None = None, file: str = "", f
         arr = arr.cast(pa.large_binary())
     elif pa.types.is_string_view(t):
         arr = arr.cast(pa.binary_view())
-    if bound is not None and errors is not None and (pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)
-                                                     or pa.types.is_binary_view(arr.type)):
+    if (
+        bound is not None
+        and errors is not None
+        and (pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type) or pa.types.is_binary_view(arr.type))
+    ):
         arr = _without_long(arr, bound, file, first_row, column, errors)
     return t, arr.to_pylist()
 
 
-def _without_long(arr: Any, bound: TextBound, file: str, first_row: int, column: str, errors: list[str | None]
-                  ) -> Any:
+def _without_long(arr: Any, bound: TextBound, file: str, first_row: int, column: str, errors: list[str | None]) -> Any:
     """``arr`` (binary) with its values over ``bound`` replaced by nulls, each a bad row in ``errors``."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -93,8 +101,9 @@ def _without_long(arr: Any, bound: TextBound, file: str, first_row: int, column:
     return pc.if_else(long, pa.scalar(None, arr.type), arr)  # copies the other values only
 
 
-def _texts(pdf: Any, column: str, file: str, first_row: int, errors: list[str | None], bound: TextBound | None = None
-           ) -> list[str | None]:
+def _texts(
+    pdf: Any, column: str, file: str, first_row: int, errors: list[str | None], bound: TextBound | None = None
+) -> list[str | None]:
     """The column's strings; a null, a non-string, bytes that are not UTF-8 or more bytes than ``bound`` mark the
     row bad (first error wins)."""
     got = _arrow_values(pdf[column], bound, file, first_row, column, errors)
@@ -112,8 +121,10 @@ def _texts(pdf: Any, column: str, file: str, first_row: int, errors: list[str | 
             try:
                 out[i] = v.decode("utf-8")
             except UnicodeDecodeError as e:
-                why = (f"expected a string, got bytes that are not valid UTF-8 (byte {e.start}, "
-                       f"{v[e.start:e.start + 4]!r}: {e.reason}); re-encode the text as UTF-8")
+                why = (
+                    f"expected a string, got bytes that are not valid UTF-8 (byte {e.start}, "
+                    f"{v[e.start : e.start + 4]!r}: {e.reason}); re-encode the text as UTF-8"
+                )
         elif v is None or _is_na(v):
             why = "expected a string, got null"
         else:
@@ -131,8 +142,7 @@ def _utf8_over(text: str, max_bytes: int) -> bool:
     return 4 * len(text) > max_bytes and len(text.encode("utf-8", "surrogatepass")) > max_bytes
 
 
-def _token_lists(pdf: Any, column: str, file: str, first_row: int, errors: list[str | None]
-                 ) -> list[list[int] | None]:
+def _token_lists(pdf: Any, column: str, file: str, first_row: int, errors: list[str | None]) -> list[list[int] | None]:
     """The column's token-id lists; a null list, a null or non-integer id, or a non-list marks the row bad."""
     import pyarrow as pa
 
@@ -190,10 +200,19 @@ def _short(v: Any) -> str:
     return r if len(r) <= 40 else r[:37] + "..."
 
 
-def tokenize_rows(pdf: Any, tokenizer: Any, *, text_column: str | None = None, prompt_column: str | None = None,
-                  response_column: str | None = None, file: str, first_row: int, errors: list[str | None],
-                  convention: Convention = "lm-eval", bound: TextBound | None = None
-                  ) -> tuple[list[list[int] | None], list[int]]:
+def tokenize_rows(
+    pdf: Any,
+    tokenizer: Any,
+    *,
+    text_column: str | None = None,
+    prompt_column: str | None = None,
+    response_column: str | None = None,
+    file: str,
+    first_row: int,
+    errors: list[str | None],
+    convention: Convention = "lm-eval",
+    bound: TextBound | None = None,
+) -> tuple[list[list[int] | None], list[int]]:
     """Token ids of every row of ``pdf`` (rows ``first_row ...`` of ``file``), and how many of them are context
     (the tokens before the first scored one): every job tokenizes here, so a row scored and the same row trained
     on are the same ids.
@@ -216,16 +235,28 @@ def tokenize_rows(pdf: Any, tokenizer: Any, *, text_column: str | None = None, p
     if text_column is not None:
         pairs = encode_texts(tokenizer, [values[0][i] for i in ok], convention=convention)  # type: ignore[misc]
     else:
-        pairs = encode_pairs(tokenizer, [values[0][i] for i in ok], [values[1][i] for i in ok],  # type: ignore[misc]
-                             convention=convention)
+        pairs = encode_pairs(
+            tokenizer,
+            [values[0][i] for i in ok],
+            [values[1][i] for i in ok],  # type: ignore[misc]
+            convention=convention,
+        )
     for i, (context, scored) in zip(ok, pairs):
         ids[i] = context + scored
         lens[i] = len(context)
     return ids, lens
 
 
-def prepare_rows(pdf: Any, opts: ScoreOptions, *, tokenizer: Any, vocab_size: int, max_positions: int | None, file: str,
-                 first_row: int) -> PreparedRows:
+def prepare_rows(
+    pdf: Any,
+    opts: ScoreOptions,
+    *,
+    tokenizer: Any,
+    vocab_size: int,
+    max_positions: int | None,
+    file: str,
+    first_row: int,
+) -> PreparedRows:
     """Read, tokenize and check every row of ``pdf`` (rows ``first_row ...`` of ``file``) for ``opts``
     (a :class:`~dask_lm.data.messages.ScoreOptions`)."""
     n = len(pdf)
@@ -240,17 +271,28 @@ def prepare_rows(pdf: Any, opts: ScoreOptions, *, tokenizer: Any, vocab_size: in
             prompt_len = _prompt_lengths(pdf, opts.prompt_length_column, ids, file, first_row, errors)
             start = [max(k, 1) for k in prompt_len]
     else:
-        ids, lens = tokenize_rows(pdf, tokenizer, text_column=opts.text_column, prompt_column=opts.prompt_column,
-                                  response_column=opts.response_column, file=file, first_row=first_row, errors=errors,
-                                  convention=opts.convention,
-                                  bound=text_bound(tokenizer, limit, limit_why, opts.truncate))
+        ids, lens = tokenize_rows(
+            pdf,
+            tokenizer,
+            text_column=opts.text_column,
+            prompt_column=opts.prompt_column,
+            response_column=opts.response_column,
+            file=file,
+            first_row=first_row,
+            errors=errors,
+            convention=opts.convention,
+            bound=text_bound(tokenizer, limit, limit_why, opts.truncate),
+        )
         if opts.text_column is None:
             prompt_len = lens
         start = [max(k, 1) for k in lens]  # only response tokens count, each given everything before it
     column = opts.ids_column or opts.text_column or opts.response_column
     assert column is not None, "ScoreOptions names no column to score"
-    pair = (opts.ids_column, opts.prompt_length_column or "") if opts.ids_column else (opts.prompt_column or "",
-                                                                                        opts.response_column or "")
+    pair = (
+        (opts.ids_column, opts.prompt_length_column or "")
+        if opts.ids_column
+        else (opts.prompt_column or "", opts.response_column or "")
+    )
     truncated = [False] * n
     for i, toks in enumerate(ids):
         if toks is None or errors[i] is not None:
@@ -258,8 +300,13 @@ def prepare_rows(pdf: Any, opts: ScoreOptions, *, tokenizer: Any, vocab_size: in
             continue
         if toks and (min(toks) < 0 or max(toks) >= vocab_size):
             k, t = next((k, t) for k, t in enumerate(toks) if t < 0 or t >= vocab_size)
-            errors[i] = _bad(file, first_row + i, column, f"token id {t} at position {k} is outside the model's "
-                             f"vocabulary [0, {vocab_size}); were the ids made with another tokenizer?")
+            errors[i] = _bad(
+                file,
+                first_row + i,
+                column,
+                f"token id {t} at position {k} is outside the model's "
+                f"vocabulary [0, {vocab_size}); were the ids made with another tokenizer?",
+            )
         elif limit is not None and len(toks) > limit:
             why = _cut(toks, limit, limit_why, opts.truncate, prompt_len[i] if prompt_len is not None else None)
             if isinstance(why, str):
@@ -273,8 +320,9 @@ def prepare_rows(pdf: Any, opts: ScoreOptions, *, tokenizer: Any, vocab_size: in
     return PreparedRows(ids=ids, start=start, truncated=truncated, errors=errors)
 
 
-def _prompt_lengths(pdf: Any, column: str, ids: list[list[int] | None], file: str, first_row: int,
-                    errors: list[str | None]) -> list[int]:
+def _prompt_lengths(
+    pdf: Any, column: str, ids: list[list[int] | None], file: str, first_row: int, errors: list[str | None]
+) -> list[int]:
     """Ids mode's prompt lengths (``--prompt-length-column``): how many leading ids of each row are context, an
     integer in ``[0, len(ids)]``; anything else marks the row bad (the first error wins)."""
     got = _arrow_values(pdf[column])
@@ -290,8 +338,10 @@ def _prompt_lengths(pdf: Any, column: str, ids: list[list[int] | None], file: st
         elif not _is_int(v):
             why = f"expected a prompt length (an integer), got {type(v).__name__} {_short(v)}"
         elif not 0 <= int(v) <= n:
-            why = (f"prompt length {int(v)} is outside [0, {n}] (the row has {n} token ids); it counts the leading "
-                   "ids that are context, not scored")
+            why = (
+                f"prompt length {int(v)} is outside [0, {n}] (the row has {n} token ids); it counts the leading "
+                "ids that are context, not scored"
+            )
         else:
             out[i] = int(v)
         if why is not None:
@@ -299,8 +349,9 @@ def _prompt_lengths(pdf: Any, column: str, ids: list[list[int] | None], file: st
     return out
 
 
-def _cut(toks: list[int], limit: int, limit_why: str, truncate: bool, prompt_len: int | None
-         ) -> str | tuple[list[int], int]:
+def _cut(
+    toks: list[int], limit: int, limit_why: str, truncate: bool, prompt_len: int | None
+) -> str | tuple[list[int], int]:
     """A row longer than ``limit``: with ``truncate`` its last ``limit`` tokens and first scored position, else
     (or when truncation cannot keep it faithful) the reason it is a bad row.
 
@@ -310,18 +361,24 @@ def _cut(toks: list[int], limit: int, limit_why: str, truncate: bool, prompt_len
     n = len(toks)
     if prompt_len is None:
         if not truncate:
-            return (f"{n} tokens, more than {limit_why}; pass {opt('truncate', True)} to keep the last {limit} "
-                    f"tokens (or {opt('max_length', meta='N')} to choose where to cut)")
-        return toks[n - limit:], 1
+            return (
+                f"{n} tokens, more than {limit_why}; pass {opt('truncate', True)} to keep the last {limit} "
+                f"tokens (or {opt('max_length', meta='N')} to choose where to cut)"
+            )
+        return toks[n - limit :], 1
     response = n - prompt_len
     if response >= limit:
-        return (f"the response alone is {response} tokens, and scoring it needs it plus at least one context token "
-                f"within {limit_why}; {opt('truncate', True)} cannot keep it whole: shorten the response or use a "
-                "model with "
-                "more positions")
+        return (
+            f"the response alone is {response} tokens, and scoring it needs it plus at least one context token "
+            f"within {limit_why}; {opt('truncate', True)} cannot keep it whole: shorten the response or use a "
+            "model with "
+            "more positions"
+        )
     if not truncate:
-        return (f"prompt + response are {n} tokens, more than {limit_why}; pass {opt('truncate', True)} to drop the "
-                "first "
-                f"{n - limit} prompt tokens (the response is kept whole)")
+        return (
+            f"prompt + response are {n} tokens, more than {limit_why}; pass {opt('truncate', True)} to drop the "
+            "first "
+            f"{n - limit} prompt tokens (the response is kept whole)"
+        )
     drop = n - limit
     return toks[drop:], prompt_len - drop

@@ -36,8 +36,13 @@ def skeleton(lengths: torch.Tensor, width: int) -> BatchedDataDict[Any]:
     ``input_ids`` is a one-byte tensor of the right shape: sharding reads its width (dynamic batching caps a
     micro-batch's padded length by it) and cuts it like any other column, never its values."""
     b = int(lengths.shape[0])
-    return BatchedDataDict({"input_ids": torch.zeros((b, width), dtype=torch.uint8),
-                            "input_lengths": lengths.to(torch.int64), ROW_KEY: torch.arange(b, dtype=torch.int64)})
+    return BatchedDataDict(
+        {
+            "input_ids": torch.zeros((b, width), dtype=torch.uint8),
+            "input_lengths": lengths.to(torch.int64),
+            ROW_KEY: torch.arange(b, dtype=torch.int64),
+        }
+    )
 
 
 @dataclass(frozen=True)

@@ -79,10 +79,16 @@ def batch_size_of(value: Any) -> int:
     return int(value.shape[0]) if isinstance(value, torch.Tensor) else len(value)
 
 
-def shard_batch(data: Rows, shards: int, batch_size: int | None = None, allow_uneven_shards: bool = False,
-                dynamic_batching_args: DynamicBatchingArgs | None = None,
-                sequence_packing_args: SequencePackingArgs | None = None, *,
-                sliced: Callable[[Rows], CutT]) -> list[CutT] | tuple[list[CutT], list[int]]:
+def shard_batch(
+    data: Rows,
+    shards: int,
+    batch_size: int | None = None,
+    allow_uneven_shards: bool = False,
+    dynamic_batching_args: DynamicBatchingArgs | None = None,
+    sequence_packing_args: SequencePackingArgs | None = None,
+    *,
+    sliced: Callable[[Rows], CutT],
+) -> list[CutT] | tuple[list[CutT], list[int]]:
     """The body of ``BatchedDataDict.shard_by_batch_size`` (see there). ``sliced`` makes a shard of the selected
     rows (the shards' class), handed in by the batch module that defines it, so that this module needs nothing of
     that one."""
@@ -94,8 +100,9 @@ def shard_batch(data: Rows, shards: int, batch_size: int | None = None, allow_un
         raise BatchError("dynamic_batching_args and sequence_packing_args cannot be passed together")
     sizes = sorted({batch_size_of(v) for v in data.values()})
     if len(sizes) > 1:
-        raise BatchError("Batch sizes are not the same across the rollout batch, found sizes: "
-                         f"[{','.join(str(s) for s in sizes)}]")
+        raise BatchError(
+            f"Batch sizes are not the same across the rollout batch, found sizes: [{','.join(str(s) for s in sizes)}]"
+        )
     total = sizes[0] if sizes else 0
     batch_size = total if batch_size is None else batch_size
     if batch_size < 1 and total:
@@ -107,8 +114,7 @@ def shard_batch(data: Rows, shards: int, batch_size: int | None = None, allow_un
     num_chunks = total // batch_size if batch_size else 0
 
     if sequence_packing_args is not None:
-        return _pack_shards(data, shards, batch_size, num_chunks, sequence_packing_args, allow_uneven_shards,
-                            sliced)
+        return _pack_shards(data, shards, batch_size, num_chunks, sequence_packing_args, allow_uneven_shards, sliced)
 
     sorted_indices: list[int] | None = None
     if dynamic_batching_args is not None:
@@ -134,14 +140,16 @@ def shard_batch(data: Rows, shards: int, batch_size: int | None = None, allow_un
         out.append(sliced(data.select_indices(rows)))
     if dynamic_batching_args is None:
         return out
-    _cut_dynamic_micro_batches(out, shard_size, num_chunks, dynamic_batching_args,
-                               width=int(data[dynamic_batching_args["input_key"]].shape[1]))
+    _cut_dynamic_micro_batches(
+        out, shard_size, num_chunks, dynamic_batching_args, width=int(data[dynamic_batching_args["input_key"]].shape[1])
+    )
     assert sorted_indices is not None  # set above whenever dynamic batching is on
     return out, sorted_indices
 
 
-def _cut_dynamic_micro_batches(shards: list[Any], shard_size: int, num_chunks: int, args: DynamicBatchingArgs,
-                               *, width: int) -> None:
+def _cut_dynamic_micro_batches(
+    shards: list[Any], shard_size: int, num_chunks: int, args: DynamicBatchingArgs, *, width: int
+) -> None:
     """Identical micro-batch boundaries for every shard: position j's length is the max over shards."""
     budget = int(args["max_tokens_per_microbatch"])
     rnd = int(args["sequence_length_round"])
@@ -152,13 +160,17 @@ def _cut_dynamic_micro_batches(shards: list[Any], shard_size: int, num_chunks: i
         mbl: list[int] = [0]
         longest = 0
         for j in range(shard_size):
-            m = max((int(sh[key][c * shard_size + j]) for sh in shards
-                     if c * shard_size + j < batch_size_of(sh[key])), default=0)
+            m = max(
+                (int(sh[key][c * shard_size + j]) for sh in shards if c * shard_size + j < batch_size_of(sh[key])),
+                default=0,
+            )
             m = min(math.ceil(m / rnd) * rnd, width)
             if m > budget:
-                raise BatchError(f"got an input of padded ({rnd}) sequence length of {m}, however max microbatch "
-                                 f"size is {budget} tokens; raise the token budget (logprob_mb_tokens / "
-                                 "train_mb_tokens) or shorten the row")
+                raise BatchError(
+                    f"got an input of padded ({rnd}) sequence length of {m}, however max microbatch "
+                    f"size is {budget} tokens; raise the token budget (logprob_mb_tokens / "
+                    "train_mb_tokens) or shorten the row"
+                )
             rows = mbi[-1][1] - mbi[-1][0] + 1
             longest = max(longest, m)
             if rows * longest <= budget:
@@ -178,8 +190,15 @@ def _cut_dynamic_micro_batches(shards: list[Any], shard_size: int, num_chunks: i
         sh.micro_batch_lengths = [list(chunk) for chunk in lengths]
 
 
-def _pack_shards(data: Rows, shards: int, batch_size: int, num_chunks: int, args: SequencePackingArgs,
-                 allow_uneven: bool, sliced: Callable[[Rows], CutT]) -> tuple[list[CutT], list[int]]:
+def _pack_shards(
+    data: Rows,
+    shards: int,
+    batch_size: int,
+    num_chunks: int,
+    args: SequencePackingArgs,
+    allow_uneven: bool,
+    sliced: Callable[[Rows], CutT],
+) -> tuple[list[CutT], list[int]]:
     order = args.get("microbatch_order")
     if order not in (None, "packer", "largest_first"):
         raise BatchError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', got {order!r}")
@@ -193,7 +212,7 @@ def _pack_shards(data: Rows, shards: int, batch_size: int, num_chunks: int, args
     counts: list[list[int]] = [[] for _ in range(shards)]
     for c in range(num_chunks):
         start = c * batch_size
-        padded = [(int(x) + pad - 1) // pad * pad for x in lengths[start:start + batch_size].tolist()]
+        padded = [(int(x) + pad - 1) // pad * pad for x in lengths[start : start + batch_size].tolist()]
         # training needs a multiple of `shards` bins (equal counts, NeMo RL's rule); inference (allow_uneven) only
         # asks for a bin per rank when there are enough rows: ranks with fewer bins run dummy forwards
         if allow_uneven:
@@ -222,8 +241,9 @@ def _pack_shards(data: Rows, shards: int, batch_size: int, num_chunks: int, args
     return out, [i for rows in per_shard_rows for i in rows]
 
 
-def _pack_chunk(padded: list[int], algorithm: str, capacity: int, min_bins: int | None,
-                multiple: int | None) -> list[list[int]]:
+def _pack_chunk(
+    padded: list[int], algorithm: str, capacity: int, min_bins: int | None, multiple: int | None
+) -> list[list[int]]:
     """Bins of one chunk. The packer refuses a row longer than ``capacity`` (NeMo RL's contract); a Policy pass
     gives such a row a bin of its own instead of failing the whole batch (the forward of one overlong row works,
     it only exceeds the token budget). So the rows that fit are packed, the overlong ones appended as single

@@ -40,8 +40,14 @@ from typing import Any
 
 from dask_lm.interface import opt
 
-__all__ = ["ALWAYS_TOKENIZED_BYTES", "MAX_TEXT_BYTES", "TextBound", "max_token_bytes", "text_bound",
-           "tokenizer_token_bytes"]
+__all__ = [
+    "ALWAYS_TOKENIZED_BYTES",
+    "MAX_TEXT_BYTES",
+    "TextBound",
+    "max_token_bytes",
+    "text_bound",
+    "tokenizer_token_bytes",
+]
 
 # The most text one row may hand the tokenizer whatever the token bound: at about 200 bytes of tokenizer memory per
 # byte where every byte is a token (measured: a 16 MiB row of one repeated letter, 3.6 GiB and 77 s), 16 MiB stays
@@ -169,12 +175,20 @@ class TextBound:
         """A row of ``n`` bytes (more than :attr:`max_bytes`): what is wrong, and the way on."""
         said = f"{n:,} bytes of text, more than the {self.max_bytes:,} a row may hold"
         if self.limit is not None and self.token_bytes is not None and not self.truncate:
-            fix = (f"pass {opt('truncate', True)} to cut it to {self.limit} tokens" if n <= MAX_TEXT_BYTES else
-                   "shorten the text: it is too long to tokenize even to truncate it")
-            return (f"{said}: {self.limit_why} fit at most {self.limit} tokens of at most {self.token_bytes} bytes "
-                    f"each (this tokenizer's longest); it was not tokenized; {fix}")
-        cause = ("" if self.token_bytes is not None or self.limit is None else
-                 " (this tokenizer can make few tokens of much text, so its tokens give no tighter bound)")
+            fix = (
+                f"pass {opt('truncate', True)} to cut it to {self.limit} tokens"
+                if n <= MAX_TEXT_BYTES
+                else "shorten the text: it is too long to tokenize even to truncate it"
+            )
+            return (
+                f"{said}: {self.limit_why} fit at most {self.limit} tokens of at most {self.token_bytes} bytes "
+                f"each (this tokenizer's longest); it was not tokenized; {fix}"
+            )
+        cause = (
+            ""
+            if self.token_bytes is not None or self.limit is None
+            else " (this tokenizer can make few tokens of much text, so its tokens give no tighter bound)"
+        )
         return f"{said} to be tokenized{cause}: more than a worker tokenizes for one row; shorten the text"
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -90,7 +91,7 @@ class TokenRows:
     def slice(self, start: int, end: int) -> TokenRows:
         """Rows ``[start, end)``, as views of this one's tensors."""
         lo, hi = int(self.offsets[start]), int(self.offsets[end])
-        return TokenRows(self.values[lo:hi], self.offsets[start:end + 1] - lo, self.width)
+        return TokenRows(self.values[lo:hi], self.offsets[start : end + 1] - lo, self.width)
 
     def take(self, rows: Sequence[int]) -> TokenRows:
         """Rows in the order ``rows`` lists them (a gather of their ids)."""

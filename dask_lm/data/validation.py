@@ -20,23 +20,26 @@ __all__ = ["validate_input_batch", "validate_train_batch"]
 _SHAPE_HELP = "`input_ids` must be an integer tensor [B, S] of right-padded token ids"
 
 
-def validate_input_batch(data: Any, *, what: str, vocab_size: int | None, max_length: int | None,
-                         pad_token_id: int | None = None) -> BatchedDataDict[Any]:
+def validate_input_batch(
+    data: Any, *, what: str, vocab_size: int | None, max_length: int | None, pad_token_id: int | None = None
+) -> BatchedDataDict[Any]:
     """Return ``data`` as a BatchedDataDict after checking ``input_ids`` / ``input_lengths``; raise ``ValueError``."""
     if not isinstance(data, Mapping):
-        raise ValueError(f"{what}: data must be a BatchedDataDict (or dict) with `input_ids` and `input_lengths`, "
-                         f"got {type(data).__name__}")
+        raise ValueError(
+            f"{what}: data must be a BatchedDataDict (or dict) with `input_ids` and `input_lengths`, "
+            f"got {type(data).__name__}"
+        )
     for key in ("input_ids", "input_lengths"):
         if key not in data:
-            hint = (" ([B] true length of each row)" if key == "input_lengths"
-                    else " ([B, S] right-padded token ids)")
+            hint = " ([B] true length of each row)" if key == "input_lengths" else " ([B, S] right-padded token ids)"
             raise ValueError(f"{what}: data is missing the key `{key}`{hint}; it has {sorted(data.keys())}")
     ids, lengths = data["input_ids"], data["input_lengths"]
     if not isinstance(ids, torch.Tensor):
         raise ValueError(f"{what}: {_SHAPE_HELP}, got {type(ids).__name__}")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise ValueError(f"{what}: `input_ids` has dtype {ids.dtype}; token ids must be integers "
-                         "(convert with .long())")
+        raise ValueError(
+            f"{what}: `input_ids` has dtype {ids.dtype}; token ids must be integers (convert with .long())"
+        )
     if ids.dim() != 2:
         raise ValueError(f"{what}: {_SHAPE_HELP}, got shape {list(ids.shape)}")
     b, s = ids.shape
@@ -50,8 +53,10 @@ def validate_input_batch(data: Any, *, what: str, vocab_size: int | None, max_le
         raise ValueError(f"{what}: `input_lengths` has {lengths.shape[0]} entries but `input_ids` has {b} rows")
     for key, value in data.items():
         if not isinstance(value, (torch.Tensor, list, tuple)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
-            raise ValueError(f"{what}: `{key}` is not per-row data (a tensor or list with one entry per row); "
-                             "keep other values out of the batch")
+            raise ValueError(
+                f"{what}: `{key}` is not per-row data (a tensor or list with one entry per row); "
+                "keep other values out of the batch"
+            )
         n = value.shape[0] if isinstance(value, torch.Tensor) else len(value)
         if n != b:
             raise ValueError(f"{what}: `{key}` has {n} rows but `input_ids` has {b}")
@@ -68,16 +73,20 @@ def validate_input_batch(data: Any, *, what: str, vocab_size: int | None, max_le
         too_long = (lens > max_length).nonzero()
         if too_long.numel():
             r = int(too_long[0])
-            raise ValueError(f"{what}: row {r} has {int(lens[r])} tokens, more than "
-                             f"`policy.max_total_sequence_length` = {max_length}; truncate the row or raise "
-                             "max_total_sequence_length")
+            raise ValueError(
+                f"{what}: row {r} has {int(lens[r])} tokens, more than "
+                f"`policy.max_total_sequence_length` = {max_length}; truncate the row or raise "
+                "max_total_sequence_length"
+            )
     cpu_ids = ids.detach().to("cpu", torch.int64)
     valid = torch.arange(s)[None, :] < lens[:, None]
     bad = valid & ((cpu_ids < 0) | (cpu_ids >= vocab_size if vocab_size is not None else torch.zeros_like(valid)))
     if bool(bad.any()):
         r, c = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"{what}: `input_ids[{r}, {c}]` = {int(cpu_ids[r, c])} is outside the model's vocabulary "
-                         f"[0, {vocab_size}); the tokenizer and the model do not match")
+        raise ValueError(
+            f"{what}: `input_ids[{r}, {c}]` = {int(cpu_ids[r, c])} is outside the model's vocabulary "
+            f"[0, {vocab_size}); the tokenizer and the model do not match"
+        )
     if pad_token_id is not None:
         _check_right_padding(cpu_ids, lens, pad_token_id, what)
     return data if isinstance(data, BatchedDataDict) else BatchedDataDict(data)
@@ -95,17 +104,25 @@ def _check_right_padding(ids: torch.Tensor, lens: torch.Tensor, pad: int, what: 
     if bool(left.any()):
         r = int(left.nonzero()[0])
         k = s - int(lens[r])
-        raise ValueError(f"{what}: row {r} looks left-padded (it starts with {k} pad tokens and its last {k} "
-                         "positions are not padding); dask-lm needs right padding: tokens first, then pad, with "
-                         "`input_lengths` giving the count of real tokens")
+        raise ValueError(
+            f"{what}: row {r} looks left-padded (it starts with {k} pad tokens and its last {k} "
+            "positions are not padding); dask-lm needs right padding: tokens first, then pad, with "
+            "`input_lengths` giving the count of real tokens"
+        )
 
 
 _PER_TOKEN = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
 _PER_ROW = ("sample_mask", "rewards")
 
 
-def validate_train_batch(data: BatchedDataDict[Any], loss_fn: Any, *, check_dim_skip_keys: Any = None,
-                         vocab_size: int | None = None, what: str = "train") -> BatchedDataDict[Any]:
+def validate_train_batch(
+    data: BatchedDataDict[Any],
+    loss_fn: Any,
+    *,
+    check_dim_skip_keys: Any = None,
+    vocab_size: int | None = None,
+    what: str = "train",
+) -> BatchedDataDict[Any]:
     """Checks for ``Policy.train`` beyond :func:`validate_input_batch` (run that first); returns a new batch.
 
     * the loss follows the ``LossFunction`` protocol and every key it needs is in the data;
@@ -117,12 +134,16 @@ def validate_train_batch(data: BatchedDataDict[Any], loss_fn: Any, *, check_dim_
     from dask_lm.losses.loss_input import input_type_of
 
     if not callable(loss_fn):
-        raise ValueError(f"{what}: loss_fn must be callable as loss_fn(data=..., global_valid_seqs=..., "
-                         f"global_valid_toks=..., **inputs), got {type(loss_fn).__name__}")
+        raise ValueError(
+            f"{what}: loss_fn must be callable as loss_fn(data=..., global_valid_seqs=..., "
+            f"global_valid_toks=..., **inputs), got {type(loss_fn).__name__}"
+        )
     for attr in ("loss_type", "input_type"):
         if not hasattr(loss_fn, attr):
-            raise ValueError(f"{what}: {type(loss_fn).__name__} has no `{attr}` attribute; a loss needs `loss_type` "
-                             "(LossType) and `input_type` (LossInputType), see dask_lm.losses.LossFunction")
+            raise ValueError(
+                f"{what}: {type(loss_fn).__name__} has no `{attr}` attribute; a loss needs `loss_type` "
+                "(LossType) and `input_type` (LossInputType), see dask_lm.losses.LossFunction"
+            )
     kind = input_type_of(loss_fn)
     required = list(loss_attribute(loss_fn, "required_keys") or ())
     if kind == LossInputType.DISTILLATION:
@@ -134,30 +155,37 @@ def validate_train_batch(data: BatchedDataDict[Any], loss_fn: Any, *, check_dim_
         out["sample_mask"] = torch.ones(b, dtype=torch.float32)
     missing = [k for k in required if k not in out]
     if missing:
-        raise ValueError(f"{what}: {type(loss_fn).__name__} needs the data keys {missing}, which the batch lacks "
-                         f"(it has {sorted(out.keys())})")
+        raise ValueError(
+            f"{what}: {type(loss_fn).__name__} needs the data keys {missing}, which the batch lacks "
+            f"(it has {sorted(out.keys())})"
+        )
     skip = set(check_dim_skip_keys or ())
     valid = torch.arange(s)[None, :] < lens[:, None]
     for key, value in out.items():
         if not isinstance(value, torch.Tensor):
             continue
         if value.dim() >= 2 and key not in skip and value.shape[1] != s:
-            raise ValueError(f"{what}: `{key}` has shape {list(value.shape)} but `input_ids` is [{b}, {s}]: per-token "
-                             "data must have the same sequence width (pad it to S), or list the key in "
-                             "check_dim_skip_keys")
+            raise ValueError(
+                f"{what}: `{key}` has shape {list(value.shape)} but `input_ids` is [{b}, {s}]: per-token "
+                "data must have the same sequence width (pad it to S), or list the key in "
+                "check_dim_skip_keys"
+            )
         if value.is_floating_point():
             v = value.detach().to("cpu")
             region = v if v.dim() < 2 or v.shape[1] != s else v[valid]
             bad = ~torch.isfinite(region)
             if bool(bad.any()):
                 where = "" if v.dim() < 2 or v.shape[1] != s else " (within the rows' lengths)"
-                raise ValueError(f"{what}: `{key}` holds {int(bad.sum())} NaN/inf values{where}; fix the data "
-                                 "before training on it")
+                raise ValueError(
+                    f"{what}: `{key}` holds {int(bad.sum())} NaN/inf values{where}; fix the data before training on it"
+                )
     for key in _PER_TOKEN:
         if key in out and (not isinstance(out[key], torch.Tensor) or tuple(out[key].shape) != (b, s)):
             got = list(out[key].shape) if isinstance(out[key], torch.Tensor) else type(out[key]).__name__
-            raise ValueError(f"{what}: `{key}` must be a tensor [{b}, {s}] (one value per token, in get_logprobs' "
-                             f"positions), got {got}")
+            raise ValueError(
+                f"{what}: `{key}` must be a tensor [{b}, {s}] (one value per token, in get_logprobs' "
+                f"positions), got {got}"
+            )
     for key in _PER_ROW:
         if key in out and (not isinstance(out[key], torch.Tensor) or tuple(out[key].shape) != (b,)):
             got = list(out[key].shape) if isinstance(out[key], torch.Tensor) else type(out[key]).__name__
@@ -168,28 +196,35 @@ def validate_train_batch(data: BatchedDataDict[Any], loss_fn: Any, *, check_dim_
     if kind == LossInputType.DISTILLATION:
         _check_teacher(out, b, s, valid, vocab_size, what)
     if loss_attribute(loss_fn, "requires_pairs") and b % 2:
-        raise ValueError(f"{what}: {type(loss_fn).__name__} takes (chosen, rejected) row pairs, but the batch has "
-                         f"{b} rows")
+        raise ValueError(
+            f"{what}: {type(loss_fn).__name__} takes (chosen, rejected) row pairs, but the batch has {b} rows"
+        )
     return out
 
 
-def _check_teacher(data: BatchedDataDict[Any], b: int, s: int, valid: torch.Tensor, vocab_size: int | None,
-                   what: str) -> None:
+def _check_teacher(
+    data: BatchedDataDict[Any], b: int, s: int, valid: torch.Tensor, vocab_size: int | None, what: str
+) -> None:
     """Teacher top-k tensors as ``get_topk_logits`` returns them: same [B, S, k], ids inside the vocabulary."""
     values, idx = data["teacher_topk_logits"], data["teacher_topk_indices"]
     for key, t in (("teacher_topk_logits", values), ("teacher_topk_indices", idx)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[:2]) != (b, s) or t.shape[2] < 1:
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{what}: `{key}` must be a tensor [{b}, {s}, k] with k >= 1 (get_topk_logits' output), "
-                             f"got {got}")
+            raise ValueError(
+                f"{what}: `{key}` must be a tensor [{b}, {s}, k] with k >= 1 (get_topk_logits' output), got {got}"
+            )
     if values.shape != idx.shape:
-        raise ValueError(f"{what}: `teacher_topk_logits` {list(values.shape)} and `teacher_topk_indices` "
-                         f"{list(idx.shape)} must have the same shape")
+        raise ValueError(
+            f"{what}: `teacher_topk_logits` {list(values.shape)} and `teacher_topk_indices` "
+            f"{list(idx.shape)} must have the same shape"
+        )
     if idx.is_floating_point() or idx.dtype == torch.bool:
         raise ValueError(f"{what}: `teacher_topk_indices` has dtype {idx.dtype}; vocabulary ids must be integers")
     ids = idx.detach().to("cpu", torch.int64)[valid]
     limit = vocab_size if vocab_size is not None else None
     bad = (ids < 0) | (ids >= limit) if limit is not None else ids < 0
     if bool(bad.any()):
-        raise ValueError(f"{what}: `teacher_topk_indices` holds ids outside the student's vocabulary [0, {limit}) "
-                         "within the rows' lengths; teacher and student must share a tokenizer")
+        raise ValueError(
+            f"{what}: `teacher_topk_indices` holds ids outside the student's vocabulary [0, {limit}) "
+            "within the rows' lengths; teacher and student must share a tokenizer"
+        )

@@ -53,9 +53,16 @@ def _scheduler_file(address: str) -> bool:
     return address.endswith(".json") and os.path.exists(address)
 
 
-def connect(address: str | None = None, *, n_workers: int | None = None, cluster: ClusterKind = "auto",
-            memory_limit: str | float | None = "auto", host: str = "127.0.0.1", dashboard_address: str | None = None,
-            **cluster_kwargs: Any) -> Client:
+def connect(
+    address: str | None = None,
+    *,
+    n_workers: int | None = None,
+    cluster: ClusterKind = "auto",
+    memory_limit: str | float | None = "auto",
+    host: str = "127.0.0.1",
+    dashboard_address: str | None = None,
+    **cluster_kwargs: Any,
+) -> Client:
     """A ``distributed.Client`` for dask-lm work.
 
     Parameters
@@ -112,8 +119,9 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
         try:
             from dask_cuda import LocalCUDACluster
         except ImportError as e:
-            raise ValueError("GPUs are present but dask-cuda is not installed: `pip install 'dask-lm[cuda]'`, "
-                             "or pass cluster='cpu'") from e
+            raise ValueError(
+                "GPUs are present but dask-cuda is not installed: `pip install 'dask-lm[cuda]'`, or pass cluster='cpu'"
+            ) from e
         n = n_workers or gpus
         if n > gpus:
             raise ValueError(f"{opt('n_workers', n)} but only {gpus} GPUs are visible: one worker per GPU")
@@ -122,14 +130,27 @@ def connect(address: str | None = None, *, n_workers: int | None = None, cluster
         # model weights and pinned buffers are unmanaged memory: Dask's pause / terminate thresholds would
         # stall an SPMD group or kill a rank mid-collective, so GPU workers get no host memory limit
         with spawning_without_sigint():
-            lc = LocalCUDACluster(CUDA_VISIBLE_DEVICES=visible, threads_per_worker=1, memory_limit=0,
-                                  dashboard_address=dashboard_address, host=host, **cluster_kwargs)
+            lc = LocalCUDACluster(
+                CUDA_VISIBLE_DEVICES=visible,
+                threads_per_worker=1,
+                memory_limit=0,
+                dashboard_address=dashboard_address,
+                host=host,
+                **cluster_kwargs,
+            )
     else:
         from distributed import LocalCluster
 
         with spawning_without_sigint():
-            lc = LocalCluster(n_workers=n_workers or 2, threads_per_worker=1, processes=True, host=host,
-                              dashboard_address=dashboard_address, memory_limit=memory_limit, **cluster_kwargs)
+            lc = LocalCluster(
+                n_workers=n_workers or 2,
+                threads_per_worker=1,
+                processes=True,
+                host=host,
+                dashboard_address=dashboard_address,
+                memory_limit=memory_limit,
+                **cluster_kwargs,
+            )
     client = Client(lc)
     client._dask_lm_owns_cluster = True  # type: ignore[attr-defined]
     # `client.close()` (and `with connect() as client:`) then closes this cluster too, as it does for the cluster
@@ -179,8 +200,9 @@ def as_client(cluster: Any) -> Client:
             raise ValueError("no Dask client: pass `cluster=dask_lm.connect()` (or a scheduler address)") from None
     if hasattr(cluster, "scheduler_address"):
         return Client(cluster)
-    raise ValueError(f"`cluster` must be a distributed.Client, a Dask cluster or a scheduler address, "
-                     f"got {type(cluster).__name__}")
+    raise ValueError(
+        f"`cluster` must be a distributed.Client, a Dask cluster or a scheduler address, got {type(cluster).__name__}"
+    )
 
 
 def kill_local_workers(client: Client) -> int:
@@ -220,8 +242,11 @@ def lost_scheduler(client: Any, error: BaseException, address: str | None = None
     address = scheduler_address_of(client) or address
     if address is None or not isinstance(error, (FutureCancelledError, OSError)):
         return None
-    if not (isinstance(error, FutureCancelledError) and error.reason == "scheduler-connection-lost"
-            or getattr(client, "status", "running") != "running" or not _reachable(address)):
+    if not (
+        (isinstance(error, FutureCancelledError) and error.reason == "scheduler-connection-lost")
+        or getattr(client, "status", "running") != "running"
+        or not _reachable(address)
+    ):
         return None
     _silence("distributed", "tornado")
     return address
@@ -233,6 +258,7 @@ def quiet_while_reconnecting(client: Any) -> Iterator[None]:
     and their tracebacks, from its event loop's thread) is dropped: a job waiting for a result from a lost scheduler
     can be told so only when its call times out, and says it then, once, on one line (:func:`lost_scheduler`).
     What the client logs while connected passes."""
+
     class _Reconnecting(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
             return getattr(client, "status", "running") == "running"

@@ -60,13 +60,24 @@ class RemoteRows:
         else:
             # one future per partition; only the collection's graph goes to the scheduler, not its rows
             parts, source = client.compute(data.to_delayed()), "frame"
-        opts = {"call": call, "pad_token_id": policy.pad_token_id, "vocab_size": policy.vocab_size,
-                "max_length": policy.cfg.max_total_sequence_length, "train": train}
-        self.prepared = [client.submit(tasks.prepare_rows, p, source=source, index=i, pure=False,
-                                       key=f"prepare-rows-{self.token}-{i}", **opts) for i, p in enumerate(parts)]
+        opts = {
+            "call": call,
+            "pad_token_id": policy.pad_token_id,
+            "vocab_size": policy.vocab_size,
+            "max_length": policy.cfg.max_total_sequence_length,
+            "train": train,
+        }
+        self.prepared = [
+            client.submit(
+                tasks.prepare_rows, p, source=source, index=i, pure=False, key=f"prepare-rows-{self.token}-{i}", **opts
+            )
+            for i, p in enumerate(parts)
+        ]
         del parts  # the prepared batches hold the rows from here on
-        futures = [client.submit(tasks.row_lengths, b, pure=False, key=f"row-lengths-{self.token}-{i}")
-                   for i, b in enumerate(self.prepared)]
+        futures = [
+            client.submit(tasks.row_lengths, b, pure=False, key=f"row-lengths-{self.token}-{i}")
+            for i, b in enumerate(self.prepared)
+        ]
         wait(futures)
         for fut in futures:  # the first bad partition in order (not the first to fail), the same on every run
             if fut.status == "error":
@@ -98,10 +109,25 @@ class RemoteRows:
         assert self.plans is not None and len(self.plans) == self.group.world_size, "bind() the plan first"
         client, out = self.client, []
         for r, plan in enumerate(self.plans):
-            pieces = [client.submit(tasks.cut_rows, self.prepared[p], rows, pure=False,
-                                    key=f"cut-rows-{self.token}-p{p}-r{r}") for p, rows in plan.pieces]
-            out.append(client.submit(tasks.assemble_rows, *pieces, order=plan.order, plan=plan.plan,
-                                     width=self.width, pad_token_id=self.pad_token_id, make=make,
-                                     workers=[self.group.names[r]], allow_other_workers=False, pure=False,
-                                     key=f"assemble-rows-{self.token}-r{r}"))
+            pieces = [
+                client.submit(
+                    tasks.cut_rows, self.prepared[p], rows, pure=False, key=f"cut-rows-{self.token}-p{p}-r{r}"
+                )
+                for p, rows in plan.pieces
+            ]
+            out.append(
+                client.submit(
+                    tasks.assemble_rows,
+                    *pieces,
+                    order=plan.order,
+                    plan=plan.plan,
+                    width=self.width,
+                    pad_token_id=self.pad_token_id,
+                    make=make,
+                    workers=[self.group.names[r]],
+                    allow_other_workers=False,
+                    pure=False,
+                    key=f"assemble-rows-{self.token}-r{r}",
+                )
+            )
         return out

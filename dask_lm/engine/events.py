@@ -31,8 +31,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def log_call(client: Any, policy_id: str, call: str, *, start: float, tokens: int | None = None,
-             **fields: Any) -> None:
+def log_call(client: Any, policy_id: str, call: str, *, start: float, tokens: int | None = None, **fields: Any) -> None:
     """Log one finished call (``start`` from ``time.perf_counter()``). Never raises: metrics must not fail work."""
     event = {"policy": policy_id, "call": call, "seconds": time.perf_counter() - start, "tokens": tokens}
     event.update({k: _plain(v) for k, v in fields.items() if v is not None})

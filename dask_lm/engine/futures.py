@@ -45,9 +45,17 @@ class PolicyFuture(Future[Any]):
     surface through each.
     """
 
-    def __init__(self, key: Any, client: Any, *, group: Any = None,  # the call's WorkerGroup
-                 ranks: Sequence[Future[Any]] = (), call: str = "", warnings: Future[Any] | None = None,
-                 done: Callable[[Any, BaseException | None], None] | None = None) -> None:
+    def __init__(
+        self,
+        key: Any,
+        client: Any,
+        *,
+        group: Any = None,  # the call's WorkerGroup
+        ranks: Sequence[Future[Any]] = (),
+        call: str = "",
+        warnings: Future[Any] | None = None,
+        done: Callable[[Any, BaseException | None], None] | None = None,
+    ) -> None:
         super().__init__(key, client)
         self.call = call
         self._group: WorkerGroup | None = group
@@ -56,9 +64,16 @@ class PolicyFuture(Future[Any]):
         self._done = done
 
     @classmethod
-    def combine(cls, group: WorkerGroup, ranks: Sequence[Future[Any]], how: Join, *,
-                call: str, key_name: str, done: Callable[[Any, BaseException | None], None] | None = None
-                ) -> PolicyFuture:
+    def combine(
+        cls,
+        group: WorkerGroup,
+        ranks: Sequence[Future[Any]],
+        how: Join,
+        *,
+        call: str,
+        key_name: str,
+        done: Callable[[Any, BaseException | None], None] | None = None,
+    ) -> PolicyFuture:
         """The future of ``dask_lm.workers.tasks.combine`` of ``ranks``' answers joined as ``how`` says, pinned to
         rank 0's worker.
         ``done(value, error)`` runs once, at the first ``result()`` (the call's event, its progress bar closed).
@@ -68,12 +83,10 @@ class PolicyFuture(Future[Any]):
         client = group.client
         token = uuid.uuid4().hex[:6]
         where = {"workers": [group.names[0]], "allow_other_workers": True, "pure": False, "retries": 0}
-        joined = client.submit(tasks.combine, how, *ranks, key=f"{key_name}-{group.policy_id}-{token}",
-                               **where)
+        joined = client.submit(tasks.combine, how, *ranks, key=f"{key_name}-{group.policy_id}-{token}", **where)
         # the ranks' warnings travel apart from the result (a few strings), so that the result stays the plain value
         # for wait / gather / a dependent task, and .result() raises them again at the user's line
-        warned = client.submit(tasks.warnings_of, *ranks, key=f"{key_name}-warnings-{group.policy_id}-{token}",
-                               **where)
+        warned = client.submit(tasks.warnings_of, *ranks, key=f"{key_name}-warnings-{group.policy_id}-{token}", **where)
         fut = cls(joined.key, client, group=group, ranks=ranks, call=call, warnings=warned, done=done)
         joined.release()  # the PolicyFuture holds the key now
         fut.add_done_callback(_let_go_of_ranks)
@@ -140,22 +153,35 @@ class Pending(NamedTuple):
 
     def future(self, group: WorkerGroup) -> PolicyFuture:
         """The answers joined into the call's result by a task on rank 0's worker (``collect=True``)."""
-        return PolicyFuture.combine(group, self.futures, self.join, call=self.call,
-                                    key_name=self.call.replace("_", "-"), done=self.done)
+        return PolicyFuture.combine(
+            group, self.futures, self.join, call=self.call, key_name=self.call.replace("_", "-"), done=self.done
+        )
 
     def frame(self, group: WorkerGroup) -> Any:
         """The answers left where they are (``collect=False``): a Dask DataFrame, one partition per rank made on
         its worker (:func:`dask_lm.workers.combine.rank_frame`), a row per input row in the rank's order."""
         import dask.dataframe as dd
 
-        assert isinstance(self.join, JoinRows) and self.rows is not None and self.lengths is not None, \
+        assert isinstance(self.join, JoinRows) and self.rows is not None and self.lengths is not None, (
             "an inference call"
+        )
         keys = self.join.keys
         client, token = group.client, uuid.uuid4().hex[:6]
-        parts = [client.submit(tasks.rank_frame, answer, rows=rows, lengths=lens, keys=keys,
-                               key=f"{self.call.replace('_', '-')}-frame-{group.policy_id}-{token}-r{r}",
-                               workers=[group.names[r]], allow_other_workers=True, pure=False, retries=0)
-                 for r, (answer, rows, lens) in enumerate(zip(self.futures, self.rows, self.lengths))]
+        parts = [
+            client.submit(
+                tasks.rank_frame,
+                answer,
+                rows=rows,
+                lengths=lens,
+                keys=keys,
+                key=f"{self.call.replace('_', '-')}-frame-{group.policy_id}-{token}-r{r}",
+                workers=[group.names[r]],
+                allow_other_workers=True,
+                pure=False,
+                retries=0,
+            )
+            for r, (answer, rows, lens) in enumerate(zip(self.futures, self.rows, self.lengths))
+        ]
         # the rank chain lets go of each answer once it is done (the frame's tasks hold it from then on); not
         # before: until then the next call's task on that rank must wait for it
         for answer in self.futures:
@@ -169,9 +195,13 @@ def frame_meta(keys: tuple[str, ...]) -> Any:
     import pandas as pd
     import pyarrow as pa
 
-    types = {"logprobs": pa.list_(pa.float32()), "reference_logprobs": pa.list_(pa.float32()),
-             "topk_logits": pa.list_(pa.list_(pa.float32())), "topk_indices": pa.list_(pa.list_(pa.int64())),
-             "scores": pa.float32()}
+    types = {
+        "logprobs": pa.list_(pa.float32()),
+        "reference_logprobs": pa.list_(pa.float32()),
+        "topk_logits": pa.list_(pa.list_(pa.float32())),
+        "topk_indices": pa.list_(pa.list_(pa.int64())),
+        "scores": pa.float32(),
+    }
     columns = {"row": pd.Series([], dtype="int64")}
     for key in keys:
         columns[key] = pd.Series([], dtype=pd.ArrowDtype(types[key]))

@@ -41,8 +41,14 @@ def _widths(config: Any) -> dict[str, int]:
     heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    return {"L": int(cfg.num_hidden_layers), "h": int(cfg.hidden_size), "q": heads * head_dim,
-            "kv": kv_heads * head_dim, "f": int(cfg.intermediate_size), "V": int(cfg.vocab_size)}
+    return {
+        "L": int(cfg.num_hidden_layers),
+        "h": int(cfg.hidden_size),
+        "q": heads * head_dim,
+        "kv": kv_heads * head_dim,
+        "f": int(cfg.intermediate_size),
+        "V": int(cfg.vocab_size),
+    }
 
 
 def flops_per_sequence(config: Any, seq_len: int, *, training: bool = True) -> float:
@@ -118,8 +124,14 @@ class Timer:
     """
 
     _OPS: ClassVar[dict[str, Callable[[list[float]], float]]] = {
-        "mean": statistics.fmean, "median": statistics.median, "min": min, "max": max, "sum": sum, "count": len,
-        "std": lambda v: statistics.pstdev(v) if len(v) > 1 else 0.0}
+        "mean": statistics.fmean,
+        "median": statistics.median,
+        "min": min,
+        "max": max,
+        "sum": sum,
+        "count": len,
+        "std": lambda v: statistics.pstdev(v) if len(v) > 1 else 0.0,
+    }
 
     def __init__(self) -> None:
         self._timers: dict[str, list[float]] = {}

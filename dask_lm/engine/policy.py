@@ -27,7 +27,6 @@ from dask_lm.config import PolicyConfig, SGLangConfig
 from dask_lm.config.generation import DECODING_BACKENDS
 from dask_lm.config.optim import check_optim_config
 from dask_lm.data.batch import BatchedDataDict
-from dask_lm.data.named_sharding import NamedSharding
 from dask_lm.data.messages import (
     ActionRequest,
     ExtensionCall,
@@ -43,12 +42,13 @@ from dask_lm.data.messages import (
     Request,
     Shard,
 )
+from dask_lm.data.named_sharding import NamedSharding
 from dask_lm.data.validation import validate_input_batch
 from dask_lm.engine import progress
 from dask_lm.engine.cluster import as_client
 from dask_lm.engine.dataflow import RemoteRows, is_remote
 from dask_lm.engine.events import log_call
-from dask_lm.engine.futures import Pending, PolicyFuture
+from dask_lm.engine.futures import Pending
 from dask_lm.engine.metrics import FLOPTracker, timed
 from dask_lm.engine.training import TrainingMixin
 from dask_lm.engine.worker_group import WorkerGroup
@@ -74,8 +74,8 @@ class Posted(NamedTuple):
     rows: list[list[int]]
     lengths: list[list[int]]
 
-logger = logging.getLogger("dask_lm")
 
+logger = logging.getLogger("dask_lm")
 
 
 def _resolve_names(cfg: PolicyConfig) -> tuple[PolicyConfig, ModelSource]:
@@ -92,8 +92,9 @@ def _resolve_names(cfg: PolicyConfig) -> tuple[PolicyConfig, ModelSource]:
         modelcheck.refuse_remote_code(tok, "`policy.tokenizer.name`")
     if source.path == cfg.model_name and tok == cfg.tokenizer.name:
         return cfg, source
-    return dataclasses.replace(cfg, model_name=source.path,
-                               tokenizer=dataclasses.replace(cfg.tokenizer, name=tok)), source
+    return dataclasses.replace(
+        cfg, model_name=source.path, tokenizer=dataclasses.replace(cfg.tokenizer, name=tok)
+    ), source
 
 
 def _model_config(model_name: str, overrides: dict[str, Any] | None) -> Any:
@@ -107,8 +108,9 @@ def _model_config(model_name: str, overrides: dict[str, Any] | None) -> Any:
 
         config = transformers.AutoConfig.from_pretrained(model_name, trust_remote_code=False, **(overrides or {}))
     except (OSError, ValueError) as e:
-        raise ValueError(f"`policy.model_name` = {model_name!r} is not a readable Hugging Face model directory: "
-                         f"{e}") from e
+        raise ValueError(
+            f"`policy.model_name` = {model_name!r} is not a readable Hugging Face model directory: {e}"
+        ) from e
     if overrides:
         check_config_limits(config.to_dict(), f"{config_path} with `policy.hf_config_overrides` {overrides}")
     return config
@@ -123,13 +125,22 @@ class Policy(TrainingMixin, RefitMixin):
     ``config`` is a dict with NeMo RL's PolicyConfig keys or a :class:`~dask_lm.PolicyConfig`.
     """
 
-    def __init__(self, cluster: Any, config: dict[str, Any] | PolicyConfig, tokenizer: Any,
-                 name_prefix: str = "lm_policy", workers_per_node: int | None = None, init_optimizer: bool = True,
-                 weights_path: str | os.PathLike[str] | None = None,
-                 optimizer_path: str | os.PathLike[str] | None = None,
-                 init_reference_model: bool = True, processor: Any = None,
-                 worker_extension_cls_fqn: str | None = None, skip_weight_load: bool = False,
-                 workers: Sequence[Any] | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Any,
+        config: dict[str, Any] | PolicyConfig,
+        tokenizer: Any,
+        name_prefix: str = "lm_policy",
+        workers_per_node: int | None = None,
+        init_optimizer: bool = True,
+        weights_path: str | os.PathLike[str] | None = None,
+        optimizer_path: str | os.PathLike[str] | None = None,
+        init_reference_model: bool = True,
+        processor: Any = None,
+        worker_extension_cls_fqn: str | None = None,
+        skip_weight_load: bool = False,
+        workers: Sequence[Any] | None = None,
+    ) -> None:
         self._group: WorkerGroup | None = None
         self.cfg, self.model_source = _resolve_names(PolicyConfig.from_dict(config))
         if processor is not None:
@@ -144,8 +155,10 @@ class Policy(TrainingMixin, RefitMixin):
             if not init_optimizer:
                 raise ValueError("`optimizer_path` restores optimizer state, which needs init_optimizer=True")
             if not any(os.path.isfile(os.path.join(optimizer_path, f)) for f in (".metadata", ckpt.FRESH_OPTIMIZER)):
-                raise ValueError(f"`optimizer_path` {optimizer_path!r} is not an optimizer checkpoint written by "
-                                 "save_checkpoint (no .metadata file in it)")
+                raise ValueError(
+                    f"`optimizer_path` {optimizer_path!r} is not an optimizer checkpoint written by "
+                    "save_checkpoint (no .metadata file in it)"
+                )
         self.init_optimizer = bool(init_optimizer and self.cfg.optimizer is not None)
         if self.init_optimizer:
             check_optim_config(self.cfg)
@@ -173,16 +186,30 @@ class Policy(TrainingMixin, RefitMixin):
         except BaseException:
             group.release_lease()
             raise
-        options = {"init_optimizer": init_optimizer, "init_reference_model": init_reference_model,
-                   "weights_path": weights_path, "optimizer_path": optimizer_path, "skip_weight_load": skip_weight_load}
+        options = {
+            "init_optimizer": init_optimizer,
+            "init_reference_model": init_reference_model,
+            "weights_path": weights_path,
+            "optimizer_path": optimizer_path,
+            "skip_weight_load": skip_weight_load,
+        }
         members = tuple(str(n) for n in group.names)
         lock = group.group_lock() if group.world_size > 1 else contextlib.nullcontext()
         with span("dask-lm/load-model"), lock:
             master = group.rendezvous()
-            futs = group.submit(tasks.init_policy, group.policy_id, self.cfg.to_dict(), key_name="load-model",
-                                per_rank_kwargs=[{"rank": r} for r in range(group.world_size)], members=members,
-                                member_ids=tuple(group.ids), master=master, pad_token_id=self.pad_token_id,
-                                extension_fqn=worker_extension_cls_fqn, options=options)
+            futs = group.submit(
+                tasks.init_policy,
+                group.policy_id,
+                self.cfg.to_dict(),
+                key_name="load-model",
+                per_rank_kwargs=[{"rank": r} for r in range(group.world_size)],
+                members=members,
+                member_ids=tuple(group.ids),
+                master=master,
+                pad_token_id=self.pad_token_id,
+                extension_fqn=worker_extension_cls_fqn,
+                options=options,
+            )
             try:
                 with progress.bar(self.client, len(futs), "loading the model", "rank") as (_id, load_bar):
                     self.worker_info = group.gather(futs, what="loading the model", progress=load_bar)
@@ -207,15 +234,25 @@ class Policy(TrainingMixin, RefitMixin):
         if entry is None:
             raise ValueError(f"Policy.submit: {method!r} cannot be submitted; use one of {list(SUBMITTABLE)}")
         if not collect and entry.join is not JoinRows:
-            raise ValueError(f"Policy.submit({method!r}, collect=False): only the inference calls "
-                             "(get_logprobs, get_reference_policy_logprobs, get_topk_logits, score) give rows that "
-                             "can stay on the workers; leave collect=True")
+            raise ValueError(
+                f"Policy.submit({method!r}, collect=False): only the inference calls "
+                "(get_logprobs, get_reference_policy_logprobs, get_topk_logits, score) give rows that "
+                "can stay on the workers; leave collect=True"
+            )
         pending = entry.post(self, *args, **kwargs)
         assert isinstance(pending.join, entry.join), f"{method} posts a {type(pending.join).__name__}"
         return pending.future(self.group) if collect else pending.frame(self.group)
 
-    def _post_sharded(self, request: Callable[[Shard], Request], data: Any, *, what: str, timer: Any = None,
-                      contiguous: bool = False, rows_per_mb: bool = False) -> Posted:
+    def _post_sharded(
+        self,
+        request: Callable[[Shard], Request],
+        data: Any,
+        *,
+        what: str,
+        timer: Any = None,
+        contiguous: bool = False,
+        rows_per_mb: bool = False,
+    ) -> Posted:
         """Validate, shard and post ``request(its shard)`` to each rank: the ranks' futures, the permutation that
         restores input order (or None) and what to log when the call is done. ``rows_per_mb``: the call names a
         micro_batch_size, so no packing."""
@@ -225,20 +262,31 @@ class Policy(TrainingMixin, RefitMixin):
         if remote is not None:  # checked on the workers; planned here from the rows' lengths
             data = remote.skeleton()
         else:
-            data = validate_input_batch(data, what=what, vocab_size=self.vocab_size,
-                                        max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
+            data = validate_input_batch(
+                data,
+                what=what,
+                vocab_size=self.vocab_size,
+                max_length=self.cfg.max_total_sequence_length,
+                pad_token_id=self.pad_token_id,
+            )
             # the forward needs only these two keys; other per-row data (masks, advantages) stays on the driver
             data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
         with timed(timer, f"{what}/shard_data"):
             if contiguous:  # rows stay in order, a contiguous slice per rank (generation decodes whole rows)
-                shards, order, packed = data.shard_by_batch_size(self.data_parallel_size, allow_uneven_shards=True), \
-                    None, False
+                shards, order, packed = (
+                    data.shard_by_batch_size(self.data_parallel_size, allow_uneven_shards=True),
+                    None,
+                    False,
+                )
             else:
                 # rows per micro-batch were asked for when the call names a micro_batch_size: no packing then
                 shards, order, packed = self._shard(data, auto_pack=not rows_per_mb)
         with timed(timer, f"{what}/submit_logprob_futures"), span(f"dask-lm/{what}"):
-            source = remote.bind(shards, packed=packed) if remote is not None else \
-                [Shard.of(s, packed=packed) for s in shards]
+            source = (
+                remote.bind(shards, packed=packed)
+                if remote is not None
+                else [Shard.of(s, packed=packed) for s in shards]
+            )
             futures = self._post_requests(request, source, what=what)
         tokens, rows = int(data["input_lengths"].sum()), int(data["input_lengths"].shape[0])
         # each rank's rows as input row numbers: the shards in rank order are the input rows permuted by `order`
@@ -246,11 +294,12 @@ class Policy(TrainingMixin, RefitMixin):
         per_rank, lens, at = [], [], 0
         for s in shards:
             n = int(s["input_lengths"].shape[0])
-            per_rank.append(numbers[at:at + n])
+            per_rank.append(numbers[at : at + n])
             lens.append(s["input_lengths"].tolist())
             at += n
-        return Posted(futures, order, self._logger(what, start, tokens=tokens, rows=rows, ranks=group.world_size),
-                      per_rank, lens)
+        return Posted(
+            futures, order, self._logger(what, start, tokens=tokens, rows=rows, ranks=group.world_size), per_rank, lens
+        )
 
     def _logger(self, what: str, start: float, **fields: Any) -> Callable[[Any, BaseException | None], None]:
         """The call's event (:func:`dask_lm.engine.events.log_call`), logged when its result is taken."""
@@ -263,8 +312,9 @@ class Policy(TrainingMixin, RefitMixin):
         return done
 
     def _rows_future(self, posted: Posted, what: str, keys: tuple[str, ...], cat: bool = False) -> Pending:
-        return Pending(posted.futures, JoinRows(keys, posted.order, cat), what, posted.done, posted.rows,
-                       posted.lengths)
+        return Pending(
+            posted.futures, JoinRows(keys, posted.order, cat), what, posted.done, posted.rows, posted.lengths
+        )
 
     # ----------------------------------------------------------------------------------------- inference
     def get_logprobs(self, data: BatchedDataDict[Any], timer: Any = None) -> BatchedDataDict[Any]:
@@ -276,43 +326,55 @@ class Policy(TrainingMixin, RefitMixin):
         posted = self._post_sharded(ForwardRequest, data, what="get_logprobs", timer=timer)
         return self._rows_future(posted, "get_logprobs", ("logprobs",))
 
-    def get_reference_policy_logprobs(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None,
-                                      timer: Any = None) -> BatchedDataDict[Any]:
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None, timer: Any = None
+    ) -> BatchedDataDict[Any]:
         """Log-probabilities under the weights as first loaded (before training or a ``weights_path`` restore):
         ``{"reference_logprobs": float32 [B, S]}``; the generation temperature applies, top-k/top-p do not."""
-        out: BatchedDataDict[Any] = self.submit("get_reference_policy_logprobs", data,
-                                                micro_batch_size=micro_batch_size, timer=timer).result()
+        out: BatchedDataDict[Any] = self.submit(
+            "get_reference_policy_logprobs", data, micro_batch_size=micro_batch_size, timer=timer
+        ).result()
         return out
 
-    def _submit_get_reference_policy_logprobs(self, data: Any, micro_batch_size: int | None = None,
-                                              timer: Any = None) -> Pending:
+    def _submit_get_reference_policy_logprobs(
+        self, data: Any, micro_batch_size: int | None = None, timer: Any = None
+    ) -> Pending:
         what = "get_reference_policy_logprobs"
         posted = self._post_sharded(
-            functools.partial(ForwardRequest, head="reference_logprobs", micro_batch_size=micro_batch_size), data,
-            what=what, timer=timer, rows_per_mb=micro_batch_size is not None)
+            functools.partial(ForwardRequest, head="reference_logprobs", micro_batch_size=micro_batch_size),
+            data,
+            what=what,
+            timer=timer,
+            rows_per_mb=micro_batch_size is not None,
+        )
         return self._rows_future(posted, what, ("reference_logprobs",))
 
-    def get_topk_logits(self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None,
-                        timer: Any = None) -> BatchedDataDict[Any]:
+    def get_topk_logits(
+        self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None, timer: Any = None
+    ) -> BatchedDataDict[Any]:
         """The k largest temperature-scaled logits at every position: ``topk_logits`` float32 [B, S, k] and
         ``topk_indices`` int64 [B, S, k] (padding positions hold 0)."""
-        out: BatchedDataDict[Any] = self.submit("get_topk_logits", data, k, micro_batch_size=micro_batch_size,
-                                                timer=timer).result()
+        out: BatchedDataDict[Any] = self.submit(
+            "get_topk_logits", data, k, micro_batch_size=micro_batch_size, timer=timer
+        ).result()
         return out
 
-    def _submit_get_topk_logits(self, data: Any, k: int, micro_batch_size: int | None = None,
-                                timer: Any = None) -> Pending:
+    def _submit_get_topk_logits(
+        self, data: Any, k: int, micro_batch_size: int | None = None, timer: Any = None
+    ) -> Pending:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"get_topk_logits: `k` must be a positive integer, got {k!r}")
         if self.vocab_size is not None and k > self.vocab_size:
             raise ValueError(f"get_topk_logits: `k`={k} exceeds the vocabulary size {self.vocab_size}")
         request = functools.partial(ForwardRequest, head="topk", k=k, micro_batch_size=micro_batch_size)
-        posted = self._post_sharded(request, data, what="get_topk_logits", timer=timer,
-                                    rows_per_mb=micro_batch_size is not None)
+        posted = self._post_sharded(
+            request, data, what="get_topk_logits", timer=timer, rows_per_mb=micro_batch_size is not None
+        )
         return self._rows_future(posted, "get_topk_logits", ("topk_logits", "topk_indices"), cat=True)
 
-    def get_full_logits_ipc(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None,
-                            timer: Any = None) -> list[dict[str, Any]]:
+    def get_full_logits_ipc(
+        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None, timer: Any = None
+    ) -> list[dict[str, Any]]:
         """Every logit of every token, left on the ranks for a consumer process on the same machine (a
         cross-tokenizer distillation student): NeMo RL's shape, a list with one ``{"teacher_shards": [shard]}``
         per row in input order. ``shard`` names the rank's buffer (``payload_ipc``: plain data, CUDA IPC on GPUs,
@@ -322,22 +384,34 @@ class Policy(TrainingMixin, RefitMixin):
         past the row's length. Each rank keeps one buffer, reused by later calls (grown when one needs more) until
         :meth:`release_ipc_buffer`; the memory it needs is checked on every rank before any forward runs. See
         :mod:`dask_lm.workers.full_logits` for the layout and how it differs from NeMo RL's v0."""
-        if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or
-                                             isinstance(micro_batch_size, bool) or micro_batch_size < 1):
-            raise ValueError(f"get_full_logits_ipc: `micro_batch_size` must be a positive integer or None, got "
-                             f"{micro_batch_size!r}")
+        if micro_batch_size is not None and (
+            not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool) or micro_batch_size < 1
+        ):
+            raise ValueError(
+                f"get_full_logits_ipc: `micro_batch_size` must be a positive integer or None, got {micro_batch_size!r}"
+            )
         what = "get_full_logits_ipc"
         # rows stay in order, a contiguous slice per rank, so rank order is row order (as NeMo RL's dp ranks)
-        posted = self._post_sharded(functools.partial(FullLogitsRequest, micro_batch_size=micro_batch_size), data,
-                                    what=what, timer=timer, contiguous=True)
+        posted = self._post_sharded(
+            functools.partial(FullLogitsRequest, micro_batch_size=micro_batch_size),
+            data,
+            what=what,
+            timer=timer,
+            contiguous=True,
+        )
         answers = self.group.gather(posted.futures, what=what)
         posted.done(answers, None)
         assert [a["dp_rank"] for a in answers] == list(range(len(answers))), "gather answers in rank order"
         return [{"teacher_shards": [entry]} for answer in answers for entry in answer["per_sample_handles"]]
 
-    def calibrate_qkv_fp8_scales(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None,
-                                 percentile: float = 99.9, margin: float = 1.05,
-                                 include_q: bool = False) -> dict[str, Any]:
+    def calibrate_qkv_fp8_scales(
+        self,
+        data: BatchedDataDict[Any],
+        micro_batch_size: int | None = None,
+        percentile: float = 99.9,
+        margin: float = 1.05,
+        include_q: bool = False,
+    ) -> dict[str, Any]:
         """FP8 KV-cache scales from a representative batch (NeMo RL's calibration, there Megatron's only).
 
         Each rank runs its rows in order, ``micro_batch_size`` rows per forward (default ``logprob_batch_size``),
@@ -348,8 +422,9 @@ class Policy(TrainingMixin, RefitMixin):
         with vLLM's parameter names (``model.layers.{i}.self_attn.k_scale`` / ``v_scale``,
         ``model.layers.{i}.self_attn.attn.q_scale``)."""
         what = "calibrate_qkv_fp8_scales"
-        if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or
-                                             isinstance(micro_batch_size, bool) or micro_batch_size < 1):
+        if micro_batch_size is not None and (
+            not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool) or micro_batch_size < 1
+        ):
             raise ValueError(f"{what}: `micro_batch_size` must be a positive integer or None, got {micro_batch_size!r}")
         if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
             raise ValueError(f"{what}: `percentile` must be in (0, 100], got {percentile!r}")
@@ -357,9 +432,17 @@ class Policy(TrainingMixin, RefitMixin):
             raise ValueError(f"{what}: `margin` must be a positive number, got {margin!r}")
         if self.cfg.reward_model_cfg.enabled:
             raise ValueError(f"{what}: a reward model has no KV cache to calibrate for generation")
-        posted = self._post_sharded(functools.partial(QKVCalibrationRequest, micro_batch_size=micro_batch_size,
-                                                      percentile=float(percentile), include_q=bool(include_q)),
-                                    data, what=what, contiguous=True)
+        posted = self._post_sharded(
+            functools.partial(
+                QKVCalibrationRequest,
+                micro_batch_size=micro_batch_size,
+                percentile=float(percentile),
+                include_q=bool(include_q),
+            ),
+            data,
+            what=what,
+            contiguous=True,
+        )
         answers = self.group.gather(posted.futures, what=what)
         posted.done(answers, None)
         amax: dict[int, dict[str, float]] = {}
@@ -388,13 +471,16 @@ class Policy(TrainingMixin, RefitMixin):
 
     def _submit_score(self, data: Any) -> Pending:
         if not self.cfg.reward_model_cfg.enabled:
-            raise ValueError("score() needs a reward model: set `policy.reward_model_cfg.enabled: true` and point "
-                             "`policy.model_name` at a sequence-classification checkpoint")
+            raise ValueError(
+                "score() needs a reward model: set `policy.reward_model_cfg.enabled: true` and point "
+                "`policy.model_name` at a sequence-classification checkpoint"
+            )
         posted = self._post_sharded(functools.partial(ForwardRequest, head="score"), data, what="score")
         return self._rows_future(posted, "score", ("scores",), cat=True)
 
-    def generate(self, data: BatchedDataDict[Any], greedy: bool = False,
-                 seed: int | None = None) -> BatchedDataDict[Any]:
+    def generate(
+        self, data: BatchedDataDict[Any], greedy: bool = False, seed: int | None = None
+    ) -> BatchedDataDict[Any]:
         """Continue right-padded prompts with the policy's own weights (KV-cached, batched; ``generation`` config).
 
         Returns ``output_ids`` [B, S_out] (prompt then generation, right-padded with the pad id), ``logprobs``
@@ -412,22 +498,26 @@ class Policy(TrainingMixin, RefitMixin):
         if gen is None or not gen.max_new_tokens or gen.max_new_tokens < 1:
             raise ValueError("generate() needs `policy.generation.max_new_tokens` (>= 1)")
         if gen.backend not in DECODING_BACKENDS:
-            raise ValueError(f"`policy.generation.backend` = {gen.backend!r}: use 'hf' (the policy's own workers) "
-                             "or 'sglang' (servers listed in `policy.generation.sglang_cfg.server_urls`)")
+            raise ValueError(
+                f"`policy.generation.backend` = {gen.backend!r}: use 'hf' (the policy's own workers) "
+                "or 'sglang' (servers listed in `policy.generation.sglang_cfg.server_urls`)"
+            )
         return gen
 
     def _submit_generate(self, data: Any, greedy: bool = False, seed: int | None = None) -> Pending:
         gen = self._generation_config()
         if gen.backend == "sglang":
-            raise ValueError("Policy.submit('generate') runs on the policy's own workers; with "
-                             "`policy.generation.backend: sglang` the driver sends the prompts to the SGLang servers "
-                             "itself: call policy.generate(data), which blocks")
-        posted = self._post_sharded(functools.partial(GenerateRequest, greedy=greedy, seed=seed), data,
-                                    what="generate", contiguous=True)
+            raise ValueError(
+                "Policy.submit('generate') runs on the policy's own workers; with "
+                "`policy.generation.backend: sglang` the driver sends the prompts to the SGLang servers "
+                "itself: call policy.generate(data), which blocks"
+            )
+        posted = self._post_sharded(
+            functools.partial(GenerateRequest, greedy=greedy, seed=seed), data, what="generate", contiguous=True
+        )
         return Pending(posted.futures, JoinGenerated(self.pad_token_id), "generate", posted.done)
 
-    def _generate_sglang(self, data: BatchedDataDict[Any], *, greedy: bool,
-                         seed: int | None) -> BatchedDataDict[Any]:
+    def _generate_sglang(self, data: BatchedDataDict[Any], *, greedy: bool, seed: int | None) -> BatchedDataDict[Any]:
         from dask_lm.engine.sglang_generation import SGLangGenerator, sampling_params
 
         gen = self.cfg.generation
@@ -435,38 +525,66 @@ class Policy(TrainingMixin, RefitMixin):
         sg = gen.sglang_cfg or SGLangConfig()
         urls = sg.server_urls
         if not urls:
-            raise ValueError("`policy.generation.backend: sglang` needs `policy.generation.sglang_cfg.server_urls`: "
-                             "a list of SGLang server URLs (http://host:port)")
-        data = validate_input_batch(data, what="generate", vocab_size=self.vocab_size,
-                                    max_length=self.cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
-        client = SGLangGenerator(list(urls), pad_token_id=self.pad_token_id, timeout_s=sg.timeout_s,
-                                 retries=sg.retries, chunk_rows=sg.rows_per_request)
+            raise ValueError(
+                "`policy.generation.backend: sglang` needs `policy.generation.sglang_cfg.server_urls`: "
+                "a list of SGLang server URLs (http://host:port)"
+            )
+        data = validate_input_batch(
+            data,
+            what="generate",
+            vocab_size=self.vocab_size,
+            max_length=self.cfg.max_total_sequence_length,
+            pad_token_id=self.pad_token_id,
+        )
+        client = SGLangGenerator(
+            list(urls),
+            pad_token_id=self.pad_token_id,
+            timeout_s=sg.timeout_s,
+            retries=sg.retries,
+            chunk_rows=sg.rows_per_request,
+        )
         with span("dask-lm/generate-sglang"):
             return client.generate(data, sampling_params(gen, greedy=greedy), seed=seed)
 
     # ----------------------------------------------------------------------------------------- generic hooks
-    def run_all_workers_single_data(self, method_name: str, *args: Any, run_rank_0_only_axes: Any = None,
-                                    **kwargs: Any) -> list[Any]:
+    def run_all_workers_single_data(
+        self, method_name: str, *args: Any, run_rank_0_only_axes: Any = None, **kwargs: Any
+    ) -> list[Any]:
         """Call ``method_name`` of ``worker_extension_cls_fqn`` (or one of the base worker's methods that take no
         rows: :data:`dask_lm.workers.endpoints.EXTENSION_BASE_METHODS`) on every rank with the same arguments;
         one result per rank."""
-        return self.group.run(ExtensionCall(method_name, args, kwargs), what=method_name,
-                              key_name=method_name.replace("_", "-"))
+        return self.group.run(
+            ExtensionCall(method_name, args, kwargs), what=method_name, key_name=method_name.replace("_", "-")
+        )
 
-    def run_all_workers_multiple_data(self, method_name: str, *args: Any, run_rank_0_only_axes: Any = None,
-                                      common_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
+    def run_all_workers_multiple_data(
+        self,
+        method_name: str,
+        *args: Any,
+        run_rank_0_only_axes: Any = None,
+        common_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Like ``run_all_workers_single_data``, but each positional / keyword argument is a list with one entry
         per rank; ``common_kwargs`` go to every rank."""
         n = self.data_parallel_size
         for i, a in enumerate(args):
             if not isinstance(a, (list, tuple)) or len(a) != n:
-                raise ValueError(f"run_all_workers_multiple_data: positional argument {i} must be a list of {n} "
-                                 "entries (one per worker)")
+                raise ValueError(
+                    f"run_all_workers_multiple_data: positional argument {i} must be a list of {n} "
+                    "entries (one per worker)"
+                )
         for key, v in kwargs.items():
             if not isinstance(v, (list, tuple)) or len(v) != n:
                 raise ValueError(f"run_all_workers_multiple_data: `{key}` must be a list of {n} entries")
-        calls = [ExtensionCall(method_name, tuple(a[r] for a in args),
-                               {**{k: v[r] for k, v in kwargs.items()}, **(common_kwargs or {})}) for r in range(n)]
+        calls = [
+            ExtensionCall(
+                method_name,
+                tuple(a[r] for a in args),
+                {**{k: v[r] for k, v in kwargs.items()}, **(common_kwargs or {})},
+            )
+            for r in range(n)
+        ]
         return self.group.run(calls, what=method_name, key_name=method_name.replace("_", "-"))
 
     def _place(self, action: PlacementAction) -> None:
@@ -476,8 +594,10 @@ class Policy(TrainingMixin, RefitMixin):
     def print_node_ip_and_gpu_id(self) -> list[tuple[str, Any]]:
         infos = self.group.call(tasks.rank_info, what="print_node_ip_and_gpu_id", key_name="node-ip")
         rows = [(str(name), i["node_ip"], i["gpu_id"], i["gpu_name"]) for name, i in zip(self.group.names, infos)]
-        lines = [f"{'worker':>8}  {'node ip':>15}  {'gpu id':>6}  device", *(
-            f"{w:>8}  {ip:>15}  {str(g):>6}  {n}" for w, ip, g, n in rows)]
+        lines = [
+            f"{'worker':>8}  {'node ip':>15}  {'gpu id':>6}  device",
+            *(f"{w:>8}  {ip:>15}  {g!s:>6}  {n}" for w, ip, g, n in rows),
+        ]
         print("\n".join(lines))
         return [(ip, g) for _, ip, g, _ in rows]
 
@@ -518,8 +638,10 @@ class Policy(TrainingMixin, RefitMixin):
     def __repr__(self) -> str:
         if self._group is None:
             return "Policy(<not started>)"
-        return (f"Policy(model={self.cfg.model_name!r}, ranks={self._group.world_size}, "
-                f"workers={self._group.names}, precision={self.cfg.precision})")
+        return (
+            f"Policy(model={self.cfg.model_name!r}, ranks={self._group.world_size}, "
+            f"workers={self._group.names}, precision={self.cfg.precision})"
+        )
 
     def _repr_html_(self) -> str:
         """The notebook view: model, precision, and a row per rank with its worker, device and live gauges."""
@@ -537,14 +659,16 @@ class Submittable:
 
 
 # the methods Policy.submit takes, the calls whose work is rows on the ranks: `submit(method, ...)` is one lookup here
-SUBMIT: Mapping[str, Submittable] = types.MappingProxyType({
-    "get_logprobs": Submittable(Policy._submit_get_logprobs, JoinRows),
-    "get_reference_policy_logprobs": Submittable(Policy._submit_get_reference_policy_logprobs, JoinRows),
-    "get_topk_logits": Submittable(Policy._submit_get_topk_logits, JoinRows),
-    "score": Submittable(Policy._submit_score, JoinRows),
-    "generate": Submittable(Policy._submit_generate, JoinGenerated),
-    "train": Submittable(Policy._submit_train, ReduceTrain),
-})
+SUBMIT: Mapping[str, Submittable] = types.MappingProxyType(
+    {
+        "get_logprobs": Submittable(Policy._submit_get_logprobs, JoinRows),
+        "get_reference_policy_logprobs": Submittable(Policy._submit_get_reference_policy_logprobs, JoinRows),
+        "get_topk_logits": Submittable(Policy._submit_get_topk_logits, JoinRows),
+        "score": Submittable(Policy._submit_score, JoinRows),
+        "generate": Submittable(Policy._submit_generate, JoinGenerated),
+        "train": Submittable(Policy._submit_train, ReduceTrain),
+    }
+)
 SUBMITTABLE = tuple(SUBMIT)
 
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -561,20 +685,34 @@ def _shutdown_quietly(group: WorkerGroup, raise_errors: bool = False) -> bool:
             return False
         lost = set(group.lost_ranks())
         if lost:
-            logger.warning("policy %s: workers %s are gone (their share of the Policy went with them); shutting down "
-                           "the other ranks", group.policy_id, [group.names[r] for r in sorted(lost)])
+            logger.warning(
+                "policy %s: workers %s are gone (their share of the Policy went with them); shutting down "
+                "the other ranks",
+                group.policy_id,
+                [group.names[r] for r in sorted(lost)],
+            )
         # not chained: a failed earlier call must not stop the clean-up (one task thread per worker keeps order)
-        futs = group.submit(tasks.shutdown_policy, group.policy_id, key_name="shutdown", chain=False,
-                            ranks=[r for r in range(group.world_size) if r not in lost], orphaned=bool(lost))
+        futs = group.submit(
+            tasks.shutdown_policy,
+            group.policy_id,
+            key_name="shutdown",
+            chain=False,
+            ranks=[r for r in range(group.world_size) if r not in lost],
+            orphaned=bool(lost),
+        )
         try:
             wait(futs, timeout=SHUTDOWN_TIMEOUT_S)
         except TimeoutError:
             pass
         busy = [f for f in futs if f.status == "pending"]
         if busy:
-            logger.warning("policy %s: %d rank(s) did not shut down within %.0f s (busy in a call, e.g. a collective "
-                           "waiting for a lost peer); they free the Policy when that call ends", group.policy_id,
-                           len(busy), SHUTDOWN_TIMEOUT_S)
+            logger.warning(
+                "policy %s: %d rank(s) did not shut down within %.0f s (busy in a call, e.g. a collective "
+                "waiting for a lost peer); they free the Policy when that call ends",
+                group.policy_id,
+                len(busy),
+                SHUTDOWN_TIMEOUT_S,
+            )
         failed = [f for f in futs if f.status == "error"]
         if failed and raise_errors:
             group.gather(failed, what="shutdown")

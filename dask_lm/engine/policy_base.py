@@ -69,14 +69,14 @@ class PolicyBase:
         if on is None:
             # GPU ranks with the varlen kernel: without it (float32, eager attention, pre-Ampere GPUs) a packed
             # micro-batch needs a dense [T, T] mask, slower than padded rows
-            on = bool(self.worker_info) and all(i.get("device") == "cuda" and i.get("varlen")
-                                                for i in self.worker_info)
+            on = bool(self.worker_info) and all(i.get("device") == "cuda" and i.get("varlen") for i in self.worker_info)
         if not on:
             return None
         return max(cfg.inference_mb_tokens or PACKED_BATCH_TOKENS, cfg.max_total_sequence_length)
 
-    def _shard(self, data: BatchedDataDict[Any], gbs: int | None = None,
-               auto_pack: bool = False) -> tuple[list[SlicedDataDict], list[int] | None, bool]:
+    def _shard(
+        self, data: BatchedDataDict[Any], gbs: int | None = None, auto_pack: bool = False
+    ) -> tuple[list[SlicedDataDict], list[int] | None, bool]:
         """DP shards (plain, dynamic or packed), the permutation that restores input order (or None), and whether
         the shards are packed.
 
@@ -88,9 +88,11 @@ class PolicyBase:
         if cfg.dynamic_batching.enabled:
             db = cfg.dynamic_batching
             dynamic = DynamicBatchingArgs(
-                input_key="input_ids", input_lengths_key="input_lengths",
+                input_key="input_ids",
+                input_lengths_key="input_lengths",
                 sequence_length_round=db.sequence_length_round,
-                max_tokens_per_microbatch=_budget(db.train_mb_tokens if training else db.logprob_mb_tokens))
+                max_tokens_per_microbatch=_budget(db.train_mb_tokens if training else db.logprob_mb_tokens),
+            )
             return (*self._split(data, gbs, dynamic_batching_args=dynamic), False)
         sp = cfg.sequence_packing
         budget: int | None = None
@@ -103,18 +105,32 @@ class PolicyBase:
         if budget is None:
             shards, order = self._split(data, gbs)
             return shards, order, False
-        packing = SequencePackingArgs(input_key="input_ids", input_lengths_key="input_lengths",
-                                      max_tokens_per_microbatch=budget, algorithm=sp.algorithm,
-                                      sequence_length_pad_multiple=pad_multiple, microbatch_order=sp.microbatch_order)
+        packing = SequencePackingArgs(
+            input_key="input_ids",
+            input_lengths_key="input_lengths",
+            max_tokens_per_microbatch=budget,
+            algorithm=sp.algorithm,
+            sequence_length_pad_multiple=pad_multiple,
+            microbatch_order=sp.microbatch_order,
+        )
         return (*self._split(data, gbs, sequence_packing_args=packing), True)
 
-    def _split(self, data: BatchedDataDict[Any], gbs: int | None, *,
-               dynamic_batching_args: DynamicBatchingArgs | None = None,
-               sequence_packing_args: SequencePackingArgs | None = None) -> tuple[list[SlicedDataDict], list[int] | None]:
+    def _split(
+        self,
+        data: BatchedDataDict[Any],
+        gbs: int | None,
+        *,
+        dynamic_batching_args: DynamicBatchingArgs | None = None,
+        sequence_packing_args: SequencePackingArgs | None = None,
+    ) -> tuple[list[SlicedDataDict], list[int] | None]:
         """``data.shard_by_batch_size`` over the ranks: ``(shards, order)``, ``order`` None without reordering."""
-        out = data.shard_by_batch_size(self.data_parallel_size, batch_size=gbs, allow_uneven_shards=gbs is None,
-                                       dynamic_batching_args=dynamic_batching_args,
-                                       sequence_packing_args=sequence_packing_args)
+        out = data.shard_by_batch_size(
+            self.data_parallel_size,
+            batch_size=gbs,
+            allow_uneven_shards=gbs is None,
+            dynamic_batching_args=dynamic_batching_args,
+            sequence_packing_args=sequence_packing_args,
+        )
         if isinstance(out, tuple):
             return out
         return out, None
@@ -131,8 +147,9 @@ class PolicyBase:
         if isinstance(shards, list):
             return self.group.post([make(s) for s in shards], what=what, key_name=key_name)
         requests = shards.requests(make)
-        return self.group.submit(tasks.serve, self.group.policy_id, per_rank=[(r,) for r in requests],
-                                 key_name=key_name)
+        return self.group.submit(
+            tasks.serve, self.group.policy_id, per_rank=[(r,) for r in requests], key_name=key_name
+        )
 
     def get_free_memory_bytes(self) -> int:
         """The smallest free device memory over the workers (host RAM on CPU workers)."""

@@ -130,8 +130,9 @@ class JobBar:
             from tqdm.auto import tqdm
 
             self._tqdm = tqdm
-            self._wait = tqdm(total=None, desc=f"{desc}: {waiting}", bar_format="{desc} ({elapsed})",
-                              dynamic_ncols=True)
+            self._wait = tqdm(
+                total=None, desc=f"{desc}: {waiting}", bar_format="{desc} ({elapsed})", dynamic_ncols=True
+            )
 
     def listen(self, client: Any) -> str | None:
         """The id under which the workers report this job's parts (``{"id": ..., "part": i, "done": rows}`` on
@@ -188,8 +189,7 @@ class JobBar:
         if self._wait is not None:
             self._wait.close()
             self._wait = None
-            self._bar = self._tqdm(total=self.total, initial=shown, desc=self.desc, unit=self.unit,
-                                   dynamic_ncols=True)
+            self._bar = self._tqdm(total=self.total, initial=shown, desc=self.desc, unit=self.unit, dynamic_ncols=True)
         elif self._bar is not None and shown > self._bar.n:
             self._bar.update(shown - self._bar.n)
 

@@ -42,11 +42,18 @@ def policy_html(policy: PolicyBase) -> str:
     info = policy.worker_info
     params = info[0].get("num_parameters") if info else None
     dashboard = getattr(policy.client, "dashboard_link", None) or "-"
-    summary = table("dask-lm Policy", None, [
-        ("model", policy.cfg.model_name), ("precision", policy.cfg.precision),
-        ("parameters", f"{params / 1e6:,.1f} M" if params else "-"), ("ranks", policy.data_parallel_size),
-        ("generation backend", policy.cfg.generation.backend if policy.cfg.generation else "-"),
-        ("dashboard", dashboard)])
+    summary = table(
+        "dask-lm Policy",
+        None,
+        [
+            ("model", policy.cfg.model_name),
+            ("precision", policy.cfg.precision),
+            ("parameters", f"{params / 1e6:,.1f} M" if params else "-"),
+            ("ranks", policy.data_parallel_size),
+            ("generation backend", policy.cfg.generation.backend if policy.cfg.generation else "-"),
+            ("dashboard", dashboard),
+        ],
+    )
     gauges = _worker_gauges(policy)
     rows = []
     for rank, (name, i) in enumerate(zip(group.names, info)):
@@ -54,8 +61,15 @@ def policy_html(policy: PolicyBase) -> str:
         device = i.get("gpu_name") if i.get("device") == "cuda" else "cpu"
         mem = g.get("dask_lm_device_mem_gib")
         tps = g.get("dask_lm_tokens_per_s")
-        rows.append((rank, name, i.get("hostname", i.get("node_ip")), device,
-                     f"{mem:.2f}" if isinstance(mem, (int, float)) else "-",
-                     f"{tps:,.0f}" if isinstance(tps, (int, float)) else "-"))
+        rows.append(
+            (
+                rank,
+                name,
+                i.get("hostname", i.get("node_ip")),
+                device,
+                f"{mem:.2f}" if isinstance(mem, (int, float)) else "-",
+                f"{tps:,.0f}" if isinstance(tps, (int, float)) else "-",
+            )
+        )
     ranks = table("ranks", ["rank", "worker", "host", "device", "memory in use (GiB)", "tokens/s (last call)"], rows)
     return summary + ranks

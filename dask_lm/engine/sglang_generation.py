@@ -51,8 +51,16 @@ def per_row(params: dict[str, Any], rows: list[int], seed: int | None) -> dict[s
 class SGLangGenerator:
     """Sends prompts to SGLang servers and assembles dask-lm's Generate output."""
 
-    def __init__(self, urls: list[str], *, pad_token_id: int, timeout_s: float = 600.0, retries: int = 3,
-                 chunk_rows: int = 64, backoff_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        pad_token_id: int,
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        chunk_rows: int = 64,
+        backoff_s: float = 0.5,
+    ) -> None:
         if not urls:
             raise ValueError("`policy.generation.sglang_cfg.server_urls` must list at least one SGLang server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -75,28 +83,36 @@ class SGLangGenerator:
                     time.sleep(self.backoff_s * 2**attempt)
                 continue
             if resp.status_code != 200:
-                raise RuntimeError(f"SGLang server {url} refused /generate: HTTP {resp.status_code}: "
-                                   f"{resp.text[:500]}")
+                raise RuntimeError(f"SGLang server {url} refused /generate: HTTP {resp.status_code}: {resp.text[:500]}")
             return resp.json()
-        raise ConnectionError(f"SGLang server {url} is unreachable ({self.retries + 1} attempts): "
-                              f"{type(last).__name__}: {last}. Is it running, and is "
-                              "`policy.generation.sglang_cfg.server_urls` right?")
+        raise ConnectionError(
+            f"SGLang server {url} is unreachable ({self.retries + 1} attempts): "
+            f"{type(last).__name__}: {last}. Is it running, and is "
+            "`policy.generation.sglang_cfg.server_urls` right?"
+        )
 
-    def generate(self, data: BatchedDataDict[Any], params: dict[str, Any],
-                 seed: int | None = None) -> BatchedDataDict[Any]:
+    def generate(
+        self, data: BatchedDataDict[Any], params: dict[str, Any], seed: int | None = None
+    ) -> BatchedDataDict[Any]:
         ids, lengths = data["input_ids"], data["input_lengths"]
-        prompts = [ids[i, :int(lengths[i])].tolist() for i in range(ids.shape[0])]
-        chunks = [list(range(s, min(s + self.chunk_rows, len(prompts)))) for s in range(0, len(prompts),
-                                                                                      self.chunk_rows)]
+        prompts = [ids[i, : int(lengths[i])].tolist() for i in range(ids.shape[0])]
+        chunks = [
+            list(range(s, min(s + self.chunk_rows, len(prompts)))) for s in range(0, len(prompts), self.chunk_rows)
+        ]
 
         def run(c: int) -> list[dict[str, Any]]:
             rows = chunks[c]
-            body = {"input_ids": [prompts[i] for i in rows], "sampling_params": per_row(params, rows, seed),
-                    "return_logprob": True}
+            body = {
+                "input_ids": [prompts[i] for i in rows],
+                "sampling_params": per_row(params, rows, seed),
+                "return_logprob": True,
+            }
             out = self._post(self.urls[c % len(self.urls)], body)
             if not isinstance(out, list) or len(out) != len(rows):
-                raise RuntimeError(f"SGLang server {self.urls[c % len(self.urls)]} answered /generate with "
-                                   f"{type(out).__name__} for a batch of {len(rows)} prompts")
+                raise RuntimeError(
+                    f"SGLang server {self.urls[c % len(self.urls)]} answered /generate with "
+                    f"{type(out).__name__} for a batch of {len(rows)} prompts"
+                )
             return out
 
         with ThreadPoolExecutor(max_workers=min(len(chunks), 4 * len(self.urls)) or 1) as pool:
@@ -113,8 +129,10 @@ class SGLangGenerator:
             out_ids = [int(t) for t in ans["output_ids"]]
             token_lps = meta.get("output_token_logprobs") or []
             if len(token_lps) != len(out_ids):
-                raise RuntimeError(f"SGLang returned {len(token_lps)} logprobs for {len(out_ids)} tokens in row {i}: "
-                                   "is return_logprob supported by this server?")
+                raise RuntimeError(
+                    f"SGLang returned {len(token_lps)} logprobs for {len(out_ids)} tokens in row {i}: "
+                    "is return_logprob supported by this server?"
+                )
             rows.append(prompt + out_ids)
             lps.append([0.0] * len(prompt) + [float(lp[0]) for lp in token_lps])
             gen_lens.append(len(out_ids))
@@ -123,9 +141,12 @@ class SGLangGenerator:
         output_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.int64)
         logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
         for i, (r, lp) in enumerate(zip(rows, lps)):
-            output_ids[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
-            logprobs[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
-        return BatchedDataDict(output_ids=output_ids, logprobs=logprobs,
-                               generation_lengths=torch.tensor(gen_lens, dtype=torch.int64),
-                               unpadded_sequence_lengths=torch.tensor([len(r) for r in rows], dtype=torch.int64),
-                               truncated=torch.tensor(truncated, dtype=torch.bool))
+            output_ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+            logprobs[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        return BatchedDataDict(
+            output_ids=output_ids,
+            logprobs=logprobs,
+            generation_lengths=torch.tensor(gen_lens, dtype=torch.int64),
+            unpadded_sequence_lengths=torch.tensor([len(r) for r in rows], dtype=torch.int64),
+            truncated=torch.tensor(truncated, dtype=torch.bool),
+        )

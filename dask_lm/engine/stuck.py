@@ -46,8 +46,11 @@ class Watchdog:
         if not addresses:
             return {}
         answers = group.client.run(occupancy, workers=list(addresses), on_error="return")
-        return {addresses[a]: {k: [(str(c[0]), str(c[1]), str(c[2])) for c in v] for k, v in ans.items()}
-                for a, ans in answers.items() if isinstance(ans, dict)}
+        return {
+            addresses[a]: {k: [(str(c[0]), str(c[1]), str(c[2])) for c in v] for k, v in ans.items()}
+            for a, ans in answers.items()
+            if isinstance(ans, dict)
+        }
 
     def check(self) -> str | None:
         """A deadlock's description (seen on two checks in a row), else None; logs the other Policies that this
@@ -62,19 +65,27 @@ class Watchdog:
             for policy_id, call, _token in occ["running"]:
                 if policy_id != mine and policy_id not in self._named:
                     self._named.add(policy_id)
-                    logger.warning("%s of policy %s is still pending while worker %r runs %s of policy %s",
-                                   self.what, mine, name, call, policy_id)
+                    logger.warning(
+                        "%s of policy %s is still pending while worker %r runs %s of policy %s",
+                        self.what,
+                        mine,
+                        name,
+                        call,
+                        policy_id,
+                    )
         found = _cycle(seen, mine)
         if found is None or found[:2] != self._suspect:
             self._suspect = None if found is None else found[:2]
             return None
         (x, y), (w1, w2) = found[:2], found[2:]
-        return (f"{self.what} of policy {mine} is deadlocked with policy {y[0]} on the same workers: worker {w1!r} "
-                f"runs this Policy's {x[1]} while {y[1]} of policy {y[0]} waits there, and worker {w2!r} runs {y[1]} "
-                f"of policy {y[0]} while this Policy's call waits there; each waits in a collective for a peer busy "
-                "in the other Policy's call, until collective_timeout_s. dask-lm orders the calls of Policies that "
-                "share one Client: shut both Policies down and create them with the same Client (not one client, "
-                "scheduler address or driver process each)")
+        return (
+            f"{self.what} of policy {mine} is deadlocked with policy {y[0]} on the same workers: worker {w1!r} "
+            f"runs this Policy's {x[1]} while {y[1]} of policy {y[0]} waits there, and worker {w2!r} runs {y[1]} "
+            f"of policy {y[0]} while this Policy's call waits there; each waits in a collective for a peer busy "
+            "in the other Policy's call, until collective_timeout_s. dask-lm orders the calls of Policies that "
+            "share one Client: shut both Policies down and create them with the same Client (not one client, "
+            "scheduler address or driver process each)"
+        )
 
 
 def _cycle(seen: dict[Any, dict[str, list[Call]]], mine: str) -> tuple[Call, Call, Any, Any] | None:

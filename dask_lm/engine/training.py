@@ -43,16 +43,26 @@ def _checkpoint_options(checkpointing_cfg: Any) -> tuple[bool, int]:
     cfg = dict(checkpointing_cfg or {})
     fmt = cfg.get("model_save_format", "safetensors")
     if fmt not in (None, "safetensors"):
-        raise ValueError(f"`checkpointing.model_save_format` = {fmt!r}: dask-lm writes Hugging Face safetensors "
-                         "directories (loadable with from_pretrained); set it to 'safetensors'")
+        raise ValueError(
+            f"`checkpointing.model_save_format` = {fmt!r}: dask-lm writes Hugging Face safetensors "
+            "directories (loadable with from_pretrained); set it to 'safetensors'"
+        )
     async_save = bool(cfg.get("async_save", cfg.get("is_async", False)))
     return async_save, ckpt.parse_size(cfg.get("max_shard_size", "5GB"))
 
 
 class TrainingMixin(PolicyBase):
     # ----------------------------------------------------------------------------------------- train
-    def train(self, data: BatchedDataDict[Any], loss_fn: Any, eval_mode: bool = False, gbs: int | None = None,
-              mbs: int | None = None, timer: Any = None, check_dim_skip_keys: Any = None) -> dict[str, Any]:
+    def train(
+        self,
+        data: BatchedDataDict[Any],
+        loss_fn: Any,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+        timer: Any = None,
+        check_dim_skip_keys: Any = None,
+    ) -> dict[str, Any]:
         """One optimizer step per global batch of ``gbs`` rows (``eval_mode``: forward only, nothing changes).
 
         Returns ``loss`` (float32 [num_global_batches]), ``grad_norm`` (the last step's norm before clipping,
@@ -60,8 +70,16 @@ class TrainingMixin(PolicyBase):
         ``train_elapsed_seconds`` and the FLOP figures (``total_flops``, ``theoretical_tflops``, ``achieved_tflops``,
         ``mfu``, ...), each left out where it cannot be known, as NeMo RL's Policy leaves them out.
         """
-        out: dict[str, Any] = self.submit("train", data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, timer=timer,
-                                          check_dim_skip_keys=check_dim_skip_keys).result()
+        out: dict[str, Any] = self.submit(
+            "train",
+            data,
+            loss_fn,
+            eval_mode=eval_mode,
+            gbs=gbs,
+            mbs=mbs,
+            timer=timer,
+            check_dim_skip_keys=check_dim_skip_keys,
+        ).result()
         return out
 
     def _train_sizes(self, loss_fn: Any, eval_mode: bool, gbs: int | None, mbs: int | None) -> tuple[int, int]:
@@ -75,16 +93,22 @@ class TrainingMixin(PolicyBase):
         if cfg.reward_model_cfg.enabled:
             raise ValueError("train: training a reward model (reward_model_cfg.enabled) is not supported yet")
         if not eval_mode and not self.init_optimizer:
-            raise ValueError("train: this Policy was created with init_optimizer=False; create it with "
-                             "init_optimizer=True to train (eval_mode=True works without one)")
+            raise ValueError(
+                "train: this Policy was created with init_optimizer=False; create it with "
+                "init_optimizer=True to train (eval_mode=True works without one)"
+            )
         if loss_attribute(loss_fn, "requires_pairs"):
             if cfg.dynamic_batching.enabled or cfg.sequence_packing.enabled:
-                raise ValueError(f"train: {type(loss_fn).__name__} needs (chosen, rejected) rows side by side, which "
-                                 "dynamic batching and sequence packing reorder; set policy.dynamic_batching.enabled "
-                                 "and policy.sequence_packing.enabled to false")
+                raise ValueError(
+                    f"train: {type(loss_fn).__name__} needs (chosen, rejected) rows side by side, which "
+                    "dynamic batching and sequence packing reorder; set policy.dynamic_batching.enabled "
+                    "and policy.sequence_packing.enabled to false"
+                )
             if mbs % 2 or (gbs // dp) % 2:
-                raise ValueError(f"train: {type(loss_fn).__name__} takes (chosen, rejected) pairs: the micro-batch "
-                                 f"size ({mbs}) and the rows per rank per step ({gbs // dp}) must be even")
+                raise ValueError(
+                    f"train: {type(loss_fn).__name__} takes (chosen, rejected) pairs: the micro-batch "
+                    f"size ({mbs}) and the rows per rank per step ({gbs // dp}) must be even"
+                )
         if gbs % dp:
             raise ValueError(f"train: the global batch size {gbs} must be a multiple of the {dp} ranks")
         return gbs, mbs
@@ -92,12 +116,22 @@ class TrainingMixin(PolicyBase):
     @staticmethod
     def _global_batches(rows: int, gbs: int) -> int:
         if rows % gbs:
-            raise ValueError(f"train: the batch has {rows} rows, not a multiple of the global batch size {gbs}; pass "
-                             "gbs=, or pad the batch with rows whose sample_mask is 0")
+            raise ValueError(
+                f"train: the batch has {rows} rows, not a multiple of the global batch size {gbs}; pass "
+                "gbs=, or pad the batch with rows whose sample_mask is 0"
+            )
         return rows // gbs
 
-    def _submit_train(self, data: Any, loss_fn: Any, eval_mode: bool = False, gbs: int | None = None,
-                      mbs: int | None = None, timer: Any = None, check_dim_skip_keys: Any = None) -> Pending:
+    def _submit_train(
+        self,
+        data: Any,
+        loss_fn: Any,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+        timer: Any = None,
+        check_dim_skip_keys: Any = None,
+    ) -> Pending:
         cfg = self.cfg
         gbs, mbs = self._train_sizes(loss_fn, eval_mode, gbs, mbs)
         start = time.perf_counter()
@@ -106,22 +140,57 @@ class TrainingMixin(PolicyBase):
             num_global_batches = self._global_batches(remote.rows, gbs)
             with timed(timer, "policy_training/sharding_data"):
                 shards, _order, packed = self._shard(remote.skeleton(), gbs)
-            return self._post_train(remote.bind(shards, packed=packed), [s["input_lengths"] for s in shards], loss_fn,
-                                    eval_mode=eval_mode, gbs=gbs, mbs=mbs, num_global_batches=num_global_batches,
-                                    rows=remote.rows, start=start, timer=timer)
-        data = validate_input_batch(data, what="train", vocab_size=self.vocab_size,
-                                    max_length=cfg.max_total_sequence_length, pad_token_id=self.pad_token_id)
+            return self._post_train(
+                remote.bind(shards, packed=packed),
+                [s["input_lengths"] for s in shards],
+                loss_fn,
+                eval_mode=eval_mode,
+                gbs=gbs,
+                mbs=mbs,
+                num_global_batches=num_global_batches,
+                rows=remote.rows,
+                start=start,
+                timer=timer,
+            )
+        data = validate_input_batch(
+            data,
+            what="train",
+            vocab_size=self.vocab_size,
+            max_length=cfg.max_total_sequence_length,
+            pad_token_id=self.pad_token_id,
+        )
         data = validate_train_batch(data, loss_fn, check_dim_skip_keys=check_dim_skip_keys, vocab_size=self.vocab_size)
         rows = data.size
         num_global_batches = self._global_batches(rows, gbs)
         with timed(timer, "policy_training/sharding_data"):
             shards, _order, packed = self._shard(data, gbs)
-        return self._post_train([Shard.of(s, packed=packed) for s in shards], [s["input_lengths"] for s in shards],
-                                loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, num_global_batches=num_global_batches,
-                                rows=rows, start=start, timer=timer)
+        return self._post_train(
+            [Shard.of(s, packed=packed) for s in shards],
+            [s["input_lengths"] for s in shards],
+            loss_fn,
+            eval_mode=eval_mode,
+            gbs=gbs,
+            mbs=mbs,
+            num_global_batches=num_global_batches,
+            rows=rows,
+            start=start,
+            timer=timer,
+        )
 
-    def _post_train(self, shards: Any, lengths: list[Any], loss_fn: Any, *, eval_mode: bool, gbs: int, mbs: int,
-                    num_global_batches: int, rows: int, start: float, timer: Any) -> Pending:
+    def _post_train(
+        self,
+        shards: Any,
+        lengths: list[Any],
+        loss_fn: Any,
+        *,
+        eval_mode: bool,
+        gbs: int,
+        mbs: int,
+        num_global_batches: int,
+        rows: int,
+        start: float,
+        timer: Any,
+    ) -> Pending:
         """Post a :class:`TrainRequest` of each rank's shard (``shards``: a list of Shards, or rows that stay on the
         workers, :class:`~dask_lm.engine.dataflow.RemoteRows`); ``lengths``: each rank's row lengths, for the FLOP
         count."""
@@ -138,8 +207,15 @@ class TrainingMixin(PolicyBase):
         progress_id, _bar = progress.open_bar(self.client, show, label, "global batch")
         try:
             with timed(timer, "policy_training/submit_training_futures"), span(f"dask-lm/{label}"):
-                make = functools.partial(TrainRequest, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
-                                         num_global_batches=num_global_batches, progress_id=progress_id)
+                make = functools.partial(
+                    TrainRequest,
+                    loss_fn=loss_fn,
+                    eval_mode=eval_mode,
+                    gbs=gbs,
+                    mbs=mbs,
+                    num_global_batches=num_global_batches,
+                    progress_id=progress_id,
+                )
                 futures = self._post_requests(make, shards, what=label)
         except BaseException:
             progress.close_bar(progress_id)
@@ -151,16 +227,30 @@ class TrainingMixin(PolicyBase):
             if error is not None:
                 return
             lr = out["all_mb_metrics"].get("lr")
-            log_call(client, policy_id, label, start=start, tokens=out["num_tokens"], rows=rows,
-                     global_batches=num_global_batches, loss=out["loss"],
-                     grad_norm=None if out["grad_norm"] is None else float(out["grad_norm"]),
-                     lr=lr[-1] if lr else None, mfu=out.get("mfu"))
+            log_call(
+                client,
+                policy_id,
+                label,
+                start=start,
+                tokens=out["num_tokens"],
+                rows=rows,
+                global_batches=num_global_batches,
+                loss=out["loss"],
+                grad_norm=None if out["grad_norm"] is None else float(out["grad_norm"]),
+                lr=lr[-1] if lr else None,
+                mfu=out.get("mfu"),
+            )
 
         return Pending(futures, ReduceTrain(tracker.total_flops if tracker is not None else None), label, done)
 
     # ----------------------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, weights_path: str | os.PathLike[str], optimizer_path: str | os.PathLike[str] | None = None,
-                        tokenizer_path: str | os.PathLike[str] | None = None, checkpointing_cfg: Any = None) -> None:
+    def save_checkpoint(
+        self,
+        weights_path: str | os.PathLike[str],
+        optimizer_path: str | os.PathLike[str] | None = None,
+        tokenizer_path: str | os.PathLike[str] | None = None,
+        checkpointing_cfg: Any = None,
+    ) -> None:
         """Write ``weights_path`` as a Hugging Face model directory (weights, config, generation config and the
         policy's tokenizer: it loads with both ``AutoModelForCausalLM`` and ``AutoTokenizer``), ``optimizer_path``
         as optimizer + scheduler state (torch.distributed.checkpoint) and ``tokenizer_path`` with the tokenizer
@@ -177,11 +267,15 @@ class TrainingMixin(PolicyBase):
             raise ValueError("save_checkpoint: `weights_path` is required")
         for (ka, a), (kb, b) in itertools.combinations(resolved.items(), 2):
             if os.path.commonpath([a, b]) in (a, b):
-                raise ValueError(f"save_checkpoint: `{ka}` ({a}) and `{kb}` ({b}) must be separate directories, "
-                                 "neither inside the other (each is replaced as a whole)")
+                raise ValueError(
+                    f"save_checkpoint: `{ka}` ({a}) and `{kb}` ({b}) must be separate directories, "
+                    "neither inside the other (each is replaced as a whole)"
+                )
         if "optimizer_path" in resolved and not self.init_optimizer:
-            raise ValueError("save_checkpoint: `optimizer_path` needs an optimizer; this Policy was created with "
-                             "init_optimizer=False")
+            raise ValueError(
+                "save_checkpoint: `optimizer_path` needs an optimizer; this Policy was created with "
+                "init_optimizer=False"
+            )
         for key, path in resolved.items():
             if os.path.exists(path) and not os.path.isdir(path):
                 raise ValueError(f"save_checkpoint: `{key}` {path!r} exists and is not a directory")
@@ -196,15 +290,25 @@ class TrainingMixin(PolicyBase):
         # from_pretrained of the model and of the tokenizer, and `dask-lm score --model`, all take it as it is
         weights_tokenizer = self.tokenizer if hasattr(self.tokenizer, "save_pretrained") else None
         with span("dask-lm/save-checkpoint"):
-            self.group.run(SaveRequest(weights, optimizer, tokenizer, async_save=async_save, max_shard_size=max_shard,
-                                       weights_tokenizer=weights_tokenizer),
-                           what="save_checkpoint", key_name="save-checkpoint")
+            self.group.run(
+                SaveRequest(
+                    weights,
+                    optimizer,
+                    tokenizer,
+                    async_save=async_save,
+                    max_shard_size=max_shard,
+                    weights_tokenizer=weights_tokenizer,
+                ),
+                what="save_checkpoint",
+                key_name="save-checkpoint",
+            )
 
     def finalize_async_save(self) -> None:
         """Block until a pending async ``save_checkpoint`` is fully written and renamed into place."""
         with span("dask-lm/finalize-checkpoint"):
-            self.group.run(ActionRequest("finalize_async_save"), what="finalize_async_save",
-                           key_name="finalize-checkpoint")
+            self.group.run(
+                ActionRequest("finalize_async_save"), what="finalize_async_save", key_name="finalize-checkpoint"
+            )
 
     # ----------------------------------------------------------------------------------------- placement
     def _on_all(self, action: PlacementAction) -> None:

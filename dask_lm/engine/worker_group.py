@@ -77,8 +77,14 @@ def _name_key(name: Any) -> tuple[int, Any]:
 class WorkerGroup:
     """The Dask workers one Policy runs on, one rank each."""
 
-    def __init__(self, client: Client, *, workers: Sequence[Any] | None = None, name_prefix: str = "lm_policy",
-                 wait_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        client: Client,
+        *,
+        workers: Sequence[Any] | None = None,
+        name_prefix: str = "lm_policy",
+        wait_timeout_s: float = 120.0,
+    ) -> None:
         self.client = client
         info = live_workers(client, wait_timeout_s)
         by_name = {w["name"]: addr for addr, w in info["workers"].items()}
@@ -106,8 +112,9 @@ class WorkerGroup:
         self.broken: RankFailedError | None = None
         client.register_plugin(DaskLMWorkerState(), name=PLUGIN_NAME)
         # taken before any rank loads: a rank that sees no lease frees the policy
-        self.lease: Future[Any] | None = client.submit(lease.lease_token, self.policy_id, pure=False,
-                                                  key=lease.lease_key(self.policy_id))
+        self.lease: Future[Any] | None = client.submit(
+            lease.lease_token, self.policy_id, pure=False, key=lease.lease_key(self.policy_id)
+        )
 
     @staticmethod
     def per_node(client: Client, workers_per_node: int) -> list[Any]:
@@ -117,8 +124,9 @@ class WorkerGroup:
         per_host: dict[str, list[Any]] = {}
         for w in live_workers(client)["workers"].values():
             per_host.setdefault(w["host"], []).append(w["name"])
-        return sorted((n for names in per_host.values() for n in sorted(names, key=_name_key)[:workers_per_node]),
-                      key=_name_key)
+        return sorted(
+            (n for names in per_host.values() for n in sorted(names, key=_name_key)[:workers_per_node]), key=_name_key
+        )
 
     def release_lease(self) -> None:
         fut, self.lease = self.lease, None
@@ -148,8 +156,10 @@ class WorkerGroup:
     def _lost_error(self, lost: list[int], what: str) -> WorkerLostError:
         workers = ", ".join(f"{self.names[r]!r} (rank {r} of {self.world_size})" for r in lost)
         noun = "worker" if len(lost) == 1 else "workers"
-        return WorkerLostError(f"{noun} {workers} died or restarted during {what}; this Policy's state there is "
-                               "gone: create a new Policy (and reload the last checkpoint)")
+        return WorkerLostError(
+            f"{noun} {workers} died or restarted during {what}; this Policy's state there is "
+            "gone: create a new Policy (and reload the last checkpoint)"
+        )
 
     def fail_if_lost(self, what: str, cause: BaseException | None = None) -> None:
         """Raise (and remember) :class:`WorkerLostError` when a rank's worker, or the scheduler, is gone."""
@@ -176,7 +186,8 @@ class WorkerGroup:
             f"this driver lost its connection to the scheduler{at}{during} (the scheduler stopped, or the network to "
             "it failed): Dask cancelled every call of this Policy in flight, and the workers free the Policy's model "
             "without their scheduler. Start the cluster again (or reconnect to it), create a new Policy and reload "
-            "the last checkpoint")
+            "the last checkpoint"
+        )
 
     def fail_if_scheduler_lost(self, what: str | None, cause: BaseException | None = None) -> None:
         """Raise (and remember) :class:`WorkerLostError` naming the scheduler when this driver lost it."""
@@ -205,10 +216,19 @@ class WorkerGroup:
             self.fail_if_lost(what, e)
             raise
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, key_name: str,
-               per_rank: Sequence[tuple[Any, ...]] | None = None,
-               per_rank_kwargs: Sequence[dict[str, Any]] | None = None, ranks: Sequence[int] | None = None,
-               chain: bool = True, settle: bool = False, **kwargs: Any) -> list[Future[Any]]:
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        key_name: str,
+        per_rank: Sequence[tuple[Any, ...]] | None = None,
+        per_rank_kwargs: Sequence[dict[str, Any]] | None = None,
+        ranks: Sequence[int] | None = None,
+        chain: bool = True,
+        settle: bool = False,
+        **kwargs: Any,
+    ) -> list[Future[Any]]:
         """The one way work reaches the ranks: a pinned task on each of ``ranks`` (default: all), submitted together
         under the group's lock and, when ``chain``, chained after that rank's previous SPMD task.
 
@@ -225,27 +245,52 @@ class WorkerGroup:
                 call_args = (*args, *(per_rank[r] if per_rank is not None else ()))
                 call_kwargs = {**kwargs, **(per_rank_kwargs[r] if per_rank_kwargs is not None else {})}
                 if chain:
-                    futures.append(self._submit_link(r, fn, call_args, call_kwargs, key_name=key_name, token=token,
-                                                     settle=settle))
+                    futures.append(
+                        self._submit_link(r, fn, call_args, call_kwargs, key_name=key_name, token=token, settle=settle)
+                    )
                 else:
-                    futures.append(self._submit_alone(r, fn, call_args, call_kwargs, key_name=key_name, token=token,
-                                                      settle=settle))
+                    futures.append(
+                        self._submit_alone(r, fn, call_args, call_kwargs, key_name=key_name, token=token, settle=settle)
+                    )
         return futures
 
     def _where(self, rank: int, key_name: str, token: str) -> dict[str, Any]:
-        return {"workers": [self.names[rank]], "allow_other_workers": False, "pure": False, "retries": 0,
-                "key": f"{key_name}-{self.policy_id}-r{rank}-{token}"}
+        return {
+            "workers": [self.names[rank]],
+            "allow_other_workers": False,
+            "pure": False,
+            "retries": 0,
+            "key": f"{key_name}-{self.policy_id}-r{rank}-{token}",
+        }
 
-    def _submit_alone(self, rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                      key_name: str, token: str, settle: bool) -> Future[Any]:
+    def _submit_alone(
+        self,
+        rank: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        key_name: str,
+        token: str,
+        settle: bool,
+    ) -> Future[Any]:
         """An unchained task on ``rank`` (``fn(None, ...)``): it neither waits for the chain nor joins it."""
         if not settle:
             return self.client.submit(fn, None, *args, **self._where(rank, key_name, token), **kwargs)
         fut = self.client.submit(tasks.settled, None, fn, *args, **self._where(rank, key_name, token), **kwargs)
         return self.client.submit(tasks.unwrap, fut, key=f"{key_name}-result-{fut.key}", pure=False)
 
-    def _submit_link(self, rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                     key_name: str, token: str, settle: bool) -> Future[Any]:
+    def _submit_link(
+        self,
+        rank: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        key_name: str,
+        token: str,
+        settle: bool,
+    ) -> Future[Any]:
         """A chained task on ``rank``: after this group's previous call there and after the worker's previous task
         of any other group of the client (:mod:`dask_lm.engine.worker_order`). Returns what the caller waits on
         (:func:`tasks.result_of`), a task pinned beside it that raises the rank's error."""
@@ -259,38 +304,60 @@ class WorkerGroup:
         if own is not None and after is own.link:
             after = None
         where = self._where(rank, key_name, token)
-        link = self.client.submit(tasks.link, None if own is None else own.link, after, fn, not settle,
-                                  self.policy_id, *args, **where, **kwargs)
-        result = self.client.submit(tasks.result_of, link, settle, key=f"{where['key']}-result",
-                                    workers=[name], allow_other_workers=True, pure=False, retries=0)
+        link = self.client.submit(
+            tasks.link,
+            None if own is None else own.link,
+            after,
+            fn,
+            not settle,
+            self.policy_id,
+            *args,
+            **where,
+            **kwargs,
+        )
+        result = self.client.submit(
+            tasks.result_of,
+            link,
+            settle,
+            key=f"{where['key']}-result",
+            workers=[name],
+            allow_other_workers=True,
+            pure=False,
+            retries=0,
+        )
         tail = Tail(link, result, self.policy_id, self.ids[rank], not settle)
         self._last[rank] = tail
         self._order.append(name, tail)
         return result
 
-    def call(self, fn: Callable[..., Any], /, *args: Any, what: str, key_name: str, progress: Any = None,
-             **kwargs: Any) -> list[Any]:
+    def call(
+        self, fn: Callable[..., Any], /, *args: Any, what: str, key_name: str, progress: Any = None, **kwargs: Any
+    ) -> list[Any]:
         """:meth:`submit`, then :meth:`gather`: one result per rank."""
         return self.gather(self.submit(fn, *args, key_name=key_name, **kwargs), what=what, progress=progress)
 
-    def post(self, requests: Request | Sequence[Request], *, key_name: str, what: str,
-             settle: bool = False) -> list[Future[Any]]:
+    def post(
+        self, requests: Request | Sequence[Request], *, key_name: str, what: str, settle: bool = False
+    ) -> list[Future[Any]]:
         """Requests to :func:`tasks.serve` on every rank: one per rank (each scattered onto its rank's worker
         first, since they carry the rows) or one for all."""
         if isinstance(requests, (list, tuple)):
             assert len(requests) == self.world_size, (len(requests), self.world_size)
             payloads = self.scatter(requests, what=what)
-            return self.submit(tasks.serve, self.policy_id, per_rank=[(p,) for p in payloads], key_name=key_name,
-                               settle=settle)
+            return self.submit(
+                tasks.serve, self.policy_id, per_rank=[(p,) for p in payloads], key_name=key_name, settle=settle
+            )
         return self.submit(tasks.serve, self.policy_id, requests, key_name=key_name, settle=settle)
 
-    def run(self, requests: Request | Sequence[Request], *, what: str, key_name: str,
-            progress: Any = None) -> list[Any]:
+    def run(
+        self, requests: Request | Sequence[Request], *, what: str, key_name: str, progress: Any = None
+    ) -> list[Any]:
         """:meth:`post`, then :meth:`gather`: each rank's answer, in rank order."""
         return self.gather(self.post(requests, key_name=key_name, what=what), what=what, progress=progress)
 
-    def gather(self, futures: Sequence[Future[Any]], *, what: str, timeout: float | None = None,
-               progress: Any = None) -> list[Any]:
+    def gather(
+        self, futures: Sequence[Future[Any]], *, what: str, timeout: float | None = None, progress: Any = None
+    ) -> list[Any]:
         """Results of one SPMD call; a failure names the rank and worker and keeps the root cause. ``progress``
         (a tqdm bar, or None) moves by one per finished rank."""
         self.settle(futures, what=what, timeout=timeout, progress=progress)
@@ -310,8 +377,9 @@ class WorkerGroup:
                     self._last[r] = None
             self._order.forget(list(futures))
 
-    def settle(self, futures: Sequence[Future[Any]], *, what: str, timeout: float | None = None,
-               progress: Any = None) -> None:
+    def settle(
+        self, futures: Sequence[Future[Any]], *, what: str, timeout: float | None = None, progress: Any = None
+    ) -> None:
         """Wait until every rank of one SPMD call finished, or raise its failure as :meth:`gather` does (without
         fetching the results: :class:`dask_lm.engine.futures.PolicyFuture` fetches only the combined one)."""
         # a driver without its scheduler: its futures are cancelled, and once the client has closed, Dask's wait
@@ -346,9 +414,12 @@ class WorkerGroup:
                 # a rank still running after its peer failed sits in a collective: the group cannot be trusted
                 self.broken = RankFailedError(
                     f"workers {stuck} did not finish {what} after a peer failed (stuck in a collective until its "
-                    "timeout); shut this Policy down and create it again")
+                    "timeout); shut this Policy down and create it again"
+                )
             errors = []
-            for rank, fut in failed + [(r, f) for r, f in enumerate(futures) if f.status in bad and (r, f) not in failed]:
+            for rank, fut in failed + [
+                (r, f) for r, f in enumerate(futures) if f.status in bad and (r, f) not in failed
+            ]:
                 try:
                     errors.append((rank, fut.exception(timeout=5)))
                 except Exception as e:  # cancelled / lost futures raise here
@@ -357,11 +428,11 @@ class WorkerGroup:
             rank, exc = next(((r, e) for r, e in errors if not isinstance(e, tasks.PeerFailedError)), errors[0])
             if isinstance(exc, ValueError):
                 raise exc
-            raise RankFailedError(f"{what} failed on rank {rank} (worker {self.names[rank]!r}): "
-                                  f"{type(exc).__name__}: {exc}") from exc
+            raise RankFailedError(
+                f"{what} failed on rank {rank} (worker {self.names[rank]!r}): {type(exc).__name__}: {exc}"
+            ) from exc
 
-    def _wait_ranks(self, futures: Sequence[Future[Any]], *, what: str, timeout: float | None,
-                    progress: Any) -> None:
+    def _wait_ranks(self, futures: Sequence[Future[Any]], *, what: str, timeout: float | None, progress: Any) -> None:
         """Until every rank finished or one did not (failed, cancelled, lost), in slices of :data:`SETTLE_SLICE_S`;
         after a slice that ends with ranks still pending, a rank whose worker is gone fails the call
         (:meth:`fail_if_lost`), and so does a deadlock with another Policy's call (:mod:`dask_lm.engine.stuck`).
@@ -389,15 +460,17 @@ class WorkerGroup:
                     self.broken = RankFailedError(deadlock)
                     raise RankFailedError(deadlock) from None  # the poll's timeout is not its cause
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"{len(pending)} of {len(futures)} rank tasks of {what} did not finish "
-                                       f"within {timeout} s") from None
+                    raise TimeoutError(
+                        f"{len(pending)} of {len(futures)} rank tasks of {what} did not finish within {timeout} s"
+                    ) from None
 
     def rendezvous(self) -> tuple[str, int] | None:
         """Rank 0's host and a free port there, found by a task on rank 0 (None for one rank)."""
         if self.world_size == 1:
             return None
-        (host, port), = self.call(tasks.find_free_port, what="finding a rendezvous port", key_name="find-port",
-                                  ranks=[0], chain=False)
+        ((host, port),) = self.call(
+            tasks.find_free_port, what="finding a rendezvous port", key_name="find-port", ranks=[0], chain=False
+        )
         return str(host), int(port)
 
     def group_lock(self) -> Lock:

@@ -69,16 +69,32 @@ class RequestEngine:
     ``task_tokens`` a task. ``max_length`` is the longest input the model reads (default: its positions).
     ``compile`` compiles each worker's scoring forward (pays only on long evaluations)."""
 
-    def __init__(self, model: str, tokenizer: str | None = None, *, client: Any = None,
-                 scheduler_address: str | None = None, n_workers: int | None = None, precision: str | None = None,
-                 batch_tokens: int = PADDED_BATCH_TOKENS, task_tokens: int = DEFAULT_TASK_TOKENS,
-                 max_length: int | None = None, compile: bool = False, chunk_size: int = 1024,
-                 progress: bool = True) -> None:
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        *,
+        client: Any = None,
+        scheduler_address: str | None = None,
+        n_workers: int | None = None,
+        precision: str | None = None,
+        batch_tokens: int = PADDED_BATCH_TOKENS,
+        task_tokens: int = DEFAULT_TASK_TOKENS,
+        max_length: int | None = None,
+        compile: bool = False,
+        chunk_size: int = 1024,
+        progress: bool = True,
+    ) -> None:
         from dask_lm.engine import cluster
         from dask_lm.engine.worker_group import live_workers
 
-        for name, value in (("n_workers", n_workers), ("batch_tokens", batch_tokens), ("task_tokens", task_tokens),
-                            ("max_length", max_length), ("chunk_size", chunk_size)):
+        for name, value in (
+            ("n_workers", n_workers),
+            ("batch_tokens", batch_tokens),
+            ("task_tokens", task_tokens),
+            ("max_length", max_length),
+            ("chunk_size", chunk_size),
+        ):
             _positive(name, value)
         fixed = precision_name(precision)
         self.max_length = max_length if max_length is not None else model_positions(model)
@@ -95,9 +111,15 @@ class RequestEngine:
             # the workers' dask-lm plugin holds the replicas and frees those a dead driver left idle
             self.client.register_plugin(DaskLMWorkerState(), name=PLUGIN_NAME)
             self.workers = len(live_workers(self.client)["workers"])
-            self.opts = ScoreOptions(model=model, tokenizer=tokenizer or model,
-                                     precision=fixed or worker_precision(self.client), output="-",
-                                     batch_tokens=batch_tokens, chunk_size=chunk_size, compile=compile)
+            self.opts = ScoreOptions(
+                model=model,
+                tokenizer=tokenizer or model,
+                precision=fixed or worker_precision(self.client),
+                output="-",
+                batch_tokens=batch_tokens,
+                chunk_size=chunk_size,
+                compile=compile,
+            )
         except BaseException:
             self._close_client()
             raise
@@ -112,20 +134,33 @@ class RequestEngine:
         limit = self.max_length
         for i, (context, continuation) in enumerate(pairs):
             if not context or not continuation:
-                raise ValueError(f"request {i} has an empty {'context' if not context else 'continuation'}: "
-                                 "every request needs a context token to condition on (the BOS / EOS token for an "
-                                 "empty context) and a token to score")
+                raise ValueError(
+                    f"request {i} has an empty {'context' if not context else 'continuation'}: "
+                    "every request needs a context token to condition on (the BOS / EOS token for an "
+                    "empty context) and a token to score"
+                )
             if limit is not None and len(continuation) > limit:
-                raise ValueError(f"request {i}: its continuation has {len(continuation)} tokens, more than "
-                                 f"max_length ({limit}) lets the model read; shorten it, or raise max_length if "
-                                 "the model takes longer inputs")
+                raise ValueError(
+                    f"request {i}: its continuation has {len(continuation)} tokens, more than "
+                    f"max_length ({limit}) lets the model read; shorten it, or raise max_length if "
+                    "the model takes longer inputs"
+                )
             row = list(context) + list(continuation)
             if limit is not None:
-                row = row[-(limit + 1):]
+                row = row[-(limit + 1) :]
             ids.append(row)
             starts.append(len(row) - len(continuation))
-        return self._run("loglikelihood", [len(r) for r in ids], lambda part: (
-            tasks.loglikelihood_requests, [ids[i] for i in part], [starts[i] for i in part], self.opts, part))
+        return self._run(
+            "loglikelihood",
+            [len(r) for r in ids],
+            lambda part: (
+                tasks.loglikelihood_requests,
+                [ids[i] for i in part],
+                [starts[i] for i in part],
+                self.opts,
+                part,
+            ),
+        )
 
     def generate(self, contexts: Sequence[list[int]], gen: dict[str, Any]) -> list[list[int]]:
         """The new token ids after each context, in request order. ``gen["max_new_tokens"]`` (required) caps
@@ -137,20 +172,25 @@ class RequestEngine:
             raise ValueError(f"gen['max_new_tokens'] must be a positive integer, got {max_new!r}")
         room = None if self.max_length is None else self.max_length - max_new
         if room is not None and room < 1:
-            raise ValueError(f"max_new_tokens ({max_new}) leaves no room for a context in max_length "
-                             f"({self.max_length}); lower max_gen_toks or raise max_length")
+            raise ValueError(
+                f"max_new_tokens ({max_new}) leaves no room for a context in max_length "
+                f"({self.max_length}); lower max_gen_toks or raise max_length"
+            )
         rows = [list(c)[-room:] if room is not None else list(c) for c in contexts]
         for i, row in enumerate(rows):
             if not row:
                 raise ValueError(f"request {i} has an empty context: give it at least the BOS / EOS token")
         # one task per worker: a task's time is its decode steps (sequential), not its tokens, so fewer and wider
         # batches finish sooner; splitting further would only add steps (stop 23, benchmarks/lm_eval_requests.py)
-        return self._run("generate", [len(r) + max_new for r in rows], lambda part: (
-            tasks.generate_requests, [rows[i] for i in part], gen, self.opts, part), per_worker=1,
-            task_tokens=GENERATE_BATCH_FACTOR * self.task_tokens)
+        return self._run(
+            "generate",
+            [len(r) + max_new for r in rows],
+            lambda part: (tasks.generate_requests, [rows[i] for i in part], gen, self.opts, part),
+            per_worker=1,
+            task_tokens=GENERATE_BATCH_FACTOR * self.task_tokens,
+        )
 
-    def plan(self, lengths: Sequence[int], *, per_worker: int = 2, task_tokens: int | None = None
-             ) -> list[list[int]]:
+    def plan(self, lengths: Sequence[int], *, per_worker: int = 2, task_tokens: int | None = None) -> list[list[int]]:
         """Request indices per task: longest first, each task at most ``task_tokens`` tokens (a longer request
         goes alone) and, given enough requests, at least ``per_worker`` tasks per worker."""
         if not lengths:
@@ -159,8 +199,15 @@ class RequestEngine:
         task_tokens = self.task_tokens if task_tokens is None else task_tokens
         return longest_first(lengths, max(1, min(task_tokens, math.ceil(sum(lengths) / wanted))))
 
-    def _run(self, what: str, lengths: list[int], task: Callable[[list[int]], tuple[Any, ...]], *,
-             per_worker: int = 2, task_tokens: int | None = None) -> list[Any]:
+    def _run(
+        self,
+        what: str,
+        lengths: list[int],
+        task: Callable[[list[int]], tuple[Any, ...]],
+        *,
+        per_worker: int = 2,
+        task_tokens: int | None = None,
+    ) -> list[Any]:
         from distributed import as_completed, span
 
         from dask_lm.engine.progress import JobBar
@@ -169,8 +216,13 @@ class RequestEngine:
             raise ValueError("this RequestEngine is closed; create a new one")
         parts = self.plan(lengths, per_worker=per_worker, task_tokens=task_tokens)
         results: list[Any] = [None] * len(lengths)
-        bar = JobBar(len(lengths), f"dask-lm {what}", "req", f"{len(parts)} tasks on {self.workers} workers",
-                     enabled=self.progress)
+        bar = JobBar(
+            len(lengths),
+            f"dask-lm {what}",
+            "req",
+            f"{len(parts)} tasks on {self.workers} workers",
+            enabled=self.progress,
+        )
         with span(f"dask-lm/lm-eval-{what}"):
             futures = [self.client.submit(*task(part), pure=False) for part in parts]
             where = {f.key: part for f, part in zip(futures, parts)}
@@ -207,6 +259,7 @@ class RequestEngine:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()

@@ -33,12 +33,15 @@ def _check_rows(rows: Sequence[Sequence[int]], vocab_size: int, names: Sequence[
     for j, row in enumerate(rows):
         if row and (min(row) < 0 or max(row) >= vocab_size):
             bad = next(t for t in row if t < 0 or t >= vocab_size)
-            raise ValueError(f"request {names[j]} holds token id {bad}, outside the model's vocabulary (0 to "
-                             f"{vocab_size - 1}): it was tokenized with a different tokenizer; pass the model's own")
+            raise ValueError(
+                f"request {names[j]} holds token id {bad}, outside the model's vocabulary (0 to "
+                f"{vocab_size - 1}): it was tokenized with a different tokenizer; pass the model's own"
+            )
 
 
-def loglikelihood_rows(ids: list[list[int]], starts: list[int], opts: ScoreOptions,
-                       names: Sequence[int] | None = None) -> list[tuple[float, bool]]:
+def loglikelihood_rows(
+    ids: list[list[int]], starts: list[int], opts: ScoreOptions, names: Sequence[int] | None = None
+) -> list[tuple[float, bool]]:
     """Per row ``(sum of the logprobs of ids[start:] given what precedes them, whether each of those tokens is
     the argmax of the model's distribution)``: lm-eval's ``(loglikelihood, is_greedy)``. The sum is taken in
     float64. ``names`` (the rows' request indices) only label errors."""
@@ -47,8 +50,10 @@ def loglikelihood_rows(ids: list[list[int]], starts: list[int], opts: ScoreOptio
     names = list(range(len(ids))) if names is None else list(names)
     for j, (row, start) in enumerate(zip(ids, starts)):
         if not 1 <= start < len(row):
-            raise ValueError(f"request {names[j]}: start {start} with {len(row)} tokens; a request needs at least "
-                             "one context token and one token to score")
+            raise ValueError(
+                f"request {names[j]}: start {start} with {len(row)} tokens; a request needs at least "
+                "one context token and one token to score"
+            )
     rep = replicas.replica_for(opts)
     out: list[tuple[float, bool]] = []
     with rep.lock:
@@ -60,31 +65,40 @@ def loglikelihood_rows(ids: list[list[int]], starts: list[int], opts: ScoreOptio
         fits = [i for i, row in enumerate(ids) if limit is None or len(row) <= limit]
         lps, _, finite, greedy = scorer.score_ids(rep, [ids[i] for i in fits], opts)
         per_row: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {
-            i: (lps[k], greedy[k], finite[k]) for k, i in enumerate(fits)}
+            i: (lps[k], greedy[k], finite[k]) for k, i in enumerate(fits)
+        }
         for i in sorted(set(range(len(ids))) - set(fits)):
             lp, is_max = _score_without_last_input(rep, ids[i], starts[i], opts)
             per_row[i] = (lp, is_max, bool(torch.isfinite(lp).all()))
     for i, start in enumerate(starts):
         lp, is_max, ok = per_row[i]
         if not ok:
-            raise NonFiniteError(f"the model produced non-finite logprobs (NaN/inf) on request {names[i]}: its "
-                                 "weights may hold NaN/inf, or the precision overflows (try dtype=float32)")
+            raise NonFiniteError(
+                f"the model produced non-finite logprobs (NaN/inf) on request {names[i]}: its "
+                "weights may hold NaN/inf, or the precision overflows (try dtype=float32)"
+            )
         out.append((float(lp[start:].double().sum()), bool(is_max[start:].all())))
     return out
 
 
 @torch.no_grad()
-def _score_without_last_input(rep: Any, row: list[int], start: int, opts: ScoreOptions
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _score_without_last_input(
+    rep: Any, row: list[int], start: int, opts: ScoreOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs and argmax flags of ``row`` (position 0 = 0) from a forward over ``row[:-1]`` only, as lm-eval's
     ``HFLM._loglikelihood_tokens`` feeds it: the last token is a target, never an input."""
     x = device.upload(torch.tensor([row[:-1]], dtype=torch.int64), rep.device)
     hidden = final_hidden_states(rep.model, x)
     targets = device.upload(torch.tensor([row], dtype=torch.int64), rep.device)
     cols = torch.arange(start - 1, len(row) - 1, device=hidden.device)  # the positions that predict row[start:]
-    lp, is_max = next_token_logprobs_greedy(hidden, targets, torch.ones_like(targets, dtype=torch.bool),
-                                            output_head(rep.model), chunk_size=opts.chunk_size,
-                                            index=(torch.zeros_like(cols), cols))
+    lp, is_max = next_token_logprobs_greedy(
+        hidden,
+        targets,
+        torch.ones_like(targets, dtype=torch.bool),
+        output_head(rep.model),
+        chunk_size=opts.chunk_size,
+        index=(torch.zeros_like(cols), cols),
+    )
     return lp[0].cpu(), is_max[0].cpu()
 
 
@@ -117,8 +131,9 @@ def _stop_on_text(tokenizer: Any, stops: Sequence[str], prompt_width: int) -> An
 
 
 @torch.no_grad()
-def generate_rows(contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOptions,
-                  names: Sequence[int] | None = None) -> list[list[int]]:
+def generate_rows(
+    contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOptions, names: Sequence[int] | None = None
+) -> list[list[int]]:
     """The new tokens after each context (rows of up to ``gen["max_new_tokens"]`` ids; a row that stopped early
     is padded with the pad id up to its micro-batch's longest). ``gen["stop"]`` (strings) ends a row once its new
     text holds one of them; every other key goes to Hugging Face's ``generate`` as it is (``do_sample``,
@@ -133,8 +148,9 @@ def generate_rows(contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOpt
     names = list(range(len(contexts))) if names is None else list(names)
     empty = [names[j] for j, c in enumerate(contexts) if not c]
     if empty:
-        raise ValueError(f"request {empty[0]} has no context tokens to generate after: give it at least the "
-                         "BOS / EOS token")
+        raise ValueError(
+            f"request {empty[0]} has no context tokens to generate after: give it at least the BOS / EOS token"
+        )
     rep = replicas.replica_for(opts)
     out: list[list[int]] = [[] for _ in contexts]
     with rep.lock:
@@ -151,13 +167,18 @@ def generate_rows(contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOpt
             mask = torch.zeros((len(part), width), dtype=torch.int64)
             for r, i in enumerate(part):
                 n = len(contexts[i])
-                x[r, width - n:] = torch.tensor(contexts[i], dtype=torch.int64)
-                mask[r, width - n:] = 1
-            criteria = transformers.StoppingCriteriaList(
-                [_stop_on_text(rep.tokenizer, stops, width)] if stops else [])
-            seq = rep.model.generate(input_ids=device.upload(x, rep.device),
-                                     attention_mask=device.upload(mask, rep.device), max_new_tokens=max_new,
-                                     pad_token_id=rep.pad_id, stopping_criteria=criteria, use_cache=True, **gen)
+                x[r, width - n :] = torch.tensor(contexts[i], dtype=torch.int64)
+                mask[r, width - n :] = 1
+            criteria = transformers.StoppingCriteriaList([_stop_on_text(rep.tokenizer, stops, width)] if stops else [])
+            seq = rep.model.generate(
+                input_ids=device.upload(x, rep.device),
+                attention_mask=device.upload(mask, rep.device),
+                max_new_tokens=max_new,
+                pad_token_id=rep.pad_id,
+                stopping_criteria=criteria,
+                use_cache=True,
+                **gen,
+            )
             for r, row in enumerate(seq[:, width:].cpu().tolist()):
                 out[part[r]] = row
     return out

@@ -13,8 +13,9 @@ if TYPE_CHECKING:
 __all__ = ["loglikelihood_requests", "generate_requests"]
 
 
-def loglikelihood_requests(ids: list[list[int]], starts: list[int], opts: ScoreOptions,
-                           names: list[int] | None = None) -> list[tuple[float, bool]]:
+def loglikelihood_requests(
+    ids: list[list[int]], starts: list[int], opts: ScoreOptions, names: list[int] | None = None
+) -> list[tuple[float, bool]]:
     """The lm-eval model class's loglikelihood requests: score rows on this worker
     (:func:`dask_lm.evaluation.requests.loglikelihood_rows`)."""
     from dask_lm.evaluation import requests
@@ -22,8 +23,9 @@ def loglikelihood_requests(ids: list[list[int]], starts: list[int], opts: ScoreO
     return requests.loglikelihood_rows(ids, starts, opts, names)
 
 
-def generate_requests(contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOptions,
-                      names: list[int] | None = None) -> list[list[int]]:
+def generate_requests(
+    contexts: list[list[int]], gen: dict[str, Any], opts: ScoreOptions, names: list[int] | None = None
+) -> list[list[int]]:
     """The lm-eval model class's generate_until requests: generate after rows on this worker
     (:func:`dask_lm.evaluation.requests.generate_rows`)."""
     from dask_lm.evaluation import requests

@@ -33,17 +33,39 @@ import torch
 from dask_lm.errors import CheckpointWriteError
 from dask_lm.io import safe_paths
 
-__all__ = ["temporary_sibling", "publish", "discard", "parse_size", "plan_shards", "write_shard", "write_index",
-           "fsync_tree", "BackgroundWriter", "CheckpointWriteError", "write_error", "writing", "WEIGHTS_NAME",
-           "WEIGHTS_INDEX_NAME"]
+__all__ = [
+    "temporary_sibling",
+    "publish",
+    "discard",
+    "parse_size",
+    "plan_shards",
+    "write_shard",
+    "write_index",
+    "fsync_tree",
+    "BackgroundWriter",
+    "CheckpointWriteError",
+    "write_error",
+    "writing",
+    "WEIGHTS_NAME",
+    "WEIGHTS_INDEX_NAME",
+]
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # an optimizer directory saved before any step: the optimizer's config only (no torch.distributed.checkpoint state)
 FRESH_OPTIMIZER = "optimizer_without_state.json"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(size: int | str, key: str = "checkpointing.max_shard_size") -> int:
@@ -145,8 +167,11 @@ def write_shard(directory: str, index: int, count: int, tensors: dict[str, torch
     from safetensors.torch import save_file
 
     # safetensors refuses views that share storage; every tensor here is its own contiguous CPU copy
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(directory, shard_file_name(index, count)),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        os.path.join(directory, shard_file_name(index, count)),
+        metadata={"format": "pt"},
+    )
 
 
 def write_index(directory: str, shards: list[list[str]], total_size: int) -> None:
@@ -161,8 +186,20 @@ def write_index(directory: str, shards: list[list[str]], total_size: int) -> Non
 
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's io::Error (safetensors) ends its message
 _FULL_BYTES = 1 << 20  # less free than this after a failed write: the filesystem ran full
-_FILE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOENT,
-                errno.ENOTDIR, errno.EISDIR, errno.EIO, errno.EFBIG, errno.ENAMETOOLONG}
+_FILE_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.EEXIST,
+    errno.ENOENT,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EIO,
+    errno.EFBIG,
+    errno.ENAMETOOLONG,
+}
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:
@@ -206,8 +243,9 @@ def write_error(exc: BaseException, path: str) -> BaseException:
     error is found along the chain; failing that, a filesystem with (almost) no space left after the failure
     means it ran full. Anything else passes unchanged (a user's ``ValueError``, a lost peer in a collective),
     except DCP's wrapper, which becomes its first failure's last line."""
-    if isinstance(exc, (ValueError, CheckpointWriteError)) or not isinstance(exc, Exception) and \
-            not hasattr(exc, "failures"):
+    if isinstance(exc, (ValueError, CheckpointWriteError)) or (
+        not isinstance(exc, Exception) and not hasattr(exc, "failures")
+    ):
         return exc  # user errors, and KeyboardInterrupt / SystemExit
     causes = list(_causes(exc))
     code = next((c for c in map(_errno, causes) if c), None)

@@ -40,8 +40,12 @@ _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
 _POSITIONS = ("max_position_embeddings", "n_positions")
 
 LIMITS: dict[str, int] = {
-    **dict.fromkeys(_VOCAB, 2**24), **dict.fromkeys(_HIDDEN, 2**17), **dict.fromkeys(_INTERMEDIATE, 2**20),
-    **dict.fromkeys(_LAYERS, 2**12), **dict.fromkeys(_HEADS, 2**14), **dict.fromkeys(_EXPERTS, 2**14),
+    **dict.fromkeys(_VOCAB, 2**24),
+    **dict.fromkeys(_HIDDEN, 2**17),
+    **dict.fromkeys(_INTERMEDIATE, 2**20),
+    **dict.fromkeys(_LAYERS, 2**12),
+    **dict.fromkeys(_HEADS, 2**14),
+    **dict.fromkeys(_EXPERTS, 2**14),
     **dict.fromkeys(_POSITIONS, 2**28),
 }
 """The largest value each size key may have (see the module docstring for why each is safe)."""
@@ -67,22 +71,28 @@ def check_config_limits(cfg: dict[str, Any], where: str) -> None:
     exceed :data:`MAX_PARAMETERS`."""
     depth = json_depth(cfg)
     if depth > MAX_DEPTH:
-        raise ValueError(f"{where} nests {depth} levels deep (more than {MAX_DEPTH}; real model configs nest fewer "
-                         "than 10): not a model config dask-lm will read; restore it (re-download the model, or save "
-                         "it again with save_pretrained)")
+        raise ValueError(
+            f"{where} nests {depth} levels deep (more than {MAX_DEPTH}; real model configs nest fewer "
+            "than 10): not a model config dask-lm will read; restore it (re-download the model, or save "
+            "it again with save_pretrained)"
+        )
     total = 0
     for path, section in _sections(cfg, ""):
         for key, limit in LIMITS.items():
             value = _number(section.get(key))
             if value is not None and value > limit:
-                raise ValueError(f"{where}: {path}{key} = {value:,} is larger than any model dask-lm can load (limit "
-                                 f"{limit:,}; real models stay far below it): the config is damaged or not meant "
-                                 "to be loaded; fix the value")
+                raise ValueError(
+                    f"{where}: {path}{key} = {value:,} is larger than any model dask-lm can load (limit "
+                    f"{limit:,}; real models stay far below it): the config is damaged or not meant "
+                    "to be loaded; fix the value"
+                )
         total += _parameters(section)
     if total > MAX_PARAMETERS:
-        raise ValueError(f"{where}: its sizes describe about {total:.3g} parameters (from {_described(cfg)}), more "
-                         f"than any machine holds (limit {MAX_PARAMETERS:.3g}): the config is damaged or not meant "
-                         "to be loaded; fix the sizes")
+        raise ValueError(
+            f"{where}: its sizes describe about {total:.3g} parameters (from {_described(cfg)}), more "
+            f"than any machine holds (limit {MAX_PARAMETERS:.3g}): the config is damaged or not meant "
+            "to be loaded; fix the sizes"
+        )
 
 
 def _sections(cfg: dict[str, Any], prefix: str) -> list[tuple[str, dict[str, Any]]]:
@@ -114,8 +124,9 @@ def _parameters(section: dict[str, Any]) -> int:
     hidden = _first(section, _HIDDEN)
     if not hidden:
         return 0
-    heads, kv_heads, head_dim = (_first(section, (k,)) for k in ("num_attention_heads", "num_key_value_heads",
-                                                                  "head_dim"))
+    heads, kv_heads, head_dim = (
+        _first(section, (k,)) for k in ("num_attention_heads", "num_key_value_heads", "head_dim")
+    )
     query = heads * head_dim if heads and head_dim else hidden
     key_value = kv_heads * head_dim if kv_heads and head_dim else query
     layer = hidden * (2 * query + 2 * key_value) + 3 * hidden * _first(section, _INTERMEDIATE)
@@ -124,7 +135,10 @@ def _parameters(section: dict[str, Any]) -> int:
 
 
 def _described(cfg: dict[str, Any]) -> str:
-    sizes = [f"{path}{key} = {value:,}" for path, section in _sections(cfg, "")
-             for key in (*_VOCAB, *_HIDDEN, *_INTERMEDIATE, *_LAYERS)
-             if (value := _number(section.get(key))) is not None]
+    sizes = [
+        f"{path}{key} = {value:,}"
+        for path, section in _sections(cfg, "")
+        for key in (*_VOCAB, *_HIDDEN, *_INTERMEDIATE, *_LAYERS)
+        if (value := _number(section.get(key))) is not None
+    ]
     return ", ".join(sizes[:6])

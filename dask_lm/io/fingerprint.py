@@ -31,15 +31,25 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from dask_lm.errors import InputChangedError
 from dask_lm.io import local_cache
 
-__all__ = ["ALGORITHM", "Stamp", "Pin", "stamp", "file_sha256", "fingerprint_files", "job_pins", "verify",
-           "confirm_unchanged"]
+__all__ = [
+    "ALGORITHM",
+    "Stamp",
+    "Pin",
+    "stamp",
+    "file_sha256",
+    "fingerprint_files",
+    "job_pins",
+    "verify",
+    "confirm_unchanged",
+]
 
 logger = logging.getLogger("dask_lm")
 
@@ -82,8 +92,11 @@ class Pin:
 
     def entry(self, root: str | None = None) -> dict[str, Any]:
         """The manifest's entry: the path relative to ``root`` where given (a model is pinned by content)."""
-        return {"path": os.path.relpath(self.path, root) if root else self.path, "size": self.size,
-                ALGORITHM: self.sha256}
+        return {
+            "path": os.path.relpath(self.path, root) if root else self.path,
+            "size": self.size,
+            ALGORITHM: self.sha256,
+        }
 
 
 def file_sha256(path: str) -> tuple[int, str]:
@@ -116,8 +129,10 @@ def _pin(path: str) -> Pin:
     except OSError as e:
         raise ValueError(f"{path} cannot be read to fingerprint it: {e}") from None
     if after != before or size != before.size:
-        raise InputChangedError(f"{path} changed while dask-lm was fingerprinting it (something is writing it); "
-                                "run the job again once the file is complete")
+        raise InputChangedError(
+            f"{path} changed while dask-lm was fingerprinting it (something is writing it); "
+            "run the job again once the file is complete"
+        )
     if not racy:  # a racy stamp cannot vouch for the content later: it is hashed again next time
         local_cache.remember_digest(path, st, digest)
     return Pin(path, size, digest, before, racy)
@@ -140,22 +155,35 @@ def fingerprint_files(paths: Sequence[str]) -> list[Pin]:
         pins = list(pool.map(_pin, paths))
     seconds = time.perf_counter() - t0
     total = sum(p.size for p in pins)
-    logger.info("hashed %d files (%.1f MB) in %.2f s (%.0f MB/s)", len(pins), total / 1e6, seconds,
-                total / 1e6 / max(seconds, 1e-9))
+    logger.info(
+        "hashed %d files (%.1f MB) in %.2f s (%.0f MB/s)",
+        len(pins),
+        total / 1e6,
+        seconds,
+        total / 1e6 / max(seconds, 1e-9),
+    )
     return pins
 
 
-def job_pins(model: str, model_files: Sequence[str], inputs: Sequence[str], *, tokenizer: str | None = None,
-             tokenizer_files: Sequence[str] = ()) -> tuple[dict[str, list[dict[str, Any]]], list[Pin]]:
+def job_pins(
+    model: str,
+    model_files: Sequence[str],
+    inputs: Sequence[str],
+    *,
+    tokenizer: str | None = None,
+    tokenizer_files: Sequence[str] = (),
+) -> tuple[dict[str, list[dict[str, Any]]], list[Pin]]:
     """The manifest entries of a job (``model_files`` and ``tokenizer_files`` relative to their directories,
     ``inputs`` absolute) and the pins behind them (model, tokenizer, inputs, in that order), hashed in one pool."""
     model_paths = [os.path.join(model, f) for f in model_files]
     tokenizer_paths = [os.path.join(tokenizer, f) for f in tokenizer_files] if tokenizer else []
     pins = fingerprint_files([*model_paths, *tokenizer_paths, *inputs])
     a, b = len(model_paths), len(model_paths) + len(tokenizer_paths)
-    entries = {"model_files": [p.entry(model) for p in pins[:a]],
-               "tokenizer_files": [p.entry(tokenizer) for p in pins[a:b]] if tokenizer else [],
-               "inputs": [p.entry() for p in pins[b:]]}
+    entries = {
+        "model_files": [p.entry(model) for p in pins[:a]],
+        "tokenizer_files": [p.entry(tokenizer) for p in pins[a:b]] if tokenizer else [],
+        "inputs": [p.entry() for p in pins[b:]],
+    }
     return entries, pins
 
 
@@ -167,15 +195,19 @@ def _rehash(path: str, now: Stamp) -> str:
 
 
 def _changed(pin: Pin, why: str) -> InputChangedError:
-    return InputChangedError(f"{pin.path} changed while the job ran ({why}); results from two versions of a file "
-                             f"would be mixed, so the job stops without {_SUCCESS}. {_resume_fix()}")
+    return InputChangedError(
+        f"{pin.path} changed while the job ran ({why}); results from two versions of a file "
+        f"would be mixed, so the job stops without {_SUCCESS}. {_resume_fix()}"
+    )
 
 
 def _resume_fix() -> str:
     from dask_lm.interface import again, opt
 
-    return (f"Restore the file as it was and {again(resume=True)} (the parts written so far came from the pinned "
-            f"content), or pass {opt('overwrite', True)} to start again from the new content")
+    return (
+        f"Restore the file as it was and {again(resume=True)} (the parts written so far came from the pinned "
+        f"content), or pass {opt('overwrite', True)} to start again from the new content"
+    )
 
 
 def verify(pin: Pin, *, since: Stamp | None = None, rehash_racy: bool = False) -> Stamp:
@@ -198,8 +230,9 @@ def verify(pin: Pin, *, since: Stamp | None = None, rehash_racy: bool = False) -
     except OSError as e:
         raise _changed(pin, f"it cannot be read any more: {e.strerror or e}") from None
     if digest != pin.sha256:
-        raise _changed(pin, f"same size, different content: {ALGORITHM} {pin.sha256[:12]}... when pinned, now "
-                            f"{digest[:12]}...")
+        raise _changed(
+            pin, f"same size, different content: {ALGORITHM} {pin.sha256[:12]}... when pinned, now {digest[:12]}..."
+        )
     return now
 
 

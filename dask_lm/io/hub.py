@@ -74,8 +74,7 @@ def _cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
-def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None, what: str | None = None
-                  ) -> ModelSource:
+def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None, what: str | None = None) -> ModelSource:
     """A local model directory as it is, or a Hub id resolved to its local snapshot (downloading what is missing).
 
     ``what`` names the setting in errors (``--model``, ``policy.model_name``, ``--tokenizer``). Raises
@@ -87,16 +86,22 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None, 
     text = os.fspath(name)
     if os.path.exists(text):
         if not os.path.isdir(text):
-            raise ValueError(f"{what} {text!r} is a file; pass the model's directory (with config.json) or a "
-                             "Hugging Face Hub id such as Qwen/Qwen2.5-0.5B")
+            raise ValueError(
+                f"{what} {text!r} is a file; pass the model's directory (with config.json) or a "
+                "Hugging Face Hub id such as Qwen/Qwen2.5-0.5B"
+            )
         if revision is not None:
-            raise ValueError(f"{what} {text!r} is a local directory: a revision ({revision!r}) applies only to a "
-                             "Hub id; drop the revision")
+            raise ValueError(
+                f"{what} {text!r} is a local directory: a revision ({revision!r}) applies only to a "
+                "Hub id; drop the revision"
+            )
         refuse_remote_code(text, what)
         return ModelSource(path=os.path.abspath(text))
     if not looks_like_hub_id(text):
-        raise ValueError(f"{what} {text!r} does not exist: pass a local Hugging Face model directory, or a Hub id "
-                         "such as Qwen/Qwen2.5-0.5B")
+        raise ValueError(
+            f"{what} {text!r} does not exist: pass a local Hugging Face model directory, or a Hub id "
+            "such as Qwen/Qwen2.5-0.5B"
+        )
     return _from_hub(text, revision, what)
 
 
@@ -115,35 +120,49 @@ def _from_hub(repo_id: str, revision: str | None, what: str) -> ModelSource:
     shown = f"{repo_id}" + (f" (revision {revision})" if revision else "")
     where = f"the Hugging Face cache {cache}"
     try:
-        path = snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=offline,
-                                 allow_patterns=_PATTERNS)
+        path = snapshot_download(
+            repo_id, revision=revision, cache_dir=cache, local_files_only=offline, allow_patterns=_PATTERNS
+        )
     except GatedRepoError:
-        raise ValueError(f"{what} {shown}: the model is gated on the Hugging Face Hub; accept its terms at "
-                         f"https://huggingface.co/{repo_id} and log in (`hf auth login`, or set HF_TOKEN)") from None
+        raise ValueError(
+            f"{what} {shown}: the model is gated on the Hugging Face Hub; accept its terms at "
+            f"https://huggingface.co/{repo_id} and log in (`hf auth login`, or set HF_TOKEN)"
+        ) from None
     except RepositoryNotFoundError:
-        raise ValueError(f"{what} {shown}: no such model on the Hugging Face Hub, or it is private (log in with "
-                         f"`hf auth login` or set HF_TOKEN); it is not a local directory either") from None
+        raise ValueError(
+            f"{what} {shown}: no such model on the Hugging Face Hub, or it is private (log in with "
+            f"`hf auth login` or set HF_TOKEN); it is not a local directory either"
+        ) from None
     except RevisionNotFoundError:
-        raise ValueError(f"{what} {shown}: the revision does not exist on the Hub; pass a branch, tag or commit "
-                         f"of https://huggingface.co/{repo_id}") from None
+        raise ValueError(
+            f"{what} {shown}: the revision does not exist on the Hub; pass a branch, tag or commit "
+            f"of https://huggingface.co/{repo_id}"
+        ) from None
     except LocalEntryNotFoundError as e:
         if type(e).__name__ == "IncompleteSnapshotError":  # huggingface_hub >= 1.x: an interrupted download
             raise ValueError(f"{what} {shown}: {e}") from None
         if offline:
-            raise ValueError(f"{what} {shown}: not a local directory, and not in {where}, and HF_HUB_OFFLINE=1 "
-                             f"forbids downloading it; download it once (`hf download {repo_id}`) or unset "
-                             "HF_HUB_OFFLINE, or pass a local model directory") from None
-        raise ValueError(f"{what} {shown}: not a local directory, not in {where}, and the Hub could not be "
-                         f"reached ({type(e.__cause__ or e).__name__}); check the network, or download it where "
-                         f"there is one (`hf download {repo_id}`) and point HF_HOME at that cache") from None
+            raise ValueError(
+                f"{what} {shown}: not a local directory, and not in {where}, and HF_HUB_OFFLINE=1 "
+                f"forbids downloading it; download it once (`hf download {repo_id}`) or unset "
+                "HF_HUB_OFFLINE, or pass a local model directory"
+            ) from None
+        raise ValueError(
+            f"{what} {shown}: not a local directory, not in {where}, and the Hub could not be "
+            f"reached ({type(e.__cause__ or e).__name__}); check the network, or download it where "
+            f"there is one (`hf download {repo_id}`) and point HF_HOME at that cache"
+        ) from None
     except HfHubHTTPError as e:
-        raise ValueError(f"{what} {shown}: the Hugging Face Hub answered {e}; retry, or pass a local model "
-                         "directory") from None
+        raise ValueError(
+            f"{what} {shown}: the Hugging Face Hub answered {e}; retry, or pass a local model directory"
+        ) from None
     if not any(f.endswith(".safetensors") for f in os.listdir(path)):
-        raise ValueError(f"{what} {shown}: the repository has no safetensors weights (only pickled ones, which dask-lm "
-                         "does not download: loading them would run code from the file); convert it once where you "
-                         "trust it (from_pretrained, then save_pretrained(dir, safe_serialization=True)) and pass "
-                         "that directory")
+        raise ValueError(
+            f"{what} {shown}: the repository has no safetensors weights (only pickled ones, which dask-lm "
+            "does not download: loading them would run code from the file); convert it once where you "
+            "trust it (from_pretrained, then save_pretrained(dir, safe_serialization=True)) and pass "
+            "that directory"
+        )
     refuse_remote_code(path, what)
     commit = os.path.basename(path) if os.path.basename(os.path.dirname(path)) == "snapshots" else None
     return ModelSource(path=os.path.abspath(path), hub_id=repo_id, revision=revision, commit=commit)

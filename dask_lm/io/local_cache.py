@@ -43,8 +43,13 @@ def _entry_path(path: str) -> str:
 
 
 def _identity(st: os.stat_result) -> dict[str, int]:
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
-            "dev": st.st_dev}
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "ino": st.st_ino,
+        "dev": st.st_dev,
+    }
 
 
 def cached_digest(path: str, st: os.stat_result) -> str | None:

@@ -36,9 +36,20 @@ SEAL = "seal"
 # the manifest's entries and their JSON types, checked before any is used (a hand-made manifest of an older format
 # has no seal to say it was edited); an entry that lists files holds objects with a path, a size and a SHA-256
 _TYPES: dict[str, type] = {
-    "format": int, "dask_lm_version": str, "model": str, "tokenizer": str, "options": dict, "settings": dict,
-    "model_source": dict, "partitions": int, "partition_plan": str, "inputs": list, "model_files": list,
-    "tokenizer_files": list, SEAL: dict}
+    "format": int,
+    "dask_lm_version": str,
+    "model": str,
+    "tokenizer": str,
+    "options": dict,
+    "settings": dict,
+    "model_source": dict,
+    "partitions": int,
+    "partition_plan": str,
+    "inputs": list,
+    "model_files": list,
+    "tokenizer_files": list,
+    SEAL: dict,
+}
 _FILE_LISTS = ("inputs", "model_files", "tokenizer_files")
 
 
@@ -47,8 +58,10 @@ def read_manifest(output: str) -> dict[str, Any] | None:
     path = os.path.join(output, MANIFEST)
     if not os.path.lexists(path):
         return None
-    fix = (f"it is not a dask-lm manifest, so what {output} holds cannot be checked: move {output} aside (or delete "
-           f"it) and run again, or choose another {opt('output')}")
+    fix = (
+        f"it is not a dask-lm manifest, so what {output} holds cannot be checked: move {output} aside (or delete "
+        f"it) and run again, or choose another {opt('output')}"
+    )
     try:
         fd = safe_paths.open_no_follow(path, os.O_RDONLY)  # a link: refused (a ValueError), naming it
         with open(fd, encoding="utf-8") as f:
@@ -93,9 +106,11 @@ def sealed(manifest: dict[str, Any]) -> dict[str, Any]:
 
 def _check_seal(manifest: dict[str, Any], path: str) -> None:
     seal = manifest.get(SEAL)
-    fix = (f"a manifest pins what the job's parts were computed with, and one edited by hand would resume into an "
-           f"output computed two ways: put back what dask-lm wrote, pass {opt('overwrite', True)} (instead of "
-           f"{opt('resume', True)}) to start again with the options you want, or write into a new {opt('output')}")
+    fix = (
+        f"a manifest pins what the job's parts were computed with, and one edited by hand would resume into an "
+        f"output computed two ways: put back what dask-lm wrote, pass {opt('overwrite', True)} (instead of "
+        f"{opt('resume', True)}) to start again with the options you want, or write into a new {opt('output')}"
+    )
     if not isinstance(seal, dict):
         raise ValueError(f'{path} was edited: its "{SEAL}" is missing or not an object; {fix}')
     now = _digests(manifest)
@@ -115,6 +130,7 @@ def _check_seal(manifest: dict[str, Any], path: str) -> None:
 def _check_types(manifest: dict[str, Any], path: str, fix: str) -> None:
     """Each known entry of ``manifest`` of its JSON type (:data:`_TYPES`), each option a JSON scalar: a
     ``ValueError`` naming the entry and ``path`` else (the job would fail on it later with a ``TypeError``)."""
+
     def wrong(key: str, value: Any, want: str) -> ValueError:
         return ValueError(f'{path}: "{key}" holds {json.dumps(value, default=str)[:80]}, which is not {want}; {fix}')
 
@@ -125,8 +141,12 @@ def _check_types(manifest: dict[str, Any], path: str, fix: str) -> None:
             raise wrong(key, value, names.get(want, want.__name__))
     for key in _FILE_LISTS:
         for entry in manifest.get(key) or []:
-            if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)
-                    and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), (str, type(None)))):
+            if not (
+                isinstance(entry, dict)
+                and isinstance(entry.get("path"), str)
+                and isinstance(entry.get("size"), int)
+                and isinstance(entry.get("sha256"), (str, type(None)))
+            ):
                 raise wrong(key, entry, 'a file entry ({"path": ..., "size": ..., "sha256": ...})')
     for section in ("options", "settings"):
         for key, value in (manifest.get(section) or {}).items():

@@ -38,24 +38,64 @@ from typing import Any
 from dask_lm.interface import opt
 from dask_lm.io.config_limits import check_config_limits
 
-__all__ = ["weight_files", "stated_vocab", "stated_positions", "config_vocab", "transformers_module", "ModelInfo",
-           "check_model", "check_config", "refuse_remote_code", "check_safetensors", "check_tokenizer",
-           "tokenizer_files", "TOKENIZER_FILES", "CODE_MAPS"]
+__all__ = [
+    "weight_files",
+    "stated_vocab",
+    "stated_positions",
+    "config_vocab",
+    "transformers_module",
+    "ModelInfo",
+    "check_model",
+    "check_config",
+    "refuse_remote_code",
+    "check_safetensors",
+    "check_tokenizer",
+    "tokenizer_files",
+    "TOKENIZER_FILES",
+    "CODE_MAPS",
+]
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
-                   "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # the files whose "auto_map" makes transformers import a module from the model's folder (config and tokenizer)
 CODE_MAPS = (CONFIG, "tokenizer_config.json")
 _MAX_HEADER = 100_000_000  # the safetensors format's own limit on the header length
 # bytes per element; sub-byte and exotic dtypes are left out of the size check rather than guessed
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 
 
 @dataclass(frozen=True)
@@ -132,17 +172,30 @@ def refuse_remote_code(directory: str, what: str | None = None) -> None:
         if "auto_map" not in obj:
             continue
         auto_map = obj["auto_map"]  # {"AutoConfig": "mod.Class", "AutoTokenizer": [slow, fast]}, or a legacy list
-        refs = sorted({str(r) for v in (auto_map.values() if isinstance(auto_map, dict) else [auto_map])
-                       for r in (v if isinstance(v, list) else [v]) if r})
+        refs = sorted(
+            {
+                str(r)
+                for v in (auto_map.values() if isinstance(auto_map, dict) else [auto_map])
+                for r in (v if isinstance(v, list) else [v])
+                if r
+            }
+        )
         model_type = obj.get("model_type") if name == CONFIG else None
-        kind = f"architecture (model_type {model_type!r})" if isinstance(model_type, str) else \
-            "architecture" if name == CONFIG else "tokenizer"
-        raise ValueError(f"{what + ' ' if what else ''}{directory!r}: {path} has \"auto_map\" ({', '.join(refs[:3])}"
-                         f"{', ...' if len(refs) > 3 else ''}): the model asks to run Python code from its own "
-                         "folder, and dask-lm runs only the classes transformers ships, never a model's own code "
-                         f"(trust_remote_code is always False). If transformers ships this {kind}, delete "
-                         f"\"auto_map\" from {name} and its own classes load it; otherwise convert the model, "
-                         "where you trust its code, to one transformers ships")
+        kind = (
+            f"architecture (model_type {model_type!r})"
+            if isinstance(model_type, str)
+            else "architecture"
+            if name == CONFIG
+            else "tokenizer"
+        )
+        raise ValueError(
+            f'{what + " " if what else ""}{directory!r}: {path} has "auto_map" ({", ".join(refs[:3])}'
+            f"{', ...' if len(refs) > 3 else ''}): the model asks to run Python code from its own "
+            "folder, and dask-lm runs only the classes transformers ships, never a model's own code "
+            f"(trust_remote_code is always False). If transformers ships this {kind}, delete "
+            f'"auto_map" from {name} and its own classes load it; otherwise convert the model, '
+            "where you trust its code, to one transformers ships"
+        )
 
 
 def _read_json(path: str, what: str) -> dict[str, Any]:
@@ -150,15 +203,21 @@ def _read_json(path: str, what: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); it should be {what}: restore it (re-download the "
-                         "model, or save it again with save_pretrained)") from None
+        raise ValueError(
+            f"{path} is not valid JSON ({e}); it should be {what}: restore it (re-download the "
+            "model, or save it again with save_pretrained)"
+        ) from None
     except RecursionError:  # json's C decoder recurses once per nested array or object
-        raise ValueError(f"{path} nests too deeply to be read as JSON (deeper than Python's recursion limit); it "
-                         f"should be {what}: restore it (re-download the model, or save it again with "
-                         "save_pretrained)") from None
+        raise ValueError(
+            f"{path} nests too deeply to be read as JSON (deeper than Python's recursion limit); it "
+            f"should be {what}: restore it (re-download the model, or save it again with "
+            "save_pretrained)"
+        ) from None
     if not isinstance(obj, dict):
-        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object; it should be {what}: restore it "
-                         "(re-download the model, or save it again with save_pretrained)")
+        raise ValueError(
+            f"{path} holds a JSON {type(obj).__name__}, not an object; it should be {what}: restore it "
+            "(re-download the model, or save it again with save_pretrained)"
+        )
     return obj
 
 
@@ -213,8 +272,10 @@ def _auto_config_vocab(model: str, config_path: str) -> int | None:
     try:
         cfg = transformers.AutoConfig.from_pretrained(model, trust_remote_code=False)
     except Exception as e:  # transformers raises ValueError, KeyError, OSError, ... for a config it cannot use
-        raise ValueError(f"{config_path} is not a config transformers can load ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:300]})") from None
+        raise ValueError(
+            f"{config_path} is not a config transformers can load ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:300]})"
+        ) from None
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     vocab = getattr(text, "vocab_size", None)
     return int(vocab) if isinstance(vocab, int) and vocab > 0 else None
@@ -229,21 +290,26 @@ def weight_files(model: str) -> list[str]:
             return [index, *sorted(set(_index_map(model, index).values()))]
     if os.path.isfile(os.path.join(model, BIN)):
         return [BIN]
-    raise ValueError(f"{opt('model')} {model!r} has no weights (*.safetensors or pytorch_model*.bin): from_pretrained "
-                     f"loads {SAFETENSORS}, {SAFETENSORS_INDEX} with its shards, or {BIN}")
+    raise ValueError(
+        f"{opt('model')} {model!r} has no weights (*.safetensors or pytorch_model*.bin): from_pretrained "
+        f"loads {SAFETENSORS}, {SAFETENSORS_INDEX} with its shards, or {BIN}"
+    )
 
 
 def _index_map(model: str, index: str) -> dict[str, str]:
     path = os.path.join(model, index)
     weight_map = _read_json(path, "a weight index").get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-            isinstance(v, str) for v in weight_map.values()):
-        raise ValueError(f"{path} has no \"weight_map\" of tensor names to file names; restore it (re-download the "
-                         "model, or save it again with save_pretrained)")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(
+            f'{path} has no "weight_map" of tensor names to file names; restore it (re-download the '
+            "model, or save it again with save_pretrained)"
+        )
     for name in sorted(set(weight_map.values())):
         if os.path.basename(name) != name or not os.path.isfile(os.path.join(model, name)):
-            raise ValueError(f"{path} names the weight file {name!r}, which is not in {model}: the download is "
-                             "incomplete; fetch the missing shard(s)")
+            raise ValueError(
+                f"{path} names the weight file {name!r}, which is not in {model}: the download is "
+                "incomplete; fetch the missing shard(s)"
+            )
     return weight_map
 
 
@@ -257,9 +323,11 @@ def _check_index(model: str, index: str, headers: dict[str, list[str]]) -> None:
             continue
         missing = sorted(tensors - set(headers[name]))
         if missing:
-            raise ValueError(f"{os.path.join(model, index)} places {len(missing)} tensor(s) in {name} that it does "
-                             f"not hold (first: {missing[0]!r}): the index and the shards come from different "
-                             "saves; fetch them again together")
+            raise ValueError(
+                f"{os.path.join(model, index)} places {len(missing)} tensor(s) in {name} that it does "
+                f"not hold (first: {missing[0]!r}): the index and the shards come from different "
+                "saves; fetch them again together"
+            )
 
 
 def check_safetensors(path: str) -> list[str]:
@@ -272,11 +340,15 @@ def check_safetensors(path: str) -> list[str]:
             raise ValueError(f"{path} is {len(head)} bytes long: too short for a safetensors file; {fix}")
         (length,) = struct.unpack("<Q", head)
         if length > _MAX_HEADER:
-            raise ValueError(f"{path} is not a safetensors file: its first 8 bytes give a header of {length:,} bytes "
-                             f"(more than the format's {_MAX_HEADER:,}); {fix}")
+            raise ValueError(
+                f"{path} is not a safetensors file: its first 8 bytes give a header of {length:,} bytes "
+                f"(more than the format's {_MAX_HEADER:,}); {fix}"
+            )
         if 8 + length > st.st_size:
-            raise ValueError(f"{path} is truncated: its header alone needs {8 + length:,} bytes but the file has "
-                             f"{st.st_size:,}; {fix}")
+            raise ValueError(
+                f"{path} is truncated: its header alone needs {8 + length:,} bytes but the file has "
+                f"{st.st_size:,}; {fix}"
+            )
         raw = f.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -291,23 +363,37 @@ def check_safetensors(path: str) -> list[str]:
         if name == "__metadata__":
             continue
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
             raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets in the header; {fix}")
         if offsets[1] > data:
-            raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte {offsets[1]:,} of the data but the "
-                             f"file holds {data:,} bytes of data; {fix}")
+            raise ValueError(
+                f"{path} is truncated: tensor {name!r} ends at byte {offsets[1]:,} of the data but the "
+                f"file holds {data:,} bytes of data; {fix}"
+            )
         shape, width = info.get("shape"), _DTYPE_BYTES.get(info.get("dtype"))
-        if width and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape) \
-                and offsets[1] - offsets[0] != math.prod(shape) * width:
-            raise ValueError(f"{path}: tensor {name!r} ({info.get('dtype')} {shape}) should take "
-                             f"{math.prod(shape) * width:,} bytes but its data_offsets give "
-                             f"{offsets[1] - offsets[0]:,}; {fix}")
+        if (
+            width
+            and isinstance(shape, list)
+            and all(isinstance(d, int) and d >= 0 for d in shape)
+            and offsets[1] - offsets[0] != math.prod(shape) * width
+        ):
+            raise ValueError(
+                f"{path}: tensor {name!r} ({info.get('dtype')} {shape}) should take "
+                f"{math.prod(shape) * width:,} bytes but its data_offsets give "
+                f"{offsets[1] - offsets[0]:,}; {fix}"
+            )
         end = max(end, offsets[1])
         names.append(name)
     if st.st_size != 8 + length + end:
-        raise ValueError(f"{path} is {st.st_size:,} bytes but its header describes {8 + length + end:,} "
-                         f"(8 + a {length:,}-byte header + {end:,} bytes of tensors): the file is damaged; {fix}")
+        raise ValueError(
+            f"{path} is {st.st_size:,} bytes but its header describes {8 + length + end:,} "
+            f"(8 + a {length:,}-byte header + {end:,} bytes of tensors): the file is damaged; {fix}"
+        )
     return names
 
 
@@ -319,9 +405,13 @@ def _check_pickle_container(path: str) -> None:
     if magic == b"PK":
         if zipfile.is_zipfile(path):
             return
-        raise ValueError(f"{path} is a damaged zip archive (no central directory: truncated?); re-download the "
-                         "model, or save it again with save_pretrained")
+        raise ValueError(
+            f"{path} is a damaged zip archive (no central directory: truncated?); re-download the "
+            "model, or save it again with save_pretrained"
+        )
     if len(magic) == 2 and magic[0] == 0x80 and 2 <= magic[1] <= 5:
         return
-    raise ValueError(f"{path} is neither a torch.save zip archive nor a pickle stream (it starts with "
-                     f"{magic!r}); re-download the model, or save it again with save_pretrained")
+    raise ValueError(
+        f"{path} is neither a torch.save zip archive nor a pickle stream (it starts with "
+        f"{magic!r}); re-download the model, or save it again with save_pretrained"
+    )

@@ -22,10 +22,27 @@ from dask_lm.errors import PartWriteError
 from dask_lm.io import part_proof, safe_paths
 from dask_lm.io.fingerprint import Pin, stamp, verify
 
-__all__ = ["ScoreInputs", "resolve_input_files", "inspect_inputs", "part_name", "write_part", "write_json_atomic",
-           "output_schema_columns", "UnreadableRowGroup", "slice_rows", "read_partition",
-           "errors_table", "errors_dir", "make_errors_dir", "merge_errors", "remove_debris", "write_fix", "MANIFEST",
-           "SUCCESS", "ERRORS"]
+__all__ = [
+    "ScoreInputs",
+    "resolve_input_files",
+    "inspect_inputs",
+    "part_name",
+    "write_part",
+    "write_json_atomic",
+    "output_schema_columns",
+    "UnreadableRowGroup",
+    "slice_rows",
+    "read_partition",
+    "errors_table",
+    "errors_dir",
+    "make_errors_dir",
+    "merge_errors",
+    "remove_debris",
+    "write_fix",
+    "MANIFEST",
+    "SUCCESS",
+    "ERRORS",
+]
 
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS"
@@ -117,8 +134,10 @@ def _once(files: list[str]) -> list[str]:
 
 def _walk_parquet(directory: str) -> list[str]:
     def unlistable(e: OSError) -> None:
-        raise ValueError(f"input directory {e.filename} cannot be listed ({e.strerror}): its files would be left "
-                         "out; fix its permissions, or name the input files you mean")
+        raise ValueError(
+            f"input directory {e.filename} cannot be listed ({e.strerror}): its files would be left "
+            "out; fix its permissions, or name the input files you mean"
+        )
 
     found: list[str] = []
     walked: set[tuple[int, int]] = set()
@@ -131,12 +150,17 @@ def _walk_parquet(directory: str) -> list[str]:
             continue
         walked.add(ident)
         dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]  # pruned in place: os.walk never enters them
-        found += [os.path.join(root, f) for f in names
-                  if f.endswith((".parquet", ".parq", ".pq")) and not f.startswith(("_", "."))]
+        found += [
+            os.path.join(root, f)
+            for f in names
+            if f.endswith((".parquet", ".parq", ".pq")) and not f.startswith(("_", "."))
+        ]
     if again:
         shown = ", ".join(again[:3]) + (f" and {len(again) - 3} more" if len(again) > 3 else "")
-        interface.warn(f"{len(again)} directories of input {directory} are reached a second way (a symlink loop, or "
-                       f"two links to one directory), each walked once: {shown}")
+        interface.warn(
+            f"{len(again)} directories of input {directory} are reached a second way (a symlink loop, or "
+            f"two links to one directory), each walked once: {shown}"
+        )
     return found
 
 
@@ -146,9 +170,16 @@ def _column_type(schema: pa.Schema, name: str, file: str) -> pa.DataType:
     return schema.field(name).type
 
 
-def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str | None, prompt_column: str | None,
-                   response_column: str | None, id_column: str | None, prompt_length_column: str | None = None
-                   ) -> ScoreInputs:
+def inspect_inputs(
+    files: list[str],
+    *,
+    text_column: str | None,
+    ids_column: str | None,
+    prompt_column: str | None,
+    response_column: str | None,
+    id_column: str | None,
+    prompt_length_column: str | None = None,
+) -> ScoreInputs:
     """Read every file's footer: it must be parquet, hold the needed columns with the right types, and agree on
     the schema. Row groups become partitions. A file without rows adds none and is held to nothing but being
     parquet and naming the columns: its types may be anything (pandas writes an empty object column as ``null``)."""
@@ -167,22 +198,32 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
         if out.schema is None:
             out.schema = schema
         elif not schema.equals(out.schema):
-            raise ValueError(f"{file} has schema {schema} but {files[0]} has {out.schema}; every input file needs "
-                             "the same columns and types")
+            raise ValueError(
+                f"{file} has schema {schema} but {files[0]} has {out.schema}; every input file needs "
+                "the same columns and types"
+            )
         start = 0
         scored = {c for c in (text_column, ids_column, prompt_column, response_column) if c}
         for g in range(meta.num_row_groups):
             group = meta.metadata.row_group(g)
             out.partitions.append((file, g, start, group.num_rows))
             start += group.num_rows
-            columns = [group.column(j) for j in range(group.num_columns)
-                       if any(group.column(j).path_in_schema == c or group.column(j).path_in_schema.startswith(c + ".")
-                              for c in scored)]
+            columns = [
+                group.column(j)
+                for j in range(group.num_columns)
+                if any(
+                    group.column(j).path_in_schema == c or group.column(j).path_in_schema.startswith(c + ".")
+                    for c in scored
+                )
+            ]
             out.scored_bytes += sum(c.total_uncompressed_size for c in columns)
             # an ids column's leaf values are its tokens, counted exactly by the footer; text is about 4 bytes of
             # (dictionary- or plain-encoded) data per token
-            out.group_tokens.append(float(sum(c.num_values for c in columns)) if ids_column is not None else
-                                    sum(c.total_uncompressed_size for c in columns) / 4)
+            out.group_tokens.append(
+                float(sum(c.num_values for c in columns))
+                if ids_column is not None
+                else sum(c.total_uncompressed_size for c in columns) / 4
+            )
         out.num_rows += meta.metadata.num_rows
     for file, schema in empty:  # the columns must be there, whatever their type
         for name in (text_column, ids_column, prompt_column, response_column, prompt_length_column, id_column):
@@ -204,14 +245,18 @@ def inspect_inputs(files: list[str], *, text_column: str | None, ids_column: str
     if prompt_length_column is not None:
         t = _column_type(out.schema, prompt_length_column, first)
         if not pa.types.is_integer(t):
-            raise ValueError(f"{first}: column {prompt_length_column!r} has type {t}; a prompt-length column must be "
-                             "an integer column (how many leading ids of the row are context)")
+            raise ValueError(
+                f"{first}: column {prompt_length_column!r} has type {t}; a prompt-length column must be "
+                "an integer column (how many leading ids of the row are context)"
+            )
     if id_column is not None:
         _column_type(out.schema, id_column, first)
     for reserved in [name for name, _type in output_schema_columns(1, decode_topk=True)]:
         if id_column is None and reserved in out.schema.names:
-            raise ValueError(f"{first}: input column {reserved!r} would collide with the output column of the same "
-                             f"name; pass {interface.opt('id_column')} to keep only an id column")
+            raise ValueError(
+                f"{first}: input column {reserved!r} would collide with the output column of the same "
+                f"name; pass {interface.opt('id_column')} to keep only an id column"
+            )
     return out
 
 
@@ -226,10 +271,17 @@ def output_schema_columns(topk: int, decode_topk: bool = False) -> list[tuple[st
     it (greedy decoding would have produced the scored text); null where nothing is scored. With ``topk``,
     ``topk_ids`` / ``topk_logprobs`` at position t are the k most likely tokens after token t, and with
     ``decode_topk`` ``topk_tokens`` holds their strings, each id as ``tokenizer.decode([id])`` gives it."""
-    cols = [("num_tokens", pa.int32()), ("prompt_tokens", pa.int32()), ("num_scored", pa.int32()),
-            ("truncated", pa.bool_()),
-            ("logprobs", pa.list_(pa.float32())), ("sum_logprob", pa.float64()), ("mean_logprob", pa.float64()),
-            ("perplexity", pa.float64()), ("is_greedy", pa.bool_())]
+    cols = [
+        ("num_tokens", pa.int32()),
+        ("prompt_tokens", pa.int32()),
+        ("num_scored", pa.int32()),
+        ("truncated", pa.bool_()),
+        ("logprobs", pa.list_(pa.float32())),
+        ("sum_logprob", pa.float64()),
+        ("mean_logprob", pa.float64()),
+        ("perplexity", pa.float64()),
+        ("is_greedy", pa.bool_()),
+    ]
     if topk:
         cols += [("topk_ids", pa.list_(pa.list_(pa.int32()))), ("topk_logprobs", pa.list_(pa.list_(pa.float32())))]
         if decode_topk:
@@ -251,8 +303,10 @@ class UnreadableRowGroup:
 
     def message(self) -> str:
         last = self.first_row + self.num_rows - 1
-        return (f"{self.file}: row group {self.group} (rows {self.first_row}-{last}) cannot be read: {self.error}; "
-                "the file is damaged: re-create it")
+        return (
+            f"{self.file}: row group {self.group} (rows {self.first_row}-{last}) cannot be read: {self.error}; "
+            "the file is damaged: re-create it"
+        )
 
 
 def slice_rows(part: Any, offset: int, num_rows: int) -> Any:
@@ -260,11 +314,18 @@ def slice_rows(part: Any, offset: int, num_rows: int) -> Any:
     which stays one for those rows): a split row group's span, cut where the group was read."""
     if isinstance(part, UnreadableRowGroup):
         return replace(part, first_row=part.first_row + offset, num_rows=num_rows)
-    return part.iloc[offset:offset + num_rows].reset_index(drop=True)
+    return part.iloc[offset : offset + num_rows].reset_index(drop=True)
 
 
-def read_partition(file: str, group: int, first_row: int, num_rows: int, columns: list[str] | None,
-                   pin: Pin | None = None, caller: interface.Interface | None = None) -> Any:
+def read_partition(
+    file: str,
+    group: int,
+    first_row: int,
+    num_rows: int,
+    columns: list[str] | None,
+    pin: Pin | None = None,
+    caller: interface.Interface | None = None,
+) -> Any:
     """Row group ``group`` of ``file`` as a pandas frame of Arrow-backed columns, or an :class:`UnreadableRowGroup`
     when its pages are corrupt.
 
@@ -280,8 +341,9 @@ def read_partition(file: str, group: int, first_row: int, num_rows: int, columns
         return _read_partition(file, group, first_row, num_rows, columns, pin)
 
 
-def _read_partition(file: str, group: int, first_row: int, num_rows: int, columns: list[str] | None,
-                    pin: Pin | None) -> Any:
+def _read_partition(
+    file: str, group: int, first_row: int, num_rows: int, columns: list[str] | None, pin: Pin | None
+) -> Any:
     import pandas as pd
 
     before = verify(pin) if pin is not None else None
@@ -300,9 +362,14 @@ def _read_partition(file: str, group: int, first_row: int, num_rows: int, column
 
 def errors_table(index: int, file: str, rows: list[int], errors: list[str]) -> pa.Table:
     """The bad rows of part ``index``: one row each (``part``, ``file``, ``row`` in its file, ``error``)."""
-    return pa.table({"part": pa.array([index] * len(rows), pa.int32()), "file": pa.array([file] * len(rows),
-                                                                                       pa.string()),
-                     "row": pa.array(rows, pa.int64()), "error": pa.array(errors, pa.string())})
+    return pa.table(
+        {
+            "part": pa.array([index] * len(rows), pa.int32()),
+            "file": pa.array([file] * len(rows), pa.string()),
+            "row": pa.array(rows, pa.int64()),
+            "error": pa.array(errors, pa.string()),
+        }
+    )
 
 
 def part_name(index: int) -> str:
@@ -348,8 +415,10 @@ def write_fix() -> str:
     """What a failed part write tells the user to do, as the caller spells it (:mod:`dask_lm.interface`: a worker
     task speaks as its job's caller). The parts written before it are complete (each renamed into place whole), so
     the job resumes where it stopped."""
-    return f"free space (or fix what the reason names), then {interface.again(resume=True)}; the parts already " \
-           "written are kept"
+    return (
+        f"free space (or fix what the reason names), then {interface.again(resume=True)}; the parts already "
+        "written are kept"
+    )
 
 
 def part_write_error(exc: OSError, path: str) -> PartWriteError:

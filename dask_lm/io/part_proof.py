@@ -38,8 +38,9 @@ import os
 import stat
 import struct
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import IO, Any, Sequence
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -47,8 +48,18 @@ import pyarrow.parquet as pq
 from dask_lm.io import safe_paths
 from dask_lm.io.fingerprint import Stamp
 
-__all__ = ["KEY", "PartProof", "NotOurs", "Damaged", "job_identity", "write", "data_sha256", "read_proof", "check",
-           "confirm"]
+__all__ = [
+    "KEY",
+    "PartProof",
+    "NotOurs",
+    "Damaged",
+    "job_identity",
+    "write",
+    "data_sha256",
+    "read_proof",
+    "check",
+    "confirm",
+]
 
 KEY = "dask_lm.part"
 _DIGEST_LEN = 64  # hex SHA-256
@@ -175,8 +186,9 @@ def _describe_type(path: str) -> str | None:
     return None
 
 
-def check(path: str, expected: PartProof, columns: Sequence[tuple[str, pa.DataType | None]], *,
-          data: bool = True) -> Stamp:
+def check(
+    path: str, expected: PartProof, columns: Sequence[tuple[str, pa.DataType | None]], *, data: bool = True
+) -> Stamp:
     """That the part at ``path`` proves to be ``expected`` (all but its ``data_sha256``): written by this job
     (identity), for this span, with as many rows as its footer holds and the columns the job writes (``columns``:
     name and type, ``None`` where the input decides it); with ``data``, that its pages hash to the recorded digest.
@@ -194,17 +206,22 @@ def check(path: str, expected: PartProof, columns: Sequence[tuple[str, pa.DataTy
     if proof is None:
         raise NotOurs(f"{name} carries no dask-lm part proof in its footer (key {KEY!r}): another program wrote it")
     if proof.identity != expected.identity:
-        raise NotOurs(f"{name} was written by another job (identity {proof.identity}, this job's is "
-                      f"{expected.identity}: other inputs, model or options)")
+        raise NotOurs(
+            f"{name} was written by another job (identity {proof.identity}, this job's is "
+            f"{expected.identity}: other inputs, model or options)"
+        )
     if proof.part != expected.part or proof.span() != expected.span():
-        raise Damaged(f"{name} holds part {proof.part} (rows {proof.first_row}..{proof.first_row + proof.num_rows - 1} "
-                      f"of {proof.file}), not this part's span")
+        raise Damaged(
+            f"{name} holds part {proof.part} (rows {proof.first_row}..{proof.first_row + proof.num_rows - 1} "
+            f"of {proof.file}), not this part's span"
+        )
     if proof.rows + proof.bad_rows != proof.num_rows or meta.num_rows != proof.rows:
-        raise Damaged(f"{name} holds {meta.num_rows} rows, its proof says {proof.rows} (+ {proof.bad_rows} bad) of "
-                      f"{proof.num_rows}")
+        raise Damaged(
+            f"{name} holds {meta.num_rows} rows, its proof says {proof.rows} (+ {proof.bad_rows} bad) of "
+            f"{proof.num_rows}"
+        )
     schema = meta.schema.to_arrow_schema()
-    if schema.names != [c for c, _ in columns] or any(t is not None and schema.field(c).type != t
-                                                      for c, t in columns):
+    if schema.names != [c for c, _ in columns] or any(t is not None and schema.field(c).type != t for c, t in columns):
         raise Damaged(f"{name} has the columns {schema.names}, this job writes {[c for c, _ in columns]}")
     if data:
         try:
@@ -212,22 +229,27 @@ def check(path: str, expected: PartProof, columns: Sequence[tuple[str, pa.DataTy
         except (OSError, ValueError) as e:
             raise Damaged(f"{name} cannot be read ({e})") from None
         if digest != proof.data_sha256:
-            raise Damaged(f"{name}'s pages do not hash to what was written (sha256 {proof.data_sha256[:12]}... when "
-                          f"written, now {digest[:12]}...): its bytes changed")
+            raise Damaged(
+                f"{name}'s pages do not hash to what was written (sha256 {proof.data_sha256[:12]}... when "
+                f"written, now {digest[:12]}...): its bytes changed"
+            )
     after = os.lstat(path)
-    if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (before.st_size, before.st_mtime_ns,
-                                                                  before.st_ctime_ns):
+    if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (
+        before.st_size,
+        before.st_mtime_ns,
+        before.st_ctime_ns,
+    ):
         raise Damaged(f"{name} changed while it was checked")
     return Stamp(after.st_size, after.st_mtime_ns, after.st_ctime_ns)
 
 
-def confirm(path: str, expected: PartProof, columns: Sequence[tuple[str, pa.DataType | None]],
-            known: Stamp | None) -> Stamp:
+def confirm(
+    path: str, expected: PartProof, columns: Sequence[tuple[str, pa.DataType | None]], known: Stamp | None
+) -> Stamp:
     """:func:`check` before ``_SUCCESS``: the pages are read again only where the part's stamp is not ``known``
     (the one it had when a resume checked it, or when its worker wrote it)."""
     st = os.lstat(path)
-    same = known is not None and Stamp(st.st_size, st.st_mtime_ns, st.st_ctime_ns) == known \
-        and stat.S_ISREG(st.st_mode)
+    same = known is not None and Stamp(st.st_size, st.st_mtime_ns, st.st_ctime_ns) == known and stat.S_ISREG(st.st_mode)
     return check(path, expected, columns, data=not same)
 
 
@@ -244,13 +266,16 @@ def _part_path(output: str, index: int) -> str:
 def _refusal(output: str, path: str, e: NotOurs) -> NotOurs:
     from dask_lm.interface import again, opt
 
-    return NotOurs(f"{opt('resume', True)} refused: {e}, so it cannot be kept as this job's part; dask-lm deletes "
-                   f"nothing it did not write: move {path} out of {output} (its target stays where it is, if it is a "
-                   f"link), then {again(resume=True)} to score its rows")
+    return NotOurs(
+        f"{opt('resume', True)} refused: {e}, so it cannot be kept as this job's part; dask-lm deletes "
+        f"nothing it did not write: move {path} out of {output} (its target stays where it is, if it is a "
+        f"link), then {again(resume=True)} to score its rows"
+    )
 
 
-def kept_parts(output: str, expected: Sequence[PartProof], columns: Sequence[tuple[str, pa.DataType | None]]
-               ) -> dict[int, Stamp]:
+def kept_parts(
+    output: str, expected: Sequence[PartProof], columns: Sequence[tuple[str, pa.DataType | None]]
+) -> dict[int, Stamp]:
     """A resume's parts: those of ``expected`` that ``output`` holds and that prove to be them (:func:`check`,
     pages hashed), each with its stamp as checked. A part of this job that proves something else is deleted (with a
     warning naming it), so that its span is scored again; one that is not provably this job's is refused
@@ -272,8 +297,12 @@ def kept_parts(output: str, expected: Sequence[PartProof], columns: Sequence[tup
     return kept
 
 
-def confirm_parts(output: str, expected: Sequence[PartProof], columns: Sequence[tuple[str, pa.DataType | None]],
-                  stamps: dict[int, Stamp]) -> None:
+def confirm_parts(
+    output: str,
+    expected: Sequence[PartProof],
+    columns: Sequence[tuple[str, pa.DataType | None]],
+    stamps: dict[int, Stamp],
+) -> None:
     """Before ``_SUCCESS``: every part of ``expected`` is there and proves to be it (:func:`confirm`: pages read
     again only where the stamp moved since ``stamps``). A part missing or damaged meanwhile raises
     :class:`~dask_lm.errors.InputChangedError` (the job stops without ``_SUCCESS``; a resume scores it again), one
@@ -290,5 +319,7 @@ def confirm_parts(output: str, expected: Sequence[PartProof], columns: Sequence[
         except NotOurs as e:
             raise _refusal(output, path, e) from None
         except Damaged as e:
-            raise InputChangedError(f"{e}: a part of {output} changed after it was written, so the job stops "
-                                    f"without _SUCCESS; {again(resume=True)} to score it again") from None
+            raise InputChangedError(
+                f"{e}: a part of {output} changed after it was written, so the job stops "
+                f"without _SUCCESS; {again(resume=True)} to score it again"
+            ) from None

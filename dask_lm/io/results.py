@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 import re
 import weakref
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from dask_lm.io import safe_paths
 from dask_lm.io.manifest import read_manifest
@@ -34,8 +35,9 @@ __all__ = ["read_scores", "scores_table", "ScoreRows", "token_strings", "decode_
 _PART = re.compile(r"part-(\d{5,})\.parquet")
 
 
-def read_scores(output: str | os.PathLike[str], *, columns: Sequence[str] | None = None,
-                allow_incomplete: bool = False) -> pd.DataFrame:
+def read_scores(
+    output: str | os.PathLike[str], *, columns: Sequence[str] | None = None, allow_incomplete: bool = False
+) -> pd.DataFrame:
     """The rows of a scoring output folder (``dask-lm score --output`` / ``score_parquet``'s ``output``) as one
     pandas DataFrame: the parts in order, the rows in input order, a fresh ``RangeIndex``.
 
@@ -58,11 +60,13 @@ def read_scores(output: str | os.PathLike[str], *, columns: Sequence[str] | None
     import pandas as pd
 
     return scores_table(output, columns=columns, allow_incomplete=allow_incomplete).to_pandas(
-        types_mapper=pd.ArrowDtype)
+        types_mapper=pd.ArrowDtype
+    )
 
 
-def scores_table(output: str | os.PathLike[str], *, columns: Sequence[str] | None = None,
-                 allow_incomplete: bool = False) -> pa.Table:
+def scores_table(
+    output: str | os.PathLike[str], *, columns: Sequence[str] | None = None, allow_incomplete: bool = False
+) -> pa.Table:
     """The rows of a scoring output folder as one ``pyarrow.Table``: what :func:`read_scores` converts to
     pandas, with the same checks and refusals."""
     import pyarrow as pa
@@ -81,8 +85,10 @@ def scores_table(output: str | os.PathLike[str], *, columns: Sequence[str] | Non
         if wanted is not None:
             missing = [c for c in wanted if c not in pq.read_schema(file).names]
             if missing:
-                raise ValueError(f"{file} has no column {', '.join(map(repr, missing))} (columns: "
-                                 f"{pq.read_schema(file).names}); pass columns= from those")
+                raise ValueError(
+                    f"{file} has no column {', '.join(map(repr, missing))} (columns: "
+                    f"{pq.read_schema(file).names}); pass columns= from those"
+                )
         tables.append(pq.read_table(file, columns=wanted))
     # parts written from files of one schema have one schema; "permissive" only widens what the writers typed
     # from the rows (an all-null column), and never reorders rows
@@ -106,32 +112,40 @@ class ScoreRows:
 
 def _part_files(output: str, allow_incomplete: bool) -> tuple[list[str], dict[str, Any]]:
     """The part files to read, in order, after the refusals; and the manifest."""
-    what = ("read_scores reads the folder a scoring job wrote (dask-lm score --output, score_parquet's output); "
-            "pass that folder")
+    what = (
+        "read_scores reads the folder a scoring job wrote (dask-lm score --output, score_parquet's output); "
+        "pass that folder"
+    )
     if not os.path.isdir(output):
         raise ValueError(f"{output} is not a directory; {what}")
     manifest = read_manifest(output)
     if manifest is None:
         raise ValueError(f"{output} is not a dask-lm scoring output (it has no {MANIFEST}); {what}")
     if not isinstance(manifest.get("partitions"), int):  # an SFT run's manifest has no span plan
-        raise ValueError(f"{output} is not a dask-lm scoring output ({MANIFEST} holds another kind of job, "
-                         f"such as an sft run's checkpoints); {what}")
+        raise ValueError(
+            f"{output} is not a dask-lm scoring output ({MANIFEST} holds another kind of job, "
+            f"such as an sft run's checkpoints); {what}"
+        )
     planned = manifest["partitions"]
     found = {int(m.group(1)): n for n in os.listdir(output) if (m := _PART.fullmatch(n))}
     for name in [*found.values(), SUCCESS]:  # the rows of a part linked in from elsewhere are not the job's
         safe_paths.refuse_link(os.path.join(output, name))
     finished = os.path.exists(os.path.join(output, SUCCESS))
     if not finished and not allow_incomplete:
-        raise ValueError(f"{output} holds an unfinished dask-lm scoring job (no {SUCCESS}: {len(found)} of {planned} "
-                         "parts written; it is still running, or it stopped): finish it by running its command "
-                         "again with --resume (score_parquet(..., resume=True)), or pass allow_incomplete=True to "
-                         "read the parts written so far")
+        raise ValueError(
+            f"{output} holds an unfinished dask-lm scoring job (no {SUCCESS}: {len(found)} of {planned} "
+            "parts written; it is still running, or it stopped): finish it by running its command "
+            "again with --resume (score_parquet(..., resume=True)), or pass allow_incomplete=True to "
+            "read the parts written so far"
+        )
     if finished:
         missing = [i for i in range(planned) if i not in found]
         if missing:
-            raise ValueError(f"{output} is a finished dask-lm scoring job that lost {len(missing)} of its {planned} "
-                             f"parts ({part_name(missing[0])} first) since it finished: run its command again with "
-                             "--overwrite (score_parquet(..., overwrite=True)) to score it again")
+            raise ValueError(
+                f"{output} is a finished dask-lm scoring job that lost {len(missing)} of its {planned} "
+                f"parts ({part_name(missing[0])} first) since it finished: run its command again with "
+                "--overwrite (score_parquet(..., overwrite=True)) to score it again"
+            )
     return [found[i] for i in sorted(found)], manifest
 
 
@@ -146,8 +160,10 @@ def _empty(manifest: dict[str, Any], columns: list[str] | None, output: str) -> 
     if columns is not None:
         missing = [c for c in columns if c not in schema.names]
         if missing:
-            raise ValueError(f"{output} has no part files, and no column {', '.join(map(repr, missing))} among the "
-                             f"scoring columns {schema.names}; pass columns= from those")
+            raise ValueError(
+                f"{output} has no part files, and no column {', '.join(map(repr, missing))} among the "
+                f"scoring columns {schema.names}; pass columns= from those"
+            )
         schema = pa.schema([schema.field(c) for c in columns])
     return schema.empty_table()
 

@@ -29,18 +29,30 @@ __all__ = ["UnsafeCheckpointError", "load_plain", "read_dcp_metadata", "dcp_load
 
 # what torch's DCP writes into .metadata (checked against the files torch 2.x writes, FSDP or not)
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {(_DCP_METADATA, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                         "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
-                                         "_MEM_FORMAT_ENCODING")} | {
+_ALLOWED = {
+    (_DCP_METADATA, n)
+    for n in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # a layout from its name, from a fixed table
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id
     ("collections", "OrderedDict"),
 }
 # looked up by name in a table made here: a name from the file is never an attribute lookup on torch
-_TORCH_VALUES = {n: v for n, v in vars(torch).items()
-                 if isinstance(v, (torch.dtype, torch.layout, torch.memory_format))}
+_TORCH_VALUES = {
+    n: v for n, v in vars(torch).items() if isinstance(v, (torch.dtype, torch.layout, torch.memory_format))
+}
 
 
 def one_line(e: BaseException) -> str:
@@ -72,7 +84,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(
             f"DCP metadata file {self.path!r} refers to {module}.{name}, which torch's checkpoint metadata never "
             "holds, so it was not loaded (unpickling it could run code): restore the optimizer checkpoint from a "
-            "copy you trust")
+            "copy you trust"
+        )
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeCheckpointError(f"DCP metadata file {self.path!r} holds a persistent reference; refusing it")
@@ -89,12 +102,15 @@ def read_dcp_metadata(directory: str) -> Any:
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # truncated or not a pickle at all
-        raise UnsafeCheckpointError(f"DCP metadata file {path!r} cannot be read ({one_line(e)}): the optimizer "
-                                    "checkpoint is incomplete or corrupt") from None
+        raise UnsafeCheckpointError(
+            f"DCP metadata file {path!r} cannot be read ({one_line(e)}): the optimizer "
+            "checkpoint is incomplete or corrupt"
+        ) from None
     if isinstance(metadata, Metadata):
         return metadata
-    raise UnsafeCheckpointError(f"DCP metadata file {path!r} holds a {type(metadata).__name__}, not DCP checkpoint "
-                                "metadata")
+    raise UnsafeCheckpointError(
+        f"DCP metadata file {path!r} holds a {type(metadata).__name__}, not DCP checkpoint metadata"
+    )
 
 
 @functools.cache
@@ -132,7 +148,8 @@ def _readers() -> tuple[type, type]:
                 raise UnsafeCheckpointError(
                     f"optimizer checkpoint file {where!r}: item {read_item.dest_index.fqn!r} does not hold plain data "
                     f"({one_line(e)}), so it was not loaded (unpickling it could run code): restore the optimizer "
-                    "checkpoint from a copy you trust") from None
+                    "checkpoint from a copy you trust"
+                ) from None
             # the base class unpickles with weights_only=False; hand it our own serialization of the plain object
             buf = io.BytesIO()
             torch.save(obj, buf)

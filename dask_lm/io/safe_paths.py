@@ -49,9 +49,11 @@ def link_error(path: str) -> ValueError:
         target = f" (to {os.readlink(path)})"
     except OSError:
         target = ""
-    return ValueError(f"{path} is a symbolic link{target}; dask-lm never follows a link inside an output folder (it "
-                      f"would write or delete what the link points to): remove the link ({path}), or choose another "
-                      f"{opt('output')}")
+    return ValueError(
+        f"{path} is a symbolic link{target}; dask-lm never follows a link inside an output folder (it "
+        f"would write or delete what the link points to): remove the link ({path}), or choose another "
+        f"{opt('output')}"
+    )
 
 
 def refuse_link(path: str) -> None:
@@ -72,8 +74,10 @@ def open_no_follow(path: str, flags: int, mode: int = 0o644) -> int:
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise ValueError(f"{path} is not a regular file; dask-lm writes only its own files in an output folder: "
-                         f"remove it, or choose another {opt('output')}")
+        raise ValueError(
+            f"{path} is not a regular file; dask-lm writes only its own files in an output folder: "
+            f"remove it, or choose another {opt('output')}"
+        )
     return fd
 
 
@@ -95,8 +99,10 @@ def own_dir(path: str) -> str:
         pass
     refuse_link(path)
     if not os.path.isdir(path):
-        raise ValueError(f"{path} is not a directory, and dask-lm keeps its own files there: remove it, or choose "
-                         f"another {opt('output')}")
+        raise ValueError(
+            f"{path} is not a directory, and dask-lm keeps its own files there: remove it, or choose "
+            f"another {opt('output')}"
+        )
     return path
 
 

@@ -34,15 +34,27 @@ import logging
 import os
 import re
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from dask_lm.interface import opt
 from dask_lm.io import safe_paths
 from dask_lm.io.parquet import MANIFEST, SUCCESS
 
-__all__ = ["LOCK", "OutputState", "output_state", "read_summary", "refuse_occupied", "clear_output", "locked_output",
-           "refuse_if_locked", "refuse_links", "remove_stale", "check_output_location"]
+__all__ = [
+    "LOCK",
+    "OutputState",
+    "output_state",
+    "read_summary",
+    "refuse_occupied",
+    "clear_output",
+    "locked_output",
+    "refuse_if_locked",
+    "refuse_links",
+    "remove_stale",
+    "check_output_location",
+]
 
 logger = logging.getLogger("dask_lm")
 
@@ -66,8 +78,12 @@ def locked_output(output: str) -> Iterator[str]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                logger.warning("cannot lock %s (%s): a second job writing %s at the same time would not be "
-                               "noticed", path, e, output)
+                logger.warning(
+                    "cannot lock %s (%s): a second job writing %s at the same time would not be noticed",
+                    path,
+                    e,
+                    output,
+                )
             else:
                 raise _in_use(output, fd) from None
         except ImportError:  # no fcntl (Windows): nothing to lock with
@@ -81,8 +97,10 @@ def locked_output(output: str) -> Iterator[str]:
 
 def _in_use(output: str, fd: int) -> ValueError:
     holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown process"
-    return ValueError(f"{opt('output')} {output} is in use by another dask-lm job ({holder} holds {LOCK}); wait for "
-                      f"it to finish, or choose another {opt('output')}")
+    return ValueError(
+        f"{opt('output')} {output} is in use by another dask-lm job ({holder} holds {LOCK}); wait for "
+        f"it to finish, or choose another {opt('output')}"
+    )
 
 
 def refuse_if_locked(output: str) -> None:
@@ -166,33 +184,42 @@ def read_summary(output: str) -> dict[str, Any]:
     return summary if isinstance(summary, dict) else {}
 
 
-def refuse_occupied(output: str, state: OutputState, *, job: str, resume: bool, overwrite: bool,
-                    resume_hint: str = "") -> None:
+def refuse_occupied(
+    output: str, state: OutputState, *, job: str, resume: bool, overwrite: bool, resume_hint: str = ""
+) -> None:
     """Refuse (``ValueError``, naming the next command to type) an output that this call may not write into:
     an occupied one without ``--resume`` / ``--overwrite``, a foreign one, both flags at once. ``job`` names what
     the output holds ("scoring job", "sft run"); ``resume_hint`` adds to the unfinished case's advice."""
     if resume and overwrite:
-        raise ValueError(f"{opt('resume', True)} and {opt('overwrite', True)} exclude each other: "
-                         f"{opt('resume', True)} continues the job in {opt('output')}, {opt('overwrite', True)} "
-                         "deletes it and starts again; pass one of them")
+        raise ValueError(
+            f"{opt('resume', True)} and {opt('overwrite', True)} exclude each other: "
+            f"{opt('resume', True)} continues the job in {opt('output')}, {opt('overwrite', True)} "
+            "deletes it and starts again; pass one of them"
+        )
     if state.kind == "new":
         return
     if state.kind == "foreign":
         shown = ", ".join(state.foreign[:3]) + (f" and {len(state.foreign) - 3} more" if len(state.foreign) > 3 else "")
-        raise ValueError(f"{opt('output')} {output} holds files that are not a dask-lm {job}'s ({shown}); dask-lm "
-                         f"deletes nothing it did not write: choose a new {opt('output')}, or move those files away")
+        raise ValueError(
+            f"{opt('output')} {output} holds files that are not a dask-lm {job}'s ({shown}); dask-lm "
+            f"deletes nothing it did not write: choose a new {opt('output')}, or move those files away"
+        )
     if resume or overwrite:
         return
     if state.kind == "finished":
         rows = (state.summary or {}).get("rows")
         done = f" ({rows:,} rows)" if isinstance(rows, int) and job == "scoring job" else ""
-        raise ValueError(f"{opt('output')} {output} holds a finished dask-lm {job}{done}; pass {opt('resume', True)} "
-                         f"to keep it (returns its summary at once), {opt('overwrite', True)} to run again into it, "
-                         f"or choose a new {opt('output')}")
-    raise ValueError(f"{opt('output')} {output} holds an unfinished dask-lm {job} (no {SUCCESS}); pass "
-                     f"{opt('resume', True)} to finish it with the options {MANIFEST} pins{resume_hint}, "
-                     f"{opt('overwrite', True)} to discard it and start again with these options, or choose a new "
-                     f"{opt('output')}")
+        raise ValueError(
+            f"{opt('output')} {output} holds a finished dask-lm {job}{done}; pass {opt('resume', True)} "
+            f"to keep it (returns its summary at once), {opt('overwrite', True)} to run again into it, "
+            f"or choose a new {opt('output')}"
+        )
+    raise ValueError(
+        f"{opt('output')} {output} holds an unfinished dask-lm {job} (no {SUCCESS}); pass "
+        f"{opt('resume', True)} to finish it with the options {MANIFEST} pins{resume_hint}, "
+        f"{opt('overwrite', True)} to discard it and start again with these options, or choose a new "
+        f"{opt('output')}"
+    )
 
 
 def clear_output(output: str, owned: str) -> list[str]:
@@ -238,17 +265,22 @@ def check_output_location(output: str, input: Any, files: list[str]) -> None:
         path = os.fspath(item)
         if any(c in path for c in "*?["):
             if _glob_reaches(os.path.abspath(path), os.path.abspath(output)):
-                raise ValueError(f"{opt('output')} {output} is where the input pattern {path!r} matches files: its "
-                                 f"own files would be read as input by the next run or {opt('resume', True)}; choose "
-                                 "an output directory the pattern does not reach")
+                raise ValueError(
+                    f"{opt('output')} {output} is where the input pattern {path!r} matches files: its "
+                    f"own files would be read as input by the next run or {opt('resume', True)}; choose "
+                    "an output directory the pattern does not reach"
+                )
         elif os.path.isdir(path) and _within(out, os.path.realpath(path)):
-            raise ValueError(f"{opt('output')} {output} is inside the input directory {path}: its own files would be "
-                             f"read as input by the next run or {opt('resume', True)}; choose an output directory "
-                             f"outside {path}")
+            raise ValueError(
+                f"{opt('output')} {output} is inside the input directory {path}: its own files would be "
+                f"read as input by the next run or {opt('resume', True)}; choose an output directory "
+                f"outside {path}"
+            )
     for f in files:
         if _within(os.path.realpath(f), out):
-            raise ValueError(f"input {f} is inside {opt('output')} {output}; keep inputs and outputs in separate "
-                             "directories")
+            raise ValueError(
+                f"input {f} is inside {opt('output')} {output}; keep inputs and outputs in separate directories"
+            )
 
 
 def _glob_reaches(pattern: str, output: str) -> bool:

@@ -62,8 +62,10 @@ def exit_code(e: BaseException) -> int:
 def terminate_as_interrupt() -> Iterator[None]:
     """For the block, SIGTERM raises :class:`Terminated` in the main thread (elsewhere, or where another handler
     than the default is installed, nothing changes)."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
         yield
         return
 

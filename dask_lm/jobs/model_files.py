@@ -23,16 +23,18 @@ __all__ = ["resolve_model", "resolve_tokenizer", "manifest", "located_partitions
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def resolve_model(model: str | os.PathLike[str], *, revision: str | None = None, load_config: bool = True
-                  ) -> tuple[hub.ModelSource, modelcheck.ModelInfo]:
+def resolve_model(
+    model: str | os.PathLike[str], *, revision: str | None = None, load_config: bool = True
+) -> tuple[hub.ModelSource, modelcheck.ModelInfo]:
     """Where ``model``'s files are (a Hub id becomes its cache snapshot, here, once) and what checking them found:
     damaged config or weight files are a ``ValueError`` naming the file."""
     source = hub.resolve_model(model, revision=revision)
     return source, modelcheck.check_model(source.path, load_config=load_config)
 
 
-def resolve_tokenizer(tokenizer: str | os.PathLike[str] | None, model: str, *, fix: str | None, check: bool = True
-                      ) -> str:
+def resolve_tokenizer(
+    tokenizer: str | os.PathLike[str] | None, model: str, *, fix: str | None, check: bool = True
+) -> str:
     """The tokenizer directory: ``tokenizer`` (a path or Hub id) or the model's own. ``fix`` ends the
     ``ValueError`` for a directory without tokenizer files; ``None`` when the job needs no tokenizer (token-id
     input), and nothing is checked. With ``check`` its JSON files must parse (a garbled one would fail on every
@@ -47,8 +49,15 @@ def resolve_tokenizer(tokenizer: str | os.PathLike[str] | None, model: str, *, f
     return path
 
 
-def manifest(source: hub.ModelSource, info: modelcheck.ModelInfo, inputs: pio.ScoreInputs, options: dict[str, Any],
-             *, tokenizer: str | None = None, **extra: Any) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
+def manifest(
+    source: hub.ModelSource,
+    info: modelcheck.ModelInfo,
+    inputs: pio.ScoreInputs,
+    options: dict[str, Any],
+    *,
+    tokenizer: str | None = None,
+    **extra: Any,
+) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
     """``_manifest.json`` of a job: the format, the options and, by content, the model files, the files of a
     ``tokenizer`` directory apart from the model's, and the input files; ``extra`` entries are the job's own.
     Also the pins behind it (model and tokenizer files first, then the inputs), which the job checks its reads
@@ -56,21 +65,36 @@ def manifest(source: hub.ModelSource, info: modelcheck.ModelInfo, inputs: pio.Sc
     from dask_lm import __version__
 
     separate = tokenizer if tokenizer and tokenizer != source.path else None  # else its files are the model's
-    entries, pins = fingerprint.job_pins(source.path, info.files, inputs.files, tokenizer=separate,
-                                         tokenizer_files=modelcheck.tokenizer_files(separate) if separate else ())
-    for pin in pins[len(pins) - len(inputs.files):]:
+    entries, pins = fingerprint.job_pins(
+        source.path,
+        info.files,
+        inputs.files,
+        tokenizer=separate,
+        tokenizer_files=modelcheck.tokenizer_files(separate) if separate else (),
+    )
+    for pin in pins[len(pins) - len(inputs.files) :]:
         if inputs.stamps.get(pin.path, pin.stamp) != pin.stamp:  # the footers planned are not the bytes hashed
-            raise InputChangedError(f"{pin.path} changed between reading its footer and hashing it "
-                                                "(something is writing it); run the job again once it is complete")
+            raise InputChangedError(
+                f"{pin.path} changed between reading its footer and hashing it "
+                "(something is writing it); run the job again once it is complete"
+            )
     named = {"tokenizer": tokenizer} if tokenizer else {}
-    return ({"format": FORMAT, "dask_lm_version": __version__, "model": source.path, **named,
-             "options": options, **extra, **entries,
-             "model_source": source.record()},  # how the model was named: recorded, not compared
-            pins)
+    return (
+        {
+            "format": FORMAT,
+            "dask_lm_version": __version__,
+            "model": source.path,
+            **named,
+            "options": options,
+            **extra,
+            **entries,
+            "model_source": source.record(),
+        },  # how the model was named: recorded, not compared
+        pins,
+    )
 
 
-def located_partitions(inputs: pio.ScoreInputs, columns: list[str] | None, pins: list[fingerprint.Pin]
-                       ) -> list[Any]:
+def located_partitions(inputs: pio.ScoreInputs, columns: list[str] | None, pins: list[fingerprint.Pin]) -> list[Any]:
     """One delayed read per planned row group whose failure names file and row group
     (:func:`dask_lm.io.parquet.read_partition`): ``dd.read_parquet``'s reader raises a corrupt page's error with
     neither, and inside its task nothing downstream can turn the error into bad rows for ``--skip-bad-rows``.
@@ -79,8 +103,10 @@ def located_partitions(inputs: pio.ScoreInputs, columns: list[str] | None, pins:
 
     by_path = {p.path: p for p in pins}
     caller = current()  # a file changed mid-job is reported in the caller's terms (--resume, resume=True)
-    return [dask.delayed(pio.read_partition, pure=False)(f, g, start, n, columns, by_path[f], caller)
-            for f, g, start, n in inputs.partitions]
+    return [
+        dask.delayed(pio.read_partition, pure=False)(f, g, start, n, columns, by_path[f], caller)
+        for f, g, start, n in inputs.partitions
+    ]
 
 
 @contextlib.contextmanager

@@ -62,22 +62,36 @@ class JobOutput:
     (:mod:`dask_lm.jobs.resume`)."""
 
     @classmethod
-    def open(cls, kind: JobKind, input: Any, output: str | os.PathLike[str], *, resume: bool, overwrite: bool
-             ) -> JobOutput:
+    def open(
+        cls, kind: JobKind, input: Any, output: str | os.PathLike[str], *, resume: bool, overwrite: bool
+    ) -> JobOutput:
         """Resolve the inputs and look at the output without its lock: what the folder allows needs only its
         listing, so a refusal comes before the model is looked at (and again under the lock)."""
         path = os.path.abspath(os.fspath(output))
         files = pio.resolve_input_files(input)
         folder.check_output_location(path, input, files)
-        out = cls(kind, path, files, resume, overwrite, folder.output_state(path, kind.owned),
-                  created=not os.path.exists(path))
+        out = cls(
+            kind,
+            path,
+            files,
+            resume,
+            overwrite,
+            folder.output_state(path, kind.owned),
+            created=not os.path.exists(path),
+        )
         out._refuse_occupied()
         folder.refuse_if_locked(path)  # another job writing there: said first, before the model is looked at
         return out
 
     def _refuse_occupied(self) -> None:
-        folder.refuse_occupied(self.path, self.state, job=self.kind.name, resume=self.resume,
-                               overwrite=self.overwrite, resume_hint=self.kind.resume_hint())
+        folder.refuse_occupied(
+            self.path,
+            self.state,
+            job=self.kind.name,
+            resume=self.resume,
+            overwrite=self.overwrite,
+            resume_hint=self.kind.resume_hint(),
+        )
 
     @property
     def finished(self) -> bool:
@@ -113,8 +127,11 @@ class JobOutput:
         """The job's own results in the output: its entries that are not empty folders (parts, checkpoints)."""
         regex = re.compile(self.kind.owned)
         names = [n for n in os.listdir(self.path) if regex.fullmatch(n)] if os.path.isdir(self.path) else []
-        return sorted(n for n in names if not (os.path.isdir(os.path.join(self.path, n))
-                                               and not os.listdir(os.path.join(self.path, n))))
+        return sorted(
+            n
+            for n in names
+            if not (os.path.isdir(os.path.join(self.path, n)) and not os.listdir(os.path.join(self.path, n)))
+        )
 
     def precheck(self, probe: dict[str, Any], *, skip_bad_rows: bool) -> None:
         """A resume's options (and a job's own entries, such as a scoring job's plan) in ``probe`` against the
@@ -127,16 +144,28 @@ class JobOutput:
         # named, not reported as rows "cut into parts another way"
         pinned = {e.get("path"): e for e in old.get("inputs") or [] if isinstance(e, dict)}
         sizes = {f: os.path.getsize(f) for f in self.files}
-        inputs = [{"path": f, "size": size, "sha256": pinned[f].get("sha256") if pinned.get(f, {}).get("size") == size
-                   else None} for f, size in sizes.items()]
+        inputs = [
+            {
+                "path": f,
+                "size": size,
+                "sha256": pinned[f].get("sha256") if pinned.get(f, {}).get("size") == size else None,
+            }
+            for f, size in sizes.items()
+        ]
         probe = {**old, "inputs": inputs, **probe}
         ignore: tuple[str, ...] = ("skip_bad_rows",) if added_skip_bad_rows(old, skip_bad_rows) else ()
         if None in ((old.get("options") or {}).get("precision"), probe["options"].get("precision")):
             ignore += ("precision",)
         check_resume(old, probe, output=self.path, what=self.kind.did, ignore=ignore, flags=self.kind.flags)
 
-    def pin(self, new: dict[str, Any], old: dict[str, Any] | None, pins: list[fingerprint.Pin], *,
-            ignore: tuple[str, ...] = ()) -> dict[str, Any]:
+    def pin(
+        self,
+        new: dict[str, Any],
+        old: dict[str, Any] | None,
+        pins: list[fingerprint.Pin],
+        *,
+        ignore: tuple[str, ...] = (),
+    ) -> dict[str, Any]:
         """Under the lock: write the manifest of a new output, or refuse (``ValueError``) to resume one whose
         pins differ from ``new`` (options in ``ignore`` aside). Returns the manifest in force. A precision that
         one side leaves automatic (``None``) is compared by :meth:`pin_precision` once the workers are known.
@@ -171,10 +200,12 @@ class JobOutput:
             self.write_manifest(pinned)
         elif was != precision:
             short = SHORT_PRECISION.get(was, was)
-            raise ValueError(f"{opt('resume', True)} refused: {self.path} was {self.kind.did} in {was}, and these "
-                             f"workers would run in {precision} ({opt('precision')} was {was}, now {precision}); "
-                             f"resume on workers like the first run's or pass {opt('precision', short)}, "
-                             f"or write into a new {opt('output')}")
+            raise ValueError(
+                f"{opt('resume', True)} refused: {self.path} was {self.kind.did} in {was}, and these "
+                f"workers would run in {precision} ({opt('precision')} was {was}, now {precision}); "
+                f"resume on workers like the first run's or pass {opt('precision', short)}, "
+                f"or write into a new {opt('output')}"
+            )
 
     def reopen(self) -> None:
         """The job goes on (a resumed run given more steps): its output is no longer finished."""

@@ -38,13 +38,17 @@ def spec_for(spec: type[_S], output: str | os.PathLike[str], *, resume: bool, gi
     inputs = "the inputs" if current() == "cli" else "input"
     missing = [name for key, name in (("input", inputs), ("model", opt("model"))) if values.get(key) is None]
     if missing and resume and manifest is None:
-        raise ValueError(f"{opt('resume', True)}: nothing to resume in {path}: it holds no {MANIFEST} (no dask-lm "
-                         f"{spec.JOB} was started there), so {' and '.join(missing)} cannot be taken from it; pass "
-                         f"the {opt('output')} of the job to resume, or give {inputs}, {opt('model')} and the options "
-                         "to start one")
+        raise ValueError(
+            f"{opt('resume', True)}: nothing to resume in {path}: it holds no {MANIFEST} (no dask-lm "
+            f"{spec.JOB} was started there), so {' and '.join(missing)} cannot be taken from it; pass "
+            f"the {opt('output')} of the job to resume, or give {inputs}, {opt('model')} and the options "
+            "to start one"
+        )
     if missing:
-        raise ValueError(f"{' and '.join(missing)} must be given (only {opt('resume', True)} takes them from the "
-                         f"{MANIFEST} of the job in {opt('output')})")
+        raise ValueError(
+            f"{' and '.join(missing)} must be given (only {opt('resume', True)} takes them from the "
+            f"{MANIFEST} of the job in {opt('output')})"
+        )
     return spec(**values)
 
 
@@ -54,39 +58,52 @@ def added_skip_bad_rows(old: dict[str, Any] | None, skip_bad_rows: bool) -> bool
     return old is not None and skip_bad_rows and not (old.get("options") or {}).get("skip_bad_rows")
 
 
-def check_resume(old: dict[str, Any], new: dict[str, Any], *, output: str, what: str, ignore: tuple[str, ...] = (),
-                 flags: dict[str, str] | None = None) -> None:
+def check_resume(
+    old: dict[str, Any],
+    new: dict[str, Any],
+    *,
+    output: str,
+    what: str,
+    ignore: tuple[str, ...] = (),
+    flags: dict[str, str] | None = None,
+) -> None:
     """Refuse (``ValueError``) to resume ``output`` when ``new`` pins anything else than ``old`` did.
 
     ``what`` completes "was ... with different ...", e.g. "scored" or "trained". Option keys in ``ignore`` are
     not compared (one not known yet, like an automatic precision before the cluster is up). ``flags`` maps an option
     key to the name users know it by (default: ``--key-with-dashes``)."""
     resume, overwrite, out_opt = opt("resume", True), opt("overwrite", True), opt("output")
-    fix = (f"resume with the files and options {MANIFEST} pins, pass {overwrite} instead of {resume} to discard "
-           f"what {output} holds and start again with these, or write into a new {out_opt}")
+    fix = (
+        f"resume with the files and options {MANIFEST} pins, pass {overwrite} instead of {resume} to discard "
+        f"what {output} holds and start again with these, or write into a new {out_opt}"
+    )
     if old.get("format") != new.get("format"):
-        raise ValueError(f"{resume} refused: {output} was {what} by dask-lm {old.get('dask_lm_version', '?')} "
-                         f"(manifest format {old.get('format', 1)}); this dask-lm writes format {new.get('format')}, "
-                         f"whose pins and results may differ; pass {overwrite} instead of {resume} to run it again "
-                         f"with this dask-lm, or write into a new {out_opt}")
+        raise ValueError(
+            f"{resume} refused: {output} was {what} by dask-lm {old.get('dask_lm_version', '?')} "
+            f"(manifest format {old.get('format', 1)}); this dask-lm writes format {new.get('format')}, "
+            f"whose pins and results may differ; pass {overwrite} instead of {resume} to run it again "
+            f"with this dask-lm, or write into a new {out_opt}"
+        )
     diffs = _differences(old, new, ignore, flags or {})
     if diffs:
         kinds = list(dict.fromkeys(kind for kind, _ in diffs))
-        raise ValueError(f"{resume} refused: {output} was {what} with different {', '.join(kinds)}: "
-                         f"{'; '.join(text for _, text in diffs)} (see {MANIFEST}); {fix}")
+        raise ValueError(
+            f"{resume} refused: {output} was {what} with different {', '.join(kinds)}: "
+            f"{'; '.join(text for _, text in diffs)} (see {MANIFEST}); {fix}"
+        )
 
 
 def _show(value: Any) -> str:
     return "unset" if value is None else repr(value) if isinstance(value, str) else str(value)
 
 
-def _differences(old: dict[str, Any], new: dict[str, Any], ignore: tuple[str, ...], flags: dict[str, str]
-                 ) -> list[tuple[str, str]]:
+def _differences(
+    old: dict[str, Any], new: dict[str, Any], ignore: tuple[str, ...], flags: dict[str, str]
+) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     # a model or tokenizer is pinned by its files' content: the same files copied elsewhere give the same results
     for key, label in (("model", "model"), ("tokenizer", "tokenizer")):
-        files = _file_differences(f"{label} file", old.get(f"{key}_files"), new.get(f"{key}_files"),
-                                  new.get(key) or "")
+        files = _file_differences(f"{label} file", old.get(f"{key}_files"), new.get(f"{key}_files"), new.get(key) or "")
         if files and old.get(key) != new.get(key):
             files.insert(0, f"{opt(key)} was {_show(old.get(key))}, now {_show(new.get(key))}")
         out += [(label, text) for text in files]
@@ -100,10 +117,14 @@ def _differences(old: dict[str, Any], new: dict[str, Any], ignore: tuple[str, ..
     new_paths = [e.get("path") for e in new.get("inputs") or []]
     if not inputs and old_paths != new_paths:
         inputs.append("the same input files in another order (parts are numbered in input order)")
-    if not inputs and (old.get("partitions"), old.get("partition_plan")) != (new.get("partitions"),
-                                                                             new.get("partition_plan")):
-        inputs.append(f"the rows were cut into parts another way ({old.get('partitions')} parts, now "
-                      f"{new.get('partitions')}: another {opt('task_tokens')}, or another dask-lm version)")
+    if not inputs and (old.get("partitions"), old.get("partition_plan")) != (
+        new.get("partitions"),
+        new.get("partition_plan"),
+    ):
+        inputs.append(
+            f"the rows were cut into parts another way ({old.get('partitions')} parts, now "
+            f"{new.get('partitions')}: another {opt('task_tokens')}, or another dask-lm version)"
+        )
     out += [("inputs", text) for text in inputs]
     return out
 
@@ -122,6 +143,8 @@ def _file_differences(label: str, old: Any, new: Any, root: str) -> list[str]:
         elif o.get("size") != n.get("size"):
             out.append(f"{label} {shown} changed: {_show(o.get('size'))} -> {n['size']} bytes")
         elif o.get("sha256") != n.get("sha256"):
-            out.append(f"{label} {shown} changed: same size ({n['size']} bytes), different content (sha256 "
-                       f"{str(o.get('sha256'))[:12]}... -> {str(n.get('sha256'))[:12]}...)")
+            out.append(
+                f"{label} {shown} changed: same size ({n['size']} bytes), different content (sha256 "
+                f"{str(o.get('sha256'))[:12]}... -> {str(n.get('sha256'))[:12]}...)"
+            )
     return out

@@ -29,8 +29,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from dask_lm.config.schema import coerce
 from dask_lm.interface import opt
 
-__all__ = ["Role", "Option", "option", "JobSpec", "options_of", "check_columns", "precision_name",
-           "SHORT_PRECISION"]
+__all__ = ["Role", "Option", "option", "JobSpec", "options_of", "check_columns", "precision_name", "SHORT_PRECISION"]
 
 Role = Literal["source", "pinned", "setting"]
 _PRECISIONS = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
@@ -59,13 +58,26 @@ class Option:
     """What ``--help`` shows as the default, where that is not the field's default."""
 
 
-def option(default: Any = dataclasses.MISSING, *, help: str, role: Role = "pinned", cli: bool = True,
-           flag: str | None = None, choices: tuple[str, ...] = (), toggle: bool = False,
-           shown_default: str | None = None) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    role: Role = "pinned",
+    cli: bool = True,
+    flag: str | None = None,
+    choices: tuple[str, ...] = (),
+    toggle: bool = False,
+    shown_default: str | None = None,
+) -> Any:
     """A field of a job's spec (typed ``Any`` as :func:`dataclasses.field` is, so the annotation rules)."""
-    return dataclasses.field(default=default, metadata={_META: Option(help=help, role=role, cli=cli, flag=flag,
-                                                                      choices=choices, toggle=toggle,
-                                                                      shown_default=shown_default)})
+    return dataclasses.field(
+        default=default,
+        metadata={
+            _META: Option(
+                help=help, role=role, cli=cli, flag=flag, choices=choices, toggle=toggle, shown_default=shown_default
+            )
+        },
+    )
 
 
 def options_of(spec: type[JobSpec] | JobSpec) -> list[tuple[dataclasses.Field[Any], Option]]:
@@ -88,8 +100,9 @@ class JobSpec:
     __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     @classmethod
-    def build(cls: type[_S], given: Mapping[str, Any], *, manifest: Mapping[str, Any] | None = None,
-              manifest_path: str = "") -> _S:
+    def build(
+        cls: type[_S], given: Mapping[str, Any], *, manifest: Mapping[str, Any] | None = None, manifest_path: str = ""
+    ) -> _S:
         """The spec of a job: ``given`` (field -> value, ``None`` where not given), then on a resume the
         ``manifest`` read from ``manifest_path``, then the defaults. ``ValueError`` naming the option (or the
         manifest's key) for a value of the wrong type and for the job's own checks (:meth:`check`)."""
@@ -99,8 +112,9 @@ class JobSpec:
         return cls(**values)
 
     @classmethod
-    def completed(cls, given: Mapping[str, Any], *, manifest: Mapping[str, Any] | None = None,
-                  manifest_path: str = "") -> dict[str, Any]:
+    def completed(
+        cls, given: Mapping[str, Any], *, manifest: Mapping[str, Any] | None = None, manifest_path: str = ""
+    ) -> dict[str, Any]:
         """What :meth:`build` makes the spec from: ``given`` less what was not given, completed from a resume's
         ``manifest`` (the defaults are the fields' own)."""
         known = {f.name for f, _o in options_of(cls)}
@@ -140,9 +154,11 @@ class JobSpec:
             try:
                 _typed(value, hints[f.name], f.name)
             except ValueError:
-                raise ValueError(f'{path}: "{f.name}" holds {value!r}, a {type(value).__name__}, where the option '
-                                 f"takes {_type_words(hints[f.name])}; put back what dask-lm wrote there, or pass "
-                                 f"{opt('overwrite', True)} to start again") from None
+                raise ValueError(
+                    f'{path}: "{f.name}" holds {value!r}, a {type(value).__name__}, where the option '
+                    f"takes {_type_words(hints[f.name])}; put back what dask-lm wrote there, or pass "
+                    f"{opt('overwrite', True)} to start again"
+                ) from None
             taken[f.name] = value
         return {k: v for k, v in taken.items() if k in {f.name for f, _o in options_of(cls)}}
 
@@ -196,11 +212,19 @@ def _type_words(tp: Any) -> str:
     return " or ".join(names.get(a, getattr(a, "__name__", str(a))) for a in args)
 
 
-def check_columns(*, text_column: str | None, prompt_column: str | None, response_column: str | None,
-                  ids_column: str | None = None, takes_ids: bool = True) -> None:
+def check_columns(
+    *,
+    text_column: str | None,
+    prompt_column: str | None,
+    response_column: str | None,
+    ids_column: str | None = None,
+    takes_ids: bool = True,
+) -> None:
     """Exactly one way to read the rows: a text column, token ids (jobs that ``takes_ids``), or prompt + response."""
-    modes = [(opt("text_column"), text_column), (f"{opt('prompt_column')} with {opt('response_column')}",
-                                                 prompt_column or response_column)]
+    modes = [
+        (opt("text_column"), text_column),
+        (f"{opt('prompt_column')} with {opt('response_column')}", prompt_column or response_column),
+    ]
     if takes_ids:
         modes.insert(1, (opt("ids_column"), ids_column))
     given = [flag for flag, on in modes if on]
@@ -218,6 +242,7 @@ def precision_name(precision: str | None, allowed: tuple[str, ...] = ("bf16", "f
         return None
     name = _PRECISIONS.get(precision, precision)
     if name not in [_PRECISIONS[a] for a in allowed]:
-        raise ValueError(f"{opt('precision')} must be auto, {', '.join(allowed[:-1])} or {allowed[-1]}, got "
-                         f"{precision!r}")
+        raise ValueError(
+            f"{opt('precision')} must be auto, {', '.join(allowed[:-1])} or {allowed[-1]}, got {precision!r}"
+        )
     return name

@@ -16,6 +16,7 @@ from dask_lm.engine.progress import JobBar
 
 __all__ = ["ClusterStart", "in_thread", "running", "wait_for_workers", "worker_precision"]
 
+
 def wait_for_workers(client: Any, bar: JobBar | None = None) -> None:
     """Return once the scheduler has a worker: a job may be started against a scheduler whose workers come later
     (``dask worker`` processes still starting, an adaptive cluster scaled to zero). ``bar`` says so meanwhile. No
@@ -58,13 +59,25 @@ class ClusterStart:
     attaches to a scheduler or starts a local cluster. ``warm(client)`` returns the futures it submitted. With
     ``eager=False`` nothing starts until :meth:`result` is called."""
 
-    def __init__(self, client: Any, *, scheduler_address: str | None, n_workers: int | None,
-                 warm: Callable[[Any], list[Any]] | None = None, eager: bool = True) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        scheduler_address: str | None,
+        n_workers: int | None,
+        warm: Callable[[Any], list[Any]] | None = None,
+        eager: bool = True,
+    ) -> None:
         import threading
 
         remote = scheduler_address or os.environ.get("DASK_SCHEDULER_ADDRESS")
-        self.waiting = ("asking the workers about their devices" if client is not None else
-                        "connecting to the cluster" if remote else "starting a local cluster")
+        self.waiting = (
+            "asking the workers about their devices"
+            if client is not None
+            else "connecting to the cluster"
+            if remote
+            else "starting a local cluster"
+        )
         self._given, self._address, self._n_workers, self._warm = client, scheduler_address, n_workers, warm
         self.client: Any = None
         self.opened: Any = None  # what this start opened, and so closes
@@ -139,8 +152,7 @@ def in_thread(fn: Any, *args: Any) -> Future[Any]:
 
 
 @contextlib.contextmanager
-def running(start: ClusterStart, *, total: int, desc: str, unit: str, progress: bool
-            ) -> Iterator[tuple[Any, JobBar]]:
+def running(start: ClusterStart, *, total: int, desc: str, unit: str, progress: bool) -> Iterator[tuple[Any, JobBar]]:
     """The job's Dask client (from ``start``) and progress bar (:class:`~dask_lm.engine.progress.JobBar`) for
     the block. What ``start`` opened is closed when the block ends, the local cluster included; a client the
     caller gave stays open."""

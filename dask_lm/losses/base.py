@@ -39,9 +39,20 @@ import torch
 
 from dask_lm.errors import LossConfigError
 
-__all__ = ["LossType", "LossInputType", "MetricNormalizer", "LossFunction", "loss_attribute", "masked_mean",
-           "metric", "deferred_metrics", "calculate_kl",
-           "LossConfig", "LossConfigError", "BaseLoss"]
+__all__ = [
+    "LossType",
+    "LossInputType",
+    "MetricNormalizer",
+    "LossFunction",
+    "loss_attribute",
+    "masked_mean",
+    "metric",
+    "deferred_metrics",
+    "calculate_kl",
+    "LossConfig",
+    "LossConfigError",
+    "BaseLoss",
+]
 
 
 class LossType(str, enum.Enum):
@@ -96,8 +107,9 @@ class LossFunction(Protocol):
     """Read by :func:`~dask_lm.losses.prepare_loss_input` only: its ``logits`` argument holds next-token
     logprobs already (NeMo RL's Megatron fusion). The trainer always computes the logprobs itself."""
 
-    def __call__(self, data: Any, global_valid_seqs: torch.Tensor, global_valid_toks: torch.Tensor,
-                 **inputs: Any) -> tuple[torch.Tensor, dict[str, Any]]: ...
+    def __call__(
+        self, data: Any, global_valid_seqs: torch.Tensor, global_valid_toks: torch.Tensor, **inputs: Any
+    ) -> tuple[torch.Tensor, dict[str, Any]]: ...
 
 
 def loss_attribute(loss_fn: Any, name: str) -> Any:
@@ -111,8 +123,8 @@ _DEFERRED = threading.local()
 
 def metric(value: Any) -> Any:
     """A metric of a loss's return: a Python number, as NeMo RL's losses return (``.item()``), except inside
-    :func:`deferred_metrics`, where a one-element tensor stays a detached tensor. Reading a GPU tensor back makes the host
-    wait for every kernel queued before it: the trainer reads all of a step's metrics once, after the step."""
+    :func:`deferred_metrics`, where a one-element tensor stays a detached tensor. Reading a GPU tensor back makes the
+    host wait for every kernel queued before it: the trainer reads all of a step's metrics once, after the step."""
     if not isinstance(value, torch.Tensor):
         return value
     value = value.detach()
@@ -132,8 +144,12 @@ def deferred_metrics() -> Iterator[None]:
         _DEFERRED.on = before
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
-                global_normalization_factor: torch.Tensor | float | None = None) -> torch.Tensor:
+def masked_mean(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    dim: int | None = None,
+    global_normalization_factor: torch.Tensor | float | None = None,
+) -> torch.Tensor:
     """``sum(values * mask) / (denominator + 1e-8)``; the denominator is ``mask.sum(dim)`` or, for losses,
     the global count. An all-zero mask gives 0, never NaN."""
     num = (values * mask).sum() if dim is None else (values * mask).sum(dim=dim)
@@ -149,9 +165,14 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return num / (denom + 1e-8)
 
 
-def calculate_kl(logprobs: torch.Tensor, logprobs_reference: torch.Tensor, kl_type: str = "k3",
-                 input_clamp_value: float | None = 20.0, output_clamp_value: float | None = 10.0,
-                 importance_sampling_weights: torch.Tensor | None = None) -> torch.Tensor:
+def calculate_kl(
+    logprobs: torch.Tensor,
+    logprobs_reference: torch.Tensor,
+    kl_type: str = "k3",
+    input_clamp_value: float | None = 20.0,
+    output_clamp_value: float | None = 10.0,
+    importance_sampling_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from the two logprobs of the sampled token.
 
     With ``r = logprobs_reference - logprobs`` (clamped to ``+-input_clamp_value``): k1 = -r, k2 = r^2 / 2,
@@ -202,10 +223,13 @@ class LossConfig(Mapping[str, Any]):
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = [k for k in cfg if k not in names]
         if unknown:
-            hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, names, 1)) else repr(k)
-                     for k in unknown]
-            raise LossConfigError(f"unknown {cls._section} config keys: {', '.join(hints)}; known keys: "
-                                  f"{sorted(names)}")
+            hints = [
+                f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, names, 1)) else repr(k)
+                for k in unknown
+            ]
+            raise LossConfigError(
+                f"unknown {cls._section} config keys: {', '.join(hints)}; known keys: {sorted(names)}"
+            )
         try:
             return cls(**dict(cfg))
         except TypeError as e:
@@ -261,6 +285,7 @@ class BaseLoss:
             raise TypeError(f"{type(self).__name__}() needs {missing} (its input_type is {self.input_type.value})")
         return self.compute(**kwargs)
 
-    def compute(self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
-                **inputs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    def compute(
+        self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None, **inputs: Any
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         raise NotImplementedError

@@ -56,11 +56,13 @@ class DistillationLossFn(BaseLoss):
         self.mixed_kl_weight = self.cfg.mixed_kl_weight
         self.zero_outside_topk = self.cfg.zero_outside_topk
         if self.kl_type not in ("forward", "reverse", "mixed"):
-            raise LossConfigError(f"Invalid KL type: `kl_type` must be 'forward', 'reverse' or 'mixed', got "
-                                  f"{self.kl_type!r}")
+            raise LossConfigError(
+                f"Invalid KL type: `kl_type` must be 'forward', 'reverse' or 'mixed', got {self.kl_type!r}"
+            )
         if not 0.0 <= self.mixed_kl_weight <= 1.0:
-            raise LossConfigError(f"Invalid mixed KL weight: `mixed_kl_weight` must be in [0, 1], got "
-                                  f"{self.mixed_kl_weight}")
+            raise LossConfigError(
+                f"Invalid mixed KL weight: `mixed_kl_weight` must be in [0, 1], got {self.mixed_kl_weight}"
+            )
 
     @property
     def needs_entropy(self) -> bool:
@@ -68,9 +70,15 @@ class DistillationLossFn(BaseLoss):
 
     # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
     def compute(  # type: ignore[override]
-            self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
-            student_topk_logprobs: torch.Tensor, teacher_topk_logprobs: torch.Tensor,
-            H_all: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:  # noqa: N803
+        self,
+        *,
+        data: Any,
+        global_valid_seqs: Any = None,
+        global_valid_toks: Any = None,
+        student_topk_logprobs: torch.Tensor,
+        teacher_topk_logprobs: torch.Tensor,
+        H_all: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         s, t = student_topk_logprobs, teacher_topk_logprobs.to(student_topk_logprobs.device)
         ps, pt = s.exp(), t.exp()
         forward = (pt * (t - s)).sum(-1)
@@ -79,8 +87,10 @@ class DistillationLossFn(BaseLoss):
         per_token = {"forward": forward, "reverse": reverse, "mixed": w * forward + (1 - w) * reverse}[self.kl_type]
         if self.needs_entropy:
             if H_all is None:
-                raise ValueError("zero_outside_topk with a reverse or mixed KL needs H_all (the student's "
-                                 "sum p log p over the whole vocabulary)")
+                raise ValueError(
+                    "zero_outside_topk with a reverse or mixed KL needs H_all (the student's "
+                    "sum p log p over the whole vocabulary)"
+                )
             h_rest = H_all - (ps * s).sum(-1)
             p_rest = 1.0 - ps.sum(-1)
             correction = h_rest - self.log_infinitesimal * p_rest

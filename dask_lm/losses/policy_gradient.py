@@ -96,44 +96,66 @@ class ClippedPGLossFn(BaseLoss):
         self.ratio_clip_c = c.ratio_clip_c
         self.reference_policy_kl_penalty = 0.0 if c.use_kl_in_reward else c.reference_policy_kl_penalty
         self.kl_type = c.reference_policy_kl_type
-        _check(self.kl_type in ("k1", "k2", "k3"), f"`reference_policy_kl_type` must be 'k1', 'k2' or 'k3', got "
-               f"{self.kl_type!r}")
+        _check(
+            self.kl_type in ("k1", "k2", "k3"),
+            f"`reference_policy_kl_type` must be 'k1', 'k2' or 'k3', got {self.kl_type!r}",
+        )
         _check(c.reference_policy_kl_penalty >= 0, "`reference_policy_kl_penalty` must be >= 0")
         _check(not c.seq_logprob_error_in_loss, "`seq_logprob_error_in_loss` is not supported; set it to false")
         self.loss_type = LossType.TOKEN_LEVEL if c.token_level_loss else LossType.SEQUENCE_LEVEL
-        _check(not (c.sequence_level_importance_ratios and c.token_level_loss),
-               "sequence-level importance ratios (GSPO) are mutually exclusive with a token-level loss: set "
-               "`token_level_loss: false` with `sequence_level_importance_ratios: true`")
+        _check(
+            not (c.sequence_level_importance_ratios and c.token_level_loss),
+            "sequence-level importance ratios (GSPO) are mutually exclusive with a token-level loss: set "
+            "`token_level_loss: false` with `sequence_level_importance_ratios: true`",
+        )
         if c.use_cispo:
             for key in ("disable_ppo_ratio", "force_on_policy_ratio", "sequence_level_importance_ratios"):
                 _check(not getattr(c, key), f"use_cispo is incompatible with {key}; turn one of them off")
-            _check(c.ratio_clip_c is None, "use_cispo is incompatible with dual clipping (ratio_clip_c); set "
-                   "ratio_clip_c=null when use_cispo=True")
+            _check(
+                c.ratio_clip_c is None,
+                "use_cispo is incompatible with dual clipping (ratio_clip_c); set "
+                "ratio_clip_c=null when use_cispo=True",
+            )
             _check(c.token_level_loss, "use_cispo requires token_level_loss=True (LossType.TOKEN_LEVEL)")
         self.tis_type = c.truncated_importance_sampling_type
         self.tis_max = c.truncated_importance_sampling_ratio
         self.tis_min = c.truncated_importance_sampling_ratio_min
         if self.tis_type is not None or self.tis_max is not None:
-            _check(c.use_importance_sampling_correction, "truncated importance sampling is only supported when "
-                   "use_importance_sampling_correction is True")
-            _check(self.tis_type in _TIS_TYPES, f"truncated_importance_sampling_type must be 'tis', 'icepop', or "
-                   f"'seq-mask-tis', got {self.tis_type!r}")
-            _check(self.tis_max is not None and self.tis_max > 0,
-                   "truncated_importance_sampling_ratio should be positive")
+            _check(
+                c.use_importance_sampling_correction,
+                "truncated importance sampling is only supported when use_importance_sampling_correction is True",
+            )
+            _check(
+                self.tis_type in _TIS_TYPES,
+                f"truncated_importance_sampling_type must be 'tis', 'icepop', or 'seq-mask-tis', got {self.tis_type!r}",
+            )
+            _check(
+                self.tis_max is not None and self.tis_max > 0, "truncated_importance_sampling_ratio should be positive"
+            )
             assert self.tis_max is not None  # the _check above raised otherwise
             if self.tis_min is not None:
-                _check(self.tis_min <= self.tis_max, "truncated_importance_sampling_ratio_min must be <= "
-                       f"truncated_importance_sampling_ratio (got {self.tis_min} > {self.tis_max})")
+                _check(
+                    self.tis_min <= self.tis_max,
+                    "truncated_importance_sampling_ratio_min must be <= "
+                    f"truncated_importance_sampling_ratio (got {self.tis_min} > {self.tis_max})",
+                )
             if self.tis_type in ("icepop", "seq-mask-tis"):
-                _check(self.tis_min is not None, f"truncated_importance_sampling_ratio_min should be set when "
-                       f"truncated_importance_sampling_type is {self.tis_type!r}")
+                _check(
+                    self.tis_min is not None,
+                    f"truncated_importance_sampling_ratio_min should be set when "
+                    f"truncated_importance_sampling_type is {self.tis_type!r}",
+                )
             if self.tis_type == "seq-mask-tis":
-                _check(not c.sequence_level_importance_ratios, "'seq-mask-tis' works on token-level importance "
-                       "ratios; turn `sequence_level_importance_ratios` off")
+                _check(
+                    not c.sequence_level_importance_ratios,
+                    "'seq-mask-tis' works on token-level importance "
+                    "ratios; turn `sequence_level_importance_ratios` off",
+                )
             self.tis_min = 0.0 if self.tis_min is None else self.tis_min
         elif self.tis_min is not None:
-            interface.warn("`truncated_importance_sampling_ratio_min` is ignored without "
-                           "`truncated_importance_sampling_type`")
+            interface.warn(
+                "`truncated_importance_sampling_ratio_min` is ignored without `truncated_importance_sampling_type`"
+            )
         if self.ratio_clip_c is not None:
             _check(self.ratio_clip_c > 1, f"`ratio_clip_c` (dual clip) must be > 1, got {self.ratio_clip_c}")
         keys = ["token_mask", "sample_mask", "advantages", "generation_logprobs"]
@@ -151,28 +173,58 @@ class ClippedPGLossFn(BaseLoss):
         c = self.cfg
         per = MetricNormalizer.TOKENS if self.loss_type == LossType.TOKEN_LEVEL else MetricNormalizer.SEQUENCES
         out = {"loss": per, "kl_penalty": per}
-        for key in ("probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error", "policy_kl_error",
-                    "js_divergence_error", "approx_entropy"):
+        for key in (
+            "probs_ratio",
+            "probs_ratio_clamped",
+            "token_mult_prob_error",
+            "gen_kl_error",
+            "policy_kl_error",
+            "js_divergence_error",
+            "approx_entropy",
+        ):
             out[key] = MetricNormalizer.TOKENS
-        out["sampling_importance_ratio"] = (MetricNormalizer.SEQUENCES if c.sequence_level_importance_ratios
-                                            else MetricNormalizer.TOKENS)
-        for key in ("num_valid_samples", "positive_nll_loss", "probs_ratio_min", "probs_ratio_max",
-                    "probs_ratio_clamped_min", "probs_ratio_clamped_max"):
+        out["sampling_importance_ratio"] = (
+            MetricNormalizer.SEQUENCES if c.sequence_level_importance_ratios else MetricNormalizer.TOKENS
+        )
+        for key in (
+            "num_valid_samples",
+            "positive_nll_loss",
+            "probs_ratio_min",
+            "probs_ratio_max",
+            "probs_ratio_clamped_min",
+            "probs_ratio_clamped_max",
+        ):
             out[key] = MetricNormalizer.NONE
         if self.tis_type is not None:
-            out["is_oob_ratio"] = (MetricNormalizer.SEQUENCES if self.tis_type == "seq-mask-tis"
-                                   else MetricNormalizer.TOKENS)
+            out["is_oob_ratio"] = (
+                MetricNormalizer.SEQUENCES if self.tis_type == "seq-mask-tis" else MetricNormalizer.TOKENS
+            )
         return out
 
     # ----------------------------------------------------------------------------------------------- pieces
-    def _reduce(self, x: torch.Tensor, mask: torch.Tensor, token_mask: torch.Tensor, sample_mask: torch.Tensor,
-                gvs: Any, gvt: Any) -> torch.Tensor:
+    def _reduce(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        token_mask: torch.Tensor,
+        sample_mask: torch.Tensor,
+        gvs: Any,
+        gvt: Any,
+    ) -> torch.Tensor:
         if self.loss_type == LossType.TOKEN_LEVEL:
             return masked_mean(x, mask, global_normalization_factor=gvt)
         return masked_mean(masked_mean(x, token_mask, dim=-1), sample_mask, global_normalization_factor=gvs)
 
-    def _importance_weights(self, prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, token_mask: torch.Tensor,
-                            sample_mask: torch.Tensor, gvs: Any, gvt: Any) -> tuple[torch.Tensor, float | None]:
+    def _importance_weights(
+        self,
+        prev: torch.Tensor,
+        gen: torch.Tensor,
+        mask: torch.Tensor,
+        token_mask: torch.Tensor,
+        sample_mask: torch.Tensor,
+        gvs: Any,
+        gvt: Any,
+    ) -> tuple[torch.Tensor, float | None]:
         c = self.cfg
         if c.sequence_level_importance_ratios:
             w = _nan_to_zero(torch.exp(((prev - gen) * mask).sum(-1)).detach())[:, None]
@@ -199,8 +251,13 @@ class ClippedPGLossFn(BaseLoss):
     # ----------------------------------------------------------------------------------------------- loss
     # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
     def compute(  # type: ignore[override]
-            self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
-            next_token_logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        self,
+        *,
+        data: Any,
+        global_valid_seqs: Any = None,
+        global_valid_toks: Any = None,
+        next_token_logprobs: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         c = self.cfg
         curr = next_token_logprobs
         dev = curr.device
@@ -216,11 +273,15 @@ class ClippedPGLossFn(BaseLoss):
         beta = self.reference_policy_kl_penalty
 
         with torch.no_grad():
-            token_mult_prob_error = masked_mean(torch.exp((gen - prev).abs() * mask), mask, global_normalization_factor=gvt)
-            gen_kl_error = masked_mean(calculate_kl(gen, prev, self.kl_type, None, None), mask,
-                                       global_normalization_factor=gvt)
-            policy_kl_error = masked_mean(calculate_kl(prev, gen, self.kl_type, None, None), mask,
-                                          global_normalization_factor=gvt)
+            token_mult_prob_error = masked_mean(
+                torch.exp((gen - prev).abs() * mask), mask, global_normalization_factor=gvt
+            )
+            gen_kl_error = masked_mean(
+                calculate_kl(gen, prev, self.kl_type, None, None), mask, global_normalization_factor=gvt
+            )
+            policy_kl_error = masked_mean(
+                calculate_kl(prev, gen, self.kl_type, None, None), mask, global_normalization_factor=gvt
+            )
             mid = torch.logaddexp(prev, gen) - torch.log(torch.tensor(2.0, device=dev))
             js = 0.5 * (torch.exp(prev - mid) - (prev - mid) - 1) + 0.5 * (torch.exp(gen - mid) - (gen - mid) - 1)
             js_divergence_error = masked_mean(js, mask, global_normalization_factor=gvt)
@@ -228,11 +289,18 @@ class ClippedPGLossFn(BaseLoss):
         if beta != 0:
             ref = data["reference_policy_logprobs"][:, 1:].to(dev)
             kl_curr = data.get("curr_logprobs_unfiltered", curr) if hasattr(data, "get") else curr
-            weights = torch.exp(kl_curr - gen) if c.use_on_policy_kl_approximation else torch.exp(
-                kl_curr - kl_curr.detach())
+            weights = (
+                torch.exp(kl_curr - gen) if c.use_on_policy_kl_approximation else torch.exp(kl_curr - kl_curr.detach())
+            )
             weights = torch.where(torch.isfinite(weights), weights, torch.zeros_like(weights))
-            per_token_kl = beta * calculate_kl(kl_curr, ref, self.kl_type, c.kl_input_clamp_value,
-                                               c.kl_output_clamp_value, importance_sampling_weights=weights)
+            per_token_kl = beta * calculate_kl(
+                kl_curr,
+                ref,
+                self.kl_type,
+                c.kl_input_clamp_value,
+                c.kl_output_clamp_value,
+                importance_sampling_weights=weights,
+            )
             kl = self._reduce(per_token_kl, mask, token_mask, sample_mask, gvs, gvt)
         else:
             kl = torch.zeros((), device=dev)
@@ -260,7 +328,9 @@ class ClippedPGLossFn(BaseLoss):
         actor_weights = is_weights if c.use_importance_sampling_correction else torch.ones_like(prev)
         actor_loss = self._reduce(actor_weights * clip_loss, mask, token_mask, sample_mask, gvs, gvt)
         if c.sequence_level_importance_ratios:
-            sampling_importance_ratio = masked_mean(is_weights.squeeze(-1), sample_mask, global_normalization_factor=gvs)
+            sampling_importance_ratio = masked_mean(
+                is_weights.squeeze(-1), sample_mask, global_normalization_factor=gvs
+            )
         else:
             sampling_importance_ratio = masked_mean(is_weights, mask, global_normalization_factor=gvt)
 
@@ -279,11 +349,19 @@ class ClippedPGLossFn(BaseLoss):
         valid = mask.bool()
         if bool(valid.any()):
             r, rc = ratios.detach()[valid], ratios_clamped.detach()[valid]
-            extrema = {"probs_ratio_min": metric(r.min()), "probs_ratio_max": metric(r.max()),
-                       "probs_ratio_clamped_min": metric(rc.min()), "probs_ratio_clamped_max": metric(rc.max())}
+            extrema = {
+                "probs_ratio_min": metric(r.min()),
+                "probs_ratio_max": metric(r.max()),
+                "probs_ratio_clamped_min": metric(rc.min()),
+                "probs_ratio_clamped_max": metric(rc.max()),
+            }
         else:
-            extrema = {"probs_ratio_min": float("inf"), "probs_ratio_max": float("-inf"),
-                       "probs_ratio_clamped_min": float("inf"), "probs_ratio_clamped_max": float("-inf")}
+            extrema = {
+                "probs_ratio_min": float("inf"),
+                "probs_ratio_max": float("-inf"),
+                "probs_ratio_clamped_min": float("inf"),
+                "probs_ratio_clamped_max": float("-inf"),
+            }
         metrics: dict[str, Any] = {
             "loss": metric(loss),
             "probs_ratio": metric(masked_mean(ratios.detach(), mask, global_normalization_factor=gvt)),

@@ -43,14 +43,23 @@ class NLLLoss(BaseLoss):
 
     def __init__(self, cfg: Any = None, use_fused_linear_logprobs: bool = False, **_: Any) -> None:
         self.use_fused_linear_logprobs = use_fused_linear_logprobs
-        self.metric_normalizations = {"loss": MetricNormalizer.TOKENS, "num_unmasked_tokens": MetricNormalizer.NONE,
-                                      "num_valid_samples": MetricNormalizer.NONE}
+        self.metric_normalizations = {
+            "loss": MetricNormalizer.TOKENS,
+            "num_unmasked_tokens": MetricNormalizer.NONE,
+            "num_valid_samples": MetricNormalizer.NONE,
+        }
 
     # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
     def compute(  # type: ignore[override]
-            self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
-            next_token_logprobs: torch.Tensor, dpo_loss: bool = False,
-            dpo_average_log_probs: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+        self,
+        *,
+        data: Any,
+        global_valid_seqs: Any = None,
+        global_valid_toks: Any = None,
+        next_token_logprobs: torch.Tensor,
+        dpo_loss: bool = False,
+        dpo_average_log_probs: bool = False,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         lp = next_token_logprobs
         token_mask = data["token_mask"][:, 1:].to(lp.device)
         sample_mask = data["sample_mask"].to(lp.device)
@@ -62,8 +71,11 @@ class NLLLoss(BaseLoss):
         else:
             loss = -masked_mean(lp, mask, global_normalization_factor=global_valid_toks)
         # with dpo_loss the loss is per sample: its metric is that tensor (detached), one value per sample
-        return loss, {"loss": metric(loss) if loss.dim() == 0 else loss.detach(), "num_unmasked_tokens": metric(mask.sum()),
-                      "num_valid_samples": metric(sample_mask.sum())}
+        return loss, {
+            "loss": metric(loss) if loss.dim() == 0 else loss.detach(),
+            "num_unmasked_tokens": metric(mask.sum()),
+            "num_valid_samples": metric(sample_mask.sum()),
+        }
 
 
 NLLLossFn = NLLLoss  # NeMo RL's later name
@@ -82,8 +94,9 @@ class DPOLossConfig(LossConfig):
     sft_average_log_probs: bool = False
 
 
-def _preference(rewards: torch.Tensor, sample_mask: torch.Tensor, global_valid_seqs: Any,
-                beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _preference(
+    rewards: torch.Tensor, sample_mask: torch.Tensor, global_valid_seqs: Any, beta: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Bradley-Terry loss of chosen ([::2]) over rejected ([1::2]) rows, normalised per global pair."""
     chosen, rejected = rewards[::2], rewards[1::2]
     pairs = global_valid_seqs / 2
@@ -97,8 +110,10 @@ def _preference(rewards: torch.Tensor, sample_mask: torch.Tensor, global_valid_s
 
 def _check_pairs(rows: int) -> None:
     if rows % 2:
-        raise ValueError(f"a preference micro-batch has {rows} rows; rows must come in (chosen, rejected) pairs: "
-                         "use an even train_micro_batch_size and keep dynamic batching and packing off")
+        raise ValueError(
+            f"a preference micro-batch has {rows} rows; rows must come in (chosen, rejected) pairs: "
+            "use an even train_micro_batch_size and keep dynamic batching and packing off"
+        )
 
 
 class DPOLossFn(BaseLoss):
@@ -123,35 +138,54 @@ class DPOLossFn(BaseLoss):
         self.preference_average_log_probs = self.cfg.preference_average_log_probs
         self.sft_average_log_probs = self.cfg.sft_average_log_probs
         self.sft_loss = NLLLoss()
-        self.metric_normalizations = {k: MetricNormalizer.SEQUENCES for k in (
-            "loss", "sft_loss", "preference_loss", "accuracy", "rewards_chosen_mean", "rewards_rejected_mean")}
+        self.metric_normalizations = {
+            k: MetricNormalizer.SEQUENCES
+            for k in ("loss", "sft_loss", "preference_loss", "accuracy", "rewards_chosen_mean", "rewards_rejected_mean")
+        }
         self.metric_normalizations["num_valid_samples"] = MetricNormalizer.NONE
 
     # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
     def compute(  # type: ignore[override]
-            self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
-            next_token_logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        self,
+        *,
+        data: Any,
+        global_valid_seqs: Any = None,
+        global_valid_toks: Any = None,
+        next_token_logprobs: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         lp = next_token_logprobs
         _check_pairs(lp.shape[0])
         sample_mask = data["sample_mask"].to(lp.device)
         sft = torch.zeros((), device=lp.device)
         if self.sft_loss_weight > 0:
             assert global_valid_toks is not None, "the SFT term of DPO needs global_valid_toks"
-            per_sample, _ = self.sft_loss(lp, data, global_valid_seqs=global_valid_seqs,
-                                          global_valid_toks=global_valid_toks, dpo_loss=True,
-                                          dpo_average_log_probs=self.sft_average_log_probs)
+            per_sample, _ = self.sft_loss(
+                lp,
+                data,
+                global_valid_seqs=global_valid_seqs,
+                global_valid_toks=global_valid_toks,
+                dpo_loss=True,
+                dpo_average_log_probs=self.sft_average_log_probs,
+            )
             sft = masked_mean(per_sample[::2], sample_mask[::2], global_normalization_factor=global_valid_seqs / 2)
         token_mask = data["token_mask"][:, 1:].to(lp.device)
         ref = data["reference_policy_logprobs"][:, 1:].to(lp.device)
         rewards = ((lp - ref) * token_mask).sum(-1)
         if self.preference_average_log_probs:
             rewards = rewards / token_mask.sum(-1).clamp(min=1)
-        pref, accuracy, chosen, rejected = _preference(rewards, sample_mask, global_valid_seqs,
-                                                       self.reference_policy_kl_penalty)
+        pref, accuracy, chosen, rejected = _preference(
+            rewards, sample_mask, global_valid_seqs, self.reference_policy_kl_penalty
+        )
         loss = self.sft_loss_weight * sft + self.preference_loss_weight * pref
-        return loss, {"loss": metric(loss), "sft_loss": metric(sft), "preference_loss": metric(pref),
-                      "accuracy": metric(accuracy), "rewards_chosen_mean": metric(chosen),
-                      "rewards_rejected_mean": metric(rejected), "num_valid_samples": metric(sample_mask.sum() / 2)}
+        return loss, {
+            "loss": metric(loss),
+            "sft_loss": metric(sft),
+            "preference_loss": metric(pref),
+            "accuracy": metric(accuracy),
+            "rewards_chosen_mean": metric(chosen),
+            "rewards_rejected_mean": metric(rejected),
+            "num_valid_samples": metric(sample_mask.sum() / 2),
+        }
 
 
 class PreferenceLossFn(BaseLoss):
@@ -168,11 +202,16 @@ class PreferenceLossFn(BaseLoss):
 
     # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
     def compute(  # type: ignore[override]
-            self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None,
-            logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         rewards = logits.squeeze(-1).float()
         _check_pairs(rewards.shape[0])
         sample_mask = data["sample_mask"].to(rewards.device)
         loss, accuracy, chosen, rejected = _preference(rewards, sample_mask, global_valid_seqs, 1.0)
-        return loss, {"loss": metric(loss), "accuracy": metric(accuracy), "rewards_chosen_mean": metric(chosen),
-                      "rewards_rejected_mean": metric(rejected), "num_valid_samples": metric(sample_mask.sum() / 2)}
+        return loss, {
+            "loss": metric(loss),
+            "accuracy": metric(accuracy),
+            "rewards_chosen_mean": metric(chosen),
+            "rewards_rejected_mean": metric(rejected),
+            "num_valid_samples": metric(sample_mask.sum() / 2),
+        }

@@ -24,12 +24,36 @@ def _is_int(x: Any) -> bool:
 
 
 # dtypes a handle may name: a table, so a name from the peer is only ever a key, never an attribute lookup
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.float16, torch.bfloat16,
-    torch.float32, torch.float64)}
-_CUDA_KEYS = ("size", "stride", "tensor_offset", "dtype", "device", "handle", "storage_size_bytes",
-              "storage_offset_bytes", "requires_grad", "ref_counter_handle", "ref_counter_offset", "event_handle",
-              "event_sync_required")
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    )
+}
+_CUDA_KEYS = (
+    "size",
+    "stride",
+    "tensor_offset",
+    "dtype",
+    "device",
+    "handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
 # torch names the shared-memory block of a CUDA IPC reference counter "/torch_<pid>_<random>_<n>"; the receiver
 # opens it by that name, so nothing else (no other directory, no traversal) is accepted
 _REF_COUNTER = re.compile(rb"/torch_[0-9A-Za-z_]{1,200}")
@@ -43,14 +67,38 @@ def cuda_handle(args: Sequence[Any], device_uuid: str) -> dict[str, Any]:
     picks its own) and the device index becomes the GPU's UUID: the two processes see different
     ``CUDA_VISIBLE_DEVICES``."""
     assert len(args) == 15, f"torch's rebuild_cuda_tensor takes 15 arguments here, reduce_tensor gave {len(args)}"
-    (_cls, size, stride, offset, _storage_cls, dtype, _index, handle, nbytes, storage_offset, requires_grad,
-     ref_counter, ref_counter_offset, event, event_sync) = args
-    return {"size": [int(s) for s in size], "stride": [int(s) for s in stride], "tensor_offset": int(offset),
-            "dtype": str(dtype).removeprefix("torch."), "device": str(device_uuid), "handle": bytes(handle),
-            "storage_size_bytes": int(nbytes), "storage_offset_bytes": int(storage_offset),
-            "requires_grad": bool(requires_grad), "ref_counter_handle": bytes(ref_counter),
-            "ref_counter_offset": int(ref_counter_offset), "event_handle": bytes(event),
-            "event_sync_required": bool(event_sync)}
+    (
+        _cls,
+        size,
+        stride,
+        offset,
+        _storage_cls,
+        dtype,
+        _index,
+        handle,
+        nbytes,
+        storage_offset,
+        requires_grad,
+        ref_counter,
+        ref_counter_offset,
+        event,
+        event_sync,
+    ) = args
+    return {
+        "size": [int(s) for s in size],
+        "stride": [int(s) for s in stride],
+        "tensor_offset": int(offset),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device_uuid),
+        "handle": bytes(handle),
+        "storage_size_bytes": int(nbytes),
+        "storage_offset_bytes": int(storage_offset),
+        "requires_grad": bool(requires_grad),
+        "ref_counter_handle": bytes(ref_counter),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event_handle": bytes(event),
+        "event_sync_required": bool(event_sync),
+    }
 
 
 def encode_cuda(t: torch.Tensor) -> dict[str, Any]:
@@ -101,26 +149,46 @@ def cuda_rebuild_args(h: dict[str, Any], device_index: int) -> tuple[Any, ...]:
     handle, event = _check_bytes(h, "handle"), _check_bytes(h, "event_handle")
     ref_counter = _check_bytes(h, "ref_counter_handle")
     if not _REF_COUNTER.fullmatch(ref_counter):
-        raise ValueError(f"`ipc.ref_counter_handle` {ref_counter[:80]!r} is not the name of a torch shared-memory "
-                         "reference counter")
+        raise ValueError(
+            f"`ipc.ref_counter_handle` {ref_counter[:80]!r} is not the name of a torch shared-memory reference counter"
+        )
     if h["storage_size_bytes"] == 0:
         raise ValueError("`ipc.storage_size_bytes` is 0: a shared buffer is never empty")
     # torch decrements the int64 at ``ref_counter_offset`` of the counter file it maps, unchecked: an offset past
     # the file would write outside it (torch/csrc/CudaIPCTypes.h: CUDA_IPC_REF_COUNTER_FILE_SIZE entries)
     if h["ref_counter_offset"] >= _REF_COUNTER_ENTRIES:
-        raise ValueError(f"`ipc.ref_counter_offset` {h['ref_counter_offset']} is outside torch's reference counter "
-                         f"file ({_REF_COUNTER_ENTRIES} entries)")
+        raise ValueError(
+            f"`ipc.ref_counter_offset` {h['ref_counter_offset']} is outside torch's reference counter "
+            f"file ({_REF_COUNTER_ENTRIES} entries)"
+        )
     if h["storage_offset_bytes"] + h["storage_size_bytes"] > _MAX_STORAGE_BYTES:
-        raise ValueError(f"the CUDA IPC storage ends at byte {h['storage_offset_bytes'] + h['storage_size_bytes']}, "
-                         "past any device's memory")
+        raise ValueError(
+            f"the CUDA IPC storage ends at byte {h['storage_offset_bytes'] + h['storage_size_bytes']}, "
+            "past any device's memory"
+        )
     # the furthest element the view reaches must lie inside the storage the handle maps
     end = h["tensor_offset"] + sum((d - 1) * s for d, s in zip(size, stride)) + 1 if all(size) else 0
     if end * dtype.itemsize > h["storage_size_bytes"]:
-        raise ValueError(f"the CUDA IPC view reaches byte {end * dtype.itemsize} of a storage of "
-                         f"{h['storage_size_bytes']} bytes")
-    return (torch.Tensor, tuple(size), tuple(stride), h["tensor_offset"], torch.UntypedStorage, dtype, device_index,
-            handle, h["storage_size_bytes"], h["storage_offset_bytes"], False, ref_counter, h["ref_counter_offset"],
-            event, h["event_sync_required"])
+        raise ValueError(
+            f"the CUDA IPC view reaches byte {end * dtype.itemsize} of a storage of {h['storage_size_bytes']} bytes"
+        )
+    return (
+        torch.Tensor,
+        tuple(size),
+        tuple(stride),
+        h["tensor_offset"],
+        torch.UntypedStorage,
+        dtype,
+        device_index,
+        handle,
+        h["storage_size_bytes"],
+        h["storage_offset_bytes"],
+        False,
+        ref_counter,
+        h["ref_counter_offset"],
+        event,
+        h["event_sync_required"],
+    )
 
 
 def open_cuda(h: dict[str, Any]) -> torch.Tensor:

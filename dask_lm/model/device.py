@@ -197,8 +197,13 @@ def device_info() -> dict[str, Any]:
     if is_cuda():
         props = torch.cuda.get_device_properties(0)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-        info.update(device="cuda", gpu_id=visible, gpu_name=props.name, gpu_uuid=str(getattr(props, "uuid", "")),
-                    total_memory=int(props.total_memory))
+        info.update(
+            device="cuda",
+            gpu_id=visible,
+            gpu_name=props.name,
+            gpu_uuid=str(getattr(props, "uuid", "")),
+            total_memory=int(props.total_memory),
+        )
     else:
         info.update(device="cpu", gpu_id=None, gpu_name="cpu", gpu_uuid=None, total_memory=None)
     return info
@@ -263,9 +268,11 @@ def index_for_uuid(device: Any) -> int:
     for i in range(torch.cuda.device_count()):
         if device_uuid(i) == str(device):
             return i
-    raise ValueError(f"CUDA IPC payload names device {device!r}, which this process cannot see "
-                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); the receiver must run on "
-                     "the same node and see that GPU")
+    raise ValueError(
+        f"CUDA IPC payload names device {device!r}, which this process cannot see "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); the receiver must run on "
+        "the same node and see that GPU"
+    )
 
 
 def ipc_collect() -> None:

@@ -64,8 +64,11 @@ def block_causal_mask(cu_seqlens: torch.Tensor, total: int, *, additive_dtype: t
     """``[1, 1, T, T]`` mask letting position q see k when both sit in the same sequence and k <= q."""
     dev = cu_seqlens.device
     # output_size: without it repeat_interleave reads the total back from the device (a host sync)
-    seq_id = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=dev),
-                                     (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64), output_size=total)
+    seq_id = torch.repeat_interleave(
+        torch.arange(cu_seqlens.numel() - 1, device=dev),
+        (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64),
+        output_size=total,
+    )
     idx = torch.arange(total, device=dev)
     allowed = (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])
     if additive_dtype is None:
@@ -80,13 +83,20 @@ def unpack_positions(cu_seqlens: torch.Tensor, lengths: torch.Tensor, width: int
     lengths = lengths.to(torch.int64)
     rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
     cols = torch.arange(int(lengths.sum()), device=lengths.device) - torch.repeat_interleave(
-        cu_seqlens[:-1].to(torch.int64), lengths)
+        cu_seqlens[:-1].to(torch.int64), lengths
+    )
     assert cols.numel() == 0 or int(cols.max()) < width, "packed row longer than the shard's width"
     return rows, cols
 
 
-def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                        attention_mask: torch.Tensor | None = None, **attention_kwargs: Any) -> torch.Tensor:
+def final_hidden_states(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **attention_kwargs: Any,
+) -> torch.Tensor:
     """Run the whole model (so FSDP's root hooks gather and free parameters as usual) and return the decoder's
     last hidden state ``[B, S, H]``. ``logits_to_keep=1`` keeps the model's own vocabulary projection down to
     one position; callers project the positions they need in chunks. ``attention_kwargs`` reach the attention
@@ -119,5 +129,5 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     cached = getattr(cls, "_dask_lm_logits_to_keep", None)
     if cached is None:
         cached = "logits_to_keep" in inspect.signature(cls.forward).parameters
-        setattr(cls, "_dask_lm_logits_to_keep", cached)  # a per-class cache; Module declares no such attribute
+        cls._dask_lm_logits_to_keep = cached  # a per-class cache; Module declares no such attribute
     return cached

@@ -29,7 +29,8 @@ eagerly: each compiled layer dispatches, per call, on a per-thread switch that o
 state, and which would also switch off other code's compilation).
 On FSDP-sharded ranks FSDP's all-gather hooks run eagerly around each compiled layer (the usual per-block
 compilation). The CPU path does not compile unless a policy asks for it (``inference_compile: true`` /
-``train_compile: true``, as two tests do), so CI checks the exact eager arithmetic. ``DASK_LM_COMPILE=0`` turns all of it off.
+``train_compile: true``, as two tests do), so CI checks the exact eager arithmetic. ``DASK_LM_COMPILE=0`` turns all
+of it off.
 """
 
 from __future__ import annotations
@@ -46,8 +47,18 @@ import torch
 
 from dask_lm.model import device, liger_head
 
-__all__ = ["enabled", "compile_errors", "pick_minus_logsumexp", "pick_minus_logsumexp_greedy", "logsumexp", "pick_and_logsumexp", "logprob_grad",
-           "compile_decoder_layers", "use_compiled", "call"]
+__all__ = [
+    "enabled",
+    "compile_errors",
+    "pick_minus_logsumexp",
+    "pick_minus_logsumexp_greedy",
+    "logsumexp",
+    "pick_and_logsumexp",
+    "logprob_grad",
+    "compile_decoder_layers",
+    "use_compiled",
+    "call",
+]
 
 logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -112,8 +123,9 @@ def _pick_and_lse(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
     return logits.gather(1, targets[:, None]).squeeze(1) - lse, lse
 
 
-def _logprob_grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor, scale: float,
-                  dtype: torch.dtype) -> torch.Tensor:
+def _logprob_grad(
+    logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor, scale: float, dtype: torch.dtype
+) -> torch.Tensor:
     # d lp / d z = onehot(t) - softmax(z), times the incoming gradient and the logits' scale (chain rule)
     onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
     return ((onehot.to(logits.dtype) - torch.exp(logits - lse[:, None])) * (grad * scale)[:, None]).to(dtype)
@@ -189,8 +201,15 @@ def pick_and_logsumexp(logits: torch.Tensor, targets: torch.Tensor) -> tuple[tor
     return _run("pick_and_lse", _pick_and_lse, logits, _own(targets))
 
 
-def logprob_grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor, *,
-                 scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def logprob_grad(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """The gradient of ``lp[i] = log_softmax(z)[i, targets[i]]``, ``z = scale * x``, with respect to ``x``, from the
     float32 scaled logits ``z [n, V]``, their ``lse`` and the incoming ``grad [n]``:
     ``(onehot(t) - exp(z - lse)) * grad * scale`` in ``dtype``. On a GPU one compiled pass reads the logits once

@@ -34,8 +34,7 @@ def model_class(hf_config: Any, *, reward_model: bool) -> type[PreTrainedModel] 
     ``Auto*.register`` are in the same mapping, so they resolve too."""
     import transformers
 
-    auto = (transformers.AutoModelForSequenceClassification if reward_model
-            else transformers.AutoModelForCausalLM)
+    auto = transformers.AutoModelForSequenceClassification if reward_model else transformers.AutoModelForCausalLM
     mapping = auto._model_mapping
     try:
         # transformers types a mapping's values as a class or a (slow, fast) pair: a model mapping holds classes
@@ -60,36 +59,48 @@ def check_policy_model(hf_config: Any, cfg: PolicyConfig, *, world_size: int) ->
     cls = model_class(hf_config, reward_model=reward)
     if cls is None:
         if reward:
-            raise ValueError(f"{where}: transformers has no sequence-classification class for model type "
-                             f"{getattr(hf_config, 'model_type', '?')!r}, which a reward model "
-                             "(`policy.reward_model_cfg.enabled: true`) is built with; use an architecture "
-                             "AutoModelForSequenceClassification supports, or disable reward_model_cfg")
-        raise ValueError(f"{where}: transformers has no causal-LM class for model type "
-                         f"{getattr(hf_config, 'model_type', '?')!r} (AutoModelForCausalLM cannot build it); use a "
-                         "decoder-only language model, or a sequence-classification checkpoint with "
-                         "`policy.reward_model_cfg.enabled: true`")
+            raise ValueError(
+                f"{where}: transformers has no sequence-classification class for model type "
+                f"{getattr(hf_config, 'model_type', '?')!r}, which a reward model "
+                "(`policy.reward_model_cfg.enabled: true`) is built with; use an architecture "
+                "AutoModelForSequenceClassification supports, or disable reward_model_cfg"
+            )
+        raise ValueError(
+            f"{where}: transformers has no causal-LM class for model type "
+            f"{getattr(hf_config, 'model_type', '?')!r} (AutoModelForCausalLM cannot build it); use a "
+            "decoder-only language model, or a sequence-classification checkpoint with "
+            "`policy.reward_model_cfg.enabled: true`"
+        )
     model = _meta_model(cls, hf_config, reward=reward, where=where)
     name = cls.__name__
     if world_size > 1 and not fsdp_blocks(model):
         declared = getattr(model, "_no_split_modules", None)
-        raise ValueError(f"{where}: {name} declares no transformer block to shard by (_no_split_modules = "
-                         f"{declared!r} names no submodule), which FSDP needs across {world_size} ranks; run it "
-                         "on a single rank (a cluster of one worker), or use a model class whose "
-                         "_no_split_modules names its decoder-layer class")
+        raise ValueError(
+            f"{where}: {name} declares no transformer block to shard by (_no_split_modules = "
+            f"{declared!r} names no submodule), which FSDP needs across {world_size} ranks; run it "
+            "on a single rank (a cluster of one worker), or use a model class whose "
+            "_no_split_modules names its decoder-layer class"
+        )
     if find_decoder(model) is None:
-        raise ValueError(f"{where}: cannot find the decoder inside {name} (get_decoder() gives none and there "
-                         f"is no `{getattr(model, 'base_model_prefix', 'model')}` submodule), whose hidden states "
-                         "every pass reads; use a standard Hugging Face *ForCausalLM / "
-                         "*ForSequenceClassification model")
+        raise ValueError(
+            f"{where}: cannot find the decoder inside {name} (get_decoder() gives none and there "
+            f"is no `{getattr(model, 'base_model_prefix', 'model')}` submodule), whose hidden states "
+            "every pass reads; use a standard Hugging Face *ForCausalLM / "
+            "*ForSequenceClassification model"
+        )
     if reward:
         if getattr(model, "score", None) is None:
-            raise ValueError(f"{where}: {name} has no `score` head, which reward-model scoring reads; point "
-                             "`policy.model_name` at a checkpoint whose sequence-classification class has a "
-                             "`score` head (Llama, Qwen2, Mistral, ...), or disable `policy.reward_model_cfg`")
+            raise ValueError(
+                f"{where}: {name} has no `score` head, which reward-model scoring reads; point "
+                "`policy.model_name` at a checkpoint whose sequence-classification class has a "
+                "`score` head (Llama, Qwen2, Mistral, ...), or disable `policy.reward_model_cfg`"
+            )
     elif find_output_embeddings(model) is None:
-        raise ValueError(f"{where}: {name} has no output embeddings (get_output_embeddings() gives none), "
-                         "which logprobs and training project hidden states through; use a causal LM with a "
-                         "language-model head")
+        raise ValueError(
+            f"{where}: {name} has no output embeddings (get_output_embeddings() gives none), "
+            "which logprobs and training project hidden states through; use a causal LM with a "
+            "language-model head"
+        )
 
 
 def _architecture(hf_config: Any) -> str:
@@ -111,9 +122,11 @@ def _meta_model(cls: type[PreTrainedModel], hf_config: Any, *, reward: bool, whe
             model: torch.nn.Module = cls._from_config(config)  # untyped in transformers
             return model
     except Exception as e:  # a config the class rejects fails the same way on every worker
-        raise ValueError(f"{where}: transformers cannot build {cls.__name__} from this config "
-                         f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); fix config.json or "
-                         "`policy.hf_config_overrides`") from None
+        raise ValueError(
+            f"{where}: transformers cannot build {cls.__name__} from this config "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); fix config.json or "
+            "`policy.hf_config_overrides`"
+        ) from None
 
 
 def find_decoder(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -139,4 +152,3 @@ def find_output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if getter is not None else None
     return head if head is not None and getattr(head, "weight", None) is not None else None
-

@@ -85,8 +85,15 @@ class _Positions(TypedDict):
     valid_index: tuple[torch.Tensor, torch.Tensor]
 
 
-def forward_rows(model: torch.nn.Module, rows: TokenRows, *, packed: bool, varlen_ok: bool,
-                 where: torch.device, mask_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ForwardLayout]:
+def forward_rows(
+    model: torch.nn.Module,
+    rows: TokenRows,
+    *,
+    packed: bool,
+    varlen_ok: bool,
+    where: torch.device,
+    mask_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, ForwardLayout]:
     """Final hidden states of ``rows`` (host tensors), packed into one row or padded to the longest, and their
     :class:`ForwardLayout`. Packed rows go through the varlen kernel when ``varlen_ok``, else through a
     block-diagonal mask (boolean, or additive in ``mask_dtype`` for eager attention). The ids go up as they are
@@ -110,8 +117,9 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, *, packed: bool, varle
         else:
             mask = block_causal_mask(cu, pids.shape[1], additive_dtype=mask_dtype)
             hidden = final_hidden_states(model, pids, position_ids=pos, attention_mask=mask)
-        return hidden, ForwardLayout(pids, d_lens, torch.ones_like(pids, dtype=torch.bool), pos > 0, host=lay,
-                                     cu=cu, **positions())
+        return hidden, ForwardLayout(
+            pids, d_lens, torch.ones_like(pids, dtype=torch.bool), pos > 0, host=lay, cu=cu, **positions()
+        )
     # a padded row's tail is never seen by its real tokens (causal attention, right padding): its value is any id
     d_ids = up(rows.padded(0, lay.width)).to(torch.int64)
     valid = torch.arange(lay.width, device=where)[None, :] < d_lens[:, None]
@@ -144,18 +152,25 @@ def _write(outs: tuple[torch.Tensor, ...], p: _Pending, per_row: bool) -> None:
     layout = p.layout.host
     for out, value in zip(outs, p.host):
         if per_row:
-            out[p.mb.start:p.mb.end] = value
+            out[p.mb.start : p.mb.end] = value
         elif p.mb.packed:
             assert layout.cu is not None
             rows, cols = unpack_positions(layout.cu, layout.lens, out.shape[1])
             out[p.mb.start + rows, cols] = value[0]
         else:
-            out[p.mb.start:p.mb.end, : value.shape[1]] = value
+            out[p.mb.start : p.mb.end, : value.shape[1]] = value
 
 
-def run_pass(worker: PassRunner, data: Any, plan: MicroBatchPlan, micro_batch_size: int | None,
-             compute: Callable[[torch.Tensor, ForwardLayout], tuple[torch.Tensor, ...]],
-             outs: tuple[torch.Tensor, ...], *, per_row: bool = False) -> None:
+def run_pass(
+    worker: PassRunner,
+    data: Any,
+    plan: MicroBatchPlan,
+    micro_batch_size: int | None,
+    compute: Callable[[torch.Tensor, ForwardLayout], tuple[torch.Tensor, ...]],
+    outs: tuple[torch.Tensor, ...],
+    *,
+    per_row: bool = False,
+) -> None:
     """Run every micro-batch of ``data`` through ``worker``'s forward and ``compute(hidden, layout)``; write each
     result into the matching host tensor of ``outs``: per token (``[B, S, ...]``, from a padded ``[b, L, ...]`` or
     packed ``[1, T, ...]`` result) or, with ``per_row``, per row (``[B, ...]`` from ``[b, ...]``)."""

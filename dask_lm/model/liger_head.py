@@ -47,6 +47,7 @@ def _load() -> Any:
         if os.environ.get("DASK_LM_LIGER", "1") != "0":
             try:
                 from liger_kernel.ops import cross_entropy as ce
+
                 kernel = ce.liger_cross_entropy_kernel
                 _STATE["block"] = int(getattr(ce, "MAX_FUSED_SIZE", 32768))
             except Exception as e:  # not installed, or its import-time device probing failed
@@ -58,8 +59,14 @@ def _load() -> Any:
 def available(logits: torch.Tensor) -> bool:
     """Whether the kernel can reduce ``logits``: float32, ``[n, V]`` with unit column stride, on a CUDA device, no
     gradient wanted, liger-kernel importable and not switched off or broken."""
-    return (logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
-            and not (logits.requires_grad and torch.is_grad_enabled()) and _load() is not None)
+    return (
+        logits.is_cuda
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and not (logits.requires_grad and torch.is_grad_enabled())
+        and _load() is not None
+    )
 
 
 def _warps() -> int:
@@ -78,13 +85,36 @@ def _launch(logits: torch.Tensor, targets: torch.Tensor, greedy: bool) -> tuple[
     # the two counts only divide a "mean" loss: constant 1 here, as Triton specialises integer arguments (on
     # divisibility by 16 and on 1), and the row count of a job's last chunk would otherwise compile a second variant
     _STATE["kernel"][(n,)](
-        X_ptr=logits, X_stride=logits.stride(0), Y_ptr=targets, Y_stride=targets.stride(0), weight_ptr=None,
-        loss_ptr=loss, z_loss_ptr=None, loss_stride=1, token_accuracy_ptr=hit,
-        token_accuracy_stride=1 if greedy else 0, predicted_tokens_ptr=None, predicted_tokens_stride=0, n_cols=v,
-        n_non_ignore=1, sum_non_ignore_weight=1, weight_sum=0.0, ignore_index=_IGNORE, lse_square_scale=0.0,
-        label_smoothing=0.0, reduction="none", softcap=None, RETURN_Z_LOSS=False, RETURN_TOKEN_ACCURACY=greedy,
-        RETURN_PREDICTED_TOKENS=False, BLOCK_SIZE=block, HAS_WEIGHT=False, HAS_SOFTCAPPING=False,
-        HAS_GRADIENTS=False, num_warps=_warps())
+        X_ptr=logits,
+        X_stride=logits.stride(0),
+        Y_ptr=targets,
+        Y_stride=targets.stride(0),
+        weight_ptr=None,
+        loss_ptr=loss,
+        z_loss_ptr=None,
+        loss_stride=1,
+        token_accuracy_ptr=hit,
+        token_accuracy_stride=1 if greedy else 0,
+        predicted_tokens_ptr=None,
+        predicted_tokens_stride=0,
+        n_cols=v,
+        n_non_ignore=1,
+        sum_non_ignore_weight=1,
+        weight_sum=0.0,
+        ignore_index=_IGNORE,
+        lse_square_scale=0.0,
+        label_smoothing=0.0,
+        reduction="none",
+        softcap=None,
+        RETURN_Z_LOSS=False,
+        RETURN_TOKEN_ACCURACY=greedy,
+        RETURN_PREDICTED_TOKENS=False,
+        BLOCK_SIZE=block,
+        HAS_WEIGHT=False,
+        HAS_SOFTCAPPING=False,
+        HAS_GRADIENTS=False,
+        num_warps=_warps(),
+    )
     return loss.neg_(), hit
 
 
@@ -94,8 +124,11 @@ def _call(logits: torch.Tensor, targets: torch.Tensor, greedy: bool) -> tuple[to
     except Exception as e:  # a signature this liger does not have, a Triton compile error: use the other paths
         with _LOCK:
             _STATE["kernel"] = None
-        logger.warning("liger-kernel's cross-entropy kernel failed (%s: %s); the head's reduction runs without it",
-                       type(e).__name__, e)
+        logger.warning(
+            "liger-kernel's cross-entropy kernel failed (%s: %s); the head's reduction runs without it",
+            type(e).__name__,
+            e,
+        )
         return None
 
 
@@ -105,8 +138,7 @@ def pick_minus_lse(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor 
     return None if out is None else out[0]
 
 
-def pick_minus_lse_greedy(logits: torch.Tensor, targets: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def pick_minus_lse_greedy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`pick_minus_lse` and whether each target is its row's argmax (bool ``[n]``), or None."""
     out = _call(logits, targets, True)
     if out is None:

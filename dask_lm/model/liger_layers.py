@@ -59,11 +59,18 @@ def targets(model: torch.nn.Module) -> tuple[list[Any], list[Any]]:
     mlps: list[Any] = []
     for m in model.modules():
         kind, weight = type(m).__name__, getattr(m, "weight", None)
-        if kind in _NORMS and isinstance(weight, torch.Tensor) and weight.dim() == 1 \
-                and isinstance(getattr(m, "variance_epsilon", None), float):
+        if (
+            kind in _NORMS
+            and isinstance(weight, torch.Tensor)
+            and weight.dim() == 1
+            and isinstance(getattr(m, "variance_epsilon", None), float)
+        ):
             norms.append(m)
-        elif kind in _MLPS and _silu(getattr(m, "act_fn", None)) and all(
-                isinstance(getattr(m, p, None), torch.nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
+        elif (
+            kind in _MLPS
+            and _silu(getattr(m, "act_fn", None))
+            and all(isinstance(getattr(m, p, None), torch.nn.Linear) for p in ("gate_proj", "up_proj", "down_proj"))
+        ):
             mlps.append(m)
     return norms, mlps
 
@@ -86,6 +93,7 @@ def _norm_forward(rms_norm_forward: Any) -> Any:
             return type(self).forward(self, x)
         # liger's forward returns (y, x, rstd, block, warps, mode); row_mode None: its own per-row choice
         return rms_norm_forward(x.contiguous(), self.weight, self.variance_epsilon, 0.0, "llama", None)[0]
+
     return forward
 
 
@@ -94,6 +102,7 @@ def _mlp_forward(swiglu_forward: Any) -> Any:
         if torch.is_grad_enabled() and x.requires_grad:
             return type(self).forward(self, x)
         return self.down_proj(swiglu_forward(self.gate_proj(x), self.up_proj(x))[2])
+
     return forward
 
 
@@ -113,26 +122,41 @@ def patch(model: torch.nn.Module) -> int:
     """Route ``model``'s eligible RMSNorms and MLPs through liger's kernels (a CUDA model only); how many modules.
     0 where liger is missing or off, the model is on the CPU, or the probe disagrees (then nothing is patched)."""
     norms, mlps = targets(model)
-    if not (norms or mlps) or not all(m.weight.is_cuda for m in norms) \
-            or not all(m.gate_proj.weight.is_cuda for m in mlps):
+    if (
+        not (norms or mlps)
+        or not all(m.weight.is_cuda for m in norms)
+        or not all(m.gate_proj.weight.is_cuda for m in mlps)
+    ):
         return 0
     ops = _ops()
     if ops is None:
         return 0
     norm_fwd, mlp_fwd = _norm_forward(ops[0]), _mlp_forward(ops[1])
     try:
-        ok = all(_agrees(lambda x, n=n: type(n).forward(n, x), lambda x, n=n: norm_fwd(n, x), n.weight.shape[0],
-                         n.weight) for n in norms[:1])
+        ok = all(
+            _agrees(lambda x, n=n: type(n).forward(n, x), lambda x, n=n: norm_fwd(n, x), n.weight.shape[0], n.weight)
+            for n in norms[:1]
+        )
         # the MLP's own matmuls are the same calls either way: probe the gated product alone
-        ok = ok and all(_agrees(lambda x, m=m: m.act_fn(x) * x.flip(0), lambda x: ops[1](x, x.flip(0))[2],
-                                m.up_proj.out_features, m.up_proj.weight) for m in mlps[:1])
+        ok = ok and all(
+            _agrees(
+                lambda x, m=m: m.act_fn(x) * x.flip(0),
+                lambda x: ops[1](x, x.flip(0))[2],
+                m.up_proj.out_features,
+                m.up_proj.weight,
+            )
+            for m in mlps[:1]
+        )
     except Exception as e:  # another liger's signatures, a Triton compile error
-        logger.warning("liger-kernel's RMSNorm / SwiGLU kernels failed (%s: %s); the layers run eagerly",
-                       type(e).__name__, e)
+        logger.warning(
+            "liger-kernel's RMSNorm / SwiGLU kernels failed (%s: %s); the layers run eagerly", type(e).__name__, e
+        )
         return 0
     if not ok:
-        logger.warning("liger-kernel's RMSNorm / SwiGLU kernels disagree with this model's forward on a probe; "
-                       "the layers run eagerly")
+        logger.warning(
+            "liger-kernel's RMSNorm / SwiGLU kernels disagree with this model's forward on a probe; "
+            "the layers run eagerly"
+        )
         return 0
     for modules, fwd in ((norms, norm_fwd), (mlps, mlp_fwd)):
         for m in modules:

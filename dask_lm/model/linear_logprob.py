@@ -54,8 +54,15 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sc
 
 class _LinearLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                scale: float, chunk: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        scale: float,
+        chunk: int,
+    ) -> torch.Tensor:
         n = h.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=h.device)
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
@@ -102,8 +109,15 @@ class _LinearLogprob(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None
 
 
-def linear_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                    *, scale: float = 1.0, chunk_size: int | None = 1024) -> torch.Tensor:
+def linear_logprobs(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    chunk_size: int | None = 1024,
+) -> torch.Tensor:
     """float32 ``[N]``: ``log_softmax((h @ W.T + b) * scale)[i, targets[i]]`` with gradients for ``h``, ``W`` and
     ``b``, computed ``chunk_size`` rows at a time (``None``: all at once) without keeping any ``[N, V]`` tensor."""
     chunk = max(1, min(chunk_size or h.shape[0], h.shape[0])) if h.shape[0] else 1

@@ -11,7 +11,8 @@ the buffers a module computes in its constructor, such as rotary frequencies, ar
 tied parameters are tied, and every tensor of the files is copied once into the parameter of its name, converted to
 the model's dtype on the way (the same round-to-nearest-even cast ``from_pretrained`` applies). Anything else falls
 back to ``from_pretrained`` unchanged, so that its own handling (and its own error messages) apply: a quantised
-config, modules it keeps in float32, ``.bin`` weights, a file name the model does not have, a model tensor no file holds, a shape that differs.
+config, modules it keeps in float32, ``.bin`` weights, a file name the model does not have, a model tensor no file
+holds, a shape that differs.
 The two give the same state dict, bit for bit (``tests/test_model_load.py``).
 """
 
@@ -28,6 +29,7 @@ from dask_lm.io import modelcheck
 __all__ = ["load_causal_lm", "direct_files"]
 
 logger = logging.getLogger(__name__)
+
 
 def load_causal_lm(model_dir: str, dtype: torch.dtype, where: torch.device) -> Any:
     """``AutoModelForCausalLM`` of ``model_dir`` in ``dtype`` on ``where``, in eval mode: loaded directly where the
@@ -80,8 +82,13 @@ def _direct(model_dir: str, files: list[str], dtype: torch.dtype, where: torch.d
     for name, (_, shape) in headers.items():
         dst = targets.get(name)
         if dst is None or list(dst.shape) != shape:
-            logger.debug("%s: %s is %s in the files and %s in the model; loading through from_pretrained",
-                         model_dir, name, shape, None if dst is None else list(dst.shape))
+            logger.debug(
+                "%s: %s is %s in the files and %s in the model; loading through from_pretrained",
+                model_dir,
+                name,
+                shape,
+                None if dst is None else list(dst.shape),
+            )
             return None
         owner.setdefault(id(dst), name)
     unfilled = [n for n, t in targets.items() if id(t) not in owner]
@@ -108,8 +115,9 @@ def _from_pretrained(model_dir: str, dtype: torch.dtype, where: torch.device) ->
 
     if where.type != "cpu":
         try:
-            return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False,
-                                                                     device_map={"": where}).eval()
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype, trust_remote_code=False, device_map={"": where}
+            ).eval()
         except (ImportError, ValueError) as e:
             if "accelerate" not in str(e):
                 raise

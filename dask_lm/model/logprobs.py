@@ -21,8 +21,15 @@ from dask_lm.losses.sampling import apply_top_k_top_p
 from dask_lm.model import device, fused
 from dask_lm.model.hf import find_output_embeddings
 
-__all__ = ["OutputHead", "output_head", "next_token_logprobs", "next_token_logprobs_greedy", "next_token_logprobs_train", "topk_logits",
-           "apply_top_k_top_p"]
+__all__ = [
+    "OutputHead",
+    "output_head",
+    "next_token_logprobs",
+    "next_token_logprobs_greedy",
+    "next_token_logprobs_train",
+    "topk_logits",
+    "apply_top_k_top_p",
+]
 
 
 @dataclass
@@ -69,8 +76,13 @@ def output_head(model: torch.nn.Module) -> OutputHead:
         scale = 1.0 / float(text_cfg.logits_scaling)
     softcap = getattr(text_cfg, "final_logit_softcapping", None)
     weight = head.weight
-    return OutputHead(weight, getattr(head, "bias", None), scale, softcap,
-                      fp32_out=weight.is_cuda and device.fp32_logits_capable(weight.dtype))
+    return OutputHead(
+        weight,
+        getattr(head, "bias", None),
+        scale,
+        softcap,
+        fp32_out=weight.is_cuda and device.fp32_logits_capable(weight.dtype),
+    )
 
 
 def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]]:
@@ -78,10 +90,18 @@ def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]]:
     return [(s, min(s + step, n)) for s in range(0, n, max(step, 1))]
 
 
-def next_token_logprobs(hidden: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor,
-                        head: Callable[[torch.Tensor], torch.Tensor], *, temperature: float = 1.0,
-                        chunk_size: int | None = 1024, top_k: int | None = None, top_p: float = 1.0,
-                        index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def next_token_logprobs(
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    valid: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = 1024,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    index: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """float32 ``[B, S]``: position i >= 1 holds log p(input_ids[:, i] | input_ids[:, :i]); position 0 and
     every position where ``valid`` is false hold 0.
 
@@ -89,27 +109,61 @@ def next_token_logprobs(hidden: torch.Tensor, input_ids: torch.Tensor, valid: to
     ``index``, when the caller knows it, is ``valid[:, 1:].nonzero(as_tuple=True)`` (worked out on the host:
     ``nonzero`` on a device tensor makes the host wait for the GPU).
     """
-    return _next_token(hidden, input_ids, valid, head, temperature=temperature, chunk_size=chunk_size,
-                       top_k=top_k, top_p=top_p, index=index, greedy=False)[0]
+    return _next_token(
+        hidden,
+        input_ids,
+        valid,
+        head,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        top_k=top_k,
+        top_p=top_p,
+        index=index,
+        greedy=False,
+    )[0]
 
 
-def next_token_logprobs_greedy(hidden: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor,
-                               head: Callable[[torch.Tensor], torch.Tensor], *, chunk_size: int | None = 1024,
-                               index: tuple[torch.Tensor, torch.Tensor] | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_logprobs_greedy(
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    valid: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    chunk_size: int | None = 1024,
+    index: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`next_token_logprobs` (temperature 1, no filter) and bool ``[B, S]``: whether token i is the argmax
     of the model's distribution at i - 1 (true at position 0 and where ``valid`` is false), from the same pass
     over the logits: scoring's ``is_greedy``."""
-    lp, greedy = _next_token(hidden, input_ids, valid, head, temperature=1.0, chunk_size=chunk_size, top_k=None,
-                             top_p=1.0, index=index, greedy=True)
+    lp, greedy = _next_token(
+        hidden,
+        input_ids,
+        valid,
+        head,
+        temperature=1.0,
+        chunk_size=chunk_size,
+        top_k=None,
+        top_p=1.0,
+        index=index,
+        greedy=True,
+    )
     assert greedy is not None
     return lp, greedy
 
 
-def _next_token(hidden: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor,
-                head: Callable[[torch.Tensor], torch.Tensor], *, temperature: float, chunk_size: int | None,
-                top_k: int | None, top_p: float, index: tuple[torch.Tensor, torch.Tensor] | None, greedy: bool
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _next_token(
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    valid: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    temperature: float,
+    chunk_size: int | None,
+    top_k: int | None,
+    top_p: float,
+    index: tuple[torch.Tensor, torch.Tensor] | None,
+    greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     b, s = input_ids.shape
     out = torch.zeros(b, s, dtype=torch.float32, device=hidden.device)
     is_max = torch.ones(b, s, dtype=torch.bool, device=hidden.device) if greedy else None
@@ -188,16 +242,26 @@ def topk_logits(
 
 def _filtered_message(top_k: int | None, top_p: float) -> str:
     keys = ([f"generation.top_k = {top_k}"] if top_k is not None and top_k > 0 else []) + (
-        [f"generation.top_p = {top_p}"] if top_p < 1.0 else [])
-    return (f"{' and '.join(keys)} filter{'s' * (len(keys) == 1)} the logprobs too, as NeMo RL applies the "
-            "sampler's filters to them: a "
-            "token outside the filter gets logprob 0 (as if its probability were 1), and the others are "
-            "renormalised within it; set generation.top_p = 1.0 and generation.top_k = None for the model's own "
-            "logprobs (get_reference_policy_logprobs never filters)")
+        [f"generation.top_p = {top_p}"] if top_p < 1.0 else []
+    )
+    return (
+        f"{' and '.join(keys)} filter{'s' * (len(keys) == 1)} the logprobs too, as NeMo RL applies the "
+        "sampler's filters to them: a "
+        "token outside the filter gets logprob 0 (as if its probability were 1), and the others are "
+        "renormalised within it; set generation.top_p = 1.0 and generation.top_k = None for the model's own "
+        "logprobs (get_reference_policy_logprobs never filters)"
+    )
 
 
-def _chunk_logprobs(h: torch.Tensor, targets: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
-                    temperature: float, top_k: int | None, top_p: float, unfiltered: bool) -> tuple[torch.Tensor, ...]:
+def _chunk_logprobs(
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    unfiltered: bool,
+) -> tuple[torch.Tensor, ...]:
     logits = head(h)
     if temperature != 1.0:
         logits = logits / temperature
@@ -213,11 +277,19 @@ def _chunk_logprobs(h: torch.Tensor, targets: torch.Tensor, head: Callable[[torc
     return (lp, picked - lse) if unfiltered else (lp,)
 
 
-def next_token_logprobs_train(hidden: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor,
-                              head: Callable[[torch.Tensor], torch.Tensor], *, temperature: float = 1.0,
-                              chunk_size: int | None = 1024, top_k: int | None = None, top_p: float = 1.0,
-                              unfiltered: bool = False, index: tuple[torch.Tensor, torch.Tensor] | None = None
-                              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def next_token_logprobs_train(
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    valid: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = 1024,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    unfiltered: bool = False,
+    index: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`next_token_logprobs` with gradients, still memory-flat: training never holds a ``[N, V]`` float32
     tensor for more than one chunk. The plain head (no top-k / top-p filtering, no soft-capping) goes through
     :func:`dask_lm.model.linear_logprob.linear_logprobs`, whose backward recomputes only each chunk's logits;
@@ -236,10 +308,15 @@ def next_token_logprobs_train(hidden: torch.Tensor, input_ids: torch.Tensor, val
     n_out = 2 if unfiltered else 1
     pieces: list[tuple[torch.Tensor, ...]] = []
     filtering = (top_k is not None and top_k > 0) or top_p < 1.0
-    if (isinstance(head, OutputHead) and head.softcap is None and not filtering and chunk_size
-            and torch.is_grad_enabled() and rows.numel()):
-        lp = linear_logprobs(h, head.weight, head.bias, targets, scale=head.scale / temperature,
-                             chunk_size=chunk_size)
+    if (
+        isinstance(head, OutputHead)
+        and head.softcap is None
+        and not filtering
+        and chunk_size
+        and torch.is_grad_enabled()
+        and rows.numel()
+    ):
+        lp = linear_logprobs(h, head.weight, head.bias, targets, scale=head.scale / temperature, chunk_size=chunk_size)
         pieces.append((lp, lp) if unfiltered else (lp,))
     else:
         for start, end in chunk_bounds(rows.numel(), chunk_size):

@@ -37,8 +37,9 @@ class LossInputHost(Protocol):
     def temperature(self) -> float: ...
 
 
-def _positions(layout: ForwardLayout, width: int, *, predicting: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _positions(
+    layout: ForwardLayout, width: int, *, predicting: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every real token of the micro-batch (``predicting``: except each row's last, which predicts nothing in the
     row): its (row, column) and its index into the flattened hidden states. Worked out from the host layout and
     uploaded: ``nonzero`` / boolean indexing / ``repeat_interleave`` on device tensors would make the host wait
@@ -66,16 +67,26 @@ def _to_rows(values: torch.Tensor, layout: ForwardLayout, width: int) -> torch.T
     return out.index_put((rows, cols), values[0])
 
 
-def _logprob_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, data: Any,
-                    loss_fn: Any, width: int) -> dict[str, torch.Tensor]:
+def _logprob_inputs(
+    worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, data: Any, loss_fn: Any, width: int
+) -> dict[str, torch.Tensor]:
     gen = worker.cfg.generation
     top_k = gen.top_k if gen is not None else None
     top_p = gen.top_p if gen is not None else 1.0
     filtering = (top_k is not None and top_k > 0) or top_p < 1.0
     unfiltered = filtering and bool(loss_attribute(loss_fn, "reference_policy_kl_penalty"))
-    res = next_token_logprobs_train(hidden, layout.ids, layout.targets_valid, output_head(worker.model),
-                                    temperature=worker.temperature, chunk_size=worker.cfg.logprob_chunk_size,
-                                    top_k=top_k, top_p=top_p, unfiltered=unfiltered, index=layout.scored)
+    res = next_token_logprobs_train(
+        hidden,
+        layout.ids,
+        layout.targets_valid,
+        output_head(worker.model),
+        temperature=worker.temperature,
+        chunk_size=worker.cfg.logprob_chunk_size,
+        top_k=top_k,
+        top_p=top_p,
+        unfiltered=unfiltered,
+        index=layout.scored,
+    )
     outs = list(res) if isinstance(res, tuple) else [res]  # a pair exactly when `unfiltered`
     if layout.packed:
         outs = [_to_rows(o[..., None], layout, width)[..., 0] for o in outs]
@@ -86,8 +97,15 @@ def _logprob_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: Forward
     return {"next_token_logprobs": outs[0][:, 1:]}
 
 
-def _distillation_chunk(h: torch.Tensor, idx: torch.Tensor, teacher: torch.Tensor, head: Any, temperature: float,
-                        zero_outside: bool, entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _distillation_chunk(
+    h: torch.Tensor,
+    idx: torch.Tensor,
+    teacher: torch.Tensor,
+    head: Any,
+    temperature: float,
+    zero_outside: bool,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logits = head(h)
     if temperature != 1.0:
         logits = logits / temperature
@@ -102,8 +120,9 @@ def _distillation_chunk(h: torch.Tensor, idx: torch.Tensor, teacher: torch.Tenso
     return s, t, h_all
 
 
-def _distillation_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, data: Any,
-                         loss_fn: Any, width: int) -> dict[str, Any]:
+def _distillation_inputs(
+    worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, data: Any, loss_fn: Any, width: int
+) -> dict[str, Any]:
     from torch.utils.checkpoint import checkpoint
 
     rows, cols, flat = _positions(layout, width, predicting=True)
@@ -121,8 +140,11 @@ def _distillation_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: Fo
     parts = []
     for s, e in chunk_bounds(rows.numel(), chunk):
         args = (h[s:e], idx[s:e], teacher[s:e], head, worker.temperature, zero, entropy)
-        parts.append(checkpoint(_distillation_chunk, *args, use_reentrant=False) if chunk and torch.is_grad_enabled()
-                     else _distillation_chunk(*args))
+        parts.append(
+            checkpoint(_distillation_chunk, *args, use_reentrant=False)
+            if chunk and torch.is_grad_enabled()
+            else _distillation_chunk(*args)
+        )
     b = lens.numel()
     dev = hidden.device
     s_out = torch.zeros(b, max(width - 1, 0), k, dtype=torch.float32, device=dev)
@@ -137,8 +159,9 @@ def _distillation_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: Fo
     return {"student_topk_logprobs": s_out, "teacher_topk_logprobs": t_out, "H_all": h_out if entropy else None}
 
 
-def _logit_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, width: int
-                  ) -> dict[str, torch.Tensor]:
+def _logit_inputs(
+    worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, width: int
+) -> dict[str, torch.Tensor]:
     logits = output_head(worker.model)(hidden)
     if worker.temperature != 1.0:
         logits = logits / worker.temperature
@@ -147,8 +170,9 @@ def _logit_inputs(worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLa
     return {"logits": logits[:, :width]}
 
 
-def loss_inputs_from_hidden(worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, data: Any,
-                            loss_fn: Any) -> dict[str, Any]:
+def loss_inputs_from_hidden(
+    worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, data: Any, loss_fn: Any
+) -> dict[str, Any]:
     """The keyword inputs ``loss_fn`` expects for this micro-batch (may add keys to ``data``, as NeMo RL does)."""
     width = layout.host.width  # the host's: no GPU wait
     kind = input_type_of(loss_fn)

@@ -77,8 +77,11 @@ class SharedBuffer:
         self._map: mmap.mmap | None = None
         if device.ipc_kind() == "cuda":
             self.tensor = torch.zeros(self.shape, dtype=dtype, device=where)
-            self.payload: dict[str, Any] = {"v": PAYLOAD_VERSION, "kind": "cuda",
-                                            "cuda": cuda_ipc.encode_cuda(self.tensor)}
+            self.payload: dict[str, Any] = {
+                "v": PAYLOAD_VERSION,
+                "kind": "cuda",
+                "cuda": cuda_ipc.encode_cuda(self.tensor),
+            }
             return
         reclaim_stale()
         name = f"dask_lm_{os.getpid()}_{secrets.token_hex(8)}"
@@ -95,13 +98,22 @@ class SharedBuffer:
         # the descriptor (and its lock, which tells reclaim_stale the file is in use) lives as long as the file
         self._finalizer = weakref.finalize(self, _remove, self._path, fd)
         self.tensor = torch.frombuffer(self._map, dtype=dtype, count=math.prod(self.shape)).view(self.shape)
-        self.payload = {"v": PAYLOAD_VERSION, "kind": "shm", "name": name, "shape": list(self.shape),
-                        "dtype": _dtype_name(dtype), "nbytes": self.nbytes}
+        self.payload = {
+            "v": PAYLOAD_VERSION,
+            "kind": "shm",
+            "name": name,
+            "shape": list(self.shape),
+            "dtype": _dtype_name(dtype),
+            "nbytes": self.nbytes,
+        }
 
     def fits(self, shape: Sequence[int], dtype: torch.dtype) -> bool:
         """Whether a request of ``shape`` fits inside this buffer (every dimension at most as large)."""
-        return dtype == self.dtype and len(shape) == len(self.shape) and \
-            all(int(a) <= b for a, b in zip(shape, self.shape))
+        return (
+            dtype == self.dtype
+            and len(shape) == len(self.shape)
+            and all(int(a) <= b for a, b in zip(shape, self.shape))
+        )
 
     def close(self) -> None:
         del self.tensor  # the mapping cannot close while a tensor still exports it
@@ -161,8 +173,7 @@ def reclaim_stale(directory: str = SHM_DIR) -> list[str]:
         if _reclaim(path, int(m.group(1))):
             removed.append(path)
     if removed:
-        logger.info("removed %d shared-memory buffer(s) left by dead processes: %s", len(removed),
-                    ", ".join(removed))
+        logger.info("removed %d shared-memory buffer(s) left by dead processes: %s", len(removed), ", ".join(removed))
     return removed
 
 
@@ -226,8 +237,10 @@ def _is_int(x: Any) -> bool:
 
 def _check_keys(payload: dict[str, Any], keys: set[str]) -> None:
     if set(payload) != keys:
-        raise ValueError(f"a shared-buffer payload of kind {payload.get('kind')!r} has keys {sorted(map(str, payload))}"
-                         f", expected {sorted(keys)}")
+        raise ValueError(
+            f"a shared-buffer payload of kind {payload.get('kind')!r} has keys {sorted(map(str, payload))}"
+            f", expected {sorted(keys)}"
+        )
 
 
 def _check_owner(path: str, st: os.stat_result) -> None:
@@ -235,16 +248,21 @@ def _check_owner(path: str, st: os.stat_result) -> None:
     make a file in ``/dev/shm``, under any name not taken: another user's file there would feed this process
     logits of their choosing, or change under it."""
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"the shared buffer {path} is not a regular file; it was not made by a dask-lm Policy: "
-                         "refusing to map it")
+        raise ValueError(
+            f"the shared buffer {path} is not a regular file; it was not made by a dask-lm Policy: refusing to map it"
+        )
     if st.st_uid != os.geteuid():
-        raise ValueError(f"the shared buffer {path} belongs to uid {st.st_uid}, not to this user (uid "
-                         f"{os.geteuid()}); a Policy's buffers are its user's own: refusing to map it (run the "
-                         "consumer as the Policy's user, or call get_full_logits_ipc again if the file was replaced)")
+        raise ValueError(
+            f"the shared buffer {path} belongs to uid {st.st_uid}, not to this user (uid "
+            f"{os.geteuid()}); a Policy's buffers are its user's own: refusing to map it (run the "
+            "consumer as the Policy's user, or call get_full_logits_ipc again if the file was replaced)"
+        )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(f"the shared buffer {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}; "
-                         "a Policy makes its buffers 600): refusing to map it; remove the file and call "
-                         "get_full_logits_ipc again")
+        raise ValueError(
+            f"the shared buffer {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}; "
+            "a Policy makes its buffers 600): refusing to map it; remove the file and call "
+            "get_full_logits_ipc again"
+        )
 
 
 def open_payload(payload: Any) -> torch.Tensor:
@@ -252,8 +270,9 @@ def open_payload(payload: Any) -> torch.Tensor:
     GPU that made it, for ``"cuda"``; in host memory, for ``"shm"``). Every field is checked first; nothing in
     the payload is unpickled or imported."""
     if not isinstance(payload, dict) or payload.get("v") != PAYLOAD_VERSION:
-        raise ValueError(f"not a dask-lm shared-buffer payload (a dict with \"v\": {PAYLOAD_VERSION}): "
-                         f"got {type(payload).__name__}")
+        raise ValueError(
+            f'not a dask-lm shared-buffer payload (a dict with "v": {PAYLOAD_VERSION}): got {type(payload).__name__}'
+        )
     kind = payload.get("kind")
     if kind == "cuda":
         _check_keys(payload, _CUDA_KEYS)
@@ -266,8 +285,7 @@ def open_payload(payload: Any) -> torch.Tensor:
     name, shape, dtype_name, nbytes = payload["name"], payload["shape"], payload["dtype"], payload["nbytes"]
     if not isinstance(name, str) or not _SHM_NAME.fullmatch(name):
         raise ValueError(f"the shared-memory name {str(name)[:80]!r} is not one dask-lm makes (dask_lm_<pid>_<hex>)")
-    if not isinstance(shape, list) or not 0 < len(shape) <= _MAX_DIMS or \
-            not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not 0 < len(shape) <= _MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
         raise ValueError("`shape` of a shared-buffer payload must be a list of 1 to 8 non-negative ints")
     dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
@@ -278,8 +296,10 @@ def open_payload(payload: Any) -> torch.Tensor:
     try:
         fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
-        raise ValueError(f"the shared buffer {name} is gone: the Policy released it (release_ipc_buffer) or its "
-                         "worker exited; call get_full_logits_ipc again") from None
+        raise ValueError(
+            f"the shared buffer {name} is gone: the Policy released it (release_ipc_buffer) or its "
+            "worker exited; call get_full_logits_ipc again"
+        ) from None
     try:
         st = os.fstat(fd)
         _check_owner(path, st)

@@ -52,9 +52,16 @@ def _kernel_options(fn: Any) -> tuple[dict[str, Any], bool]:
     return causal, "enable_gqa" in params
 
 
-def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-               **kwargs: Any) -> tuple[torch.Tensor, None]:
+def _attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     cu = kwargs.get("cu_seq_lens_q")
     assert cu is not None, "dask_lm_varlen runs only packed forwards, which pass cu_seq_lens_q"
     assert query.shape[0] == 1, "a packed micro-batch is one row"
@@ -113,8 +120,7 @@ def available(dtype: torch.dtype) -> bool:
 def packed_kwargs(cu_seqlens: torch.Tensor, max_len: int) -> dict[str, Any]:
     """The keyword arguments a packed forward passes down to the attention function (flash-attention names);
     ``max_len`` (the longest sequence) comes from the host, so reading it does not wait for the GPU."""
-    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len,
-            "max_length_k": max_len}
+    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len, "max_length_k": max_len}
 
 
 @contextlib.contextmanager

@@ -38,8 +38,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALIGN", "Slot", "plan_buckets", "bucket_nbytes", "write_slot", "align_up", "unpack", "sglang_bucket",
-           "dumps", "dumps_b64", "plan_digest"]
+__all__ = [
+    "ALIGN",
+    "Slot",
+    "plan_buckets",
+    "bucket_nbytes",
+    "write_slot",
+    "align_up",
+    "unpack",
+    "sglang_bucket",
+    "dumps",
+    "dumps_b64",
+    "plan_digest",
+]
 
 ALIGN = 512
 TRANSPORTS = ("ipc", "shm", "value")
@@ -68,8 +79,9 @@ def align_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-def plan_buckets(info: Mapping[str, tuple[Sequence[int], torch.dtype]], buffer_size_bytes: int,
-                 align: int = ALIGN) -> list[list[Slot]]:
+def plan_buckets(
+    info: Mapping[str, tuple[Sequence[int], torch.dtype]], buffer_size_bytes: int, align: int = ALIGN
+) -> list[list[Slot]]:
     """Cut the weights, in order, into buckets of at most ``buffer_size_bytes`` (a tensor larger than that gets a
     bucket of its own). Deterministic: the consumer calls it with the same arguments to find the tensors."""
     if buffer_size_bytes < 1:
@@ -100,29 +112,40 @@ def plan_digest(buckets: Sequence[Sequence[Slot]]) -> list[int]:
     import zlib
 
     names = "\n".join(s.name + str(s.shape) + str(s.dtype) for b in buckets for s in b)
-    return [len(buckets), sum(len(b) for b in buckets), sum(bucket_nbytes(b) for b in buckets),
-            zlib.crc32(names.encode())]
+    return [
+        len(buckets),
+        sum(len(b) for b in buckets),
+        sum(bucket_nbytes(b) for b in buckets),
+        zlib.crc32(names.encode()),
+    ]
 
 
 def write_slot(flat: torch.Tensor, slot: Slot, t: torch.Tensor) -> None:
     """Copy ``t``'s bytes into its slot of the bucket buffer ``flat``."""
     assert tuple(t.shape) == slot.shape and t.dtype == slot.dtype, (
-        f"{slot.name}: got {tuple(t.shape)} {t.dtype}, planned {slot.shape} {slot.dtype}")
-    flat[slot.start:slot.end].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        f"{slot.name}: got {tuple(t.shape)} {t.dtype}, planned {slot.shape} {slot.dtype}"
+    )
+    flat[slot.start : slot.end].copy_(t.contiguous().reshape(-1).view(torch.uint8))
 
 
 def unpack(flat: torch.Tensor, bucket: Sequence[Slot]) -> list[tuple[str, torch.Tensor]]:
     """Views of the bucket's tensors inside ``flat`` (no copy)."""
     if flat.numel() < bucket_nbytes(bucket):
-        raise ValueError(f"a refit bucket holds {flat.numel()} bytes but its plan needs {bucket_nbytes(bucket)}: "
-                         "both ends must plan with the same refit info and buffer size")
-    return [(s.name, flat[s.start:s.end].view(s.dtype).reshape(s.shape)) for s in bucket]
+        raise ValueError(
+            f"a refit bucket holds {flat.numel()} bytes but its plan needs {bucket_nbytes(bucket)}: "
+            "both ends must plan with the same refit info and buffer size"
+        )
+    return [(s.name, flat[s.start : s.end].view(s.dtype).reshape(s.shape)) for s in bucket]
 
 
 def sglang_bucket(flat: torch.Tensor, bucket: Sequence[Slot]) -> dict[str, Any]:
     """The object SGLang's ``load_format="flattened_bucket"`` expects (``numel`` counts bytes there)."""
-    metadata = [types.SimpleNamespace(name=s.name, shape=torch.Size(s.shape), dtype=s.dtype, start_idx=s.start,
-                                      end_idx=s.end, numel=s.nbytes) for s in bucket]
+    metadata = [
+        types.SimpleNamespace(
+            name=s.name, shape=torch.Size(s.shape), dtype=s.dtype, start_idx=s.start, end_idx=s.end, numel=s.nbytes
+        )
+        for s in bucket
+    ]
     return {"flattened_tensor": flat, "metadata": metadata}
 
 

@@ -71,12 +71,16 @@ class _Server:
         try:
             resp = self.http.request(method, self.url + route, json=body, timeout=self.timeout)
         except requests.Timeout:
-            raise RefitError(f"SGLang server {self.url} did not answer {method} {route} within {self.timeout[1]:.0f} s "
-                             "(a weight update waits for running requests: pause generation first, or raise "
-                             "timeout_s)") from None
+            raise RefitError(
+                f"SGLang server {self.url} did not answer {method} {route} within {self.timeout[1]:.0f} s "
+                "(a weight update waits for running requests: pause generation first, or raise "
+                "timeout_s)"
+            ) from None
         except requests.RequestException as e:
-            raise RefitError(f"SGLang server {self.url} did not answer {method} {route}: {type(e).__name__}: {e}. "
-                             "Is it running, and is the URL right?") from None
+            raise RefitError(
+                f"SGLang server {self.url} did not answer {method} {route}: {type(e).__name__}: {e}. "
+                "Is it running, and is the URL right?"
+            ) from None
         try:
             payload: Any = resp.json()
         except ValueError:
@@ -98,15 +102,22 @@ class _Server:
         if status != 200 or (isinstance(payload, dict) and payload.get("success") is False):
             hint = ""
             if "already" in self.message(payload).lower():
-                hint = (" (another client, or an earlier refit that died, left a session open; if nothing else is "
-                        f"updating this server, POST {self.url}/end_weight_update and retry)")
-            raise RefitError(f"SGLang server {self.url} refused begin_weight_update: HTTP {status}: "
-                             f"{self.message(payload)}{hint}")
+                hint = (
+                    " (another client, or an earlier refit that died, left a session open; if nothing else is "
+                    f"updating this server, POST {self.url}/end_weight_update and retry)"
+                )
+            raise RefitError(
+                f"SGLang server {self.url} refused begin_weight_update: HTTP {status}: {self.message(payload)}{hint}"
+            )
         self.session_open = True
 
     def update(self, entries: list[str], weight_version: str, what: str) -> None:
-        body = {"serialized_named_tensors": entries, "load_format": "flattened_bucket", "flush_cache": False,
-                "weight_version": weight_version}
+        body = {
+            "serialized_named_tensors": entries,
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+            "weight_version": weight_version,
+        }
         status, payload = self.call("POST", "/update_weights_from_tensor", body)
         if status != 200 or not (isinstance(payload, dict) and payload.get("success", False)):
             raise RefitError(f"SGLang server {self.url} refused {what}: HTTP {status}: {self.message(payload)}")
@@ -117,8 +128,9 @@ class _Server:
         self.session_open = False
         status, payload = self.call("POST", "/end_weight_update", {})
         if status != 200 or (isinstance(payload, dict) and payload.get("success") is False):
-            raise RefitError(f"SGLang server {self.url} refused end_weight_update: HTTP {status}: "
-                             f"{self.message(payload)}")
+            raise RefitError(
+                f"SGLang server {self.url} refused end_weight_update: HTTP {status}: {self.message(payload)}"
+            )
 
     def flush(self, retries: int, interval_s: float) -> None:
         # 400 while requests are running or queued: the server asks to be asked again
@@ -130,8 +142,10 @@ class _Server:
                 break
             if attempt < retries:
                 time.sleep(interval_s)
-        raise RefitError(f"SGLang server {self.url} did not flush its cache (HTTP {status}: {self.message(payload)}); "
-                         "the new weights are loaded but cached prefixes are stale")
+        raise RefitError(
+            f"SGLang server {self.url} did not flush its cache (HTTP {status}: {self.message(payload)}); "
+            "the new weights are loaded but cached prefixes are stale"
+        )
 
     def abandon(self) -> None:
         """End an open session after a failure, so the server takes the next refit."""
@@ -181,10 +195,10 @@ def _cumulative_tensor_bytes(plan: list[list[bk.Slot]]) -> list[int]:
     return out
 
 
-def _attempt(fn: Any) -> str | None:
-    """Run ``fn``; a failure becomes a message for the agreement, so every rank stops at the same point."""
+def _attempt(fn: Any, *args: Any) -> str | None:
+    """Run ``fn(*args)``; a failure becomes a message for the agreement, so every rank stops at the same point."""
     try:
-        fn()
+        fn(*args)
         return None
     except RefitError as e:
         return str(e)
@@ -192,15 +206,28 @@ def _attempt(fn: Any) -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
-def stream_via_http(worker: RefitHost, refitter: Refitter, urls: list[str], *, layout: list[list[int]],
-                    buffer_size_bytes: int, weight_version: str, timeout_s: float, flush_retries: int = 60,
-                    flush_interval_s: float = 1.0, transport: str | None = None,
-                    progress_id: str | None = None) -> dict[str, Any]:
+def stream_via_http(
+    worker: RefitHost,
+    refitter: Refitter,
+    urls: list[str],
+    *,
+    layout: list[list[int]],
+    buffer_size_bytes: int,
+    weight_version: str,
+    timeout_s: float,
+    flush_retries: int = 60,
+    flush_interval_s: float = 1.0,
+    transport: str | None = None,
+    progress_id: str | None = None,
+) -> dict[str, Any]:
     if transport == "ipc" and not device.is_cuda():
         raise ValueError("transport='ipc' (CUDA IPC handles) needs GPU workers; use 'shm' or 'value' on CPU")
     rank = worker.rank
-    groups = (refitter.gloo_groups(layout, worker.world_size, worker.cfg.collective_timeout_s)
-              if worker.world_size > 1 else {})
+    groups = (
+        refitter.gloo_groups(layout, worker.world_size, worker.cfg.collective_timeout_s)
+        if worker.world_size > 1
+        else {}
+    )
     agree_group = groups.get("all")
     servers = {e: _Server(url, timeout_s) for e, url in enumerate(urls) if layout[e][0] == rank}
     feeds = {e: [i for i, r in enumerate(feeders) if r == rank] for e, feeders in enumerate(layout)}
@@ -222,8 +249,10 @@ def stream_via_http(worker: RefitHost, refitter: Refitter, urls: list[str], *, l
     try:
         _agree(agree_group, error)
         for b, (bucket, flat) in enumerate(zip(plan, iter_buckets(worker, plan, keep=any(feeds.values())))):
-            what = (f"bucket {b + 1}/{len(plan)} ({len(bucket)} tensors from {bucket[0].name}, "
-                    f"{bk.bucket_nbytes(bucket) / 2**20:.1f} MiB; earlier buckets are already loaded)")
+            what = (
+                f"bucket {b + 1}/{len(plan)} ({len(bucket)} tensors from {bucket[0].name}, "
+                f"{bk.bucket_nbytes(bucket) / 2**20:.1f} MiB; earlier buckets are already loaded)"
+            )
             error = None
             host_copy = None
             for e, feeders in enumerate(layout):
@@ -236,12 +265,14 @@ def stream_via_http(worker: RefitHost, refitter: Refitter, urls: list[str], *, l
                     if transports[e] == "value":  # the bytes travel inside the pickle: from host memory
                         host_copy = flat.cpu() if host_copy is None else host_copy
                         src = host_copy
-                    err = _attempt(lambda: mine.extend(bk.dumps_b64(bk.sglang_bucket(src, bucket), transports[e])
-                                                       for _ in feeds[e]))
+                    # serialized inside the attempt: extend consumes the generator there
+                    err = _attempt(
+                        mine.extend, (bk.dumps_b64(bk.sglang_bucket(src, bucket), transports[e]) for _ in feeds[e])
+                    )
                     error = error or err
                 entries = _collect(rank, feeders, mine, groups)
                 if entries is not None and e in servers and len(entries) == len(feeders):
-                    err = _attempt(lambda: servers[e].update(entries, weight_version, what))
+                    err = _attempt(servers[e].update, entries, weight_version, what)
                     error = error or err
                     sent += bk.bucket_nbytes(bucket) * len(entries)
             _agree(agree_group, error)  # nobody frees this bucket before every engine has answered for it
@@ -258,5 +289,9 @@ def stream_via_http(worker: RefitHost, refitter: Refitter, urls: list[str], *, l
     finally:
         gc.collect()  # then exported blocks the servers have released can go back to the allocator
         device.ipc_collect()
-    return {"engines": [s.url for s in servers.values()], "buckets": len(plan), "bytes": sent,
-            "seconds": time.perf_counter() - start}
+    return {
+        "engines": [s.url for s in servers.values()],
+        "buckets": len(plan),
+        "bytes": sent,
+        "seconds": time.perf_counter() - start,
+    }

@@ -85,8 +85,17 @@ class Refitter:
     def stream_via_zmq(self, **kwargs: Any) -> dict[str, Any]:
         return _stream_via_zmq(self.host, self, **kwargs)
 
-    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int,
-                        timeout_s: float, rank_offset: int = 0, backend: str | None = None) -> bool:
+    def init_collective(
+        self,
+        ip: str,
+        port: int,
+        world_size: int,
+        *,
+        train_world_size: int,
+        timeout_s: float,
+        rank_offset: int = 0,
+        backend: str | None = None,
+    ) -> bool:
         """Join the refit group as member ``rank_offset + rank``: the training side's rank r is member r (its
         rank 0 hosts the rendezvous store at ``ip:port``), a generation-side Policy's ranks follow at
         ``rank_offset`` (``init_collective_mcore_generation``). Returns once every member has joined."""
@@ -99,13 +108,24 @@ class Refitter:
         self.close_collective()
         # gloo's / NCCL's own sockets on the interface of `ip` when this host has it (rank 0), else on the worker's
         rendezvous.pin_interfaces(ip if rendezvous.interface_for(ip) else rendezvous.worker_host())
-        store = rendezvous.create_store(ip, int(port), world_size, is_master=member == 0, timeout_s=timeout_s,
-                                        wait_for_workers=True, what="init_collective (policy rank 0)")
-        group = device.standalone_group(dist.PrefixStore("dask-lm-refit", store), member, world_size, timeout_s,
-                                        backend)
+        store = rendezvous.create_store(
+            ip,
+            int(port),
+            world_size,
+            is_master=member == 0,
+            timeout_s=timeout_s,
+            wait_for_workers=True,
+            what="init_collective (policy rank 0)",
+        )
+        group = device.standalone_group(
+            dist.PrefixStore("dask-lm-refit", store), member, world_size, timeout_s, backend
+        )
         self.collective = (group, store)
-        self.place = {"rank_offset": rank_offset, "world_size": world_size,
-                      "where": device.standalone_tensors_device(backend)}
+        self.place = {
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "where": device.standalone_tensors_device(backend),
+        }
         return True
 
     def swap(self, is_source: bool) -> dict[str, Any]:
@@ -114,13 +134,15 @@ class Refitter:
         from dask_lm.refit import swap
 
         if self.collective is None:
-            raise ValueError("swap_weights_via_reshard() needs init_collective_mcore_generation() on both Policies "
-                             "first")
+            raise ValueError(
+                "swap_weights_via_reshard() needs init_collective_mcore_generation() on both Policies first"
+            )
         group, place = self.collective[0], self.place
         if is_source:
             return swap.send(self.host, group, world_size=place["world_size"], where=place["where"])
-        return swap.receive(self.host, group, rank_offset=place["rank_offset"], world_size=place["world_size"],
-                            where=place["where"])
+        return swap.receive(
+            self.host, group, rank_offset=place["rank_offset"], world_size=place["world_size"], where=place["where"]
+        )
 
     def close_collective(self) -> None:
         existing, self.collective = self.collective, None
@@ -167,8 +189,9 @@ class Refitter:
 
 
 # ----------------------------------------------------------------------------------------- ZMQ (colocated vLLM)
-def _stream_via_zmq(host: RefitHost, refitter: Refitter, *, buffer_size_bytes: int, timeout_s: float,
-                    progress_id: str | None = None) -> dict[str, Any]:
+def _stream_via_zmq(
+    host: RefitHost, refitter: Refitter, *, buffer_size_bytes: int, timeout_s: float, progress_id: str | None = None
+) -> dict[str, Any]:
     """Send every weight to the REP peer of this rank's socket, in ping-pong buffers of half the budget.
 
     Messages follow :mod:`dask_lm.refit.wire` (data only): a msgpack header naming the tensors of one buffer,
@@ -193,15 +216,19 @@ def _stream_via_zmq(host: RefitHost, refitter: Refitter, *, buffer_size_bytes: i
         try:
             frames = sock.recv_multipart()
         except zmq.Again:
-            raise TimeoutError(f"no answer from the inference worker on {address} within {timeout_s:.0f} s: is it "
-                               "running and connected to this socket?") from None
+            raise TimeoutError(
+                f"no answer from the inference worker on {address} within {timeout_s:.0f} s: is it "
+                "running and connected to this socket?"
+            ) from None
         pending = False
         try:
             reason = wire.read_reply(frames)
         except ValueError as e:
-            raise RefitError(f"the peer on {address} answered {last} with something other than a dask-lm refit "
-                             f"reply, which was not read: {e}. Is receive_via_zmq of the same dask-lm version "
-                             "connected to this socket?") from None
+            raise RefitError(
+                f"the peer on {address} answered {last} with something other than a dask-lm refit "
+                f"reply, which was not read: {e}. Is receive_via_zmq of the same dask-lm version "
+                "connected to this socket?"
+            ) from None
         if reason is not None:
             raise RefitError(f"the inference worker on {address} rejected {last}: {reason}")
 
@@ -218,8 +245,9 @@ def _stream_via_zmq(host: RefitHost, refitter: Refitter, *, buffer_size_bytes: i
         try:
             sock.send_multipart(frames, copy=False)
         except zmq.Again:
-            raise TimeoutError(f"the inference worker on {address} did not take a message within "
-                               f"{timeout_s:.0f} s") from None
+            raise TimeoutError(
+                f"the inference worker on {address} did not take a message within {timeout_s:.0f} s"
+            ) from None
         pending, sent_bytes, messages = True, sent_bytes + used, messages + 1
         last = f"refit message {messages}"
         tensor_bytes += sum(info[n][0].numel() * info[n][1].itemsize for n in names)
@@ -246,7 +274,7 @@ def _stream_via_zmq(host: RefitHost, refitter: Refitter, *, buffer_size_bytes: i
             if offset + size > half:
                 send(buffers[current], names, used)
                 current, offset, names = 1 - current, 0, []
-            buffers[current][offset:offset + size].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+            buffers[current][offset : offset + size].copy_(t.contiguous().reshape(-1).view(torch.uint8))
             used = offset + size
             names.append(name)
             del t
@@ -260,8 +288,9 @@ def _stream_via_zmq(host: RefitHost, refitter: Refitter, *, buffer_size_bytes: i
         try:
             sock.send(wire.encode_complete())
         except zmq.Again:
-            raise TimeoutError(f"the inference worker on {address} did not take the last message within "
-                               f"{timeout_s:.0f} s") from None
+            raise TimeoutError(
+                f"the inference worker on {address} did not take the last message within {timeout_s:.0f} s"
+            ) from None
         ack()
     except BaseException:
         zmq_endpoint.close_socket(refitter)  # a REQ socket that missed an answer cannot send again
@@ -271,8 +300,9 @@ def _stream_via_zmq(host: RefitHost, refitter: Refitter, *, buffer_size_bytes: i
 
 
 # ----------------------------------------------------------------------------------------- collective broadcast
-def _broadcast_all(host: RefitHost, group: Any, *, buffer_size_bytes: int,
-                   progress_id: str | None = None) -> dict[str, Any]:
+def _broadcast_all(
+    host: RefitHost, group: Any, *, buffer_size_bytes: int, progress_id: str | None = None
+) -> dict[str, Any]:
     """Broadcast every bucket from training rank 0 over the refit group.
 
     First a header goes out: the buffer size and a digest of the plan. Receivers plan the same buckets from their
@@ -283,8 +313,10 @@ def _broadcast_all(host: RefitHost, group: Any, *, buffer_size_bytes: int,
     _broadcast(group, header)
     # the receivers answer whether their plan matched the header's digest; this side has nothing to disagree with
     if not collectives.all_agree(True, group, where=host.device, standalone=True):
-        raise RefitError("an inference rank planned different refit buckets from the same header: its refit info "
-                         "differs from prepare_refit_info() of this policy")
+        raise RefitError(
+            "an inference rank planned different refit buckets from the same header: its refit info "
+            "differs from prepare_refit_info() of this policy"
+        )
     start, total, sent_tensors = time.perf_counter(), 0, 0
     for bucket, flat in zip(plan, iter_buckets(host, plan, keep=host.rank == 0)):
         if flat is None:  # every member of a broadcast needs a buffer of the right size

@@ -34,8 +34,9 @@ OnWeights = Callable[[list[tuple[str, torch.Tensor]]], None]
 RefitInfo = Mapping[str, tuple[Sequence[int], torch.dtype]]
 
 
-def receive_via_zmq(address: str, refit_info: RefitInfo, on_weights: OnWeights, *,
-                    timeout_s: float = 120.0) -> dict[str, Any]:
+def receive_via_zmq(
+    address: str, refit_info: RefitInfo, on_weights: OnWeights, *, timeout_s: float = 120.0
+) -> dict[str, Any]:
     """Serve one ``stream_weights_via_ipc_zmq`` call on ``address`` (connects a REP socket; returns after the
     ``complete`` message). ``refit_info`` is ``Policy.prepare_refit_info()``.
 
@@ -79,21 +80,26 @@ def receive_via_zmq(address: str, refit_info: RefitInfo, on_weights: OnWeights, 
     return {"bytes": received, "messages": messages, "seconds": time.perf_counter() - start}
 
 
-def _read(frames: list[Any], refit_info: RefitInfo,
-          seen: set[str]) -> tuple[int, list[tuple[str, torch.Tensor]] | None]:
+def _read(
+    frames: list[Any], refit_info: RefitInfo, seen: set[str]
+) -> tuple[int, list[tuple[str, torch.Tensor]] | None]:
     """``(bytes, [(name, view of the buffer)])`` of a weights message, ``(0, None)`` for ``complete``; every part
     checked first (``ValueError`` naming what is wrong)."""
     header = wire.decode_header(frames[0].bytes)
     kind, transport = header["kind"], header.get("transport")
     expected_frames = 2 if transport == "bytes" else 1
     if len(frames) != expected_frames:
-        raise ValueError(f"a {kind!r} refit message{f' ({transport})' if transport else ''} should have "
-                         f"{expected_frames} frame(s), got {len(frames)}")
+        raise ValueError(
+            f"a {kind!r} refit message{f' ({transport})' if transport else ''} should have "
+            f"{expected_frames} frame(s), got {len(frames)}"
+        )
     if kind == "complete":
         missing = [n for n in refit_info if n not in seen]
         if missing:
-            raise ValueError(f"the policy finished with {len(missing)} of {len(refit_info)} weights not sent "
-                             f"({missing[:3]}...): the refit info differs from the policy's")
+            raise ValueError(
+                f"the policy finished with {len(missing)} of {len(refit_info)} weights not sent "
+                f"({missing[:3]}...): the refit info differs from the policy's"
+            )
         return 0, None
     slots = wire.layout(header["names"], header["used"], refit_info, seen)
     used = header["used"]
@@ -105,10 +111,14 @@ def _read(frames: list[Any], refit_info: RefitInfo,
     else:
         flat = cuda_ipc.open_cuda(header["ipc"])
         if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < used:
-            raise ValueError(f"the CUDA IPC buffer of a refit message is {flat.dtype} {tuple(flat.shape)}, not a flat "
-                             f"uint8 buffer of at least {used} bytes")
-    return used, [(name, flat[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape))
-                  for name, start, shape, dtype in slots]
+            raise ValueError(
+                f"the CUDA IPC buffer of a refit message is {flat.dtype} {tuple(flat.shape)}, not a flat "
+                f"uint8 buffer of at least {used} bytes"
+            )
+    return used, [
+        (name, flat[start : start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape))
+        for name, start, shape, dtype in slots
+    ]
 
 
 class CollectiveReceiver:
@@ -118,8 +128,17 @@ class CollectiveReceiver:
     futures are pending (another thread or process). Buffers live on ``cuda:<device_index>`` (default: the
     current CUDA device), or on the CPU without GPUs."""
 
-    def __init__(self, ip: str, port: int, world_size: int, rank: int, refit_info: RefitInfo, *,
-                 timeout_s: float = 600.0, device_index: int | None = None) -> None:
+    def __init__(
+        self,
+        ip: str,
+        port: int,
+        world_size: int,
+        rank: int,
+        refit_info: RefitInfo,
+        *,
+        timeout_s: float = 600.0,
+        device_index: int | None = None,
+    ) -> None:
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -129,8 +148,7 @@ class CollectiveReceiver:
         self.refit_info = dict(refit_info)
         self.device = device.refit_device(device_index)  # the engine's current GPU unless told otherwise
         self.store = dist.TCPStore(ip, int(port), world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-        self.group = device.standalone_group(dist.PrefixStore("dask-lm-refit", self.store), rank, world_size,
-                                             timeout_s)
+        self.group = device.standalone_group(dist.PrefixStore("dask-lm-refit", self.store), rank, world_size, timeout_s)
 
     def _broadcast(self, t: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -154,8 +172,10 @@ class CollectiveReceiver:
         opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # pybind converts it; the stubs omit that
         self.group.allreduce([agreed], opts).wait()
         if not ok:
-            raise ValueError("this receiver's refit info does not match the policy's (different names, shapes or "
-                             "dtypes): pass Policy.prepare_refit_info() unchanged")
+            raise ValueError(
+                "this receiver's refit info does not match the policy's (different names, shapes or "
+                "dtypes): pass Policy.prepare_refit_info() unchanged"
+            )
         if int(agreed.item()) != 1:
             raise RuntimeError("another member of the refit group planned different buckets; nothing was received")
         start, total = time.perf_counter(), 0
@@ -180,8 +200,17 @@ class ReshardReceiver(CollectiveReceiver):
     (``Policy.prepare_nccl_reshard_refit_info()``, plain data) says. Each call of :meth:`receive` hands
     ``on_weights([(name, slice)])`` one weight at a time, assembled from the training ranks' boxes."""
 
-    def __init__(self, ip: str, port: int, world_size: int, rank: int, plan: dict[str, Any], *,
-                 timeout_s: float = 600.0, device_index: int | None = None) -> None:
+    def __init__(
+        self,
+        ip: str,
+        port: int,
+        world_size: int,
+        rank: int,
+        plan: dict[str, Any],
+        *,
+        timeout_s: float = 600.0,
+        device_index: int | None = None,
+    ) -> None:
         n = plan.get("train_world_size") if isinstance(plan, dict) else None
         if type(n) is not int or world_size != n + plan.get("gen_world_size", -1):
             raise ValueError(f"`world_size` = {world_size} is not the plan's training plus inference ranks")

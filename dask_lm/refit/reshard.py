@@ -32,11 +32,24 @@ import torch
 
 PLAN_VERSION = 1
 SPLITS = ("tensor_parallel", "rows", "columns")
-_COLUMN_PARALLEL = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|embed_tokens|"
-                              r"lm_head|wte|c_attn|c_fc)(\.|$)")
+_COLUMN_PARALLEL = re.compile(
+    r"(^|\.)(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|embed_tokens|"
+    r"lm_head|wte|c_attn|c_fc)(\.|$)"
+)
 _ROW_PARALLEL = re.compile(r"(^|\.)(o_proj|down_proj|dense|c_proj)(\.|$)")
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                                       torch.int64, torch.int32, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 Box = list[list[int]]  # per dimension [start, end)
 
@@ -70,23 +83,34 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return box if all(s < e for s, e in box) else None
 
 
-def build_plan(refit_info: Mapping[str, tuple[Any, Any]], *, train_world_size: int, gen_world_size: int,
-               split: str, gen_tp: int | None = None) -> dict[str, Any]:
+def build_plan(
+    refit_info: Mapping[str, tuple[Any, Any]],
+    *,
+    train_world_size: int,
+    gen_world_size: int,
+    split: str,
+    gen_tp: int | None = None,
+) -> dict[str, Any]:
     """Which box of each weight goes from which training rank to which inference rank (see the module docstring).
     ``refit_info`` is ``Policy.prepare_refit_info()``: ``{name: (full shape, dtype)}`` in refit order. The
     inference ranks are ``gen_world_size / gen_tp`` replicas of ``gen_tp`` tensor-parallel ranks (default: one
     replica); rank ``j`` holds slice ``j % gen_tp``."""
     tp = gen_world_size if gen_tp is None else gen_tp
     assert split in SPLITS and train_world_size >= 1 and tp >= 1 and gen_world_size % tp == 0, (
-        split, train_world_size, gen_world_size, tp)
+        split,
+        train_world_size,
+        gen_world_size,
+        tp,
+    )
     params = []
     for name, (shape, dtype) in refit_info.items():
         shape = [int(d) for d in shape]
         full = [[0, d] for d in shape]
         dim = split_dim(name, len(shape), split)
         cuts = chunk(shape[dim], tp) if dim is not None else []
-        dst: list[Box] = [full if dim is None else [*full[:dim], list(cuts[j % tp]), *full[dim + 1:]]
-                          for j in range(gen_world_size)]
+        dst: list[Box] = [
+            full if dim is None else [*full[:dim], list(cuts[j % tp]), *full[dim + 1 :]] for j in range(gen_world_size)
+        ]
         src = [[[lo, hi], *full[1:]] for lo, hi in chunk(shape[0], train_world_size)] if shape else []
         transfers = []
         for j, want in enumerate(dst):
@@ -97,10 +121,24 @@ def build_plan(refit_info: Mapping[str, tuple[Any, Any]], *, train_world_size: i
                 box = _intersect(have, want)
                 if box is not None:
                     transfers.append([i, j, box])
-        params.append({"name": name, "shape": shape, "dtype": str(dtype).removeprefix("torch."), "split_dim": dim,
-                       "dst": dst, "transfers": transfers})
-    return {"v": PLAN_VERSION, "train_world_size": train_world_size, "gen_world_size": gen_world_size,
-            "gen_tp": tp, "split": split, "params": params}
+        params.append(
+            {
+                "name": name,
+                "shape": shape,
+                "dtype": str(dtype).removeprefix("torch."),
+                "split_dim": dim,
+                "dst": dst,
+                "transfers": transfers,
+            }
+        )
+    return {
+        "v": PLAN_VERSION,
+        "train_world_size": train_world_size,
+        "gen_world_size": gen_world_size,
+        "gen_tp": tp,
+        "split": split,
+        "params": params,
+    }
 
 
 def _slices(box: Box, origin: list[int] | None = None) -> tuple[slice, ...]:
@@ -108,8 +146,9 @@ def _slices(box: Box, origin: list[int] | None = None) -> tuple[slice, ...]:
     return tuple(slice(s - o, e - o) for (s, e), o in zip(box, origin))
 
 
-def send_slices(group: Any, plan: dict[str, Any], rank: int, weights: Callable[[str], torch.Tensor],
-                where: torch.device) -> dict[str, Any]:
+def send_slices(
+    group: Any, plan: dict[str, Any], rank: int, weights: Callable[[str], torch.Tensor], where: torch.device
+) -> dict[str, Any]:
     """Training rank ``rank``'s side: for each weight in plan order, post a send of every box it holds to its
     inference rank, then wait for them (all of one weight's messages are in flight together, so no order of
     matching can deadlock). ``weights(name)`` is this rank's local shard (rows ``chunk(rows, N)[rank]``) in the
@@ -124,8 +163,9 @@ def send_slices(group: Any, plan: dict[str, Any], rank: int, weights: Callable[[
         origin: list[int] = []
         if p["shape"]:
             lo, hi = chunk(p["shape"][0], n)[rank]
-            assert local.shape[0] == hi - lo, (f"{p['name']}: rank {rank} holds {local.shape[0]} rows, FSDP's "
-                                               f"dim-0 chunk is [{lo}, {hi})")
+            assert local.shape[0] == hi - lo, (
+                f"{p['name']}: rank {rank} holds {local.shape[0]} rows, FSDP's dim-0 chunk is [{lo}, {hi})"
+            )
             origin = [lo, *[0] * (len(p["shape"]) - 1)]
         works, pieces = [], []
         for _src, dst, box in mine:
@@ -139,11 +179,15 @@ def send_slices(group: Any, plan: dict[str, Any], rank: int, weights: Callable[[
     return {"messages": sent, "bytes": total, "seconds": time.perf_counter() - start}
 
 
-def receive_slices(group: Any, plan: dict[str, Any], gen_rank: int, where: torch.device,
-                   on_weights: Callable[[list[tuple[str, torch.Tensor]]], None]) -> dict[str, Any]:
+def receive_slices(
+    group: Any,
+    plan: dict[str, Any],
+    gen_rank: int,
+    where: torch.device,
+    on_weights: Callable[[list[tuple[str, torch.Tensor]]], None],
+) -> dict[str, Any]:
     """Inference rank ``gen_rank``'s side: each weight's slice (its ``dst`` box, a new tensor), assembled from the
     training ranks' boxes, handed to ``on_weights([(name, slice)])`` weight by weight."""
-    n = int(plan["train_world_size"])
     start, total = time.perf_counter(), 0
     for tag, p in enumerate(plan["params"]):
         dtype = _DTYPES[p["dtype"]]
@@ -168,8 +212,10 @@ def receive_slices(group: Any, plan: dict[str, Any], gen_rank: int, where: torch
 def check_plan(plan: Any, gen_rank: int) -> None:
     """The checks an inference process runs on a plan it was handed (plain data from the driver)."""
     if not isinstance(plan, dict) or plan.get("v") != PLAN_VERSION or not isinstance(plan.get("params"), list):
-        raise ValueError(f"not a dask-lm reshard plan (a dict with \"v\": {PLAN_VERSION} and \"params\"); pass "
-                         "Policy.prepare_nccl_reshard_refit_info()'s result unchanged")
+        raise ValueError(
+            f'not a dask-lm reshard plan (a dict with "v": {PLAN_VERSION} and "params"); pass '
+            "Policy.prepare_nccl_reshard_refit_info()'s result unchanged"
+        )
     m = plan.get("gen_world_size")
     if type(m) is not int or not 0 <= gen_rank < m:
         raise ValueError(f"inference rank {gen_rank} is not in the plan's {m!r} inference ranks")

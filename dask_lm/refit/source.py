@@ -39,8 +39,10 @@ class RefitHost(Protocol):
 def refit_info(worker: RefitHost) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """``{name: (full shape, dtype)}`` of what a refit sends: floating weights in the policy precision."""
     state = worker.model.state_dict()
-    return {n: (torch.Size(state[n].shape), worker.dtype if state[n].is_floating_point() else state[n].dtype)
-            for n in weight_names(worker.model)}
+    return {
+        n: (torch.Size(state[n].shape), worker.dtype if state[n].is_floating_point() else state[n].dtype)
+        for n in weight_names(worker.model)
+    }
 
 
 def iter_full_weights(worker: RefitHost, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -50,8 +50,10 @@ def _kept_dtype(host: RefitHost) -> torch.dtype:
 
 def _info(host: RefitHost, floating: torch.dtype) -> dict[str, tuple[torch.Size, torch.dtype]]:
     state = host.model.state_dict()
-    return {n: (torch.Size(state[n].shape), floating if state[n].is_floating_point() else state[n].dtype)
-            for n in weight_names(host.model)}
+    return {
+        n: (torch.Size(state[n].shape), floating if state[n].is_floating_point() else state[n].dtype)
+        for n in weight_names(host.model)
+    }
 
 
 def _digest(plan: dict[str, Any]) -> int:
@@ -75,8 +77,10 @@ def _agree(group: Any, ok: bool, where: torch.device, what: str) -> None:
     if not ok:
         raise ValueError(what)
     if not agreed:
-        raise RuntimeError("another member of the refit group planned a different weight swap (another "
-                           "architecture or rank count); nothing was sent")
+        raise RuntimeError(
+            "another member of the refit group planned a different weight swap (another "
+            "architecture or rank count); nothing was sent"
+        )
 
 
 def _broadcast(group: Any, t: torch.Tensor) -> None:
@@ -112,8 +116,7 @@ def send(host: RefitHost, group: Any, *, world_size: int, where: torch.device) -
     return {**out, "role": "source", "ranks": [n, m]}
 
 
-def receive(host: RefitHost, group: Any, *, rank_offset: int, world_size: int,
-            where: torch.device) -> dict[str, Any]:
+def receive(host: RefitHost, group: Any, *, rank_offset: int, world_size: int, where: torch.device) -> dict[str, Any]:
     """The generation side (members ``rank_offset ..``): this rank's rows of every weight, from a swap or from a
     ``broadcast_weights_for_collective`` of the training side, written into its own shards (and masters)."""
     host.ensure_on_device()
@@ -135,12 +138,17 @@ def receive(host: RefitHost, group: Any, *, rank_offset: int, world_size: int,
         floating = _CODE_DTYPES.get(code)
         plan = None
         if floating is not None and sender_m == m and n == rank_offset and n + m == world_size:
-            plan = reshard.build_plan(_info(host, floating), train_world_size=n, gen_world_size=m, split="rows",
-                                      gen_tp=m)
-        _agree(group, plan is not None and _digest(plan) == digest, where,
-               f"the weight swap's sender has {n} ranks for {sender_m} receivers and other weights (names, shapes) "
-               f"than this Policy, or this Policy's {m} ranks did not join at rank_offset {n}: both Policies must "
-               "load the same architecture, and the receiving one joins at the sender's rank count")
+            plan = reshard.build_plan(
+                _info(host, floating), train_world_size=n, gen_world_size=m, split="rows", gen_tp=m
+            )
+        _agree(
+            group,
+            plan is not None and _digest(plan) == digest,
+            where,
+            f"the weight swap's sender has {n} ranks for {sender_m} receivers and other weights (names, shapes) "
+            f"than this Policy, or this Policy's {m} ranks did not join at rank_offset {n}: both Policies must "
+            "load the same architecture, and the receiving one joins at the sender's rank count",
+        )
         assert plan is not None
         with torch.no_grad():
             got = reshard.receive_slices(group, plan, host.rank, where, write_all)
@@ -149,18 +157,28 @@ def receive(host: RefitHost, group: Any, *, rank_offset: int, world_size: int,
     return _receive_broadcast(host, group, header, write, where, start)
 
 
-def _receive_broadcast(host: RefitHost, group: Any, header: list[int], write: Callable[[str, torch.Tensor], None],
-                       where: torch.device, start: float) -> dict[str, Any]:
+def _receive_broadcast(
+    host: RefitHost,
+    group: Any,
+    header: list[int],
+    write: Callable[[str, torch.Tensor], None],
+    where: torch.device,
+    start: float,
+) -> dict[str, Any]:
     """A ``broadcast_weights_for_collective`` of the training side: whole weights in buckets, of which this rank
     keeps its rows ``torch.chunk(weight, M)[rank]``."""
     from dask_lm.refit.source import refit_info
 
     info = refit_info(host)
     plan = bk.plan_buckets(info, header[0])
-    _agree(group, bk.plan_digest(plan) == header[1:], where,
-           "the training Policy broadcast other weights (names, shapes or precision) than this Policy's refit info: "
-           "load the same architecture in the same `precision` on both, or use swap_weights_via_reshard on both "
-           "sides (it sends what training keeps and casts on arrival)")
+    _agree(
+        group,
+        bk.plan_digest(plan) == header[1:],
+        where,
+        "the training Policy broadcast other weights (names, shapes or precision) than this Policy's refit info: "
+        "load the same architecture in the same `precision` on both, or use swap_weights_via_reshard on both "
+        "sides (it sends what training keeps and casts on arrival)",
+    )
     total = 0
     with torch.no_grad():
         for bucket in plan:
@@ -171,6 +189,10 @@ def _receive_broadcast(host: RefitHost, group: Any, header: list[int], write: Ca
                 write(name, full[lo:hi] if full.dim() else full)
             total += flat.numel()
     device.synchronize()
-    return {"bytes": total, "buckets": len(plan), "seconds": time.perf_counter() - start, "role": "target",
-            "from": "broadcast"}
-
+    return {
+        "bytes": total,
+        "buckets": len(plan),
+        "seconds": time.perf_counter() - start,
+        "role": "target",
+        "from": "broadcast",
+    }

@@ -30,8 +30,13 @@ from typing import Any, Protocol, runtime_checkable
 from dask_lm.engine.metrics import timed
 from dask_lm.refit.driver import check_urls
 
-__all__ = ["WeightSynchronizer", "HTTPWeightSynchronizer", "SGLangEngines", "create_weight_synchronizer",
-           "GENERATION_BACKENDS"]
+__all__ = [
+    "WeightSynchronizer",
+    "HTTPWeightSynchronizer",
+    "SGLangEngines",
+    "create_weight_synchronizer",
+    "GENERATION_BACKENDS",
+]
 
 GENERATION_BACKENDS = ("vllm", "sglang", "megatron", "dynamo")  # the names NeMo RL's factory accepts
 TIMER_LABEL = "prepare_for_generation/transfer_and_update_weights"  # NeMo RL's label for the transfer's time
@@ -80,8 +85,10 @@ class SGLangEngines:
         gen = policy.cfg.generation
         sg = gen.sglang_cfg if gen is not None else None
         if sg is None or not sg.server_urls:
-            raise ValueError("SGLangEngines.from_policy: the policy's config names no servers; set "
-                             "`policy.generation.sglang_cfg.server_urls`, or give the URLs: SGLangEngines([...])")
+            raise ValueError(
+                "SGLangEngines.from_policy: the policy's config names no servers; set "
+                "`policy.generation.sglang_cfg.server_urls`, or give the URLs: SGLangEngines([...])"
+            )
         server_cfg = sg.extra.get("sglang_server_config") or {}
         return cls(list(sg.server_urls), num_gpus_per_engine=int(server_cfg.get("num_gpus_per_engine", 1)))
 
@@ -136,12 +143,15 @@ class HTTPWeightSynchronizer:
     >>> policy.train(batch, loss_fn); sync.sync_weights()                            # doctest: +SKIP
     """
 
-    def __init__(self, policy: Any, generation: Any, refit_buffer_size_gb: float | int | None = None, *,
-                 colocated: bool = True) -> None:
+    def __init__(
+        self, policy: Any, generation: Any, refit_buffer_size_gb: float | int | None = None, *, colocated: bool = True
+    ) -> None:
         if not callable(getattr(generation, "get_rollout_engine_urls", None)):
-            raise ValueError(f"the SGLang refit needs a generation side with get_rollout_engine_urls(), got "
-                             f"{type(generation).__name__}: pass dask_lm.refit.weight_sync.SGLangEngines([url, ...]) "
-                             "or SGLangEngines.from_policy(policy)")
+            raise ValueError(
+                f"the SGLang refit needs a generation side with get_rollout_engine_urls(), got "
+                f"{type(generation).__name__}: pass dask_lm.refit.weight_sync.SGLangEngines([url, ...]) "
+                "or SGLangEngines.from_policy(policy)"
+            )
         if refit_buffer_size_gb is not None and not refit_buffer_size_gb > 0:
             raise ValueError(f"`refit_buffer_size_gb` must be > 0, got {refit_buffer_size_gb!r}")
         self._policy = policy
@@ -172,8 +182,10 @@ class HTTPWeightSynchronizer:
         if self._closed:
             raise ValueError("sync_weights() after shutdown(): make a new synchronizer")
         if kv_scales is not None:
-            raise ValueError("`kv_scales`: the SGLang HTTP refit carries no FP8 KV-cache scales (nor does NeMo RL's, "
-                             "http_weight_synchronizer.py:69-74); pass None")
+            raise ValueError(
+                "`kv_scales`: the SGLang HTTP refit carries no FP8 KV-cache scales (nor does NeMo RL's, "
+                "http_weight_synchronizer.py:69-74); pass None"
+            )
         if self._colocated:
             self._policy.offload_before_refit()
             self._generation.prepare_for_generation(tags=["weights"])
@@ -182,16 +194,19 @@ class HTTPWeightSynchronizer:
             with timed(timer, TIMER_LABEL):
                 futures = self._policy.stream_weights_via_http(
                     rollout_engine_urls=self._generation.get_rollout_engine_urls(),
-                    buffer_size_bytes=self._buffer_size_bytes())
+                    buffer_size_bytes=self._buffer_size_bytes(),
+                )
                 results = self._policy.client.gather(list(futures))
         finally:
             if self._colocated:
                 self._policy.offload_after_refit()
                 self._generation.prepare_for_generation(tags=["kv_cache"])
         self._stale = False
-        return {"http_bytes_sent": float(sum(r["bytes"] for r in results)),
-                "http_buckets": float(max(r["buckets"] for r in results)),
-                "http_transfer_s": float(max(r["seconds"] for r in results))}
+        return {
+            "http_bytes_sent": float(sum(r["bytes"] for r in results)),
+            "http_buckets": float(max(r["buckets"] for r in results)),
+            "http_transfer_s": float(max(r["seconds"] for r in results)),
+        }
 
     def shutdown(self) -> None:
         """Each refit opens and ends its own HTTP sessions, so nothing stays open between refits; later
@@ -220,9 +235,15 @@ class HTTPWeightSynchronizer:
         return f"HTTPWeightSynchronizer({self._generation!r}, colocated={self._colocated}, stale={self._stale})"
 
 
-def create_weight_synchronizer(policy: Any, generation: Any, generation_backend: str, colocated: bool,
-                               train_cluster: Any = None, inference_cluster: Any = None,
-                               refit_buffer_size_gb: float | int | None = None) -> HTTPWeightSynchronizer:
+def create_weight_synchronizer(
+    policy: Any,
+    generation: Any,
+    generation_backend: str,
+    colocated: bool,
+    train_cluster: Any = None,
+    inference_cluster: Any = None,
+    refit_buffer_size_gb: float | int | None = None,
+) -> HTTPWeightSynchronizer:
     """NeMo RL's factory (``nemo_rl/weight_sync/factory.py:37-45``, the same arguments) for a ``dask_lm.Policy``.
 
     ``"sglang"`` gives :class:`HTTPWeightSynchronizer`, colocated or not (NeMo RL refuses SGLang not colocated;
@@ -237,5 +258,6 @@ def create_weight_synchronizer(policy: Any, generation: Any, generation_backend:
             f"a {generation_backend} weight synchronizer is not built by dask-lm; its Policy refits through "
             "stream_weights_via_ipc_zmq (colocated vLLM-style workers), broadcast_weights_for_collective and "
             "nccl_reshard_refit (remote inference ranks) or swap_weights_via_reshard (a generation-side Policy): "
-            "see docs/guides/refit.md")
+            "see docs/guides/refit.md"
+        )
     return HTTPWeightSynchronizer(policy, generation, refit_buffer_size_gb, colocated=colocated)

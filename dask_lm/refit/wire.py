@@ -29,13 +29,25 @@ import torch
 
 from dask_lm.moved import moved_names
 
-__all__ = ["VERSION", "ALIGN", "ACK", "REJECT", "TRANSPORTS", "encode_weights", "encode_complete", "decode_header",
-           "layout", "read_reply", "reject_frames"]
+__all__ = [
+    "VERSION",
+    "ALIGN",
+    "ACK",
+    "REJECT",
+    "TRANSPORTS",
+    "encode_weights",
+    "encode_complete",
+    "decode_header",
+    "layout",
+    "read_reply",
+    "reject_frames",
+]
 
 # the CUDA IPC handle codec (the ``"ipc"`` field of a weights header) is dask_lm.model.cuda_ipc, which shared logits
 # buffers use too; its old path here warns
-__getattr__ = moved_names(__name__, dict.fromkeys(["encode_cuda", "cuda_handle", "cuda_rebuild_args", "open_cuda"],
-                                                  "dask_lm.model.cuda_ipc"))
+__getattr__ = moved_names(
+    __name__, dict.fromkeys(["encode_cuda", "cuda_handle", "cuda_rebuild_args", "open_cuda"], "dask_lm.model.cuda_ipc")
+)
 
 VERSION = 1
 ALIGN = 512
@@ -44,8 +56,7 @@ REJECT = b"dask-lm-refit-reject/1"
 TRANSPORTS = ("bytes", "ipc")
 MAX_HEADER_BYTES = 16 << 20  # the names of one buffer: far below this even for tens of thousands of tensors
 MAX_REASON_BYTES = 1000
-_KEYS = {"complete": {"v", "kind"},
-         "weights": {"v", "kind", "names", "used", "transport"}}
+_KEYS = {"complete": {"v", "kind"}, "weights": {"v", "kind", "names", "used", "transport"}}
 
 
 # ----------------------------------------------------------------------------------------- headers
@@ -56,8 +67,13 @@ def _pack(header: dict[str, Any]) -> bytes:
 def encode_weights(names: Sequence[str], used: int, *, transport: str, ipc: dict[str, Any] | None = None) -> bytes:
     """Frame 0 of a weights message (see the module docstring)."""
     assert transport in TRANSPORTS and (ipc is not None) == (transport == "ipc"), (transport, ipc is None)
-    header: dict[str, Any] = {"v": VERSION, "kind": "weights", "names": list(names), "used": int(used),
-                              "transport": transport}
+    header: dict[str, Any] = {
+        "v": VERSION,
+        "kind": "weights",
+        "names": list(names),
+        "used": int(used),
+        "transport": transport,
+    }
     if ipc is not None:
         header["ipc"] = ipc
     return _pack(header)
@@ -75,18 +91,22 @@ def decode_header(frame: bytes) -> dict[str, Any]:
     """The header of a message from the policy, checked for shape and types (``ValueError`` naming what is
     wrong). Names are checked against the refit info by :func:`layout`."""
     if len(frame) > MAX_HEADER_BYTES:
-        raise ValueError(f"the header frame has {len(frame)} bytes, more than the {MAX_HEADER_BYTES} a refit "
-                         "header can have")
+        raise ValueError(
+            f"the header frame has {len(frame)} bytes, more than the {MAX_HEADER_BYTES} a refit header can have"
+        )
     try:
         header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several types for malformed input; all mean the same here
         raise ValueError(f"the header frame is not a dask-lm refit header (not msgpack: {type(e).__name__})") from None
     if not isinstance(header, dict):
-        raise ValueError(f"the header frame is not a dask-lm refit header (a msgpack {type(header).__name__}, "
-                         "not a map)")
+        raise ValueError(
+            f"the header frame is not a dask-lm refit header (a msgpack {type(header).__name__}, not a map)"
+        )
     if header.get("v") != VERSION:
-        raise ValueError(f"refit header version {header.get('v')!r}, this receiver reads version {VERSION}: "
-                         "install the same dask-lm version on both sides")
+        raise ValueError(
+            f"refit header version {header.get('v')!r}, this receiver reads version {VERSION}: "
+            "install the same dask-lm version on both sides"
+        )
     kind = header.get("kind")
     if kind not in _KEYS:
         raise ValueError(f"unknown refit message kind {kind!r}; expected one of {sorted(_KEYS)}")
@@ -106,16 +126,19 @@ def decode_header(frame: bytes) -> dict[str, Any]:
     return header
 
 
-def layout(names: Sequence[str], used: int, refit_info: Mapping[str, tuple[Sequence[int], torch.dtype]],
-           seen: set[str]) -> list[tuple[str, int, tuple[int, ...], torch.dtype]]:
+def layout(
+    names: Sequence[str], used: int, refit_info: Mapping[str, tuple[Sequence[int], torch.dtype]], seen: set[str]
+) -> list[tuple[str, int, tuple[int, ...], torch.dtype]]:
     """``(name, byte offset, shape, dtype)`` of each tensor of a weights message, from the receiver's refit info.
     Every name must be known and arrive once (``seen`` collects them over a stream), and the tensors must span
     exactly ``used`` bytes."""
     out, offset = [], 0
     for name in names:
         if name not in refit_info:
-            raise ValueError(f"weight {name!r} is not in this receiver's refit info: pass Policy.prepare_refit_info() "
-                             "of the policy that streams")
+            raise ValueError(
+                f"weight {name!r} is not in this receiver's refit info: pass Policy.prepare_refit_info() "
+                "of the policy that streams"
+            )
         if name in seen:
             raise ValueError(f"weight {name!r} arrived twice in one refit")
         seen.add(name)
@@ -124,8 +147,10 @@ def layout(names: Sequence[str], used: int, refit_info: Mapping[str, tuple[Seque
         out.append((name, offset, tuple(int(d) for d in shape), dtype))
         offset += math.prod(int(d) for d in shape) * dtype.itemsize
     if offset != used:
-        raise ValueError(f"a refit message of {used} bytes does not match its {len(names)} tensors ({offset} bytes "
-                         "by this receiver's refit info): the refit info differs from the policy's")
+        raise ValueError(
+            f"a refit message of {used} bytes does not match its {len(names)} tensors ({offset} bytes "
+            "by this receiver's refit info): the refit info differs from the policy's"
+        )
     return out
 
 
@@ -138,11 +163,11 @@ def read_reply(frames: Sequence[bytes]) -> str | None:
         # shown to a person: printable text only, whatever the peer put there
         return "".join(c if c.isprintable() else "?" for c in bytes(frames[1]).decode("utf-8", "replace"))
     sizes = [len(f) for f in frames]
-    raise ValueError(f"expected a dask-lm refit reply ({ACK!r}, or {REJECT!r} and a reason), got {len(frames)} "
-                     f"frame(s) of {sizes} bytes")
+    raise ValueError(
+        f"expected a dask-lm refit reply ({ACK!r}, or {REJECT!r} and a reason), got {len(frames)} "
+        f"frame(s) of {sizes} bytes"
+    )
 
 
 def reject_frames(reason: str) -> list[bytes]:
     return [REJECT, reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]]
-
-

@@ -60,8 +60,10 @@ def endpoint(owner: Refitter) -> Endpoint:
         ep = Endpoint(directory)
         if len(ep.path.encode()) > MAX_SOCKET_PATH:
             os.rmdir(directory)
-            raise ValueError(f"the refit socket path {ep.path!r} is longer than the {MAX_SOCKET_PATH} bytes a Unix "
-                             "socket can have: set TMPDIR (or XDG_RUNTIME_DIR) on the workers to a shorter directory")
+            raise ValueError(
+                f"the refit socket path {ep.path!r} is longer than the {MAX_SOCKET_PATH} bytes a Unix "
+                "socket can have: set TMPDIR (or XDG_RUNTIME_DIR) on the workers to a shorter directory"
+            )
         owner.refit_zmq = ep
     return ep
 

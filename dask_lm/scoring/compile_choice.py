@@ -13,8 +13,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from dask_lm.io import parquet as pio
 
-__all__ = ["COMPILE_MIN_TOKENS_PER_WORKER", "HEAD_COMPILE_MIN_TOKENS_PER_WORKER", "worth_compiling",
-           "worth_compiling_head"]
+__all__ = [
+    "COMPILE_MIN_TOKENS_PER_WORKER",
+    "HEAD_COMPILE_MIN_TOKENS_PER_WORKER",
+    "worth_compiling",
+    "worth_compiling_head",
+]
 
 # Compiling the decoder layers costs a fresh worker 6.6 s and saves 2.1 s per 1.6M tokens at 0.5B on an H200
 # (benchmarks/score.py --shape qwen2.5-0.5b, with and without --compile: model time 5.2 s against 7.3 s); less for

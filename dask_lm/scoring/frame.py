@@ -29,8 +29,8 @@ from dask_lm.io import hub
 from dask_lm.io.parquet import output_schema_columns
 from dask_lm.jobs.spec import precision_name
 from dask_lm.scoring.checks import check_score_model
-from dask_lm.scoring.spec import check_score_options
 from dask_lm.scoring.partitions import score_frame
+from dask_lm.scoring.spec import check_score_options
 
 __all__ = ["score", "output_meta"]
 
@@ -42,12 +42,28 @@ TOKEN = "dask-lm-score"
 PANDAS_PARTITION_ROWS = 8192
 
 
-def score(data: Any, *, model: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | None = None,
-          text_column: str | None = None, ids_column: str | None = None, prompt_column: str | None = None,
-          response_column: str | None = None, prompt_length_column: str | None = None, convention: str = "lm-eval",
-          topk: int = 0, decode_topk: bool = False, max_length: int | None = None, truncate: bool = False,
-          batch_tokens: int | None = None, precision: str = "auto", skip_bad_rows: bool = False,
-          allow_nonfinite: bool = False, compile: bool = False, client: Any = None) -> Any:
+def score(
+    data: Any,
+    *,
+    model: str | os.PathLike[str],
+    tokenizer: str | os.PathLike[str] | None = None,
+    text_column: str | None = None,
+    ids_column: str | None = None,
+    prompt_column: str | None = None,
+    response_column: str | None = None,
+    prompt_length_column: str | None = None,
+    convention: str = "lm-eval",
+    topk: int = 0,
+    decode_topk: bool = False,
+    max_length: int | None = None,
+    truncate: bool = False,
+    batch_tokens: int | None = None,
+    precision: str = "auto",
+    skip_bad_rows: bool = False,
+    allow_nonfinite: bool = False,
+    compile: bool = False,
+    client: Any = None,
+) -> Any:
     """Score every row of ``data`` with ``model``: the input's rows with the columns ``score_parquet`` writes.
 
     ``data`` is a ``dask.dataframe.DataFrame`` (the result is a lazy ``dask.dataframe.DataFrame``, nothing is
@@ -104,25 +120,44 @@ def score(data: Any, *, model: str | os.PathLike[str], tokenizer: str | os.PathL
         if not any((text_column, ids_column, prompt_column, response_column)):
             text_column = "text"
     if not isinstance(data, (pd.DataFrame, dd.DataFrame)):
-        raise ValueError(f"dask_lm.score takes a dask or pandas DataFrame, a pandas Series or a list of texts; got "
-                         f"{type(data).__name__}")
-    opts = _options(data.columns, model=model, tokenizer=tokenizer, text_column=text_column, ids_column=ids_column,
-                    prompt_column=prompt_column, response_column=response_column,
-                    prompt_length_column=prompt_length_column, convention=convention, topk=topk,
-                    decode_topk=decode_topk, max_length=max_length, truncate=truncate, batch_tokens=batch_tokens,
-                    precision=precision, skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite,
-                    compile=compile)
+        raise ValueError(
+            f"dask_lm.score takes a dask or pandas DataFrame, a pandas Series or a list of texts; got "
+            f"{type(data).__name__}"
+        )
+    opts = _options(
+        data.columns,
+        model=model,
+        tokenizer=tokenizer,
+        text_column=text_column,
+        ids_column=ids_column,
+        prompt_column=prompt_column,
+        response_column=response_column,
+        prompt_length_column=prompt_length_column,
+        convention=convention,
+        topk=topk,
+        decode_topk=decode_topk,
+        max_length=max_length,
+        truncate=truncate,
+        batch_tokens=batch_tokens,
+        precision=precision,
+        skip_bad_rows=skip_bad_rows,
+        allow_nonfinite=allow_nonfinite,
+        compile=compile,
+    )
     if isinstance(data, dd.DataFrame):
         from distributed import Client
 
         if client is not None and not isinstance(client, Client):
-            raise ValueError(f"for a Dask DataFrame, {opt('client')} is a distributed.Client (the frame is computed "
-                             f"where you compute it), got {type(client).__name__}")
+            raise ValueError(
+                f"for a Dask DataFrame, {opt('client')} is a distributed.Client (the frame is computed "
+                f"where you compute it), got {type(client).__name__}"
+            )
         known = _known_client(client)
         if known is not None:  # else each worker installs it with its first partition
             _register_state(known)
-        return data.map_partitions(score_frame, opts, warn_dropped=True, meta=output_meta(data._meta, opts),
-                                   token=TOKEN)
+        return data.map_partitions(
+            score_frame, opts, warn_dropped=True, meta=output_meta(data._meta, opts), token=TOKEN
+        )
     return _score_pandas(data, opts, client)
 
 
@@ -137,38 +172,85 @@ def output_meta(meta: Any, opts: ScoreOptions) -> Any:
     return out
 
 
-def _options(columns: Any, *, model: Any, tokenizer: Any, text_column: str | None, ids_column: str | None,
-             prompt_column: str | None, response_column: str | None, prompt_length_column: str | None,
-             convention: str, topk: int, decode_topk: bool, max_length: int | None, truncate: bool,
-             batch_tokens: int | None, precision: str, skip_bad_rows: bool, allow_nonfinite: bool, compile: bool
-             ) -> ScoreOptions:
+def _options(
+    columns: Any,
+    *,
+    model: Any,
+    tokenizer: Any,
+    text_column: str | None,
+    ids_column: str | None,
+    prompt_column: str | None,
+    response_column: str | None,
+    prompt_length_column: str | None,
+    convention: str,
+    topk: int,
+    decode_topk: bool,
+    max_length: int | None,
+    truncate: bool,
+    batch_tokens: int | None,
+    precision: str,
+    skip_bad_rows: bool,
+    allow_nonfinite: bool,
+    compile: bool,
+) -> ScoreOptions:
     """The cheap checks (``score_parquet``'s own: options, model files, tokenizer files), and the columns against
     ``columns``, the input's; the options the partitions are scored with."""
-    conv = check_score_options(text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                               response_column=response_column, prompt_length_column=prompt_length_column,
-                               convention=convention, topk=topk, decode_topk=decode_topk,
-                               max_length=max_length, batch_tokens=batch_tokens)
+    conv = check_score_options(
+        text_column=text_column,
+        ids_column=ids_column,
+        prompt_column=prompt_column,
+        response_column=response_column,
+        prompt_length_column=prompt_length_column,
+        convention=convention,
+        topk=topk,
+        decode_topk=decode_topk,
+        max_length=max_length,
+        batch_tokens=batch_tokens,
+    )
     fixed_precision = precision_name(precision)  # None: each worker's own (bf16 on a GPU, fp32 elsewhere)
     have = list(columns)
-    for key, name in (("text_column", text_column), ("ids_column", ids_column), ("prompt_column", prompt_column),
-                      ("response_column", response_column), ("prompt_length_column", prompt_length_column)):
+    for key, name in (
+        ("text_column", text_column),
+        ("ids_column", ids_column),
+        ("prompt_column", prompt_column),
+        ("response_column", response_column),
+        ("prompt_length_column", prompt_length_column),
+    ):
         if name is not None and name not in have:
             raise ValueError(f"{opt(key, name)}: the data has no column {name!r}; its columns are {have}")
     added = [name for name, _ in output_schema_columns(topk, decode_topk)]
     clash = [c for c in have if c in added]
     if clash:
-        raise ValueError(f"the data's column {clash[0]!r} has the name of a column dask_lm.score adds ({added}); "
-                         f"rename it first, e.g. data.rename(columns={{{clash[0]!r}: {clash[0] + '_in'!r}}})")
+        raise ValueError(
+            f"the data's column {clash[0]!r} has the name of a column dask_lm.score adds ({added}); "
+            f"rename it first, e.g. data.rename(columns={{{clash[0]!r}: {clash[0] + '_in'!r}}})"
+        )
     source = hub.resolve_model(model)
     path = source.path
     _info, tok = check_score_model(path, topk=topk, tokenizer=tokenizer, ids_column=ids_column, decode_topk=decode_topk)
     # output is the file job's folder: a collection has none (score_frame returns its rows)
-    return ScoreOptions(model=path, tokenizer=tok, precision=fixed_precision or "auto", output="",
-                        text_column=text_column, ids_column=ids_column, prompt_column=prompt_column,
-                        response_column=response_column, prompt_length_column=prompt_length_column, convention=conv,
-                        topk=topk, decode_topk=decode_topk, max_length=max_length, truncate=truncate,
-                        batch_tokens=batch_tokens, skip_bad_rows=skip_bad_rows, allow_nonfinite=allow_nonfinite,
-                        compile=compile, compile_head=compile, interface=current())
+    return ScoreOptions(
+        model=path,
+        tokenizer=tok,
+        precision=fixed_precision or "auto",
+        output="",
+        text_column=text_column,
+        ids_column=ids_column,
+        prompt_column=prompt_column,
+        response_column=response_column,
+        prompt_length_column=prompt_length_column,
+        convention=conv,
+        topk=topk,
+        decode_topk=decode_topk,
+        max_length=max_length,
+        truncate=truncate,
+        batch_tokens=batch_tokens,
+        skip_bad_rows=skip_bad_rows,
+        allow_nonfinite=allow_nonfinite,
+        compile=compile,
+        compile_head=compile,
+        interface=current(),
+    )
 
 
 def _known_client(client: Any) -> Any:
@@ -213,15 +295,16 @@ def _score_pandas(pdf: Any, opts: ScoreOptions, client: Any) -> Any:
             parts = min(len(pdf), max(workers, -(-len(pdf) // PANDAS_PARTITION_ROWS)))
             ddf = dd.from_pandas(pdf, npartitions=max(parts, 1), sort=False)
         # the workers warn nothing: the total is said once, here
-        lazy = ddf.map_partitions(score_frame, opts, warn_dropped=False, meta=output_meta(ddf._meta, opts),
-                                  token=TOKEN)
+        lazy = ddf.map_partitions(score_frame, opts, warn_dropped=False, meta=output_meta(ddf._meta, opts), token=TOKEN)
         out = dask_client.compute(lazy).result()
     finally:
         if opened is not None:
             cluster.close(opened)
     dropped = len(pdf) - len(out)
     if dropped:
-        warn(f"dask_lm.score: {dropped} bad row{'s' * (dropped != 1)} of {len(pdf)} left out "
-             f"({opt('skip_bad_rows', True)}); without it "
-             "the first raises BadRowError, naming its row and why")
+        warn(
+            f"dask_lm.score: {dropped} bad row{'s' * (dropped != 1)} of {len(pdf)} left out "
+            f"({opt('skip_bad_rows', True)}); without it "
+            "the first raises BadRowError, naming its row and why"
+        )
     return out

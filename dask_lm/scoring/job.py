@@ -32,10 +32,10 @@ from typing import Any
 
 from dask_lm.data.continuation import describe
 from dask_lm.data.messages import ScoreOptions
-from dask_lm.errors import BadRowError, SchedulerLostError
-from dask_lm.interface import again, current, opt, warn
 from dask_lm.engine import cluster
 from dask_lm.engine.progress import JobBar
+from dask_lm.errors import BadRowError, SchedulerLostError
+from dask_lm.interface import again, current, opt, warn
 from dask_lm.io import fingerprint, hub, modelcheck, part_proof
 from dask_lm.io import parquet as pio
 from dask_lm.io.manifest import read_manifest
@@ -163,24 +163,44 @@ class ScoreResult(ScoreRows):
         else:
             first = self.start_phases.get("first_row")
             steps = " + ".join(f"{_PHASE_LABELS.get(k, k)} {v:.1f}" for k, v in self.wall_phases.items())
-            speed = [("tokens/s", f"{self.tokens_per_s:,.0f} (this run's {self.run_tokens:,} tokens over "
-                                  f"{self.scoring_seconds:.1f} s of scoring and writing)"),
-                     ("seconds", f"{self.wall_seconds:.1f} from the call's start" + (f" = {steps}" if steps else "")),
-                     ("workers", f"model load {self.model_load_seconds:.1f} s, compile {self.compile_seconds:.1f} s "
-                                 "(the slowest worker's, mostly beside the checks)"
-                                 + (f"; first rows written at {first:.1f} s" if first is not None else ""))]
+            speed = [
+                (
+                    "tokens/s",
+                    f"{self.tokens_per_s:,.0f} (this run's {self.run_tokens:,} tokens over "
+                    f"{self.scoring_seconds:.1f} s of scoring and writing)",
+                ),
+                ("seconds", f"{self.wall_seconds:.1f} from the call's start" + (f" = {steps}" if steps else "")),
+                (
+                    "workers",
+                    f"model load {self.model_load_seconds:.1f} s, compile {self.compile_seconds:.1f} s "
+                    "(the slowest worker's, mostly beside the checks)"
+                    + (f"; first rows written at {first:.1f} s" if first is not None else ""),
+                ),
+            ]
         resumed = self.parts_skipped and not self.already_complete
-        return [("rows", f"{self.rows:,}" + (f" ({self.run_rows:,} scored by this run)" if resumed else "")),
-                ("tokens", f"{self.tokens:,}" + (f" ({self.run_tokens:,} by this run)" if resumed else "")), *speed,
-                ("perplexity", f"{self.corpus_perplexity:.3f} (corpus: exp of minus the mean scored logprob; "
-                               f"mean of rows {self.perplexity:.3f})"),
-                ("scored tokens", f"{self.scored_tokens:,}"),
-                *([("convention", self.convention)] if self.convention else []),
-                ("parts", f"{self.parts} ({self.parts_skipped} already done)"),
-                ("bad rows", f"{self.bad_rows} (left out, listed in {os.path.join(self.output, pio.ERRORS)})"
-                             if self.bad_rows else "0"),
-                ("empty rows", str(self.empty_rows)), ("truncated rows", str(self.truncated_rows)),
-                ("output", self.output), *([("dashboard", self.dashboard)] if self.dashboard else [])]
+        return [
+            ("rows", f"{self.rows:,}" + (f" ({self.run_rows:,} scored by this run)" if resumed else "")),
+            ("tokens", f"{self.tokens:,}" + (f" ({self.run_tokens:,} by this run)" if resumed else "")),
+            *speed,
+            (
+                "perplexity",
+                f"{self.corpus_perplexity:.3f} (corpus: exp of minus the mean scored logprob; "
+                f"mean of rows {self.perplexity:.3f})",
+            ),
+            ("scored tokens", f"{self.scored_tokens:,}"),
+            *([("convention", self.convention)] if self.convention else []),
+            ("parts", f"{self.parts} ({self.parts_skipped} already done)"),
+            (
+                "bad rows",
+                f"{self.bad_rows} (left out, listed in {os.path.join(self.output, pio.ERRORS)})"
+                if self.bad_rows
+                else "0",
+            ),
+            ("empty rows", str(self.empty_rows)),
+            ("truncated rows", str(self.truncated_rows)),
+            ("output", self.output),
+            *([("dashboard", self.dashboard)] if self.dashboard else []),
+        ]
 
 
 # the summary's names of ScoreResult.wall_phases
@@ -188,8 +208,22 @@ _PHASE_LABELS = {"cluster_start": "cluster start", "model_load": "model load", "
 
 
 # the fields a part task takes from the spec as they are (ScoreOptions: the rest are the job's own, or resolved)
-_SHARED = ("text_column", "ids_column", "prompt_length_column", "prompt_column", "response_column", "id_column",
-           "topk", "decode_topk", "max_length", "truncate", "batch_tokens", "skip_bad_rows", "convention", "precision")
+_SHARED = (
+    "text_column",
+    "ids_column",
+    "prompt_length_column",
+    "prompt_column",
+    "response_column",
+    "id_column",
+    "topk",
+    "decode_topk",
+    "max_length",
+    "truncate",
+    "batch_tokens",
+    "skip_bad_rows",
+    "convention",
+    "precision",
+)
 
 
 def _convention(opts: ScoreOptions) -> str:
@@ -197,9 +231,13 @@ def _convention(opts: ScoreOptions) -> str:
     return describe(opts.convention, "ids" if opts.ids_column else "text" if opts.text_column else "pair")
 
 
-_KIND = JobKind(name="scoring job", did="scored", owned=r"part-\d{5}\.parquet|_errors\.parquet|_errors",
-                debris=pio.remove_debris,
-                resume_hint=lambda: f" (add {opt('skip_bad_rows', True)} to leave out the bad rows that stopped it)")
+_KIND = JobKind(
+    name="scoring job",
+    did="scored",
+    owned=r"part-\d{5}\.parquet|_errors\.parquet|_errors",
+    debris=pio.remove_debris,
+    resume_hint=lambda: f" (add {opt('skip_bad_rows', True)} to leave out the bad rows that stopped it)",
+)
 
 
 @dataclass(frozen=True)
@@ -222,13 +260,20 @@ class PlannedJob:
     def manifest(self) -> tuple[dict[str, Any], list[fingerprint.Pin]]:
         """The job's manifest, its files hashed (the costly step), and the pins behind it."""
         # the parts are numbered by span: a resume must cut the rows the same way (dask_lm.scoring.spans)
-        return model_files.manifest(self.source, self.info, self.inputs, self.spec.manifest_options(),
-                                    tokenizer=self.opts.tokenizer, partitions=len(self.plan),
-                                    partition_plan=spans.plan_digest(self.plan, self.inputs.files))
+        return model_files.manifest(
+            self.source,
+            self.info,
+            self.inputs,
+            self.spec.manifest_options(),
+            tokenizer=self.opts.tokenizer,
+            partitions=len(self.plan),
+            partition_plan=spans.plan_digest(self.plan, self.inputs.files),
+        )
 
 
-def plan_job(spec: ScoreSpec, output: str | os.PathLike[str], *, resume: bool, overwrite: bool,
-             revision: str | None) -> PlannedJob:
+def plan_job(
+    spec: ScoreSpec, output: str | os.PathLike[str], *, resume: bool, overwrite: bool, revision: str | None
+) -> PlannedJob:
     """The checks that cost no more than a few small reads: the output folder, the model's files (config JSON,
     weight headers, ``topk`` against the vocabulary it states), the tokenizer's, the inputs' footers and columns,
     and a resume's options and plan against the manifest it resumes. ``ValueError`` naming what is wrong."""
@@ -236,22 +281,46 @@ def plan_job(spec: ScoreSpec, output: str | os.PathLike[str], *, resume: bool, o
     out.settings = spec.manifest_settings()
     finished = resume and out.state.kind == "finished"
     source = hub.resolve_model(spec.model, revision=revision)
-    info, tokenizer = check_score_model(source.path, topk=spec.topk, tokenizer=spec.tokenizer,
-                                        ids_column=spec.ids_column, decode_topk=spec.decode_topk,
-                                        check_tokenizer=not finished)
-    inputs = pio.inspect_inputs(out.files, text_column=spec.text_column, ids_column=spec.ids_column,
-                                prompt_column=spec.prompt_column, response_column=spec.response_column,
-                                id_column=spec.id_column, prompt_length_column=spec.prompt_length_column)
+    info, tokenizer = check_score_model(
+        source.path,
+        topk=spec.topk,
+        tokenizer=spec.tokenizer,
+        ids_column=spec.ids_column,
+        decode_topk=spec.decode_topk,
+        check_tokenizer=not finished,
+    )
+    inputs = pio.inspect_inputs(
+        out.files,
+        text_column=spec.text_column,
+        ids_column=spec.ids_column,
+        prompt_column=spec.prompt_column,
+        response_column=spec.response_column,
+        id_column=spec.id_column,
+        prompt_length_column=spec.prompt_length_column,
+    )
     plan = spans.plan_spans(inputs.partitions, inputs.group_tokens, spec.task_tokens)
-    opts = ScoreOptions(**{f.name: getattr(spec, f.name) for f in fields(ScoreOptions) if f.name in _SHARED},
-                        model=source.path, tokenizer=tokenizer, output=out.path,
-                        allow_nonfinite=spec.allow_nonfinite, compile=bool(spec.compile),
-                        compile_head=bool(spec.compile), interface=current())
+    opts = ScoreOptions(
+        **{f.name: getattr(spec, f.name) for f in fields(ScoreOptions) if f.name in _SHARED},
+        model=source.path,
+        tokenizer=tokenizer,
+        output=out.path,
+        allow_nonfinite=spec.allow_nonfinite,
+        compile=bool(spec.compile),
+        compile_head=bool(spec.compile),
+        interface=current(),
+    )
     if out.state.kind != "new" and resume:
-        out.precheck({"options": spec.manifest_options(), "partitions": len(plan),
-                      "partition_plan": spans.plan_digest(plan, inputs.files)}, skip_bad_rows=spec.skip_bad_rows)
-    return PlannedJob(spec=spec, out=out, source=source, info=info, inputs=inputs, plan=plan, opts=opts,
-                      finished=finished)
+        out.precheck(
+            {
+                "options": spec.manifest_options(),
+                "partitions": len(plan),
+                "partition_plan": spans.plan_digest(plan, inputs.files),
+            },
+            skip_bad_rows=spec.skip_bad_rows,
+        )
+    return PlannedJob(
+        spec=spec, out=out, source=source, info=info, inputs=inputs, plan=plan, opts=opts, finished=finished
+    )
 
 
 def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
@@ -259,21 +328,49 @@ def _finished(output: str, manifest: dict[str, Any]) -> ScoreResult:
     parts = int(manifest["partitions"])
     summary = folder.read_summary(output)
     totals = _output_totals(output, parts)  # from the parts themselves: they are what the output holds
-    return ScoreResult(output=output, parts=parts, parts_skipped=parts, bad_rows=int(summary.get("bad_rows") or 0),
-                       seconds=0.0, already_complete=True, **totals)
+    return ScoreResult(
+        output=output,
+        parts=parts,
+        parts_skipped=parts,
+        bad_rows=int(summary.get("bad_rows") or 0),
+        seconds=0.0,
+        already_complete=True,
+        **totals,
+    )
 
 
-def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str] | None = None,
-                  client: Any = None, text_column: str | None = None, ids_column: str | None = None,
-                  prompt_column: str | None = None, response_column: str | None = None, id_column: str | None = None,
-                  prompt_length_column: str | None = None, convention: str | None = None, topk: int | None = None,
-                  decode_topk: bool | None = None,
-                  max_length: int | None = None, truncate: bool | None = None, batch_tokens: int | None = None,
-                  precision: str | None = None, resume: bool = False, progress: bool = True,
-                  skip_bad_rows: bool | None = None, allow_nonfinite: bool | None = None, compile: bool | None = None,
-                  tokenizer: str | os.PathLike[str] | None = None, revision: str | None = None,
-                  overwrite: bool = False, performance_report: str | None = None, n_workers: int | None = None,
-                  scheduler_address: str | None = None, task_tokens: int | None = None) -> ScoreResult:
+def score_parquet(
+    input: Any,
+    output: str | os.PathLike[str],
+    *,
+    model: str | os.PathLike[str] | None = None,
+    client: Any = None,
+    text_column: str | None = None,
+    ids_column: str | None = None,
+    prompt_column: str | None = None,
+    response_column: str | None = None,
+    id_column: str | None = None,
+    prompt_length_column: str | None = None,
+    convention: str | None = None,
+    topk: int | None = None,
+    decode_topk: bool | None = None,
+    max_length: int | None = None,
+    truncate: bool | None = None,
+    batch_tokens: int | None = None,
+    precision: str | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    skip_bad_rows: bool | None = None,
+    allow_nonfinite: bool | None = None,
+    compile: bool | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+    overwrite: bool = False,
+    performance_report: str | None = None,
+    n_workers: int | None = None,
+    scheduler_address: str | None = None,
+    task_tokens: int | None = None,
+) -> ScoreResult:
     """Score every row of a parquet dataset with ``model``; see the module docstring for the output.
 
     ``input`` is a parquet file, a directory of them, a glob, or a list. Exactly one of ``text_column``,
@@ -312,13 +409,20 @@ def score_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os
     #    config through transformers (on a worker) and the content hashes. Nothing reaches the output before
     #    they pass; a refused job closes what it started. A replica loaded from other bytes than the ones hashed is
     #    not used (scoring/scorer.py: adopt). A finished output's resume starts nothing.
-    warm = None if job.finished else Preload(job.source.path, job.opts.tokenizer, spec.fixed_precision, spec.compile,
-                                             sum(job.inputs.group_tokens))
-    start = ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not job.finished,
-                         warm=warm)
+    warm = (
+        None
+        if job.finished
+        else Preload(
+            job.source.path, job.opts.tokenizer, spec.fixed_precision, spec.compile, sum(job.inputs.group_tokens)
+        )
+    )
+    start = ClusterStart(
+        client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not job.finished, warm=warm
+    )
     try:
-        return _pinned_run(start, warm, job, started, started_at, progress=progress,
-                           performance_report=performance_report)
+        return _pinned_run(
+            start, warm, job, started, started_at, progress=progress, performance_report=performance_report
+        )
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the workers stopped at once, one line says what is kept
         start.close(interrupted=True)
         raise _interrupted(out, len(plan), e) from None
@@ -347,12 +451,22 @@ def _scheduler_lost(out: JobOutput, parts: int, address: str) -> SchedulerLostEr
     if not os.path.exists(os.path.join(out.path, pio.MANIFEST)):
         return SchedulerLostError(f"{lost}; nothing was written to {out.path}: once a scheduler is up, {again()}")
     kept = sum(1 for n in out.kept() if n.startswith("part-"))
-    return SchedulerLostError(f"{lost}: {kept} of {parts} parts kept in {out.path}; once a scheduler is up, "
-                              f"{again(resume=True)} to score the rest")
+    return SchedulerLostError(
+        f"{lost}: {kept} of {parts} parts kept in {out.path}; once a scheduler is up, "
+        f"{again(resume=True)} to score the rest"
+    )
 
 
-def _pinned_run(start: ClusterStart, warm: Preload | None, job: PlannedJob, started: float, started_at: float, *,
-                progress: bool, performance_report: str | None) -> ScoreResult:
+def _pinned_run(
+    start: ClusterStart,
+    warm: Preload | None,
+    job: PlannedJob,
+    started: float,
+    started_at: float,
+    *,
+    progress: bool,
+    performance_report: str | None,
+) -> ScoreResult:
     """``score_parquet`` from the costly checks on, while ``start`` brings the cluster up: the config through
     transformers (asked of a worker, waited for in a thread) beside the row scan and the content hashes, then the
     manifest under the output's lock, then the run."""
@@ -363,14 +477,13 @@ def _pinned_run(start: ClusterStart, warm: Preload | None, job: PlannedJob, star
     scan = not job.finished and not opts.skip_bad_rows and sum(inputs.group_tokens) <= prescan.PRESCAN_MAX_TOKENS
     loads = in_thread(warm.check_config, start) if warm is not None else None
     # every bad row of the job, found while the workers load (dask_lm.scoring.prescan)
-    rows = (in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan
-            else None)
+    rows = in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan else None
     manifest, pins = job.manifest()
     checked = loads.result() if loads is not None else {}  # transformers' ValueError naming config.json
     bad = rows.result() if rows is not None else None
     if bad:
         raise BadRowError(prescan.message(bad))
-    opts = replace(opts, model_pins=tuple(pins[:len(pins) - len(inputs.files)]))
+    opts = replace(opts, model_pins=tuple(pins[: len(pins) - len(inputs.files)]))
     prepare_seconds = time.perf_counter() - started
     with out.locked() as old:
         added_skip = added_skip_bad_rows(old, spec.skip_bad_rows)
@@ -381,12 +494,12 @@ def _pinned_run(start: ClusterStart, warm: Preload | None, job: PlannedJob, star
             out.write_manifest({**pinned, "options": {**pinned["options"], "skip_bad_rows": True}})
         pio.make_errors_dir(out.path)  # a real directory: a link there is refused, naming it
         # a part is kept only where it proves to be this job's part for its span (dask_lm.io.part_proof)
-        stamps = part_proof.kept_parts(out.path, part_proof.expected_parts(part_proof.job_identity(pinned), plan),
-                                       _part_columns(inputs, opts))
+        stamps = part_proof.kept_parts(
+            out.path, part_proof.expected_parts(part_proof.job_identity(pinned), plan), _part_columns(inputs, opts)
+        )
         clock = StartClock(started, started_at, {"checks": prepare_seconds})
         clock.config_check(checked)
-        with running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress
-                     ) as (dask_client, bar):
+        with running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress) as (dask_client, bar):
             wait_for_workers(dask_client, bar)  # a scheduler whose workers are still to come
             clock.mark("cluster")
             if spec.fixed_precision is None:
@@ -396,15 +509,24 @@ def _pinned_run(start: ClusterStart, warm: Preload | None, job: PlannedJob, star
             opts = replace(opts, identity=part_proof.job_identity(pinned))
             if spec.compile is None:
                 workers = len(scheduler_info(dask_client)["workers"])
-                opts = replace(opts, compile=worth_compiling(inputs, spec.ids_column, workers),
-                               compile_head=worth_compiling_head(sum(inputs.group_tokens), workers))
-            result = _run(dask_client, out, inputs, plan, opts, stamps, start.warm_futures, bar, performance_report,
-                          clock)
+                opts = replace(
+                    opts,
+                    compile=worth_compiling(inputs, spec.ids_column, workers),
+                    compile_head=worth_compiling_head(sum(inputs.group_tokens), workers),
+                )
+            result = _run(
+                dask_client, out, inputs, plan, opts, stamps, start.warm_futures, bar, performance_report, clock
+            )
             closed = bool(getattr(start.opened, "_dask_lm_owns_cluster", False))
         # the cluster this call started is closed by now: that counts in the wall time, and its dashboard is gone
         wall, steps = clock.closed(result.wall_phases)
-        result = replace(result, wall_seconds=wall, wall_phases=steps, dashboard=None if closed else result.dashboard,
-                         convention=_convention(opts))
+        result = replace(
+            result,
+            wall_seconds=wall,
+            wall_phases=steps,
+            dashboard=None if closed else result.dashboard,
+            convention=_convention(opts),
+        )
         out.finish(asdict(result))  # the counts cover every part, like bad_rows (resumed parts included)
         return result
 
@@ -417,9 +539,18 @@ def _part_columns(inputs: pio.ScoreInputs, opts: ScoreOptions) -> list[tuple[str
     return [(name, None) for name in kept] + list(pio.output_schema_columns(opts.topk, opts.decode_topk))
 
 
-def _run(client: Any, out: JobOutput, inputs: pio.ScoreInputs, plan: list[spans.Span], opts: ScoreOptions,
-         stamps: dict[int, fingerprint.Stamp], preloads: list[Any],
-         bar: JobBar, performance_report: str | None, clock: StartClock) -> ScoreResult:
+def _run(
+    client: Any,
+    out: JobOutput,
+    inputs: pio.ScoreInputs,
+    plan: list[spans.Span],
+    opts: ScoreOptions,
+    stamps: dict[int, fingerprint.Stamp],
+    preloads: list[Any],
+    bar: JobBar,
+    performance_report: str | None,
+    clock: StartClock,
+) -> ScoreResult:
     import dask
     from distributed import as_completed, span
 
@@ -427,15 +558,26 @@ def _run(client: Any, out: JobOutput, inputs: pio.ScoreInputs, plan: list[spans.
 
     columns = None
     if opts.id_column is not None:
-        columns = sorted({c for c in (opts.id_column, opts.text_column, opts.ids_column, opts.prompt_column,
-                                      opts.response_column, opts.prompt_length_column) if c})
+        columns = sorted(
+            {
+                c
+                for c in (
+                    opts.id_column,
+                    opts.text_column,
+                    opts.ids_column,
+                    opts.prompt_column,
+                    opts.response_column,
+                    opts.prompt_length_column,
+                )
+                if c
+            }
+        )
     done = sorted(stamps)
     stamps = dict(stamps)  # and this run's parts, as their workers wrote them
     todo = [i for i in range(len(plan)) if i not in stamps]
     # one per row group, computed where a span needs it
     reads = model_files.located_partitions(inputs, columns, out.pins)
-    report = (cluster.performance_report(client, performance_report) if performance_report
-              else contextlib.nullcontext())
+    report = cluster.performance_report(client, performance_report) if performance_report else contextlib.nullcontext()
     t0, t0_wall = time.perf_counter(), time.time()
     ready_at = t0_wall  # when the last worker's replica became ready (loaded, compiled): scoring starts there
     ready_compile = 0.0  # that replica's compilation, the end of its readiness
@@ -448,13 +590,18 @@ def _run(client: Any, out: JobOutput, inputs: pio.ScoreInputs, plan: list[spans.
     workers = len(scheduler_info(client)["workers"])
     preloaded = any(f.done() and f.status == "finished" and "error" not in (f.result() or {}) for f in preloads)
     # until a worker reports that it began a part (its replica ready), the bar says what the job waits for
-    bar.wait("starting the first parts" if preloaded else
-             f"loading the model on {workers} worker{'s' * (workers != 1)}", total=total_rows)
+    bar.wait(
+        "starting the first parts" if preloaded else f"loading the model on {workers} worker{'s' * (workers != 1)}",
+        total=total_rows,
+    )
     progress_id = bar.listen(client)
     with report, span("dask-lm/score"):
-        tasks = [dask.delayed(score_partition, pure=False)(*_pieces(plan[i], inputs, reads), i, plan[i].file, opts,
-                                                           progress_id)
-                 for i in todo]
+        tasks = [
+            dask.delayed(score_partition, pure=False)(
+                *_pieces(plan[i], inputs, reads), i, plan[i].file, opts, progress_id
+            )
+            for i in todo
+        ]
         # the workers' dask-lm plugin holds their model replicas and frees those left idle (a dead driver's job)
         client.register_plugin(DaskLMWorkerState(), name=PLUGIN_NAME)
         futures = client.compute(tasks)
@@ -481,9 +628,11 @@ def _run(client: Any, out: JobOutput, inputs: pio.ScoreInputs, plan: list[spans.
                     scoring = scored_at - ready_at
                     returned += 1
                     last = returned == len(futures)  # the rate the summary gives, shown as the bar closes
-                    bar.update(stats["rows"] + stats["bad_rows"],
-                               f"{tokens / scoring:,.0f} tok/s" if scoring > 0.5 or (last and scoring > 0) else None,
-                               part=stats["part"])
+                    bar.update(
+                        stats["rows"] + stats["bad_rows"],
+                        f"{tokens / scoring:,.0f} tok/s" if scoring > 0.5 or (last and scoring > 0) else None,
+                        part=stats["part"],
+                    )
         except BaseException as e:
             lost = cluster.lost_scheduler(client, e, scheduler)
             if lost is not None:  # said here, while the client still knows its scheduler: nothing left to cancel
@@ -502,22 +651,38 @@ def _run(client: Any, out: JobOutput, inputs: pio.ScoreInputs, plan: list[spans.
     bad_total = pio.merge_errors(opts.output)
     # the last word on every part, before _SUCCESS vouches for them: the pages are read again only where a part's
     # stamp moved since it was checked (a resume's) or written (this run's)
-    part_proof.confirm_parts(opts.output, part_proof.expected_parts(opts.identity, plan),
-                             _part_columns(inputs, opts), stamps)
+    part_proof.confirm_parts(
+        opts.output, part_proof.expected_parts(opts.identity, plan), _part_columns(inputs, opts), stamps
+    )
     totals = _output_totals(opts.output, len(plan))
-    result = ScoreResult(output=opts.output, run_rows=rows, run_tokens=tokens, parts=len(plan),
-                         parts_skipped=len(done), bad_rows=bad_total, seconds=seconds,
-                         scoring_seconds=max(scored_at - ready_at, 0.0),
-                         wall_phases=clock.steps(ready_at, ready_compile, scored_at),
-                         dashboard=getattr(client, "dashboard_link", None), prepare_seconds=clock.phases["checks"],
-                         started_at=clock.started_at, first_row_at=clock.first_row_at,
-                         wall_seconds=time.time() - clock.started_at,
-                         start_phases=dict(clock.phases), model_load_phases={**clock.config_imports, **clock.load_phases},
-                         model_load_seconds=load, compile_seconds=compile_s, phase_seconds=phases,
-                         parts_by_worker=by_worker, **totals)
+    result = ScoreResult(
+        output=opts.output,
+        run_rows=rows,
+        run_tokens=tokens,
+        parts=len(plan),
+        parts_skipped=len(done),
+        bad_rows=bad_total,
+        seconds=seconds,
+        scoring_seconds=max(scored_at - ready_at, 0.0),
+        wall_phases=clock.steps(ready_at, ready_compile, scored_at),
+        dashboard=getattr(client, "dashboard_link", None),
+        prepare_seconds=clock.phases["checks"],
+        started_at=clock.started_at,
+        first_row_at=clock.first_row_at,
+        wall_seconds=time.time() - clock.started_at,
+        start_phases=dict(clock.phases),
+        model_load_phases={**clock.config_imports, **clock.load_phases},
+        model_load_seconds=load,
+        compile_seconds=compile_s,
+        phase_seconds=phases,
+        parts_by_worker=by_worker,
+        **totals,
+    )
     if result.empty_rows:
-        warn(f"{result.empty_rows} rows had nothing to score (an empty text, response or id list, or a single "
-             "token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null")
+        warn(
+            f"{result.empty_rows} rows had nothing to score (an empty text, response or id list, or a single "
+            "token): their num_scored is 0 and sum_logprob / mean_logprob / perplexity are null"
+        )
     return result
 
 
@@ -528,8 +693,11 @@ def _pieces(span: spans.Span, inputs: pio.ScoreInputs, reads: list[Any]) -> tupl
 
     if not span.whole:
         (g,) = span.groups
-        return ([dask.delayed(pio.slice_rows, pure=True)(reads[g], span.offset, span.num_rows)], [span.first_row],
-                [span.num_rows])
+        return (
+            [dask.delayed(pio.slice_rows, pure=True)(reads[g], span.offset, span.num_rows)],
+            [span.first_row],
+            [span.num_rows],
+        )
     groups = [inputs.partitions[g] for g in span.groups]
     return [reads[g] for g in span.groups], [first for _f, _g, first, _n in groups], [n for *_r, n in groups]
 
@@ -549,8 +717,10 @@ def _output_totals(output: str, parts: int) -> dict[str, Any]:
 
     total, count, empty, truncated, logprob, scored, rows, tokens = 0.0, 0, 0, 0, 0.0, 0, 0, 0
     for i in range(parts):
-        t = pq.read_table(os.path.join(output, pio.part_name(i)),
-                          columns=["num_tokens", "perplexity", "truncated", "sum_logprob", "num_scored"])
+        t = pq.read_table(
+            os.path.join(output, pio.part_name(i)),
+            columns=["num_tokens", "perplexity", "truncated", "sum_logprob", "num_scored"],
+        )
         rows += t.num_rows
         tokens += int(pc.sum(t["num_tokens"]).as_py() or 0)
         ppl = t["perplexity"]
@@ -563,5 +733,12 @@ def _output_totals(output: str, parts: int) -> dict[str, Any]:
     mean = total / count if count else float("nan")
     nll = -logprob / scored if scored else float("nan")
     corpus = math.exp(nll) if nll < 709 else float("inf") if nll >= 709 else float("nan")  # exp overflows past 709
-    return {"rows": rows, "tokens": tokens, "perplexity": mean, "corpus_perplexity": corpus, "scored_tokens": scored,
-            "empty_rows": empty, "truncated_rows": truncated}
+    return {
+        "rows": rows,
+        "tokens": tokens,
+        "perplexity": mean,
+        "corpus_perplexity": corpus,
+        "scored_tokens": scored,
+        "empty_rows": empty,
+        "truncated_rows": truncated,
+    }

@@ -32,10 +32,12 @@ def ensure_worker_state() -> None:
     try:
         worker = get_worker()
     except ValueError:
-        raise RuntimeError("dask_lm.score's frame is computed on a Dask cluster's workers, which hold the model: "
-                           "connect a client first (client = dask_lm.connect(), or distributed.Client(address)), "
-                           "then .compute() / .persist() it; dask's local schedulers would load the model here, in "
-                           "the driver") from None
+        raise RuntimeError(
+            "dask_lm.score's frame is computed on a Dask cluster's workers, which hold the model: "
+            "connect a client first (client = dask_lm.connect(), or distributed.Client(address)), "
+            "then .compute() / .persist() it; dask's local schedulers would load the model here, in "
+            "the driver"
+        ) from None
     if PLUGIN_NAME not in worker.plugins:
         # on the worker's event loop, as a registered plugin's setup runs (it starts the lease check there)
         sync(worker.loop, worker.plugin_add, plugin=DaskLMWorkerState(), name=PLUGIN_NAME)
@@ -58,15 +60,19 @@ def score_frame(pdf: Any, opts: ScoreOptions, warn_dropped: bool = True, partiti
     ensure_worker_state()
     with interface.speaking(opts.interface):  # messages name options as the caller spells them
         opts = replace(opts, precision=auto_precision(opts.precision))
-        fix = (f"fix the data, or pass {interface.opt('skip_bad_rows', True)} to leave bad rows out of the result "
-               "(a warning says how many)")
+        fix = (
+            f"fix the data, or pass {interface.opt('skip_bad_rows', True)} to leave bad rows out of the result "
+            "(a warning says how many)"
+        )
         got = scorer.score_rows([(pdf, 0)], opts, where=where, bad_fix=fix, labels=list(pdf.index))
         if got.bad and warn_dropped:
             from distributed import warn
 
             n = len(got.bad)
-            warn(f"dask_lm.score: {n} bad row{'s' * (n != 1)} of {where} left out "
-                 f"({interface.opt('skip_bad_rows', True)}); the first: {got.errors[0]}")
+            warn(
+                f"dask_lm.score: {n} bad row{'s' * (n != 1)} of {where} left out "
+                f"({interface.opt('skip_bad_rows', True)}); the first: {got.errors[0]}"
+            )
     out = pdf.iloc[got.keep]  # a new frame (copy-on-write): the caller's partition is not changed
     for name in got.table.column_names:
         # by position, never aligned on the index: the input's labels may repeat

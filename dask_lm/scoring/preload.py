@@ -13,8 +13,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from dask_lm.scoring.compile_choice import worth_compiling_head
 from dask_lm.io import modelcheck
+from dask_lm.scoring.compile_choice import worth_compiling_head
 
 if TYPE_CHECKING:
     from dask_lm.jobs.start import ClusterStart
@@ -46,10 +46,14 @@ class Preload:
     ``tokens`` and the workers there are. A refused job cancels these; one already loading on an attached cluster
     ends as an idle replica, which the workers' lease check frees (``DASK_LM_REPLICA_IDLE_S``, 120 s)."""
 
-    def __init__(self, model: str, tokenizer: str, precision: str | None, compile: bool | None, tokens: float
-                 ) -> None:
-        self.model, self.tokenizer, self.precision, self.compile, self.tokens = (model, tokenizer, precision,
-                                                                                compile, tokens)
+    def __init__(self, model: str, tokenizer: str, precision: str | None, compile: bool | None, tokens: float) -> None:
+        self.model, self.tokenizer, self.precision, self.compile, self.tokens = (
+            model,
+            tokenizer,
+            precision,
+            compile,
+            tokens,
+        )
         self.config: Any = None  # the check's future, once submitted (None: no worker to ask)
         self.asked: str | None = None  # the worker it was submitted to
 
@@ -62,9 +66,21 @@ class Preload:
         if workers:
             self.config = self._ask(client, workers[0], f"dask-lm-config-{tag}")
         head = bool(self.compile) if self.compile is not None else worth_compiling_head(self.tokens, len(workers))
-        return [client.submit(preload_scorer, self.model, self.tokenizer, self.precision, bool(self.compile), head,
-                              workers=[w], allow_other_workers=True, pure=False, key=f"dask-lm-preload-{tag}-{i}")
-                for i, w in enumerate(workers)]
+        return [
+            client.submit(
+                preload_scorer,
+                self.model,
+                self.tokenizer,
+                self.precision,
+                bool(self.compile),
+                head,
+                workers=[w],
+                allow_other_workers=True,
+                pure=False,
+                key=f"dask-lm-preload-{tag}-{i}",
+            )
+            for i, w in enumerate(workers)
+        ]
 
     def check_config(self, start: ClusterStart) -> dict[str, Any]:
         """The config check's verdict: the worker's, once the cluster is up (its error re-raised here), or this
@@ -96,8 +112,9 @@ class Preload:
         from dask_lm.scoring.tasks import check_model_config
 
         self.asked = worker
-        return client.submit(check_model_config, self.model, workers=[worker], allow_other_workers=True,
-                             pure=False, key=key, priority=1)
+        return client.submit(
+            check_model_config, self.model, workers=[worker], allow_other_workers=True, pure=False, key=key, priority=1
+        )
 
     def _ask_again_if_gone(self) -> None:
         """The check's worker left before answering (retired, lost): ask a worker there is now. The scheduler

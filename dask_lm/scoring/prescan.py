@@ -32,8 +32,7 @@ PRESCAN_MAX_TOKENS = 8_000_000
 SHOWN = 5  # bad rows named in the message; the rest are counted
 
 
-def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, vocab_size: int | None
-             ) -> list[str] | None:
+def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, vocab_size: int | None) -> list[str] | None:
     """The errors of every bad row of the job, in input order; ``None`` where the scan cannot stand in for the
     workers' (no vocabulary size stated, or the tokenizer does not load here: the workers then report)."""
     if vocab_size is None:
@@ -41,14 +40,26 @@ def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, voca
     tokenizer = None
     if not opts.ids_column:
         try:  # beside the config check's thread: transformers imported under modelcheck's lock
-            tokenizer = modelcheck.transformers_module().AutoTokenizer.from_pretrained(opts.tokenizer,
-                                                                                       trust_remote_code=False)
-        except Exception as e:  # noqa: BLE001 - the workers load it again and say why, if it really fails
+            tokenizer = modelcheck.transformers_module().AutoTokenizer.from_pretrained(
+                opts.tokenizer, trust_remote_code=False
+            )
+        except Exception as e:
             logger.debug("no pre-scan of the rows: the tokenizer does not load in the driver (%s)", e)
             return None
     max_positions = modelcheck.stated_positions(opts.model)
-    columns = sorted({c for c in (opts.text_column, opts.ids_column, opts.prompt_column, opts.response_column,
-                                  opts.prompt_length_column) if c})
+    columns = sorted(
+        {
+            c
+            for c in (
+                opts.text_column,
+                opts.ids_column,
+                opts.prompt_column,
+                opts.response_column,
+                opts.prompt_length_column,
+            )
+            if c
+        }
+    )
     errors: list[str] = []
     for g in sorted({g for span in plan for g in span.groups}):
         file, group, first, rows = inputs.partitions[g]
@@ -56,8 +67,15 @@ def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, voca
         if isinstance(part, pio.UnreadableRowGroup):
             errors += [part.message()] * part.num_rows
             continue
-        got = prepare_rows(part, opts, tokenizer=tokenizer, vocab_size=vocab_size, max_positions=max_positions,
-                           file=file, first_row=first)
+        got = prepare_rows(
+            part,
+            opts,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            max_positions=max_positions,
+            file=file,
+            first_row=first,
+        )
         errors += [e for e in got.errors if e is not None]
     return errors
 
@@ -66,5 +84,7 @@ def message(errors: list[str]) -> str:
     """The refusal: how many bad rows, the first :data:`SHOWN` of them, and the way on."""
     shown = "; ".join(errors[:SHOWN])
     more = f" (and {len(errors) - SHOWN} more)" if len(errors) > SHOWN else ""
-    return (f"{len(errors)} bad row{'s' * (len(errors) != 1)} in the input, found before scoring: {shown}{more}; "
-            f"fix the data, or pass {opt('skip_bad_rows', True)} to leave bad rows out (listed in _errors.parquet)")
+    return (
+        f"{len(errors)} bad row{'s' * (len(errors) != 1)} in the input, found before scoring: {shown}{more}; "
+        f"fix the data, or pass {opt('skip_bad_rows', True)} to leave bad rows out (listed in _errors.parquet)"
+    )

@@ -43,8 +43,9 @@ class Replica:
     last_used: float  # time.monotonic() of the last partition that picked it (set by replica_for)
     stamps: dict[str, Stamp]  # a preloaded replica's files, settled and unchanged over its load (preload_replica)
 
-    def __init__(self, model_dir: str, tokenizer_dir: str, precision: str, *, compile: bool = True,
-                 compile_head: bool = False) -> None:
+    def __init__(
+        self, model_dir: str, tokenizer_dir: str, precision: str, *, compile: bool = True, compile_head: bool = False
+    ) -> None:
         t0 = time.perf_counter()
         import transformers
 
@@ -66,12 +67,18 @@ class Replica:
             self.tokenizer_error: str | None = None
         except (OSError, ValueError, ImportError) as e:  # token-id input needs no tokenizer; text input says why
             self.tokenizer = None
-            self.tokenizer_error = (f"the tokenizer in {tokenizer_dir} cannot be loaded on this worker: "
-                                    f"{' '.join(str(e).split())}; install what it needs (e.g. sentencepiece) on the "
-                                    "workers")  # the way on, naming an option, is added when raised
+            self.tokenizer_error = (
+                f"the tokenizer in {tokenizer_dir} cannot be loaded on this worker: "
+                f"{' '.join(str(e).split())}; install what it needs (e.g. sentencepiece) on the "
+                "workers"
+            )  # the way on, naming an option, is added when raised
         cfg = self.model.config
-        candidates = (getattr(self.tokenizer, "pad_token_id", None), getattr(self.tokenizer, "eos_token_id", None),
-                      getattr(cfg, "pad_token_id", None), getattr(cfg, "eos_token_id", None))
+        candidates = (
+            getattr(self.tokenizer, "pad_token_id", None),
+            getattr(self.tokenizer, "eos_token_id", None),
+            getattr(cfg, "pad_token_id", None),
+            getattr(cfg, "eos_token_id", None),
+        )
         pad = next((v for v in candidates if isinstance(v, int)), 0)
         self.pad_id = int(pad)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
@@ -128,8 +135,9 @@ class Replica:
         rows = TokenRows.from_padded(x, torch.tensor([n1, n2]))
         hidden, layout = forward_rows(self.model, rows, packed=self.packed, varlen_ok=self.varlen, where=self.device)
         with fused.use_compiled(self.head_compiled):
-            next_token_logprobs_greedy(hidden, layout.ids, layout.targets_valid, output_head(self.model),
-                                       index=layout.scored)[0].cpu()
+            next_token_logprobs_greedy(
+                hidden, layout.ids, layout.targets_valid, output_head(self.model), index=layout.scored
+            )[0].cpu()
 
 
 # one lock for the replica caches of this process: a worker with several threads loads a model once, and the
@@ -155,8 +163,9 @@ def replica_for(opts: ScoreOptions) -> Replica:
                 _free()
         if rep is None:
             before = [verify(pin) for pin in opts.model_pins]
-            rep = Replica(opts.model, opts.tokenizer, opts.precision, compile=opts.compile,
-                           compile_head=opts.compile_head)
+            rep = Replica(
+                opts.model, opts.tokenizer, opts.precision, compile=opts.compile, compile_head=opts.compile_head
+            )
             for pin, was in zip(opts.model_pins, before):  # written during the load: the weights may mix versions
                 verify(pin, since=was)
         cache[key] = rep
@@ -185,8 +194,9 @@ def _settled_stamps(directories: set[str], now_ns: int) -> dict[str, Stamp]:
     return stamps
 
 
-def preload_replica(model: str, tokenizer: str, precision: str | None, compile: bool, compile_head: bool = False
-                    ) -> dict[str, Any]:
+def preload_replica(
+    model: str, tokenizer: str, precision: str | None, compile: bool, compile_head: bool = False
+) -> dict[str, Any]:
     """Load this worker's replica before the job's pins exist: ``score_parquet`` submits this to every worker
     as soon as the cluster is up, so that imports, CUDA initialisation, the weights' load and the compilation
     happen while the driver checks the inputs and hashes the files.
@@ -214,9 +224,15 @@ def preload_replica(model: str, tokenizer: str, precision: str | None, compile: 
         get_state().scorers[_preload_key(model, tokenizer, precision)] = rep
     # when this worker's start went where (wall clock, for ScoreResult.start_phases): its process began, this task
     # began (the worker up and registered, this module and torch imported), the replica was ready
-    return {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds, "precision": precision,
-            "process_started_at": _process_started_at(), "began_at": began, "ready_at": rep.ready_at,
-            "load_phases": rep.load_phases}
+    return {
+        "load_seconds": rep.load_seconds,
+        "compile_seconds": rep.compile_seconds,
+        "precision": precision,
+        "process_started_at": _process_started_at(),
+        "began_at": began,
+        "ready_at": rep.ready_at,
+        "load_phases": rep.load_phases,
+    }
 
 
 def _process_started_at() -> float | None:
@@ -275,8 +291,11 @@ def release_idle(max_idle_s: float, dask_worker: Any = None) -> int:
     idle = 0
     with _CACHE_LOCK:
         for cache in _caches(dask_worker):
-            keys = [k for k, rep in cache.items()
-                    if now - getattr(rep, "last_used", now) > max_idle_s and not rep.lock.locked()]
+            keys = [
+                k
+                for k, rep in cache.items()
+                if now - getattr(rep, "last_used", now) > max_idle_s and not rep.lock.locked()
+            ]
             for k in keys:
                 del cache[k]
             idle += len(keys)
@@ -294,4 +313,3 @@ def release_scorers(dask_worker: Any = None) -> int:
             cache.clear()
     _free()
     return n
-

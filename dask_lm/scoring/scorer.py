@@ -42,17 +42,21 @@ from dask_lm.scoring import replicas
 __all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "ScoredRows", "score_rows", "score_partition"]
 
 # the replica cache is dask_lm.scoring.replicas; its names' old path here warns
-__getattr__ = moved_names(__name__, dict.fromkeys(
-    ["Replica", "preload_replica", "release_idle", "release_scorers", "replica_for"], "dask_lm.scoring.replicas"))
+__getattr__ = moved_names(
+    __name__,
+    dict.fromkeys(
+        ["Replica", "preload_replica", "release_idle", "release_scorers", "replica_for"], "dask_lm.scoring.replicas"
+    ),
+)
 
 # one row's top-k: per position, the k token ids (int32) and their logprobs, each [n, k]
 TopK = tuple[torch.Tensor, torch.Tensor]
 
 
 @torch.no_grad()
-def score_ids(rep: replicas.Replica, ids: list[list[int]], opts: ScoreOptions,
-              on_rows: Callable[[int], None] | None = None
-              ) -> tuple[list[torch.Tensor], list[TopK] | None, list[bool], list[torch.Tensor]]:
+def score_ids(
+    rep: replicas.Replica, ids: list[list[int]], opts: ScoreOptions, on_rows: Callable[[int], None] | None = None
+) -> tuple[list[torch.Tensor], list[TopK] | None, list[bool], list[torch.Tensor]]:
     """Per row: logprobs (position 0 = 0), topk per position (ids, logprobs) when ``opts.topk``, whether every value
     is finite, and per position whether the token is the argmax of the model's distribution before it (bool, true
     at position 0). A row without tokens gets empty results without a forward. ``on_rows(k)``, if given, is told
@@ -68,25 +72,36 @@ def score_ids(rep: replicas.Replica, ids: list[list[int]], opts: ScoreOptions,
     rows = [i for i in range(len(ids)) if ids[i]]
     pending: _Pending | None = None
     collected = 0
-    for part in longest_first([len(ids[i]) for i in rows], opts.micro_batch_tokens(rep.packed),
-                              padded=not rep.packed):
+    for part in longest_first([len(ids[i]) for i in rows], opts.micro_batch_tokens(rep.packed), padded=not rep.packed):
         batch = [rows[j] for j in part]
         # the lists straight to the packed values and offsets (or padded once, for a padded replica)
         tokens = TokenRows.from_lists([ids[i] for i in batch])
         lens = tokens.lengths
         (hidden, layout), rep.compiled = fused.call(
-            rep.compiled, functools.partial(forward_rows, rep.model, tokens, packed=rep.packed, varlen_ok=rep.varlen,
-                                            where=rep.device), "the scoring forward")
+            rep.compiled,
+            functools.partial(
+                forward_rows, rep.model, tokens, packed=rep.packed, varlen_ok=rep.varlen, where=rep.device
+            ),
+            "the scoring forward",
+        )
         # the head's fused reductions may be compiled where the decoder is not: the eager chain of max / sub / exp
         # / sum passes over [n, V] float32 logits was a third of a 0.5B scoring forward's GPU time, and their one
         # small graph compiles in seconds where the layers take ten (a job long enough chooses it, compile_head)
         with fused.use_compiled(rep.head_compiled):
-            lp, is_max = next_token_logprobs_greedy(hidden, layout.ids, layout.targets_valid, head,
-                                                    chunk_size=opts.chunk_size, index=layout.scored)
+            lp, is_max = next_token_logprobs_greedy(
+                hidden, layout.ids, layout.targets_valid, head, chunk_size=opts.chunk_size, index=layout.scored
+            )
             values: tuple[torch.Tensor, ...] = (lp, is_max)
             if out.tops is not None:
-                top_v, top_i = topk_logits(hidden, layout.valid, head, opts.topk, chunk_size=opts.chunk_size,
-                                           normalize=True, index=layout.valid_index)
+                top_v, top_i = topk_logits(
+                    hidden,
+                    layout.valid,
+                    head,
+                    opts.topk,
+                    chunk_size=opts.chunk_size,
+                    normalize=True,
+                    index=layout.valid_index,
+                )
                 values += (top_v, top_i.to(torch.int32))
         del hidden
         host = tuple(v.to("cpu", non_blocking=True) for v in values)
@@ -137,17 +152,18 @@ class _RowResults:
         for r, i in enumerate(p.batch):
             n = int(p.lens[r])
             row, col = (0, starts[r]) if packed else (r, 0)
-            self.lps[i] = lp[row, col:col + n]
-            self.greedy[i] = is_max[row, col:col + n]
+            self.lps[i] = lp[row, col : col + n]
+            self.greedy[i] = is_max[row, col : col + n]
             ok = bool(torch.isfinite(self.lps[i]).all())
             if self.tops is not None:
-                self.tops[i] = (p.host[3][row, col:col + n], p.host[2][row, col:col + n])
+                self.tops[i] = (p.host[3][row, col : col + n], p.host[2][row, col : col + n])
                 ok = ok and bool(torch.isfinite(self.tops[i][1]).all())
             self.finite[i] = ok
 
 
-def _row_sums(lp: torch.Tensor, greedy: torch.Tensor, start: int
-              ) -> tuple[int, float | None, float | None, float | None, bool | None]:
+def _row_sums(
+    lp: torch.Tensor, greedy: torch.Tensor, start: int
+) -> tuple[int, float | None, float | None, float | None, bool | None]:
     """(num_scored, sum, mean, perplexity, is_greedy) over positions ``start:``; nulls when no token is scored.
 
     A row with nothing to score (an empty response, a one-token text, an empty id list) is kept and flagged rather
@@ -229,11 +245,18 @@ def _labelled(error: str, where: str, row: int, label: Any) -> str:
     """A bad row's error with its index label beside its position: ``partition 3: row 5 (index 'a'), ...``."""
     prefix = f"{where}: row {row}, "
     assert error.startswith(prefix), (error, prefix)  # every row error is made by dask_lm.data.rows._bad
-    return f"{where}: {_row_name(row, label, True)}, {error[len(prefix):]}"
+    return f"{where}: {_row_name(row, label, True)}, {error[len(prefix) :]}"
 
 
-def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: str, bad_fix: str,
-               labels: Sequence[Any] | None = None, report: Callable[[int], None] | None = None) -> ScoredRows:
+def score_rows(
+    frames: Sequence[tuple[Any, int]],
+    opts: ScoreOptions,
+    *,
+    where: str,
+    bad_fix: str,
+    labels: Sequence[Any] | None = None,
+    report: Callable[[int], None] | None = None,
+) -> ScoredRows:
     """Read, check, tokenize and score one partition's rows with this worker's replica for ``opts``; write nothing.
 
     ``frames`` are the partition's rows: pandas frames (Arrow-backed columns, or Python objects), each with the
@@ -250,8 +273,16 @@ def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: 
 
     rep = replicas.replica_for(opts)
     with rep.lock:
-        startup = {"load_seconds": rep.load_seconds, "compile_seconds": rep.compile_seconds,
-                   "load_phases": rep.load_phases, "ready_at": rep.ready_at} if rep.fresh else {}
+        startup = (
+            {
+                "load_seconds": rep.load_seconds,
+                "compile_seconds": rep.compile_seconds,
+                "load_phases": rep.load_phases,
+                "ready_at": rep.ready_at,
+            }
+            if rep.fresh
+            else {}
+        )
         rep.fresh = False
         if report is not None:
             report(0)  # the replica is ready: the job's bar stops saying that the model loads
@@ -261,16 +292,24 @@ def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: 
         rows = PreparedRows([], [], [], [])
         row_no: list[int] = []  # each row's number in `where`, for messages and _errors.parquet
         for frame, first in frames:
-            got = prepare_rows(frame, opts, tokenizer=rep.tokenizer, vocab_size=rep.vocab_size,
-                               max_positions=rep.max_positions, file=where, first_row=first)
+            got = prepare_rows(
+                frame,
+                opts,
+                tokenizer=rep.tokenizer,
+                vocab_size=rep.vocab_size,
+                max_positions=rep.max_positions,
+                file=where,
+                first_row=first,
+            )
             rows.ids += got.ids
             rows.start += got.start
             rows.truncated += got.truncated
             rows.errors += got.errors
             row_no += range(first, first + len(frame))
         if labels is not None:
-            rows.errors = [e if e is None else _labelled(e, where, row_no[i], labels[i])
-                           for i, e in enumerate(rows.errors)]
+            rows.errors = [
+                e if e is None else _labelled(e, where, row_no[i], labels[i]) for i, e in enumerate(rows.errors)
+            ]
         t_model = time.perf_counter()
         bad = [i for i, e in enumerate(rows.errors) if e is not None]
         if bad and not opts.skip_bad_rows:
@@ -283,20 +322,29 @@ def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: 
     t_output = time.perf_counter()
     nonfinite = [keep[j] for j, ok in enumerate(finite) if not ok]
     if nonfinite and not opts.allow_nonfinite:
-        first_bad = _row_name(row_no[nonfinite[0]], labels[nonfinite[0]] if labels is not None else None,
-                              labels is not None)
+        first_bad = _row_name(
+            row_no[nonfinite[0]], labels[nonfinite[0]] if labels is not None else None, labels is not None
+        )
         # raised before anything is written: no part under its final name, so the job ends without _SUCCESS
-        raise NonFiniteError(f"the model produced non-finite logprobs (NaN/inf) on {len(nonfinite)} of {len(keep)} "
-                             f"rows of {where} (first: {first_bad}): its weights may hold NaN/inf, or the "
-                             f"precision overflows (try {opt('precision', 'fp32')}); pass "
-                             f"{opt('allow_nonfinite', True)} to keep them")
+        raise NonFiniteError(
+            f"the model produced non-finite logprobs (NaN/inf) on {len(nonfinite)} of {len(keep)} "
+            f"rows of {where} (first: {first_bad}): its weights may hold NaN/inf, or the "
+            f"precision overflows (try {opt('precision', 'fp32')}); pass "
+            f"{opt('allow_nonfinite', True)} to keep them"
+        )
     sums = [_row_sums(lps[j], greedy[j], rows.start[i]) for j, i in enumerate(keep)]
     counts = [len(ids) for ids in good]
     values: dict[str, Any] = {
-        "num_tokens": counts, "prompt_tokens": [min(rows.start[i], n) for i, n in zip(keep, counts)],
-        "num_scored": [s[0] for s in sums], "truncated": [rows.truncated[i] for i in keep],
-        "logprobs": _list_column(lps, pa.list_(pa.float32())), "sum_logprob": [s[1] for s in sums],
-        "mean_logprob": [s[2] for s in sums], "perplexity": [s[3] for s in sums], "is_greedy": [s[4] for s in sums]}
+        "num_tokens": counts,
+        "prompt_tokens": [min(rows.start[i], n) for i, n in zip(keep, counts)],
+        "num_scored": [s[0] for s in sums],
+        "truncated": [rows.truncated[i] for i in keep],
+        "logprobs": _list_column(lps, pa.list_(pa.float32())),
+        "sum_logprob": [s[1] for s in sums],
+        "mean_logprob": [s[2] for s in sums],
+        "perplexity": [s[3] for s in sums],
+        "is_greedy": [s[4] for s in sums],
+    }
     if tops is not None:
         values["topk_ids"] = _list_column([t[0] for t in tops], pa.list_(pa.list_(pa.int32())))
         values["topk_logprobs"] = _list_column([t[1] for t in tops], pa.list_(pa.list_(pa.float32())))
@@ -304,24 +352,40 @@ def score_rows(frames: Sequence[tuple[Any, int]], opts: ScoreOptions, *, where: 
             with rep.lock:  # a fast tokenizer used by two threads at once may raise "Already borrowed"
                 values["topk_tokens"] = decode_topk_column(rep.tokenizer, values["topk_ids"])
     columns = pio.output_schema_columns(opts.topk, opts.decode_topk)
-    table = pa.table({name: values[name] if isinstance(values[name], pa.Array) else pa.array(values[name], type_)
-                      for name, type_ in columns})
+    table = pa.table(
+        {
+            name: values[name] if isinstance(values[name], pa.Array) else pa.array(values[name], type_)
+            for name, type_ in columns
+        }
+    )
     tokens = sum(counts)
     from distributed.metrics import context_meter
 
     context_meter.digest_metric("tokens", tokens, "count")  # summed per span on the dashboard
-    stats = {"rows": len(keep), "tokens": tokens, "empty_rows": sum(1 for s in sums if s[0] == 0),
-             "truncated_rows": sum(values["truncated"]), "nonfinite_rows": len(nonfinite), **startup,
-             # where a partition's time goes (ScoreResult.phase_seconds sums them over the job): reading and
-             # checking the rows, the model (forwards, heads, results to the host), building (and writing) the output
-             "phases": {"rows": t_model - t_rows, "model": t_output - t_model,
-                        "output": time.perf_counter() - t_output}}
+    stats = {
+        "rows": len(keep),
+        "tokens": tokens,
+        "empty_rows": sum(1 for s in sums if s[0] == 0),
+        "truncated_rows": sum(values["truncated"]),
+        "nonfinite_rows": len(nonfinite),
+        **startup,
+        # where a partition's time goes (ScoreResult.phase_seconds sums them over the job): reading and
+        # checking the rows, the model (forwards, heads, results to the host), building (and writing) the output
+        "phases": {"rows": t_model - t_rows, "model": t_output - t_model, "output": time.perf_counter() - t_output},
+    }
     errors = [e for e in (rows.errors[i] for i in bad) if e is not None]  # all of them: bad rows have errors
     return ScoredRows(keep=keep, table=table, bad=bad, errors=errors, stats=stats)
 
 
-def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], index: int, file: str,
-                    opts: ScoreOptions, progress_id: str | None = None) -> dict[str, Any]:
+def score_partition(
+    pieces: list[Any],
+    firsts: list[int],
+    counts: list[int],
+    index: int,
+    file: str,
+    opts: ScoreOptions,
+    progress_id: str | None = None,
+) -> dict[str, Any]:
     """Score one span of rows (:mod:`dask_lm.scoring.spans`) and write ``part-<index>.parquet`` (and its bad rows)
     atomically: ``score_parquet``'s file job over :func:`score_rows`.
 
@@ -337,8 +401,10 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
     t0 = time.perf_counter()
     for piece, first, n in zip(pieces, firsts, counts):
         if not isinstance(piece, pio.UnreadableRowGroup) and len(piece) != n:
-            raise RuntimeError(f"partition {index}: rows {first}.. of {file} came back as {len(piece)} rows, the "
-                               f"footer says {n}: the reader split the dataset differently than planned")
+            raise RuntimeError(
+                f"partition {index}: rows {first}.. of {file} came back as {len(piece)} rows, the "
+                f"footer says {n}: the reader split the dataset differently than planned"
+            )
     unreadable = [p for p in pieces if isinstance(p, pio.UnreadableRowGroup)]
     if unreadable and not opts.skip_bad_rows:
         raise BadRowError(f"{unreadable[0].message()}, or pass {opt('skip_bad_rows', True)} to leave its rows out")
@@ -347,9 +413,14 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
     readable = [(p, first) for p, first in zip(pieces, firsts) if not isinstance(p, pio.UnreadableRowGroup)]
     if not readable:
         return _unreadable(unreadable[0].schema, lost_rows, lost_errors, index, file, opts, t0)
-    scored = score_rows(readable, opts, where=file, report=_rows_reporter(progress_id, index),
-                        bad_fix=f"fix the data, or {again(resume=True, skip_bad_rows=True)} to leave bad rows out "
-                                "(the parts already written are kept)")
+    scored = score_rows(
+        readable,
+        opts,
+        where=file,
+        report=_rows_reporter(progress_id, index),
+        bad_fix=f"fix the data, or {again(resume=True, skip_bad_rows=True)} to leave bad rows out "
+        "(the parts already written are kept)",
+    )
     t_write = time.perf_counter()
     import pandas as pd
 
@@ -371,20 +442,38 @@ def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], ind
     written = _write_proved(table, index, file, firsts[0], sum(counts), bad_rows, opts)
     stats = scored.stats
     stats["phases"]["output"] += time.perf_counter() - t_write
-    return {"part": index, **stats, "bad_rows": bad_rows, "seconds": time.perf_counter() - t0,
-            "worker": _worker_address(), "stamp": written}
+    return {
+        "part": index,
+        **stats,
+        "bad_rows": bad_rows,
+        "seconds": time.perf_counter() - t0,
+        "worker": _worker_address(),
+        "stamp": written,
+    }
 
 
-def _write_proved(table: Any, index: int, file: str, first_row: int, num_rows: int, bad_rows: int,
-                  opts: ScoreOptions) -> tuple[int, int, int]:
+def _write_proved(
+    table: Any, index: int, file: str, first_row: int, num_rows: int, bad_rows: int, opts: ScoreOptions
+) -> tuple[int, int, int]:
     """Write part ``index`` with its proof (:mod:`dask_lm.io.part_proof`: the job, the span, the counts); returns
     its stamp as written, with which the job's last check knows it unchanged without reading it again."""
     from dask_lm.io import parquet as pio
     from dask_lm.io import part_proof
     from dask_lm.io.fingerprint import stamp
 
-    proof = part_proof.PartProof(identity=opts.identity, part=index, file=file, first_row=first_row,
-                                 num_rows=num_rows, rows=table.num_rows, bad_rows=bad_rows) if opts.identity else None
+    proof = (
+        part_proof.PartProof(
+            identity=opts.identity,
+            part=index,
+            file=file,
+            first_row=first_row,
+            num_rows=num_rows,
+            rows=table.num_rows,
+            bad_rows=bad_rows,
+        )
+        if opts.identity
+        else None
+    )
     written = stamp(pio.write_part(table, opts.output, pio.part_name(index), proof))
     return written.size, written.mtime_ns, written.ctime_ns
 
@@ -420,8 +509,9 @@ def _list_column(rows: list[torch.Tensor], type_: Any) -> Any:
     return column
 
 
-def _unreadable(schema: Any, rows: list[int], errors: list[str], index: int, file: str, opts: ScoreOptions,
-                t0: float) -> dict[str, Any]:
+def _unreadable(
+    schema: Any, rows: list[int], errors: list[str], index: int, file: str, opts: ScoreOptions, t0: float
+) -> dict[str, Any]:
     """A span none of whose row groups can be decoded, with ``skip_bad_rows``: an empty part (the output schema,
     no rows) and one ``_errors.parquet`` entry per row, so that rows written plus rows listed still add up to the
     input."""
@@ -437,5 +527,15 @@ def _unreadable(schema: Any, rows: list[int], errors: list[str], index: int, fil
     _refuse_if_cancelled(index)
     pio.write_part(pio.errors_table(index, file, rows, errors), pio.errors_dir(opts.output), pio.part_name(index))
     written = _write_proved(table, index, file, rows[0], len(rows), len(rows), opts)  # last: it marks the part done
-    return {"part": index, "rows": 0, "tokens": 0, "bad_rows": len(rows), "empty_rows": 0, "truncated_rows": 0,
-            "nonfinite_rows": 0, "seconds": time.perf_counter() - t0, "worker": _worker_address(), "stamp": written}
+    return {
+        "part": index,
+        "rows": 0,
+        "tokens": 0,
+        "bad_rows": len(rows),
+        "empty_rows": 0,
+        "truncated_rows": 0,
+        "nonfinite_rows": 0,
+        "seconds": time.perf_counter() - t0,
+        "worker": _worker_address(),
+        "stamp": written,
+    }

@@ -21,6 +21,7 @@ otherwise is refused instead of mixing two cuts.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -52,8 +53,9 @@ def task_tokens(total_tokens: float) -> int:
     return int(min(MAX_TASK_TOKENS, max(MIN_TASK_TOKENS, total_tokens / TASKS_PER_JOB)))
 
 
-def plan_spans(groups: list[tuple[str, int, int, int]], group_tokens: list[float], target: int | None = None
-               ) -> list[Span]:
+def plan_spans(
+    groups: list[tuple[str, int, int, int]], group_tokens: list[float], target: int | None = None
+) -> list[Span]:
     """The spans of a dataset whose row groups are ``groups`` (file, group in the file, first row, rows: the
     ``ScoreInputs.partitions``) holding about ``group_tokens`` tokens each, for tasks of about ``target`` tokens
     (default: :func:`task_tokens` of the whole; 0: one span per row group, as written)."""
@@ -80,7 +82,7 @@ def plan_spans(groups: list[tuple[str, int, int, int]], group_tokens: list[float
             flush()
             pieces = min(rows, math.ceil(tokens / target))
             bounds = [j * rows // pieces for j in range(pieces + 1)]  # pieces <= rows: no empty slice
-            spans += [Span(file, (i,), first + a, b - a, a, whole=False) for a, b in zip(bounds, bounds[1:])]
+            spans += [Span(file, (i,), first + a, b - a, a, whole=False) for a, b in itertools.pairwise(bounds)]
             continue
         run.append(i)
         run_tokens += tokens

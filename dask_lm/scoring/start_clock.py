@@ -31,8 +31,7 @@ class StartClock:
         if "began_at" in got:
             self.phases["config_check_began"] = got["began_at"] - self.started_at
             self.phases["config_checked"] = got["checked_at"] - self.started_at
-            self.config_imports = {"config_check_torch_import": got["torch_import"],
-                                   "config_check_rest": got["config"]}
+            self.config_imports = {"config_check_torch_import": got["torch_import"], "config_check_rest": got["config"]}
 
     def workers(self, preloads: list[Any]) -> list[dict[str, Any]]:
         """The workers' start, from their preloads (those done; wall clock, so on one host or NTP-close ones):
@@ -40,8 +39,11 @@ class StartClock:
         preloads' reports."""
         got = [f.result() for f in preloads if f.done() and f.status == "finished"]
         got = [g for g in got if isinstance(g, dict) and "error" not in g]
-        for phase, key in (("worker_processes", "process_started_at"), ("preloads_began", "began_at"),
-                           ("replicas_ready", "ready_at")):
+        for phase, key in (
+            ("worker_processes", "process_started_at"),
+            ("preloads_began", "began_at"),
+            ("replicas_ready", "ready_at"),
+        ):
             stamps = [g[key] for g in got if g.get(key)]
             if stamps:
                 self.phases[phase] = max(stamps) - self.started_at
@@ -68,9 +70,13 @@ class StartClock:
         so only what is left of them counts as ``model_load`` (their whole length is the result's
         ``model_load_seconds``). :meth:`closed` adds the last step."""
         ends, at = {}, 0.0
-        for phase, end in (("checks", self.phases["checks"]), ("cluster_start", self.phases["cluster"]),
-                           ("model_load", ready_at - compile_s - self.started_at),
-                           ("compile", ready_at - self.started_at), ("scoring", scored_at - self.started_at)):
+        for phase, end in (
+            ("checks", self.phases["checks"]),
+            ("cluster_start", self.phases["cluster"]),
+            ("model_load", ready_at - compile_s - self.started_at),
+            ("compile", ready_at - self.started_at),
+            ("scoring", scored_at - self.started_at),
+        ):
             at = ends[phase] = max(at, end)  # the driver's clocks and the workers' wall clocks may differ a little
         steps, before = {}, 0.0
         for phase, end in ends.items():

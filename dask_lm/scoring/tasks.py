@@ -16,8 +16,15 @@ if TYPE_CHECKING:
 __all__ = ["score_partition", "sampling_profiler_paused", "check_model_config", "preload_scorer", "release_scorers"]
 
 
-def score_partition(pieces: list[Any], firsts: list[int], counts: list[int], index: int, file: str,
-                    opts: ScoreOptions, progress_id: str | None = None) -> dict[str, Any]:
+def score_partition(
+    pieces: list[Any],
+    firsts: list[int],
+    counts: list[int],
+    index: int,
+    file: str,
+    opts: ScoreOptions,
+    progress_id: str | None = None,
+) -> dict[str, Any]:
     """``score_parquet``: score one span on this worker (:func:`dask_lm.scoring.scorer.score_partition`)."""
     from dask_lm import interface
     from dask_lm.scoring import scorer
@@ -68,8 +75,9 @@ def check_model_config(model: str) -> dict[str, Any]:
     return {"vocab": vocab, "began_at": began, "torch_import": t1 - t0, "config": time.perf_counter() - t1}
 
 
-def preload_scorer(model: str, tokenizer: str, precision: str | None, compile: bool, compile_head: bool = False
-                   ) -> dict[str, Any]:
+def preload_scorer(
+    model: str, tokenizer: str, precision: str | None, compile: bool, compile_head: bool = False
+) -> dict[str, Any]:
     """``score_parquet``: load this worker's replica while the driver checks
     (:func:`dask_lm.scoring.replicas.preload_replica`)."""
     with sampling_profiler_paused():  # the model's modeling module is imported here, once per worker process

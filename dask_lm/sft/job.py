@@ -43,18 +43,22 @@ from dask_lm.io import parquet as pio
 from dask_lm.io import safe_paths
 from dask_lm.jobs import folder, interrupts, model_files
 from dask_lm.jobs.output import JobKind, JobOutput
-from dask_lm.sft.spec import SFTSpec
 from dask_lm.jobs.resume import spec_for
 from dask_lm.jobs.start import ClusterStart, running, worker_precision
+from dask_lm.sft.spec import SFTSpec
 
 __all__ = ["sft_parquet", "SFTResult"]
 
 _STEP = re.compile(r"^step_(\d+)$")
 # what a save killed inside model_files.publishing leaves: its temporary, or the step it was replacing
 _STALE_STEP = r"\.step_\d+\.(?:tmp|old)-[0-9A-Za-z]+"
-_KIND = JobKind(name="sft run", did="trained", owned=r"step_\d+",
-                debris=functools.partial(folder.remove_stale, pattern=_STALE_STEP),
-                flags=SFTSpec.flags())
+_KIND = JobKind(
+    name="sft run",
+    did="trained",
+    owned=r"step_\d+",
+    debris=functools.partial(folder.remove_stale, pattern=_STALE_STEP),
+    flags=SFTSpec.flags(),
+)
 
 
 @dataclass
@@ -91,14 +95,31 @@ def _finished(output: str, newest: tuple[int, str]) -> SFTResult:
     """``resume`` of a run that reached its last step: its ``_SUCCESS`` summary, no cluster, no file touched."""
     state = _training_state(newest[1])
     summary = folder.read_summary(output)
-    return SFTResult(output=output, steps=int(state["step"]), epochs_completed=int(summary.get("epochs_completed", 0)),
-                     losses=list(state.get("losses", [])), resumed_from=newest[0], seconds=0.0,
-                     checkpoint=newest[1], tokens=int(summary.get("tokens") or 0), already_complete=True)
+    return SFTResult(
+        output=output,
+        steps=int(state["step"]),
+        epochs_completed=int(summary.get("epochs_completed", 0)),
+        losses=list(state.get("losses", [])),
+        resumed_from=newest[0],
+        seconds=0.0,
+        checkpoint=newest[1],
+        tokens=int(summary.get("tokens") or 0),
+        already_complete=True,
+    )
 
 
-def _tokenize_partition(pdf: Any, text_column: str | None, prompt_column: str | None, response_column: str | None,
-                        tokenizer_dir: str, file: str, first_row: int, convention: Convention = "lm-eval",
-                        max_length: int | None = None, truncate: bool = False) -> list[tuple[list[int], int]]:
+def _tokenize_partition(
+    pdf: Any,
+    text_column: str | None,
+    prompt_column: str | None,
+    response_column: str | None,
+    tokenizer_dir: str,
+    file: str,
+    first_row: int,
+    convention: Convention = "lm-eval",
+    max_length: int | None = None,
+    truncate: bool = False,
+) -> list[tuple[list[int], int]]:
     """(token ids, first trained position) per row, on a worker; every row trains, so a bad one fails the run. A
     text too long for ``max_length`` tokens by its bytes alone (:func:`dask_lm.data.text_bytes.text_bound`) is
     refused before it is tokenized."""
@@ -107,9 +128,18 @@ def _tokenize_partition(pdf: Any, text_column: str | None, prompt_column: str | 
     errors: list[str | None] = [None] * len(pdf)
     tokenizer = _tokenizer(tokenizer_dir)
     bound = text_bound(tokenizer, max_length, opt("max_length", max_length), truncate)
-    ids, prompt_lens = tokenize_rows(pdf, tokenizer, text_column=text_column,
-                                     prompt_column=prompt_column, response_column=response_column, file=file,
-                                     first_row=first_row, errors=errors, convention=convention, bound=bound)
+    ids, prompt_lens = tokenize_rows(
+        pdf,
+        tokenizer,
+        text_column=text_column,
+        prompt_column=prompt_column,
+        response_column=response_column,
+        file=file,
+        first_row=first_row,
+        errors=errors,
+        convention=convention,
+        bound=bound,
+    )
     bad = next((e for e in errors if e is not None), None)
     if bad is not None:
         raise ValueError(bad)
@@ -137,15 +167,18 @@ def _batch(rows: list[tuple[list[int], int]], size: int, pad_id: int) -> Any:
     token_mask = torch.zeros(size, width)
     for b, (toks, start) in enumerate(rows):
         ids[b, : len(toks)] = torch.tensor(toks)
-        token_mask[b, start: len(toks)] = 1.0  # position t trains log p(token t | tokens < t)
+        token_mask[b, start : len(toks)] = 1.0  # position t trains log p(token t | tokens < t)
     lengths = torch.tensor([len(toks) for toks, _ in rows])
     sample_mask = (torch.arange(size) < real).float()
     return BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=sample_mask)
 
 
 def _newest_checkpoint(output: str) -> tuple[int, str] | None:
-    steps = [(int(m.group(1)), os.path.join(output, d)) for d in os.listdir(output)
-             if (m := _STEP.match(d)) and os.path.exists(os.path.join(output, d, "training_state.json"))]
+    steps = [
+        (int(m.group(1)), os.path.join(output, d))
+        for d in os.listdir(output)
+        if (m := _STEP.match(d)) and os.path.exists(os.path.join(output, d, "training_state.json"))
+    ]
     return max(steps) if steps else None
 
 
@@ -156,25 +189,48 @@ def _order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-def _step_rows(rows: list[tuple[list[int], int]], step: int, global_batch_size: int, seed: int, shuffle: bool
-               ) -> list[tuple[list[int], int]]:
+def _step_rows(
+    rows: list[tuple[list[int], int]], step: int, global_batch_size: int, seed: int, shuffle: bool
+) -> list[tuple[list[int], int]]:
     """The rows of optimizer step ``step`` (0-based): a function of the step alone, so a resumed run trains on the
     rows the uninterrupted run would have, and can count what its earlier steps trained on."""
     steps_per_epoch = math.ceil(len(rows) / global_batch_size)
     epoch, within = divmod(step, steps_per_epoch)
     order = _order(len(rows), epoch, seed, shuffle)
-    return [rows[i] for i in order[within * global_batch_size:(within + 1) * global_batch_size]]
+    return [rows[i] for i in order[within * global_batch_size : (within + 1) * global_batch_size]]
 
 
-def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.PathLike[str] | None = None,
-                client: Any = None, text_column: str | None = None, prompt_column: str | None = None,
-                response_column: str | None = None, epochs: int | None = None, max_steps: int | None = None,
-                global_batch_size: int | None = None, micro_batch_size: int | None = None, lr: float | None = None,
-                weight_decay: float | None = None, warmup_steps: int | None = None, max_length: int | None = None,
-                truncate: bool | None = None, precision: str | None = None, save_every: int | None = None,
-                keep: int | None = None, seed: int | None = None, shuffle: bool | None = None, resume: bool = False,
-                progress: bool = True, scheduler_address: str | None = None, n_workers: int | None = None,
-                revision: str | None = None, overwrite: bool = False, convention: str | None = None) -> SFTResult:
+def sft_parquet(
+    input: Any,
+    output: str | os.PathLike[str],
+    *,
+    model: str | os.PathLike[str] | None = None,
+    client: Any = None,
+    text_column: str | None = None,
+    prompt_column: str | None = None,
+    response_column: str | None = None,
+    epochs: int | None = None,
+    max_steps: int | None = None,
+    global_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    lr: float | None = None,
+    weight_decay: float | None = None,
+    warmup_steps: int | None = None,
+    max_length: int | None = None,
+    truncate: bool | None = None,
+    precision: str | None = None,
+    save_every: int | None = None,
+    keep: int | None = None,
+    seed: int | None = None,
+    shuffle: bool | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    scheduler_address: str | None = None,
+    n_workers: int | None = None,
+    revision: str | None = None,
+    overwrite: bool = False,
+    convention: str | None = None,
+) -> SFTResult:
     """Fine-tune ``model`` with NLL on a parquet dataset; see the module docstring. ``ValueError`` on bad input
     (before any cluster starts), a resumable checkpoint every ``save_every`` steps. An output holding a run is
     refused unless ``resume`` (continue it; one that already reached its last step returns at once, without a
@@ -199,15 +255,24 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
     out.settings = spec.manifest_settings()
     source, info = model_files.resolve_model(spec.model, revision=revision)
     model = source.path
-    model_files.resolve_tokenizer(None, model, fix="sft trains with the model's own tokenizer: put its files beside "
-                                  "the weights")
-    inputs = pio.inspect_inputs(out.files, text_column=spec.text_column, ids_column=None, prompt_column=spec.prompt_column,
-                                response_column=spec.response_column, id_column=None)
+    model_files.resolve_tokenizer(
+        None, model, fix="sft trains with the model's own tokenizer: put its files beside the weights"
+    )
+    inputs = pio.inspect_inputs(
+        out.files,
+        text_column=spec.text_column,
+        ids_column=None,
+        prompt_column=spec.prompt_column,
+        response_column=spec.response_column,
+        id_column=None,
+    )
     if inputs.num_rows == 0:
         files = out.files
         shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-        raise ValueError(f"the input has no rows: {shown} hold{'s' if len(files) == 1 else ''} 0 rows, nothing to "
-                         "train on; check the input path")
+        raise ValueError(
+            f"the input has no rows: {shown} hold{'s' if len(files) == 1 else ''} 0 rows, nothing to "
+            "train on; check the input path"
+        )
     manifest, pins = model_files.manifest(source, info, inputs, spec.manifest_options())
     tokenizer = transformers.AutoTokenizer.from_pretrained(model, trust_remote_code=False)
     pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
@@ -226,23 +291,50 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                 precision = spec.fixed_precision or worker_precision(dask_client)
                 out.pin_precision(precision)
                 bar.wait("tokenizing the rows")
-                rows = _tokenize_all(dask_client, inputs, pins, spec.text_column, spec.prompt_column, spec.response_column, model,
-                                     spec.max_length, spec.truncate, cast("Convention", spec.convention))
+                rows = _tokenize_all(
+                    dask_client,
+                    inputs,
+                    pins,
+                    spec.text_column,
+                    spec.prompt_column,
+                    spec.response_column,
+                    model,
+                    spec.max_length,
+                    spec.truncate,
+                    cast("Convention", spec.convention),
+                )
                 steps_per_epoch = math.ceil(len(rows) / spec.global_batch_size)
-                total = steps_per_epoch * spec.epochs if spec.max_steps is None else min(spec.max_steps, steps_per_epoch * spec.epochs)
+                total = (
+                    steps_per_epoch * spec.epochs
+                    if spec.max_steps is None
+                    else min(spec.max_steps, steps_per_epoch * spec.epochs)
+                )
                 bar.wait("loading the model", total=total)
-                cfg = _policy_config(model, precision, spec.global_batch_size, spec.micro_batch_size, spec.max_length, spec.lr, spec.weight_decay,
-                                     spec.warmup_steps)
+                cfg = _policy_config(
+                    model,
+                    precision,
+                    spec.global_batch_size,
+                    spec.micro_batch_size,
+                    spec.max_length,
+                    spec.lr,
+                    spec.weight_decay,
+                    spec.warmup_steps,
+                )
                 state: dict[str, Any] = {"step": 0, "losses": []}  # what training_state.json holds
                 paths: dict[str, Any] = {}
                 if start is not None:
                     state = _training_state(start[1])
-                    paths = {"weights_path": os.path.join(start[1], "weights"),
-                             "optimizer_path": os.path.join(start[1], "optimizer")}
+                    paths = {
+                        "weights_path": os.path.join(start[1], "weights"),
+                        "optimizer_path": os.path.join(start[1], "optimizer"),
+                    }
                 t0 = time.perf_counter()
                 # the checkpoint's earlier steps count in the total: what the trained model has seen
-                earlier = sum(len(ids) for step in range(state["step"])
-                              for ids, _first in _step_rows(rows, step, spec.global_batch_size, spec.seed, spec.shuffle))
+                earlier = sum(
+                    len(ids)
+                    for step in range(state["step"])
+                    for ids, _first in _step_rows(rows, step, spec.global_batch_size, spec.seed, spec.shuffle)
+                )
                 tokens, train_s, save_s = 0, 0.0, 0.0
                 with dask_lm.Policy(dask_client, cfg, tokenizer, init_reference_model=False, **paths) as policy:
                     last = state["step"]
@@ -266,10 +358,19 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
                     if last != state["step"]:  # nothing to train (resumed at the end): make sure a checkpoint exists
                         _save(policy, out.path, state, spec.keep)
                 seconds = time.perf_counter() - t0
-                done = SFTResult(output=out.path, steps=state["step"], epochs_completed=state["step"] // steps_per_epoch,
-                                 losses=state["losses"], resumed_from=start[0] if start else None, seconds=seconds,
-                                 checkpoint=os.path.join(out.path, f"step_{state['step']}"), tokens=earlier + tokens, run_tokens=tokens,
-                                 train_seconds=train_s, checkpoint_seconds=save_s)
+                done = SFTResult(
+                    output=out.path,
+                    steps=state["step"],
+                    epochs_completed=state["step"] // steps_per_epoch,
+                    losses=state["losses"],
+                    resumed_from=start[0] if start else None,
+                    seconds=seconds,
+                    checkpoint=os.path.join(out.path, f"step_{state['step']}"),
+                    tokens=earlier + tokens,
+                    run_tokens=tokens,
+                    train_seconds=train_s,
+                    checkpoint_seconds=save_s,
+                )
                 out.finish(done.__dict__)
                 return done
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the cluster is closed; one line says what is kept
@@ -279,8 +380,9 @@ def sft_parquet(input: Any, output: str | os.PathLike[str], *, model: str | os.P
 def _interrupted(out: JobOutput, e: BaseException) -> interrupts.JobInterrupted:
     newest = _newest_checkpoint(out.path) if os.path.exists(os.path.join(out.path, pio.MANIFEST)) else None
     if newest is not None:
-        message = (f"interrupted: checkpoint step_{newest[0]} kept in {out.path}; {again(resume=True)} to train on "
-                   "from it")
+        message = (
+            f"interrupted: checkpoint step_{newest[0]} kept in {out.path}; {again(resume=True)} to train on from it"
+        )
     elif os.path.exists(os.path.join(out.path, pio.MANIFEST)):
         message = f"interrupted: no checkpoint yet in {out.path}; {again(resume=True)} to start it"
     else:
@@ -288,36 +390,65 @@ def _interrupted(out: JobOutput, e: BaseException) -> interrupts.JobInterrupted:
     return interrupts.JobInterrupted(message, interrupts.signum_of(e))
 
 
-def _policy_config(model: str, precision: str, global_batch_size: int, micro_batch_size: int, max_length: int,
-                   lr: float, weight_decay: float, warmup_steps: int) -> dict[str, Any]:
+def _policy_config(
+    model: str,
+    precision: str,
+    global_batch_size: int,
+    micro_batch_size: int,
+    max_length: int,
+    lr: float,
+    weight_decay: float,
+    warmup_steps: int,
+) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "model_name": model, "precision": precision, "train_global_batch_size": global_batch_size,
-        "train_micro_batch_size": micro_batch_size, "max_total_sequence_length": max_length,
-        "logprob_batch_size": micro_batch_size, "max_grad_norm": 1.0,
-        "dynamic_batching": {"enabled": True, "train_mb_tokens": max_length * micro_batch_size,
-                             "logprob_mb_tokens": max_length * micro_batch_size},
-        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": lr, "weight_decay": weight_decay}}}
+        "model_name": model,
+        "precision": precision,
+        "train_global_batch_size": global_batch_size,
+        "train_micro_batch_size": micro_batch_size,
+        "max_total_sequence_length": max_length,
+        "logprob_batch_size": micro_batch_size,
+        "max_grad_norm": 1.0,
+        "dynamic_batching": {
+            "enabled": True,
+            "train_mb_tokens": max_length * micro_batch_size,
+            "logprob_mb_tokens": max_length * micro_batch_size,
+        },
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": lr, "weight_decay": weight_decay}},
+    }
     if warmup_steps:
-        cfg["scheduler"] = [{"name": "torch.optim.lr_scheduler.LinearLR",
-                             "kwargs": {"start_factor": 1.0 / (warmup_steps + 1), "end_factor": 1.0,
-                                        "total_iters": warmup_steps}},
-                            {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0,
-                                                                                      "total_iters": 1}},
-                            {"milestones": [warmup_steps]}]
+        cfg["scheduler"] = [
+            {
+                "name": "torch.optim.lr_scheduler.LinearLR",
+                "kwargs": {"start_factor": 1.0 / (warmup_steps + 1), "end_factor": 1.0, "total_iters": warmup_steps},
+            },
+            {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0, "total_iters": 1}},
+            {"milestones": [warmup_steps]},
+        ]
     return cfg
 
 
-def _tokenize_all(client: Any, inputs: pio.ScoreInputs, pins: list[Any], text_column: str | None,
-                  prompt_column: str | None, response_column: str | None, tokenizer_dir: str, max_length: int,
-                  truncate: bool, convention: Convention) -> list[tuple[list[int], int]]:
+def _tokenize_all(
+    client: Any,
+    inputs: pio.ScoreInputs,
+    pins: list[Any],
+    text_column: str | None,
+    prompt_column: str | None,
+    response_column: str | None,
+    tokenizer_dir: str,
+    max_length: int,
+    truncate: bool,
+    convention: Convention,
+) -> list[tuple[list[int], int]]:
     import dask
 
     columns = [c for c in (text_column, prompt_column, response_column) if c]
     parts = model_files.located_partitions(inputs, columns, pins)
-    tasks = [dask.delayed(_tokenize_partition, pure=False)(p, text_column, prompt_column, response_column,
-                                                           tokenizer_dir, f, first, convention, max_length,
-                                                           truncate)
-             for p, (f, _g, first, _n) in zip(parts, inputs.partitions)]
+    tasks = [
+        dask.delayed(_tokenize_partition, pure=False)(
+            p, text_column, prompt_column, response_column, tokenizer_dir, f, first, convention, max_length, truncate
+        )
+        for p, (f, _g, first, _n) in zip(parts, inputs.partitions)
+    ]
     rows: list[tuple[list[int], int]] = []
     for (file, _g, first, _n), part in zip(inputs.partitions, client.gather(client.compute(tasks))):
         for i, (ids, start) in enumerate(part):
@@ -325,9 +456,11 @@ def _tokenize_all(client: Any, inputs: pio.ScoreInputs, pins: list[Any], text_co
                 raise ValueError(f"{file}: row {first + i}: {len(ids)} token(s), nothing to train on")
             if len(ids) > max_length:
                 if not truncate:
-                    raise ValueError(f"{file}: row {first + i}: {len(ids)} tokens, more than "
-                                     f"{opt('max_length', max_length)}; pass {opt('truncate', True)} or raise "
-                                     f"{opt('max_length')}")
+                    raise ValueError(
+                        f"{file}: row {first + i}: {len(ids)} tokens, more than "
+                        f"{opt('max_length', max_length)}; pass {opt('truncate', True)} or raise "
+                        f"{opt('max_length')}"
+                    )
                 ids = ids[:max_length]
             if start >= len(ids):
                 raise ValueError(f"{file}: row {first + i}: no response token within {opt('max_length', max_length)}")
@@ -341,8 +474,11 @@ def _save(policy: Any, output: str, state: dict[str, Any], keep: int) -> None:
     """``output/step_N`` appears only when weights, optimizer, tokenizer and state are all written and on disk;
     then only the newest ``keep`` steps stay."""
     with model_files.publishing(os.path.join(output, f"step_{state['step']}")) as tmp:
-        policy.save_checkpoint(os.path.join(tmp, "weights"), optimizer_path=os.path.join(tmp, "optimizer"),
-                               tokenizer_path=os.path.join(tmp, "tokenizer"))
+        policy.save_checkpoint(
+            os.path.join(tmp, "weights"),
+            optimizer_path=os.path.join(tmp, "optimizer"),
+            tokenizer_path=os.path.join(tmp, "tokenizer"),
+        )
         pio.write_json_atomic(state, os.path.join(tmp, "training_state.json"))
     steps = sorted((int(m.group(1)), d) for d in os.listdir(output) if (m := _STEP.match(d)))
     for _n, d in steps[:-keep]:

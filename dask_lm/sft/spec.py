@@ -23,34 +23,46 @@ class SFTSpec(JobSpec):
     MODE_COLUMNS = ("text_column", "prompt_column", "response_column")
 
     input: tuple[str, ...] = option(role="source", cli=False, help="Parquet files, directories or globs.")
-    model: str = option(role="source", help="Hugging Face Hub id or model directory to start from. Required, as "
-                        "INPUTS are, except with --resume.")
+    model: str = option(
+        role="source",
+        help="Hugging Face Hub id or model directory to start from. Required, as INPUTS are, except with --resume.",
+    )
     text_column: str | None = option(None, help="Train on every token of this string column.")
     prompt_column: str | None = option(None, help="With --response-column: train on the response tokens only.")
     response_column: str | None = option(None, help="With --prompt-column: the string column trained on.")
-    convention: str = option("lm-eval", choices=("lm-eval", "separate"), help="How text is tokenized, as in dask-lm "
-                             "score --convention.")
+    convention: str = option(
+        "lm-eval", choices=("lm-eval", "separate"), help="How text is tokenized, as in dask-lm score --convention."
+    )
     epochs: int = option(1, help="Passes over the rows.")
-    max_steps: int | None = option(None, role="setting", help="Stop after this many optimizer steps (default: all "
-                                   "the epochs' steps).")
+    max_steps: int | None = option(
+        None, role="setting", help="Stop after this many optimizer steps (default: all the epochs' steps)."
+    )
     global_batch_size: int = option(32, help="Rows per optimizer step.")
-    micro_batch_size: int = option(4, role="setting", help="Rows per forward/backward pass on a worker (token "
-                                   "budget: --max-length times this).")
+    micro_batch_size: int = option(
+        4, role="setting", help="Rows per forward/backward pass on a worker (token budget: --max-length times this)."
+    )
     lr: float = option(1e-5, help="AdamW learning rate.")
     weight_decay: float = option(0.01, help="AdamW weight decay.")
     warmup_steps: int = option(0, help="Linear learning-rate warm-up steps.")
     max_length: int = option(1024, help="Longest row in tokens.")
     truncate: bool = option(False, help="Cut rows over --max-length instead of failing on them.")
-    precision: str = option("auto", choices=("auto", "bf16", "fp32"), help="auto: bf16 (fp32 master weights) on GPU "
-                            "workers, fp32 on CPU ones.")
+    precision: str = option(
+        "auto",
+        choices=("auto", "bf16", "fp32"),
+        help="auto: bf16 (fp32 master weights) on GPU workers, fp32 on CPU ones.",
+    )
     save_every: int = option(100, role="setting", help="Checkpoint every N steps (and at the end).")
     keep: int = option(2, role="setting", help="Newest checkpoints to keep.")
     seed: int = option(0, help="Seed of the per-epoch row order.")
     shuffle: bool = option(True, flag="--no-shuffle", help="Walk the rows in input order.")
 
     def check(self) -> None:
-        check_columns(text_column=self.text_column, prompt_column=self.prompt_column,
-                      response_column=self.response_column, takes_ids=False)
+        check_columns(
+            text_column=self.text_column,
+            prompt_column=self.prompt_column,
+            response_column=self.response_column,
+            takes_ids=False,
+        )
         object.__setattr__(self, "convention", check_convention(self.convention, opt("convention")))
         for key in ("epochs", "global_batch_size", "micro_batch_size", "max_length", "save_every", "keep"):
             if getattr(self, key) < 1:

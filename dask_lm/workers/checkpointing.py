@@ -76,8 +76,9 @@ def _agreement_group(host: CheckpointHost, *, main_group: bool = False) -> Any:
     return host.cpu_group
 
 
-def _write_weights(host: CheckpointHost, trainer: Trainer, tmp: str, max_shard_size: int, *,
-                   staged: dict | None) -> None:
+def _write_weights(
+    host: CheckpointHost, trainer: Trainer, tmp: str, max_shard_size: int, *, staged: dict | None
+) -> None:
     """Gather every weight (all ranks), rank 0 writes shards as they fill, or keeps them in ``staged``."""
     model = host.model
     state = model.state_dict()
@@ -172,8 +173,10 @@ def _prepare(host: CheckpointHost, finals: list[str], tmps: list[str]) -> None:
         return
     for final in finals:
         if os.path.isdir(final) and not _looks_like_checkpoint(final):
-            raise ValueError(f"{final!r} exists and does not look like a checkpoint (no config.json, optimizer or "
-                             "tokenizer files); refusing to replace it: pick an empty or new directory")
+            raise ValueError(
+                f"{final!r} exists and does not look like a checkpoint (no config.json, optimizer or "
+                "tokenizer files); refusing to replace it: pick an empty or new directory"
+            )
     for t in tmps:
         os.makedirs(t, exist_ok=False)
 
@@ -197,9 +200,16 @@ class Checkpointer:
         self.writer = BackgroundWriter()
         self.pending: dict[str, Any] | None = None
 
-    def save(self, *, weights: tuple[str, str] | None, optimizer: tuple[str, str] | None,
-             tokenizer: tuple[str, str, Any] | None, async_save: bool, max_shard_size: int,
-             weights_tokenizer: Any = None) -> dict[str, Any]:
+    def save(
+        self,
+        *,
+        weights: tuple[str, str] | None,
+        optimizer: tuple[str, str] | None,
+        tokenizer: tuple[str, str, Any] | None,
+        async_save: bool,
+        max_shard_size: int,
+        weights_tokenizer: Any = None,
+    ) -> dict[str, Any]:
         """Write the temporary directories; publish them now (sync) or leave that to :meth:`finalize`.
         ``weights_tokenizer`` (the policy's tokenizer) is saved into the weights directory too, which makes it a
         complete Hugging Face model directory."""
@@ -227,15 +237,23 @@ class Checkpointer:
             if tokenizer and host.rank == 0:
                 with ckpt.writing(tokenizer[1]):
                     tokenizer[2].save_pretrained(tokenizer[0])
-        pending: dict[str, Any] = {"publish": parts, "tmps": tmps, "dcp": None, "writer": None,
-                                   "dcp_path": optimizer and optimizer[1], "writer_path": weights and weights[1]}
+        pending: dict[str, Any] = {
+            "publish": parts,
+            "tmps": tmps,
+            "dcp": None,
+            "writer": None,
+            "dcp_path": optimizer and optimizer[1],
+            "writer_path": weights and weights[1],
+        }
         if optimizer:
             error = collectives.capture(
-                lambda: _write_optimizer(host, trainer, optimizer, pending, async_save, dcp, self.writer))
+                lambda: _write_optimizer(host, trainer, optimizer, pending, async_save, dcp, self.writer)
+            )
             agreed = None
             if async_save:  # a rank whose staging failed must not leave its peers waiting for a finalize
-                agreed = collectives.all_agree(error is None, _agreement_group(host, main_group=True),
-                                               where=host.device)
+                agreed = collectives.all_agree(
+                    error is None, _agreement_group(host, main_group=True), where=host.device
+                )
                 if not agreed:
                     _wait_quietly(pending)
             _raise_together(host, error, tmps, "write the optimizer state", agreed=agreed)
@@ -275,8 +293,10 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return False
-        logger.warning("abandoning an unfinished async checkpoint (its Policy lost its driver or a rank); nothing "
-                       "of it is published")
+        logger.warning(
+            "abandoning an unfinished async checkpoint (its Policy lost its driver or a rank); nothing "
+            "of it is published"
+        )
         for tmp in pending["tmps"]:
             ckpt.discard(tmp)
         return True
@@ -309,8 +329,10 @@ class Checkpointer:
             with open(fresh) as f:
                 groups = json.load(f)["param_groups"]
             if len(groups) != len(opt.param_groups):
-                raise ValueError(f"optimizer_path {path!r} has {len(groups)} parameter groups, this optimizer "
-                                 f"{len(opt.param_groups)}")
+                raise ValueError(
+                    f"optimizer_path {path!r} has {len(groups)} parameter groups, this optimizer "
+                    f"{len(opt.param_groups)}"
+                )
             for group, saved in zip(opt.param_groups, groups):
                 group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
         else:
@@ -322,8 +344,10 @@ class Checkpointer:
             except safe_load.UnsafeCheckpointError:
                 raise
             except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps every rank's
-                raise ValueError(f"optimizer_path {path!r} does not fit this model and optimizer (saved for another "
-                                 f"model, or another optimizer class): {_root_line(e)}") from None
+                raise ValueError(
+                    f"optimizer_path {path!r} does not fit this model and optimizer (saved for another "
+                    f"model, or another optimizer class): {_root_line(e)}"
+                ) from None
             if host.fsdp:
                 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -345,30 +369,51 @@ def _discard_on_rank_0(host: CheckpointHost, tmps: list[str]) -> Callable[[], No
     return discard
 
 
-def _raise_together(host: CheckpointHost, error: BaseException | None, tmps: list[str], what: str,
-                    agreed: bool | None = None) -> None:
+def _raise_together(
+    host: CheckpointHost, error: BaseException | None, tmps: list[str], what: str, agreed: bool | None = None
+) -> None:
     """All ranks agree that ``what`` succeeded everywhere; otherwise rank 0 deletes every temporary directory and
     each rank raises (its own error, or one naming the failure elsewhere)."""
-    collectives.raise_together(error, _agreement_group(host), agreed=agreed,
-                               peer_message=f"another rank failed to {what}; the checkpoint was discarded",
-                               on_failure=_discard_on_rank_0(host, tmps))
+    collectives.raise_together(
+        error,
+        _agreement_group(host),
+        agreed=agreed,
+        peer_message=f"another rank failed to {what}; the checkpoint was discarded",
+        on_failure=_discard_on_rank_0(host, tmps),
+    )
 
 
 def _failing_together(host: CheckpointHost, tmps: list[str], what: str) -> Any:
     """:func:`_raise_together` around a block: its exception is held until every rank has reported in."""
-    return collectives.failing_together(_agreement_group(host),
-                                        peer_message=f"another rank failed to {what}; the checkpoint was discarded",
-                                        on_failure=_discard_on_rank_0(host, tmps))
+    return collectives.failing_together(
+        _agreement_group(host),
+        peer_message=f"another rank failed to {what}; the checkpoint was discarded",
+        on_failure=_discard_on_rank_0(host, tmps),
+    )
 
 
-def _write_optimizer(host: CheckpointHost, trainer: Trainer, paths: tuple[str, str], pending: dict[str, Any],
-                     async_save: bool, dcp: Any, writer: BackgroundWriter) -> None:
+def _write_optimizer(
+    host: CheckpointHost,
+    trainer: Trainer,
+    paths: tuple[str, str],
+    pending: dict[str, Any],
+    async_save: bool,
+    dcp: Any,
+    writer: BackgroundWriter,
+) -> None:
     with ckpt.writing(paths[1]):
         _write_optimizer_files(host, trainer, paths[0], pending, async_save, dcp, writer)
 
 
-def _write_optimizer_files(host: CheckpointHost, trainer: Trainer, directory: str, pending: dict[str, Any],
-                           async_save: bool, dcp: Any, writer: BackgroundWriter) -> None:
+def _write_optimizer_files(
+    host: CheckpointHost,
+    trainer: Trainer,
+    directory: str,
+    pending: dict[str, Any],
+    async_save: bool,
+    dcp: Any,
+    writer: BackgroundWriter,
+) -> None:
     opt = trainer.optimizer
     assert opt is not None
     if not opt.state:
@@ -400,9 +445,11 @@ def _save_scheduler(trainer: Trainer, path: str) -> None:
     try:
         torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception as e:
-        raise ValueError(f"the LR scheduler {type(trainer.scheduler).__name__} keeps state that is not plain "
-                         f"data ({safe_load.one_line(e)}); checkpoints load without running code, so use a scheduler "
-                         "whose state_dict() holds only numbers, strings, lists, dicts and tensors") from None
+        raise ValueError(
+            f"the LR scheduler {type(trainer.scheduler).__name__} keeps state that is not plain "
+            f"data ({safe_load.one_line(e)}); checkpoints load without running code, so use a scheduler "
+            "whose state_dict() holds only numbers, strings, lists, dicts and tensors"
+        ) from None
     with open(path, "wb") as f:
         f.write(buf.getbuffer())
 

@@ -4,11 +4,13 @@
 One function per kind of answer, each taking the ranks' answers in rank order (warnings already stripped), picked
 by the type of the call's join (:data:`JOINS`, from :mod:`dask_lm.data.messages`):
 
-* :class:`~dask_lm.data.messages.JoinRows`: per-row tensors (logprobs, top-k, scores) cut by rows over the ranks, joined and put back in the input's
-  row order (dynamic batching and packing sort rows by length before dealing them out);
-* :class:`~dask_lm.data.messages.JoinGenerated`: each rank's contiguous slice of rows, right-padded to the widest rank's output;
-* :class:`~dask_lm.data.messages.ReduceTrain`: the ranks' step results reduced to NeMo RL's train() dict (loss and norms as rank 0 has them, every
-  rank's micro-batch metrics in rank order, FLOP figures from the slowest rank).
+* :class:`~dask_lm.data.messages.JoinRows`: per-row tensors (logprobs, top-k, scores) cut by rows over the ranks,
+  joined and put back in the input's row order (dynamic batching and packing sort rows by length before dealing
+  them out);
+* :class:`~dask_lm.data.messages.JoinGenerated`: each rank's contiguous slice of rows, right-padded to the widest
+  rank's output;
+* :class:`~dask_lm.data.messages.ReduceTrain`: the ranks' step results reduced to NeMo RL's train() dict (loss and
+  norms as rank 0 has them, every rank's micro-batch metrics in rank order, FLOP figures from the slowest rank).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from dask_lm.data.messages import ForwardOutput, Join, JoinGenerated, JoinRows, 
 __all__ = ["JOINS", "combine", "join_rows", "join_generated", "reduce_train", "rank_frame"]
 
 
-def join_rows(results: list[ForwardOutput], order: list[int] | None, keys: tuple[str, ...],
-              cat: bool = False) -> BatchedDataDict[Any]:
+def join_rows(
+    results: list[ForwardOutput], order: list[int] | None, keys: tuple[str, ...], cat: bool = False
+) -> BatchedDataDict[Any]:
     """``keys`` of every rank's output as one batch in input order. ``cat``: same-width tensors (top-k, scores),
     else the ranks' [B, S] tensors right-padded to the widest."""
     out: BatchedDataDict[Any] = BatchedDataDict()
@@ -50,10 +53,13 @@ def join_generated(results: list[ForwardOutput], pad_token_id: int) -> BatchedDa
         parts = [torch.nn.functional.pad(r[key], (0, width - r[key].shape[1]), value=fill) for r in tensors]
         return torch.cat(parts, dim=0)
 
-    return BatchedDataDict(output_ids=cat("output_ids", pad_token_id), logprobs=cat("logprobs", 0.0),
-                           generation_lengths=torch.cat([r["generation_lengths"] for r in tensors]),
-                           unpadded_sequence_lengths=torch.cat([r["unpadded_sequence_lengths"] for r in tensors]),
-                           truncated=torch.cat([r["truncated"] for r in tensors]))
+    return BatchedDataDict(
+        output_ids=cat("output_ids", pad_token_id),
+        logprobs=cat("logprobs", 0.0),
+        generation_lengths=torch.cat([r["generation_lengths"] for r in tensors]),
+        unpadded_sequence_lengths=torch.cat([r["unpadded_sequence_lengths"] for r in tensors]),
+        truncated=torch.cat([r["truncated"] for r in tensors]),
+    )
 
 
 def reduce_train(results: list[TrainResult], total_flops: float | None, world_size: int) -> dict[str, Any]:
@@ -63,11 +69,20 @@ def reduce_train(results: list[TrainResult], total_flops: float | None, world_si
         for key, values in r.all_mb_metrics.items():
             metrics.setdefault(key, []).extend(values)
     first = results[0]
-    out: dict[str, Any] = {"loss": first.loss, "grad_norm": first.grad_norm, "grad_norms": first.grad_norms,
-                           "all_mb_metrics": metrics, "gpu_name": first.gpu_name,
-                           "model_dtype": first.model_dtype, "num_tokens": sum(r.num_tokens for r in results)}
-    out.update(aggregate_flops_metrics([r.train_elapsed_seconds for r in results], [r.gpu_name for r in results],
-                                       world_size, total_flops))
+    out: dict[str, Any] = {
+        "loss": first.loss,
+        "grad_norm": first.grad_norm,
+        "grad_norms": first.grad_norms,
+        "all_mb_metrics": metrics,
+        "gpu_name": first.gpu_name,
+        "model_dtype": first.model_dtype,
+        "num_tokens": sum(r.num_tokens for r in results),
+    }
+    out.update(
+        aggregate_flops_metrics(
+            [r.train_elapsed_seconds for r in results], [r.gpu_name for r in results], world_size, total_flops
+        )
+    )
     return out
 
 

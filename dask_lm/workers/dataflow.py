@@ -43,15 +43,17 @@ def frame_batch(frame: Any, *, pad_token_id: int, call: str, where: str, all_col
     """A pandas partition as a batch (see the module docstring); ``ValueError`` naming ``where``, the column and
     the row for what cannot be one."""
     if "input_ids" not in frame.columns:
-        raise ValueError(f"{call}: {where} has no `input_ids` column (a list of token ids per row); it has "
-                         f"{list(frame.columns)}")
+        raise ValueError(
+            f"{call}: {where} has no `input_ids` column (a list of token ids per row); it has {list(frame.columns)}"
+        )
     ids_values, offsets = _list_column(frame, "input_ids", call=call, where=where)
     if ids_values.is_floating_point() or ids_values.dtype == torch.bool:
         raise ValueError(f"{call}: {where}: `input_ids` holds {ids_values.dtype} values; token ids must be integers")
     lens = offsets[1:] - offsets[:-1]
     out: BatchedDataDict[Any] = BatchedDataDict(
         input_ids=pad_from_offsets(ids_values, offsets, pad_value=pad_token_id, dtype=torch.int64),
-        input_lengths=lens.clone())
+        input_lengths=lens.clone(),
+    )
     if not all_columns:
         return out
     for name in frame.columns:
@@ -65,16 +67,21 @@ def frame_batch(frame: Any, *, pad_token_id: int, call: str, where: str, all_col
             bad = (n != lens).nonzero()
             if bad.numel():
                 r = int(bad[0])
-                raise ValueError(f"{call}: {where}, row {r}: `{key}` has {int(n[r])} values but `input_ids` has "
-                                 f"{int(lens[r])}; a per-token column needs one value per token id")
-            out[key] = pad_from_offsets(values, offs, width=out["input_ids"].shape[1], pad_value=0.0,
-                                        dtype=torch.float32)
+                raise ValueError(
+                    f"{call}: {where}, row {r}: `{key}` has {int(n[r])} values but `input_ids` has "
+                    f"{int(lens[r])}; a per-token column needs one value per token id"
+                )
+            out[key] = pad_from_offsets(
+                values, offs, width=out["input_ids"].shape[1], pad_value=0.0, dtype=torch.float32
+            )
         elif col.dtype.kind in "fiub":
             arr = col.to_numpy()
             out[key] = torch.as_tensor(arr.astype(np.float32 if arr.dtype.kind == "f" else np.int64))
         else:
-            raise ValueError(f"{call}: {where}: column `{key}` ({col.dtype}) is neither a list of numbers per row nor "
-                             "a number per row; drop it before train (e.g. ddf.drop(columns=[...]))")
+            raise ValueError(
+                f"{call}: {where}: column `{key}` ({col.dtype}) is neither a list of numbers per row nor "
+                "a number per row; drop it before train (e.g. ddf.drop(columns=[...]))"
+            )
     return out
 
 
@@ -101,8 +108,10 @@ def _list_column(frame: Any, name: Any, *, call: str, where: str) -> tuple[torch
     except (pa.ArrowException, TypeError, ValueError) as e:
         hint = ""
         if "string" in str(e):  # dd.from_pandas turns an object column into strings (dataframe.convert-string)
-            hint = ("; Dask converts object columns to strings: give the column an Arrow list type, e.g. "
-                    "pd.Series(rows, dtype=pd.ArrowDtype(pa.list_(pa.int64()))), or read it from parquet")
+            hint = (
+                "; Dask converts object columns to strings: give the column an Arrow list type, e.g. "
+                "pd.Series(rows, dtype=pd.ArrowDtype(pa.list_(pa.int64()))), or read it from parquet"
+            )
         raise ValueError(f"{call}: {where}: column `{name}` must hold a list of numbers per row ({e}){hint}") from e
     if arr.null_count:
         r = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
@@ -111,8 +120,17 @@ def _list_column(frame: Any, name: Any, *, call: str, where: str) -> tuple[torch
     return values.clone(), offsets
 
 
-def prepare(value: Any, *, source: str, index: int, call: str, pad_token_id: int, vocab_size: int | None,
-            max_length: int | None, train: tuple[Any, Any] | None) -> BatchedDataDict[Any]:
+def prepare(
+    value: Any,
+    *,
+    source: str,
+    index: int,
+    call: str,
+    pad_token_id: int,
+    vocab_size: int | None,
+    max_length: int | None,
+    train: tuple[Any, Any] | None,
+) -> BatchedDataDict[Any]:
     """One partition (a pandas DataFrame) or the future's batch, as the batch the driver path would have checked:
     :func:`~dask_lm.data.validation.validate_input_batch` (and for train ``validate_train_batch`` with
     ``train = (loss_fn, check_dim_skip_keys)``). Inference keeps only ``input_ids`` and ``input_lengths``."""
@@ -123,17 +141,26 @@ def prepare(value: Any, *, source: str, index: int, call: str, pad_token_id: int
         batch = frame_batch(value, pad_token_id=pad_token_id, call=call, where=where, all_columns=train is not None)
     else:
         if not isinstance(value, Mapping):
-            raise ValueError(f"{call}: the future's result is a {type(value).__name__}, not a batch: a future passed "
-                             "as data must give a BatchedDataDict (or dict) with `input_ids` and `input_lengths`")
+            raise ValueError(
+                f"{call}: the future's result is a {type(value).__name__}, not a batch: a future passed "
+                "as data must give a BatchedDataDict (or dict) with `input_ids` and `input_lengths`"
+            )
         batch = BatchedDataDict(value)
         if "input_ids" not in batch and "output_ids" in batch and "unpadded_sequence_lengths" in batch:
             # generate()'s result: its prompts and generations, as the next call's rows
-            batch = BatchedDataDict(input_ids=batch["output_ids"], input_lengths=batch["unpadded_sequence_lengths"],
-                                    **{k: v for k, v in batch.items()
-                                       if train is not None and k not in ("output_ids", "unpadded_sequence_lengths")})
+            batch = BatchedDataDict(
+                input_ids=batch["output_ids"],
+                input_lengths=batch["unpadded_sequence_lengths"],
+                **{
+                    k: v
+                    for k, v in batch.items()
+                    if train is not None and k not in ("output_ids", "unpadded_sequence_lengths")
+                },
+            )
     what = f"{call} ({where})"
-    batch = validate_input_batch(batch, what=what, vocab_size=vocab_size, max_length=max_length,
-                                 pad_token_id=pad_token_id)
+    batch = validate_input_batch(
+        batch, what=what, vocab_size=vocab_size, max_length=max_length, pad_token_id=pad_token_id
+    )
     if train is None:
         return BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
     loss_fn, skip = train
@@ -150,8 +177,9 @@ def cut(batch: BatchedDataDict[Any], rows: list[int]) -> Shard:
     return Shard.of(batch.select_indices(rows))
 
 
-def assemble(*pieces: Shard, order: list[int], plan: MicroBatchPlan, width: int, pad_token_id: int,
-             make: Callable[[Shard], Any]) -> Any:
+def assemble(
+    *pieces: Shard, order: list[int], plan: MicroBatchPlan, width: int, pad_token_id: int, make: Callable[[Shard], Any]
+) -> Any:
     """The rank's request: its pieces joined (partition order), put in the plan's row order, every per-token column
     right-padded to the batch's ``width`` (``input_ids`` with the pad id, the rest with 0) as the driver path
     pads them, wrapped by ``make`` (the call's request type, with its options).
@@ -160,8 +188,11 @@ def assemble(*pieces: Shard, order: list[int], plan: MicroBatchPlan, width: int,
     encoded once, by :func:`cut`, and reach the rank in that form. Only columns that cannot be joined that way
     (kept whole, or Python objects) are decoded and joined as tensors."""
     identity = order == list(range(len(order)))
-    table = None if any(p.objects for p in pieces) else arrow.join_tables(
-        [p.table for p in pieces], width=width, pads={"input_ids": pad_token_id})
+    table = (
+        None
+        if any(p.objects for p in pieces)
+        else arrow.join_tables([p.table for p in pieces], width=width, pads={"input_ids": pad_token_id})
+    )
     if table is not None:
         if not identity:
             table = table.take(pa.array(order, type=pa.int64()))

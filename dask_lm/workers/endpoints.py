@@ -50,8 +50,9 @@ def _forward(worker: PolicyWorker, req: ForwardRequest) -> ForwardOutput:
     if req.head == "topk":
         assert req.k is not None, "the driver checks k"
         return ForwardOutput(worker.rank_model.get_topk_logits(rows, plan, req.k, req.micro_batch_size))
-    return ForwardOutput(worker.rank_model.get_logprobs(rows, plan, req.micro_batch_size,
-                                                        reference=req.head == "reference_logprobs"))
+    return ForwardOutput(
+        worker.rank_model.get_logprobs(rows, plan, req.micro_batch_size, reference=req.head == "reference_logprobs")
+    )
 
 
 def _full_logits(worker: PolicyWorker, req: FullLogitsRequest) -> dict[str, Any]:
@@ -59,25 +60,40 @@ def _full_logits(worker: PolicyWorker, req: FullLogitsRequest) -> dict[str, Any]
 
 
 def _qkv_calibration(worker: PolicyWorker, req: QKVCalibrationRequest) -> dict[int, dict[str, float]]:
-    return qkv_calibration.calibrate(worker.rank_model, req.shard.tokens(), req.micro_batch_size, req.percentile,
-                                     req.include_q)
+    return qkv_calibration.calibrate(
+        worker.rank_model, req.shard.tokens(), req.micro_batch_size, req.percentile, req.include_q
+    )
 
 
 def _generate(worker: PolicyWorker, req: GenerateRequest) -> ForwardOutput:
-    return ForwardOutput(generation.generate_batch(worker.rank_model, req.shard.rows(), greedy=req.greedy,
-                                                   seed=req.seed))
+    return ForwardOutput(
+        generation.generate_batch(worker.rank_model, req.shard.rows(), greedy=req.greedy, seed=req.seed)
+    )
 
 
 # ------------------------------------------------------------------------------------------- training, checkpoints
 def _train(worker: PolicyWorker, req: TrainRequest) -> TrainResult:
-    return worker.trainer.train(req.shard.rows(), req.shard.plan, req.loss_fn, eval_mode=req.eval_mode, gbs=req.gbs,
-                                mbs=req.mbs, num_global_batches=req.num_global_batches, progress_id=req.progress_id)
+    return worker.trainer.train(
+        req.shard.rows(),
+        req.shard.plan,
+        req.loss_fn,
+        eval_mode=req.eval_mode,
+        gbs=req.gbs,
+        mbs=req.mbs,
+        num_global_batches=req.num_global_batches,
+        progress_id=req.progress_id,
+    )
 
 
 def _save(worker: PolicyWorker, req: SaveRequest) -> Any:
-    return worker.checkpointer.save(weights=req.weights, optimizer=req.optimizer, tokenizer=req.tokenizer,
-                                    async_save=req.async_save, max_shard_size=req.max_shard_size,
-                                    weights_tokenizer=req.weights_tokenizer)
+    return worker.checkpointer.save(
+        weights=req.weights,
+        optimizer=req.optimizer,
+        tokenizer=req.tokenizer,
+        async_save=req.async_save,
+        max_shard_size=req.max_shard_size,
+        weights_tokenizer=req.weights_tokenizer,
+    )
 
 
 # ------------------------------------------------------------------------------------------- argument-free calls
@@ -107,14 +123,21 @@ def _action(worker: PolicyWorker, req: ActionRequest) -> Any:
 
 # ------------------------------------------------------------------------------------------- refit
 def _refit_http(worker: PolicyWorker, req: HttpRefitRequest) -> dict[str, Any]:
-    return worker.refitter.stream_via_http(list(req.urls), layout=req.layout, buffer_size_bytes=req.buffer_size_bytes,
-                                           weight_version=req.weight_version, timeout_s=req.timeout_s,
-                                           transport=req.transport, progress_id=req.progress_id)
+    return worker.refitter.stream_via_http(
+        list(req.urls),
+        layout=req.layout,
+        buffer_size_bytes=req.buffer_size_bytes,
+        weight_version=req.weight_version,
+        timeout_s=req.timeout_s,
+        transport=req.transport,
+        progress_id=req.progress_id,
+    )
 
 
 def _refit_zmq(worker: PolicyWorker, req: ZmqRefitRequest) -> dict[str, Any]:
-    return worker.refitter.stream_via_zmq(buffer_size_bytes=req.buffer_size_bytes, timeout_s=req.timeout_s,
-                                          progress_id=req.progress_id)
+    return worker.refitter.stream_via_zmq(
+        buffer_size_bytes=req.buffer_size_bytes, timeout_s=req.timeout_s, progress_id=req.progress_id
+    )
 
 
 def _refit_broadcast(worker: PolicyWorker, req: BroadcastRefitRequest) -> dict[str, Any]:
@@ -126,9 +149,15 @@ def _refit_reshard(worker: PolicyWorker, req: ReshardRefitRequest) -> dict[str, 
 
 
 def _collective_init(worker: PolicyWorker, req: CollectiveInitRequest) -> bool:
-    return worker.refitter.init_collective(req.ip, req.port, req.world_size, train_world_size=req.train_world_size,
-                                           timeout_s=req.timeout_s, rank_offset=req.rank_offset,
-                                           backend=req.backend)
+    return worker.refitter.init_collective(
+        req.ip,
+        req.port,
+        req.world_size,
+        train_world_size=req.train_world_size,
+        timeout_s=req.timeout_s,
+        rank_offset=req.rank_offset,
+        backend=req.backend,
+    )
 
 
 def _swap(worker: PolicyWorker, req: WeightSwapRequest) -> bool:
@@ -144,16 +173,19 @@ EXTENSION_BASE_METHODS: frozenset[str] = frozenset(ACTIONS)
 def _extension_method(worker: PolicyWorker, name: str) -> Callable[..., Any]:
     # the extension class (and its own bases) come before PolicyWorker in the combined class's MRO
     mro = type(worker).__mro__
-    extension = mro[:mro.index(PolicyWorker)]
-    if not name.startswith("_") and (name in EXTENSION_BASE_METHODS
-                                     or any(callable(vars(c).get(name)) for c in extension)):
+    extension = mro[: mro.index(PolicyWorker)]
+    if not name.startswith("_") and (
+        name in EXTENSION_BASE_METHODS or any(callable(vars(c).get(name)) for c in extension)
+    ):
         method: Callable[..., Any] = getattr(worker, name)
         return method
     ext = [c.__name__ for c in type(worker).__mro__[1:] if c not in (PolicyWorker, object)]
     where = f"the worker extension class {ext[0]}" if ext else "a worker extension (none is set)"
-    raise ValueError(f"run_all_workers_*: {name!r} is neither a public method of {where} nor one of the base "
-                     f"worker's methods that take no rows ({sorted(EXTENSION_BASE_METHODS)}); define it on the class "
-                     "passed as `worker_extension_cls_fqn`")
+    raise ValueError(
+        f"run_all_workers_*: {name!r} is neither a public method of {where} nor one of the base "
+        f"worker's methods that take no rows ({sorted(EXTENSION_BASE_METHODS)}); define it on the class "
+        "passed as `worker_extension_cls_fqn`"
+    )
 
 
 def _extension(worker: PolicyWorker, call: ExtensionCall) -> Any:
@@ -181,6 +213,8 @@ ENDPOINTS: dict[type, Callable[[PolicyWorker, Any], Any]] = {
 def handle(worker: PolicyWorker, request: Any) -> Any:
     handler = ENDPOINTS.get(type(request))
     if handler is None:  # a driver of another dask-lm version, or a stray object
-        raise TypeError(f"this rank has no endpoint for {type(request).__name__}; the driver and the workers must "
-                        "run the same dask-lm version")
+        raise TypeError(
+            f"this rank has no endpoint for {type(request).__name__}; the driver and the workers must "
+            "run the same dask-lm version"
+        )
     return handler(worker, request)

@@ -107,11 +107,13 @@ class FullLogitsExport:
             if need > free:
                 n, b, s, v = target
                 where = "device memory" if device.ipc_kind() == "cuda" else "shared memory (/dev/shm, host RAM)"
-                message = (f"get_full_logits_ipc: rank {rm.rank} needs {need / _GIB:.2f} GiB for its logits buffer "
-                           f"(float32 [{n} micro-batches, {b} rows, {s} positions, {v} vocabulary]) but has "
-                           f"{free / _GIB:.2f} GiB of {where} free; pass fewer rows per call, a batch padded to a "
-                           "shorter width, or a smaller micro_batch_size, or call release_ipc_buffer() first if "
-                           "another Policy holds a buffer on these workers")
+                message = (
+                    f"get_full_logits_ipc: rank {rm.rank} needs {need / _GIB:.2f} GiB for its logits buffer "
+                    f"(float32 [{n} micro-batches, {b} rows, {s} positions, {v} vocabulary]) but has "
+                    f"{free / _GIB:.2f} GiB of {where} free; pass fewer rows per call, a batch padded to a "
+                    "shorter width, or a smaller micro_batch_size, or call release_ipc_buffer() first if "
+                    "another Policy holds a buffer on these workers"
+                )
         # the host-side (gloo) group: the message is a Python object; without FSDP no rank waits on another
         message = collectives.first_message(message, rm.cpu_group if rm.group is not None else None)
         if message is not None:
@@ -128,13 +130,29 @@ class FullLogitsExport:
             return []
         assert self.buffer is not None
         rank = self.rank_model.rank
-        common = {"payload_ipc": self.buffer.payload, "storage_shape": self.buffer.shape,
-                  "actual_shape": (width, vocab), "dtype": "float32", "tp_rank": 0, "cp_rank": 0, "tp_size": 1,
-                  "cp_size": 1, "world_rank": rank, "vocab_start_index": 0, "vocab_end_index": vocab,
-                  "global_seq_start": 0, "full_vocab_size": vocab, "full_seq_len": width, "vocab_sharded": False,
-                  "sequence_sharded": False}
-        return [{**common, "buf_idx": buf_idx, "sample_index_in_buf": i}
-                for buf_idx, mb in enumerate(real) for i in range(mb.end - mb.start)]
+        common = {
+            "payload_ipc": self.buffer.payload,
+            "storage_shape": self.buffer.shape,
+            "actual_shape": (width, vocab),
+            "dtype": "float32",
+            "tp_rank": 0,
+            "cp_rank": 0,
+            "tp_size": 1,
+            "cp_size": 1,
+            "world_rank": rank,
+            "vocab_start_index": 0,
+            "vocab_end_index": vocab,
+            "global_seq_start": 0,
+            "full_vocab_size": vocab,
+            "full_seq_len": width,
+            "vocab_sharded": False,
+            "sequence_sharded": False,
+        }
+        return [
+            {**common, "buf_idx": buf_idx, "sample_index_in_buf": i}
+            for buf_idx, mb in enumerate(real)
+            for i in range(mb.end - mb.start)
+        ]
 
     def release(self) -> bool:
         """Free the buffer (a consumer's mapping of a CUDA buffer keeps its memory until the consumer lets go), and

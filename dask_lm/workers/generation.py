@@ -39,14 +39,16 @@ def cache_argument(model: torch.nn.Module) -> str:
 def _stop_ids(host: RankModel) -> set[int]:
     gen = host.cfg.generation
     ids = set(gen.stop_token_ids or []) if gen is not None else set()
-    eos = getattr(host.model.generation_config, "eos_token_id", None) or getattr(host.model.config,
-                                                                                 "eos_token_id", None)
+    eos = getattr(host.model.generation_config, "eos_token_id", None) or getattr(
+        host.model.config, "eos_token_id", None
+    )
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids
 
 
-def generate_batch(host: RankModel, data: BatchedDataDict, *, greedy: bool = False,
-                   seed: int | None = None) -> dict[str, torch.Tensor]:
+def generate_batch(
+    host: RankModel, data: BatchedDataDict, *, greedy: bool = False, seed: int | None = None
+) -> dict[str, torch.Tensor]:
     """``Policy.generate`` on this rank: the weights on the device, the stop strings' tokenizer, then
     :func:`generate` over ``data``'s rows (its tokens and seconds recorded for the worker's gauges)."""
     gen = host.cfg.generation
@@ -55,20 +57,36 @@ def generate_batch(host: RankModel, data: BatchedDataDict, *, greedy: bool = Fal
     if gen.stop_strings:
         import transformers
 
-        tokenizer = transformers.AutoTokenizer.from_pretrained(host.cfg.tokenizer.name or host.cfg.model_name,
-                                                               trust_remote_code=False)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            host.cfg.tokenizer.name or host.cfg.model_name, trust_remote_code=False
+        )
     host.ensure_on_device()
     host.model.eval()
     start = time.perf_counter()
-    out = generate(host, data["input_ids"], data["input_lengths"], greedy=greedy,
-                   max_new_tokens=int(gen.max_new_tokens), tokenizer=tokenizer, seed=seed)
+    out = generate(
+        host,
+        data["input_ids"],
+        data["input_lengths"],
+        greedy=greedy,
+        max_new_tokens=int(gen.max_new_tokens),
+        tokenizer=tokenizer,
+        seed=seed,
+    )
     record_call(int(data["input_lengths"].sum()) if data.size else 0, start)
     return out
 
 
 @torch.no_grad()
-def generate(host: RankModel, ids: torch.Tensor, lens: torch.Tensor, *, greedy: bool, max_new_tokens: int,
-             tokenizer: Any = None, seed: int | None = None) -> dict[str, torch.Tensor]:
+def generate(
+    host: RankModel,
+    ids: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    greedy: bool,
+    max_new_tokens: int,
+    tokenizer: Any = None,
+    seed: int | None = None,
+) -> dict[str, torch.Tensor]:
     gen = host.cfg.generation
     temperature = gen.temperature if gen is not None else 1.0
     top_k = gen.top_k if gen is not None else None
@@ -83,8 +101,8 @@ def generate(host: RankModel, ids: torch.Tensor, lens: torch.Tensor, *, greedy: 
     mask = torch.zeros(max(b, 1), width, dtype=torch.int64)
     for r in range(b):
         n = int(lens[r])
-        left[r, width - n:] = ids[r, :n]
-        mask[r, width - n:] = 1
+        left[r, width - n :] = ids[r, :n]
+        mask[r, width - n :] = 1
     if b == 0:  # a rank with no rows still steps with its peers: one pad token
         mask[0, -1] = 1
     left, mask = left.to(dev), mask.to(dev)
@@ -104,8 +122,14 @@ def generate(host: RankModel, ids: torch.Tensor, lens: torch.Tensor, *, greedy: 
     step = 0
     try:
         while step < max_new_tokens and collectives.any_rank(not bool(finished.all()), host.group, where=dev):
-            out = model(input_ids=step_input, attention_mask=mask, position_ids=step_pos, use_cache=True,
-                        logits_to_keep=1, **{cache_key: cache})
+            out = model(
+                input_ids=step_input,
+                attention_mask=mask,
+                position_ids=step_pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_key: cache},
+            )
             cache = out[cache_key]
             logits = out.logits[:, -1].float()
             if temperature != 1.0:
@@ -143,7 +167,12 @@ def generate(host: RankModel, ids: torch.Tensor, lens: torch.Tensor, *, greedy: 
     for r in range(b):
         n, g = int(lens[r]), int(lengths[r])
         output_ids[r, :n] = ids[r, :n]
-        output_ids[r, n:n + g] = new_ids[r, :g]
-        logprobs_out[r, n:n + g] = new_lp[r, :g]
-    return {"output_ids": output_ids, "logprobs": logprobs_out, "generation_lengths": lengths,
-            "unpadded_sequence_lengths": total, "truncated": ~finished}
+        output_ids[r, n : n + g] = new_ids[r, :g]
+        logprobs_out[r, n : n + g] = new_lp[r, :g]
+    return {
+        "output_ids": output_ids,
+        "logprobs": logprobs_out,
+        "generation_lengths": lengths,
+        "unpadded_sequence_lengths": total,
+        "truncated": ~finished,
+    }

@@ -27,8 +27,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dask_lm.workers.state import DaskLMWorkerState
 
-__all__ = ["incarnation", "lease_key", "lease_token", "check_interval_s", "orphaned_policies", "reap", "reap_now",
-           "release_idle_scorers"]
+__all__ = [
+    "incarnation",
+    "lease_key",
+    "lease_token",
+    "check_interval_s",
+    "orphaned_policies",
+    "reap",
+    "reap_now",
+    "release_idle_scorers",
+]
 
 logger = logging.getLogger("dask_lm.worker")
 LEASE_PREFIX = "dask-lm-lease-"
@@ -81,8 +89,11 @@ async def reap(worker: Any, state: DaskLMWorkerState) -> list[str]:
     for policy_id in dead:
         if _busy(worker, policy_id):
             continue
-        logger.warning("policy %s lost its driver (lease %s is gone): freeing its model and process groups",
-                       policy_id, lease_key(policy_id))
+        logger.warning(
+            "policy %s lost its driver (lease %s is gone): freeing its model and process groups",
+            policy_id,
+            lease_key(policy_id),
+        )
         # off the event loop: freeing a model and destroying process groups can take a while
         await asyncio.to_thread(state.shutdown_policy, policy_id, True)
         done.append(policy_id)
@@ -113,5 +124,6 @@ async def release_idle_scorers(worker: Any) -> int:
     scorer = sys.modules.get("dask_lm.scoring.replicas")  # never imported: no replica to free, and no torch import
     if scorer is None or any(str(ts.key).startswith("score_partition") for ts in worker.state.executing):
         return 0
-    return await asyncio.to_thread(scorer.release_idle, float(os.environ.get("DASK_LM_REPLICA_IDLE_S", "120")),
-                                   dask_worker=worker)
+    return await asyncio.to_thread(
+        scorer.release_idle, float(os.environ.get("DASK_LM_REPLICA_IDLE_S", "120")), dask_worker=worker
+    )

@@ -24,8 +24,14 @@ import torch
 
 from dask_lm.config.optim import optimizer_class, resolve_class, scheduler_entries
 
-__all__ = ["build_optimizer", "build_scheduler", "MasterWeights",
-           "named_optimizer_state", "load_named_optimizer_state", "init_optimizer_state"]
+__all__ = [
+    "build_optimizer",
+    "build_scheduler",
+    "MasterWeights",
+    "named_optimizer_state",
+    "load_named_optimizer_state",
+    "init_optimizer_state",
+]
 
 
 def build_optimizer(params: Iterable[torch.Tensor], cfg: Any) -> torch.optim.Optimizer:
@@ -40,8 +46,13 @@ def build_optimizer(params: Iterable[torch.Tensor], cfg: Any) -> torch.optim.Opt
     # torch's Adam / AdamW / SGD default to their multi-tensor (foreach) step on a GPU; the fused one does the
     # whole update in one kernel per group. Chosen only for those three (others' fused support varies by torch
     # version) and only where the config leaves the implementation open.
-    if (cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) and not kwargs.get("differentiable")
-            and "fused" not in kwargs and "foreach" not in kwargs and device.fused_optimizer_capable(params)):
+    if (
+        cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+        and not kwargs.get("differentiable")
+        and "fused" not in kwargs
+        and "foreach" not in kwargs
+        and device.fused_optimizer_capable(params)
+    ):
         kwargs["fused"] = True
     try:
         return cls(params, **kwargs)
@@ -80,7 +91,8 @@ class MasterWeights:
 
     def __init__(self, model: torch.nn.Module, full_state: dict[str, torch.Tensor] | None = None) -> None:
         self.model_params: dict[str, torch.nn.Parameter] = {
-            n: p for n, p in model.named_parameters() if p.requires_grad}
+            n: p for n, p in model.named_parameters() if p.requires_grad
+        }
         self.masters: dict[str, torch.nn.Parameter] = {}
         for name, p in self.model_params.items():
             src = full_state[name] if full_state is not None and name in full_state else p.detach()
@@ -146,8 +158,10 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str
     ``get_optimizer_state_dict`` gives for FSDP models), so one checkpoint fits any number of ranks."""
     sd = optimizer.state_dict()
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    return {"state": {order[i]: dict(v) for i, v in sd["state"].items()},
-            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]}
+    return {
+        "state": {order[i]: dict(v) for i, v in sd["state"].items()},
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]],
+    }
 
 
 def load_named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str], state: dict[str, Any]) -> None:
@@ -155,8 +169,12 @@ def load_named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int
     index = {n: i for i, n in enumerate(order)}
     missing = [n for n in order if n not in state["state"]]
     if missing:
-        raise ValueError(f"the optimizer checkpoint has no state for parameters {missing[:5]}: it was saved for a "
-                         "different model")
-    optimizer.load_state_dict({
-        "state": {index[n]: v for n, v in state["state"].items() if n in index},
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]})
+        raise ValueError(
+            f"the optimizer checkpoint has no state for parameters {missing[:5]}: it was saved for a different model"
+        )
+    optimizer.load_state_dict(
+        {
+            "state": {index[n]: v for n, v in state["state"].items() if n in index},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+        }
+    )

@@ -40,14 +40,35 @@ __all__ = ["PolicyWorker", "local_tensor"]
 class PolicyWorker:
     """The model of one rank and the components that hold the rest of its state."""
 
-    def __init__(self, cfg: PolicyConfig, *, rank: int, world_size: int, group: Any, pad_token_id: int,
-                 init_optimizer: bool = True, init_reference_model: bool = True, weights_path: str | None = None,
-                 optimizer_path: str | None = None, skip_weight_load: bool = False, cpu_group: Any = None,
-                 fsdp: bool | None = None) -> None:
-        self.rank_model = RankModel(cfg, rank=rank, world_size=world_size, group=group, pad_token_id=pad_token_id,
-                                    trainable=bool(init_optimizer and cfg.optimizer is not None),
-                                    keep_reference=init_reference_model, weights_path=weights_path,
-                                    skip_weight_load=skip_weight_load, cpu_group=cpu_group, fsdp=fsdp)
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        *,
+        rank: int,
+        world_size: int,
+        group: Any,
+        pad_token_id: int,
+        init_optimizer: bool = True,
+        init_reference_model: bool = True,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
+        skip_weight_load: bool = False,
+        cpu_group: Any = None,
+        fsdp: bool | None = None,
+    ) -> None:
+        self.rank_model = RankModel(
+            cfg,
+            rank=rank,
+            world_size=world_size,
+            group=group,
+            pad_token_id=pad_token_id,
+            trainable=bool(init_optimizer and cfg.optimizer is not None),
+            keep_reference=init_reference_model,
+            weights_path=weights_path,
+            skip_weight_load=skip_weight_load,
+            cpu_group=cpu_group,
+            fsdp=fsdp,
+        )
         # built after the weights are restored: an optimizer class may read the weights it is given (a user's, by
         # import path)
         self.trainer = Trainer(self.rank_model, trainable=self.rank_model.trainable)

@@ -50,6 +50,6 @@ class _OwnFailures(logging.Filter):
         key = record.args[0] if isinstance(record.args, tuple) else None
         try:
             func = self.worker.state.tasks[key].run_spec.func
-        except Exception:  # noqa: BLE001 - not a task this worker knows, or another kind of spec: keep the record
+        except Exception:
             return True
         return not str(getattr(func, "__module__", "") or "").startswith("dask_lm.")

@@ -31,16 +31,25 @@ _REGISTERED = False
 _LOCAL = threading.local()  # the recording of the forward running in this thread (None: not recording)
 
 
-def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
+def _attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     record = getattr(_LOCAL, "record", None)
     if record is not None:
         layer = getattr(module, "layer_idx", None)
         if layer is None:
-            raise ValueError(f"calibrate_qkv_fp8_scales: {type(module).__name__} has no `layer_idx`, so its scales "
-                             "cannot be named; it supports Hugging Face decoders whose attention modules carry one")
+            raise ValueError(
+                f"calibrate_qkv_fp8_scales: {type(module).__name__} has no `layer_idx`, so its scales "
+                "cannot be named; it supports Hugging Face decoders whose attention modules carry one"
+            )
         lengths = _LOCAL.lengths  # [B] on the device: rows are right-padded to the longest (and not masked)
         valid = (torch.arange(query.shape[2], device=query.device)[None, :] < lengths[:, None]).float()
         for name, t in (("q", query), ("k", key), ("v", value)):  # [B, heads, S, head_dim]
@@ -69,8 +78,9 @@ def percentile_of(values: list[float], p: float) -> float:
     return ordered[max(0, min(len(ordered) - 1, round(p / 100.0 * (len(ordered) - 1))))]
 
 
-def calibrate(rm: Any, rows: TokenRows, micro_batch_size: int | None, percentile: float,
-              include_q: bool) -> dict[int, dict[str, float]]:
+def calibrate(
+    rm: Any, rows: TokenRows, micro_batch_size: int | None, percentile: float, include_q: bool
+) -> dict[int, dict[str, float]]:
     """This rank's ``{layer: {"q"?, "k", "v": percentile amax}}`` over its rows (``rm``: the rank's
     :class:`~dask_lm.workers.rank_model.RankModel`)."""
     _register()
@@ -92,6 +102,7 @@ def calibrate(rm: Any, rows: TokenRows, micro_batch_size: int | None, percentile
     names = ("q", "k", "v") if include_q else ("k", "v")
     out: dict[int, dict[str, float]] = {}
     for layer, samples in sorted(record.items()):
-        out[layer] = {n: percentile_of(torch.stack(samples[n]).tolist() if samples[n] else [], percentile)
-                      for n in names}
+        out[layer] = {
+            n: percentile_of(torch.stack(samples[n]).tolist() if samples[n] else [], percentile) for n in names
+        }
     return out

@@ -46,9 +46,21 @@ class RankModel:
     ``group`` where there are peers, restored from ``weights_path`` when given; with the reference weights when
     ``keep_reference`` and fp32 master weights when ``trainable`` in low precision on one rank."""
 
-    def __init__(self, cfg: PolicyConfig, *, rank: int, world_size: int, group: Any, pad_token_id: int,
-                 trainable: bool, keep_reference: bool, weights_path: str | None = None,
-                 skip_weight_load: bool = False, cpu_group: Any = None, fsdp: bool | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        *,
+        rank: int,
+        world_size: int,
+        group: Any,
+        pad_token_id: int,
+        trainable: bool,
+        keep_reference: bool,
+        weights_path: str | None = None,
+        skip_weight_load: bool = False,
+        cpu_group: Any = None,
+        fsdp: bool | None = None,
+    ) -> None:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
@@ -113,8 +125,11 @@ class RankModel:
         # one weight-loading bar per worker process would garble the driver's own "loading the model" bar
         transformers.utils.logging.disable_progress_bar()
         cfg = self.cfg
-        auto = (transformers.AutoModelForSequenceClassification if self.is_reward_model
-                else transformers.AutoModelForCausalLM)
+        auto = (
+            transformers.AutoModelForSequenceClassification
+            if self.is_reward_model
+            else transformers.AutoModelForCausalLM
+        )
         overrides = dict(cfg.hf_config_overrides or {})
         if self.is_reward_model:
             overrides["num_labels"] = 1  # a Bradley-Terry reward model has one score
@@ -125,13 +140,18 @@ class RankModel:
         # training in low precision loads fp32: FSDP keeps fp32 shards (MixedPrecisionPolicy computes in
         # `precision`), a single rank copies them into MasterWeights before casting the model
         dtype = torch.float32 if self.keeps_fp32 else self.dtype
-        kwargs = {"config": hf_config, "dtype": dtype, "attn_implementation": cfg.attn_implementation,
-                  "trust_remote_code": False}
+        kwargs = {
+            "config": hf_config,
+            "dtype": dtype,
+            "attn_implementation": cfg.attn_implementation,
+            "trust_remote_code": False,
+        }
         if skip_weight_load:
             # random weights made where they live: seconds on a GPU, where a CPU init of a 7B model takes minutes
             with self.device:
-                model = auto.from_config(hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation,
-                                         trust_remote_code=False)
+                model = auto.from_config(
+                    hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=False
+                )
         else:
             model = auto.from_pretrained(cfg.model_name, **kwargs)
         return model.to(self.device)
@@ -168,18 +188,25 @@ class RankModel:
         ``save_checkpoint`` (fp32 masters) restores the exact state training continues from."""
         import transformers
 
-        auto = (transformers.AutoModelForSequenceClassification if self.is_reward_model
-                else transformers.AutoModelForCausalLM)
+        auto = (
+            transformers.AutoModelForSequenceClassification
+            if self.is_reward_model
+            else transformers.AutoModelForCausalLM
+        )
         dtype = torch.float32 if self.keeps_fp32 else self.dtype
         try:
             full = auto.from_pretrained(weights_path, dtype=dtype, trust_remote_code=False).state_dict()
         except (OSError, ValueError) as e:
-            raise ValueError(f"weights_path {weights_path!r} is not a loadable Hugging Face model directory: {e}") from e
+            raise ValueError(
+                f"weights_path {weights_path!r} is not a loadable Hugging Face model directory: {e}"
+            ) from e
         own = self.model.state_dict()
         unexpected = [k for k in full if k not in own]
         if unexpected:
-            raise ValueError(f"weights_path {weights_path!r} holds tensors this model lacks: {unexpected[:5]}; it "
-                             f"was saved from another architecture than `policy.model_name`")
+            raise ValueError(
+                f"weights_path {weights_path!r} holds tensors this model lacks: {unexpected[:5]}; it "
+                f"was saved from another architecture than `policy.model_name`"
+            )
         self.ensure_on_device()
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -222,8 +249,12 @@ class RankModel:
         """The micro-batches of an inference pass over ``rows``; every rank gets as many (dummies pad the
         shorter plans), since each forward all-gathers parameters under FSDP."""
         self.ensure_on_device()
-        mb_plan = plan_micro_batches(rows.size, mbs=mbs or int(self.cfg.logprob_batch_size or 1),
-                                     micro_batch_indices=plan.micro_batch_indices, packed=plan.packed)
+        mb_plan = plan_micro_batches(
+            rows.size,
+            mbs=mbs or int(self.cfg.logprob_batch_size or 1),
+            micro_batch_indices=plan.micro_batch_indices,
+            packed=plan.packed,
+        )
         if self.fsdp:
             count = collectives.max_over_ranks([len(mb_plan)], self.group, where=self.device)[0]
             mb_plan = pad_with_dummies(mb_plan, count)
@@ -237,15 +268,16 @@ class RankModel:
             ids = torch.full((1, 1), self.pad_token_id, dtype=torch.int64, device=self.device)
             return final_hidden_states(self.model, ids), None
         additive = None if self.cfg.attn_implementation == "sdpa" else self.dtype
-        return forward_rows(self.model, rows, packed=mb.packed, varlen_ok=self.varlen, where=self.device, mask_dtype=additive)
+        return forward_rows(
+            self.model, rows, packed=mb.packed, varlen_ok=self.varlen, where=self.device, mask_dtype=additive
+        )
 
     def inference_forward(self, rows: TokenRows, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]:
         """:meth:`forward_micro_batch` for logprobs / top-k / scores: through the compiled layers when
         ``self.compile``. A compilation that fails (no C compiler, an op Inductor cannot lower) turns compilation
         off for this rank with a warning and runs the micro-batch eagerly; errors of the forward itself propagate."""
         part = rows.slice(mb.start, mb.end)  # views: a micro-batch is contiguous rows
-        out, self.compile = fused.call(self.compile, lambda: self.forward_micro_batch(part, mb),
-                                       "this rank's decoder")
+        out, self.compile = fused.call(self.compile, lambda: self.forward_micro_batch(part, mb), "this rank's decoder")
         return out
 
     def training_forward(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]:
@@ -255,17 +287,20 @@ class RankModel:
         fix instead."""
         # loss functions read padded micro-batches (NeMo RL's contract), so training keeps them and cuts the rows
         # out of this one
-        rows = TokenRows.from_padded(data["input_ids"][mb.start:mb.end], data["input_lengths"][mb.start:mb.end])
+        rows = TokenRows.from_padded(data["input_ids"][mb.start : mb.end], data["input_lengths"][mb.start : mb.end])
         if not (self.train_compile and self.fsdp):
-            out, self.train_compile = fused.call(self.train_compile, lambda: self.forward_micro_batch(rows, mb),
-                                                 "this rank's training forward")
+            out, self.train_compile = fused.call(
+                self.train_compile, lambda: self.forward_micro_batch(rows, mb), "this rank's training forward"
+            )
             return out
         try:
             with fused.use_compiled(True):
                 return self.forward_micro_batch(rows, mb)
         except fused.compile_errors() as e:
-            raise RuntimeError(f"compiling the training forward failed on rank {self.rank} ({type(e).__name__}: "
-                               f"{e}); set policy.train_compile: false (or DASK_LM_COMPILE=0) to train eagerly") from e
+            raise RuntimeError(
+                f"compiling the training forward failed on rank {self.rank} ({type(e).__name__}: "
+                f"{e}); set policy.train_compile: false (or DASK_LM_COMPILE=0) to train eagerly"
+            ) from e
 
     def end_pass(self) -> None:
         """After a pass (inference, training step, generation), also a failed one."""
@@ -284,17 +319,28 @@ class RankModel:
             self.model.to(self.device)
 
     @torch.no_grad()
-    def get_logprobs(self, rows: TokenRows, plan: MicroBatchPlan, micro_batch_size: int | None = None,
-                     reference: bool = False) -> dict[str, torch.Tensor]:
+    def get_logprobs(
+        self, rows: TokenRows, plan: MicroBatchPlan, micro_batch_size: int | None = None, reference: bool = False
+    ) -> dict[str, torch.Tensor]:
         gen = self.cfg.generation
         top_k = None if reference or gen is None else gen.top_k
         top_p = 1.0 if reference or gen is None else gen.top_p
         out = torch.zeros(rows.size, rows.width, dtype=torch.float32)
 
         def compute(hidden: torch.Tensor, layout: ForwardLayout) -> tuple[torch.Tensor, ...]:
-            return (next_token_logprobs(hidden, layout.ids, layout.targets_valid, output_head(self.model),
-                                        temperature=self.temperature, chunk_size=self.cfg.logprob_chunk_size,
-                                        top_k=top_k, top_p=top_p, index=layout.scored),)
+            return (
+                next_token_logprobs(
+                    hidden,
+                    layout.ids,
+                    layout.targets_valid,
+                    output_head(self.model),
+                    temperature=self.temperature,
+                    chunk_size=self.cfg.logprob_chunk_size,
+                    top_k=top_k,
+                    top_p=top_p,
+                    index=layout.scored,
+                ),
+            )
 
         start = time.perf_counter()
         with self._reference_weights() if reference else contextlib.nullcontext():
@@ -303,14 +349,22 @@ class RankModel:
         return {"reference_logprobs" if reference else "logprobs": out}
 
     @torch.no_grad()
-    def get_topk_logits(self, rows: TokenRows, plan: MicroBatchPlan, k: int,
-                        micro_batch_size: int | None = None) -> dict[str, torch.Tensor]:
+    def get_topk_logits(
+        self, rows: TokenRows, plan: MicroBatchPlan, k: int, micro_batch_size: int | None = None
+    ) -> dict[str, torch.Tensor]:
         values = torch.zeros(rows.size, rows.width, k, dtype=torch.float32)
         indices = torch.zeros(rows.size, rows.width, k, dtype=torch.int64)
 
         def compute(hidden: torch.Tensor, layout: ForwardLayout) -> tuple[torch.Tensor, ...]:
-            return topk_logits(hidden, layout.valid, output_head(self.model), k, temperature=self.temperature,
-                               chunk_size=self.cfg.logprob_chunk_size, index=layout.valid_index)
+            return topk_logits(
+                hidden,
+                layout.valid,
+                output_head(self.model),
+                k,
+                temperature=self.temperature,
+                chunk_size=self.cfg.logprob_chunk_size,
+                index=layout.valid_index,
+            )
 
         start = time.perf_counter()
         run_pass(self, rows, plan, micro_batch_size, compute, (values, indices))
@@ -320,8 +374,10 @@ class RankModel:
     @torch.no_grad()
     def score(self, rows: TokenRows, plan: MicroBatchPlan) -> dict[str, torch.Tensor]:
         if not self.is_reward_model:
-            raise ValueError("score() needs a reward model: set `policy.reward_model_cfg.enabled: true` and point "
-                             "`policy.model_name` at a sequence-classification checkpoint")
+            raise ValueError(
+                "score() needs a reward model: set `policy.reward_model_cfg.enabled: true` and point "
+                "`policy.model_name` at a sequence-classification checkpoint"
+            )
         head = getattr(self.model, "score", None)
         assert head is not None, f"{type(self.model).__name__} has no `score` head"
         scores = torch.zeros(rows.size, dtype=torch.float32)
@@ -342,9 +398,11 @@ class RankModel:
     @contextlib.contextmanager
     def _reference_weights(self) -> Iterator[None]:
         if self.reference is None:
-            raise ValueError("this Policy was created with init_reference_model=False, so it kept no reference "
-                             "weights; create it with init_reference_model=True to call "
-                             "get_reference_policy_logprobs")
+            raise ValueError(
+                "this Policy was created with init_reference_model=False, so it kept no reference "
+                "weights; create it with init_reference_model=True to call "
+                "get_reference_policy_logprobs"
+            )
         params = dict(self.model.named_parameters())
         current = {n: device.pin(local_tensor(p)) for n, p in params.items()}
         with torch.no_grad():

@@ -84,7 +84,8 @@ class DaskLMWorkerState(WorkerPlugin):
         # numeric gauges become extra columns of the dashboard's Workers table
         worker.metrics["dask_lm_policies"] = lambda w: len(self.policies)
         worker.metrics["dask_lm_tokens_per_s"] = lambda w: (
-            self.last_call["tokens"] / self.last_call["seconds"] if self.last_call["seconds"] else 0.0)
+            self.last_call["tokens"] / self.last_call["seconds"] if self.last_call["seconds"] else 0.0
+        )
         worker.metrics["dask_lm_device_mem_gib"] = lambda w: _device_memory_gib(self)
 
     def teardown(self, worker: Any) -> None:
@@ -131,8 +132,10 @@ def get_state() -> DaskLMWorkerState:
         raise RuntimeError("dask_lm worker state is only available inside a task on a Dask worker") from None
     plugin = worker.plugins.get(PLUGIN_NAME)
     if plugin is None:
-        raise RuntimeError(f"worker {worker.name} has no dask-lm plugin: it was restarted or joined after the "
-                           "Policy was created; shut the Policy down and create it again")
+        raise RuntimeError(
+            f"worker {worker.name} has no dask-lm plugin: it was restarted or joined after the "
+            "Policy was created; shut the Policy down and create it again"
+        )
     return plugin  # type: ignore[return-value]
 
 
@@ -151,9 +154,18 @@ def record_call(tokens: int, start: float) -> None:
     context_meter.digest_metric("tokens", tokens, "count")
 
 
-def join_process_group(state: DaskLMWorkerState, policy_id: str, *, members: tuple[str, ...],
-                       member_ids: tuple[str, ...], rank: int, master_addr: str, master_port: int, backend: str,
-                       timeout_s: float) -> Any:
+def join_process_group(
+    state: DaskLMWorkerState,
+    policy_id: str,
+    *,
+    members: tuple[str, ...],
+    member_ids: tuple[str, ...],
+    rank: int,
+    master_addr: str,
+    master_port: int,
+    backend: str,
+    timeout_s: float,
+) -> Any:
     """Initialise the world group on first use, then make a sub-group for ``policy_id`` over all members.
 
     Every member calls this in the same order (the driver holds a cluster-wide lock while it creates a
@@ -177,7 +189,8 @@ def join_process_group(state: DaskLMWorkerState, policy_id: str, *, members: tup
             raise RuntimeError(
                 f"this worker's process group spans workers {list(members)} as they were before one of them "
                 f"restarted, and policies {sorted(state.world_users)} still use it; shut those Policies down (their "
-                "ranks are lost) and create this one again")
+                "ranks are lost) and create this one again"
+            )
         dist.destroy_process_group()
         state.world_members = state.world_ids = None
     if not dist.is_initialized():
@@ -185,8 +198,9 @@ def join_process_group(state: DaskLMWorkerState, policy_id: str, *, members: tup
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", 0)
         rendezvous.pin_interfaces(rendezvous.worker_host())
-        store = rendezvous.create_store(master_addr, master_port, len(members), is_master=rank == 0,
-                                        timeout_s=timeout_s)
+        store = rendezvous.create_store(
+            master_addr, master_port, len(members), is_master=rank == 0, timeout_s=timeout_s
+        )
         dist.init_process_group(backend, store=store, rank=rank, world_size=len(members), timeout=timeout, **kwargs)
         state.world_members = members
         state.world_ids = member_ids
@@ -194,7 +208,8 @@ def join_process_group(state: DaskLMWorkerState, policy_id: str, *, members: tup
         raise RuntimeError(
             f"this worker is already in a process group over workers {list(state.world_members or ())} "
             f"(policies {sorted(state.world_users)}); a Policy over {list(members)} cannot join it. Use the same "
-            "workers for Policies that run side by side, or shut the others down first")
+            "workers for Policies that run side by side, or shut the others down first"
+        )
     assert dist.get_rank() == rank, f"rank mismatch: world rank {dist.get_rank()} vs policy rank {rank}"
     group = dist.new_group(ranks=list(range(len(members))), timeout=timeout, backend=backend)
     state.world_users.add(policy_id)

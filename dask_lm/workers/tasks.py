@@ -20,11 +20,28 @@ from dask_lm.errors import PeerFailedError
 if TYPE_CHECKING:
     from dask_lm.data.messages import Join, Request
 
-__all__ = ["find_free_port", "rank_info", "init_policy", "serve", "settled", "unwrap", "link", "result_of",
-           "zmq_address", "profiler",
-           "shutdown_policy", "Failed", "PeerFailedError", "combine",
-           "warnings_of", "prepare_rows", "row_lengths", "cut_rows", "assemble_rows",
-           "rank_frame"]
+__all__ = [
+    "find_free_port",
+    "rank_info",
+    "init_policy",
+    "serve",
+    "settled",
+    "unwrap",
+    "link",
+    "result_of",
+    "zmq_address",
+    "profiler",
+    "shutdown_policy",
+    "Failed",
+    "PeerFailedError",
+    "combine",
+    "warnings_of",
+    "prepare_rows",
+    "row_lengths",
+    "cut_rows",
+    "assemble_rows",
+    "rank_frame",
+]
 
 
 def find_free_port(_prev: Any = None) -> tuple[str, int]:
@@ -44,22 +61,52 @@ def rank_info(_prev: Any = None) -> dict[str, Any]:
     return info
 
 
-def init_policy(_prev: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: int, members: tuple[str, ...],
-                member_ids: tuple[str, ...], master: tuple[str, int] | None, pad_token_id: int,
-                extension_fqn: str | None, options: dict[str, Any]) -> dict[str, Any]:
+def init_policy(
+    _prev: Any,
+    policy_id: str,
+    cfg_dict: dict[str, Any],
+    *,
+    rank: int,
+    members: tuple[str, ...],
+    member_ids: tuple[str, ...],
+    master: tuple[str, int] | None,
+    pad_token_id: int,
+    extension_fqn: str | None,
+    options: dict[str, Any],
+) -> dict[str, Any]:
     """Free policies whose driver died, join the process group (when there is more than one rank), then build
     this rank's PolicyWorker."""
     from dask_lm.workers.state import get_state
 
     state = get_state()
     with state.lock:
-        return _init_policy(state, policy_id, cfg_dict, rank=rank, members=members, member_ids=member_ids,
-                            master=master, pad_token_id=pad_token_id, extension_fqn=extension_fqn, options=options)
+        return _init_policy(
+            state,
+            policy_id,
+            cfg_dict,
+            rank=rank,
+            members=members,
+            member_ids=member_ids,
+            master=master,
+            pad_token_id=pad_token_id,
+            extension_fqn=extension_fqn,
+            options=options,
+        )
 
 
-def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: int, members: tuple[str, ...],
-                 member_ids: tuple[str, ...], master: tuple[str, int] | None, pad_token_id: int,
-                 extension_fqn: str | None, options: dict[str, Any]) -> dict[str, Any]:
+def _init_policy(
+    state: Any,
+    policy_id: str,
+    cfg_dict: dict[str, Any],
+    *,
+    rank: int,
+    members: tuple[str, ...],
+    member_ids: tuple[str, ...],
+    master: tuple[str, int] | None,
+    pad_token_id: int,
+    extension_fqn: str | None,
+    options: dict[str, Any],
+) -> dict[str, Any]:
     from dask_lm.config import PolicyConfig
     from dask_lm.config.optim import resolve_class
     from dask_lm.model import device
@@ -71,15 +118,17 @@ def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: 
     if me != member_ids[rank]:
         # this task outlived the worker it was meant for (a restart under the same name): a model loaded here would
         # wait on a process group whose other ranks moved on
-        raise RuntimeError(f"rank {rank} was planned on a worker that has since restarted ({member_ids[rank]}, now "
-                           f"{me}); create the Policy again")
+        raise RuntimeError(
+            f"rank {rank} was planned on a worker that has since restarted ({member_ids[rank]}, now "
+            f"{me}); create the Policy again"
+        )
     lease.reap_now(state)
     if policy_id in state.policies:  # a retried init on the same worker; should not happen with retries=0
         state.shutdown_policy(policy_id)
     with warnings.catch_warnings():  # the driver warned at the user's Policy(...) call already: not once per rank
         warnings.simplefilter("ignore", UserWarning)
         cfg = PolicyConfig.from_dict(cfg_dict)
-    env = (cfg.dtensor_cfg.env_vars or {})
+    env = cfg.dtensor_cfg.env_vars or {}
     if env:
         import os
 
@@ -91,13 +140,27 @@ def _init_policy(state: Any, policy_id: str, cfg_dict: dict[str, Any], *, rank: 
     group = None
     if len(members) > 1:
         assert master is not None
-        group = join_process_group(state, policy_id, members=members, member_ids=member_ids, rank=rank,
-                                   master_addr=master[0],
-                                   master_port=master[1], backend=device.collective_backend(),
-                                   timeout_s=cfg.collective_timeout_s)
+        group = join_process_group(
+            state,
+            policy_id,
+            members=members,
+            member_ids=member_ids,
+            rank=rank,
+            master_addr=master[0],
+            master_port=master[1],
+            backend=device.collective_backend(),
+            timeout_s=cfg.collective_timeout_s,
+        )
     try:
-        worker = cls(cfg, rank=rank, world_size=len(members), group=group, cpu_group=state.cpu_groups.get(policy_id),
-                     pad_token_id=pad_token_id, **options)
+        worker = cls(
+            cfg,
+            rank=rank,
+            world_size=len(members),
+            group=group,
+            cpu_group=state.cpu_groups.get(policy_id),
+            pad_token_id=pad_token_id,
+            **options,
+        )
     except BaseException:
         state.shutdown_policy(policy_id)
         raise
@@ -131,8 +194,10 @@ def _policy(policy_id: str) -> Any:
     state = get_state()
     worker = state.policies.get(policy_id)
     if worker is None:
-        raise RuntimeError(f"policy {policy_id} is not loaded on this worker: the worker restarted or the Policy was "
-                           "shut down. Create the Policy again (and reload its last checkpoint)")
+        raise RuntimeError(
+            f"policy {policy_id} is not loaded on this worker: the worker restarted or the Policy was "
+            "shut down. Create the Policy again (and reload its last checkpoint)"
+        )
     return worker
 
 
@@ -226,8 +291,9 @@ def settled(_prev: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         return Failed(e)
 
 
-def link(_prev: Any, _after: Any, fn: Callable[..., Any], contagious: bool, policy_id: str, /, *args: Any,
-         **kwargs: Any) -> Any:
+def link(
+    _prev: Any, _after: Any, fn: Callable[..., Any], contagious: bool, policy_id: str, /, *args: Any, **kwargs: Any
+) -> Any:
     """A chained rank task of ``policy_id``: ``fn(_prev, *args, **kwargs)``, its failure returned as a
     :class:`Failed` value.
 

@@ -93,9 +93,11 @@ class Trainer:
 
     def ensure_optimizer(self) -> None:
         if self.optimizer is None:
-            raise ValueError("this Policy has no optimizer: it was created with init_optimizer=False (or "
-                             "`policy.optimizer: null`); create it with init_optimizer=True to train or save "
-                             "optimizer state")
+            raise ValueError(
+                "this Policy has no optimizer: it was created with init_optimizer=False (or "
+                "`policy.optimizer: null`); create it with init_optimizer=True to train or save "
+                "optimizer state"
+            )
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer updates: the fp32 masters, or the (FSDP-sharded) model parameters."""
@@ -130,8 +132,18 @@ class Trainer:
         self.model = None  # type: ignore[assignment]
 
     # ----------------------------------------------------------------------------------------- one call
-    def train(self, data: BatchedDataDict, plan: MicroBatchPlan, loss_fn: Any, *, eval_mode: bool, gbs: int, mbs: int,
-              num_global_batches: int, progress_id: str | None = None) -> TrainResult:
+    def train(
+        self,
+        data: BatchedDataDict,
+        plan: MicroBatchPlan,
+        loss_fn: Any,
+        *,
+        eval_mode: bool,
+        gbs: int,
+        mbs: int,
+        num_global_batches: int,
+        progress_id: str | None = None,
+    ) -> TrainResult:
         called = time.perf_counter()
         host = self.host
         if not eval_mode:
@@ -160,8 +172,7 @@ class Trainer:
                     gvs, gvt = collectives.sum_over_ranks(_valid_counts(batch), group, where=where)
                     global_valid_seqs = torch.tensor(gvs, dtype=torch.float32, device=where)
                     global_valid_toks = torch.tensor(gvt, dtype=torch.float32, device=where)
-                    mb_plan = plan_micro_batches(batch.size, mbs=mbs, micro_batch_indices=chunk,
-                                                 packed=packed)
+                    mb_plan = plan_micro_batches(batch.size, mbs=mbs, micro_batch_indices=chunk, packed=packed)
                     count = collectives.max_over_ranks([len(mb_plan)], group, where=where)[0]
                     mb_plan = pad_with_dummies(mb_plan, count)
                     if not eval_mode:
@@ -187,8 +198,12 @@ class Trainer:
                             inputs = loss_inputs_from_hidden(host, hidden, layout, mb_data, loss_fn)
                             # by keyword, as NeMo RL's workers call a loss: its losses list their input first
                             with deferred_metrics():  # tensors, read back after the step, not one sync each
-                                loss, mb_metrics = loss_fn(data=mb_data, global_valid_seqs=global_valid_seqs,
-                                                           global_valid_toks=global_valid_toks, **inputs)
+                                loss, mb_metrics = loss_fn(
+                                    data=mb_data,
+                                    global_valid_seqs=global_valid_seqs,
+                                    global_valid_toks=global_valid_toks,
+                                    **inputs,
+                                )
                             loss = torch.as_tensor(loss, device=where)
                         if not eval_mode:
                             # + 0 x the inputs: every parameter gets a gradient on every rank even when a custom
@@ -197,8 +212,10 @@ class Trainer:
                             # Hugging Face looks the attention implementation up again: a packed row must still
                             # find the varlen kernel there (under sdpa it would attend across its sequences)
                             recompute_packed = mb.packed and host.varlen and checkpointing
-                            with record_function("dask_lm.train.backward"), (
-                                    varlen.packed_attention(model) if recompute_packed else contextlib.nullcontext()):
+                            with (
+                                record_function("dask_lm.train.backward"),
+                                varlen.packed_attention(model) if recompute_packed else contextlib.nullcontext(),
+                            ):
                                 anchor = sum(v.sum() for v in inputs.values() if isinstance(v, torch.Tensor))
                                 _backward((loss + 0.0 * anchor) * (dp if host.fsdp else 1))
                         gb_loss += loss.detach().double().sum()
@@ -223,17 +240,24 @@ class Trainer:
             host.end_pass()
         device.synchronize()
         elapsed = time.perf_counter() - start
-        total = torch.tensor(collectives.sum_over_ranks(losses, group, where=where) if losses else [],
-                             dtype=torch.float32)
+        total = torch.tensor(
+            collectives.sum_over_ranks(losses, group, where=where) if losses else [], dtype=torch.float32
+        )
         # no empty_cache here: the next step's activations would come from fresh cudaMallocs (profiled on an H200:
         # 15-70 ms of idle GPU a step, 234 allocations for 0.5B packed); offload_before_refit / offload_to_cpu give
         # the cached memory back when something else needs the GPU
         record_call(int(data["input_lengths"].sum()) if data.size else 0, called)
-        return TrainResult(loss=total, grad_norm=torch.tensor([norms[-1]], dtype=torch.float32) if norms else None,
-                           grad_norms=norms, all_mb_metrics=metrics, train_elapsed_seconds=elapsed, rank=host.rank,
-                           gpu_name=device.device_info().get("gpu_name"),
-                           model_dtype=str(host.dtype).replace("torch.", ""),
-                           num_tokens=int(data["input_lengths"].sum()) if data.size else 0)
+        return TrainResult(
+            loss=total,
+            grad_norm=torch.tensor([norms[-1]], dtype=torch.float32) if norms else None,
+            grad_norms=norms,
+            all_mb_metrics=metrics,
+            train_elapsed_seconds=elapsed,
+            rank=host.rank,
+            gpu_name=device.device_info().get("gpu_name"),
+            model_dtype=str(host.dtype).replace("torch.", ""),
+            num_tokens=int(data["input_lengths"].sum()) if data.size else 0,
+        )
 
     def _clip_and_step(self, group: Any, where: torch.device) -> tuple[float, bool]:
         assert self.optimizer is not None  # train() runs a step only after ensure_optimizer()
@@ -258,8 +282,9 @@ class Trainer:
                 self.masters.copy_to_model()
         return norm, True
 
-    def _record(self, metrics: dict[str, list[Any]], mb_metrics: dict[str, Any], num_global_batches: int,
-                gvs: float, gvt: float) -> None:
+    def _record(
+        self, metrics: dict[str, list[Any]], mb_metrics: dict[str, Any], num_global_batches: int, gvs: float, gvt: float
+    ) -> None:
         """NeMo RL's bookkeeping: every metric but extrema is divided by the number of global batches, so the
         driver's sum over micro-batches is the mean over optimizer steps; lr and the global counts are added."""
         for key, value in mb_metrics.items():
@@ -300,8 +325,10 @@ def _backward(loss: torch.Tensor) -> None:
     try:
         loss.backward()
     except fused.compile_errors() as e:
-        raise RuntimeError(f"compiling the training backward failed ({type(e).__name__}: {e}); set "
-                           "policy.train_compile: false (or DASK_LM_COMPILE=0) to train eagerly") from e
+        raise RuntimeError(
+            f"compiling the training backward failed ({type(e).__name__}: {e}); set "
+            "policy.train_compile: false (or DASK_LM_COMPILE=0) to train eagerly"
+        ) from e
 
 
 def _upload(data: BatchedDataDict, where: torch.device) -> BatchedDataDict:
@@ -339,8 +366,9 @@ def _run_dummy(host: TrainingHost, backward: bool) -> None:
     FSDP pair up with the ranks that still have real micro-batches."""
     ids = torch.full((1, 2), host.pad_token_id, dtype=torch.int64, device=host.device)
     hidden = final_hidden_states(host.model, ids)
-    lp = next_token_logprobs_train(hidden, ids, torch.ones_like(ids, dtype=torch.bool), output_head(host.model),
-                                   chunk_size=None)
+    lp = next_token_logprobs_train(
+        hidden, ids, torch.ones_like(ids, dtype=torch.bool), output_head(host.model), chunk_size=None
+    )
     assert isinstance(lp, torch.Tensor)  # unfiltered=False: one tensor
     if backward:
         (lp.sum() * 0.0).backward()

@@ -19,12 +19,19 @@ from sphinx.util.nodes import nested_parse_with_titles
 
 # (title, what it is for, names claimed, defining-module prefixes claimed)
 GROUPS: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
-    ("Jobs", "Start or reach a cluster, score parquet datasets or Dask DataFrames, read the scores back, the demo's "
-     "model and data.",
-     ("connect", "score_parquet", "ScoreResult", "read_scores", "score", "demo_model", "demo_data", "set_progress"),
-     ()),
-    ("The Policy", "NeMo RL's ``Policy`` on a Dask cluster, its configuration and its batches.",
-     ("Policy", "PolicyFuture", "PolicyConfig"), ("dask_lm.engine.policy", "dask_lm.config", "dask_lm.data")),
+    (
+        "Jobs",
+        "Start or reach a cluster, score parquet datasets or Dask DataFrames, read the scores back, the demo's "
+        "model and data.",
+        ("connect", "score_parquet", "ScoreResult", "read_scores", "score", "demo_model", "demo_data", "set_progress"),
+        (),
+    ),
+    (
+        "The Policy",
+        "NeMo RL's ``Policy`` on a Dask cluster, its configuration and its batches.",
+        ("Policy", "PolicyFuture", "PolicyConfig"),
+        ("dask_lm.engine.policy", "dask_lm.config", "dask_lm.data"),
+    ),
     ("Losses", "NeMo RL's loss functions for ``Policy.train``.", (), ("dask_lm.losses",)),
     ("Metrics", "Timers and FLOP counts.", (), ("dask_lm.engine.metrics",)),
     ("Errors", "", (), ("dask_lm.errors",)),
@@ -63,8 +70,14 @@ def api_rst() -> list[str]:
     rst: list[str] = []
     for title, intro, names, modules in [*GROUPS, ("More", "", (), ("dask_lm",))]:
         mine = [n for n in names if n in exported and n not in placed]
-        mine += sorted((n for n, obj in exported.items() if n not in placed and n not in mine
-                        and getattr(obj, "__module__", "").startswith(modules)), key=str.lower)
+        mine += sorted(
+            (
+                n
+                for n, obj in exported.items()
+                if n not in placed and n not in mine and getattr(obj, "__module__", "").startswith(modules)
+            ),
+            key=str.lower,
+        )
         entries = [(f"dask_lm.{n}", exported[n]) for n in mine]
         placed.update(mine)
         if title == "Errors":  # every exception class of dask_lm.errors, exported or not
