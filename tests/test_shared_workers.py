@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 
+import dask
 import pytest
 import torch
 import transformers
@@ -243,7 +244,8 @@ def test_a_lost_scheduler_is_a_worker_lost_error_naming_it(tiny, tok):
     finally:
         with contextlib.suppress(Exception):
             client.close()
-        with contextlib.suppress(Exception):
+        # closing asks the stopped scheduler to terminate: a connect attempt that would wait the default 30 s
+        with contextlib.suppress(Exception), dask.config.set({"distributed.comm.timeouts.connect": "2s"}):
             cluster.close()
 
 

@@ -237,7 +237,7 @@ def tokenize_rows(
     else:
         pairs = encode_pairs(
             tokenizer,
-            [values[0][i] for i in ok],
+            [values[0][i] for i in ok],  # type: ignore[misc]
             [values[1][i] for i in ok],  # type: ignore[misc]
             convention=convention,
         )

@@ -129,5 +129,5 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     cached = getattr(cls, "_dask_lm_logits_to_keep", None)
     if cached is None:
         cached = "logits_to_keep" in inspect.signature(cls.forward).parameters
-        cls._dask_lm_logits_to_keep = cached  # a per-class cache; Module declares no such attribute
+        setattr(cls, "_dask_lm_logits_to_keep", cached)  # noqa: B010 (a per-class cache Module does not declare)
     return cached
