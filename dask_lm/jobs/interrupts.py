@@ -3,9 +3,9 @@
 Three pieces, each where the process model puts it:
 
 - **Local workers do not take the terminal's Ctrl-C.** A terminal sends SIGINT to its whole foreground process
-  group, so a local cluster's worker processes got it too, and each printed its own ``KeyboardInterrupt``
-  traceback (25 lines a worker) while the driver cleaned up. They now ignore it (:mod:`dask_lm.workers.preload`,
-  a Dask preload that ``connect()`` gives its local clusters); the driver closes them.
+  group, so a local cluster's worker processes would get it too, and each print its own ``KeyboardInterrupt``
+  traceback (25 lines a worker) while the driver cleans up. They ignore it (:mod:`dask_lm.workers.preload`, a Dask
+  preload that ``connect()`` gives its local clusters); the driver closes them.
 - **SIGINT is always taken.** A process started with SIGINT ignored (what a non-interactive shell does to a command
   it runs in the background with ``&``, and what every child of such a process inherits) never gets Python's
   ``KeyboardInterrupt``: the signal is dropped and the job runs to its end, exit 0. A batch command is stopped by

@@ -377,7 +377,7 @@ def score_parquet(
     ``ids_column`` or ``prompt_column`` + ``response_column`` says what to score. Text is tokenized in
     ``convention`` (:mod:`dask_lm.data.continuation`): ``"lm-eval"``, lm-evaluation-harness's (the response
     encoded in context, trailing prompt whitespace moved to it, one BOS at most, an empty prompt conditioned on
-    BOS / EOS), or ``"separate"`` (prompt and response encoded apart, as earlier dask-lm releases did). With
+    BOS / EOS), or ``"separate"`` (prompt and response encoded apart, as ``dask-lm logprobs`` does). With
     ``ids_column``, ``prompt_length_column`` (integers) says how many leading ids of each row are context: only
     the rest is scored. ``topk``: the k likeliest tokens at each position, ``decode_topk``: their strings too.
     ``client`` is a Dask client (default: ``connect(scheduler_address,
