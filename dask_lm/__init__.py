@@ -30,7 +30,7 @@ _EXPORTS: dict[str, str] = {
     "Policy": "dask_lm.engine.policy",
     "PolicyFuture": "dask_lm.engine.futures",
     "set_progress": "dask_lm.engine.progress",
-    "ScoreResult": "dask_lm.scoring.job",
+    "ScoreResult": "dask_lm.scoring.result",
     "score_parquet": "dask_lm.scoring.job",
     "score": "dask_lm.scoring.frame",
     "read_scores": "dask_lm.io.results",
@@ -108,4 +108,5 @@ if TYPE_CHECKING:
         prepare_loss_input,
     )
     from dask_lm.scoring.frame import score
-    from dask_lm.scoring.job import ScoreResult, score_parquet
+    from dask_lm.scoring.job import score_parquet
+    from dask_lm.scoring.result import ScoreResult

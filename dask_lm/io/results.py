@@ -96,7 +96,7 @@ def scores_table(
 
 
 class ScoreRows:
-    """The rows of a finished job's output, from its result: :class:`~dask_lm.scoring.job.ScoreResult`'s
+    """The rows of a finished job's output, from its result: :class:`~dask_lm.scoring.result.ScoreResult`'s
     ``to_pandas()`` and ``to_arrow()`` (a base class, so that they live beside the reader they call)."""
 
     output: str
