@@ -13,15 +13,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 import os
-import time
 import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-from distributed import span, wait
+from distributed import span
 
 from dask_lm.config import PolicyConfig, SGLangConfig
 from dask_lm.config.generation import DECODING_BACKENDS
@@ -39,17 +37,15 @@ from dask_lm.data.messages import (
     PlacementAction,
     QKVCalibrationRequest,
     ReduceTrain,
-    Request,
-    Shard,
 )
 from dask_lm.data.named_sharding import NamedSharding
 from dask_lm.data.validation import validate_input_batch
 from dask_lm.engine import progress
 from dask_lm.engine.cluster import as_client
-from dask_lm.engine.dataflow import RemoteRows, is_remote
-from dask_lm.engine.events import log_call
 from dask_lm.engine.futures import Pending
-from dask_lm.engine.metrics import FLOPTracker, timed
+from dask_lm.engine.metrics import FLOPTracker
+from dask_lm.engine.posting import PostingMixin
+from dask_lm.engine.shutdown import shutdown_quietly
 from dask_lm.engine.training import TrainingMixin
 from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.io import checkpoint as ckpt
@@ -62,20 +58,6 @@ from dask_lm.workers import tasks
 __all__ = ["Policy", "SUBMIT", "SUBMITTABLE", "Submittable"]
 
 FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3 value, NeMo RL's default range for Q / K / V scales
-
-
-class Posted(NamedTuple):
-    """One call's rank futures, the permutation that restores input order (or None), its ``done`` hook, and each
-    rank's input rows (row numbers and lengths, for ``collect=False``)."""
-
-    futures: list[Any]
-    order: list[int] | None
-    done: Callable[[Any, BaseException | None], None]
-    rows: list[list[int]]
-    lengths: list[list[int]]
-
-
-logger = logging.getLogger("dask_lm")
 
 
 def _resolve_names(cfg: PolicyConfig) -> tuple[PolicyConfig, ModelSource]:
@@ -116,7 +98,7 @@ def _model_config(model_name: str, overrides: dict[str, Any] | None) -> Any:
     return config
 
 
-class Policy(TrainingMixin, RefitMixin):
+class Policy(TrainingMixin, RefitMixin, PostingMixin):
     """A language-model policy sharded over the workers of a Dask cluster (NeMo RL's ``Policy`` API).
 
     Parameters follow NeMo RL. ``cluster`` is a ``distributed.Client``, a Dask cluster object or a scheduler
@@ -214,9 +196,9 @@ class Policy(TrainingMixin, RefitMixin):
                 with progress.bar(self.client, len(futs), "loading the model", "rank") as (_id, load_bar):
                     self.worker_info = group.gather(futs, what="loading the model", progress=load_bar)
             except BaseException:
-                _shutdown_quietly(group)  # ranks that did load free their model and process group
+                shutdown_quietly(group)  # ranks that did load free their model and process group
                 raise
-        self._finalizer = weakref.finalize(self, _shutdown_quietly, group)
+        self._finalizer = weakref.finalize(self, shutdown_quietly, group)
 
     # ----------------------------------------------------------------------------------------- futures
     def submit(self, method: str, /, *args: Any, collect: bool = True, **kwargs: Any) -> Any:
@@ -242,79 +224,6 @@ class Policy(TrainingMixin, RefitMixin):
         pending = entry.post(self, *args, **kwargs)
         assert isinstance(pending.join, entry.join), f"{method} posts a {type(pending.join).__name__}"
         return pending.future(self.group) if collect else pending.frame(self.group)
-
-    def _post_sharded(
-        self,
-        request: Callable[[Shard], Request],
-        data: Any,
-        *,
-        what: str,
-        timer: Any = None,
-        contiguous: bool = False,
-        rows_per_mb: bool = False,
-    ) -> Posted:
-        """Validate, shard and post ``request(its shard)`` to each rank: the ranks' futures, the permutation that
-        restores input order (or None) and what to log when the call is done. ``rows_per_mb``: the call names a
-        micro_batch_size, so no packing."""
-        start = time.perf_counter()
-        group = self.group
-        remote = RemoteRows(self, data, call=what) if is_remote(data) else None
-        if remote is not None:  # checked on the workers; planned here from the rows' lengths
-            data = remote.skeleton()
-        else:
-            data = validate_input_batch(
-                data,
-                what=what,
-                vocab_size=self.vocab_size,
-                max_length=self.cfg.max_total_sequence_length,
-                pad_token_id=self.pad_token_id,
-            )
-            # the forward needs only these two keys; other per-row data (masks, advantages) stays on the driver
-            data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        with timed(timer, f"{what}/shard_data"):
-            if contiguous:  # rows stay in order, a contiguous slice per rank (generation decodes whole rows)
-                shards, order, packed = (
-                    data.shard_by_batch_size(self.data_parallel_size, allow_uneven_shards=True),
-                    None,
-                    False,
-                )
-            else:
-                # rows per micro-batch were asked for when the call names a micro_batch_size: no packing then
-                shards, order, packed = self._shard(data, auto_pack=not rows_per_mb)
-        with timed(timer, f"{what}/submit_logprob_futures"), span(f"dask-lm/{what}"):
-            source = (
-                remote.bind(shards, packed=packed)
-                if remote is not None
-                else [Shard.of(s, packed=packed) for s in shards]
-            )
-            futures = self._post_requests(request, source, what=what)
-        tokens, rows = int(data["input_lengths"].sum()), int(data["input_lengths"].shape[0])
-        # each rank's rows as input row numbers: the shards in rank order are the input rows permuted by `order`
-        numbers = list(range(rows)) if order is None else list(order)
-        per_rank, lens, at = [], [], 0
-        for s in shards:
-            n = int(s["input_lengths"].shape[0])
-            per_rank.append(numbers[at : at + n])
-            lens.append(s["input_lengths"].tolist())
-            at += n
-        return Posted(
-            futures, order, self._logger(what, start, tokens=tokens, rows=rows, ranks=group.world_size), per_rank, lens
-        )
-
-    def _logger(self, what: str, start: float, **fields: Any) -> Callable[[Any, BaseException | None], None]:
-        """The call's event (:func:`dask_lm.engine.events.log_call`), logged when its result is taken."""
-        client, policy_id = self.client, self.group.policy_id
-
-        def done(value: Any, error: BaseException | None) -> None:
-            if error is None:
-                log_call(client, policy_id, what, start=start, **fields)
-
-        return done
-
-    def _rows_future(self, posted: Posted, what: str, keys: tuple[str, ...], cat: bool = False) -> Pending:
-        return Pending(
-            posted.futures, JoinRows(keys, posted.order, cat), what, posted.done, posted.rows, posted.lengths
-        )
 
     # ----------------------------------------------------------------------------------------- inference
     def get_logprobs(self, data: BatchedDataDict[Any], timer: Any = None) -> BatchedDataDict[Any]:
@@ -623,7 +532,7 @@ class Policy(TrainingMixin, RefitMixin):
         if self._group is None or not self._finalizer.alive:
             return True
         self._finalizer.detach()
-        ok = _shutdown_quietly(self._group, raise_errors=True)
+        ok = shutdown_quietly(self._group, raise_errors=True)
         return ok
 
     def __del__(self) -> None:  # weakref.finalize does the work; this keeps NeMo RL's contract visible
@@ -670,57 +579,3 @@ SUBMIT: Mapping[str, Submittable] = types.MappingProxyType(
     }
 )
 SUBMITTABLE = tuple(SUBMIT)
-
-SHUTDOWN_TIMEOUT_S = 30.0
-
-
-def _shutdown_quietly(group: WorkerGroup, raise_errors: bool = False) -> bool:
-    """Free the Policy on every rank that still holds it. A rank whose worker is gone holds nothing (it is skipped
-    with a warning); a rank stuck in a collective frees the Policy when that collective times out, or when the
-    lease released here tells it the driver let go."""
-    try:
-        if group.client.status not in ("running", "connecting") or group.client.asynchronous:
-            # a closed client, or a finalizer run by the garbage collector on the client's own event loop (which
-            # must not block on it): the lease released below frees the ranks (see dask_lm.workers.lease)
-            return False
-        lost = set(group.lost_ranks())
-        if lost:
-            logger.warning(
-                "policy %s: workers %s are gone (their share of the Policy went with them); shutting down "
-                "the other ranks",
-                group.policy_id,
-                [group.names[r] for r in sorted(lost)],
-            )
-        # not chained: a failed earlier call must not stop the clean-up (one task thread per worker keeps order)
-        futs = group.submit(
-            tasks.shutdown_policy,
-            group.policy_id,
-            key_name="shutdown",
-            chain=False,
-            ranks=[r for r in range(group.world_size) if r not in lost],
-            orphaned=bool(lost),
-        )
-        try:
-            wait(futs, timeout=SHUTDOWN_TIMEOUT_S)
-        except TimeoutError:
-            pass
-        busy = [f for f in futs if f.status == "pending"]
-        if busy:
-            logger.warning(
-                "policy %s: %d rank(s) did not shut down within %.0f s (busy in a call, e.g. a collective "
-                "waiting for a lost peer); they free the Policy when that call ends",
-                group.policy_id,
-                len(busy),
-                SHUTDOWN_TIMEOUT_S,
-            )
-        failed = [f for f in futs if f.status == "error"]
-        if failed and raise_errors:
-            group.gather(failed, what="shutdown")
-        return not (lost or busy or failed)
-    except Exception:
-        if raise_errors:
-            raise
-        logger.warning("shutting down policy %s failed", group.policy_id, exc_info=True)
-        return False
-    finally:
-        group.release_lease()
