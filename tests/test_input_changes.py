@@ -119,13 +119,13 @@ def test_a_partition_read_checks_its_file(tmp_path):
 # ----------------------------------------------------------------------------------------- jobs
 def _after_last_part(monkeypatch, action):
     """Run ``action`` on the driver once every part is written, just before the job's totals and _SUCCESS."""
-    real = job._output_totals
+    real = job.output_totals
 
     def totals(*args, **kwargs):
         action()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(job, "_output_totals", totals)
+    monkeypatch.setattr(job, "output_totals", totals)
 
 
 @pytest.mark.cluster
