@@ -16,6 +16,7 @@ A cycle fails the test with its modules in order.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import dask_lm
@@ -95,7 +96,12 @@ def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, k
 
 def import_graph(*, lazy: bool = False) -> dict[str, set[str]]:
     """The module graph; ``lazy``: with the ``# lazy:`` marked imports drawn too (they run when their function
-    does)."""
+    does). Each test gets its own copy of the graph, parsed once per session."""
+    return {name: set(edges) for name, edges in _parsed_graph(lazy).items()}
+
+
+@functools.cache
+def _parsed_graph(lazy: bool) -> dict[str, set[str]]:
     modules = _modules()
     known = set(modules)
     graph: dict[str, set[str]] = {}
