@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distributed import Client, Future, Lock, as_completed, wait
@@ -72,6 +73,19 @@ def _incarnation(address: str, info: dict[str, Any]) -> str:
 
 def _name_key(name: Any) -> tuple[int, Any]:
     return (0, int(name)) if str(name).isdigit() else (1, str(name))
+
+
+@dataclass(frozen=True)
+class _RankCall:
+    """One rank's task of :meth:`WorkerGroup.submit`: ``fn(previous, *args, **kwargs)``, placed by ``where``
+    (:meth:`WorkerGroup._where`); ``key_name`` and ``settle`` as ``submit`` takes them."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    key_name: str
+    where: dict[str, Any]
+    settle: bool
 
 
 class WorkerGroup:
@@ -242,16 +256,15 @@ class WorkerGroup:
             futures = []
             token = uuid.uuid4().hex[:6]  # one per call, in every rank's key: the watchdog tells calls apart by it
             for r in ranks:
-                call_args = (*args, *(per_rank[r] if per_rank is not None else ()))
-                call_kwargs = {**kwargs, **(per_rank_kwargs[r] if per_rank_kwargs is not None else {})}
-                if chain:
-                    futures.append(
-                        self._submit_link(r, fn, call_args, call_kwargs, key_name=key_name, token=token, settle=settle)
-                    )
-                else:
-                    futures.append(
-                        self._submit_alone(r, fn, call_args, call_kwargs, key_name=key_name, token=token, settle=settle)
-                    )
+                call = _RankCall(
+                    fn,
+                    (*args, *(per_rank[r] if per_rank is not None else ())),
+                    {**kwargs, **(per_rank_kwargs[r] if per_rank_kwargs is not None else {})},
+                    key_name,
+                    self._where(r, key_name, token),
+                    settle,
+                )
+                futures.append(self._submit_link(r, call) if chain else self._submit_alone(call))
         return futures
 
     def _where(self, rank: int, key_name: str, token: str) -> dict[str, Any]:
@@ -263,34 +276,14 @@ class WorkerGroup:
             "key": f"{key_name}-{self.policy_id}-r{rank}-{token}",
         }
 
-    def _submit_alone(
-        self,
-        rank: int,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        key_name: str,
-        token: str,
-        settle: bool,
-    ) -> Future[Any]:
-        """An unchained task on ``rank`` (``fn(None, ...)``): it neither waits for the chain nor joins it."""
-        if not settle:
-            return self.client.submit(fn, None, *args, **self._where(rank, key_name, token), **kwargs)
-        fut = self.client.submit(tasks.settled, None, fn, *args, **self._where(rank, key_name, token), **kwargs)
-        return self.client.submit(tasks.unwrap, fut, key=f"{key_name}-result-{fut.key}", pure=False)
+    def _submit_alone(self, call: _RankCall) -> Future[Any]:
+        """An unchained task on the call's rank (``fn(None, ...)``): it neither waits for the chain nor joins it."""
+        if not call.settle:
+            return self.client.submit(call.fn, None, *call.args, **call.where, **call.kwargs)
+        fut = self.client.submit(tasks.settled, None, call.fn, *call.args, **call.where, **call.kwargs)
+        return self.client.submit(tasks.unwrap, fut, key=f"{call.key_name}-result-{fut.key}", pure=False)
 
-    def _submit_link(
-        self,
-        rank: int,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        key_name: str,
-        token: str,
-        settle: bool,
-    ) -> Future[Any]:
+    def _submit_link(self, rank: int, call: _RankCall) -> Future[Any]:
         """A chained task on ``rank``: after this group's previous call there and after the worker's previous task
         of any other group of the client (:mod:`dask_lm.engine.worker_order`). Returns what the caller waits on
         (:func:`tasks.result_of`), a task pinned beside it that raises the rank's error."""
@@ -303,29 +296,28 @@ class WorkerGroup:
         after = self._order.after(name, self.ids[rank])
         if own is not None and after is own.link:
             after = None
-        where = self._where(rank, key_name, token)
         link = self.client.submit(
             tasks.link,
             None if own is None else own.link,
             after,
-            fn,
-            not settle,
+            call.fn,
+            not call.settle,
             self.policy_id,
-            *args,
-            **where,
-            **kwargs,
+            *call.args,
+            **call.where,
+            **call.kwargs,
         )
         result = self.client.submit(
             tasks.result_of,
             link,
-            settle,
-            key=f"{where['key']}-result",
+            call.settle,
+            key=f"{call.where['key']}-result",
             workers=[name],
             allow_other_workers=True,
             pure=False,
             retries=0,
         )
-        tail = Tail(link, result, self.policy_id, self.ids[rank], not settle)
+        tail = Tail(link, result, self.policy_id, self.ids[rank], not call.settle)
         self._last[rank] = tail
         self._order.append(name, tail)
         return result

@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +21,17 @@ from dask_lm.losses.sampling import apply_top_k_top_p
 from dask_lm.model import device, fused
 from dask_lm.model.hf import find_output_embeddings
 
+if TYPE_CHECKING:
+    from dask_lm.config import PolicyConfig
+
 __all__ = [
     "OutputHead",
     "output_head",
     "next_token_logprobs",
     "next_token_logprobs_greedy",
     "next_token_logprobs_train",
+    "PolicyLogprobOptions",
+    "policy_logprob_options",
     "topk_logits",
     "apply_top_k_top_p",
 ]
@@ -83,6 +88,32 @@ def output_head(model: torch.nn.Module) -> OutputHead:
         softcap,
         fp32_out=weight.is_cuda and device.fp32_logits_capable(weight.dtype),
     )
+
+
+class PolicyLogprobOptions(TypedDict):
+    """The keyword arguments a policy's pass gives :func:`next_token_logprobs` / :func:`next_token_logprobs_train`."""
+
+    temperature: float
+    chunk_size: int | None
+    top_k: int | None
+    top_p: float
+    index: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def policy_logprob_options(
+    cfg: PolicyConfig, temperature: float, index: tuple[torch.Tensor, torch.Tensor] | None, *, reference: bool = False
+) -> PolicyLogprobOptions:
+    """The policy's logprobs are taken under its generation config's top-k / top-p filter (none without one, and
+    none for the reference policy's logprobs), at its temperature, ``cfg.logprob_chunk_size`` positions at a time;
+    ``index``: the pass's scored positions (``ForwardLayout.scored``)."""
+    gen = None if reference else cfg.generation
+    return {
+        "temperature": temperature,
+        "chunk_size": cfg.logprob_chunk_size,
+        "top_k": gen.top_k if gen is not None else None,
+        "top_p": gen.top_p if gen is not None else 1.0,
+        "index": index,
+    }
 
 
 def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]]:

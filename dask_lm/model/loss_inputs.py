@@ -15,7 +15,7 @@ from dask_lm.losses.base import LossInputType, loss_attribute
 from dask_lm.losses.loss_input import input_type_of
 from dask_lm.model import device
 from dask_lm.model.forward import unpack_positions
-from dask_lm.model.logprobs import chunk_bounds, next_token_logprobs_train, output_head
+from dask_lm.model.logprobs import chunk_bounds, next_token_logprobs_train, output_head, policy_logprob_options
 
 if TYPE_CHECKING:
     from dask_lm.config import PolicyConfig
@@ -70,22 +70,12 @@ def _to_rows(values: torch.Tensor, layout: ForwardLayout, width: int) -> torch.T
 def _logprob_inputs(
     worker: LossInputHost, hidden: torch.Tensor, layout: ForwardLayout, data: Any, loss_fn: Any, width: int
 ) -> dict[str, torch.Tensor]:
-    gen = worker.cfg.generation
-    top_k = gen.top_k if gen is not None else None
-    top_p = gen.top_p if gen is not None else 1.0
+    options = policy_logprob_options(worker.cfg, worker.temperature, layout.scored)
+    top_k, top_p = options["top_k"], options["top_p"]
     filtering = (top_k is not None and top_k > 0) or top_p < 1.0
     unfiltered = filtering and bool(loss_attribute(loss_fn, "reference_policy_kl_penalty"))
     res = next_token_logprobs_train(
-        hidden,
-        layout.ids,
-        layout.targets_valid,
-        output_head(worker.model),
-        temperature=worker.temperature,
-        chunk_size=worker.cfg.logprob_chunk_size,
-        top_k=top_k,
-        top_p=top_p,
-        unfiltered=unfiltered,
-        index=layout.scored,
+        hidden, layout.ids, layout.targets_valid, output_head(worker.model), unfiltered=unfiltered, **options
     )
     outs = list(res) if isinstance(res, tuple) else [res]  # a pair exactly when `unfiltered`
     if layout.packed:

@@ -33,7 +33,7 @@ from dask_lm.model import device, fused, varlen
 from dask_lm.model.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
 from dask_lm.model.hf import fsdp_blocks
 from dask_lm.model.inference import ForwardLayout, forward_rows, run_pass
-from dask_lm.model.logprobs import next_token_logprobs, output_head, topk_logits
+from dask_lm.model.logprobs import next_token_logprobs, output_head, policy_logprob_options, topk_logits
 from dask_lm.model.weights import local_tensor
 from dask_lm.workers.optim import MasterWeights
 from dask_lm.workers.state import record_call
@@ -322,25 +322,11 @@ class RankModel:
     def get_logprobs(
         self, rows: TokenRows, plan: MicroBatchPlan, micro_batch_size: int | None = None, reference: bool = False
     ) -> dict[str, torch.Tensor]:
-        gen = self.cfg.generation
-        top_k = None if reference or gen is None else gen.top_k
-        top_p = 1.0 if reference or gen is None else gen.top_p
         out = torch.zeros(rows.size, rows.width, dtype=torch.float32)
 
         def compute(hidden: torch.Tensor, layout: ForwardLayout) -> tuple[torch.Tensor, ...]:
-            return (
-                next_token_logprobs(
-                    hidden,
-                    layout.ids,
-                    layout.targets_valid,
-                    output_head(self.model),
-                    temperature=self.temperature,
-                    chunk_size=self.cfg.logprob_chunk_size,
-                    top_k=top_k,
-                    top_p=top_p,
-                    index=layout.scored,
-                ),
-            )
+            options = policy_logprob_options(self.cfg, self.temperature, layout.scored, reference=reference)
+            return (next_token_logprobs(hidden, layout.ids, layout.targets_valid, output_head(self.model), **options),)
 
         start = time.perf_counter()
         with self._reference_weights() if reference else contextlib.nullcontext():

@@ -76,95 +76,73 @@ def init_policy(
 ) -> dict[str, Any]:
     """Free policies whose driver died, join the process group (when there is more than one rank), then build
     this rank's PolicyWorker."""
-    from dask_lm.workers.state import get_state
-
-    state = get_state()
-    with state.lock:
-        return _init_policy(
-            state,
-            policy_id,
-            cfg_dict,
-            rank=rank,
-            members=members,
-            member_ids=member_ids,
-            master=master,
-            pad_token_id=pad_token_id,
-            extension_fqn=extension_fqn,
-            options=options,
-        )
-
-
-def _init_policy(
-    state: Any,
-    policy_id: str,
-    cfg_dict: dict[str, Any],
-    *,
-    rank: int,
-    members: tuple[str, ...],
-    member_ids: tuple[str, ...],
-    master: tuple[str, int] | None,
-    pad_token_id: int,
-    extension_fqn: str | None,
-    options: dict[str, Any],
-) -> dict[str, Any]:
     from dask_lm.config import PolicyConfig
     from dask_lm.config.optim import resolve_class
     from dask_lm.model import device
     from dask_lm.workers import lease
     from dask_lm.workers.policy_worker import PolicyWorker
-    from dask_lm.workers.state import join_process_group
+    from dask_lm.workers.state import get_state, join_process_group
 
-    me = _incarnation()
-    if me != member_ids[rank]:
-        # this task outlived the worker it was meant for (a restart under the same name): a model loaded here would
-        # wait on a process group whose other ranks moved on
-        raise RuntimeError(
-            f"rank {rank} was planned on a worker that has since restarted ({member_ids[rank]}, now "
-            f"{me}); create the Policy again"
-        )
-    lease.reap_now(state)
-    if policy_id in state.policies:  # a retried init on the same worker; should not happen with retries=0
-        state.shutdown_policy(policy_id)
-    with warnings.catch_warnings():  # the driver warned at the user's Policy(...) call already: not once per rank
-        warnings.simplefilter("ignore", UserWarning)
-        cfg = PolicyConfig.from_dict(cfg_dict)
-    env = cfg.dtensor_cfg.env_vars or {}
-    if env:
-        import os
+    state = get_state()
+    with state.lock:
+        me = _incarnation()
+        if me != member_ids[rank]:
+            # this task outlived the worker it was meant for (a restart under the same name): a model loaded here
+            # would wait on a process group whose other ranks moved on
+            raise RuntimeError(
+                f"rank {rank} was planned on a worker that has since restarted ({member_ids[rank]}, now "
+                f"{me}); create the Policy again"
+            )
+        lease.reap_now(state)
+        if policy_id in state.policies:  # a retried init on the same worker; should not happen with retries=0
+            state.shutdown_policy(policy_id)
+        with warnings.catch_warnings():  # the driver warned at the user's Policy(...) call already: not once per rank
+            warnings.simplefilter("ignore", UserWarning)
+            cfg = PolicyConfig.from_dict(cfg_dict)
+        env = cfg.dtensor_cfg.env_vars or {}
+        if env:
+            import os
 
-        os.environ.update({str(k): str(v) for k, v in env.items()})
-    cls: type = PolicyWorker
-    if extension_fqn:  # before the join: a bad name must not leave a process group behind
-        ext = resolve_class(extension_fqn, "worker_extension_cls_fqn")
-        cls = type(f"{ext.__name__}PolicyWorker", (ext, PolicyWorker), {})
-    group = None
-    if len(members) > 1:
-        assert master is not None
-        group = join_process_group(
-            state,
-            policy_id,
-            members=members,
-            member_ids=member_ids,
-            rank=rank,
-            master_addr=master[0],
-            master_port=master[1],
-            backend=device.collective_backend(),
-            timeout_s=cfg.collective_timeout_s,
-        )
-    try:
-        worker = cls(
-            cfg,
-            rank=rank,
-            world_size=len(members),
-            group=group,
-            cpu_group=state.cpu_groups.get(policy_id),
-            pad_token_id=pad_token_id,
-            **options,
-        )
-    except BaseException:
-        state.shutdown_policy(policy_id)
-        raise
-    state.policies[policy_id] = worker
+            os.environ.update({str(k): str(v) for k, v in env.items()})
+        cls: type = PolicyWorker
+        if extension_fqn:  # before the join: a bad name must not leave a process group behind
+            ext = resolve_class(extension_fqn, "worker_extension_cls_fqn")
+            cls = type(f"{ext.__name__}PolicyWorker", (ext, PolicyWorker), {})
+        group = None
+        if len(members) > 1:
+            assert master is not None
+            group = join_process_group(
+                state,
+                policy_id,
+                members=members,
+                member_ids=member_ids,
+                rank=rank,
+                master_addr=master[0],
+                master_port=master[1],
+                backend=device.collective_backend(),
+                timeout_s=cfg.collective_timeout_s,
+            )
+        try:
+            worker = cls(
+                cfg,
+                rank=rank,
+                world_size=len(members),
+                group=group,
+                cpu_group=state.cpu_groups.get(policy_id),
+                pad_token_id=pad_token_id,
+                **options,
+            )
+        except BaseException:
+            state.shutdown_policy(policy_id)
+            raise
+        state.policies[policy_id] = worker
+        return _worker_info(worker, rank)
+
+
+def _worker_info(worker: Any, rank: int) -> dict[str, Any]:
+    """What the driver learns of a rank's new PolicyWorker."""
+    from dask_lm.model import device
+
     model = worker.rank_model
     info = device.device_info()
     info["rank"] = rank
