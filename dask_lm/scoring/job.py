@@ -140,15 +140,7 @@ def plan_job(
         decode_topk=spec.decode_topk,
         check_tokenizer=not finished,
     )
-    inputs = pio.inspect_inputs(
-        out.files,
-        text_column=spec.text_column,
-        ids_column=spec.ids_column,
-        prompt_column=spec.prompt_column,
-        response_column=spec.response_column,
-        id_column=spec.id_column,
-        prompt_length_column=spec.prompt_length_column,
-    )
+    inputs = pio.inspect_inputs(out.files, **spec.columns())
     plan = spans.plan_spans(inputs.partitions, inputs.group_tokens, spec.task_tokens)
     opts = ScoreOptions(
         **{f.name: getattr(spec, f.name) for f in fields(ScoreOptions) if f.name in _SHARED},
