@@ -32,7 +32,7 @@ from dask_lm.io.parquet import output_schema_columns
 from dask_lm.jobs.spec import precision_name
 from dask_lm.scoring.checks import check_score_model
 from dask_lm.scoring.partitions import score_frame
-from dask_lm.scoring.spec import check_score_options
+from dask_lm.scoring.spec import ROW_COLUMNS, check_score_options
 
 __all__ = ["score", "output_meta"]
 
@@ -185,7 +185,7 @@ def _options(columns: Any, asked: ScoreOptions, *, model: Any, tokenizer: Any) -
     conv = check_score_options(asked)
     fixed_precision = precision_name(asked.precision)  # None: each worker's own (bf16 on a GPU, fp32 elsewhere)
     have = list(columns)
-    for key in ("text_column", "ids_column", "prompt_column", "response_column", "prompt_length_column"):
+    for key in ROW_COLUMNS:
         name = getattr(asked, key)
         if name is not None and name not in have:
             raise ValueError(f"{opt(key, name)}: the data has no column {name!r}; its columns are {have}")

@@ -48,7 +48,7 @@ from dask_lm.scoring.checks import check_score_model
 from dask_lm.scoring.compile_choice import worth_compiling, worth_compiling_head
 from dask_lm.scoring.preload import Preload
 from dask_lm.scoring.result import ScoreResult, output_totals
-from dask_lm.scoring.spec import ScoreSpec
+from dask_lm.scoring.spec import ScoreSpec, row_columns
 from dask_lm.scoring.start_clock import StartClock
 from dask_lm.scoring.tasks import release_scorers, score_partition
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
@@ -399,22 +399,8 @@ def _run(
 
     from dask_lm.engine.worker_group import scheduler_info
 
-    columns = None
-    if opts.id_column is not None:
-        columns = sorted(
-            {
-                c
-                for c in (
-                    opts.id_column,
-                    opts.text_column,
-                    opts.ids_column,
-                    opts.prompt_column,
-                    opts.response_column,
-                    opts.prompt_length_column,
-                )
-                if c
-            }
-        )
+    # with an id column, the output keeps only that one: read it and the scored ones, else every column
+    columns = None if opts.id_column is None else sorted({opts.id_column, *row_columns(opts)})
     done = sorted(stamps)
     stamps = dict(stamps)  # and this run's parts, as their workers wrote them
     todo = [i for i in range(len(plan)) if i not in stamps]

@@ -12,7 +12,10 @@ from dask_lm.data.messages import ScoreOptions
 from dask_lm.interface import opt
 from dask_lm.jobs.spec import JobSpec, check_columns, option, precision_name
 
-__all__ = ["ScoreSpec", "check_score_options"]
+__all__ = ["ScoreSpec", "check_score_options", "ROW_COLUMNS", "row_columns"]
+
+# the options that name the input columns a row is scored from
+ROW_COLUMNS = ("text_column", "ids_column", "prompt_column", "response_column", "prompt_length_column")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +112,7 @@ class ScoreSpec(JobSpec):
     def columns(self) -> dict[str, str | None]:
         """The input columns the job reads, by option name (the keywords of
         :func:`dask_lm.io.parquet.inspect_inputs`)."""
-        return {name: getattr(self, name) for name in (*self.MODE_COLUMNS, "id_column", "prompt_length_column")}
+        return {name: getattr(self, name) for name in (*ROW_COLUMNS, "id_column")}
 
     @property
     def mode(self) -> str:
@@ -152,3 +155,8 @@ def check_score_options(options: ScoreSpec | ScoreOptions, *, task_tokens: int |
             f"{opt('topk', 5)})"
         )
     return conv
+
+
+def row_columns(options: ScoreSpec | ScoreOptions) -> list[str]:
+    """The input columns the rows are scored from, sorted, each once."""
+    return sorted({name for name in (getattr(options, key) for key in ROW_COLUMNS) if name})
