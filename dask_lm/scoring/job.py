@@ -426,9 +426,7 @@ def _run(
     progress_id = bar.listen(client)
     with report, span("dask-lm/score"):
         tasks = [
-            dask.delayed(score_partition, pure=False)(
-                *_pieces(plan[i], inputs, reads), i, plan[i].file, opts, progress_id
-            )
+            dask.delayed(score_partition, pure=False)(_span_rows(i, plan[i], inputs, reads), opts, progress_id)
             for i in todo
         ]
         # the workers' dask-lm plugin holds their model replicas and frees those left idle (a dead driver's job)
@@ -515,17 +513,15 @@ def _run(
     return result
 
 
-def _pieces(span: spans.Span, inputs: pio.ScoreInputs, reads: list[Any]) -> tuple[list[Any], list[int], list[int]]:
-    """A span's rows as the delayed reads of its row groups (a split group's slice cut where it is read, so that
-    only the slice travels), with each piece's first row in the file and its row count."""
+def _span_rows(index: int, span: spans.Span, inputs: pio.ScoreInputs, reads: list[Any]) -> spans.SpanRows:
+    """Part ``index``'s rows as the delayed reads of its row groups (a split group's slice cut where it is read, so
+    that only the slice travels), with each piece's first row in the file and its row count."""
     import dask
 
     if not span.whole:
         (g,) = span.groups
-        return (
-            [dask.delayed(pio.slice_rows, pure=True)(reads[g], span.offset, span.num_rows)],
-            [span.first_row],
-            [span.num_rows],
-        )
+        piece = dask.delayed(pio.slice_rows, pure=True)(reads[g], span.offset, span.num_rows)
+        return spans.SpanRows(index, span.file, [piece], [span.first_row], [span.num_rows])
     groups = [inputs.partitions[g] for g in span.groups]
-    return [reads[g] for g in span.groups], [first for _f, _g, first, _n in groups], [n for *_r, n in groups]
+    firsts, counts = [first for _f, _g, first, _n in groups], [n for *_r, n in groups]
+    return spans.SpanRows(index, span.file, [reads[g] for g in span.groups], firsts, counts)
