@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask_lm.config.defaults import PACKED_BATCH_TOKENS, PADDED_BATCH_TOKENS
 from dask_lm.data.continuation import Convention, check_convention
-from dask_lm.data.messages import ScoreOptions
 from dask_lm.interface import opt
 from dask_lm.jobs.spec import JobSpec, check_columns, option, precision_name
+
+if TYPE_CHECKING:  # the messages module imports distributed: the command line does not pay for it
+    from dask_lm.data.messages import ScoreOptions
 
 __all__ = ["ScoreSpec", "check_score_options", "ROW_COLUMNS", "row_columns"]
 
