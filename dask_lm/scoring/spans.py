@@ -59,10 +59,10 @@ class Span:
 
 class SpanRows(NamedTuple):
     """One span's rows as its scoring task gets them (:func:`dask_lm.scoring.scorer.score_partition`), for part
-    ``index``: ``pieces``, consecutive row groups of ``file`` (or one group's slice) as read, each starting at file
-    row ``firsts[k]`` with ``counts[k]`` rows."""
+    file number ``part``: ``pieces``, consecutive row groups of ``file`` (or one group's slice) as read, each starting
+    at file row ``firsts[k]`` with ``counts[k]`` rows."""
 
-    index: int
+    part: int
     file: str
     pieces: list[Any]
     firsts: list[int]
