@@ -6,6 +6,7 @@ import and subclass, they are pure tensor code (no worker state), and together t
 
 from dask_lm.losses.base import (
     BaseLoss,
+    LossBatch,
     LossConfig,
     LossFunction,
     LossInputType,
@@ -32,6 +33,7 @@ __all__ = [
     "DPOLossFn",
     "DistillationLossConfig",
     "DistillationLossFn",
+    "LossBatch",
     "LossConfig",
     "LossFunction",
     "LossInputType",

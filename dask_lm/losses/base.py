@@ -33,7 +33,7 @@ import difflib
 import enum
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -52,6 +52,7 @@ __all__ = [
     "LossConfig",
     "LossConfigError",
     "BaseLoss",
+    "LossBatch",
 ]
 
 
@@ -250,6 +251,15 @@ class LossConfig(Mapping[str, Any]):
         return isinstance(key, str) and key in {f.name for f in dataclasses.fields(self)}
 
 
+class LossBatch(NamedTuple):
+    """What every loss is called with besides its inputs: the microbatch's data and the global counts its sums are
+    normalized by (``None`` where the caller gives none)."""
+
+    data: Any
+    global_valid_seqs: Any = None
+    global_valid_toks: Any = None
+
+
 class BaseLoss:
     """Shared call handling for dask-lm's losses.
 
@@ -271,7 +281,7 @@ class BaseLoss:
             for name in self.input_names:  # the inputs-first form
                 if rest:
                     kwargs.setdefault(name, rest.pop(0))
-        for name in ("data", "global_valid_seqs", "global_valid_toks"):
+        for name in LossBatch._fields:
             if rest:
                 if name in kwargs:
                     raise TypeError(f"{type(self).__name__}() got multiple values for {name!r}")
@@ -283,9 +293,9 @@ class BaseLoss:
         missing = [n for n in self.input_names if n not in kwargs and n != "H_all"]
         if missing:
             raise TypeError(f"{type(self).__name__}() needs {missing} (its input_type is {self.input_type.value})")
-        return self.compute(**kwargs)
+        batch = LossBatch(*(kwargs.pop(name, None) for name in LossBatch._fields))
+        return self.compute(batch, **kwargs)
 
-    def compute(
-        self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None, **inputs: Any
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    def compute(self, batch: LossBatch, **inputs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The loss of ``batch`` given the inputs ``input_names`` lists, by keyword."""
         raise NotImplementedError

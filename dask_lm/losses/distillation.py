@@ -20,15 +20,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from dask_lm.losses.base import (
-    BaseLoss,
-    LossConfig,
-    LossConfigError,
-    LossInputType,
-    LossType,
-    masked_mean,
-    metric,
-)
+from dask_lm.errors import LossConfigError
+from dask_lm.losses.base import BaseLoss, LossBatch, LossConfig, LossInputType, LossType, masked_mean, metric
 
 __all__ = ["DistillationLossConfig", "DistillationLossFn"]
 
@@ -71,14 +64,13 @@ class DistillationLossFn(BaseLoss):
     # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
     def compute(  # type: ignore[override]
         self,
+        batch: LossBatch,
         *,
-        data: Any,
-        global_valid_seqs: Any = None,
-        global_valid_toks: Any = None,
         student_topk_logprobs: torch.Tensor,
         teacher_topk_logprobs: torch.Tensor,
         H_all: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
+        data, _, global_valid_toks = batch
         s, t = student_topk_logprobs, teacher_topk_logprobs.to(student_topk_logprobs.device)
         ps, pt = s.exp(), t.exp()
         forward = (pt * (t - s)).sum(-1)

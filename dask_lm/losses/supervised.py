@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from dask_lm.losses.base import (
     BaseLoss,
+    LossBatch,
     LossConfig,
     LossInputType,
     LossType,
@@ -52,14 +53,13 @@ class NLLLoss(BaseLoss):
     # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
     def compute(  # type: ignore[override]
         self,
+        batch: LossBatch,
         *,
-        data: Any,
-        global_valid_seqs: Any = None,
-        global_valid_toks: Any = None,
         next_token_logprobs: torch.Tensor,
         dpo_loss: bool = False,
         dpo_average_log_probs: bool = False,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
+        data, _, global_valid_toks = batch
         lp = next_token_logprobs
         token_mask = data["token_mask"][:, 1:].to(lp.device)
         sample_mask = data["sample_mask"].to(lp.device)
@@ -146,13 +146,9 @@ class DPOLossFn(BaseLoss):
 
     # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
     def compute(  # type: ignore[override]
-        self,
-        *,
-        data: Any,
-        global_valid_seqs: Any = None,
-        global_valid_toks: Any = None,
-        next_token_logprobs: torch.Tensor,
+        self, batch: LossBatch, *, next_token_logprobs: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
+        data, global_valid_seqs, global_valid_toks = batch
         lp = next_token_logprobs
         _check_pairs(lp.shape[0])
         sample_mask = data["sample_mask"].to(lp.device)
@@ -202,8 +198,9 @@ class PreferenceLossFn(BaseLoss):
 
     # the inputs are the keywords `input_names` lists (BaseLoss.__call__ checks them), not **inputs
     def compute(  # type: ignore[override]
-        self, *, data: Any, global_valid_seqs: Any = None, global_valid_toks: Any = None, logits: torch.Tensor
+        self, batch: LossBatch, *, logits: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
+        data, global_valid_seqs, _ = batch
         rewards = logits.squeeze(-1).float()
         _check_pairs(rewards.shape[0])
         sample_mask = data["sample_mask"].to(rewards.device)

@@ -19,9 +19,11 @@ vocabulary against ``topk``, the tokenizer's files.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any
+from typing import Any, cast
 
+from dask_lm.data.continuation import Convention
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.engine import cluster
 from dask_lm.interface import current, opt, warn
@@ -30,7 +32,7 @@ from dask_lm.io.parquet import output_schema_columns
 from dask_lm.jobs.spec import precision_name
 from dask_lm.scoring.checks import check_score_model
 from dask_lm.scoring.partitions import score_frame
-from dask_lm.scoring.spec import check_score_options
+from dask_lm.scoring.spec import ROW_COLUMNS, check_score_options
 
 __all__ = ["score", "output_meta"]
 
@@ -124,26 +126,30 @@ def score(
             f"dask_lm.score takes a dask or pandas DataFrame, a pandas Series or a list of texts; got "
             f"{type(data).__name__}"
         )
-    opts = _options(
-        data.columns,
-        model=model,
-        tokenizer=tokenizer,
+    # the options as asked; _options checks them and resolves the model, the tokenizer and the precision
+    asked = ScoreOptions(
+        model="",
+        tokenizer="",
+        precision=precision,
+        output="",  # the file job's folder: a collection has none (score_frame returns its rows)
         text_column=text_column,
         ids_column=ids_column,
         prompt_column=prompt_column,
         response_column=response_column,
         prompt_length_column=prompt_length_column,
-        convention=convention,
+        convention=cast(Convention, convention),
         topk=topk,
         decode_topk=decode_topk,
         max_length=max_length,
         truncate=truncate,
         batch_tokens=batch_tokens,
-        precision=precision,
         skip_bad_rows=skip_bad_rows,
         allow_nonfinite=allow_nonfinite,
         compile=compile,
+        compile_head=compile,
+        interface=current(),
     )
+    opts = _options(data.columns, asked, model=model, tokenizer=tokenizer)
     if isinstance(data, dd.DataFrame):
         from distributed import Client
 
@@ -172,85 +178,29 @@ def output_meta(meta: Any, opts: ScoreOptions) -> Any:
     return out
 
 
-def _options(
-    columns: Any,
-    *,
-    model: Any,
-    tokenizer: Any,
-    text_column: str | None,
-    ids_column: str | None,
-    prompt_column: str | None,
-    response_column: str | None,
-    prompt_length_column: str | None,
-    convention: str,
-    topk: int,
-    decode_topk: bool,
-    max_length: int | None,
-    truncate: bool,
-    batch_tokens: int | None,
-    precision: str,
-    skip_bad_rows: bool,
-    allow_nonfinite: bool,
-    compile: bool,
-) -> ScoreOptions:
+def _options(columns: Any, asked: ScoreOptions, *, model: Any, tokenizer: Any) -> ScoreOptions:
     """The cheap checks (``score_parquet``'s own: options, model files, tokenizer files), and the columns against
-    ``columns``, the input's; the options the partitions are scored with."""
-    conv = check_score_options(
-        text_column=text_column,
-        ids_column=ids_column,
-        prompt_column=prompt_column,
-        response_column=response_column,
-        prompt_length_column=prompt_length_column,
-        convention=convention,
-        topk=topk,
-        decode_topk=decode_topk,
-        max_length=max_length,
-        batch_tokens=batch_tokens,
-    )
-    fixed_precision = precision_name(precision)  # None: each worker's own (bf16 on a GPU, fp32 elsewhere)
+    ``columns``, the input's; the options the partitions are scored with: ``asked`` with the model's and the
+    tokenizer's paths, the convention and the precision as checked."""
+    conv = check_score_options(asked)
+    fixed_precision = precision_name(asked.precision)  # None: each worker's own (bf16 on a GPU, fp32 elsewhere)
     have = list(columns)
-    for key, name in (
-        ("text_column", text_column),
-        ("ids_column", ids_column),
-        ("prompt_column", prompt_column),
-        ("response_column", response_column),
-        ("prompt_length_column", prompt_length_column),
-    ):
+    for key in ROW_COLUMNS:
+        name = getattr(asked, key)
         if name is not None and name not in have:
             raise ValueError(f"{opt(key, name)}: the data has no column {name!r}; its columns are {have}")
-    added = [name for name, _ in output_schema_columns(topk, decode_topk)]
+    added = [name for name, _ in output_schema_columns(asked.topk, asked.decode_topk)]
     clash = [c for c in have if c in added]
     if clash:
         raise ValueError(
             f"the data's column {clash[0]!r} has the name of a column dask_lm.score adds ({added}); "
             f"rename it first, e.g. data.rename(columns={{{clash[0]!r}: {clash[0] + '_in'!r}}})"
         )
-    source = hub.resolve_model(model)
-    path = source.path
-    _info, tok = check_score_model(path, topk=topk, tokenizer=tokenizer, ids_column=ids_column, decode_topk=decode_topk)
-    # output is the file job's folder: a collection has none (score_frame returns its rows)
-    return ScoreOptions(
-        model=path,
-        tokenizer=tok,
-        precision=fixed_precision or "auto",
-        output="",
-        text_column=text_column,
-        ids_column=ids_column,
-        prompt_column=prompt_column,
-        response_column=response_column,
-        prompt_length_column=prompt_length_column,
-        convention=conv,
-        topk=topk,
-        decode_topk=decode_topk,
-        max_length=max_length,
-        truncate=truncate,
-        batch_tokens=batch_tokens,
-        skip_bad_rows=skip_bad_rows,
-        allow_nonfinite=allow_nonfinite,
-        compile=compile,
-        compile_head=compile,
-        interface=current(),
+    path = hub.resolve_model(model).path
+    _info, tok = check_score_model(
+        path, topk=asked.topk, tokenizer=tokenizer, ids_column=asked.ids_column, decode_topk=asked.decode_topk
     )
+    return dataclasses.replace(asked, model=path, tokenizer=tok, precision=fixed_precision or "auto", convention=conv)
 
 
 def _known_client(client: Any) -> Any:

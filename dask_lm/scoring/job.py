@@ -48,7 +48,7 @@ from dask_lm.scoring.checks import check_score_model
 from dask_lm.scoring.compile_choice import worth_compiling, worth_compiling_head
 from dask_lm.scoring.preload import Preload
 from dask_lm.scoring.result import ScoreResult, output_totals
-from dask_lm.scoring.spec import ScoreSpec
+from dask_lm.scoring.spec import ScoreSpec, row_columns
 from dask_lm.scoring.start_clock import StartClock
 from dask_lm.scoring.tasks import release_scorers, score_partition
 from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
@@ -140,15 +140,7 @@ def plan_job(
         decode_topk=spec.decode_topk,
         check_tokenizer=not finished,
     )
-    inputs = pio.inspect_inputs(
-        out.files,
-        text_column=spec.text_column,
-        ids_column=spec.ids_column,
-        prompt_column=spec.prompt_column,
-        response_column=spec.response_column,
-        id_column=spec.id_column,
-        prompt_length_column=spec.prompt_length_column,
-    )
+    inputs = pio.inspect_inputs(out.files, **spec.columns())
     plan = spans.plan_spans(inputs.partitions, inputs.group_tokens, spec.task_tokens)
     opts = ScoreOptions(
         **{f.name: getattr(spec, f.name) for f in fields(ScoreOptions) if f.name in _SHARED},
@@ -407,22 +399,8 @@ def _run(
 
     from dask_lm.engine.worker_group import scheduler_info
 
-    columns = None
-    if opts.id_column is not None:
-        columns = sorted(
-            {
-                c
-                for c in (
-                    opts.id_column,
-                    opts.text_column,
-                    opts.ids_column,
-                    opts.prompt_column,
-                    opts.response_column,
-                    opts.prompt_length_column,
-                )
-                if c
-            }
-        )
+    # with an id column, the output keeps only that one: read it and the scored ones, else every column
+    columns = None if opts.id_column is None else sorted({opts.id_column, *row_columns(opts)})
     done = sorted(stamps)
     stamps = dict(stamps)  # and this run's parts, as their workers wrote them
     todo = [i for i in range(len(plan)) if i not in stamps]
@@ -448,9 +426,7 @@ def _run(
     progress_id = bar.listen(client)
     with report, span("dask-lm/score"):
         tasks = [
-            dask.delayed(score_partition, pure=False)(
-                *_pieces(plan[i], inputs, reads), i, plan[i].file, opts, progress_id
-            )
+            dask.delayed(score_partition, pure=False)(_span_rows(i, plan[i], inputs, reads), opts, progress_id)
             for i in todo
         ]
         # the workers' dask-lm plugin holds their model replicas and frees those left idle (a dead driver's job)
@@ -537,17 +513,15 @@ def _run(
     return result
 
 
-def _pieces(span: spans.Span, inputs: pio.ScoreInputs, reads: list[Any]) -> tuple[list[Any], list[int], list[int]]:
-    """A span's rows as the delayed reads of its row groups (a split group's slice cut where it is read, so that
-    only the slice travels), with each piece's first row in the file and its row count."""
+def _span_rows(index: int, span: spans.Span, inputs: pio.ScoreInputs, reads: list[Any]) -> spans.SpanRows:
+    """Part ``index``'s rows as the delayed reads of its row groups (a split group's slice cut where it is read, so
+    that only the slice travels), with each piece's first row in the file and its row count."""
     import dask
 
     if not span.whole:
         (g,) = span.groups
-        return (
-            [dask.delayed(pio.slice_rows, pure=True)(reads[g], span.offset, span.num_rows)],
-            [span.first_row],
-            [span.num_rows],
-        )
+        piece = dask.delayed(pio.slice_rows, pure=True)(reads[g], span.offset, span.num_rows)
+        return spans.SpanRows(index, span.file, [piece], [span.first_row], [span.num_rows])
     groups = [inputs.partitions[g] for g in span.groups]
-    return [reads[g] for g in span.groups], [first for _f, _g, first, _n in groups], [n for *_r, n in groups]
+    firsts, counts = [first for _f, _g, first, _n in groups], [n for *_r, n in groups]
+    return spans.SpanRows(index, span.file, [reads[g] for g in span.groups], firsts, counts)

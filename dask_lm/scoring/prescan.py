@@ -22,6 +22,7 @@ from dask_lm.interface import opt
 from dask_lm.io import modelcheck
 from dask_lm.io import parquet as pio
 from dask_lm.scoring.spans import Span
+from dask_lm.scoring.spec import row_columns
 
 __all__ = ["PRESCAN_MAX_TOKENS", "SHOWN", "bad_rows", "message"]
 
@@ -47,19 +48,7 @@ def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, voca
             logger.debug("no pre-scan of the rows: the tokenizer does not load in the driver (%s)", e)
             return None
     max_positions = modelcheck.stated_positions(opts.model)
-    columns = sorted(
-        {
-            c
-            for c in (
-                opts.text_column,
-                opts.ids_column,
-                opts.prompt_column,
-                opts.response_column,
-                opts.prompt_length_column,
-            )
-            if c
-        }
-    )
+    columns = row_columns(opts)
     errors: list[str] = []
     for g in sorted({g for span in plan for g in span.groups}):
         file, group, first, rows = inputs.partitions[g]

@@ -38,6 +38,7 @@ from dask_lm.model.inference import forward_rows
 from dask_lm.model.logprobs import next_token_logprobs_greedy, output_head, topk_logits
 from dask_lm.moved import moved_names
 from dask_lm.scoring import replicas
+from dask_lm.scoring.spans import SpanRows
 
 __all__ = ["ScoreOptions", "BadRowError", "NonFiniteError", "ScoredRows", "score_rows", "score_partition"]
 
@@ -377,20 +378,11 @@ def score_rows(
     return ScoredRows(keep=keep, table=table, bad=bad, errors=errors, stats=stats)
 
 
-def score_partition(
-    pieces: list[Any],
-    firsts: list[int],
-    counts: list[int],
-    index: int,
-    file: str,
-    opts: ScoreOptions,
-    progress_id: str | None = None,
-) -> dict[str, Any]:
+def score_partition(span: SpanRows, opts: ScoreOptions, progress_id: str | None = None) -> dict[str, Any]:
     """Score one span of rows (:mod:`dask_lm.scoring.spans`) and write ``part-<index>.parquet`` (and its bad rows)
     atomically: ``score_parquet``'s file job over :func:`score_rows`.
 
-    ``pieces`` are the span's rows as read: consecutive row groups of ``file`` (or one group's slice), each a
-    pandas frame of Arrow-backed columns starting at file row ``firsts[k]`` with ``counts[k]`` rows, or an
+    ``span.pieces`` are the span's rows as read, each a pandas frame of Arrow-backed columns, or an
     :class:`~dask_lm.io.parquet.UnreadableRowGroup` where the group could not be decoded: then every row of it is a
     bad row. With ``progress_id``, the job's bar hears when the replica is ready and the rows begin, and how many
     are scored, about twice a second (:func:`_rows_reporter`)."""
@@ -399,6 +391,7 @@ def score_partition(
     from dask_lm.io import parquet as pio
 
     t0 = time.perf_counter()
+    index, file, pieces, firsts, counts = span
     for piece, first, n in zip(pieces, firsts, counts):
         if not isinstance(piece, pio.UnreadableRowGroup) and len(piece) != n:
             raise RuntimeError(

@@ -25,9 +25,18 @@ import itertools
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["Span", "plan_spans", "plan_digest", "task_tokens", "TASKS_PER_JOB", "MIN_TASK_TOKENS", "MAX_TASK_TOKENS"]
+__all__ = [
+    "Span",
+    "SpanRows",
+    "plan_spans",
+    "plan_digest",
+    "task_tokens",
+    "TASKS_PER_JOB",
+    "MIN_TASK_TOKENS",
+    "MAX_TASK_TOKENS",
+]
 
 TASKS_PER_JOB = 32
 MIN_TASK_TOKENS = 16_384
@@ -46,6 +55,18 @@ class Span:
     num_rows: int
     offset: int = 0
     whole: bool = True
+
+
+class SpanRows(NamedTuple):
+    """One span's rows as its scoring task gets them (:func:`dask_lm.scoring.scorer.score_partition`), for part
+    file number ``part``: ``pieces``, consecutive row groups of ``file`` (or one group's slice) as read, each starting
+    at file row ``firsts[k]`` with ``counts[k]`` rows."""
+
+    part: int
+    file: str
+    pieces: list[Any]
+    firsts: list[int]
+    counts: list[int]
 
 
 def task_tokens(total_tokens: float) -> int:

@@ -4,14 +4,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask_lm.config.defaults import PACKED_BATCH_TOKENS, PADDED_BATCH_TOKENS
 from dask_lm.data.continuation import Convention, check_convention
 from dask_lm.interface import opt
 from dask_lm.jobs.spec import JobSpec, check_columns, option, precision_name
 
-__all__ = ["ScoreSpec", "check_score_options"]
+if TYPE_CHECKING:  # the messages module imports distributed: the command line does not pay for it
+    from dask_lm.data.messages import ScoreOptions
+
+__all__ = ["ScoreSpec", "check_score_options", "ROW_COLUMNS", "row_columns"]
+
+# the options that name the input columns a row is scored from
+ROW_COLUMNS = ("text_column", "ids_column", "prompt_column", "response_column", "prompt_length_column")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,19 +101,7 @@ class ScoreSpec(JobSpec):
     skip_bad_rows: bool = option(False, help="Leave bad rows out (listed in _errors.parquet) instead of failing.")
 
     def check(self) -> None:
-        convention = check_score_options(
-            text_column=self.text_column,
-            ids_column=self.ids_column,
-            prompt_column=self.prompt_column,
-            response_column=self.response_column,
-            prompt_length_column=self.prompt_length_column,
-            convention=self.convention,
-            topk=self.topk,
-            decode_topk=self.decode_topk,
-            max_length=self.max_length,
-            batch_tokens=self.batch_tokens,
-            task_tokens=self.task_tokens or 0,
-        )
+        convention = check_score_options(self, task_tokens=self.task_tokens or 0)
         object.__setattr__(self, "convention", convention)
         # the torch dtype's name, or auto: the workers' devices decide once the cluster is up
         object.__setattr__(self, "precision", precision_name(self.precision) or "auto")
@@ -116,6 +110,11 @@ class ScoreSpec(JobSpec):
     def fixed_precision(self) -> str | None:
         """The torch dtype's name, or ``None`` where the workers' devices decide (``auto``)."""
         return None if self.precision == "auto" else self.precision
+
+    def columns(self) -> dict[str, str | None]:
+        """The input columns the job reads, by option name (the keywords of
+        :func:`dask_lm.io.parquet.inspect_inputs`)."""
+        return {name: getattr(self, name) for name in (*ROW_COLUMNS, "id_column")}
 
     @property
     def mode(self) -> str:
@@ -130,39 +129,36 @@ class ScoreSpec(JobSpec):
         return options
 
 
-def check_score_options(
-    *,
-    text_column: str | None,
-    ids_column: str | None,
-    prompt_column: str | None,
-    response_column: str | None,
-    prompt_length_column: str | None,
-    convention: str,
-    topk: int,
-    decode_topk: bool,
-    max_length: int | None,
-    batch_tokens: int | None,
-    task_tokens: int | None = None,
-) -> Convention:
+def check_score_options(options: ScoreSpec | ScoreOptions, *, task_tokens: int | None = None) -> Convention:
     """The scoring options' own checks, shared by ``score_parquet`` and ``dask_lm.score``: one way to read the
-    rows, the convention, the numbers' ranges. Returns the convention."""
+    rows, the convention, the numbers' ranges (``task_tokens``: the file job's, checked where given). Returns the
+    convention."""
+    o = options
     check_columns(
-        text_column=text_column, ids_column=ids_column, prompt_column=prompt_column, response_column=response_column
+        text_column=o.text_column,
+        ids_column=o.ids_column,
+        prompt_column=o.prompt_column,
+        response_column=o.response_column,
     )
-    conv = check_convention(convention, opt("convention"))
-    if prompt_length_column is not None and ids_column is None:
+    conv = check_convention(o.convention, opt("convention"))
+    if o.prompt_length_column is not None and o.ids_column is None:
         raise ValueError(
             f"{opt('prompt_length_column')} goes with {opt('ids_column')} (prompt + response text has "
             f"its prompt length from {opt('prompt_column')})"
         )
-    if topk < 0 or (task_tokens or 0) < 0 or any(v is not None and v < 1 for v in (max_length, batch_tokens)):
+    if o.topk < 0 or (task_tokens or 0) < 0 or any(v is not None and v < 1 for v in (o.max_length, o.batch_tokens)):
         counts = (
             f"{opt('topk')} and {opt('task_tokens')} must be" if task_tokens is not None else f"{opt('topk')} must be"
         )
         raise ValueError(f"{counts} >= 0, {opt('max_length')} and {opt('batch_tokens')} >= 1")
-    if decode_topk and not topk:
+    if o.decode_topk and not o.topk:
         raise ValueError(
             f"{opt('decode_topk', True)} decodes the top-k ids: it needs {opt('topk', meta='K')} (e.g. "
             f"{opt('topk', 5)})"
         )
     return conv
+
+
+def row_columns(options: ScoreSpec | ScoreOptions) -> list[str]:
+    """The input columns the rows are scored from, sorted, each once."""
+    return sorted({name for name in (getattr(options, key) for key in ROW_COLUMNS) if name})

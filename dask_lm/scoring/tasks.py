@@ -12,25 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dask_lm.data.messages import ScoreOptions
+    from dask_lm.scoring.spans import SpanRows
 
 __all__ = ["score_partition", "sampling_profiler_paused", "check_model_config", "preload_scorer", "release_scorers"]
 
 
-def score_partition(
-    pieces: list[Any],
-    firsts: list[int],
-    counts: list[int],
-    index: int,
-    file: str,
-    opts: ScoreOptions,
-    progress_id: str | None = None,
-) -> dict[str, Any]:
+def score_partition(span: SpanRows, opts: ScoreOptions, progress_id: str | None = None) -> dict[str, Any]:
     """``score_parquet``: score one span on this worker (:func:`dask_lm.scoring.scorer.score_partition`)."""
     from dask_lm import interface
     from dask_lm.scoring import scorer
 
     with interface.speaking(opts.interface):  # a bad row's message names options as the job's caller spells them
-        return scorer.score_partition(pieces, firsts, counts, index, file, opts, progress_id)
+        return scorer.score_partition(span, opts, progress_id)
 
 
 @contextlib.contextmanager
