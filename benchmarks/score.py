@@ -68,6 +68,7 @@ from scaling import (
     print_table,
     worker_counts,
 )
+from score_processes import cli_process, timed_process, user_process
 
 CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
@@ -88,99 +89,6 @@ def write_dataset(root: str, ids: torch.Tensor, lens: torch.Tensor, files: int, 
         # row_group None: pyarrow's default (1Mi rows), i.e. one row group per file, as pandas / pyarrow write them
         pq.write_table(table, os.path.join(data, f"part-{f:03d}.parquet"), row_group_size=row_group)
     return data
-
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _last_json(text: str) -> dict[str, Any]:
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise RuntimeError(f"no JSON line in the output:\n{text[-4000:]}")
-
-
-def _process(cmd: list[str], what: str) -> tuple[float, float, str]:
-    """Run ``cmd`` as a fresh process: (time.time() it was started at, wall seconds, its stdout)."""
-    import subprocess
-
-    started = time.time()
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return started, wall, proc.stdout
-
-
-def user_process(model_dir: str, data: str, out: str, budget: int | None = None) -> dict[str, Any]:
-    """The competent user's script (``user_score.py``) as a whole process: wall time, first batch, its sums;
-    ``budget``: its padded tokens per batch (None: the script's default)."""
-    import pyarrow.parquet as pq
-
-    cmd = [
-        sys.executable,
-        os.path.join(HERE, "user_score.py"),
-        model_dir,
-        data,
-        out,
-        "--ids-column",
-        "ids",
-        "--id-column",
-        "id",
-    ]
-    started, wall, stdout = _process(cmd + (["--budget", str(budget)] if budget else []), "user_score.py")
-    info = _last_json(stdout)
-    t = pq.read_table(out, columns=["id", "sum_logprob"]).to_pydict()
-    return {
-        "seconds": wall,
-        "first_row_seconds": info["first_batch_at"] - started,
-        "phases_at": info["phases_at"],
-        "sums": dict(zip(t["id"], t["sum_logprob"])),
-    }
-
-
-def cli_process(model_dir: str, data: str, out: str, extra: list[str]) -> dict[str, Any]:
-    """``dask-lm score`` (the CLI, its defaults) as a whole process: wall time, first part, start phases, sums."""
-    import pyarrow.parquet as pq
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "dask_lm",
-        "score",
-        data,
-        "--model",
-        model_dir,
-        "--ids-column",
-        "ids",
-        "--id-column",
-        "id",
-        "--output",
-        out,
-        "--no-progress",
-        *extra,
-    ]
-    started, wall, _stdout = _process(cmd, "dask-lm score")
-    with open(os.path.join(out, "_SUCCESS"), encoding="utf-8") as f:
-        summary = json.load(f)
-    sums = {}
-    for name in sorted(os.listdir(out)):
-        if name.startswith("part-"):
-            t = pq.read_table(os.path.join(out, name), columns=["id", "sum_logprob"]).to_pydict()
-            sums.update(zip(t["id"], t["sum_logprob"]))
-    first = summary.get("first_row_at")
-    return {
-        "seconds": wall,
-        "first_row_seconds": first - started if first else float("nan"),
-        "start_phases": summary.get("start_phases") or {},
-        "model_load": summary.get("model_load_seconds"),
-        "model_load_phases": summary.get("model_load_phases") or {},
-        "compile": summary.get("compile_seconds"),
-        "scoring": summary.get("scoring_seconds"),
-        "sums": sums,
-        "command": " ".join(cmd[1:]),
-    }
 
 
 def max_rel_diff(a: dict[int, float], b: dict[int, float]) -> float:
@@ -352,7 +260,7 @@ def main(
         if processes:  # first, while no cluster holds the GPU
             # one throw-away process first: the arms then find torch's and transformers' files in the page cache
             # alike (whichever ran first would otherwise pay the cold reads of the libraries for both)
-            _process(
+            timed_process(
                 [
                     sys.executable,
                     "-c",
