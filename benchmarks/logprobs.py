@@ -152,12 +152,13 @@ def run_processes(
     import sys
 
     import pyarrow.parquet as pq
-    from score import _last_json, _process, max_rel_diff, user_process, write_dataset
+    from score import max_rel_diff, write_dataset
+    from score_processes import _last_json, timed_process, user_process
 
     here = os.path.dirname(os.path.abspath(__file__))
     data = write_dataset(root, ids, lens, 4, None)
     # one throw-away process first: both find torch's and transformers' files in the page cache alike
-    _process(
+    timed_process(
         [
             sys.executable,
             "-c",
@@ -180,7 +181,7 @@ def run_processes(
         "--n-workers",
         str(n_workers),
     ]
-    started, wall, stdout = _process(cmd, "policy_logprobs.py")
+    started, wall, stdout = timed_process(cmd, "policy_logprobs.py")
     info = _last_json(stdout)
     t = pq.read_table(out, columns=["id", "sum_logprob"]).to_pydict()
     res = {
@@ -190,6 +191,7 @@ def run_processes(
         "policy_seconds": wall,
         "policy_first_result_seconds": info["first_result_at"] - started,
         "policy_phases_at": info["phases_at"],
+        "policy_start_phases": info.get("start_phases"),
         "ratio": user["seconds"] / wall,
         "max_rel_sum_diff": max_rel_diff(dict(zip(t["id"], t["sum_logprob"])), user["sums"]),
     }

@@ -62,6 +62,7 @@ def main() -> None:
         }
         policy = dask_lm.Policy(client, config, None, init_optimizer=False, init_reference_model=False)
         phases["policy"] = time.perf_counter() - T0
+        start_phases = getattr(policy, "start_phases", None)  # where the Policy's start went, per process
         logprobs = policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))["logprobs"]
         first_result_at = time.time()
         phases["logprobs"] = time.perf_counter() - T0
@@ -79,6 +80,7 @@ def main() -> None:
         json.dumps(
             {
                 "phases_at": phases,
+                "start_phases": start_phases,
                 "first_result_at": first_result_at,
                 "end_at": time.time(),
                 "rows": len(rows),

@@ -115,3 +115,40 @@ def test_bin_weights_and_quantised_configs_are_not_taken_directly(tmp_path, monk
         json.dump({**cfg, "quantization_config": {"quant_method": "fp8"}}, f)
     monkeypatch.setattr(model_load, "_from_pretrained", lambda *a: "from_pretrained")
     assert model_load.load_causal_lm(path, torch.float32, torch.device("cpu")) == "from_pretrained"
+
+
+def test_a_policy_load_takes_its_config_kernel_and_generation_config_as_from_pretrained(tmp_path, monkeypatch):
+    """A Policy's rank loads through the direct path with its own config (``hf_config_overrides`` applied) and
+    attention kernel; the directory's generation config (its eos ids stop generation, a checkpoint saves it back)
+    comes with it, as from_pretrained reads it."""
+    path = _model_dir(tmp_path, "llama", tie=False)
+    transformers.GenerationConfig(eos_token_id=[2, 7], max_new_tokens=5).save_pretrained(path)
+    config = transformers.AutoConfig.from_pretrained(path, rms_norm_eps=1e-3)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    _direct_only(monkeypatch)
+    got = model_load.load_pretrained(
+        path, torch.float32, torch.device("cpu"), config=config, attn_implementation="eager"
+    )
+    _same(got, reference)
+    assert got.config.rms_norm_eps == 1e-3 and got.config._attn_implementation == "eager"
+    assert got.generation_config.eos_token_id == [2, 7] == reference.generation_config.eos_token_id
+    assert got.generation_config.max_new_tokens == 5
+
+
+def test_a_reward_head_the_files_lack_goes_through_from_pretrained(tmp_path):
+    """A causal LM's files loaded as a sequence classifier: the ``score`` head is in no file, so from_pretrained
+    builds it (with its own initialisation and report); the direct path does not leave it unfilled."""
+    path = _model_dir(tmp_path, "llama", tie=False)
+    config = transformers.AutoConfig.from_pretrained(path, num_labels=1, pad_token_id=0)
+    auto = transformers.AutoModelForSequenceClassification
+    torch.manual_seed(0)
+    reference = auto.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    got = model_load.load_pretrained(path, torch.float32, torch.device("cpu"), config=config, auto=auto)
+    _same_weights = {k: v for k, v in got.state_dict().items() if not k.startswith("score")}
+    for k, v in reference.state_dict().items():
+        if not k.startswith("score"):
+            assert torch.equal(_same_weights[k], v), k
+    assert torch.equal(got.score.weight, reference.score.weight)

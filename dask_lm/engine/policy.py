@@ -46,6 +46,7 @@ from dask_lm.engine.futures import Pending
 from dask_lm.engine.metrics import FLOPTracker
 from dask_lm.engine.posting import PostingMixin
 from dask_lm.engine.shutdown import shutdown_quietly
+from dask_lm.engine.start_phases import PolicyStartClock
 from dask_lm.engine.training import TrainingMixin
 from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.io import checkpoint as ckpt
@@ -124,6 +125,7 @@ class Policy(TrainingMixin, RefitMixin, PostingMixin):
         workers: Sequence[Any] | None = None,
     ) -> None:
         self._group: WorkerGroup | None = None
+        clock = PolicyStartClock()
         self.cfg, self.model_source = _resolve_names(PolicyConfig.from_dict(config))
         if processor is not None:
             raise ValueError("`processor` (multimodal inputs) is not supported yet; pass processor=None")
@@ -150,6 +152,7 @@ class Policy(TrainingMixin, RefitMixin, PostingMixin):
         text = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
         self.vocab_size = getattr(text, "vocab_size", None)
         self.flops_tracker = FLOPTracker.from_config(self.hf_config)
+        clock.mark("config")
         self.client = as_client(cluster)
         if workers is not None:
             if workers_per_node is not None:
@@ -161,6 +164,7 @@ class Policy(TrainingMixin, RefitMixin, PostingMixin):
             workers = WorkerGroup.per_node(self.client, workers_per_node)
         self._group = group = WorkerGroup(self.client, workers=workers, name_prefix=name_prefix)
         self.sharding_annotations = NamedSharding.data_parallel(group.world_size)
+        clock.mark("workers")
         try:  # what the ranks would find only after loading the weights, found here from the config
             from dask_lm.model.hf import check_policy_model
 
@@ -168,6 +172,7 @@ class Policy(TrainingMixin, RefitMixin, PostingMixin):
         except BaseException:
             group.release_lease()
             raise
+        clock.mark("model_check")
         options = {
             "init_optimizer": init_optimizer,
             "init_reference_model": init_reference_model,
@@ -198,6 +203,9 @@ class Policy(TrainingMixin, RefitMixin, PostingMixin):
             except BaseException:
                 shutdown_quietly(group)  # ranks that did load free their model and process group
                 raise
+        clock.mark("load")
+        #: where this Policy's start went, in seconds: the driver's steps and each rank's (engine/start_phases.py)
+        self.start_phases: dict[str, Any] = clock.phases(self.worker_info)
         self._finalizer = weakref.finalize(self, shutdown_quietly, group)
 
     # ----------------------------------------------------------------------------------------- futures

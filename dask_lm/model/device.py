@@ -24,6 +24,7 @@ __all__ = [
     "collective_backend",
     "torch_dtype",
     "synchronize",
+    "initialise",
     "empty_cache",
     "free_memory_bytes",
     "ipc_kind",
@@ -115,6 +116,14 @@ def torch_dtype(precision: str) -> torch.dtype:
 
 def synchronize() -> None:
     if is_cuda():
+        torch.cuda.synchronize()
+
+
+def initialise() -> None:
+    """Make this process's CUDA context and the allocator's first block now (about a second on a GPU; nothing on
+    the CPU), so that the first task that needs the device does not pay for it (:mod:`dask_lm.workers.warm`)."""
+    if is_cuda():
+        torch.empty(1, device=local_device())
         torch.cuda.synchronize()
 
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dask_lm.io import modelcheck
 
-__all__ = ["load_causal_lm", "direct_files"]
+__all__ = ["load_causal_lm", "load_pretrained", "direct_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +35,43 @@ logger = logging.getLogger(__name__)
 def load_causal_lm(model_dir: str, dtype: torch.dtype, where: torch.device) -> Any:
     """``AutoModelForCausalLM`` of ``model_dir`` in ``dtype`` on ``where``, in eval mode: loaded directly where the
     files allow it (see the module docstring), through ``from_pretrained`` otherwise."""
+    return load_pretrained(model_dir, dtype, where)
+
+
+def load_pretrained(
+    model_dir: str,
+    dtype: torch.dtype,
+    where: torch.device,
+    *,
+    config: Any = None,
+    auto: Any = None,
+    attn_implementation: str | None = None,
+) -> Any:
+    """``auto.from_pretrained(model_dir, config=config, dtype=dtype, attn_implementation=...)`` on ``where``, in eval
+    mode, loaded directly where the files allow it. ``auto`` defaults to ``AutoModelForCausalLM``, ``config`` to the
+    directory's own (a Policy passes its config with ``hf_config_overrides`` applied)."""
+    import transformers
+
+    auto = auto or transformers.AutoModelForCausalLM
+    spec = _Spec(auto, config, attn_implementation)
     files = direct_files(model_dir)
-    model = _direct(model_dir, files, dtype, where) if files else None
-    return model if model is not None else _from_pretrained(model_dir, dtype, where)
+    model = _direct(model_dir, files, dtype, where, spec) if files else None
+    return model if model is not None else _from_pretrained(model_dir, dtype, where, spec)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What a load builds besides the directory and dtype: the auto class, the config, the attention kernel."""
+
+    auto: Any
+    config: Any
+    attn_implementation: str | None
+
+    def kwargs(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"trust_remote_code": False}
+        if self.attn_implementation is not None:
+            out["attn_implementation"] = self.attn_implementation
+        return out
 
 
 def direct_files(model_dir: str) -> list[str] | None:
@@ -57,17 +92,17 @@ def _no_init_weights() -> Any:
     return no_init_weights()
 
 
-def _direct(model_dir: str, files: list[str], dtype: torch.dtype, where: torch.device) -> Any:
+def _direct(model_dir: str, files: list[str], dtype: torch.dtype, where: torch.device, spec: _Spec) -> Any:
     """The direct load, or ``None`` (with the reason logged) where the files need ``from_pretrained``'s handling."""
     import transformers
     from safetensors import safe_open
 
-    config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    config = spec.config or transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     if getattr(config, "quantization_config", None) is not None:
         logger.debug("%s: a quantised config; loading through from_pretrained", model_dir)
         return None
     with _no_init_weights(), torch.device(where):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+        model = spec.auto.from_config(config, dtype=dtype, **spec.kwargs())
     if getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None):
         logger.debug("%s: modules kept in float32; loading through from_pretrained", model_dir)
         return None
@@ -104,23 +139,33 @@ def _direct(model_dir: str, files: list[str], dtype: torch.dtype, where: torch.d
                 for name in names:
                     targets[name].copy_(f.get_tensor(name))
     model.config.name_or_path = model_dir  # as from_pretrained records it
+    _generation_config(model, model_dir)
     return model.eval()
 
 
-def _from_pretrained(model_dir: str, dtype: torch.dtype, where: torch.device) -> Any:
+def _generation_config(model: Any, model_dir: str) -> None:
+    """The directory's ``generation_config.json`` as the model's generation config, where the model generates: what
+    ``from_pretrained`` reads too (its eos ids stop generation; a checkpoint saves it back)."""
+    import transformers
+
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path) and getattr(model, "can_generate", lambda: False)():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(model_dir)
+
+
+def _from_pretrained(model_dir: str, dtype: torch.dtype, where: torch.device, spec: _Spec) -> Any:
     """``from_pretrained``'s own load. On a GPU straight to the device: a one-device ``device_map`` makes
     transformers place each loaded tensor where it goes. Some transformers versions want ``accelerate`` for any
     ``device_map`` (5.24 does, 5.17 does not); without it, and on a CPU, the model loads on the host and moves."""
-    import transformers
-
+    given = {"config": spec.config} if spec.config is not None else {}
     if where.type != "cpu":
         try:
-            return transformers.AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=dtype, trust_remote_code=False, device_map={"": where}
+            return spec.auto.from_pretrained(
+                model_dir, dtype=dtype, device_map={"": where}, **given, **spec.kwargs()
             ).eval()
         except (ImportError, ValueError) as e:
             if "accelerate" not in str(e):
                 raise
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False)
+    model = spec.auto.from_pretrained(model_dir, dtype=dtype, **given, **spec.kwargs())
     # transformers wraps PreTrainedModel.to with functools.wraps, whose stub loses the bound self
     return model.to(where).eval()  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from dask_lm.model import device, fused, liger_layers, varlen
 from dask_lm.model.inference import forward_rows
 from dask_lm.model.load import load_causal_lm
 from dask_lm.model.logprobs import next_token_logprobs_greedy, output_head
+from dask_lm.workers import warm
 
 __all__ = ["preload_replica", "release_idle", "release_scorers", "auto_precision"]
 
@@ -47,6 +48,7 @@ class Replica:
         self, model_dir: str, tokenizer_dir: str, precision: str, *, compile: bool = True, compile_head: bool = False
     ) -> None:
         t0 = time.perf_counter()
+        warm.wait()  # the worker's warm-up imports transformers and makes the CUDA context: not twice at once
         import transformers
 
         transformers.utils.logging.disable_progress_bar()  # one bar per worker would garble the job's own bar

@@ -57,8 +57,11 @@ def check_model_config(model: str) -> dict[str, Any]:
     with when it began (wall clock) and how long torch's import and the rest took, for the job's start phases."""
     import time
 
+    from dask_lm.workers import warm
+
     began, t0 = time.time(), time.perf_counter()
     with sampling_profiler_paused():
+        warm.wait()  # a worker warming up imports torch in its own thread: wait for it rather than import beside it
         import torch  # noqa: F401 (timed: most of a fresh worker's start)
 
         t1 = time.perf_counter()

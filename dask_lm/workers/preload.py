@@ -1,5 +1,5 @@
-"""The Dask preload of a local cluster's worker processes (``connect()`` passes it): they ignore SIGINT, and do not
-log the failures of dask-lm's own tasks.
+"""The Dask preload of a local cluster's worker processes (``connect()`` passes it): they ignore SIGINT, do not
+log the failures of dask-lm's own tasks, and warm up in the background (:mod:`dask_lm.workers.warm`).
 
 A terminal sends Ctrl-C's SIGINT to its whole foreground process group: the driver and, on a local cluster, every
 worker process it spawned. Each worker then printed its own ``KeyboardInterrupt`` traceback (25 lines a worker)
@@ -35,6 +35,9 @@ def dask_setup(worker: Any) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # what later threads and subprocesses inherit
     logging.getLogger("distributed.worker").addFilter(_OwnFailures(worker))
+    from dask_lm.workers import warm
+
+    warm.start()  # imports and the CUDA context in the background, while the cluster comes up (warm.py says why)
 
 
 class _OwnFailures(logging.Filter):

@@ -33,6 +33,7 @@ from dask_lm.model import device, fused, varlen
 from dask_lm.model.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
 from dask_lm.model.hf import fsdp_blocks
 from dask_lm.model.inference import ForwardLayout, forward_rows, run_pass
+from dask_lm.model.load import load_pretrained
 from dask_lm.model.logprobs import next_token_logprobs, output_head, policy_logprob_options, topk_logits
 from dask_lm.model.weights import local_tensor
 from dask_lm.workers.optim import MasterWeights
@@ -77,7 +78,18 @@ class RankModel:
         self.trainable = trainable
         # low-precision training keeps fp32 master weights (see optim.py): FSDP's fp32 shards, or MasterWeights
         self.keeps_fp32 = self.trainable and self.dtype != torch.float32
+        # seconds each step of the build took (Policy.start_phases reports them per rank)
+        self.start_phases: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def mark(step: str) -> None:
+            nonlocal clock
+            device.synchronize()  # each step's device work counted in its own step
+            now = time.perf_counter()
+            self.start_phases[step], clock = now - clock, now
+
         self.model = self._build_model(skip_weight_load)
+        mark("weights")
         if cfg.dtensor_cfg.activation_checkpointing:
             hf: Any = self.model  # a transformers PreTrainedModel (Module's __getattr__ types methods Tensor | Module)
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -87,12 +99,14 @@ class RankModel:
         self.masters: MasterWeights | None = None
         if self.fsdp:
             self._apply_fsdp()
+            mark("shard")
         elif self.keeps_fp32:
             # fp32 masters copied from the fp32 load (no bf16 rounding), then the model's parameters (not its
             # buffers: RoPE tables stay fp32, as in a model loaded in bf16) are cast for compute
             self.masters = MasterWeights(self.model)
             for p in self.model.parameters():
                 p.data = p.data.to(self.dtype)
+            mark("master_weights")
         self.model.eval()
         # packed micro-batches through flash varlen attention instead of a dense [T, T] mask, where the GPU can
         self.varlen = cfg.attn_implementation == "sdpa" and varlen.available(self.dtype)
@@ -110,13 +124,16 @@ class RankModel:
             layers = fused.compile_decoder_layers(self.model, anywhere=True in (want, want_train)) > 0
             self.compile = self.compile and (layers or fused.enabled())
             self.train_compile = self.train_compile and layers
+            mark("compile_setup")
         # the reference is the weights as loaded from model_name, taken before any weights_path restore; kept in
         # the compute dtype (what the forward sees), as each rank's own shard in pinned host memory
         self.reference: dict[str, torch.Tensor] | None = None
         if keep_reference:
             self.reference = {n: device.pin(local_tensor(p).to(self.dtype)) for n, p in self.model.named_parameters()}
+            mark("reference")
         if weights_path:
             self.load_weights(weights_path)
+            mark("weights_path")
 
     # ----------------------------------------------------------------------------------------- build
     def _build_model(self, skip_weight_load: bool) -> torch.nn.Module:
@@ -140,21 +157,23 @@ class RankModel:
         # training in low precision loads fp32: FSDP keeps fp32 shards (MixedPrecisionPolicy computes in
         # `precision`), a single rank copies them into MasterWeights before casting the model
         dtype = torch.float32 if self.keeps_fp32 else self.dtype
-        kwargs = {
-            "config": hf_config,
-            "dtype": dtype,
-            "attn_implementation": cfg.attn_implementation,
-            "trust_remote_code": False,
-        }
         if skip_weight_load:
             # random weights made where they live: seconds on a GPU, where a CPU init of a 7B model takes minutes
             with self.device:
                 model = auto.from_config(
                     hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=False
                 )
-        else:
-            model = auto.from_pretrained(cfg.model_name, **kwargs)
-        return model.to(self.device)
+            return model.to(self.device)
+        # from the safetensors straight into device memory, as a scoring replica loads (model/load.py): no random
+        # init, no host copy
+        return load_pretrained(
+            cfg.model_name,
+            dtype,
+            self.device,
+            config=hf_config,
+            auto=auto,
+            attn_implementation=cfg.attn_implementation,
+        )
 
     def _apply_fsdp(self) -> None:
         from torch.distributed.device_mesh import DeviceMesh

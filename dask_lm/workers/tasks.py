@@ -11,6 +11,7 @@ keeps both its halves in its own package.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,11 @@ def init_policy(
 ) -> dict[str, Any]:
     """Free policies whose driver died, join the process group (when there is more than one rank), then build
     this rank's PolicyWorker."""
+    from dask_lm.workers import warm
+
+    began = time.time()
+    warm.wait()  # the worker's warm-up imports what a rank needs: wait for it rather than import beside it
+    waited = time.time() - began
     from dask_lm.config import PolicyConfig
     from dask_lm.config.optim import resolve_class
     from dask_lm.model import device
@@ -136,7 +142,15 @@ def init_policy(
             state.shutdown_policy(policy_id)
             raise
         state.policies[policy_id] = worker
-        return _worker_info(worker, rank)
+        info = _worker_info(worker, rank)
+        info["start"] = {
+            "warm_up": warm.report(),
+            "task_began_at": began,
+            "waited_for_warm_up": waited,
+            "build": dict(worker.rank_model.start_phases),
+            "ready_at": time.time(),
+        }
+        return info
 
 
 def _worker_info(worker: Any, rank: int) -> dict[str, Any]:

@@ -1,0 +1,95 @@
+"""A local cluster's worker warms up as it starts: torch, transformers' modelling code and dask-lm's rank code are
+imported, and the GPU's CUDA context made, in a background thread of the worker process.
+
+Why: a fresh worker process holds none of them, and every first task that needs a model (a Policy's load, a
+scoring replica, a config check) paid for them in its own time: 5-15 s of imports, most of it
+``transformers.modeling_utils`` and ``transformers.generation`` (the model's own modelling file is a small part),
+then about a second of CUDA initialisation. Started by the worker's preload, the same work runs while the cluster
+is still coming up and while the driver checks its arguments, reads its inputs and parses the model's config: it
+is no longer on the path between ``Policy(...)`` and a loaded model. dask-cuda's ``pre_import`` imports modules too,
+but in the worker's start, which the cluster (``connect()``) then waits for; in a thread, nothing waits.
+
+A task that needs what the warm-up makes calls :func:`wait` first: it does not import the same modules beside it
+(two threads importing one package's modules in different orders can deadlock on Python's per-module import
+locks). :func:`wait` returns at once in a process that did not warm up (a worker of an attached cluster that
+loaded no preload of ours, or a test calling rank code in-process). A warm-up that fails leaves its error to the
+task, whose own import then raises it where the user sees it.
+
+``DASK_LM_WARM_WORKERS=0`` turns it off (each worker then imports on its first task, as before).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+from typing import Any
+
+__all__ = ["start", "wait", "report", "MODULES"]
+
+# in order: what a Policy's load and a scoring replica import, heaviest first
+MODULES = (
+    "torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.generation.utils",
+    "dask_lm.model.device",
+    "dask_lm.workers.tasks",
+    "dask_lm.workers.policy_worker",
+    "dask_lm.workers.endpoints",
+    "dask_lm.model.load",
+)
+# where the forward compiles (a GPU): what torch.compile imports on its first call, 2-3 s more (Inductor's lowerings
+# and custom ops, AOTAutograd's partitioner)
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx", "torch._functorch.aot_autograd")
+
+_DONE = threading.Event()
+_STARTED = False
+_REPORT: dict[str, Any] = {}
+
+
+def start() -> bool:
+    """Start the warm-up thread (once a process); whether it was started."""
+    global _STARTED
+    if _STARTED or os.environ.get("DASK_LM_WARM_WORKERS", "1") == "0":
+        return False
+    _STARTED = True
+    threading.Thread(target=_warm, name="dask-lm-warm-up", daemon=True).start()
+    return True
+
+
+def wait(timeout: float | None = None) -> None:
+    """Return once the warm-up has ended (at once where none was started)."""
+    if _STARTED:
+        _DONE.wait(timeout)
+
+
+def report() -> dict[str, Any]:
+    """When the warm-up began and ended (``time.time()``), and each step's seconds; empty where none ran."""
+    return dict(_REPORT)
+
+
+def _warm() -> None:
+    steps: dict[str, float] = {}
+    _REPORT.update(began_at=time.time(), steps=steps)
+    try:
+        for name in MODULES:
+            t0 = time.perf_counter()
+            importlib.import_module(name)
+            steps[f"import {name}"] = time.perf_counter() - t0
+        from dask_lm.model import device
+
+        t0 = time.perf_counter()
+        device.initialise()
+        steps["device"] = time.perf_counter() - t0
+        if device.compile_capable():
+            for name in COMPILER_MODULES:
+                t0 = time.perf_counter()
+                importlib.import_module(name)
+                steps[f"import {name}"] = time.perf_counter() - t0
+    except BaseException as e:  # the task that needs the module imports it again and raises it to the user
+        _REPORT["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        _REPORT["ended_at"] = time.time()
+        _DONE.set()

@@ -1,0 +1,72 @@
+"""A Policy's start: the workers of ``connect()`` warm up in the background, and ``Policy.start_phases`` says where
+the start went in every process. Counted and compared, never timed."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import transformers
+
+import dask_lm
+from dask_lm.workers import warm
+
+
+def _warm_state():
+    from dask_lm.workers import warm
+
+    warm.wait(timeout=600)
+    return {"report": warm.report(), "modules": sorted(m for m in warm.MODULES if m in sys.modules)}
+
+
+@pytest.mark.cluster
+def test_the_workers_of_connect_import_torch_and_transformers_in_the_background(client):
+    """Each worker process of a ``connect()`` cluster imported what a rank needs in its own thread, from its
+    preload: by the end of the warm-up every module of the list is in ``sys.modules``, and the report names each
+    step, in order, with no error."""
+    got = client.run(_warm_state)
+    assert len(got) == 2
+    for state in got.values():
+        report = state["report"]
+        assert "error" not in report, report
+        assert report["began_at"] <= report["ended_at"]
+        assert list(report["steps"])[: len(warm.MODULES)] == [f"import {m}" for m in warm.MODULES]
+        assert state["modules"] == sorted(warm.MODULES)
+
+
+def test_no_warm_up_when_turned_off(monkeypatch):
+    """``DASK_LM_WARM_WORKERS=0``: nothing starts, and a task's wait returns at once (no thread to wait for)."""
+    monkeypatch.setenv("DASK_LM_WARM_WORKERS", "0")
+    monkeypatch.setattr(warm, "_STARTED", False)
+    assert warm.start() is False
+    warm.wait()  # returns: nothing was started
+    assert warm._DONE.is_set() is False
+
+
+@pytest.mark.cluster
+def test_start_phases_name_the_drivers_and_each_ranks_steps(client, tiny):
+    """``Policy.start_phases``: the driver's four steps, and for each of the two ranks its warm-up, its load task and
+    the build's steps (FSDP's shard step, as two ranks shard; the reference copy, kept by default), ordered as they
+    ran on one clock."""
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
+    cfg = {
+        "model_name": tiny["llama"],
+        "precision": "float32",
+        "max_total_sequence_length": 64,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-3}},
+    }
+    policy = dask_lm.Policy(client, cfg, tok)
+    try:
+        phases = policy.start_phases
+    finally:
+        policy.shutdown()
+    assert list(phases["driver"]) == ["config", "workers", "model_check", "load"]
+    assert all(v >= 0 for v in phases["driver"].values())
+    assert len(phases["ranks"]) == 2
+    for rank in phases["ranks"]:
+        assert rank["warm_up_began"] <= rank["warm_up_ended"]
+        assert rank["load_began"] <= rank["ready"]
+        # the load task did not import beside the warm-up: it waited until the warm-up had ended (stamps rounded)
+        assert rank["waited_for_warm_up"] >= rank["warm_up_ended"] - rank["load_began"] - 0.01
+        assert list(rank["build"]) == ["weights", "shard", "reference"]
+        assert rank["warm_up_steps"]["import torch"] > 0
