@@ -45,7 +45,7 @@ def test_no_warm_up_when_turned_off(monkeypatch):
 
 @pytest.mark.cluster
 def test_start_phases_name_the_drivers_and_each_ranks_steps(client, tiny):
-    """``Policy.start_phases``: the driver's four steps, and for each of the two ranks its warm-up, its load task and
+    """``Policy.start_phases``: the driver's three steps, and for each of the two ranks its warm-up, its load task and
     the build's steps (FSDP's shard step, as two ranks shard; the reference copy, kept by default), ordered as they
     ran on one clock."""
     tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
@@ -60,7 +60,7 @@ def test_start_phases_name_the_drivers_and_each_ranks_steps(client, tiny):
         phases = policy.start_phases
     finally:
         policy.shutdown()
-    assert list(phases["driver"]) == ["config", "workers", "model_check", "load"]
+    assert list(phases["driver"]) == ["config", "workers", "load"]
     assert all(v >= 0 for v in phases["driver"].values())
     assert len(phases["ranks"]) == 2
     for rank in phases["ranks"]:
@@ -70,3 +70,16 @@ def test_start_phases_name_the_drivers_and_each_ranks_steps(client, tiny):
         assert rank["waited_for_warm_up"] >= rank["warm_up_ended"] - rank["load_began"] - 0.01
         assert list(rank["build"]) == ["weights", "shard", "reference"]
         assert rank["warm_up_steps"]["import torch"] > 0
+
+
+@pytest.mark.cluster
+def test_a_model_the_ranks_cannot_run_is_refused_before_any_weight_is_read(client, tmp_path, tiny):
+    """The ranks check the model's class against the config as their load task begins: a T5 directory (no
+    causal-LM class) with no weight file at all is refused with the check's ValueError naming the model, not with
+    a missing-weights error from a load that started."""
+    path = tmp_path / "t5"
+    transformers.T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8).save_pretrained(path)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny["llama"])
+    cfg = {"model_name": str(path), "precision": "float32", "max_total_sequence_length": 64}
+    with pytest.raises(ValueError, match=r"policy.model_name.*t5.*no causal-LM class for model type 't5'"):
+        dask_lm.Policy(client, cfg, tok, init_optimizer=False, init_reference_model=False)

@@ -165,14 +165,6 @@ class Policy(TrainingMixin, RefitMixin, PostingMixin):
         self._group = group = WorkerGroup(self.client, workers=workers, name_prefix=name_prefix)
         self.sharding_annotations = NamedSharding.data_parallel(group.world_size)
         clock.mark("workers")
-        try:  # what the ranks would find only after loading the weights, found here from the config
-            from dask_lm.model.hf import check_policy_model
-
-            check_policy_model(self.hf_config, self.cfg, world_size=group.world_size)
-        except BaseException:
-            group.release_lease()
-            raise
-        clock.mark("model_check")
         options = {
             "init_optimizer": init_optimizer,
             "init_reference_model": init_reference_model,

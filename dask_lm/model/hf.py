@@ -1,12 +1,15 @@
-"""Whether the workers can run a model, decided on the driver from its Hugging Face config alone.
+"""Whether the workers can run a model, decided from its Hugging Face config alone, before any weights are read.
 
 The ranks find the parts of a model they use after the weights have loaded: the FSDP blocks named by
 ``_no_split_modules`` (:meth:`~dask_lm.workers.rank_model.RankModel._apply_fsdp`, world size > 1), the
 decoder whose last hidden state every pass reads (:func:`dask_lm.model.forward.decoder_of`), the output
 embeddings of a causal LM (:func:`dask_lm.model.logprobs.output_head`) and the ``score`` head of a reward
 model. A model without one of them would fail there, minutes into a job, as an ``AssertionError`` in a
-worker's traceback. :func:`check_policy_model` asks the same questions before any cluster work starts and
-answers with a ``ValueError`` that names ``policy.model_name``, the architecture and the fix.
+worker's traceback. :func:`check_policy_model` asks the same questions first, and answers with a ``ValueError`` that
+names ``policy.model_name``, the architecture and the fix. Each rank asks it as its load task begins, before it
+joins the process group or reads a weight (:func:`dask_lm.workers.tasks.init_policy`): the question needs the
+model's modelling code, 3-6 s of imports that the workers have made in their warm-up already
+(:mod:`dask_lm.workers.warm`) and that the driver, which needs none of it, would make on the Policy's critical path.
 
 Nothing here reads weights or touches CUDA: the class transformers would build is resolved from its auto
 mappings, and where the structure matters it is built on the ``meta`` device (shapes without storage). The
@@ -25,7 +28,22 @@ if TYPE_CHECKING:
 
     from dask_lm.config import PolicyConfig
 
-__all__ = ["check_policy_model", "find_decoder", "find_output_embeddings", "fsdp_blocks", "model_class"]
+__all__ = ["check_policy_model", "find_decoder", "find_output_embeddings", "fsdp_blocks", "model_class", "rank_config"]
+
+
+def rank_config(cfg: PolicyConfig, pad_token_id: int) -> Any:
+    """The Hugging Face config a rank builds its model from: ``policy.model_name``'s with ``hf_config_overrides``,
+    one label for a reward model, and ``pad_token_id`` where the config names no pad id."""
+    import transformers
+
+    overrides = dict(cfg.hf_config_overrides or {})
+    if cfg.reward_model_cfg.enabled:
+        overrides["num_labels"] = 1  # a Bradley-Terry reward model has one score
+    hf_config = transformers.AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=False, **overrides)
+    if getattr(hf_config, "pad_token_id", None) is None:
+        # sequence-classification heads refuse batches > 1 without a pad id; we pool by length anyway
+        hf_config.pad_token_id = pad_token_id
+    return hf_config
 
 
 def model_class(hf_config: Any, *, reward_model: bool) -> type[PreTrainedModel] | None:

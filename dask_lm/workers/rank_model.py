@@ -31,7 +31,7 @@ from dask_lm.data.messages import MicroBatchPlan
 from dask_lm.data.tokens import TokenRows
 from dask_lm.model import device, fused, varlen
 from dask_lm.model.forward import MicroBatch, final_hidden_states, pad_with_dummies, plan_micro_batches
-from dask_lm.model.hf import fsdp_blocks
+from dask_lm.model.hf import fsdp_blocks, rank_config
 from dask_lm.model.inference import ForwardLayout, forward_rows, run_pass
 from dask_lm.model.load import load_pretrained
 from dask_lm.model.logprobs import next_token_logprobs, output_head, policy_logprob_options, topk_logits
@@ -147,13 +147,7 @@ class RankModel:
             if self.is_reward_model
             else transformers.AutoModelForCausalLM
         )
-        overrides = dict(cfg.hf_config_overrides or {})
-        if self.is_reward_model:
-            overrides["num_labels"] = 1  # a Bradley-Terry reward model has one score
-        hf_config = transformers.AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=False, **overrides)
-        if getattr(hf_config, "pad_token_id", None) is None:
-            # sequence-classification heads refuse batches > 1 without a pad id; we pool by length anyway
-            hf_config.pad_token_id = self.pad_token_id
+        hf_config = rank_config(cfg, self.pad_token_id)
         # training in low precision loads fp32: FSDP keeps fp32 shards (MixedPrecisionPolicy computes in
         # `precision`), a single rank copies them into MasterWeights before casting the model
         dtype = torch.float32 if self.keeps_fp32 else self.dtype

@@ -85,6 +85,7 @@ def init_policy(
     from dask_lm.config import PolicyConfig
     from dask_lm.config.optim import resolve_class
     from dask_lm.model import device
+    from dask_lm.model.hf import check_policy_model, rank_config
     from dask_lm.workers import lease
     from dask_lm.workers.policy_worker import PolicyWorker
     from dask_lm.workers.state import get_state, join_process_group
@@ -110,6 +111,9 @@ def init_policy(
             import os
 
             os.environ.update({str(k): str(v) for k, v in env.items()})
+        # the model's class against the config, before the join and before any weight is read: a refusal here is a
+        # ValueError the driver raises as it is, the same on every rank (model/hf.py says why it is asked here)
+        check_policy_model(rank_config(cfg, pad_token_id), cfg, world_size=len(members))
         cls: type = PolicyWorker
         if extension_fqn:  # before the join: a bad name must not leave a process group behind
             ext = resolve_class(extension_fqn, "worker_extension_cls_fqn")

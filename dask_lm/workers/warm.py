@@ -15,7 +15,8 @@ locks). :func:`wait` returns at once in a process that did not warm up (a worker
 loaded no preload of ours, or a test calling rank code in-process). A warm-up that fails leaves its error to the
 task, whose own import then raises it where the user sees it.
 
-``DASK_LM_WARM_WORKERS=0`` turns it off (each worker then imports on its first task, as before).
+``DASK_LM_WARM_WORKERS=0`` turns it off (each worker then imports on its first task). Workers started by hand warm
+up with ``dask worker --preload dask_lm.workers.warm``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["start", "wait", "report", "MODULES"]
+__all__ = ["start", "wait", "report", "dask_setup", "MODULES", "COMPILER_MODULES"]
 
 # in order: what a Policy's load and a scoring replica import, heaviest first
 MODULES = (
@@ -57,6 +58,11 @@ def start() -> bool:
     _STARTED = True
     threading.Thread(target=_warm, name="dask-lm-warm-up", daemon=True).start()
     return True
+
+
+def dask_setup(worker: Any) -> None:
+    """A Dask preload of its own, for workers started by hand: ``dask worker --preload dask_lm.workers.warm``."""
+    start()
 
 
 def wait(timeout: float | None = None) -> None:
