@@ -15,6 +15,7 @@ and the defaults several modules share.
 The dependency order is ``schema -> generation -> equivalents -> keys -> policy``, one way: no module here imports
 one that imports it."""
 
+from dask_lm.config import policy
 from dask_lm.config.generation import GenerationConfig, SGLangConfig
 from dask_lm.config.policy import (
     DTensorConfig,
@@ -22,22 +23,13 @@ from dask_lm.config.policy import (
     MegatronConfig,
     OptimizerConfig,
     PolicyConfig,
+    Precision,
     RewardModelConfig,
     SequencePackingConfig,
     TokenizerConfig,
 )
 from dask_lm.config.schema import config_from_dict
 
-__all__ = [
-    "PolicyConfig",
-    "TokenizerConfig",
-    "DTensorConfig",
-    "MegatronConfig",
-    "DynamicBatchingConfig",
-    "SequencePackingConfig",
-    "GenerationConfig",
-    "SGLangConfig",
-    "RewardModelConfig",
-    "OptimizerConfig",
-    "config_from_dict",
-]
+# the Policy config's names are policy.py's own list, not written again here
+__all__ = ["GenerationConfig", "SGLangConfig", "config_from_dict"]
+__all__ += policy.__all__
