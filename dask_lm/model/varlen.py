@@ -23,15 +23,23 @@ import contextlib
 import functools
 import inspect
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["NAME", "available", "attention_implementation", "packed_attention", "packed_kwargs"]
+__all__ = [
+    "NAME",
+    "available",
+    "attention_implementation",
+    "packed_attention",
+    "packed_kwargs",
+    "register_attention",
+]
 
 NAME = "dask_lm_varlen"
 _REGISTERED = False
+_NAMES: set[str] = set()  # the implementations register_attention registered in this process
 # the kernel's options, read at registration: a plain global that torch.compile can trace through (it would
 # break the graph on inspect.signature inside every layer)
 _OPTIONS: dict[Any, tuple[dict[str, Any], bool]] = {}
@@ -92,12 +100,22 @@ def _register() -> None:
         return
     fn = _varlen_attn()
     _OPTIONS[fn] = _kernel_options(fn)
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(NAME, _attention)
-    AttentionMaskInterface.register(NAME, _no_mask)
+    register_attention(NAME, _attention, _no_mask)
     _REGISTERED = True
+
+
+def register_attention(name: str, attention: Callable[..., Any], mask: Callable[..., Any] | None = None) -> None:
+    """Register ``attention`` with transformers as the implementation ``name`` (what
+    :func:`attention_implementation` switches a model to), with ``mask`` as its mask function (``None``: sdpa's);
+    once per process, later calls do nothing."""
+    if name in _NAMES:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] if mask is None else mask)
+    _NAMES.add(name)
 
 
 def available(dtype: torch.dtype) -> bool:
