@@ -17,19 +17,8 @@ one that imports it."""
 
 from dask_lm.config import policy
 from dask_lm.config.generation import GenerationConfig, SGLangConfig
-from dask_lm.config.policy import (
-    DTensorConfig,
-    DynamicBatchingConfig,
-    MegatronConfig,
-    OptimizerConfig,
-    PolicyConfig,
-    Precision,
-    RewardModelConfig,
-    SequencePackingConfig,
-    TokenizerConfig,
-)
+from dask_lm.config.policy import *  # noqa: F403  # the Policy config's names: policy.__all__, written there only
 from dask_lm.config.schema import config_from_dict
 
-# the Policy config's names are policy.py's own list, not written again here
 __all__ = ["GenerationConfig", "SGLangConfig", "config_from_dict"]
 __all__ += policy.__all__

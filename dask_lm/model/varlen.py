@@ -39,7 +39,6 @@ __all__ = [
 
 NAME = "dask_lm_varlen"
 _REGISTERED = False
-_NAMES: set[str] = set()  # the implementations register_attention registered in this process
 # the kernel's options, read at registration: a plain global that torch.compile can trace through (it would
 # break the graph on inspect.signature inside every layer)
 _OPTIONS: dict[Any, tuple[dict[str, Any], bool]] = {}
@@ -106,16 +105,13 @@ def _register() -> None:
 
 def register_attention(name: str, attention: Callable[..., Any], mask: Callable[..., Any] | None = None) -> None:
     """Register ``attention`` with transformers as the implementation ``name`` (what
-    :func:`attention_implementation` switches a model to), with ``mask`` as its mask function (``None``: sdpa's);
-    once per process, later calls do nothing."""
-    if name in _NAMES:
-        return
+    :func:`attention_implementation` switches a model to), with ``mask`` as its mask function (``None``: sdpa's).
+    A later call with the same name replaces the registration."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] if mask is None else mask)
-    _NAMES.add(name)
 
 
 def available(dtype: torch.dtype) -> bool:
