@@ -111,7 +111,13 @@ class LogprobOptions(TypedDict, total=False):
 def _resolved(
     options: LogprobOptions,
 ) -> tuple[float, int | None, int | None, float, tuple[torch.Tensor, torch.Tensor] | None]:
-    """``(temperature, chunk_size, top_k, top_p, index)``, each key left out at its default."""
+    """``(temperature, chunk_size, top_k, top_p, index)``, each key left out at its default; an unknown key is a
+    ``TypeError``, as an unknown keyword argument is."""
+    unknown = sorted(set(options) - set(LogprobOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {unknown}; the options are {list(LogprobOptions.__annotations__)}"
+        )
     return (
         options.get("temperature", 1.0),
         options.get("chunk_size", 1024),
