@@ -40,7 +40,7 @@ def _worker(shape: str, root: str, mb_tokens: int, mode: str, chunk: int) -> Any
     import transformers
 
     from dask_lm.config import PolicyConfig
-    from dask_lm.workers.rank_model import RankModel
+    from dask_lm.workers.rank_model import RankModel, RankPlace
 
     path = os.path.join(root, shape)
     transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, pad_token_id=0).save_pretrained(path)
@@ -61,9 +61,7 @@ def _worker(shape: str, root: str, mb_tokens: int, mode: str, chunk: int) -> Any
     torch.manual_seed(0)
     return cfg, RankModel(
         cfg,
-        rank=0,
-        world_size=1,
-        group=None,
+        RankPlace(rank=0, world_size=1),
         pad_token_id=0,
         trainable=False,
         keep_reference=False,

@@ -15,29 +15,10 @@ and the defaults several modules share.
 The dependency order is ``schema -> generation -> equivalents -> keys -> policy``, one way: no module here imports
 one that imports it."""
 
+from dask_lm.config import policy
 from dask_lm.config.generation import GenerationConfig, SGLangConfig
-from dask_lm.config.policy import (
-    DTensorConfig,
-    DynamicBatchingConfig,
-    MegatronConfig,
-    OptimizerConfig,
-    PolicyConfig,
-    RewardModelConfig,
-    SequencePackingConfig,
-    TokenizerConfig,
-)
+from dask_lm.config.policy import *  # noqa: F403  # the Policy config's names: policy.__all__, written there only
 from dask_lm.config.schema import config_from_dict
 
-__all__ = [
-    "PolicyConfig",
-    "TokenizerConfig",
-    "DTensorConfig",
-    "MegatronConfig",
-    "DynamicBatchingConfig",
-    "SequencePackingConfig",
-    "GenerationConfig",
-    "SGLangConfig",
-    "RewardModelConfig",
-    "OptimizerConfig",
-    "config_from_dict",
-]
+__all__ = ["GenerationConfig", "SGLangConfig", "config_from_dict"]
+__all__ += policy.__all__

@@ -135,37 +135,26 @@ class TrainingMixin(PolicyBase):
         cfg = self.cfg
         gbs, mbs = self._train_sizes(loss_fn, eval_mode, gbs, mbs)
         start = time.perf_counter()
-        if is_remote(data):  # checked on the workers; planned here from the rows' lengths
-            remote = RemoteRows(self, data, call="train", train=(loss_fn, check_dim_skip_keys))
-            num_global_batches = self._global_batches(remote.rows, gbs)
-            with timed(timer, "policy_training/sharding_data"):
-                shards, _order, packed = self._shard(remote.skeleton(), gbs)
-            return self._post_train(
-                remote.bind(shards, packed=packed),
-                [s["input_lengths"] for s in shards],
-                loss_fn,
-                eval_mode=eval_mode,
-                gbs=gbs,
-                mbs=mbs,
-                num_global_batches=num_global_batches,
-                rows=remote.rows,
-                start=start,
-                timer=timer,
+        # rows that stay on the workers are checked there and planned here from their lengths
+        remote = RemoteRows(self, data, call="train", train=(loss_fn, check_dim_skip_keys)) if is_remote(data) else None
+        if remote is None:
+            data = validate_input_batch(
+                data,
+                what="train",
+                vocab_size=self.vocab_size,
+                max_length=cfg.max_total_sequence_length,
+                pad_token_id=self.pad_token_id,
             )
-        data = validate_input_batch(
-            data,
-            what="train",
-            vocab_size=self.vocab_size,
-            max_length=cfg.max_total_sequence_length,
-            pad_token_id=self.pad_token_id,
-        )
-        data = validate_train_batch(data, loss_fn, check_dim_skip_keys=check_dim_skip_keys, vocab_size=self.vocab_size)
-        rows = data.size
+            data = validate_train_batch(
+                data, loss_fn, check_dim_skip_keys=check_dim_skip_keys, vocab_size=self.vocab_size
+            )
+        rows = data.size if remote is None else remote.rows
         num_global_batches = self._global_batches(rows, gbs)
         with timed(timer, "policy_training/sharding_data"):
-            shards, _order, packed = self._shard(data, gbs)
+            shards, _order, packed = self._shard(data if remote is None else remote.skeleton(), gbs)
+        posted = [Shard.of(s, packed=packed) for s in shards] if remote is None else remote.bind(shards, packed=packed)
         return self._post_train(
-            [Shard.of(s, packed=packed) for s in shards],
+            posted,
             [s["input_lengths"] for s in shards],
             loss_fn,
             eval_mode=eval_mode,

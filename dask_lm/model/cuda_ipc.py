@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from dask_lm.model import device
+
 __all__ = ["cuda_handle", "encode_cuda", "cuda_rebuild_args", "open_cuda"]
 
 
@@ -23,22 +25,19 @@ def _is_int(x: Any) -> bool:
     return type(x) is int  # msgpack gives bools as bool; a bool is no byte count
 
 
-# dtypes a handle may name: a table, so a name from the peer is only ever a key, never an attribute lookup
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-    )
-}
+# dtypes a handle may name
+_DTYPES = device.dtypes_by_name(
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+)
 _CUDA_KEYS = (
     "size",
     "stride",
@@ -88,7 +87,7 @@ def cuda_handle(args: Sequence[Any], device_uuid: str) -> dict[str, Any]:
         "size": [int(s) for s in size],
         "stride": [int(s) for s in stride],
         "tensor_offset": int(offset),
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": device.dtype_name(dtype),
         "device": str(device_uuid),
         "handle": bytes(handle),
         "storage_size_bytes": int(nbytes),
@@ -104,8 +103,6 @@ def cuda_handle(args: Sequence[Any], device_uuid: str) -> dict[str, Any]:
 def encode_cuda(t: torch.Tensor) -> dict[str, Any]:
     """A CUDA IPC handle of ``t`` as plain data (every call exports a fresh reference)."""
     from torch.multiprocessing import reductions
-
-    from dask_lm.model import device
 
     rebuild, args = reductions.reduce_tensor(t)
     assert rebuild is reductions.rebuild_cuda_tensor, "encode_cuda takes a CUDA tensor"
@@ -194,8 +191,6 @@ def cuda_rebuild_args(h: dict[str, Any], device_index: int) -> tuple[Any, ...]:
 def open_cuda(h: dict[str, Any]) -> torch.Tensor:
     """The tensor a :func:`encode_cuda` handle describes, mapped from the producer's GPU memory (no copy)."""
     from torch.multiprocessing import reductions
-
-    from dask_lm.model import device
 
     if not isinstance(h.get("device"), str):
         raise ValueError("`ipc.device` of a CUDA IPC handle must be a GPU UUID string")

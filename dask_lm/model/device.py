@@ -23,6 +23,8 @@ __all__ = [
     "local_device",
     "collective_backend",
     "torch_dtype",
+    "dtype_name",
+    "dtypes_by_name",
     "synchronize",
     "initialise",
     "empty_cache",
@@ -112,6 +114,17 @@ def torch_dtype(precision: str) -> torch.dtype:
         return _DTYPES[precision]
     except KeyError:
         raise ValueError(f"`policy.precision` must be one of {sorted(_DTYPES)}, got {precision!r}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as messages between processes name it (``"bfloat16"``): what :func:`dtypes_by_name` reads back."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtypes_by_name(*dtypes: torch.dtype) -> dict[str, torch.dtype]:
+    """``name -> dtype`` for the dtypes a message may name: a table, so a name from a peer is only ever a key, never
+    an attribute lookup."""
+    return {dtype_name(d): d for d in dtypes}
 
 
 def synchronize() -> None:

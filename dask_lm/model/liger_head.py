@@ -76,44 +76,51 @@ def _warps() -> int:
     return 16 if torch.version.hip else 32
 
 
+# what every launch asks of liger's cross-entropy kernel: the plain per-row loss, with no class weights, z-loss,
+# smoothing, soft-capping, predicted tokens or gradients. The two counts only divide a "mean" loss: constant 1 here,
+# as Triton specialises integer arguments (on divisibility by 16 and on 1), and the row count of a job's last chunk
+# would otherwise compile a second variant
+_FIXED: dict[str, Any] = {
+    "weight_ptr": None,
+    "z_loss_ptr": None,
+    "loss_stride": 1,
+    "predicted_tokens_ptr": None,
+    "predicted_tokens_stride": 0,
+    "n_non_ignore": 1,
+    "sum_non_ignore_weight": 1,
+    "weight_sum": 0.0,
+    "ignore_index": _IGNORE,
+    "lse_square_scale": 0.0,
+    "label_smoothing": 0.0,
+    "reduction": "none",
+    "softcap": None,
+    "RETURN_Z_LOSS": False,
+    "RETURN_PREDICTED_TOKENS": False,
+    "HAS_WEIGHT": False,
+    "HAS_SOFTCAPPING": False,
+    "HAS_GRADIENTS": False,
+}
+
+
 def _launch(logits: torch.Tensor, targets: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, v = logits.shape
     targets = targets.contiguous()
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     hit = torch.empty(n, dtype=torch.float32, device=logits.device) if greedy else None
     block = min(_STATE["block"], 1 << max(v - 1, 1).bit_length())
-    # the two counts only divide a "mean" loss: constant 1 here, as Triton specialises integer arguments (on
-    # divisibility by 16 and on 1), and the row count of a job's last chunk would otherwise compile a second variant
     _STATE["kernel"][(n,)](
         X_ptr=logits,
         X_stride=logits.stride(0),
         Y_ptr=targets,
         Y_stride=targets.stride(0),
-        weight_ptr=None,
         loss_ptr=loss,
-        z_loss_ptr=None,
-        loss_stride=1,
         token_accuracy_ptr=hit,
         token_accuracy_stride=1 if greedy else 0,
-        predicted_tokens_ptr=None,
-        predicted_tokens_stride=0,
         n_cols=v,
-        n_non_ignore=1,
-        sum_non_ignore_weight=1,
-        weight_sum=0.0,
-        ignore_index=_IGNORE,
-        lse_square_scale=0.0,
-        label_smoothing=0.0,
-        reduction="none",
-        softcap=None,
-        RETURN_Z_LOSS=False,
         RETURN_TOKEN_ACCURACY=greedy,
-        RETURN_PREDICTED_TOKENS=False,
         BLOCK_SIZE=block,
-        HAS_WEIGHT=False,
-        HAS_SOFTCAPPING=False,
-        HAS_GRADIENTS=False,
         num_warps=_warps(),
+        **_FIXED,
     )
     return loss.neg_(), hit
 

@@ -9,6 +9,7 @@ Peak extra memory is ``chunk_size x V x 4`` bytes (plus the same again while fil
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,11 @@ from dask_lm.losses.sampling import apply_top_k_top_p
 from dask_lm.model import device, fused
 from dask_lm.model.hf import find_output_embeddings
 
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # Python 3.10
+    from typing_extensions import Unpack
+
 if TYPE_CHECKING:
     from dask_lm.config import PolicyConfig
 
@@ -30,7 +36,7 @@ __all__ = [
     "next_token_logprobs",
     "next_token_logprobs_greedy",
     "next_token_logprobs_train",
-    "PolicyLogprobOptions",
+    "LogprobOptions",
     "policy_logprob_options",
     "topk_logits",
     "apply_top_k_top_p",
@@ -90,8 +96,10 @@ def output_head(model: torch.nn.Module) -> OutputHead:
     )
 
 
-class PolicyLogprobOptions(TypedDict):
-    """The keyword arguments a policy's pass gives :func:`next_token_logprobs` / :func:`next_token_logprobs_train`."""
+class LogprobOptions(TypedDict, total=False):
+    """The keyword options of :func:`next_token_logprobs` and :func:`next_token_logprobs_train`, one type for both
+    (and for what a policy's pass gives them, :func:`policy_logprob_options`); a key left out takes its default:
+    temperature 1, ``chunk_size`` 1024 positions, no top-k / top-p filter, ``index`` worked out from ``valid``."""
 
     temperature: float
     chunk_size: int | None
@@ -100,9 +108,28 @@ class PolicyLogprobOptions(TypedDict):
     index: tuple[torch.Tensor, torch.Tensor] | None
 
 
+def _resolved(
+    options: LogprobOptions,
+) -> tuple[float, int | None, int | None, float, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``(temperature, chunk_size, top_k, top_p, index)``, each key left out at its default; an unknown key is a
+    ``TypeError``, as an unknown keyword argument is."""
+    unknown = sorted(set(options) - set(LogprobOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {unknown}; the options are {list(LogprobOptions.__annotations__)}"
+        )
+    return (
+        options.get("temperature", 1.0),
+        options.get("chunk_size", 1024),
+        options.get("top_k"),
+        options.get("top_p", 1.0),
+        options.get("index"),
+    )
+
+
 def policy_logprob_options(
     cfg: PolicyConfig, temperature: float, index: tuple[torch.Tensor, torch.Tensor] | None, *, reference: bool = False
-) -> PolicyLogprobOptions:
+) -> LogprobOptions:
     """The policy's logprobs are taken under its generation config's top-k / top-p filter (none without one, and
     none for the reference policy's logprobs), at its temperature, ``cfg.logprob_chunk_size`` positions at a time;
     ``index``: the pass's scored positions (``ForwardLayout.scored``)."""
@@ -126,12 +153,7 @@ def next_token_logprobs(
     input_ids: torch.Tensor,
     valid: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
-    *,
-    temperature: float = 1.0,
-    chunk_size: int | None = 1024,
-    top_k: int | None = None,
-    top_p: float = 1.0,
-    index: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **options: Unpack[LogprobOptions],
 ) -> torch.Tensor:
     """float32 ``[B, S]``: position i >= 1 holds log p(input_ids[:, i] | input_ids[:, :i]); position 0 and
     every position where ``valid`` is false hold 0.
@@ -140,6 +162,7 @@ def next_token_logprobs(
     ``index``, when the caller knows it, is ``valid[:, 1:].nonzero(as_tuple=True)`` (worked out on the host:
     ``nonzero`` on a device tensor makes the host wait for the GPU).
     """
+    temperature, chunk_size, top_k, top_p, index = _resolved(options)
     return _next_token(
         hidden,
         input_ids,
@@ -314,12 +337,8 @@ def next_token_logprobs_train(
     valid: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
     *,
-    temperature: float = 1.0,
-    chunk_size: int | None = 1024,
-    top_k: int | None = None,
-    top_p: float = 1.0,
     unfiltered: bool = False,
-    index: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **options: Unpack[LogprobOptions],
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`next_token_logprobs` with gradients, still memory-flat: training never holds a ``[N, V]`` float32
     tensor for more than one chunk. The plain head (no top-k / top-p filtering, no soft-capping) goes through
@@ -332,6 +351,7 @@ def next_token_logprobs_train(
 
     from dask_lm.model.linear_logprob import linear_logprobs
 
+    temperature, chunk_size, top_k, top_p, index = _resolved(options)
     b, s = input_ids.shape
     rows, cols = index if index is not None else valid[:, 1:].nonzero(as_tuple=True)
     h = hidden[rows, cols]

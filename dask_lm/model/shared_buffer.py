@@ -51,12 +51,12 @@ SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"dask_lm_([0-9]{1,10})_[0-9a-f]{16}")  # a plain file name: no directory, no traversal
 _SHM_KEYS = {"v", "kind", "name", "shape", "dtype", "nbytes"}
 _CUDA_KEYS = {"v", "kind", "cuda"}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = device.dtypes_by_name(torch.float32, torch.bfloat16, torch.float16)
 _MAX_DIMS = 8
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
+    name = device.dtype_name(dtype)
     assert name in _DTYPES, f"shared buffers hold {sorted(_DTYPES)}, not {name}"
     return name
 

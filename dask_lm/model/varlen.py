@@ -23,12 +23,19 @@ import contextlib
 import functools
 import inspect
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["NAME", "available", "attention_implementation", "packed_attention", "packed_kwargs"]
+__all__ = [
+    "NAME",
+    "available",
+    "attention_implementation",
+    "packed_attention",
+    "packed_kwargs",
+    "register_attention",
+]
 
 NAME = "dask_lm_varlen"
 _REGISTERED = False
@@ -92,12 +99,19 @@ def _register() -> None:
         return
     fn = _varlen_attn()
     _OPTIONS[fn] = _kernel_options(fn)
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(NAME, _attention)
-    AttentionMaskInterface.register(NAME, _no_mask)
+    register_attention(NAME, _attention, _no_mask)
     _REGISTERED = True
+
+
+def register_attention(name: str, attention: Callable[..., Any], mask: Callable[..., Any] | None = None) -> None:
+    """Register ``attention`` with transformers as the implementation ``name`` (what
+    :func:`attention_implementation` switches a model to), with ``mask`` as its mask function (``None``: sdpa's).
+    A later call with the same name replaces the registration."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] if mask is None else mask)
 
 
 def available(dtype: torch.dtype) -> bool:

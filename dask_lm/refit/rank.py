@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from dask_lm.refit import buckets as bk
 from dask_lm.refit import reshard as reshard_mod
 from dask_lm.refit import wire, zmq_endpoint
 from dask_lm.refit.source import RefitHost, iter_buckets, iter_full_weights, refit_info
+
+if TYPE_CHECKING:
+    from dask_lm.data.messages import CollectiveInitRequest
 
 __all__ = ["RefitError", "Refitter", "RefitHost", "refit_info", "iter_buckets"]
 
@@ -85,17 +88,7 @@ class Refitter:
     def stream_via_zmq(self, **kwargs: Any) -> dict[str, Any]:
         return _stream_via_zmq(self.host, self, **kwargs)
 
-    def init_collective(
-        self,
-        ip: str,
-        port: int,
-        world_size: int,
-        *,
-        train_world_size: int,
-        timeout_s: float,
-        rank_offset: int = 0,
-        backend: str | None = None,
-    ) -> bool:
+    def init_collective(self, req: CollectiveInitRequest) -> bool:
         """Join the refit group as member ``rank_offset + rank``: the training side's rank r is member r (its
         rank 0 hosts the rendezvous store at ``ip:port``), a generation-side Policy's ranks follow at
         ``rank_offset`` (``init_collective_mcore_generation``). Returns once every member has joined."""
@@ -103,8 +96,11 @@ class Refitter:
 
         from dask_lm.comm import rendezvous
 
+        ip, port, world_size, timeout_s = req.ip, req.port, req.world_size, req.timeout_s
+        rank_offset, backend = req.rank_offset, req.backend
+
         member = rank_offset + self.rank
-        assert rank_offset > 0 or self.rank < train_world_size, "the driver checks the ranks against the group"
+        assert rank_offset > 0 or self.rank < req.train_world_size, "the driver checks the ranks against the group"
         self.close_collective()
         # gloo's / NCCL's own sockets on the interface of `ip` when this host has it (rank 0), else on the worker's
         rendezvous.pin_interfaces(ip if rendezvous.interface_for(ip) else rendezvous.worker_host())

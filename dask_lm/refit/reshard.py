@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from dask_lm.model import device
+
 PLAN_VERSION = 1
 SPLITS = ("tensor_parallel", "rows", "columns")
 _COLUMN_PARALLEL = re.compile(
@@ -37,19 +39,16 @@ _COLUMN_PARALLEL = re.compile(
     r"lm_head|wte|c_attn|c_fc)(\.|$)"
 )
 _ROW_PARALLEL = re.compile(r"(^|\.)(o_proj|down_proj|dense|c_proj)(\.|$)")
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float32,
-        torch.bfloat16,
-        torch.float16,
-        torch.float64,
-        torch.int64,
-        torch.int32,
-        torch.uint8,
-        torch.bool,
-    )
-}
+_DTYPES = device.dtypes_by_name(
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+)
 
 Box = list[list[int]]  # per dimension [start, end)
 
@@ -125,7 +124,7 @@ def build_plan(
             {
                 "name": name,
                 "shape": shape,
-                "dtype": str(dtype).removeprefix("torch."),
+                "dtype": device.dtype_name(dtype),
                 "split_dim": dim,
                 "dst": dst,
                 "transfers": transfers,

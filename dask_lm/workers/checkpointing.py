@@ -36,6 +36,7 @@ from dask_lm.workers.optim import (
 )
 
 if TYPE_CHECKING:
+    from dask_lm.data.messages import SaveRequest
     from dask_lm.workers.trainer import Trainer
 
 __all__ = ["Checkpointer", "CheckpointHost"]
@@ -200,21 +201,14 @@ class Checkpointer:
         self.writer = BackgroundWriter()
         self.pending: dict[str, Any] | None = None
 
-    def save(
-        self,
-        *,
-        weights: tuple[str, str] | None,
-        optimizer: tuple[str, str] | None,
-        tokenizer: tuple[str, str, Any] | None,
-        async_save: bool,
-        max_shard_size: int,
-        weights_tokenizer: Any = None,
-    ) -> dict[str, Any]:
+    def save(self, req: SaveRequest) -> dict[str, Any]:
         """Write the temporary directories; publish them now (sync) or leave that to :meth:`finalize`.
-        ``weights_tokenizer`` (the policy's tokenizer) is saved into the weights directory too, which makes it a
+        ``req.weights_tokenizer`` (the policy's tokenizer) is saved into the weights directory too, which makes it a
         complete Hugging Face model directory."""
         import torch.distributed.checkpoint as dcp
 
+        weights, optimizer, tokenizer = req.weights, req.optimizer, req.tokenizer
+        async_save, max_shard_size, weights_tokenizer = req.async_save, req.max_shard_size, req.weights_tokenizer
         host, trainer = self.host, self.trainer
         if self.pending is not None:  # one save at a time: finish the previous one first
             self.finalize()

@@ -86,14 +86,7 @@ def _train(worker: PolicyWorker, req: TrainRequest) -> TrainResult:
 
 
 def _save(worker: PolicyWorker, req: SaveRequest) -> Any:
-    return worker.checkpointer.save(
-        weights=req.weights,
-        optimizer=req.optimizer,
-        tokenizer=req.tokenizer,
-        async_save=req.async_save,
-        max_shard_size=req.max_shard_size,
-        weights_tokenizer=req.weights_tokenizer,
-    )
+    return worker.checkpointer.save(req)
 
 
 # ------------------------------------------------------------------------------------------- argument-free calls
@@ -149,15 +142,7 @@ def _refit_reshard(worker: PolicyWorker, req: ReshardRefitRequest) -> dict[str, 
 
 
 def _collective_init(worker: PolicyWorker, req: CollectiveInitRequest) -> bool:
-    return worker.refitter.init_collective(
-        req.ip,
-        req.port,
-        req.world_size,
-        train_world_size=req.train_world_size,
-        timeout_s=req.timeout_s,
-        rank_offset=req.rank_offset,
-        backend=req.backend,
-    )
+    return worker.refitter.init_collective(req)
 
 
 def _swap(worker: PolicyWorker, req: WeightSwapRequest) -> bool:

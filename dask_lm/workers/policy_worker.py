@@ -30,7 +30,7 @@ from dask_lm.model.weights import local_tensor
 from dask_lm.refit.rank import Refitter
 from dask_lm.workers.checkpointing import Checkpointer
 from dask_lm.workers.full_logits import FullLogitsExport
-from dask_lm.workers.rank_model import RankModel
+from dask_lm.workers.rank_model import RankModel, RankPlace
 from dask_lm.workers.trainer import Trainer
 
 # local_tensor is re-exported: worker extension classes import it from here (its home is dask_lm.model.weights)
@@ -58,15 +58,12 @@ class PolicyWorker:
     ) -> None:
         self.rank_model = RankModel(
             cfg,
-            rank=rank,
-            world_size=world_size,
-            group=group,
+            RankPlace(rank, world_size, group, cpu_group),
             pad_token_id=pad_token_id,
             trainable=bool(init_optimizer and cfg.optimizer is not None),
             keep_reference=init_reference_model,
             weights_path=weights_path,
             skip_weight_load=skip_weight_load,
-            cpu_group=cpu_group,
             fsdp=fsdp,
         )
         # built after the weights are restored: an optimizer class may read the weights it is given (a user's, by

@@ -27,7 +27,6 @@ from dask_lm.model import varlen
 __all__ = ["NAME", "calibrate", "percentile_of"]
 
 NAME = "dask_lm_qkv_calibration"
-_REGISTERED = False
 _LOCAL = threading.local()  # the recording of the forward running in this thread (None: not recording)
 
 
@@ -36,10 +35,10 @@ def _attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
     *args: Any,
     **kwargs: Any,
 ) -> Any:
+    """sdpa, recording each layer's q / k / v amax on the way (the mask and the rest pass through untouched)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     record = getattr(_LOCAL, "record", None)
@@ -55,19 +54,7 @@ def _attention(
         for name, t in (("q", query), ("k", key), ("v", value)):  # [B, heads, S, head_dim]
             per_position = t.detach().abs().amax(dim=(1, 3)).float()  # [B, S]
             record[layer][name].append((per_position * valid).amax())
-    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, *args, **kwargs)
-
-
-def _register() -> None:
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(NAME, _attention)
-    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    _REGISTERED = True
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, *args, **kwargs)
 
 
 def percentile_of(values: list[float], p: float) -> float:
@@ -83,7 +70,7 @@ def calibrate(
 ) -> dict[int, dict[str, float]]:
     """This rank's ``{layer: {"q"?, "k", "v": percentile amax}}`` over its rows (``rm``: the rank's
     :class:`~dask_lm.workers.rank_model.RankModel`)."""
-    _register()
+    varlen.register_attention(NAME, _attention)
     mbs = micro_batch_size or int(rm.cfg.logprob_batch_size or 1)
     plan = rm.plan_pass(rows, MicroBatchPlan(), mbs)  # rows in order, mbs each: never packed
     record: dict[int, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))

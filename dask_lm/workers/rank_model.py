@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +40,18 @@ from dask_lm.model.weights import local_tensor
 from dask_lm.workers.optim import MasterWeights
 from dask_lm.workers.state import record_call
 
-__all__ = ["RankModel"]
+__all__ = ["RankModel", "RankPlace"]
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a rank sits in its policy: its number of ``world_size``, and the process groups it shares with the
+    other ranks (``group`` for the tensors, ``cpu_group`` gloo for host-side agreement; None where there is none)."""
+
+    rank: int
+    world_size: int
+    group: Any = None
+    cpu_group: Any = None
 
 
 class RankModel:
@@ -50,21 +62,19 @@ class RankModel:
     def __init__(
         self,
         cfg: PolicyConfig,
+        place: RankPlace,
         *,
-        rank: int,
-        world_size: int,
-        group: Any,
         pad_token_id: int,
         trainable: bool,
         keep_reference: bool,
         weights_path: str | None = None,
         skip_weight_load: bool = False,
-        cpu_group: Any = None,
         fsdp: bool | None = None,
     ) -> None:
         self.cfg = cfg
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = place.rank
+        self.world_size = world_size = place.world_size
+        group, cpu_group = place.group, place.cpu_group
         # FSDP2 shards over the group where there are peers. ``fsdp=True`` with one rank (a one-member group) is
         # for benchmarks/master_weights.py, which measures it against the MasterWeights path one rank takes
         self.fsdp = world_size > 1 if fsdp is None else fsdp
