@@ -83,3 +83,33 @@ def test_a_model_the_ranks_cannot_run_is_refused_before_any_weight_is_read(clien
     cfg = {"model_name": str(path), "precision": "float32", "max_total_sequence_length": 64}
     with pytest.raises(ValueError, match=r"policy.model_name.*t5.*no causal-LM class for model type 't5'"):
         dask_lm.Policy(client, cfg, tok, init_optimizer=False, init_reference_model=False)
+
+
+def test_a_task_can_wait_for_one_module_of_the_warm_up(monkeypatch):
+    """``wait(until=m)`` returns once ``m`` has been imported by the warm-up thread (a config check needs torch and
+    transformers, not the modelling code after them); ``wait()`` once all of it has ended."""
+    import threading
+
+    gate = threading.Event()
+    imported = []
+
+    def import_module(name):
+        imported.append(name)
+        if name == "email":  # the second module holds the warm-up until the test lets it go on
+            assert gate.wait(60)
+        return __import__(name)
+
+    monkeypatch.setenv("DASK_LM_WARM_WORKERS", "1")
+    monkeypatch.setattr(warm, "MODULES", ("json", "email"))
+    monkeypatch.setattr(warm, "COMPILER_MODULES", ())
+    monkeypatch.setattr(warm.importlib, "import_module", import_module)
+    monkeypatch.setattr(warm, "_STARTED", False)
+    monkeypatch.setattr(warm, "_DONE", threading.Event())
+    monkeypatch.setattr(warm, "_REPORT", {})
+    assert warm.start()
+    warm.wait(timeout=60, until="json")
+    assert "import json" in warm.report()["steps"] and not warm._DONE.is_set()  # "email" is still held
+    gate.set()
+    warm.wait(timeout=60)
+    assert warm._DONE.is_set() and imported == ["json", "email"]
+    assert list(warm.report()["steps"])[:2] == ["import json", "import email"]

@@ -61,7 +61,9 @@ def check_model_config(model: str) -> dict[str, Any]:
 
     began, t0 = time.time(), time.perf_counter()
     with sampling_profiler_paused():
-        warm.wait()  # a worker warming up imports torch in its own thread: wait for it rather than import beside it
+        # a worker warming up imports torch and transformers in its own thread: wait for them rather than import
+        # them beside it (not for the rest of the warm-up: the check needs no modelling code)
+        warm.wait(until="transformers")
         import torch  # noqa: F401 (timed: most of a fresh worker's start)
 
         t1 = time.perf_counter()

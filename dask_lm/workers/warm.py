@@ -46,6 +46,7 @@ MODULES = (
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx", "torch._functorch.aot_autograd")
 
 _DONE = threading.Event()
+_IMPORTED = threading.Condition()  # notified as each module of MODULES has been imported
 _STARTED = False
 _REPORT: dict[str, Any] = {}
 
@@ -65,10 +66,17 @@ def dask_setup(worker: Any) -> None:
     start()
 
 
-def wait(timeout: float | None = None) -> None:
-    """Return once the warm-up has ended (at once where none was started)."""
-    if _STARTED:
+def wait(timeout: float | None = None, *, until: str | None = None) -> None:
+    """Return once the warm-up has ended, or with ``until`` (a module of :data:`MODULES`) once that module has been
+    imported; at once where no warm-up was started."""
+    if not _STARTED:
+        return
+    if until is None:
         _DONE.wait(timeout)
+        return
+    assert until in MODULES, until
+    with _IMPORTED:
+        _IMPORTED.wait_for(lambda: f"import {until}" in _REPORT.get("steps", {}) or _DONE.is_set(), timeout)
 
 
 def report() -> dict[str, Any]:
@@ -84,6 +92,8 @@ def _warm() -> None:
             t0 = time.perf_counter()
             importlib.import_module(name)
             steps[f"import {name}"] = time.perf_counter() - t0
+            with _IMPORTED:
+                _IMPORTED.notify_all()
         from dask_lm.model import device
 
         t0 = time.perf_counter()
@@ -99,3 +109,5 @@ def _warm() -> None:
     finally:
         _REPORT["ended_at"] = time.time()
         _DONE.set()
+        with _IMPORTED:
+            _IMPORTED.notify_all()
