@@ -6,6 +6,7 @@ import os
 import tempfile
 
 import pytest
+from site_build import SITE_BUILD, SiteBuild
 from type_gate import MYPY_RUN
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -15,20 +16,25 @@ os.environ.setdefault("DASK_LM_CACHE_DIR", tempfile.mkdtemp(prefix="dask-lm-test
 
 
 def pytest_collection_finish(session):
-    """The type gate (tests/test_types.py) is one mypy process of about three minutes on one core. Started here, as
-    soon as the suite knows it will run the gate, it overlaps the tests before it (most of which wait on worker
-    processes, subprocesses or the network) instead of adding its whole length to the suite's; the test collects its
-    verdict. A run without that test starts nothing."""
+    """The type gate (tests/test_types.py) is one mypy process: about two minutes of one core in a tree whose
+    ``.mypy_cache`` is cold, seconds once it is warm (tests/type_gate.py). Started here, as soon as the suite knows it
+    will run the gate, it overlaps the tests before it (most of which wait on worker processes, subprocesses or the
+    network) instead of adding its whole length to the suite's; the test collects its verdict. A run without that
+    test starts nothing."""
     if any(item.nodeid.split("::")[0].endswith("test_types.py") for item in session.items):
         from type_gate import start_mypy
 
         session.config.stash[MYPY_RUN] = start_mypy()
+    # the documentation site's build (tests/test_docs.py), about 15 s of one core, likewise
+    if any("site" in getattr(item, "fixturenames", ()) for item in session.items):
+        session.config.stash[SITE_BUILD] = SiteBuild()
 
 
 def pytest_unconfigure(config):
-    run = config.stash.get(MYPY_RUN, None)
-    if run is not None:
-        run.stop()
+    for key in (MYPY_RUN, SITE_BUILD):
+        run = config.stash.get(key, None)
+        if run is not None:
+            run.stop()
 
 
 def pytest_collection_modifyitems(config, items):

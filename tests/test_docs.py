@@ -26,9 +26,9 @@ from html.parser import HTMLParser
 
 import pytest
 from helpers import launch_chromium
+from site_build import DOCS, SITE_BUILD, SiteBuild
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
 GUARD = 'if __name__ == "__main__":'
 # the pages whose scripts run: a script that lost its guard (and so silently became a fragment) fails the test
 # that lists them, so this suite cannot pass by finding nothing
@@ -64,19 +64,13 @@ def _env() -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------------ the build
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    """One build of the site for the whole module: ``(exit code, sphinx's output, the HTML directory)``."""
-    out = tmp_path_factory.mktemp("site") / "html"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return done.returncode, done.stdout + done.stderr, out
+def site(request):
+    """One build of the site for the whole session: ``(exit code, sphinx's output, the HTML directory)``. The suite
+    starts it when it collects a test that asks for it (tests/conftest.py), so it runs beside the tests before."""
+    build = request.config.stash.get(SITE_BUILD, None)
+    if build is None:  # collected without the conftest hook's knowledge
+        build = request.config.stash[SITE_BUILD] = SiteBuild()
+    return build.result(timeout=600)
 
 
 def test_the_site_builds_with_warnings_as_errors(site):

@@ -11,6 +11,7 @@ NeMo RL scripts are run by ``../shared/nemo_rl_client`` and by hand (docs/guides
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -151,7 +152,7 @@ def _config(tmp_path: pathlib.Path, model: str, **extra) -> str:
     return str(path)
 
 
-def _dask_lm(*args: str, cwd: pathlib.Path, pythonpath: str = str(ROOT)) -> subprocess.CompletedProcess:
+def _start(*args: str, cwd: pathlib.Path, pythonpath: str = str(ROOT)) -> subprocess.Popen:
     # CPU workers whatever the machine has; nemo_rl only from the fake checkout the script is in
     env = {
         **os.environ,
@@ -161,14 +162,28 @@ def _dask_lm(*args: str, cwd: pathlib.Path, pythonpath: str = str(ROOT)) -> subp
         "DASK_LM_PROGRESS": "0",
     }
     env.pop("DASK_SCHEDULER_ADDRESS", None)
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-m", "dask_lm", "nemo-rl", *args],
         cwd=cwd,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=900,
     )
+
+
+def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _dask_lm(*args: str, cwd: pathlib.Path, pythonpath: str = str(ROOT)) -> subprocess.CompletedProcess:
+    return _finish(_start(*args, cwd=cwd, pythonpath=pythonpath))
 
 
 def _result(done: subprocess.CompletedProcess) -> dict:
@@ -249,21 +264,15 @@ def test_an_attached_cluster_gives_the_config_its_workers_and_stays_up(tmp_path,
 _NO_RAY = 'raise ModuleNotFoundError("No module named \'ray\'", name="ray")\n'
 
 
-@pytest.mark.parametrize("case", ["no script", "not python", "no nemo_rl", "no ray", "script exits 3"])
-def test_what_stops_before_any_cluster_says_what_to_do(tmp_path, tiny, case):
-    """Exit 2 with one line naming the fix (docs/reference/exit-codes.md) for a missing SCRIPT, a NeMo RL that is
-    not installed, and a NeMo RL that cannot import Ray; the script's own exit code passes through."""
+_STOPS = ["no script", "not python", "no nemo_rl", "no ray", "script exits 3"]
+
+
+def _start_stop_case(tmp_path: pathlib.Path, case: str) -> subprocess.Popen:
+    """The command of one case of the test below, its files written under ``tmp_path``, started."""
     checkout = _checkout(
         tmp_path / "RL", **({"nemo_rl/distributed/virtual_cluster.py": "import ray\n"} if case == "no ray" else {})
     )
     script, pythonpath, config = str(checkout / "examples" / "run_fake.py"), str(ROOT), _config(tmp_path, "unused")
-    expected = {
-        "no script": "SCRIPT 'missing.py' does not exist",
-        "not python": "is not a Python file",
-        "no nemo_rl": "NeMo RL is not installed (no module named 'nemo_rl'): `pip install nemo-rl`",
-        "no ray": "NeMo RL imports Ray when its modules load (nemo_rl.distributed.virtual_cluster imports "
-        "ray), though dask-lm never starts it: `pip install ray`",
-    }.get(case)
     if case == "no script":
         script = "missing.py"
     elif case == "not python":
@@ -278,7 +287,31 @@ def test_what_stops_before_any_cluster_says_what_to_do(tmp_path, tiny, case):
         pythonpath = os.pathsep.join([str(tmp_path / "shadow"), str(ROOT)])
     elif case == "script exits 3":
         config = _config(tmp_path, "unused", exit_code=3)
-    done = _dask_lm(script, "--config", config, cwd=tmp_path, pythonpath=pythonpath)
+    return _start(script, "--config", config, cwd=tmp_path, pythonpath=pythonpath)
+
+
+@pytest.fixture(scope="module")
+def stops(tmp_path_factory):
+    """The five cases' commands, started side by side when the first case's test asks: each is little more than an
+    interpreter's start-up (torch imported), so on two cores they take about half the time of one after the other.
+    Returns ``{case: a future of its CompletedProcess}`` (a thread each reads its pipes, so none fills and stalls)."""
+    with concurrent.futures.ThreadPoolExecutor(len(_STOPS)) as pool:
+        procs = {case: _start_stop_case(tmp_path_factory.mktemp("stop"), case) for case in _STOPS}
+        yield {case: pool.submit(_finish, proc) for case, proc in procs.items()}
+
+
+@pytest.mark.parametrize("case", _STOPS)
+def test_what_stops_before_any_cluster_says_what_to_do(stops, case):
+    """Exit 2 with one line naming the fix (docs/reference/exit-codes.md) for a missing SCRIPT, a NeMo RL that is
+    not installed, and a NeMo RL that cannot import Ray; the script's own exit code passes through."""
+    expected = {
+        "no script": "SCRIPT 'missing.py' does not exist",
+        "not python": "is not a Python file",
+        "no nemo_rl": "NeMo RL is not installed (no module named 'nemo_rl'): `pip install nemo-rl`",
+        "no ray": "NeMo RL imports Ray when its modules load (nemo_rl.distributed.virtual_cluster imports "
+        "ray), though dask-lm never starts it: `pip install ray`",
+    }.get(case)
+    done = stops[case].result()
     if case == "script exits 3":
         assert done.returncode == 3 and "Error" not in done.stderr, (done.returncode, done.stderr[-3000:])
         return

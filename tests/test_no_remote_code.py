@@ -10,6 +10,8 @@ write a marker file when imported, never ran."""
 from __future__ import annotations
 
 import ast
+import concurrent.futures
+import importlib.util
 import json
 import os
 import pathlib
@@ -52,8 +54,7 @@ def _edit_json(path: pathlib.Path, **changes) -> None:
     path.write_text(json.dumps(obj))
 
 
-@pytest.fixture()
-def evil(tiny, tmp_path):
+def _evil(tiny: dict, tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     """A copy of the tiny Llama whose config and tokenizer config name modules of its own folder (a model type
     transformers does not ship, so that transformers asks before running them); each module appends a line to
     ``marker`` when imported. Returns (model directory, marker path)."""
@@ -141,13 +142,16 @@ except ValueError as e:
 """
 
 
-@pytest.mark.parametrize("entry", ["Policy", "logprobs", "score", "lm-eval"])
-def test_a_model_with_auto_map_is_refused_in_a_terminal_and_its_code_never_runs(evil, tiny, tmp_path, entry):
-    model, marker = evil
+_ENTRIES = ["Policy", "logprobs", "score", "lm-eval"]
+
+
+def _in_terminal_refusal(entry: str, tiny: dict, tmp_path: pathlib.Path) -> tuple:
+    """One entry given its own copy of the model in ``tmp_path``, run in a terminal: ``(model, marker, exit code,
+    everything it printed, questions answered)``."""
+    model, marker = _evil(tiny, tmp_path)
     if entry == "Policy":
         args = [sys.executable, "-c", _POLICY.format(nobody=NOBODY), str(model), tiny["llama"]]
     elif entry == "lm-eval":
-        pytest.importorskip("lm_eval")
         args = [sys.executable, "-c", _LM_EVAL.format(nobody=NOBODY), str(model)]
     elif entry == "logprobs":
         args = [
@@ -180,7 +184,24 @@ def test_a_model_with_auto_map_is_refused_in_a_terminal_and_its_code_never_runs(
             NOBODY,
             "--no-progress",
         ]
-    code, out, answered = _in_terminal(args, tmp_path)
+    return (model, marker, *_in_terminal(args, tmp_path))
+
+
+@pytest.fixture(scope="module")
+def refusals(tiny, tmp_path_factory):
+    """The entries' runs, side by side from the first test that asks (each an interpreter's start-up, most of it
+    importing torch and transformers: on two cores about half the time of one after the other).
+    ``{entry: a future of its _in_terminal_refusal}``; lm-eval's only where it is installed."""
+    entries = [e for e in _ENTRIES if e != "lm-eval" or importlib.util.find_spec("lm_eval") is not None]
+    with concurrent.futures.ThreadPoolExecutor(len(entries)) as pool:
+        yield {e: pool.submit(_in_terminal_refusal, e, tiny, tmp_path_factory.mktemp("entry")) for e in entries}
+
+
+@pytest.mark.parametrize("entry", _ENTRIES)
+def test_a_model_with_auto_map_is_refused_in_a_terminal_and_its_code_never_runs(refusals, entry):
+    if entry == "lm-eval":
+        pytest.importorskip("lm_eval")
+    model, marker, code, out, answered = refusals[entry].result()
     assert not marker.exists(), f"the model's own code ran ({marker.read_text()!r}); output:\n{out[-3000:]}"
     assert code == 2, out[-3000:]
     flat = " ".join(out.split())  # the terminal wraps nothing, but the message may span lines

@@ -95,6 +95,8 @@ def _scan(data, model, **options):
     )
 
 
+# the command starts its local cluster (a worker process) while it scans the rows, and stops it at the bad rows
+@pytest.mark.cluster
 def test_ids_rows_are_counted_past_the_first_few_and_the_cli_exits_2(tiny, tmp_path):
     import json
     import pathlib

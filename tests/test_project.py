@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import pathlib
 import re
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_driver_never_initialises_cuda():
-    """Import the package and shard / validate a batch with CUDA initialisation made fatal."""
-    code = """
+_CUDA = """
 import torch
 def boom(*a, **k):
     raise RuntimeError("the driver initialised CUDA")
@@ -32,7 +32,49 @@ cluster.count_gpus()
 assert not torch.cuda.is_initialized()
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+_HEAVY = """
+import sys
+import dask_lm, dask_lm.cli
+heavy = sorted(m for m in ("torch", "transformers", "distributed", "dask", "pyarrow") if m in sys.modules)
+assert not heavy, heavy
+from dask_lm import Policy, NLLLoss
+assert Policy.__module__ == "dask_lm.engine.policy" and NLLLoss.__module__ == "dask_lm.losses.supervised"
+assert "torch" in sys.modules
+print("ok")
+"""
+
+
+def _run(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """The fresh interpreters of this module's tests, started side by side when the first asks (each is mostly an
+    interpreter's start-up and an import of torch: on two cores about half the time of one after the other).
+    ``{name: a future of its CompletedProcess}`` (a thread each reads its pipes, so none fills and stalls)."""
+
+    def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    runs = {
+        "cuda": (_run("-c", _CUDA), 120),
+        "heavy": (_run("-c", _HEAVY), 120),
+        "version": (_run("-m", "dask_lm", "--version"), 60),
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        yield {name: pool.submit(finish, proc, timeout) for name, (proc, timeout) in runs.items()}
+
+
+def test_driver_never_initialises_cuda(fresh):
+    """Import the package and shard / validate a batch with CUDA initialisation made fatal."""
+    out = fresh["cuda"].result()
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
@@ -82,23 +124,13 @@ def test_driver_modules_import_without_torch():
         assert out.returncode == 0 and out.stdout.strip() == "[]", (module, out.stdout, out.stderr)
 
 
-def test_the_package_and_the_command_import_no_heavy_module():
+def test_the_package_and_the_command_import_no_heavy_module(fresh):
     """``import dask_lm`` and the ``dask-lm`` entry point load neither torch, transformers nor distributed (the
     public names import on first use), so ``dask-lm --help`` / ``--version`` answer at once; a public name still
     resolves to its class."""
-    code = """
-import sys
-import dask_lm, dask_lm.cli
-heavy = sorted(m for m in ("torch", "transformers", "distributed", "dask", "pyarrow") if m in sys.modules)
-assert not heavy, heavy
-from dask_lm import Policy, NLLLoss
-assert Policy.__module__ == "dask_lm.engine.policy" and NLLLoss.__module__ == "dask_lm.losses.supervised"
-assert "torch" in sys.modules
-print("ok")
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = fresh["heavy"].result()
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
-    version = subprocess.run([sys.executable, "-m", "dask_lm", "--version"], capture_output=True, text=True, timeout=60)
+    version = fresh["version"].result()
     import tomllib
 
     import dask_lm
