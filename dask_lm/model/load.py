@@ -18,6 +18,7 @@ The two give the same state dict, bit for bit (``tests/test_model_load.py``).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -68,10 +69,8 @@ class _Spec:
     attn_implementation: str | None
 
     def kwargs(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"trust_remote_code": False}
-        if self.attn_implementation is not None:
-            out["attn_implementation"] = self.attn_implementation
-        return out
+        """The attention kernel where one was asked for (the loads themselves say ``trust_remote_code=False``)."""
+        return {} if self.attn_implementation is None else {"attn_implementation": self.attn_implementation}
 
 
 def direct_files(model_dir: str) -> list[str] | None:
@@ -102,7 +101,7 @@ def _direct(model_dir: str, files: list[str], dtype: torch.dtype, where: torch.d
         logger.debug("%s: a quantised config; loading through from_pretrained", model_dir)
         return None
     with _no_init_weights(), torch.device(where):
-        model = spec.auto.from_config(config, dtype=dtype, **spec.kwargs())
+        model = spec.auto.from_config(config, dtype=dtype, trust_remote_code=False, **spec.kwargs())
     if getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None):
         logger.debug("%s: modules kept in float32; loading through from_pretrained", model_dir)
         return None
@@ -150,7 +149,9 @@ def _generation_config(model: Any, model_dir: str) -> None:
 
     path = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(path) and getattr(model, "can_generate", lambda: False)():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(model_dir)
+        # the file read as from_pretrained reads it (a generation config holds no code to trust or refuse)
+        with open(path, encoding="utf-8") as f:
+            model.generation_config = transformers.GenerationConfig.from_dict(json.load(f))
 
 
 def _from_pretrained(model_dir: str, dtype: torch.dtype, where: torch.device, spec: _Spec) -> Any:
@@ -161,11 +162,11 @@ def _from_pretrained(model_dir: str, dtype: torch.dtype, where: torch.device, sp
     if where.type != "cpu":
         try:
             return spec.auto.from_pretrained(
-                model_dir, dtype=dtype, device_map={"": where}, **given, **spec.kwargs()
+                model_dir, dtype=dtype, device_map={"": where}, trust_remote_code=False, **given, **spec.kwargs()
             ).eval()
         except (ImportError, ValueError) as e:
             if "accelerate" not in str(e):
                 raise
-    model = spec.auto.from_pretrained(model_dir, dtype=dtype, **given, **spec.kwargs())
+    model = spec.auto.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False, **given, **spec.kwargs())
     # transformers wraps PreTrainedModel.to with functools.wraps, whose stub loses the bound self
     return model.to(where).eval()  # type: ignore[arg-type]
