@@ -7,9 +7,11 @@ installed, else through ``CUDA_VISIBLE_DEVICES`` / ``/proc/driver/nvidia``, neve
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -101,6 +103,7 @@ def connect(
             raise ValueError(f"scheduler file {address!r} does not exist")
         return Client(address)
     gpus = count_gpus()
+    _import_in_background("transformers")
     use_cuda = cluster == "cuda" or (cluster == "auto" and gpus > 0)
     if n_workers is not None and n_workers < 1:
         raise ValueError(f"{_name('n_workers')} must be >= 1, got {n_workers}")
@@ -158,6 +161,20 @@ def connect(
     # interpreter's exit to kill ("Worker process still alive after 4 seconds, killing")
     client._start_arg = None
     return client
+
+
+def _import_in_background(name: str) -> None:
+    """Import ``name`` in a thread of this process while the local cluster starts: the start waits seconds for the
+    worker processes, and the Policy or job that follows reads the model's config with transformers (1-5 s of
+    imports) as its first step. Whoever imports it meanwhile waits on the module's import lock for this import to
+    finish; a failure here is left for that import to raise."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+    if name not in sys.modules:
+        threading.Thread(target=run, name=f"dask-lm-import-{name}", daemon=True).start()
 
 
 @contextlib.contextmanager
