@@ -70,9 +70,9 @@ def _tree_env(tree: str | None) -> dict[str, str]:
 
 
 def _with_tree(tree: str | None, fn: Any, *args: Any) -> Any:
-    saved = dict(os.environ)
+    saved, env = dict(os.environ), _tree_env(tree)
     os.environ.clear()
-    os.environ.update(_tree_env(tree))
+    os.environ.update(env)
     try:
         return fn(*args)
     finally:
@@ -131,9 +131,11 @@ def main(shape: str, num_rows: int, repeats: int, base_tree: str | None, score: 
     runs: dict[str, list[dict[str, Any]]] = {}
     for i in range(repeats):
         runs.setdefault("user", []).append(user_process(model_dir, data, os.path.join(root, f"user{i}.parquet")))
+        print(f"user: {runs['user'][-1]['seconds']:.2f} s", flush=True)
         for label, tree in trees:
             out = os.path.join(root, f"policy-{label}-{i}.parquet")
             runs.setdefault(f"policy, {label}", []).append(_with_tree(tree, policy_process, model_dir, data, out))
+            print(f"policy, {label}: " + json.dumps(runs[f"policy, {label}"][-1], default=str), flush=True)
             if score:
                 out = os.path.join(root, f"score-{label}-{i}")
                 runs.setdefault(f"score, {label}", []).append(_with_tree(tree, cli_process, model_dir, data, out, []))

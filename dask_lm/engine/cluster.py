@@ -103,7 +103,8 @@ def connect(
             raise ValueError(f"scheduler file {address!r} does not exist")
         return Client(address)
     gpus = count_gpus()
-    _import_in_background("transformers")
+    # transformers and its model registry (the import of transformers.models reads every model's file list: 1-2 s)
+    _import_in_background("transformers.models.auto.configuration_auto")
     use_cuda = cluster == "cuda" or (cluster == "auto" and gpus > 0)
     if n_workers is not None and n_workers < 1:
         raise ValueError(f"{_name('n_workers')} must be >= 1, got {n_workers}")

@@ -35,6 +35,7 @@ MODULES = (
     "transformers",
     "transformers.modeling_utils",
     "transformers.generation.utils",
+    "transformers.models.auto.modeling_auto",
     "dask_lm.model.device",
     "dask_lm.workers.tasks",
     "dask_lm.workers.policy_worker",
