@@ -282,6 +282,10 @@ def score(
     _job_given(ctx, options, job=ctx.command.name or "")
 
     def run() -> None:
+        from dask_lm.engine.progress import JobBar  # the standard library and tqdm only
+
+        if not no_progress:  # a first line now: the job's modules take seconds to import (distributed)
+            JobBar.announce("scoring", "row", "importing dask")
         import dask_lm
 
         # the checks run before any cluster starts; score_parquet then connects, and closes what it started

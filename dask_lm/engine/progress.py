@@ -25,6 +25,7 @@ _enabled: bool = True
 _bars: dict[str, Any] = {}
 _lock = threading.Lock()
 _subscribed: weakref.WeakSet[Any] = weakref.WeakSet()  # dask clients
+_announced: JobBar | None = None  # a job's bar shown before the job began (JobBar.announce)
 
 
 def set_progress(enabled: bool) -> None:
@@ -118,21 +119,44 @@ class JobBar:
 
     The events arrive on the client's event-loop thread, the updates on the job's: one lock orders them."""
 
-    def __init__(self, total: int, desc: str, unit: str, waiting: str, enabled: bool = True) -> None:
-        self.total, self.desc, self.unit, self.n = total, desc, unit, 0
+    def __init__(self, total: int | None, desc: str, unit: str, waiting: str, enabled: bool = True) -> None:
+        # ``total`` None: not known yet (a job's bar shown from its first second, before its inputs are read); a
+        # later :meth:`wait` gives it
+        self.total, self.desc, self.unit, self.n = total or 0, desc, unit, 0
         self._bar: Any = None
         self._wait: Any = None
         self._lock = threading.RLock()
         self._running: dict[int, int] = {}  # rows scored so far in the parts still running, by part
         self._finished: set[int] = set()
         self.progress_id: str | None = None
-        if enabled and progress_enabled() and total > 0:
+        if enabled and progress_enabled() and (total is None or total > 0):
             from tqdm.auto import tqdm
 
             self._tqdm = tqdm
             self._wait = tqdm(
                 total=None, desc=f"{desc}: {waiting}", bar_format="{desc} ({elapsed})", dynamic_ncols=True
             )
+
+    @classmethod
+    def announce(cls, desc: str, unit: str, waiting: str) -> None:
+        """Show a job's bar now, before the job's own modules are imported (the ``dask-lm`` command, whose user
+        otherwise sees nothing for the seconds ``distributed`` takes to import): the job takes it over
+        (:meth:`for_job`)."""
+        global _announced
+        _announced = cls(None, desc, unit, waiting)
+
+    @classmethod
+    def for_job(cls, desc: str, unit: str, waiting: str, enabled: bool = True) -> JobBar:
+        """A job's bar from its first second, saying ``waiting``: the one :meth:`announce` showed for it, else a new
+        one. Its total is given by a later :meth:`wait` (the job's rows or steps, once known)."""
+        global _announced
+        bar, _announced = _announced, None
+        if bar is not None and bar.desc == desc and enabled and progress_enabled():
+            bar.wait(waiting)
+            return bar
+        if bar is not None:
+            bar.close()
+        return cls(None, desc, unit, waiting, enabled=enabled)
 
     def listen(self, client: Any) -> str | None:
         """The id under which the workers report this job's parts (``{"id": ..., "part": i, "done": rows}`` on
