@@ -17,7 +17,6 @@ from dask_lm.engine.progress import JobBar
 
 __all__ = [
     "ClusterStart",
-    "exit_once_closed",
     "in_thread",
     "running",
     "wait_for_checks",
@@ -153,7 +152,8 @@ class ClusterStart:
 
     def phase(self) -> str | None:
         """What the start is doing, for the job's bar; ``None`` once the cluster is there."""
-        return self.waiting if self._starting and not self.up.is_set() else None
+        held = self._warm_after is not None and not self._warm_after.is_set() and not self._starting
+        return None if self.up.is_set() or held or self._thread.ident is None else self.waiting
 
     def result(self) -> Any:
         """The client, once started (re-raising what the start raised)."""
@@ -185,6 +185,7 @@ class ClusterStart:
 
     def _close_opened(self, *, interrupted: bool = False) -> None:
         from dask_lm.engine import cluster
+        from dask_lm.workers.clean_exit import exit_once_closed
 
         with contextlib.suppress(Exception):
             if self.warm_futures:
@@ -196,26 +197,9 @@ class ClusterStart:
                 elif getattr(self.opened, "_dask_lm_owns_cluster", False):
                     # a local cluster of this job's own: its workers leave once closed, without the seconds an
                     # interpreter takes to unload torch (past the nanny's 4 s it kills them, with a WARNING)
-                    self.opened.run(exit_once_closed, on_error="ignore")
+                    self.opened.run(exit_once_closed, on_error="ignore")  # dask_lm.workers.clean_exit
                 cluster.close(self.opened)
                 self.opened = None
-
-
-def exit_once_closed() -> None:
-    """On a worker of a job's own local cluster, as the job ends: once the worker has closed, its process ends at
-    once (``os._exit``, after flushing its output) instead of unloading torch and transformers module by module,
-    which takes seconds. Registered last, it runs first of the exit's ``atexit`` handlers; the rest are for a
-    process that goes on living (caches, child processes: a worker has none left once closed)."""
-
-    def leave() -> None:
-        import sys
-
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(0)
-
-    atexit.register(leave)
 
 
 def in_thread(fn: Any, *args: Any) -> Future[Any]:
@@ -272,7 +256,7 @@ def running(
     if bar is None:
         bar = JobBar(total, desc, unit, start.waiting, enabled=progress)
     else:
-        bar.wait(start.phase() or "connecting", total=total)
+        bar.wait(start.phase() or "asking the workers about their devices", total=total)
     try:
         client = start.result()
         if getattr(client, "dashboard_link", None):

@@ -411,10 +411,10 @@ def _pinned_run(
                     compile=worth_compiling(inputs, spec.ids_column, workers),
                     compile_head=worth_compiling_head(sum(inputs.group_tokens), workers),
                 )
-            result = _run(
-                dask_client, out, inputs, plan, opts, stamps, start.warm_futures, bar, performance_report, clock
-            )
             closed = bool(getattr(start.opened, "_dask_lm_owns_cluster", False))
+            result = _run(
+                dask_client, out, inputs, plan, opts, stamps, start.warm_futures, bar, performance_report, clock, closed
+            )
         # the cluster this call started is closed by now: that counts in the wall time, and its dashboard is gone
         wall, steps = clock.closed(result.wall_phases)
         result = replace(
@@ -447,7 +447,9 @@ def _run(
     bar: JobBar,
     performance_report: str | None,
     clock: StartClock,
+    own_cluster: bool = False,
 ) -> ScoreResult:
+    """The parts scored and written; ``own_cluster``: the cluster closes as the job ends (its replicas go with it)."""
     import dask
     from distributed import as_completed, span
 
@@ -522,8 +524,10 @@ def _run(
             raise
         finally:
             bar.close()
-        # a worker retired as the job ends (adapt scales down the idle ones) freed its replica by leaving
-        client.run(release_scorers, on_error="ignore")
+        # a worker retired as the job ends (adapt scales down the idle ones) freed its replica by leaving; the
+        # workers of the job's own cluster leave with theirs
+        if not own_cluster:
+            client.run(release_scorers, on_error="ignore")
     seconds = time.perf_counter() - t0
     for started in clock.workers(preloads):  # the loads that ran beside the checks count as loads too
         load = max(load, started["load_seconds"])
