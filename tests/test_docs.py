@@ -246,6 +246,8 @@ def test_a_script_runs_as_written(page, script, tmp_path):
     )
     assert done.returncode == 0, f"{page}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     assert done.stdout.strip(), f"{page}: the script printed nothing"
+    # a clean end: no logged WARNING (a nanny killing a worker that was slow to exit) and no traceback
+    assert "WARNING" not in done.stderr and "Traceback" not in done.stderr, f"{page}:\n{done.stderr[-6000:]}"
     # every job the script started finished: each output folder it made (a manifest) holds its _SUCCESS
     jobs = [m.parent for m in tmp_path.rglob("_manifest.json")]
     assert all((j / "_SUCCESS").exists() for j in jobs), jobs
