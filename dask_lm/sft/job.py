@@ -247,9 +247,16 @@ def sft_parquet(
     ``save_every=100``, ``keep=2``, ``seed=0``, ``shuffle=True``, ``convention="lm-eval"``."""
     import dask_lm
 
-    # what the call gave, completed on a resume from the manifest, then from the spec's defaults; checked
-    spec = spec_for(SFTSpec, output, resume=resume, given=SFTSpec.given(locals()))
-    out = JobOutput.open(_KIND, list(spec.input), output, resume=resume, overwrite=overwrite)  # the lock, first
+    given = SFTSpec.given(locals())
+    # the bar from the first second, saying what the run waits for at each step of its start
+    bar = progress_bars.JobBar.for_job("sft", "step", "checking the output, the model and the inputs", enabled=progress)
+    try:
+        # what the call gave, completed on a resume from the manifest, then from the spec's defaults; checked
+        spec = spec_for(SFTSpec, output, resume=resume, given=given)
+        out = JobOutput.open(_KIND, list(spec.input), output, resume=resume, overwrite=overwrite)  # the lock, first
+    except BaseException:
+        bar.close()
+        raise
     try:
         out.settings = spec.manifest_settings()
         source, info = model_files.resolve_model(spec.model, revision=revision)
@@ -273,6 +280,7 @@ def sft_parquet(
                 "train on; check the input path"
             )
         manifest, pins = model_files.manifest(source, info, inputs, spec.manifest_options())
+        bar.wait("loading the tokenizer (imports torch and transformers)")
         import transformers  # after the lock and the cheap checks: a second run on the output is refused first
 
         tokenizer = transformers.AutoTokenizer.from_pretrained(model, trust_remote_code=False)
@@ -287,7 +295,10 @@ def sft_parquet(
                 return _finished(out.path, start)
             out.reopen()
             cluster = ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers)
-            with running(cluster, total=planned, desc="sft", unit="step", progress=progress) as (dask_client, bar):
+            with running(cluster, total=planned, desc="sft", unit="step", progress=progress, bar=bar) as (
+                dask_client,
+                bar,
+            ):
                 precision = spec.fixed_precision or worker_precision(dask_client)
                 out.pin_precision(precision)
                 bar.wait("tokenizing the rows")
@@ -376,6 +387,7 @@ def sft_parquet(
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the cluster is closed; one line says what is kept
         raise _interrupted(out, e) from None
     finally:
+        bar.close()
         out.close()  # the lock released; a run refused before it wrote anything leaves nothing
 
 
