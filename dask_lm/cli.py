@@ -282,6 +282,10 @@ def score(
     _job_given(ctx, options, job=ctx.command.name or "")
 
     def run() -> None:
+        from dask_lm.engine.progress import JobBar  # the standard library and tqdm only
+
+        if not no_progress:  # a first line now: the job's modules take seconds to import (distributed)
+            JobBar.announce("scoring", "row", "importing dask")
         import dask_lm
 
         # the checks run before any cluster starts; score_parquet then connects, and closes what it started
@@ -340,6 +344,10 @@ def sft(ctx: click.Context, /, inputs: tuple[str, ...], no_progress: bool, **opt
     _job_given(ctx, options, job=ctx.command.name or "")
 
     def run() -> None:
+        from dask_lm.engine.progress import JobBar  # the standard library and tqdm only
+
+        if not no_progress:  # a first line now: the job's modules take seconds to import (distributed)
+            JobBar.announce("sft", "step", "importing dask")
         from dask_lm.sft.job import sft_parquet
 
         result = sft_parquet(list(inputs) or None, progress=not no_progress, **options)

@@ -25,6 +25,8 @@ _enabled: bool = True
 _bars: dict[str, Any] = {}
 _lock = threading.Lock()
 _subscribed: weakref.WeakSet[Any] = weakref.WeakSet()  # dask clients
+_announced: JobBar | None = None  # a job's bar shown before the job began (JobBar.announce)
+FIRST_LINE_DELAY_S = 0.3  # a job's bar from its start appears this late: an instant answer comes alone
 
 
 def set_progress(enabled: bool) -> None:
@@ -118,26 +120,65 @@ class JobBar:
 
     The events arrive on the client's event-loop thread, the updates on the job's: one lock orders them."""
 
-    def __init__(self, total: int, desc: str, unit: str, waiting: str, enabled: bool = True) -> None:
-        self.total, self.desc, self.unit, self.n = total, desc, unit, 0
+    def __init__(
+        self, total: int | None, desc: str, unit: str, waiting: str, enabled: bool = True, delay: float = 0.0
+    ) -> None:
+        # ``total`` None: not known yet (a job's bar shown from its first second, before its inputs are read); a
+        # later :meth:`wait` gives it. ``delay``: the bar appears only that late (a job that ends sooner, a resume
+        # of a finished one, prints nothing but its answer)
+        self.total, self.desc, self.unit, self.n = total or 0, desc, unit, 0
         self._bar: Any = None
         self._wait: Any = None
+        self._waiting = f"{desc}: {waiting}"  # what the wait bar says, or will say once shown
         self._lock = threading.RLock()
         self._running: dict[int, int] = {}  # rows scored so far in the parts still running, by part
         self._finished: set[int] = set()
         self.progress_id: str | None = None
-        if enabled and progress_enabled() and total > 0:
+        self._on = enabled and progress_enabled() and (total is None or total > 0)
+        self._timer: threading.Timer | None = None
+        if self._on:
             from tqdm.auto import tqdm
 
             self._tqdm = tqdm
-            self._wait = tqdm(
-                total=None, desc=f"{desc}: {waiting}", bar_format="{desc} ({elapsed})", dynamic_ncols=True
-            )
+            if delay > 0:
+                self._timer = threading.Timer(delay, self._open_wait)
+                self._timer.daemon = True
+                self._timer.start()
+            else:
+                self._open_wait()
+
+    def _open_wait(self) -> None:
+        with self._lock:
+            if self._on and self._wait is None and self._bar is None:
+                self._wait = self._tqdm(
+                    total=None, desc=self._waiting, bar_format="{desc} ({elapsed})", dynamic_ncols=True
+                )
+
+    @classmethod
+    def announce(cls, desc: str, unit: str, waiting: str) -> None:
+        """Show a job's bar now, before the job's own modules are imported (the ``dask-lm`` command, whose user
+        otherwise sees nothing for the seconds ``distributed`` takes to import): the job takes it over
+        (:meth:`for_job`)."""
+        global _announced
+        _announced = cls(None, desc, unit, waiting, delay=FIRST_LINE_DELAY_S)
+
+    @classmethod
+    def for_job(cls, desc: str, unit: str, waiting: str, enabled: bool = True) -> JobBar:
+        """A job's bar from its first second, saying ``waiting``: the one :meth:`announce` showed for it, else a new
+        one. Its total is given by a later :meth:`wait` (the job's rows or steps, once known)."""
+        global _announced
+        bar, _announced = _announced, None
+        if bar is not None and bar.desc == desc and enabled and progress_enabled():
+            bar.wait(waiting)
+            return bar
+        if bar is not None:
+            bar.close()
+        return cls(None, desc, unit, waiting, enabled=enabled, delay=FIRST_LINE_DELAY_S)
 
     def listen(self, client: Any) -> str | None:
         """The id under which the workers report this job's parts (``{"id": ..., "part": i, "done": rows}`` on
         :data:`TOPIC`: :func:`dask_lm.comm.progress.report_progress`); ``None`` when the bar is off."""
-        if self._wait is None and self._bar is None:
+        if not self._on:
             return None
         _subscribe(client)
         self.progress_id = uuid.uuid4().hex
@@ -150,14 +191,17 @@ class JobBar:
         with self._lock:
             if total is not None:
                 self.total = total
-            if self._wait is not None and self._wait.desc != f"{self.desc}: {waiting}":
-                self._wait.reset()  # the time shown is this wait's, as the summary's phases count it
-                self._wait.set_description_str(f"{self.desc}: {waiting}")
+            if self._waiting != f"{self.desc}: {waiting}":
+                self._waiting = f"{self.desc}: {waiting}"
+                if self._wait is not None:
+                    self._wait.reset()  # the time shown is this wait's, as the summary's phases count it
+                    self._wait.set_description_str(self._waiting)
 
     def write(self, line: str) -> None:
         """A line above the bar (the dashboard's address while the job runs); nothing when the bar is off."""
         with self._lock:
-            if self._wait is not None or self._bar is not None:
+            if self._on:
+                self._open_wait()  # a line above a bar that is there
                 import sys
 
                 self._tqdm.write(line, file=sys.stderr)  # with the bar, off stdout (which a script may parse)
@@ -186,9 +230,10 @@ class JobBar:
 
     def _show(self) -> None:
         shown = min(self.n + sum(self._running.values()), self.total)
-        if self._wait is not None:
-            self._wait.close()
-            self._wait = None
+        if self._on and self._bar is None:
+            if self._wait is not None:
+                self._wait.close()
+                self._wait = None
             self._bar = self._tqdm(total=self.total, initial=shown, desc=self.desc, unit=self.unit, dynamic_ncols=True)
         elif self._bar is not None and shown > self._bar.n:
             self._bar.update(shown - self._bar.n)
@@ -198,6 +243,9 @@ class JobBar:
             with _lock:
                 _bars.pop(self.progress_id, None)
         with self._lock:
+            self._on = False
+            if self._timer is not None:
+                self._timer.cancel()
             for b in (self._wait, self._bar):
                 if b is not None:
                     b.close()

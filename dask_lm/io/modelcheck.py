@@ -39,6 +39,7 @@ from dask_lm.interface import opt
 from dask_lm.io.config_limits import check_config_limits
 
 __all__ = [
+    "load_tokenizer",
     "weight_files",
     "stated_vocab",
     "stated_positions",
@@ -265,6 +266,25 @@ def transformers_module() -> Any:
 
         transformers.AutoConfig, transformers.AutoTokenizer  # noqa: B018 (resolved here, under the lock)
     return transformers
+
+
+def load_tokenizer(directory: str) -> Any:
+    """The tokenizer in ``directory`` as ``AutoTokenizer.from_pretrained(directory, trust_remote_code=False)`` loads
+    it, through the class its ``tokenizer_config.json`` names where transformers has that class: ``AutoTokenizer``
+    itself imports the auto-config machinery, and with it torch (seconds a driver that only tokenizes need not
+    spend). A config that names no class transformers has goes to ``AutoTokenizer``."""
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
+            named = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    with _IMPORT_LOCK:  # transformers' lazy module, one thread at a time (transformers_module says why)
+        import transformers
+
+        cls = getattr(transformers, named, None) if isinstance(named, str) and named.isidentifier() else None
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        cls = transformers_module().AutoTokenizer
+    return cls.from_pretrained(directory, trust_remote_code=False)
 
 
 def _auto_config_vocab(model: str, config_path: str) -> int | None:

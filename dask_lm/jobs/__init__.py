@@ -7,13 +7,15 @@ derive. Every job's driver then goes through the same steps, and this package ow
 keeps its spec, the work itself and its summary:
 
 1. :meth:`JobOutput.open <dask_lm.jobs.output.JobOutput.open>` (``output.py``): the input files resolved, an output
-   nested with them refused, and a first look at the output folder (``folder.py``): an occupied one without
-   ``--resume`` / ``--overwrite`` is refused before the model is even resolved. On ``--resume`` what the call was
+   nested with them refused, the output's lock taken (``folder.py``: a second job on it is refused here, before
+   anything starts; held until ``JobOutput.close``, and a job that wrote nothing removes what taking it created),
+   and a first look at the output folder: an occupied one without ``--resume`` / ``--overwrite`` is refused
+   before the model is even resolved. On ``--resume`` what the call was
    not given comes from the manifest (``resume.py``: :func:`~dask_lm.jobs.resume.spec_for`).
 2. ``model_files.py``: the model files resolved and checked, the tokenizer's, and the manifest that pins them, the
    inputs (by content: :mod:`dask_lm.io.fingerprint`) and the options (its format and seal:
    :mod:`dask_lm.io.manifest`).
-3. ``JobOutput.locked``: the output's lock for the job's whole life. Under it the folder is looked at again,
+3. ``JobOutput.locked``: the output's lock until the job ends. Under it the folder is looked at again,
    ``--overwrite`` clears the earlier job, a killed job's temporaries are deleted, ``JobOutput.pin`` writes the
    manifest or checks a resumed job against it (the differences named: ``resume.py``), and
    ``JobOutput.pin_precision`` records an automatic precision once the workers are known.

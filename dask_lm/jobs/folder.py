@@ -2,12 +2,16 @@
 
 Scoring and SFT share these rules:
 
-- **Lock.** A job holds an exclusive ``flock`` on ``output/.dask-lm.lock`` for its whole life, so a second job on
-  the same output (two cron runs of ``--resume`` that overlap) is refused at once instead of writing beside the
-  first. ``flock`` works on local filesystems and on NFSv4 (Linux maps it to NFS byte-range locks), but not
-  everywhere: some FUSE, CIFS and Lustre mounts refuse it or lock only per client machine. Where the filesystem
-  refuses it, the job warns and runs unlocked. The lock file is never deleted: unlinking it while a second job
-  has it open would let a third job lock a fresh inode beside the second.
+- **Lock.** A job holds an exclusive ``flock`` on ``output/.dask-lm.lock`` for its whole life, taken first, before
+  the model or the inputs are looked at (:class:`OutputLock`), so a second job on the same output (a double-fired
+  cron or Airflow task, two runs of ``--resume`` that overlap) is refused at once, before it starts a cluster,
+  instead of writing beside the first or racing it to the lock. ``flock`` works on local filesystems and on NFSv4
+  (Linux maps it to NFS byte-range locks), but not everywhere: some FUSE, CIFS and Lustre mounts refuse it or lock
+  only per client machine. Where the filesystem refuses it, the job warns and runs unlocked. A job that ends
+  having written nothing (refused by a later check, interrupted at once) removes the lock file and the folder it
+  created, so a refused job leaves nothing; the file is unlinked while still locked, and a job locks a file only if
+  the path still names it once locked, so a job that opened the old file retries instead of locking a file no one
+  else sees.
 - **Debris.** Only under the lock is it safe to delete temporary files and directories that a killed job left
   (nothing else can be writing them), so each job clears its own kind of debris when it starts.
 - **Manifest.** ``_manifest.json`` pins what the results depend on; its format and seal are
@@ -49,8 +53,8 @@ __all__ = [
     "read_summary",
     "refuse_occupied",
     "clear_output",
+    "OutputLock",
     "locked_output",
-    "refuse_if_locked",
     "refuse_links",
     "remove_stale",
     "check_output_location",
@@ -61,38 +65,124 @@ logger = logging.getLogger("dask_lm")
 LOCK = ".dask-lm.lock"
 
 
-@contextlib.contextmanager
-def locked_output(output: str) -> Iterator[str]:
-    """Create ``output`` if needed and hold its job lock until the block ends; ``ValueError`` when another job
-    holds it. Yields the lock file's path."""
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise ValueError(f"{opt('output')} {output!r} exists and is not a directory")
-    os.makedirs(output, exist_ok=True)
-    path = os.path.join(output, LOCK)
-    # never through a link: the pid line below would truncate and overwrite its target
-    fd = safe_paths.open_no_follow(path, os.O_RDWR | os.O_CREAT)  # not inherited by exec'd children (PEP 446)
-    try:
+class OutputLock:
+    """The job lock on ``output/.dask-lm.lock``, from :meth:`acquire` to :meth:`release` (the module docstring says
+    what it guards). It remembers what taking it created, the output folder and the lock file, so that a job that
+    ends having written nothing removes them again (:meth:`release` with ``remove``)."""
+
+    def __init__(self, output: str) -> None:
+        self.output, self.path = output, os.path.join(output, LOCK)
+        self.fd: int | None = None
+        self.created_dir = self.created_file = False
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
+    def acquire(self) -> None:
+        """Create ``output`` if needed and lock it; ``ValueError`` naming the holder when another job has it.
+        Creates nothing when refused but what a job beside it may use (the folder, the lock file) and writes
+        nothing."""
+        assert self.fd is None, "acquire() of a held lock"
+        if os.path.exists(self.output) and not os.path.isdir(self.output):
+            raise ValueError(f"{opt('output')} {self.output!r} exists and is not a directory")
+        # a job that removed its lock file (it wrote nothing) between our open and our flock leaves us a lock on a
+        # file no one else can see: the lock is ours only if the path still names the file we locked
+        for _attempt in range(20):
+            created_dir = self._make_dir()
+            try:
+                fd, created_file = self._open()
+            except FileNotFoundError:  # the folder went (its job removed it) between the two steps: again
+                continue
+            try:
+                if not self._flock(fd):
+                    raise _in_use(self.output, fd)
+                here = os.lstat(self.path)
+            except FileNotFoundError:
+                os.close(fd)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            mine = os.fstat(fd)
+            if (here.st_dev, here.st_ino) != (mine.st_dev, mine.st_ino):
+                os.close(fd)
+                continue
+            self.fd, self.created_dir, self.created_file = fd, created_dir, created_file
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            return
+        raise ValueError(
+            f"{opt('output')} {self.output}: its lock file {LOCK} keeps being removed by other jobs as this one "
+            "takes it; wait for them to finish, or choose another output"
+        )
+
+    def _make_dir(self) -> bool:
+        parent = os.path.dirname(os.path.abspath(self.output))
+        os.makedirs(parent, exist_ok=True)
+        try:
+            os.mkdir(self.output)
+        except FileExistsError:
+            if not os.path.isdir(self.output):
+                raise ValueError(f"{opt('output')} {self.output!r} exists and is not a directory") from None
+            return False
+        return True
+
+    def _open(self) -> tuple[int, bool]:
+        # never through a link: the pid line would truncate and overwrite its target
+        try:  # not inherited by exec'd children (PEP 446)
+            return safe_paths.open_no_follow(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL), True
+        except FileExistsError:
+            return safe_paths.open_no_follow(self.path, os.O_RDWR), False
+
+    def _flock(self, fd: int) -> bool:
+        """Whether ``fd`` is locked now (``False``: another job holds it). A filesystem that refuses ``flock``
+        altogether gets a warning, and the job runs unlocked."""
         try:
             import fcntl
 
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                logger.warning(
-                    "cannot lock %s (%s): a second job writing %s at the same time would not be noticed",
-                    path,
-                    e,
-                    output,
-                )
-            else:
-                raise _in_use(output, fd) from None
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False
+            logger.warning(
+                "cannot lock %s (%s): a second job writing %s at the same time would not be noticed",
+                self.path,
+                e,
+                self.output,
+            )
         except ImportError:  # no fcntl (Windows): nothing to lock with
-            logger.warning("no fcntl on this platform: concurrent jobs on %s are not detected", output)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        yield path
+            logger.warning("no fcntl on this platform: concurrent jobs on %s are not detected", self.output)
+        return True
+
+    def release(self, *, remove: bool = False) -> None:
+        """Let go of the lock (a no-op when not held). With ``remove`` (the job wrote nothing), the lock file and
+        the output folder go too where taking the lock created them: unlinked while still held, so a job waiting on
+        the old file sees it gone and takes a fresh one (:meth:`acquire`)."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        try:
+            if remove and self.created_file:
+                with contextlib.suppress(OSError):
+                    os.remove(self.path)
+                if self.created_dir:
+                    with contextlib.suppress(OSError):  # not empty: something else is there, it stays
+                        os.rmdir(self.output)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def locked_output(output: str) -> Iterator[str]:
+    """Create ``output`` if needed and hold its job lock until the block ends; ``ValueError`` when another job
+    holds it. Yields the lock file's path."""
+    lock = OutputLock(output)
+    lock.acquire()
+    try:
+        yield lock.path
     finally:
-        os.close(fd)  # releases the lock
+        lock.release()
 
 
 def _in_use(output: str, fd: int) -> ValueError:
@@ -101,28 +191,6 @@ def _in_use(output: str, fd: int) -> ValueError:
         f"{opt('output')} {output} is in use by another dask-lm job ({holder} holds {LOCK}); wait for "
         f"it to finish, or choose another {opt('output')}"
     )
-
-
-def refuse_if_locked(output: str) -> None:
-    """``ValueError`` now if another job holds ``output``'s lock: a probe that creates and writes nothing, for
-    the cheap checks before a job starts anything (:func:`locked_output` takes the lock later, and decides)."""
-    path = os.path.join(output, LOCK)
-    try:
-        fd = safe_paths.open_no_follow(path, os.O_RDWR)
-    except OSError:  # no lock file, or none we may open: locked_output will say
-        return
-    try:
-        import fcntl
-
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise _in_use(output, fd) from None
-    except ImportError:
-        pass
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)

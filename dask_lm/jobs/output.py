@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,27 +62,48 @@ class JobOutput:
     manifest by :meth:`pin`, not compared; what a later resume that is not given them takes
     (:mod:`dask_lm.jobs.resume`)."""
 
+    lock: folder.OutputLock | None = field(default=None, repr=False)
+    """The output's lock, taken by :meth:`open` and held until :meth:`close` (or the end of :meth:`locked`)."""
+
     @classmethod
     def open(
         cls, kind: JobKind, input: Any, output: str | os.PathLike[str], *, resume: bool, overwrite: bool
     ) -> JobOutput:
-        """Resolve the inputs and look at the output without its lock: what the folder allows needs only its
-        listing, so a refusal comes before the model is looked at (and again under the lock)."""
+        """Resolve the inputs, take the output's lock (the first thing the job creates: a second job on the same
+        output is refused here, before the model is looked at or a cluster starts) and look at the output: what
+        the folder allows needs only its listing, so a refusal comes before the model is looked at. The caller
+        holds the lock until :meth:`close` (:meth:`locked` ends it too); a refusal here releases it, leaving
+        nothing behind."""
         path = os.path.abspath(os.fspath(output))
         files = pio.resolve_input_files(input)
-        folder.check_output_location(path, input, files)
-        out = cls(
-            kind,
-            path,
-            files,
-            resume,
-            overwrite,
-            folder.output_state(path, kind.owned),
-            created=not os.path.exists(path),
-        )
-        out._refuse_occupied()
-        folder.refuse_if_locked(path)  # another job writing there: said first, before the model is looked at
+        folder.check_output_location(path, input, files)  # before the lock creates the folder
+        folder.refuse_links(path, kind.owned)  # the lock's own name too: never opened through a link
+        lock = folder.OutputLock(path)
+        lock.acquire()
+        try:
+            out = cls(
+                kind,
+                path,
+                files,
+                resume,
+                overwrite,
+                folder.output_state(path, kind.owned),
+                created=lock.created_dir,
+                lock=lock,
+            )
+            # a safety net for a caller that drops it unclosed: the lock goes with the object
+            weakref.finalize(out, lock.release)
+            out._refuse_occupied()
+        except BaseException:
+            lock.release(remove=True)
+            raise
         return out
+
+    def close(self) -> None:
+        """Release the output's lock, if still held; where the job wrote nothing (no manifest: refused, or stopped
+        before it pinned anything), the lock file and the folder go too, where this job created them."""
+        if self.lock is not None:
+            self.lock.release(remove=not os.path.lexists(os.path.join(self.path, pio.MANIFEST)))
 
     def _refuse_occupied(self) -> None:
         folder.refuse_occupied(
@@ -99,9 +121,13 @@ class JobOutput:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[dict[str, Any] | None]:
-        """Hold the output's lock for the block; yields the manifest of the job to resume, or ``None`` for a new
-        output (an ``--overwrite`` one is emptied of the earlier job's files first)."""
-        with folder.locked_output(self.path):
+        """Hold the output's lock for the block (taken by :meth:`open`; again here where it was released), and
+        release it when the block ends; yields the manifest of the job to resume, or ``None`` for a new output (an
+        ``--overwrite`` one is emptied of the earlier job's files first)."""
+        if self.lock is None or not self.lock.held:
+            self.lock = folder.OutputLock(self.path)
+            self.lock.acquire()
+        try:
             self.state = folder.output_state(self.path, self.kind.owned)
             self._refuse_occupied()
             old = None
@@ -115,13 +141,10 @@ class JobOutput:
                 yield old
             except KeyboardInterrupt:
                 if old is None and not self.kept():  # a new job stopped before it kept anything: as if never run
-                    folder.clear_output(self.path, self.kind.owned)
-                    with contextlib.suppress(OSError):  # still ours: unlinked under the lock, which closes after
-                        os.remove(os.path.join(self.path, folder.LOCK))
-                    if self.created:
-                        with contextlib.suppress(OSError):
-                            os.rmdir(self.path)
+                    folder.clear_output(self.path, self.kind.owned)  # its manifest too: close() removes the rest
                 raise
+        finally:
+            self.close()
 
     def kept(self) -> list[str]:
         """The job's own results in the output: its entries that are not empty folders (parts, checkpoints)."""

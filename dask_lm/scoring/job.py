@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -34,7 +35,7 @@ from dask_lm.data.continuation import describe
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.engine import cluster
 from dask_lm.engine.progress import JobBar
-from dask_lm.errors import BadRowError, SchedulerLostError
+from dask_lm.errors import SchedulerLostError
 from dask_lm.interface import again, current, opt, warn
 from dask_lm.io import fingerprint, hub, modelcheck, part_proof
 from dask_lm.io import parquet as pio
@@ -42,7 +43,14 @@ from dask_lm.io.manifest import read_manifest
 from dask_lm.jobs import folder, interrupts, model_files
 from dask_lm.jobs.output import JobKind, JobOutput
 from dask_lm.jobs.resume import added_skip_bad_rows, spec_for
-from dask_lm.jobs.start import ClusterStart, in_thread, running, wait_for_workers, worker_precision
+from dask_lm.jobs.start import (
+    ClusterStart,
+    in_thread,
+    running,
+    wait_for_checks,
+    wait_for_workers,
+    worker_precision,
+)
 from dask_lm.scoring import prescan, spans
 from dask_lm.scoring.checks import check_score_model
 from dask_lm.scoring.compile_choice import worth_compiling, worth_compiling_head
@@ -127,8 +135,18 @@ def plan_job(
 ) -> PlannedJob:
     """The checks that cost no more than a few small reads: the output folder, the model's files (config JSON,
     weight headers, ``topk`` against the vocabulary it states), the tokenizer's, the inputs' footers and columns,
-    and a resume's options and plan against the manifest it resumes. ``ValueError`` naming what is wrong."""
-    out = JobOutput.open(_KIND, list(spec.input), output, resume=resume, overwrite=overwrite)
+    and a resume's options and plan against the manifest it resumes. ``ValueError`` naming what is wrong. The
+    output's lock is taken first (a second job on it is refused before anything else) and held by the returned job's
+    ``out`` until ``out.close()``."""
+    out = JobOutput.open(_KIND, list(spec.input), output, resume=resume, overwrite=overwrite)  # the lock, first
+    try:
+        return _plan(spec, out, resume=resume, revision=revision)
+    except BaseException:
+        out.close()  # refused: the lock released, and the folder it created removed
+        raise
+
+
+def _plan(spec: ScoreSpec, out: JobOutput, *, resume: bool, revision: str | None) -> PlannedJob:
     out.settings = spec.manifest_settings()
     finished = resume and out.state.kind == "finished"
     source = hub.resolve_model(spec.model, revision=revision)
@@ -243,10 +261,17 @@ def score_parquet(
     another job holds), before anything is written (a cluster this call started is closed again).
     """
     started, started_at = time.perf_counter(), time.time()
-    # what the call gave, completed on a resume from the manifest, then from the spec's defaults; checked
-    spec = spec_for(ScoreSpec, output, resume=resume, given=ScoreSpec.given(locals()))
-    # 1. the checks that cost no more than a few small reads, before anything starts
-    job = plan_job(spec, output, resume=resume, overwrite=overwrite, revision=revision)
+    given = ScoreSpec.given(locals())
+    # the bar from the first second, saying what the job waits for at each step of its start
+    bar = JobBar.for_job("scoring", "row", "checking the output, the model and the inputs", enabled=progress)
+    try:
+        # what the call gave, completed on a resume from the manifest, then from the spec's defaults; checked
+        spec = spec_for(ScoreSpec, output, resume=resume, given=given)
+        # 1. the output's lock, then the checks that cost no more than a few small reads, before anything starts
+        job = plan_job(spec, output, resume=resume, overwrite=overwrite, revision=revision)
+    except BaseException:
+        bar.close()
+        raise
     out, plan = job.out, job.plan
     # 2. the cluster starts, and each worker loads its replica, while this process does the costly checks: the
     #    config through transformers (on a worker) and the content hashes. Nothing reaches the output before
@@ -259,12 +284,26 @@ def score_parquet(
             job.source.path, job.opts.tokenizer, spec.fixed_precision, spec.compile, sum(job.inputs.group_tokens)
         )
     )
+    rows_checked = threading.Event()  # the workers' imports wait for the row check (ClusterStart: warm_after)
     start = ClusterStart(
-        client, scheduler_address=scheduler_address, n_workers=n_workers, eager=not job.finished, warm=warm
+        client,
+        scheduler_address=scheduler_address,
+        n_workers=n_workers,
+        eager=not job.finished,
+        warm=warm,
+        warm_after=rows_checked,
     )
     try:
         return _pinned_run(
-            start, warm, job, started, started_at, progress=progress, performance_report=performance_report
+            start,
+            warm,
+            job,
+            started,
+            started_at,
+            bar=bar,
+            rows_checked=rows_checked,
+            progress=progress,
+            performance_report=performance_report,
         )
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the workers stopped at once, one line says what is kept
         start.close(interrupted=True)
@@ -277,7 +316,9 @@ def score_parquet(
             raise
         raise _scheduler_lost(out, len(plan), address) from None
     finally:
+        bar.close()
         start.close()
+        out.close()
 
 
 def _interrupted(out: JobOutput, parts: int, e: BaseException) -> interrupts.JobInterrupted:
@@ -307,6 +348,8 @@ def _pinned_run(
     started: float,
     started_at: float,
     *,
+    bar: JobBar,
+    rows_checked: threading.Event,
     progress: bool,
     performance_report: str | None,
 ) -> ScoreResult:
@@ -319,13 +362,21 @@ def _pinned_run(
 
     scan = not job.finished and not opts.skip_bad_rows and sum(inputs.group_tokens) <= prescan.PRESCAN_MAX_TOKENS
     loads = in_thread(warm.check_config, start) if warm is not None else None
-    # every bad row of the job, found while the workers load (dask_lm.scoring.prescan)
-    rows = in_thread(prescan.bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan else None
-    manifest, pins = job.manifest()
+    # every bad row of the job, found while the workers start (dask_lm.scoring.prescan), with the tokenizer alone
+    rows = (
+        in_thread(prescan.refuse_bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan else None
+    )
+    if rows is not None:  # passed: the cluster starts (refused: the job closes its start, which ends the wait)
+        rows.add_done_callback(lambda f: None if f.exception() is not None else rows_checked.set())
+    else:
+        rows_checked.set()
+    pinning = in_thread(job.manifest)
+    # the first refusal is said as soon as it is known: a bad row does not wait for the workers' imports
+    config = "checking the model's config on a worker (its imports of torch and transformers first)"
+    checks = {"checking the rows": rows, "hashing the model and input files": pinning, config: loads}
+    wait_for_checks(checks, start, bar, on_workers=(config,))
+    manifest, pins = pinning.result()
     checked = loads.result() if loads is not None else {}  # transformers' ValueError naming config.json
-    bad = rows.result() if rows is not None else None
-    if bad:
-        raise BadRowError(prescan.message(bad))
     opts = replace(opts, model_pins=tuple(pins[: len(pins) - len(inputs.files)]))
     prepare_seconds = time.perf_counter() - started
     with out.locked() as old:
@@ -342,7 +393,10 @@ def _pinned_run(
         )
         clock = StartClock(started, started_at, {"checks": prepare_seconds})
         clock.config_check(checked)
-        with running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress) as (dask_client, bar):
+        with running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress, bar=bar) as (
+            dask_client,
+            bar,
+        ):
             wait_for_workers(dask_client, bar)  # a scheduler whose workers are still to come
             clock.mark("cluster")
             if spec.fixed_precision is None:
@@ -357,10 +411,10 @@ def _pinned_run(
                     compile=worth_compiling(inputs, spec.ids_column, workers),
                     compile_head=worth_compiling_head(sum(inputs.group_tokens), workers),
                 )
-            result = _run(
-                dask_client, out, inputs, plan, opts, stamps, start.warm_futures, bar, performance_report, clock
-            )
             closed = bool(getattr(start.opened, "_dask_lm_owns_cluster", False))
+            result = _run(
+                dask_client, out, inputs, plan, opts, stamps, start.warm_futures, bar, performance_report, clock, closed
+            )
         # the cluster this call started is closed by now: that counts in the wall time, and its dashboard is gone
         wall, steps = clock.closed(result.wall_phases)
         result = replace(
@@ -393,7 +447,9 @@ def _run(
     bar: JobBar,
     performance_report: str | None,
     clock: StartClock,
+    own_cluster: bool = False,
 ) -> ScoreResult:
+    """The parts scored and written; ``own_cluster``: the cluster closes as the job ends (its replicas go with it)."""
     import dask
     from distributed import as_completed, span
 
@@ -468,8 +524,10 @@ def _run(
             raise
         finally:
             bar.close()
-        # a worker retired as the job ends (adapt scales down the idle ones) freed its replica by leaving
-        client.run(release_scorers, on_error="ignore")
+        # a worker retired as the job ends (adapt scales down the idle ones) freed its replica by leaving; the
+        # workers of the job's own cluster leave with theirs
+        if not own_cluster:
+            client.run(release_scorers, on_error="ignore")
     seconds = time.perf_counter() - t0
     for started in clock.workers(preloads):  # the loads that ran beside the checks count as loads too
         load = max(load, started["load_seconds"])

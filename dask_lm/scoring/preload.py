@@ -91,6 +91,8 @@ class Preload:
             start.result()
         except Exception:  # the start's own error is raised where the job needs the cluster, after the checks
             self.config = None
+        if start.abandoned:  # the job was refused by another check meanwhile: no verdict is waited for
+            return {}
         deadline = time.monotonic() + CONFIG_CHECK_WAIT_S
         while self.config is not None and not self.config.done():
             left = deadline - time.monotonic()

@@ -18,13 +18,14 @@ import logging
 
 from dask_lm.data.messages import ScoreOptions
 from dask_lm.data.rows import prepare_rows
+from dask_lm.errors import BadRowError
 from dask_lm.interface import opt
 from dask_lm.io import modelcheck
 from dask_lm.io import parquet as pio
 from dask_lm.scoring.spans import Span
 from dask_lm.scoring.spec import row_columns
 
-__all__ = ["PRESCAN_MAX_TOKENS", "SHOWN", "bad_rows", "message"]
+__all__ = ["PRESCAN_MAX_TOKENS", "SHOWN", "bad_rows", "message", "refuse_bad_rows"]
 
 logger = logging.getLogger("dask_lm")
 
@@ -40,10 +41,8 @@ def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, voca
         return None
     tokenizer = None
     if not opts.ids_column:
-        try:  # beside the config check's thread: transformers imported under modelcheck's lock
-            tokenizer = modelcheck.transformers_module().AutoTokenizer.from_pretrained(
-                opts.tokenizer, trust_remote_code=False
-            )
+        try:  # the class its config names, without AutoTokenizer's imports (torch): the scan starts in a second
+            tokenizer = modelcheck.load_tokenizer(opts.tokenizer)
         except Exception as e:
             logger.debug("no pre-scan of the rows: the tokenizer does not load in the driver (%s)", e)
             return None
@@ -67,6 +66,13 @@ def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, voca
         )
         errors += [e for e in got.errors if e is not None]
     return errors
+
+
+def refuse_bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, vocab_size: int | None) -> None:
+    """:func:`bad_rows`, as a refusal: :class:`~dask_lm.errors.BadRowError` naming them (:func:`message`)."""
+    bad = bad_rows(inputs, plan, opts, vocab_size)
+    if bad:
+        raise BadRowError(message(bad))
 
 
 def message(errors: list[str]) -> str:

@@ -245,41 +245,49 @@ def sft_parquet(
     ``epochs=1``, ``max_steps=None`` (every epoch's steps), ``global_batch_size=32``, ``micro_batch_size=4``,
     ``lr=1e-5``, ``weight_decay=0.01``, ``warmup_steps=0``, ``max_length=1024``, ``truncate=False``,
     ``save_every=100``, ``keep=2``, ``seed=0``, ``shuffle=True``, ``convention="lm-eval"``."""
-    import transformers
-
     import dask_lm
 
-    # what the call gave, completed on a resume from the manifest, then from the spec's defaults; checked
-    spec = spec_for(SFTSpec, output, resume=resume, given=SFTSpec.given(locals()))
-    out = JobOutput.open(_KIND, list(spec.input), output, resume=resume, overwrite=overwrite)
-    out.settings = spec.manifest_settings()
-    source, info = model_files.resolve_model(spec.model, revision=revision)
-    model = source.path
-    model_files.resolve_tokenizer(
-        None, model, fix="sft trains with the model's own tokenizer: put its files beside the weights"
-    )
-    inputs = pio.inspect_inputs(
-        out.files,
-        text_column=spec.text_column,
-        ids_column=None,
-        prompt_column=spec.prompt_column,
-        response_column=spec.response_column,
-        id_column=None,
-    )
-    if inputs.num_rows == 0:
-        files = out.files
-        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-        raise ValueError(
-            f"the input has no rows: {shown} hold{'s' if len(files) == 1 else ''} 0 rows, nothing to "
-            "train on; check the input path"
-        )
-    manifest, pins = model_files.manifest(source, info, inputs, spec.manifest_options())
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model, trust_remote_code=False)
-    pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
-    # every row trains (a bad one fails the run), so the run's length is known from the footers' row counts
-    planned = math.ceil(inputs.num_rows / spec.global_batch_size) * spec.epochs
-    planned = planned if spec.max_steps is None else min(spec.max_steps, planned)
+    given = SFTSpec.given(locals())
+    # the bar from the first second, saying what the run waits for at each step of its start
+    bar = progress_bars.JobBar.for_job("sft", "step", "checking the output, the model and the inputs", enabled=progress)
     try:
+        # what the call gave, completed on a resume from the manifest, then from the spec's defaults; checked
+        spec = spec_for(SFTSpec, output, resume=resume, given=given)
+        out = JobOutput.open(_KIND, list(spec.input), output, resume=resume, overwrite=overwrite)  # the lock, first
+    except BaseException:
+        bar.close()
+        raise
+    try:
+        out.settings = spec.manifest_settings()
+        source, info = model_files.resolve_model(spec.model, revision=revision)
+        model = source.path
+        model_files.resolve_tokenizer(
+            None, model, fix="sft trains with the model's own tokenizer: put its files beside the weights"
+        )
+        inputs = pio.inspect_inputs(
+            out.files,
+            text_column=spec.text_column,
+            ids_column=None,
+            prompt_column=spec.prompt_column,
+            response_column=spec.response_column,
+            id_column=None,
+        )
+        if inputs.num_rows == 0:
+            files = out.files
+            shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            raise ValueError(
+                f"the input has no rows: {shown} hold{'s' if len(files) == 1 else ''} 0 rows, nothing to "
+                "train on; check the input path"
+            )
+        manifest, pins = model_files.manifest(source, info, inputs, spec.manifest_options())
+        bar.wait("loading the tokenizer (imports torch and transformers)")
+        import transformers  # after the lock and the cheap checks: a second run on the output is refused first
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model, trust_remote_code=False)
+        pad_id = next((v for v in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(v, int)), 0)
+        # every row trains (a bad one fails the run), so the run's length is known from the footers' row counts
+        planned = math.ceil(inputs.num_rows / spec.global_batch_size) * spec.epochs
+        planned = planned if spec.max_steps is None else min(spec.max_steps, planned)
         with progress_bars.quiet(not progress), out.locked() as old:  # no bar at all: the Policy's load has one
             out.pin(manifest, old, pins)
             start = _newest_checkpoint(out.path) if old is not None else None
@@ -287,7 +295,10 @@ def sft_parquet(
                 return _finished(out.path, start)
             out.reopen()
             cluster = ClusterStart(client, scheduler_address=scheduler_address, n_workers=n_workers)
-            with running(cluster, total=planned, desc="sft", unit="step", progress=progress) as (dask_client, bar):
+            with running(cluster, total=planned, desc="sft", unit="step", progress=progress, bar=bar) as (
+                dask_client,
+                bar,
+            ):
                 precision = spec.fixed_precision or worker_precision(dask_client)
                 out.pin_precision(precision)
                 bar.wait("tokenizing the rows")
@@ -375,6 +386,9 @@ def sft_parquet(
                 return done
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the cluster is closed; one line says what is kept
         raise _interrupted(out, e) from None
+    finally:
+        bar.close()
+        out.close()  # the lock released; a run refused before it wrote anything leaves nothing
 
 
 def _interrupted(out: JobOutput, e: BaseException) -> interrupts.JobInterrupted:

@@ -89,6 +89,10 @@ class DaskLMWorkerState(WorkerPlugin):
         worker.metrics["dask_lm_device_mem_gib"] = lambda w: _device_memory_gib(self)
 
     def teardown(self, worker: Any) -> None:
+        from dask_lm.workers.clean_exit import exit_once_closed, owned_by_dask_lm
+
+        if owned_by_dask_lm(worker):  # a local cluster's worker ends at once, not seconds later (clean_exit.py)
+            exit_once_closed()
         if self._reaper is not None:
             self._reaper.stop()
         for policy_id in list(self.policies):
