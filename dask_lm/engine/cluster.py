@@ -6,6 +6,7 @@ installed, else through ``CUDA_VISIBLE_DEVICES`` / ``/proc/driver/nvidia``, neve
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import logging
@@ -13,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -157,11 +159,31 @@ def connect(
             )
     client = Client(lc)
     client._dask_lm_owns_cluster = True  # type: ignore[attr-defined]
+    _close_at_exit(client)
     # `client.close()` (and `with connect() as client:`) then closes this cluster too, as it does for the cluster
     # a bare `Client()` starts: a script that closes its client does not leave worker processes for the
     # interpreter's exit to kill ("Worker process still alive after 4 seconds, killing")
     client._start_arg = None
     return client
+
+
+def _close_at_exit(client: Client) -> None:
+    """At the interpreter's exit, close ``client`` and then the local cluster it owns, if the script did not.
+
+    distributed's own exit hook closes the cluster alone, while the client still holds the script's futures (a
+    PolicyFuture kept in a variable): the scheduler then warns that removing each worker "caused the cluster to lose
+    already computed task(s)", the last lines the script prints. Registered after distributed's hook, this runs
+    before it (``atexit`` is last in, first out). A weak reference: a client closed and dropped earlier is not kept
+    alive by the registration."""
+    ref = weakref.ref(client)
+
+    def close_now() -> None:
+        c = ref()
+        if c is not None and c.status not in ("closed", "closing"):
+            with contextlib.suppress(Exception):
+                close(c)
+
+    atexit.register(close_now)
 
 
 def _import_in_background(name: str) -> None:
