@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import pathlib
-import subprocess
 import sys
-import tempfile
 
 import pytest
+from background_run import BackgroundRun
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-class MypyRun:
+class MypyRun(BackgroundRun):
     """``mypy`` over the package with pyproject.toml's settings, in a process of its own, its output kept in a file
     (a pipe nobody reads while the suite runs would fill and stall it).
 
@@ -23,28 +22,11 @@ class MypyRun:
     is that of a fresh run."""
 
     def __init__(self) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="dask-lm-mypy-")
-        self._out = open(pathlib.Path(self._dir.name) / "mypy.out", "w+")  # noqa: SIM115 (close() closes it)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "mypy"],
-            cwd=ROOT,
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        super().__init__(lambda _scratch: [sys.executable, "-m", "mypy"], cwd=ROOT, prefix="dask-lm-mypy-")
 
     def verdict(self, timeout: float) -> tuple[int, str]:
         """Waits for mypy; its exit status and what it printed."""
-        code = self._proc.wait(timeout=timeout)
-        self._out.seek(0)
-        return code, self._out.read()
-
-    def stop(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self._out.close()
-        self._dir.cleanup()
+        return self.wait(timeout)
 
 
 MYPY_RUN = pytest.StashKey[MypyRun]()

@@ -168,5 +168,4 @@ def _from_pretrained(model_dir: str, dtype: torch.dtype, where: torch.device, sp
             if "accelerate" not in str(e):
                 raise
     model = spec.auto.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False, **given, **spec.kwargs())
-    # transformers wraps PreTrainedModel.to with functools.wraps, whose stub loses the bound self
-    return model.to(where).eval()  # type: ignore[arg-type]
+    return model.to(where).eval()
