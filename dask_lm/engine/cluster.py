@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
 import logging
 import os
 import signal
-import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -105,8 +103,6 @@ def connect(
             raise ValueError(f"scheduler file {address!r} does not exist")
         return Client(address)
     gpus = count_gpus()
-    # transformers and its model registry (the import of transformers.models reads every model's file list: 1-2 s)
-    _import_in_background("transformers.models.auto.configuration_auto")
     use_cuda = cluster == "cuda" or (cluster == "auto" and gpus > 0)
     if n_workers is not None and n_workers < 1:
         raise ValueError(f"{_name('n_workers')} must be >= 1, got {n_workers}")
@@ -184,20 +180,6 @@ def _close_at_exit(client: Client) -> None:
                 close(c)
 
     atexit.register(close_now)
-
-
-def _import_in_background(name: str) -> None:
-    """Import ``name`` in a thread of this process while the local cluster starts: the start waits seconds for the
-    worker processes, and the Policy or job that follows reads the model's config with transformers (1-5 s of
-    imports) as its first step. Whoever imports it meanwhile waits on the module's import lock for this import to
-    finish; a failure here is left for that import to raise."""
-
-    def run() -> None:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
-
-    if name not in sys.modules:
-        threading.Thread(target=run, name=f"dask-lm-import-{name}", daemon=True).start()
 
 
 @contextlib.contextmanager

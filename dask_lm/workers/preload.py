@@ -37,7 +37,7 @@ def dask_setup(worker: Any) -> None:
     logging.getLogger("distributed.worker").addFilter(_OwnFailures(worker))
     from dask_lm.workers import warm
 
-    warm.start()  # imports and the CUDA context in the background, while the cluster comes up (warm.py says why)
+    warm.start(worker)  # imports and the CUDA context in the background, once it has registered (warm.py says why)
 
 
 class _OwnFailures(logging.Filter):

@@ -4,10 +4,14 @@ imported, and the GPU's CUDA context made, in a background thread of the worker 
 Why: a fresh worker process holds none of them, and every first task that needs a model (a Policy's load, a
 scoring replica, a config check) paid for them in its own time: 5-15 s of imports, most of it
 ``transformers.modeling_utils`` and ``transformers.generation`` (the model's own modelling file is a small part),
-then about a second of CUDA initialisation. Started by the worker's preload, the same work runs while the cluster
-is still coming up and while the driver checks its arguments, reads its inputs and parses the model's config: it
-is no longer on the path between ``Policy(...)`` and a loaded model. dask-cuda's ``pre_import`` imports modules too,
-but in the worker's start, which the cluster (``connect()``) then waits for; in a thread, nothing waits.
+then about a second of CUDA initialisation. Started by the worker's preload as soon as the worker has registered,
+the same work runs while the rest of the cluster comes up and while the driver checks its arguments, reads its
+inputs and parses the model's config: it is no longer on the path between ``Policy(...)`` and a loaded model.
+dask-cuda's ``pre_import`` imports modules too, but in the worker's start, which the cluster (``connect()``) then
+waits for; in a thread, nothing waits. (Not before the registration: the importing thread holds the GIL most of
+the time, and the worker's own start, in the same process, would wait for it. The driver imports nothing in the
+background for the same reason: its process runs the local cluster's scheduler, and a thread importing
+transformers during ``connect()`` slowed the cluster's start by as much as it saved, 2.0 -> 3.3 s on two cores.)
 
 A task that needs what the warm-up makes calls :func:`wait` first: it does not import the same modules beside it
 (two threads importing one package's modules in different orders can deadlock on Python's per-module import
@@ -52,19 +56,21 @@ _STARTED = False
 _REPORT: dict[str, Any] = {}
 
 
-def start() -> bool:
-    """Start the warm-up thread (once a process); whether it was started."""
+def start(worker: Any = None) -> bool:
+    """Start the warm-up thread (once a process); whether it was started. With the Dask ``worker`` whose preload
+    starts it, the imports begin once that worker has registered with the scheduler: a thread importing torch holds
+    the GIL most of the time, and the worker's registration, which the cluster's start waits for, would wait too."""
     global _STARTED
     if _STARTED or os.environ.get("DASK_LM_WARM_WORKERS", "1") == "0":
         return False
     _STARTED = True
-    threading.Thread(target=_warm, name="dask-lm-warm-up", daemon=True).start()
+    threading.Thread(target=_warm, args=(worker,), name="dask-lm-warm-up", daemon=True).start()
     return True
 
 
 def dask_setup(worker: Any) -> None:
     """A Dask preload of its own, for workers started by hand: ``dask worker --preload dask_lm.workers.warm``."""
-    start()
+    start(worker)
 
 
 def wait(timeout: float | None = None, *, until: str | None = None) -> None:
@@ -85,7 +91,19 @@ def report() -> dict[str, Any]:
     return dict(_REPORT)
 
 
-def _warm() -> None:
+def _registered(worker: Any, timeout: float = 60.0) -> None:
+    """Until ``worker`` runs (registered with its scheduler), or ``timeout`` seconds, or it stopped starting."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = str(getattr(getattr(worker, "status", None), "name", ""))
+        if status not in ("undefined", "created", "init", "starting"):  # running; or closing, failed: not starting
+            return
+        time.sleep(0.02)
+
+
+def _warm(worker: Any = None) -> None:
+    if worker is not None:
+        _registered(worker)
     steps: dict[str, float] = {}
     _REPORT.update(began_at=time.time(), steps=steps)
     try:
