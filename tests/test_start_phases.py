@@ -12,19 +12,19 @@ import dask_lm
 from dask_lm.workers import warm
 
 
-def _warm_state():
-    from dask_lm.workers import warm
-
-    warm.wait(timeout=600)
-    return {"report": warm.report(), "modules": sorted(m for m in warm.MODULES if m in sys.modules)}
-
-
 @pytest.mark.cluster
 def test_the_workers_of_connect_import_torch_and_transformers_in_the_background(client):
     """Each worker process of a ``connect()`` cluster imported what a rank needs in its own thread, from its
     preload: by the end of the warm-up every module of the list is in ``sys.modules``, and the report names each
     step, in order, with no error."""
-    got = client.run(_warm_state)
+
+    def warm_state():  # a local function: sent by value, so the worker imports nothing of this test module
+        from dask_lm.workers import warm
+
+        warm.wait(timeout=600)
+        return {"report": warm.report(), "modules": sorted(m for m in warm.MODULES if m in sys.modules)}
+
+    got = client.run(warm_state)
     assert len(got) == 2
     for state in got.values():
         report = state["report"]

@@ -91,6 +91,17 @@ def report() -> dict[str, Any]:
     return dict(_REPORT)
 
 
+def _import(name: str) -> None:
+    """``name`` imported; once more after a moment where the first try failed: a task of the worker importing the
+    same package in its own thread can, under Python's per-module import locks, leave this thread a module that was
+    still half-initialised (a second import finds it whole)."""
+    try:
+        importlib.import_module(name)
+    except (ImportError, AttributeError):
+        time.sleep(0.5)
+        importlib.import_module(name)
+
+
 def _registered(worker: Any, timeout: float = 60.0) -> None:
     """Until ``worker`` runs (registered with its scheduler), or ``timeout`` seconds, or it stopped starting."""
     deadline = time.monotonic() + timeout
@@ -109,7 +120,7 @@ def _warm(worker: Any = None) -> None:
     try:
         for name in MODULES:
             t0 = time.perf_counter()
-            importlib.import_module(name)
+            _import(name)
             steps[f"import {name}"] = time.perf_counter() - t0
             with _IMPORTED:
                 _IMPORTED.notify_all()
