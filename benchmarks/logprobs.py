@@ -153,9 +153,8 @@ def run_processes(
 
     import pyarrow.parquet as pq
     from score import max_rel_diff, write_dataset
-    from score_processes import _last_json, timed_process, user_process
+    from score_processes import policy_process, timed_process, user_process
 
-    here = os.path.dirname(os.path.abspath(__file__))
     data = write_dataset(root, ids, lens, 4, None)
     # one throw-away process first: both find torch's and transformers' files in the page cache alike
     timed_process(
@@ -168,31 +167,17 @@ def run_processes(
     )
     user = user_process(model_dir, data, os.path.join(root, "user.parquet"), hf_budget)
     out = os.path.join(root, "policy.parquet")
-    cmd = [
-        sys.executable,
-        os.path.join(here, "policy_logprobs.py"),
-        model_dir,
-        data,
-        out,
-        "--ids-column",
-        "ids",
-        "--id-column",
-        "id",
-        "--n-workers",
-        str(n_workers),
-    ]
-    started, wall, stdout = timed_process(cmd, "policy_logprobs.py")
-    info = _last_json(stdout)
+    policy = policy_process(model_dir, data, out, n_workers)
     t = pq.read_table(out, columns=["id", "sum_logprob"]).to_pydict()
     res = {
         "user_seconds": user["seconds"],
         "user_first_result_seconds": user["first_row_seconds"],
         "user_phases_at": user["phases_at"],
-        "policy_seconds": wall,
-        "policy_first_result_seconds": info["first_result_at"] - started,
-        "policy_phases_at": info["phases_at"],
-        "policy_start_phases": info.get("start_phases"),
-        "ratio": user["seconds"] / wall,
+        "policy_seconds": policy["seconds"],
+        "policy_first_result_seconds": policy["first_result_seconds"],
+        "policy_phases_at": policy["phases_at"],
+        "policy_start_phases": policy["start_phases"],
+        "ratio": user["seconds"] / policy["seconds"],
         "max_rel_sum_diff": max_rel_diff(dict(zip(t["id"], t["sum_logprob"])), user["sums"]),
     }
     for who in ("user", "policy"):
@@ -202,7 +187,7 @@ def run_processes(
             flush=True,
         )
     print(
-        f"whole processes: user script {res['user_seconds']:.2f}s, Policy script {wall:.2f}s: "
+        f"whole processes: user script {res['user_seconds']:.2f}s, Policy script {policy['seconds']:.2f}s: "
         f"**{res['ratio']:.2f}x**; sums agree to {res['max_rel_sum_diff']:.2g} (relative)",
         flush=True,
     )

@@ -100,3 +100,17 @@ def cli_process(model_dir: str, data: str, out: str, extra: list[str]) -> dict[s
         "sums": sums,
         "command": " ".join(cmd[1:]),
     }
+
+
+def policy_process(model_dir: str, data: str, out: str, n_workers: int = 1) -> dict[str, Any]:
+    """A Policy user's batch job (``policy_logprobs.py``) as a whole process: wall time, the phases it reports, when
+    its first result came, ``Policy.start_phases`` (None for a tree that has none)."""
+    cmd = [sys.executable, os.path.join(HERE, "policy_logprobs.py"), model_dir, data, out]
+    started, wall, stdout = timed_process(cmd + ["--n-workers", str(n_workers)], "policy_logprobs.py")
+    info = _last_json(stdout)
+    return {
+        "seconds": wall,
+        "phases_at": info["phases_at"],
+        "first_result_seconds": info["first_result_at"] - started,
+        "start_phases": info.get("start_phases"),
+    }

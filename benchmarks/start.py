@@ -80,20 +80,6 @@ def _with_tree(tree: str | None, fn: Any, *args: Any) -> Any:
         os.environ.update(saved)
 
 
-def policy_process(model_dir: str, data: str, out: str) -> dict[str, Any]:
-    from score_processes import _last_json, timed_process
-
-    cmd = [sys.executable, os.path.join(HERE, "policy_logprobs.py"), model_dir, data, out, "--n-workers", "1"]
-    started, wall, stdout = timed_process(cmd, "policy_logprobs.py")
-    info = _last_json(stdout)
-    return {
-        "seconds": wall,
-        "phases_at": info["phases_at"],
-        "first_result_seconds": info["first_result_at"] - started,
-        "start_phases": info.get("start_phases"),
-    }
-
-
 def compile_probe(model_dir: str, cache: str) -> dict[str, Any]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
     p = subprocess.run([sys.executable, "-c", _COMPILE_PROBE, model_dir], capture_output=True, text=True, env=env)
@@ -117,7 +103,7 @@ def _median(runs: list[dict[str, Any]], key: str) -> float:
 def main(shape: str, num_rows: int, repeats: int, base_tree: str | None, score: bool, probe: bool) -> None:
     import transformers
     from score import write_dataset
-    from score_processes import cli_process, timed_process, user_process
+    from score_processes import cli_process, policy_process, timed_process, user_process
 
     root = tempfile.mkdtemp(prefix="dask-lm-start-")
     model_dir = build_model(shape, root, 2048)
