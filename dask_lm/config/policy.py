@@ -266,7 +266,8 @@ class PolicyConfig(Section):
     """Compile the decoder layers and the output head's reductions (``torch.compile``, dynamic shapes) for the
     logprob / top-k / score forwards; training and generation stay eager. null (auto): on GPU ranks (FSDP-sharded
     ones included), off on the CPU. false: off; true: also on the CPU (Inductor's C++ backend, which takes tens of
-    seconds to compile)."""
+    seconds to compile). A rank without peers compiles in the background from the moment its model is built, and
+    runs calls eagerly until it is done (``DASK_LM_COMPILE_AHEAD=0``: the first call compiles instead)."""
     train_compile: bool | None = None
     """Compile the decoder layers for training forwards (``torch.compile``, dynamic shapes; AOTAutograd compiles
     their backward with them). null (auto): on GPU ranks (FSDP-sharded ones included: FSDP's hooks run eagerly

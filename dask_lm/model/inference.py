@@ -130,7 +130,7 @@ def forward_rows(
 class PassRunner(Protocol):
     """What :func:`run_pass` needs of a rank (:class:`~dask_lm.workers.rank_model.RankModel`)."""
 
-    compile: bool
+    def compiled_now(self) -> bool: ...
 
     def plan_pass(self, data: Any, plan: MicroBatchPlan, micro_batch_size: int | None) -> list[MicroBatch]: ...
 
@@ -182,7 +182,7 @@ def run_pass(
                 hidden, layout = worker.inference_forward(data, mb)
             if mb.dummy or layout is None:
                 continue
-            with record_function("dask_lm.head"), fused.use_compiled(worker.compile):
+            with record_function("dask_lm.head"), fused.use_compiled(worker.compiled_now()):
                 values = compute(hidden, layout)
             with record_function("dask_lm.to_host"):
                 host = tuple(v.to("cpu", non_blocking=True) for v in values)

@@ -18,6 +18,7 @@ cast to the compute dtype (the masters). The trainer steps the masters; :meth:`R
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from dask_lm.model.inference import ForwardLayout, forward_rows, run_pass
 from dask_lm.model.load import load_pretrained
 from dask_lm.model.logprobs import next_token_logprobs, output_head, policy_logprob_options, topk_logits
 from dask_lm.model.weights import local_tensor
+from dask_lm.workers.compile_ahead import CompileAhead
 from dask_lm.workers.optim import MasterWeights
 from dask_lm.workers.state import record_call
 
@@ -144,6 +146,10 @@ class RankModel:
         if weights_path:
             self.load_weights(weights_path)
             mark("weights_path")
+        # a rank without peers compiles its inference forward in the background; calls run eagerly meanwhile
+        self.compile_ahead: CompileAhead | None = None
+        if self.compile and not self.fsdp and os.environ.get("DASK_LM_COMPILE_AHEAD", "1") != "0":
+            self.compile_ahead = CompileAhead.start(self)
 
     # ----------------------------------------------------------------------------------------- build
     def _build_model(self, skip_weight_load: bool) -> torch.nn.Module:
@@ -253,10 +259,12 @@ class RankModel:
 
     def to_host(self) -> None:
         """The weights to host memory (``offload_to_cpu`` / ``finish_inference``); the next pass brings them back."""
+        self._settle_compile()
         self.model.to("cpu")
 
     def close(self) -> None:
         """Policy shutdown: drop the model, the masters and the reference, so their memory can go."""
+        self._settle_compile()
         self.reference = None
         self.masters = None
         self.model = None  # type: ignore[assignment]
@@ -295,12 +303,33 @@ class RankModel:
             self.model, rows, packed=mb.packed, varlen_ok=self.varlen, where=self.device, mask_dtype=additive
         )
 
+    def _settle_compile(self) -> None:
+        # the background compile reads the weights: whatever moves or drops them waits for it first
+        if self.compile_ahead is not None:
+            self.compile_ahead.wait()
+
+    def compiled_now(self) -> bool:
+        """Whether the next inference micro-batch runs compiled: ``self.compile``, once a background compile
+        (:mod:`~dask_lm.workers.compile_ahead`) is done; eager while it runs."""
+        ahead = self.compile_ahead
+        if ahead is not None:
+            if not ahead.done():
+                return False
+            if isinstance(ahead.failed, fused.compile_errors()):
+                self.compile = False  # it warned; the call would fail the same way
+            self.compile_ahead = None
+        return self.compile
+
     def inference_forward(self, rows: TokenRows, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]:
         """:meth:`forward_micro_batch` for logprobs / top-k / scores: through the compiled layers when
-        ``self.compile``. A compilation that fails (no C compiler, an op Inductor cannot lower) turns compilation
-        off for this rank with a warning and runs the micro-batch eagerly; errors of the forward itself propagate."""
+        :meth:`compiled_now`. A compilation that fails (no C compiler, an op Inductor cannot lower) turns
+        compilation off for this rank with a warning and runs the micro-batch eagerly; errors of the forward itself
+        propagate."""
         part = rows.slice(mb.start, mb.end)  # views: a micro-batch is contiguous rows
-        out, self.compile = fused.call(self.compile, lambda: self.forward_micro_batch(part, mb), "this rank's decoder")
+        compiled = self.compiled_now()
+        out, still = fused.call(compiled, lambda: self.forward_micro_batch(part, mb), "this rank's decoder")
+        if compiled:
+            self.compile = still
         return out
 
     def training_forward(self, data: BatchedDataDict, mb: MicroBatch) -> tuple[torch.Tensor, ForwardLayout | None]:
@@ -348,14 +377,18 @@ class RankModel:
         out = torch.zeros(rows.size, rows.width, dtype=torch.float32)
 
         def compute(hidden: torch.Tensor, layout: ForwardLayout) -> tuple[torch.Tensor, ...]:
-            options = policy_logprob_options(self.cfg, self.temperature, layout.scored, reference=reference)
-            return (next_token_logprobs(hidden, layout.ids, layout.targets_valid, output_head(self.model), **options),)
+            return (self.logprob_head(hidden, layout, reference=reference),)
 
         start = time.perf_counter()
         with self._reference_weights() if reference else contextlib.nullcontext():
             run_pass(self, rows, plan, micro_batch_size, compute, (out,))
         record_call(rows.num_tokens, start)
         return {"reference_logprobs" if reference else "logprobs": out}
+
+    def logprob_head(self, hidden: torch.Tensor, layout: ForwardLayout, *, reference: bool = False) -> torch.Tensor:
+        """The next-token logprobs of one micro-batch's final hidden states (``get_logprobs``' head)."""
+        options = policy_logprob_options(self.cfg, self.temperature, layout.scored, reference=reference)
+        return next_token_logprobs(hidden, layout.ids, layout.targets_valid, output_head(self.model), **options)
 
     @torch.no_grad()
     def get_topk_logits(
