@@ -231,10 +231,19 @@ def device_info() -> dict[str, Any]:
     return info
 
 
-def pin(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``t``: page-locked on GPU machines so copies back to the device can be asynchronous."""
-    host = t.detach().to("cpu", copy=True)
-    return host.pin_memory() if is_cuda() else host
+def pin(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies of ``tensors``: page-locked on GPU machines so copies back to the device can be asynchronous.
+    Each is copied once, straight into its page-locked buffer, the copies queued on the stream and waited for once
+    (a copy into pageable memory and then into page-locked memory took twice the bytes and a wait per tensor: 1 s
+    for a 0.5B model's bf16 weights on an H100)."""
+    if not is_cuda():
+        return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+    out = {}
+    for n, t in tensors.items():
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out[n] = host.copy_(t.detach(), non_blocking=True)
+    synchronize()
+    return out
 
 
 def upload(t: torch.Tensor, where: torch.device) -> torch.Tensor:

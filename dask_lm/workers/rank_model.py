@@ -141,7 +141,7 @@ class RankModel:
         # the compute dtype (what the forward sees), as each rank's own shard in pinned host memory
         self.reference: dict[str, torch.Tensor] | None = None
         if keep_reference:
-            self.reference = {n: device.pin(local_tensor(p).to(self.dtype)) for n, p in self.model.named_parameters()}
+            self.reference = device.pin({n: local_tensor(p).to(self.dtype) for n, p in self.model.named_parameters()})
             mark("reference")
         if weights_path:
             self.load_weights(weights_path)
@@ -446,7 +446,7 @@ class RankModel:
                 "get_reference_policy_logprobs"
             )
         params = dict(self.model.named_parameters())
-        current = {n: device.pin(local_tensor(p)) for n, p in params.items()}
+        current = device.pin({n: local_tensor(p) for n, p in params.items()})
         with torch.no_grad():
             for n, p in params.items():
                 local_tensor(p).copy_(self.reference[n], non_blocking=True)
