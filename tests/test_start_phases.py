@@ -113,3 +113,35 @@ def test_a_task_can_wait_for_one_module_of_the_warm_up(monkeypatch):
     warm.wait(timeout=60)
     assert warm._DONE.is_set() and imported == ["json", "email"]
     assert list(warm.report()["steps"])[:2] == ["import json", "import email"]
+
+
+def test_a_policy_load_waits_for_the_device_not_for_the_compiler_imports(monkeypatch):
+    """``wait(until="device")`` (what a rank's load waits for) returns once the modules and the CUDA context are
+    ready, while the compiler's imports, which only the background compile needs, still run."""
+    import threading
+
+    from dask_lm.model import device
+
+    gate = threading.Event()
+
+    def import_module(name):
+        if name == "email":  # the compiler's import holds the warm-up until the test lets it go on
+            assert gate.wait(60)
+        return __import__(name)
+
+    monkeypatch.setenv("DASK_LM_WARM_WORKERS", "1")
+    monkeypatch.setattr(warm, "MODULES", ("json",))
+    monkeypatch.setattr(warm, "COMPILER_MODULES", ("email",))
+    monkeypatch.setattr(device, "compile_capable", lambda: True)
+    monkeypatch.setattr(warm.importlib, "import_module", import_module)
+    monkeypatch.setattr(warm, "_STARTED", False)
+    monkeypatch.setattr(warm, "_DONE", threading.Event())
+    monkeypatch.setattr(warm, "_REPORT", {})
+    assert warm.start()
+    try:
+        warm.wait(timeout=60, until="device")
+        assert "device" in warm.report()["steps"] and not warm._DONE.is_set()  # "email" is still held
+    finally:
+        gate.set()
+    warm.wait(timeout=60)
+    assert "import email" in warm.report()["steps"]

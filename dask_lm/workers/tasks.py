@@ -80,7 +80,10 @@ def init_policy(
     from dask_lm.workers import warm
 
     began = time.time()
-    warm.wait()  # the worker's warm-up imports what a rank needs: wait for it rather than import beside it
+    # the worker's warm-up imports what a rank needs and makes the CUDA context: wait for that rather than do it
+    # beside it. Its last step, the compiler's imports, runs on beside the model's load (the load needs none of it;
+    # the rank's background compile, which does, starts after the load)
+    warm.wait(until="device")
     waited = time.time() - began
     from dask_lm.config import PolicyConfig
     from dask_lm.config.optim import resolve_class

@@ -74,16 +74,18 @@ def dask_setup(worker: Any) -> None:
 
 
 def wait(timeout: float | None = None, *, until: str | None = None) -> None:
-    """Return once the warm-up has ended, or with ``until`` (a module of :data:`MODULES`) once that module has been
-    imported; at once where no warm-up was started."""
+    """Return once the warm-up has ended; with ``until``, once that step has: a module of :data:`MODULES` imported,
+    or ``"device"`` (every module of :data:`MODULES` and the CUDA context; the compiler's imports may still run).
+    At once where no warm-up was started."""
     if not _STARTED:
         return
     if until is None:
         _DONE.wait(timeout)
         return
-    assert until in MODULES, until
+    assert until in MODULES or until == "device", until
+    step = "device" if until == "device" else f"import {until}"
     with _IMPORTED:
-        _IMPORTED.wait_for(lambda: f"import {until}" in _REPORT.get("steps", {}) or _DONE.is_set(), timeout)
+        _IMPORTED.wait_for(lambda: step in _REPORT.get("steps", {}) or _DONE.is_set(), timeout)
 
 
 def report() -> dict[str, Any]:
@@ -129,6 +131,8 @@ def _warm(worker: Any = None) -> None:
         t0 = time.perf_counter()
         device.initialise()
         steps["device"] = time.perf_counter() - t0
+        with _IMPORTED:
+            _IMPORTED.notify_all()
         if device.compile_capable():
             for name in COMPILER_MODULES:
                 t0 = time.perf_counter()
