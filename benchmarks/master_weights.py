@@ -89,14 +89,13 @@ def _arm(
 ) -> dict[str, Any]:
     from dask_lm.losses import NLLLoss
     from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.workers.rank_model import RankPlace
 
     fsdp = name == "fsdp"
     torch.manual_seed(0)
     worker = PolicyWorker(
         cfg,
-        rank=0,
-        world_size=1,
-        group=_one_member_group(dev) if fsdp else None,
+        RankPlace(0, 1, _one_member_group(dev) if fsdp else None),
         pad_token_id=0,
         init_optimizer=True,
         init_reference_model=False,

@@ -40,6 +40,7 @@ def _worker(shape: str, root: str, mode: str, mb_tokens: int, compile_: bool | N
 
     from dask_lm.config import PolicyConfig
     from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.workers.rank_model import RankPlace
 
     path = os.path.join(root, shape)
     transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, pad_token_id=0).save_pretrained(path)
@@ -64,9 +65,7 @@ def _worker(shape: str, root: str, mode: str, mb_tokens: int, compile_: bool | N
     torch.manual_seed(0)
     return cfg, PolicyWorker(
         cfg,
-        rank=0,
-        world_size=1,
-        group=None,
+        RankPlace(0, 1),
         pad_token_id=0,
         init_optimizer=True,
         init_reference_model=False,

@@ -43,10 +43,11 @@ from dask_lm.config import PolicyConfig
 from dask_lm.data.messages import MicroBatchPlan
 from dask_lm.data.tokens import TokenRows
 from dask_lm.workers.policy_worker import PolicyWorker
+from dask_lm.workers.rank_model import RankPlace
 from torch._dynamo.utils import counters
 cfg = PolicyConfig.from_dict({"model_name": sys.argv[1], "precision": "bfloat16", "max_total_sequence_length": 2048})
 s = t()
-w = PolicyWorker(cfg, rank=0, world_size=1, group=None, pad_token_id=0,
+w = PolicyWorker(cfg, RankPlace(0, 1), pad_token_id=0,
                  init_optimizer=False, init_reference_model=False)
 torch.cuda.synchronize()
 out = {"build": t() - s}

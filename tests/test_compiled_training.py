@@ -11,6 +11,7 @@ import dask_lm
 from dask_lm.config import PolicyConfig
 from dask_lm.data.messages import MicroBatchPlan
 from dask_lm.workers.policy_worker import PolicyWorker
+from dask_lm.workers.rank_model import RankPlace
 
 
 def _step(model_dir: str, batch: dask_lm.BatchedDataDict, compile_: bool, packed: bool) -> tuple[float, dict]:
@@ -26,9 +27,7 @@ def _step(model_dir: str, batch: dask_lm.BatchedDataDict, compile_: bool, packed
     if packed:
         cfg["sequence_packing"] = {"enabled": True, "train_mb_tokens": 64}
     cfg = PolicyConfig.from_dict(cfg)
-    worker = PolicyWorker(
-        cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=True, init_reference_model=False
-    )
+    worker = PolicyWorker(cfg, RankPlace(0, 1), pad_token_id=0, init_optimizer=True, init_reference_model=False)
     model = worker.rank_model
     assert model.train_compile is compile_ and not model.compile  # inference stays eager on the CPU
     args = {"batch_size": 4}

@@ -21,9 +21,10 @@ from dask_lm.config import PolicyConfig
 from dask_lm.data.messages import MicroBatchPlan
 from dask_lm.data.tokens import TokenRows
 from dask_lm.workers.policy_worker import PolicyWorker
+from dask_lm.workers.rank_model import RankPlace
 from torch._dynamo.utils import counters
 cfg = PolicyConfig.from_dict({"model_name": sys.argv[1], "precision": "bfloat16", "max_total_sequence_length": 256})
-w = PolicyWorker(cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=False,
+w = PolicyWorker(cfg, RankPlace(0, 1), pad_token_id=0, init_optimizer=False,
                  init_reference_model=False)
 if w.rank_model.compile_ahead is not None:  # the background compile's graphs counted with the call's
     w.rank_model.compile_ahead.wait()

@@ -111,7 +111,7 @@ _MEASURE = """
 import json, resource, sys
 import transformers
 from dask_lm.data.messages import ScoreOptions
-from dask_lm.data.rows import prepare_rows
+from dask_lm.data.rows import RowModel, prepare_rows
 from dask_lm.io import parquet as pio
 
 path, tokenizer = sys.argv[1], sys.argv[2]
@@ -119,7 +119,7 @@ tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 part = pio.read_partition(path, 0, 0, 3, ["id", "text"])
 opts = ScoreOptions(model="m", tokenizer=tokenizer, precision="float32", output="", text_column="text")
-got = prepare_rows(part, opts, tokenizer=tok, vocab_size=len(tok), max_positions=4096, file=path, first_row=0)
+got = prepare_rows(part, opts, RowModel(tok, len(tok), 4096), file=path, first_row=0)
 grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
 print(json.dumps({"grown_kib": grown, "errors": got.errors, "ids": [i is not None for i in got.ids]}))
 """

@@ -395,14 +395,14 @@ def test_values_of_a_pandas_object_column_are_checked_one_by_one():
     import pandas as pd
 
     from dask_lm.data.messages import ScoreOptions
-    from dask_lm.data.rows import prepare_rows
+    from dask_lm.data.rows import RowModel, prepare_rows
 
     opts = ScoreOptions(
         model="-", tokenizer="-", precision="float32", output="-", ids_column="ids", max_length=4, truncate=True
     )
     values = [[1, 2, 3], pd.NA, [1, None, 2], "abc", [1.5, 2], [], list(range(1, 8))]
     pdf = pd.DataFrame({"ids": pd.Series(values, dtype=object)})
-    rows = prepare_rows(pdf, opts, tokenizer=None, vocab_size=10, max_positions=64, file="f.parquet", first_row=100)
+    rows = prepare_rows(pdf, opts, RowModel(None, 10, 64), file="f.parquet", first_row=100)
     assert rows.errors == [
         None,
         "f.parquet: row 101, column 'ids': expected a list of token ids, got null",
@@ -421,7 +421,7 @@ def test_ids_mode_prompt_lengths_set_the_first_scored_id_and_are_checked():
     import pandas as pd
 
     from dask_lm.data.messages import ScoreOptions
-    from dask_lm.data.rows import prepare_rows
+    from dask_lm.data.rows import RowModel, prepare_rows
 
     opts = ScoreOptions(
         model="-",
@@ -436,7 +436,7 @@ def test_ids_mode_prompt_lengths_set_the_first_scored_id_and_are_checked():
     ids = [[1, 2, 3, 4], [1, 2, 3], [1, 2], [1, 2], [1, 2], list(range(1, 9)), list(range(1, 9))]
     plen = [2, 0, 3, None, 1.5, 6, 2]
     pdf = pd.DataFrame({"ids": pd.Series(ids, dtype=object), "plen": pd.Series(plen, dtype=object)})
-    rows = prepare_rows(pdf, opts, tokenizer=None, vocab_size=10, max_positions=64, file="f.parquet", first_row=0)
+    rows = prepare_rows(pdf, opts, RowModel(None, 10, 64), file="f.parquet", first_row=0)
     assert rows.errors[:2] == [None, None] and rows.start[:2] == [2, 1]  # position 0 has no context: from 1
     assert rows.errors[2] == (
         "f.parquet: row 2, column 'plen': prompt length 3 is outside [0, 2] (the row has 2 "

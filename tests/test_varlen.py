@@ -134,6 +134,7 @@ def test_packed_training_with_activation_checkpointing_recomputes_through_varlen
     import dask_lm
     from dask_lm.config import PolicyConfig
     from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.workers.rank_model import RankPlace
 
     monkeypatch.setattr(varlen, "_varlen_attn", lambda: _reference_varlen)
     monkeypatch.setattr(varlen, "available", lambda dtype: True)
@@ -166,9 +167,7 @@ def test_packed_training_with_activation_checkpointing_recomputes_through_varlen
                 "optimizer": {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
             }
         )
-        worker = PolicyWorker(
-            cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=True, init_reference_model=False
-        )
+        worker = PolicyWorker(cfg, RankPlace(0, 1), pad_token_id=0, init_optimizer=True, init_reference_model=False)
         assert worker.rank_model.varlen and worker.model.is_gradient_checkpointing == checkpointing
         worker.trainer.train(shards[0], plan, dask_lm.NLLLoss(), eval_mode=False, gbs=4, mbs=2, num_global_batches=1)
         weights.append({n: p.detach().clone() for n, p in worker.model.named_parameters()})

@@ -21,7 +21,18 @@ from dask_lm.data.text_bytes import TextBound, text_bound
 from dask_lm.errors import BadRowError
 from dask_lm.interface import opt
 
-__all__ = ["BadRowError", "PreparedRows", "position_limit", "prepare_rows", "tokenize_rows"]
+__all__ = ["BadRowError", "PreparedRows", "RowModel", "position_limit", "prepare_rows", "tokenize_rows"]
+
+
+@dataclass(frozen=True)
+class RowModel:
+    """What a model asks of the rows given to it: ``tokenizer`` makes text rows token ids (``None``: it has none
+    that loads, so only token-id rows), every id is below ``vocab_size``, and no row is longer than
+    ``max_positions`` (``None``: the model states no limit)."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_positions: int | None
 
 
 @dataclass
@@ -250,21 +261,20 @@ def tokenize_rows(
 def prepare_rows(
     pdf: Any,
     opts: ScoreOptions,
+    model: RowModel,
     *,
-    tokenizer: Any,
-    vocab_size: int,
-    max_positions: int | None,
     file: str,
     first_row: int,
 ) -> PreparedRows:
     """Read, tokenize and check every row of ``pdf`` (rows ``first_row ...`` of ``file``) for ``opts``
-    (a :class:`~dask_lm.data.messages.ScoreOptions`)."""
+    (a :class:`~dask_lm.data.messages.ScoreOptions`) and the ``model`` that will score them."""
+    tokenizer, vocab_size = model.tokenizer, model.vocab_size
     n = len(pdf)
     errors: list[str | None] = [None] * n
     start = [1] * n
     ids: list[list[int] | None]
     prompt_len: list[int] | None = None
-    limit, limit_why = position_limit(max_positions, opts.max_length)
+    limit, limit_why = position_limit(model.max_positions, opts.max_length)
     if opts.ids_column is not None:
         ids = _token_lists(pdf, opts.ids_column, file, first_row, errors)
         if opts.prompt_length_column is not None:

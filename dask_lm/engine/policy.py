@@ -47,7 +47,7 @@ from dask_lm.engine.metrics import FLOPTracker
 from dask_lm.engine.posting import PostingMixin
 from dask_lm.engine.shutdown import shutdown_quietly
 from dask_lm.engine.start_phases import PolicyStartClock
-from dask_lm.engine.training import TrainingMixin
+from dask_lm.engine.training import TrainingMixin, submit_train
 from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.io import hub, modelcheck
@@ -575,7 +575,7 @@ SUBMIT: Mapping[str, Submittable] = types.MappingProxyType(
         "get_topk_logits": Submittable(Policy._submit_get_topk_logits, JoinRows),
         "score": Submittable(Policy._submit_score, JoinRows),
         "generate": Submittable(Policy._submit_generate, JoinGenerated),
-        "train": Submittable(Policy._submit_train, ReduceTrain),
+        "train": Submittable(submit_train, ReduceTrain),
     }
 )
 SUBMITTABLE = tuple(SUBMIT)

@@ -8,7 +8,9 @@ preference losses, checkpoint paths. The ranks then run :mod:`dask_lm.workers.tr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import itertools
 import os
 import time
@@ -35,7 +37,32 @@ from dask_lm.engine.policy_base import PolicyBase
 from dask_lm.io import checkpoint as ckpt
 from dask_lm.losses.base import loss_attribute
 
-__all__ = ["TrainingMixin"]
+__all__ = ["TrainCall", "TrainingMixin", "submit_train"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainCall:
+    """One ``train`` call, its arguments as the user gave them (``train``'s parameters, in its order): what
+    ``Policy.submit("train", ...)`` checks, shards and posts, handed on as one value."""
+
+    data: Any
+    loss_fn: Any
+    eval_mode: bool = False
+    gbs: int | None = None  # None: the config's train_global_batch_size
+    mbs: int | None = None  # None: the config's train_micro_batch_size
+    timer: Any = None
+    check_dim_skip_keys: Any = None
+
+
+def submit_train(self: TrainingMixin, /, *args: Any, **kwargs: Any) -> Pending:
+    """``Policy.submit("train", ...)``'s entry: ``train``'s arguments made one :class:`TrainCall`, then posted."""
+    return self._submit_train(TrainCall(*args, **kwargs))
+
+
+# the entry takes what TrainCall takes and says so to inspect (tests/test_submit_table.py holds it to train's)
+submit_train.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY), *inspect.signature(TrainCall).parameters.values()]
+)
 
 
 def _checkpoint_options(checkpointing_cfg: Any) -> tuple[bool, int]:
@@ -82,12 +109,12 @@ class TrainingMixin(PolicyBase):
         ).result()
         return out
 
-    def _train_sizes(self, loss_fn: Any, eval_mode: bool, gbs: int | None, mbs: int | None) -> tuple[int, int]:
+    def _train_sizes(self, call: TrainCall) -> tuple[int, int]:
         """``(gbs, mbs)`` after the checks that need no data."""
-        cfg = self.cfg
+        cfg, loss_fn, eval_mode = self.cfg, call.loss_fn, call.eval_mode
         dp = self.data_parallel_size
-        gbs = int(gbs or cfg.train_global_batch_size)
-        mbs = int(mbs or cfg.train_micro_batch_size)
+        gbs = int(call.gbs or cfg.train_global_batch_size)
+        mbs = int(call.mbs or cfg.train_micro_batch_size)
         if gbs < 1 or mbs < 1:
             raise ValueError(f"train: gbs and mbs must be >= 1, got gbs={gbs}, mbs={mbs}")
         if cfg.reward_model_cfg.enabled:
@@ -122,21 +149,16 @@ class TrainingMixin(PolicyBase):
             )
         return rows // gbs
 
-    def _submit_train(
-        self,
-        data: Any,
-        loss_fn: Any,
-        eval_mode: bool = False,
-        gbs: int | None = None,
-        mbs: int | None = None,
-        timer: Any = None,
-        check_dim_skip_keys: Any = None,
-    ) -> Pending:
-        cfg = self.cfg
-        gbs, mbs = self._train_sizes(loss_fn, eval_mode, gbs, mbs)
+    def _submit_train(self, call: TrainCall) -> Pending:
+        cfg, data = self.cfg, call.data
+        gbs, mbs = self._train_sizes(call)
         start = time.perf_counter()
         # rows that stay on the workers are checked there and planned here from their lengths
-        remote = RemoteRows(self, data, call="train", train=(loss_fn, check_dim_skip_keys)) if is_remote(data) else None
+        remote = (
+            RemoteRows(self, data, call="train", train=(call.loss_fn, call.check_dim_skip_keys))
+            if is_remote(data)
+            else None
+        )
         if remote is None:
             data = validate_input_batch(
                 data,
@@ -146,43 +168,40 @@ class TrainingMixin(PolicyBase):
                 pad_token_id=self.pad_token_id,
             )
             data = validate_train_batch(
-                data, loss_fn, check_dim_skip_keys=check_dim_skip_keys, vocab_size=self.vocab_size
+                data, call.loss_fn, check_dim_skip_keys=call.check_dim_skip_keys, vocab_size=self.vocab_size
             )
         rows = data.size if remote is None else remote.rows
         num_global_batches = self._global_batches(rows, gbs)
-        with timed(timer, "policy_training/sharding_data"):
+        with timed(call.timer, "policy_training/sharding_data"):
             shards, _order, packed = self._shard(data if remote is None else remote.skeleton(), gbs)
         posted = [Shard.of(s, packed=packed) for s in shards] if remote is None else remote.bind(shards, packed=packed)
         return self._post_train(
+            call,
             posted,
             [s["input_lengths"] for s in shards],
-            loss_fn,
-            eval_mode=eval_mode,
             gbs=gbs,
             mbs=mbs,
             num_global_batches=num_global_batches,
             rows=rows,
             start=start,
-            timer=timer,
         )
 
     def _post_train(
         self,
+        call: TrainCall,
         shards: Any,
         lengths: list[Any],
-        loss_fn: Any,
         *,
-        eval_mode: bool,
         gbs: int,
         mbs: int,
         num_global_batches: int,
         rows: int,
         start: float,
-        timer: Any,
     ) -> Pending:
         """Post a :class:`TrainRequest` of each rank's shard (``shards``: a list of Shards, or rows that stay on the
-        workers, :class:`~dask_lm.engine.dataflow.RemoteRows`); ``lengths``: each rank's row lengths, for the FLOP
-        count."""
+        workers, :class:`~dask_lm.engine.dataflow.RemoteRows`) for ``call``, whose sizes are ``gbs`` and ``mbs`` as
+        resolved; ``lengths``: each rank's row lengths, for the FLOP count."""
+        eval_mode = call.eval_mode
         tracker = self.flops_tracker  # NeMo RL's: reset, then this call's rows (lm_policy.py:786-790)
         if tracker is not None:
             tracker.reset()
@@ -195,10 +214,10 @@ class TrainingMixin(PolicyBase):
         group = self.group
         progress_id, _bar = progress.open_bar(self.client, show, label, "global batch")
         try:
-            with timed(timer, "policy_training/submit_training_futures"), span(f"dask-lm/{label}"):
+            with timed(call.timer, "policy_training/submit_training_futures"), span(f"dask-lm/{label}"):
                 make = functools.partial(
                     TrainRequest,
-                    loss_fn=loss_fn,
+                    loss_fn=call.loss_fn,
                     eval_mode=eval_mode,
                     gbs=gbs,
                     mbs=mbs,

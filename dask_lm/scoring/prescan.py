@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 
 from dask_lm.data.messages import ScoreOptions
-from dask_lm.data.rows import prepare_rows
+from dask_lm.data.rows import RowModel, prepare_rows
 from dask_lm.errors import BadRowError
 from dask_lm.interface import opt
 from dask_lm.io import modelcheck
@@ -46,7 +46,7 @@ def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, voca
         except Exception as e:
             logger.debug("no pre-scan of the rows: the tokenizer does not load in the driver (%s)", e)
             return None
-    max_positions = modelcheck.stated_positions(opts.model)
+    model = RowModel(tokenizer, vocab_size, modelcheck.stated_positions(opts.model))
     columns = row_columns(opts)
     errors: list[str] = []
     for g in sorted({g for span in plan for g in span.groups}):
@@ -55,15 +55,7 @@ def bad_rows(inputs: pio.ScoreInputs, plan: list[Span], opts: ScoreOptions, voca
         if isinstance(part, pio.UnreadableRowGroup):
             errors += [part.message()] * part.num_rows
             continue
-        got = prepare_rows(
-            part,
-            opts,
-            tokenizer=tokenizer,
-            vocab_size=vocab_size,
-            max_positions=max_positions,
-            file=file,
-            first_row=first,
-        )
+        got = prepare_rows(part, opts, model, file=file, first_row=first)
         errors += [e for e in got.errors if e is not None]
     return errors
 

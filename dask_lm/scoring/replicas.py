@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dask_lm.data.messages import ScoreOptions
+from dask_lm.data.rows import RowModel
 from dask_lm.data.tokens import TokenRows
 from dask_lm.io.fingerprint import RACY_NS, Stamp, verify
 from dask_lm.model import device, fused, liger_layers, varlen
@@ -107,6 +108,11 @@ class Replica:
         if compile:
             self.compile()
         self.ready_at = time.time()  # wall clock: the driver compares it with its own (one host, or NTP-close)
+
+    @property
+    def row_model(self) -> RowModel:
+        """What this replica asks of the rows it scores (:func:`dask_lm.data.rows.prepare_rows` checks them)."""
+        return RowModel(self.tokenizer, self.vocab_size, self.max_positions)
 
     def compile_head(self) -> None:
         """Compile the head's fused reductions (on a GPU; a no-op elsewhere), paid here on two short rows."""

@@ -293,15 +293,7 @@ def score_rows(
         rows = PreparedRows([], [], [], [])
         row_no: list[int] = []  # each row's number in `where`, for messages and _errors.parquet
         for frame, first in frames:
-            got = prepare_rows(
-                frame,
-                opts,
-                tokenizer=rep.tokenizer,
-                vocab_size=rep.vocab_size,
-                max_positions=rep.max_positions,
-                file=where,
-                first_row=first,
-            )
+            got = prepare_rows(frame, opts, rep.row_model, file=where, first_row=first)
             rows.ids += got.ids
             rows.start += got.start
             rows.truncated += got.truncated

@@ -91,6 +91,7 @@ def init_policy(
     from dask_lm.model.hf import check_policy_model, rank_config
     from dask_lm.workers import lease
     from dask_lm.workers.policy_worker import PolicyWorker
+    from dask_lm.workers.rank_model import RankPlace
     from dask_lm.workers.state import get_state, join_process_group
 
     state = get_state()
@@ -138,10 +139,7 @@ def init_policy(
         try:
             worker = cls(
                 cfg,
-                rank=rank,
-                world_size=len(members),
-                group=group,
-                cpu_group=state.cpu_groups.get(policy_id),
+                RankPlace(rank, len(members), group, state.cpu_groups.get(policy_id)),
                 pad_token_id=pad_token_id,
                 **options,
             )
