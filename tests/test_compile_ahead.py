@@ -20,15 +20,14 @@ from dask_lm.data.tokens import TokenRows
 from dask_lm.model import fused
 from dask_lm.workers import compile_ahead
 from dask_lm.workers.policy_worker import PolicyWorker
+from dask_lm.workers.rank_model import RankPlace
 
 
 def _worker(model_dir: str) -> PolicyWorker:
     cfg = PolicyConfig.from_dict(
         {"model_name": model_dir, "precision": "float32", "max_total_sequence_length": 128, "inference_compile": True}
     )
-    return PolicyWorker(
-        cfg, rank=0, world_size=1, group=None, pad_token_id=0, init_optimizer=False, init_reference_model=False
-    )
+    return PolicyWorker(cfg, RankPlace(0, 1), pad_token_id=0, init_optimizer=False, init_reference_model=False)
 
 
 def _counting(monkeypatch) -> list[bool]:
