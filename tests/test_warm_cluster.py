@@ -19,7 +19,7 @@ import dask_lm
 from dask_lm.engine import warm_cluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV_KEYS = ("DASK_LM_CACHE_DIR", "DASK_LM_WARM_CLUSTER", "DASK_SCHEDULER_ADDRESS")
+ENV_KEYS = ("DASK_LM_CACHE_DIR", "DASK_LM_WARM_CLUSTER", "DASK_SCHEDULER_ADDRESS", "DASK_LM_LEASE_CHECK_S")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -50,6 +50,7 @@ def warm(tmp_path_factory):
     cache = tmp_path_factory.mktemp("warm-cache")
     saved = {k: os.environ.get(k) for k in ENV_KEYS}
     os.environ["DASK_LM_CACHE_DIR"] = str(cache)
+    os.environ["DASK_LM_LEASE_CHECK_S"] = "1"  # the workers free a gone driver's Policy within a second or two
     os.environ.pop("DASK_LM_WARM_CLUSTER", None)
     os.environ.pop("DASK_SCHEDULER_ADDRESS", None)
     folder = cache / "warm-cluster"
@@ -143,6 +144,58 @@ def test_a_score_job_runs_on_it_and_leaves_no_replica(warm, tiny, tmp_path):
         held = c.run(warm_cluster.holdings)
         assert _pids(c) == before  # the same workers: the job neither started nor closed a cluster
     # the job ran on the warm workers (its plugin state is there) and freed its replicas as it ended
+    assert [(h["jobs_ran"], h["replicas"], h["policies"]) for h in held.values()] == [(True, 0, 0)] * 2, held
+
+
+POLICY_SCRIPT = """
+import sys, torch, transformers, dask_lm
+if __name__ == "__main__":
+    client = dask_lm.connect()
+    tok = transformers.AutoTokenizer.from_pretrained(sys.argv[1])
+    policy = dask_lm.Policy(client, {"model_name": sys.argv[1], "precision": "float32",
+                                     "max_total_sequence_length": 128}, tok)
+    enc = tok(sys.argv[3:], padding=True, return_tensors="pt")
+    data = dask_lm.BatchedDataDict(input_ids=enc["input_ids"], input_lengths=enc["attention_mask"].sum(1))
+    torch.save(policy.get_logprobs(data)["logprobs"], sys.argv[2])
+    print(client.scheduler.address, policy.data_parallel_size, flush=True)
+    # no shutdown: a script that ends with its Policy open
+"""
+
+
+@pytest.mark.cluster
+def test_a_policy_script_runs_on_it_and_its_policy_is_freed_when_it_exits(warm, tiny, tmp_path):
+    import time
+
+    import torch
+    from distributed import Client
+    from helpers import TEXTS, hf_logprobs
+
+    script = tmp_path / "policy_script.py"
+    script.write_text(POLICY_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    texts = TEXTS[:3]
+    run = subprocess.run(
+        [sys.executable, str(script), tiny["llama"], str(tmp_path / "lp.pt"), *texts],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [warm.address, "2"]  # the warm cluster's two workers were its ranks
+    assert "using the warm local cluster" in run.stderr
+    import transformers
+
+    enc = transformers.AutoTokenizer.from_pretrained(tiny["llama"])(texts, padding=True, return_tensors="pt")
+    lengths = enc["attention_mask"].sum(1)
+    expected, _ = hf_logprobs(tiny["llama"], enc["input_ids"], lengths)
+    torch.testing.assert_close(torch.load(tmp_path / "lp.pt") * enc["attention_mask"], expected, atol=1e-4, rtol=0)
+    with Client(warm.address, timeout=30) as c:
+        # its driver is gone: each rank frees the Policy at its next lease check (DASK_LM_LEASE_CHECK_S=1 here)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and any(h["policies"] for h in c.run(warm_cluster.holdings).values()):
+            time.sleep(0.5)
+        held = c.run(warm_cluster.holdings)
     assert [(h["jobs_ran"], h["replicas"], h["policies"]) for h in held.values()] == [(True, 0, 0)] * 2, held
 
 
