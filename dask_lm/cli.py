@@ -23,7 +23,7 @@ from dask_lm import (
     __version__,  # the package imports its heavy modules lazily: --help stays fast
     interface,  # the standard library only
 )
-from dask_lm.cli_cluster import cluster  # click only, until a subcommand runs
+from dask_lm.cli_cluster import cluster_group  # click only, until a subcommand runs
 from dask_lm.jobs import interrupts  # signal and threading only
 from dask_lm.jobs.spec import JobSpec, options_of  # the jobs' specs and their checks: the standard library only
 from dask_lm.scoring.spec import ScoreSpec
@@ -597,7 +597,7 @@ def _run_logprobs(
             click.echo(f"  {i:4d}  {tok!r:>20}  {value:10.4f}{extra}")
 
 
-main.add_command(cluster)  # `dask-lm cluster start | status | stop`: the warm local cluster
+main.add_command(cluster_group(_exit_codes))  # `dask-lm cluster start | status | stop`: the warm local cluster
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,7 @@ in a background process, and later commands and ``connect()`` calls of the same 
 Why: a fresh worker process spends seconds importing torch and transformers (5-15 s, :mod:`dask_lm.workers.warm`)
 and the cluster seconds starting; a second ``dask-lm score`` or Policy script finds both done. The cluster is the
 one ``connect()`` starts (same preload, warm-up, one ``LocalCUDACluster`` worker per GPU or CPU ``LocalCluster``
-workers, listening on loopback only), run by ``python -m dask_lm.engine.warm_cluster`` in a session of its own.
+workers, listening on loopback only), run by ``python -m dask_lm.engine.warm_server`` in a session of its own.
 
 Its files are in one folder, ``<cache root>/warm-cluster`` (:func:`dask_lm.io.local_cache.cache_root`), made 0700:
 distributed's scheduler file, this module's record beside it (the server's pid, the cluster's kind and size, when
@@ -29,19 +29,19 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from dask_lm.io.local_cache import cache_root
 
-__all__ = ["WarmCluster", "folder", "find", "attach", "start", "stop", "holdings", "serve"]
+__all__ = ["WarmCluster", "folder", "find", "attach", "start", "stop", "holdings"]
 
 SCHEDULER_FILE = "scheduler.json"
 RECORD = "warm-cluster.json"
 LOG = "warm-cluster.log"
 START_LOCK = "start.lock"
+SERVER = "dask_lm.engine.warm_server"  # the module the background process runs
 ANSWER_S = 2.0  # a scheduler on loopback that has not answered by then is hung or not there
 STOP_HINT = "dask-lm cluster stop"
 
@@ -77,7 +77,7 @@ def folder() -> str:
     return os.path.join(cache_root(), "warm-cluster")
 
 
-def _checked_folder(*, create: bool) -> str | None:
+def checked_folder(*, create: bool) -> str | None:
     """The folder, made 0700 with ``create``; ``None`` where it does not exist. Refused (``ValueError``) where it is
     a link, not this user's, or writable by others."""
     path = folder()
@@ -122,14 +122,14 @@ def _read_json(path: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _write_json(path: str, value: dict[str, Any]) -> None:
+def write_json(path: str, value: dict[str, Any]) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")  # 0600, a fresh name: no link followed
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(value, f)
     os.replace(tmp, path)
 
 
-def _remove_files(path: str) -> None:
+def remove_files(path: str) -> None:
     for name in (RECORD, SCHEDULER_FILE):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(path, name))  # unlink removes a link itself, never its target
@@ -156,7 +156,7 @@ def _is_server(pid: int) -> bool:
         return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return __name__.encode() in f.read()
+            return SERVER.encode() in f.read()
     except OSError:  # no /proc: the pid alone
         return True
 
@@ -164,7 +164,7 @@ def _is_server(pid: int) -> bool:
 def find() -> WarmCluster | None:
     """The warm cluster recorded in this user's cache folder whose server runs; a stale record is removed. It is not
     asked whether it answers (:func:`attach` does). ``ValueError`` for a folder or file that is refused."""
-    path = _checked_folder(create=False)
+    path = checked_folder(create=False)
     if path is None:
         return None
     record = _read_json(os.path.join(path, RECORD))
@@ -172,7 +172,7 @@ def find() -> WarmCluster | None:
     if record is None:
         return None  # none, or one still starting (its server writes the record once its workers are up)
     if not isinstance(record.get("pid"), int) or not _is_server(record["pid"]):
-        _remove_files(path)
+        remove_files(path)
         return None
     if sched is None or not isinstance(sched.get("address"), str):
         return None
@@ -258,7 +258,7 @@ def start(*, n_workers: int | None, cluster: str, memory_limit: str, timeout: fl
         raise ValueError(
             f"a warm local cluster is already running at {running.address} (pid {running.pid}): `{STOP_HINT}` first"
         )
-    path = _checked_folder(create=True)
+    path = checked_folder(create=True)
     assert path is not None
     import fcntl
 
@@ -268,9 +268,9 @@ def start(*, n_workers: int | None, cluster: str, memory_limit: str, timeout: fl
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ValueError(f"another `dask-lm cluster start` is under way ({path})") from None
-        _remove_files(path)  # a record of a server that died (find() said none runs)
+        remove_files(path)  # a record of a server that died (find() said none runs)
         log_fd = os.open(os.path.join(path, LOG), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        args = [sys.executable, "-m", __name__, "--cluster", cluster, "--memory-limit", str(memory_limit)]
+        args = [sys.executable, "-m", SERVER, "--cluster", cluster, "--memory-limit", str(memory_limit)]
         if n_workers is not None:
             args += ["--n-workers", str(n_workers)]
         try:
@@ -330,7 +330,7 @@ def stop(timeout: float = 60.0) -> WarmCluster | None:
     # timeout, the server too) is killed
     if _alive(warm.pid) or _group_alive(warm.pid):
         _kill_group(warm.pid)
-    _remove_files(warm.folder)
+    remove_files(warm.folder)
     return warm
 
 
@@ -350,66 +350,3 @@ def holdings(dask_worker: Any = None) -> dict[str, Any]:
         held["device"] = torch.cuda.get_device_name()
         held["device_reserved_gib"] = torch.cuda.memory_reserved() / 2**30
     return held
-
-
-def serve(*, n_workers: int | None, cluster: str, memory_limit: str) -> None:
-    """The server: the local cluster ``connect()`` starts, its scheduler file in the folder, its record once the
-    workers are up; until SIGTERM / SIGINT / SIGHUP, or until its scheduler goes. Then closes it all."""
-    from dask_lm.engine import cluster as clusters
-    from dask_lm.workers.clean_exit import exit_once_closed
-
-    os.environ["DASK_LM_WARM_CLUSTER"] = "0"  # the connect() below starts the cluster, never finds one
-    path = _checked_folder(create=True)
-    assert path is not None
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stopping.set())
-    gpus = clusters.count_gpus()
-    kind = "cuda" if cluster == "cuda" or (cluster == "auto" and gpus > 0) else "cpu"
-    limit: str | float = memory_limit
-    client = clusters.connect(
-        n_workers=n_workers,
-        cluster=kind,  # type: ignore[arg-type]
-        memory_limit=limit,
-        scheduler_kwargs={"scheduler_file": os.path.join(path, SCHEDULER_FILE)},
-    )
-    try:
-        expected = n_workers or (gpus if kind == "cuda" else 2)
-        client.wait_for_workers(expected)
-        _write_json(
-            os.path.join(path, RECORD),
-            {
-                "pid": os.getpid(),
-                "kind": kind,
-                "n_workers": len(client.scheduler_info(n_workers=-1)["workers"]),
-                "memory_limit": str(memory_limit),
-                "started_at": time.time(),
-                "dashboard": client.dashboard_link,
-            },
-        )
-        print(f"warm local cluster up at {client.scheduler.address}", flush=True)
-        while not stopping.wait(1.0) and client.status == "running":
-            pass
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(path, RECORD))  # first: no one attaches to what is closing
-        with contextlib.suppress(Exception):
-            client.run(exit_once_closed, on_error="ignore")  # its workers end without unloading torch
-        clusters.close(client)
-        _remove_files(path)
-        print("warm local cluster stopped", flush=True)
-
-
-def _main(argv: list[str]) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description="dask-lm cluster start's server")
-    parser.add_argument("--n-workers", type=int, default=None)
-    parser.add_argument("--cluster", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--memory-limit", default="auto")
-    args = parser.parse_args(argv)
-    serve(n_workers=args.n_workers, cluster=args.cluster, memory_limit=args.memory_limit)
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])
