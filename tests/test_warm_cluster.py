@@ -101,10 +101,11 @@ def test_connect_finds_it_and_never_closes_it(warm, capfd):
             dask_lm.connect(n_workers=3)
         with pytest.raises(ValueError, match="`cluster`='cuda' but the warm local cluster runs cpu workers"):
             dask_lm.connect(cluster="cuda")
-        assert dask_lm.connect(n_workers=2, cluster="cpu").scheduler.address == warm.address
+        with dask_lm.connect(n_workers=2, cluster="cpu") as third:  # what it is, asked for explicitly
+            assert third.scheduler.address == warm.address
         os.environ["DASK_LM_WARM_CLUSTER"] = "0"
         try:
-            assert warm_cluster.attach({}, str) is None  # connect() would start its own cluster here
+            assert warm_cluster.attach() is None  # connect() would start its own cluster here
         finally:
             del os.environ["DASK_LM_WARM_CLUSTER"]
     finally:
@@ -254,7 +255,22 @@ def test_a_record_whose_server_is_gone_is_removed_and_ignored(cache, who):
     _record(cache, _dead_pid() if who == "a dead server" else os.getpid())
     assert warm_cluster.find() is None
     assert not (cache / "warm-cluster.json").exists() and not (cache / "scheduler.json").exists()
-    assert warm_cluster.attach({}, str) is None
+    assert warm_cluster.attach() is None
+
+
+def test_a_live_server_that_does_not_answer_is_passed_over_and_kept(cache, capsys):
+    # a process that looks like the server (its command line names the server's module) but answers nothing
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", warm_cluster.SERVER]) as fake:
+        try:
+            _record(cache, fake.pid)
+            assert warm_cluster.find().pid == fake.pid
+            assert warm_cluster.attach() is None  # connect() then starts a local cluster of its own
+            assert "did not answer at tcp://127.0.0.1:9" in capsys.readouterr().err
+            assert (cache / "warm-cluster.json").exists()  # left for `dask-lm cluster stop`, which ends it
+            assert warm_cluster.stop(timeout=30).pid == fake.pid
+            assert fake.wait(timeout=30) == -15 and not (cache / "warm-cluster.json").exists()
+        finally:
+            fake.kill()
 
 
 @pytest.mark.parametrize("name", ["warm-cluster.json", "scheduler.json"])

@@ -108,8 +108,7 @@ def connect(
         raise ValueError(f"{_name('n_workers')} must be >= 1, got {n_workers}")
     from dask_lm.engine import warm_cluster  # the standard library only
 
-    asked = dict(n_workers=n_workers, cluster=cluster, memory_limit=memory_limit, host=host)
-    asked.update(dashboard_address=dashboard_address, cluster_kwargs=cluster_kwargs)
+    asked = warm_cluster.Asked(n_workers, cluster, memory_limit, host, dashboard_address, tuple(cluster_kwargs))
     warm = warm_cluster.attach(asked, _name)  # `dask-lm cluster start`'s, where one runs: never closed from here
     if warm is not None:
         return warm

@@ -30,19 +30,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask_lm.io.local_cache import cache_root
 
-__all__ = ["WarmCluster", "folder", "find", "attach", "start", "stop", "holdings"]
+if TYPE_CHECKING:
+    from distributed import Client
+
+__all__ = ["WarmCluster", "Asked", "folder", "find", "attach", "start", "stop", "holdings"]
 
 SCHEDULER_FILE = "scheduler.json"
 RECORD = "warm-cluster.json"
 LOG = "warm-cluster.log"
 START_LOCK = "start.lock"
 SERVER = "dask_lm.engine.warm_server"  # the module the background process runs
-ANSWER_S = 2.0  # a scheduler on loopback that has not answered by then is hung or not there
+# a scheduler on loopback that has not answered by then is hung or not there: a healthy one took 1.2 s to a new
+# client on a 2-core machine at load 11, so 2 s would start a second cluster beside a live one
+ANSWER_S = 5.0
 STOP_HINT = "dask-lm cluster stop"
 
 
@@ -188,27 +194,38 @@ def find() -> WarmCluster | None:
     )
 
 
-def _mismatch(warm: WarmCluster, asked: dict[str, Any], name: Any) -> str | None:
+@dataclass(frozen=True)
+class Asked:
+    """The local-cluster options of a ``connect()`` call (its defaults: what the warm cluster is)."""
+
+    n_workers: int | None = None
+    cluster: str = "auto"
+    memory_limit: str | float | None = "auto"
+    host: str = "127.0.0.1"
+    dashboard_address: str | None = None
+    cluster_kwargs: tuple[str, ...] = ()  # the names of the other options given
+
+
+def _mismatch(warm: WarmCluster, asked: Asked, name: Callable[[str], str]) -> str | None:
     """The first option of a ``connect()`` call that the warm cluster cannot honour, said as a message; else None."""
-    n_workers, cluster = asked["n_workers"], asked["cluster"]
-    if n_workers is not None and n_workers != warm.n_workers:
-        return f"{name('n_workers')}={n_workers} but the warm local cluster has {warm.n_workers} workers"
-    if cluster not in ("auto", warm.kind):
-        return f"{name('cluster')}={cluster!r} but the warm local cluster runs {warm.kind} workers"
-    memory_limit = asked["memory_limit"]
-    if warm.kind == "cpu" and memory_limit != "auto" and str(memory_limit) != warm.memory_limit:
-        return f"{name('memory_limit')}={memory_limit!r} but the warm local cluster's is {warm.memory_limit!r}"
-    if asked["host"] != "127.0.0.1":
-        return f"{name('host')}={asked['host']!r} but the warm local cluster listens on 127.0.0.1"
-    if asked["dashboard_address"] is not None:
+    if asked.n_workers is not None and asked.n_workers != warm.n_workers:
+        return f"{name('n_workers')}={asked.n_workers} but the warm local cluster has {warm.n_workers} workers"
+    if asked.cluster not in ("auto", warm.kind):
+        return f"{name('cluster')}={asked.cluster!r} but the warm local cluster runs {warm.kind} workers"
+    limit = asked.memory_limit
+    if warm.kind == "cpu" and limit != "auto" and str(limit) != warm.memory_limit:
+        return f"{name('memory_limit')}={limit!r} but the warm local cluster's is {warm.memory_limit!r}"
+    if asked.host != "127.0.0.1":
+        return f"{name('host')}={asked.host!r} but the warm local cluster listens on 127.0.0.1"
+    if asked.dashboard_address is not None:
         return f"{name('dashboard_address')} is given, but the warm local cluster's dashboard is {warm.dashboard}"
-    extra = sorted(asked["cluster_kwargs"])
-    if extra:
-        return f"local cluster options ({', '.join(extra)}) are given, but the warm local cluster is already started"
+    if asked.cluster_kwargs:
+        given = ", ".join(sorted(asked.cluster_kwargs))
+        return f"local cluster options ({given}) are given, but the warm local cluster is already started"
     return None
 
 
-def attach(asked: dict[str, Any], name: Any) -> Any:
+def attach(asked: Asked = Asked(), name: Callable[[str], str] = lambda key: f"`{key}`") -> Client | None:
     """A ``distributed.Client`` of the running warm cluster for a ``connect()`` call with no address, or ``None``
     (none running, disabled, or its scheduler does not answer). ``asked``: the call's local-cluster options;
     ``name``: how a message names an option. ``ValueError`` where the call asks for what the warm cluster is not."""
@@ -233,6 +250,11 @@ def attach(asked: dict[str, Any], name: Any) -> Any:
             f" starting a local cluster instead; `{STOP_HINT}` stops it"
         )
         return None
+    # the client keeps its connection timeout for later waits too (a scatter, a reconnect): Dask's default again
+    import dask
+    from dask.utils import parse_timedelta
+
+    client._timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
     _say(
         f"dask-lm: using the warm local cluster at {warm.address} ({warm.n_workers} {warm.kind} workers); "
         f"`{STOP_HINT}` stops it"

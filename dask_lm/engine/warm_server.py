@@ -54,7 +54,7 @@ def serve(*, n_workers: int | None, cluster: str, memory_limit: str) -> None:
                 "dashboard": client.dashboard_link,
             },
         )
-        print(f"warm local cluster up at {client.scheduler.address}", flush=True)
+        print(f"warm local cluster up at {clusters.scheduler_address_of(client)}", flush=True)
         while not stopping.wait(1.0) and client.status == "running":
             pass
     finally:
