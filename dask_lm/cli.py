@@ -55,7 +55,8 @@ def _precision_option(*choices: str, help: str) -> Any:
 # options every job command shares, spelled and described once
 _SCHEDULER_HELP = (
     "Attach to this scheduler address (tcp://host:8786) or scheduler file; default: "
-    "$DASK_SCHEDULER_ADDRESS, else a local cluster that the command starts and stops."
+    "$DASK_SCHEDULER_ADDRESS, else the warm local cluster of `dask-lm cluster start` when one runs, else a local "
+    "cluster that the command starts and stops."
 )
 _N_WORKERS_HELP = "Size of the local cluster (default: one worker per GPU, or 2 on a CPU machine)."
 _REVISION_HELP = "Branch, tag or commit of a Hub --model (default: the repository's main branch)."
