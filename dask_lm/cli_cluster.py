@@ -77,9 +77,15 @@ def cluster_group(exit_codes: Callable[[click.Context, Callable[[], None]], Any]
 
         def run() -> None:
             from dask_lm.engine import warm_cluster
+            from dask_lm.engine.cluster import count_gpus
 
             if n_workers is not None and n_workers < 1:
                 raise ValueError(f"--n-workers must be >= 1, got {n_workers}")
+            gpus = count_gpus()  # connect()'s own checks, said here rather than in the background process's log
+            if kind == "cuda" and gpus == 0:
+                raise ValueError("--cluster cuda but no GPU is visible on this machine: use --cluster cpu")
+            if (kind == "cuda" or (kind == "auto" and gpus)) and n_workers is not None and n_workers > gpus:
+                raise ValueError(f"--n-workers {n_workers} but only {gpus} GPUs are visible: one worker per GPU")
             running = warm_cluster.find()  # refused before anything is said to start (start() checks again)
             if running is not None:
                 raise ValueError(

@@ -301,3 +301,16 @@ def test_a_folder_others_can_write_or_a_linked_folder_is_refused(cache, tmp_path
     os.symlink(tmp_path / "real", cache)
     with pytest.raises(ValueError, match=re.escape(f"{cache} is not a directory")):
         dask_lm.connect()
+
+
+def test_start_refuses_what_connect_would_refuse_before_any_process_starts(cache, monkeypatch):
+    from click.testing import CliRunner
+
+    from dask_lm.cli import main as cli
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, whatever the machine has
+    out = CliRunner().invoke(cli, ["cluster", "start", "--cluster", "cuda"])
+    assert out.exit_code == 2 and "--cluster cuda but no GPU is visible" in out.output, out.output
+    out = CliRunner().invoke(cli, ["cluster", "start", "--n-workers", "0"])
+    assert out.exit_code == 2 and "--n-workers must be >= 1" in out.output, out.output
+    assert sorted(p.name for p in cache.iterdir()) == []  # no log, no record: nothing was started
