@@ -78,6 +78,10 @@ def warm(tmp_path_factory):
 def test_start_leaves_a_private_folder_and_refuses_a_second_start(warm):
     assert warm.address in warm.started.stdout and "dask-lm cluster stop" in warm.started.stdout
     assert oct(warm.folder.stat().st_mode & 0o777) == "0o700"
+    from distributed import Client
+
+    with Client(warm.address, timeout=30) as c:  # start returned once the workers had imported torch
+        assert [h["warm"] for h in c.run(warm_cluster.holdings).values()] == [True, True]
     again = _cli("start", "--cluster", "cpu")
     assert again.returncode == 2 and "already running" in again.stderr and warm.address in again.stderr
     assert _running(warm.pid)

@@ -7,13 +7,13 @@ one ``connect()`` starts (same preload, warm-up, one ``LocalCUDACluster`` worker
 workers, listening on loopback only), run by ``python -m dask_lm.engine.warm_server`` in a session of its own.
 
 Its files are in one folder, ``<cache root>/warm-cluster`` (:func:`dask_lm.io.local_cache.cache_root`), made 0700:
-distributed's scheduler file, this module's record beside it (the server's pid, the cluster's kind and size, when
-it started; written once the workers have registered) and the server's log. A folder that is not a directory of
-this user's with no group / world write bit, and a record or scheduler file that is a link or not this user's, are
-refused with an error naming them (a planted file would point the user's jobs at someone else's scheduler, which
-runs what it is sent). A record whose server process is gone is stale: its files are removed and the cluster
-counts as absent. A live server whose scheduler does not answer within :data:`ANSWER_S` is passed over (a local
-cluster of the job's own starts) and left for ``dask-lm cluster stop``.
+distributed's scheduler file, this module's record beside it (the server's pid, the cluster's kind and size, when it
+started; written once the workers have registered and warmed up) and the server's log. A folder that is not a
+directory of this user's with no group / world write bit, and a record or scheduler file that is a link or not this
+user's, are refused with an error naming them (a planted file would point the user's jobs at someone else's
+scheduler, which runs what it is sent). A record whose server process is gone is stale: its files are removed and
+the cluster counts as absent. A live server whose scheduler does not answer within :data:`ANSWER_S` is passed over
+(a local cluster of the job's own starts) and left for ``dask-lm cluster stop``.
 
 ``DASK_LM_WARM_CLUSTER=0`` makes ``connect()`` ignore it.
 """
@@ -362,7 +362,8 @@ def holdings(dask_worker: Any = None) -> dict[str, Any]:
     from dask_lm.workers import warm
 
     report = warm.report()
-    held: dict[str, Any] = {"pid": os.getpid(), "warm": "ended_at" in report, "error": report.get("error")}
+    ended = "ended_at" in report or os.environ.get("DASK_LM_WARM_WORKERS", "1") == "0"  # none to wait for
+    held: dict[str, Any] = {"pid": os.getpid(), "warm": ended, "error": report.get("error")}
     plugin = getattr(dask_worker, "plugins", {}).get("dask-lm")  # registered by the first job or Policy
     held["jobs_ran"] = plugin is not None
     held["replicas"] = len(getattr(plugin, "scorers", {}) or {})

