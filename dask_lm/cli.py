@@ -23,6 +23,7 @@ from dask_lm import (
     __version__,  # the package imports its heavy modules lazily: --help stays fast
     interface,  # the standard library only
 )
+from dask_lm.cli_cluster import cluster_group  # click only, until a subcommand runs
 from dask_lm.jobs import interrupts  # signal and threading only
 from dask_lm.jobs.spec import JobSpec, options_of  # the jobs' specs and their checks: the standard library only
 from dask_lm.scoring.spec import ScoreSpec
@@ -54,7 +55,8 @@ def _precision_option(*choices: str, help: str) -> Any:
 # options every job command shares, spelled and described once
 _SCHEDULER_HELP = (
     "Attach to this scheduler address (tcp://host:8786) or scheduler file; default: "
-    "$DASK_SCHEDULER_ADDRESS, else a local cluster that the command starts and stops."
+    "$DASK_SCHEDULER_ADDRESS, else the warm local cluster of `dask-lm cluster start` when one runs, else a local "
+    "cluster that the command starts and stops."
 )
 _N_WORKERS_HELP = "Size of the local cluster (default: one worker per GPU, or 2 on a CPU machine)."
 _REVISION_HELP = "Branch, tag or commit of a Hub --model (default: the repository's main branch)."
@@ -595,6 +597,8 @@ def _run_logprobs(
             extra = f"  top: {', '.join(map(repr, record['topk'][i - 1]))}" if tk is not None and i else ""
             click.echo(f"  {i:4d}  {tok!r:>20}  {value:10.4f}{extra}")
 
+
+main.add_command(cluster_group(_exit_codes))  # `dask-lm cluster start | status | stop`: the warm local cluster
 
 if __name__ == "__main__":
     main()

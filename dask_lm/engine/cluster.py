@@ -71,7 +71,9 @@ def connect(
     ----------
     address:
         A scheduler address (``tcp://host:8786``) or a scheduler file (``scheduler.json``). Without one,
-        ``DASK_SCHEDULER_ADDRESS`` is used when set. An existing cluster is attached to and never closed.
+        ``DASK_SCHEDULER_ADDRESS`` is used when set, else the warm local cluster of ``dask-lm cluster start`` when
+        one runs (``DASK_LM_WARM_CLUSTER=0``: never; an option below it cannot honour is a ``ValueError``). An
+        existing cluster is attached to and never closed.
     n_workers:
         For a local cluster: workers to start (default: one per GPU, or 2 on a CPU machine).
     cluster:
@@ -102,10 +104,16 @@ def connect(
         if address.endswith(".json"):
             raise ValueError(f"scheduler file {address!r} does not exist")
         return Client(address)
-    gpus = count_gpus()
-    use_cuda = cluster == "cuda" or (cluster == "auto" and gpus > 0)
     if n_workers is not None and n_workers < 1:
         raise ValueError(f"{_name('n_workers')} must be >= 1, got {n_workers}")
+    from dask_lm.engine import warm_cluster  # the standard library only
+
+    asked = warm_cluster.Asked(n_workers, cluster, memory_limit, host, dashboard_address, tuple(cluster_kwargs))
+    warm = warm_cluster.attach(asked, _name)  # `dask-lm cluster start`'s, where one runs: never closed from here
+    if warm is not None:
+        return warm
+    gpus = count_gpus()
+    use_cuda = cluster == "cuda" or (cluster == "auto" and gpus > 0)
     if dashboard_address is None:
         dashboard_address = f"[{host}]:0" if ":" in host else f"{host}:0"
     if os.environ.get("DASK_LM_QUIET_WORKERS") == "1":
