@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -299,15 +300,16 @@ def _pinned_run(
 
     scan = not job.finished and not opts.skip_bad_rows and sum(inputs.group_tokens) <= prescan.PRESCAN_MAX_TOKENS
     loads = in_thread(warm.check_config, start) if warm is not None else None
+    # when each of the driver's own checks ended (perf_counter): the cheap ones (done by now), the rows, the hashes
+    ended = {"cheap checks": time.perf_counter()}
     # every bad row of the job, found while the workers start (dask_lm.scoring.prescan), with the tokenizer alone
-    rows = (
-        in_thread(prescan.refuse_bad_rows, inputs, plan, opts, modelcheck.stated_vocab(source.path)) if scan else None
-    )
+    vocab = modelcheck.stated_vocab(source.path)
+    rows = in_thread(_timed(ended, "rows", prescan.refuse_bad_rows), inputs, plan, opts, vocab) if scan else None
     if rows is not None:  # passed: the cluster starts (refused: the job closes its start, which ends the wait)
         rows.add_done_callback(lambda f: None if f.exception() is not None else rows_checked.set())
     else:
         rows_checked.set()
-    pinning = in_thread(job.manifest)
+    pinning = in_thread(_timed(ended, "hashes", job.manifest))
     # the first refusal is said as soon as it is known: a bad row does not wait for the workers' imports
     config = "checking the model's config on a worker (its imports of torch and transformers first)"
     checks = {"checking the rows": rows, "hashing the model and input files": pinning, config: loads}
@@ -315,7 +317,10 @@ def _pinned_run(
     manifest, pins = pinning.result()
     checked = loads.result() if loads is not None else {}  # transformers' ValueError naming config.json
     opts = replace(opts, model_pins=tuple(pins[: len(pins) - len(inputs.files)]))
-    prepare_seconds = time.perf_counter() - started
+    # the checks' time is the driver's own: the cluster's start and the worker's config check ran beside them, and
+    # are the start's (StartClock: cluster_began / cluster_up / config_checked, and wall_phases' cluster_start)
+    prepare_seconds = max(ended.values()) - started
+    checks_passed = time.perf_counter() - started
     with out.locked() as old:
         added_skip = added_skip_bad_rows(old, spec.skip_bad_rows)
         pinned = out.pin(manifest, old, pins, ignore=("skip_bad_rows",) if added_skip else ())
@@ -328,13 +333,14 @@ def _pinned_run(
         stamps = part_proof.kept_parts(
             out.path, part_proof.expected_parts(part_proof.job_identity(pinned), plan), _part_columns(inputs, opts)
         )
-        clock = StartClock(started, started_at, {"checks": prepare_seconds})
+        clock = StartClock(started, started_at, {"checks": prepare_seconds, "checks_passed": checks_passed})
         clock.config_check(checked)
         with running(start, total=inputs.num_rows, desc="scoring", unit="row", progress=progress, bar=bar) as (
             dask_client,
             bar,
         ):
             wait_for_workers(dask_client, bar)  # a scheduler whose workers are still to come
+            clock.cluster_start(start.began_at, start.up_at)
             clock.mark("cluster")
             if spec.fixed_precision is None:
                 opts = replace(opts, precision=worker_precision(dask_client))
@@ -363,6 +369,18 @@ def _pinned_run(
         )
         out.finish(asdict(result))  # the counts cover every part, like bad_rows (resumed parts included)
         return result
+
+
+def _timed(ended: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, noting in ``ended[name]`` when it ended (``perf_counter``; passed or refused)."""
+
+    def timed(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        finally:
+            ended[name] = time.perf_counter()
+
+    return timed
 
 
 def _part_columns(inputs: pio.ScoreInputs, opts: ScoreOptions) -> list[tuple[str, Any]]:
