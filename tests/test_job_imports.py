@@ -46,6 +46,29 @@ def test_the_sft_entry_point_imports_no_torch_and_no_dask():
     assert _loaded_by("from dask_lm.sft.job import sft_parquet") <= {"pyarrow", "numpy"}
 
 
+def test_a_second_job_on_a_held_output_is_refused_before_distributed_loads(tmp_path):
+    """The output's lock is the job's first step: a job on an output another job holds is refused before the
+    job's import of distributed (a second or more), which only a job that holds its lock goes on to."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data, out = tmp_path / "data.parquet", tmp_path / "out"
+    pq.write_table(pa.table({"text": ["a row"]}), data)
+    statement = f"""
+from dask_lm.jobs.folder import OutputLock
+OutputLock({str(out)!r}).acquire()  # the first job, in this process: flock's locks are per open file
+from dask_lm.scoring.job import score_parquet
+try:
+    score_parquet({str(data)!r}, {str(out)!r}, model={str(tmp_path)!r}, text_column="text", progress=False)
+except ValueError as e:
+    assert "is in use by another dask-lm job" in str(e), e
+else:
+    raise AssertionError("not refused")
+"""
+    assert "distributed" not in _loaded_by(statement)
+
+
 def test_the_heavy_libraries_are_seen_when_loaded():
-    """The check sees what it looks for: importing the scoring job's machinery loads distributed and pyarrow."""
-    assert {"distributed", "pyarrow"} <= _loaded_by("import dask_lm.scoring.run")
+    """The check sees what it looks for: the job's machinery loads pyarrow, its cluster module distributed."""
+    assert "pyarrow" in _loaded_by("import dask_lm.scoring.run")
+    assert {"distributed", "dask"} <= _loaded_by("import dask_lm.engine.cluster")

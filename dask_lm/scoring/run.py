@@ -1,7 +1,8 @@
 """A scoring job's driver once :func:`~dask_lm.scoring.job.score_parquet` has shown its bar (:func:`run`): the
 output's lock and the cheap checks (:func:`plan_job`), the cluster's start beside the costly checks, the parts
 scored and written, the summary. :mod:`dask_lm.scoring.job` says what the job does; this module imports what it
-needs for that (distributed, pyarrow: a second or more), which is why the entry point imports it only once called.
+needs for that (pyarrow: tenths of a second), which is why the entry point imports it only once called; distributed
+(a second or more) only once the output's lock is held, so that a second job on the same output is refused first.
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask_lm.data.continuation import describe
-from dask_lm.data.messages import ScoreOptions
-from dask_lm.engine import cluster
 from dask_lm.engine.progress import JobBar
 from dask_lm.errors import SchedulerLostError
 from dask_lm.interface import again, current, opt, warn
@@ -35,7 +34,7 @@ from dask_lm.jobs.start import (
     wait_for_workers,
     worker_precision,
 )
-from dask_lm.scoring import prescan, spans
+from dask_lm.scoring import spans
 from dask_lm.scoring.checks import check_score_model
 from dask_lm.scoring.compile_choice import worth_compiling, worth_compiling_head
 from dask_lm.scoring.preload import Preload
@@ -43,7 +42,9 @@ from dask_lm.scoring.result import ScoreResult, output_totals
 from dask_lm.scoring.spec import ScoreSpec, row_columns
 from dask_lm.scoring.start_clock import StartClock
 from dask_lm.scoring.tasks import release_scorers, score_partition
-from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState
+
+if TYPE_CHECKING:
+    from dask_lm.data.messages import ScoreOptions
 
 __all__ = ["run", "PlannedJob", "plan_job"]
 
@@ -131,6 +132,9 @@ def plan_job(
 
 
 def _plan(spec: ScoreSpec, out: JobOutput, *, resume: bool, revision: str | None) -> PlannedJob:
+    # distributed (the messages' serializers) loads once the lock is held: a second job is refused before it
+    from dask_lm.data.messages import ScoreOptions  # lazy: a second second's import, after the lock
+
     out.settings = spec.manifest_settings()
     finished = resume and out.state.kind == "finished"
     source = hub.resolve_model(spec.model, revision=revision)
@@ -249,6 +253,8 @@ def run(
     except Exception as e:  # a lost scheduler: one line too, what is kept and how to go on
         # no remembered address here: by the time an error reaches this point the job may have closed its own
         # client, and a closed client must not read as a lost scheduler; the scoring loop names a loss it saw
+        from dask_lm.engine import cluster  # lazy: distributed, loaded by now where a cluster was reached
+
         address = cluster.lost_scheduler(start.client, e)
         if address is None:
             raise
@@ -295,6 +301,7 @@ def _pinned_run(
     transformers (asked of a worker, waited for in a thread) beside the row scan and the content hashes, then the
     manifest under the output's lock, then the run."""
     from dask_lm.engine.worker_group import scheduler_info
+    from dask_lm.scoring import prescan  # lazy: its rows' messages load distributed, after the lock
 
     spec, out, source, inputs, plan, opts = job.spec, job.out, job.source, job.inputs, job.plan, job.opts
 
@@ -408,7 +415,9 @@ def _run(
     import dask
     from distributed import as_completed, span
 
+    from dask_lm.engine import cluster  # lazy: distributed loads after the output's lock (run's docstring)
     from dask_lm.engine.worker_group import scheduler_info
+    from dask_lm.workers.state import PLUGIN_NAME, DaskLMWorkerState  # lazy: as the cluster module
 
     # with an id column, the output keeps only that one: read it and the scored ones, else every column
     columns = None if opts.id_column is None else sorted({opts.id_column, *row_columns(opts)})
