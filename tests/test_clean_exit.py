@@ -71,3 +71,21 @@ def test_an_exit_of_unknown_status_is_left_to_the_interpreter(body, status):
     out = _run(body)
     assert out.returncode == status, out.stderr
     assert out.stdout.splitlines() == ["closed", "slow end"]
+
+
+def test_a_task_cancelled_by_the_close_is_not_warned_about_and_other_warnings_are():
+    """distributed's WARNING for a task whose execution the worker's close cancelled (a preload the finished job no
+    longer needs) is dropped in a worker prepared for its close; its other warnings are kept."""
+    out = _run(
+        """
+        import logging
+        logging.basicConfig(format="%(name)s - %(levelname)s - %(message)s")
+        log = logging.getLogger("distributed.worker.state_machine")
+        log.warning("Async instruction for <Task cancelled name='execute(dask-lm-preload-1)'> "
+                    "ended with CancelledError")
+        log.warning("another warning")
+        sys.exit(0)
+        """
+    )
+    assert out.returncode == 0
+    assert out.stderr.splitlines() == ["distributed.worker.state_machine - WARNING - another warning"]

@@ -16,12 +16,18 @@ taken from where it comes from. A worker process (``multiprocessing``'s spawn) e
 thread's ``sys.exit`` is wrapped to note its status, and an uncaught exception (status 1) leaves ``sys.last_type``
 set. An exit whose status is not known that way (a ``raise SystemExit(3)`` of its own, ``sys.exit("message")``,
 the end of a script) is left to the interpreter, which knows it.
+
+A task still running as its worker closes (a preload of the model that the job, done with its rows, no longer needs)
+has its execution cancelled, which distributed logs as ``Async instruction for ... ended with CancelledError``
+(a WARNING, ``distributed.worker.state_machine``); that one message is dropped in a worker that
+:func:`exit_once_closed` prepared for its close, where a cancelled task is the close's doing.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -68,11 +74,24 @@ def _leave() -> None:
     os._exit(status)
 
 
+class _CancelledByTheClose(logging.Filter):
+    """Drops distributed's WARNING about a task whose execution the worker's close cancelled."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().endswith("ended with CancelledError")
+
+
+_CANCELLED_BY_THE_CLOSE = _CancelledByTheClose()
+
+
 def exit_once_closed() -> None:
     """In a worker process about to close: end it at once when the interpreter's exit begins (``os._exit``, its
-    output flushed, its exit status kept), instead of after unloading every module. Registered last, it runs first
+    output flushed, its exit status kept), instead of after unloading every module, and without a WARNING for a
+    task its close cancels. Registered last, it runs first
     of the ``atexit`` handlers; the others are for a process that lives on (caches, child processes: a closed
     worker has none)."""
     sys.exit = _noting_exit  # the status of the exit to come (a worker process's ends by sys.exit)
+    # a task still running is the close's to cancel (the module docstring says which); added once, however often
+    logging.getLogger("distributed.worker.state_machine").addFilter(_CANCELLED_BY_THE_CLOSE)
     atexit.unregister(_leave)  # once, however often asked
     atexit.register(_leave)
