@@ -21,7 +21,7 @@ from dask_lm.cli import main as cli
 from dask_lm.errors import InputChangedError
 from dask_lm.io import fingerprint
 from dask_lm.io import parquet as pio
-from dask_lm.scoring import job
+from dask_lm.scoring import run as job  # the driver of score_parquet (scoring/job.py is its entry point)
 from dask_lm.sft import job as sft
 
 # `cluster` is marked per test here, not for the module: the tests without it start no cluster and run in the fast tier

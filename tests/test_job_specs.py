@@ -314,7 +314,7 @@ def _rows(path, n, word="alpha"):
 def stopped_job(tiny, tmp_path):
     """An output as a scoring job leaves it when stopped right after it wrote its manifest (before any part): the
     job's own steps plan it, hash its files and pin them under its lock. Its inputs are a folder of two files."""
-    from dask_lm.scoring.job import plan_job
+    from dask_lm.scoring.run import plan_job
 
     data = tmp_path / "data"
     data.mkdir()
@@ -338,7 +338,7 @@ def _resume(out, *args):
 
 
 def test_a_resume_rebuilds_the_spec_from_the_folder_and_plans_the_same_job(stopped_job):
-    from dask_lm.scoring.job import plan_job
+    from dask_lm.scoring.run import plan_job
 
     data, out = stopped_job
     spec = resume.spec_for(ScoreSpec, out, resume=True, given={})
@@ -377,7 +377,7 @@ def test_an_input_file_added_removed_or_changed_is_named_before_any_cluster(stop
 def test_an_input_changed_in_content_at_the_same_size_is_named_once_hashed(stopped_job):
     """Same size, other bytes: the prechecks (paths and sizes) cannot see it; the job's content check under its
     lock names it, before any part is written."""
-    from dask_lm.scoring.job import plan_job
+    from dask_lm.scoring.run import plan_job
 
     data, out = stopped_job
     size = os.path.getsize(data / "a.parquet")

@@ -127,6 +127,48 @@ def test_a_lock_file_removed_while_a_job_waits_on_it_is_not_locked_beside_the_ne
     assert not out.exists()  # the second job made the folder again, and removed it: it wrote nothing
 
 
+@pytest.mark.cluster
+def test_the_checks_time_is_the_drivers_own_and_the_cluster_start_has_its_own(client, tiny, tmp_path, monkeypatch):
+    """``wall_phases["checks"]`` is the driver's own checks (``prepare_seconds``), not the cluster's start that runs
+    beside them: with the start held until the driver's row check and hashes have ended, the cluster is up after
+    ``checks``, ``start_phases`` gives the start its own stamps, and what the job waited for after its checks (the
+    cluster, the worker's config check) is ``cluster_start``."""
+    import distributed
+
+    from dask_lm.scoring import run
+
+    checked = {"rows": threading.Event(), "hashes": threading.Event()}
+    timed = run._timed
+
+    def noting(ended, name, fn):  # the job's own stamp of a check's end, then the test's event
+        inner = timed(ended, name, fn)
+
+        def call(*args):
+            try:
+                return inner(*args)
+            finally:
+                checked[name].set()
+
+        return call
+
+    def connect(*args, **kwargs):  # the cluster is reached once the driver's checks are over
+        assert all(e.wait(FAILSAFE_S) for e in checked.values()), "the driver's checks never ended"
+        return distributed.Client(client.scheduler.address)
+
+    monkeypatch.setattr(run, "_timed", noting)
+    monkeypatch.setattr("dask_lm.engine.cluster.connect", connect)
+    data, out = _data(tmp_path / "data.parquet"), tmp_path / "out"
+    res = dask_lm.score_parquet(data, out, model=tiny["llama"], text_column="text", progress=False)
+    start, wall = res.start_phases, res.wall_phases
+    assert res.rows == len(TEXTS)
+    assert wall["checks"] == pytest.approx(res.prepare_seconds, abs=1e-6) == pytest.approx(start["checks"], abs=1e-6)
+    # the cluster came up after the checks had ended: none of its start is in them
+    assert start["cluster_began"] <= start["cluster_up"] and start["checks"] < start["cluster_up"]
+    assert start["cluster_up"] <= start["checks_passed"] <= start["cluster"]  # the worker's config check after it
+    assert wall["checks"] + wall["cluster_start"] == pytest.approx(start["cluster"], abs=1e-6)
+    assert sum(wall.values()) == pytest.approx(res.wall_seconds, abs=1e-6)
+
+
 BAD_ROW_SCRIPT = """
 import os, sys, threading
 from dask_lm.engine import cluster

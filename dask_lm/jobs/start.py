@@ -97,6 +97,10 @@ class ClusterStart:
         self.opened: Any = None  # what this start opened, and so closes
         self.warm_futures: list[Any] = []
         self.seconds = 0.0  # the start itself: processes spawned and registered, or the scheduler reached
+        # when the start itself began and ended (time.time(); None until then): an interval that may overlap the
+        # driver's checks, reported apart from them (ScoreResult.start_phases' cluster_began / cluster_up)
+        self.began_at: float | None = None
+        self.up_at: float | None = None
         self.up = threading.Event()  # the start itself is over (the client is there, or its error)
         self._error: BaseException | None = None
         self._closing = threading.Lock()
@@ -122,7 +126,7 @@ class ClusterStart:
                 self.up.set()
                 return
             self._starting = True
-        t0 = time.perf_counter()
+        t0, self.began_at = time.perf_counter(), time.time()
         try:
             if self._given is None:
                 client = cluster.connect(self._address, n_workers=self._n_workers)
@@ -132,6 +136,7 @@ class ClusterStart:
                 self.client = client
                 self.opened = client if client is not self._given else None
                 self.seconds = time.perf_counter() - t0
+                self.up_at = time.time()
                 self.up.set()
                 abandoned = self._abandoned
             with self._closing:

@@ -44,7 +44,8 @@ class ScoreResult(ScoreRows):
     truncated_rows: int = 0
     """Rows cut to the position limit by ``truncate``, over every part."""
     prepare_seconds: float = 0.0
-    """The driver's checks before any work: model, tokenizer and input checks, content fingerprints."""
+    """The driver's checks before any work: model, tokenizer and input checks, the rows, content fingerprints (the
+    driver's own: the cluster's start and the worker's config check, which run beside them, are not in it)."""
     model_load_seconds: float = 0.0
     """The longest model load of a worker in this run (imports, CUDA initialisation, weights to the device)."""
     compile_seconds: float = 0.0
@@ -73,12 +74,15 @@ class ScoreResult(ScoreRows):
     """``time.time()`` when the first part file of this run was written (its rows scored): with ``started_at``,
     what a user waits for the first results."""
     start_phases: dict[str, float] = field(default_factory=dict)
-    """When each step of the start ended, in seconds from the call's start: ``checks`` (the driver's checks and
-    fingerprints), ``cluster`` (the cluster up, or reached, and the checks done), ``config_check_began`` /
-    ``config_checked`` (the first worker's config check, see :class:`~dask_lm.scoring.preload.Preload`: most of it
-    the worker's imports), ``worker_processes`` / ``preloads_began`` / ``replicas_ready`` (the last worker's process
-    began, its preload began, its replica was ready: the workers' own clocks), ``first_row`` (the first part
-    written)."""
+    """When each step of the start ended, in seconds from the call's start: ``checks`` (the driver's own checks,
+    rows and fingerprints: ``prepare_seconds``), ``cluster_began`` / ``cluster_up`` (the cluster's start itself
+    began, and the cluster was up or reached: an interval that may overlap the checks, as the start runs beside
+    them), ``config_check_began`` / ``config_checked`` (the first worker's config check, see
+    :class:`~dask_lm.scoring.preload.Preload`: most of it the worker's imports), ``checks_passed`` (every check
+    passed, the worker's config check included), ``cluster`` (the cluster up with its workers, the checks
+    passed, the output pinned), ``worker_processes`` / ``preloads_began`` / ``replicas_ready`` (the last worker's
+    process began, its preload began, its replica was ready: the workers' own clocks), ``first_row`` (the first
+    part written)."""
     parts_by_worker: dict[str, int] = field(default_factory=dict)
     """How many of this run's parts each worker (by address) scored: workers that joined mid-job included; one
     retired mid-job counts for the parts whose results reached the job before it left (the others were scored
@@ -91,7 +95,9 @@ class ScoreResult(ScoreRows):
     """Tokens scored by this run."""
     wall_phases: dict[str, float] = field(default_factory=dict)
     """``wall_seconds`` cut into the steps the caller waited for, in order, adding up to it: ``checks`` (the
-    driver's checks and fingerprints), ``cluster_start`` (the cluster up, or reached, after them),
+    driver's own checks and fingerprints: ``prepare_seconds``), ``cluster_start`` (what was left, once they had
+    ended, of the cluster's start and its first worker's config check: the start runs beside the checks, and
+    ``start_phases`` gives its own interval, ``cluster_began`` to ``cluster_up``),
     ``model_load`` and ``compile`` (what was left of the last worker's load and compilation: they run beside the
     checks, and ``model_load_seconds`` / ``compile_seconds`` give their whole length; a worker whose replica was
     ready only after the first part came back, one that joined mid-job, is scoring time), ``scoring`` (scoring and

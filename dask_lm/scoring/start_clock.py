@@ -26,6 +26,13 @@ class StartClock:
     def mark(self, phase: str) -> None:
         self.phases[phase] = time.perf_counter() - self.started
 
+    def cluster_start(self, began_at: float | None, up_at: float | None) -> None:
+        """The cluster's start itself (``time.time()`` stamps, ``None`` when not known): ``cluster_began`` /
+        ``cluster_up``, an interval of its own that may overlap the driver's checks."""
+        for phase, stamp in (("cluster_began", began_at), ("cluster_up", up_at)):
+            if stamp is not None:
+                self.phases[phase] = stamp - self.started_at
+
     def config_check(self, got: dict[str, Any]) -> None:
         """The worker's config check: when it began and was answered, and its imports (``load_phases``)."""
         if "began_at" in got:
@@ -66,8 +73,10 @@ class StartClock:
     def steps(self, ready_at: float, compile_s: float, scored_at: float) -> dict[str, float]:
         """Where the call's time went up to ``scored_at`` (wall clock, the last part back), in steps that follow
         one another; ``ready_at`` is when the last replica was ready, ``compile_s`` its compilation. Each step is
-        the wait for it once the ones before had ended: the loads run beside the checks and the cluster's start,
-        so only what is left of them counts as ``model_load`` (their whole length is the result's
+        the wait for it once the ones before had ended: ``checks`` the driver's own checks, ``cluster_start`` what
+        was left of the cluster's start and the worker's config check (its imports) once they had ended (the
+        start may overlap the checks: ``phases`` gives each its own interval), and as the loads run beside both,
+        only what is left of them counts as ``model_load`` (their whole length is the result's
         ``model_load_seconds``). :meth:`closed` adds the last step."""
         ends, at = {}, 0.0
         for phase, end in (

@@ -32,10 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
-import torch
-
 from dask_lm.data.continuation import Convention
-from dask_lm.data.rows import tokenize_rows
 from dask_lm.data.text_bytes import text_bound
 from dask_lm.engine import progress as progress_bars
 from dask_lm.interface import again, opt
@@ -123,6 +120,8 @@ def _tokenize_partition(
     """(token ids, first trained position) per row, on a worker; every row trains, so a bad one fails the run. A
     text too long for ``max_length`` tokens by its bytes alone (:func:`dask_lm.data.text_bytes.text_bound`) is
     refused before it is tokenized."""
+    from dask_lm.data.rows import tokenize_rows  # lazy: distributed (its messages) loads on the workers, not first
+
     if isinstance(pdf, pio.UnreadableRowGroup):  # a damaged page: nothing of the row group can be trained on
         raise ValueError(pdf.message())
     errors: list[str | None] = [None] * len(pdf)
@@ -158,6 +157,8 @@ def _tokenizer(directory: str) -> Any:
 
 def _batch(rows: list[tuple[list[int], int]], size: int, pad_id: int) -> Any:
     """A right-padded training batch of ``size`` rows (missing rows are copies with sample_mask 0)."""
+    import torch  # lazy: the driver's bar shows before torch loads (seconds); tests/test_job_imports.py
+
     from dask_lm.data.batch import BatchedDataDict
 
     real = len(rows)
@@ -185,6 +186,8 @@ def _newest_checkpoint(output: str) -> tuple[int, str] | None:
 def _order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
     if not shuffle:
         return list(range(n))
+    import torch  # lazy: the driver's bar shows before torch loads (seconds); tests/test_job_imports.py
+
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return torch.randperm(n, generator=g).tolist()
 
