@@ -7,6 +7,8 @@ and in turns (so that a machine's drift spreads over all of them):
 * a Policy user's batch job (``policy_logprobs.py``: ``connect()``, ``Policy(...)``, one ``get_logprobs`` of the
   set, write the sums, exit), with ``Policy.start_phases`` (each process's steps);
 * ``dask-lm score`` cold (a fresh local cluster, the CLI's defaults), with its ``start_phases``;
+* with ``--warm-cluster`` (the default), the Policy job and ``dask-lm score`` again on this tree, on a warm local
+  cluster started once before them (``dask-lm cluster start``, its start timed apart);
 
 and, with ``--base-tree DIR`` (a checkout's root, or a folder holding its ``dask_lm`` package), the two dask-lm
 processes again on that tree: before and after, from one run on one machine. Then, in a fresh process on this tree,
@@ -101,12 +103,21 @@ def _median(runs: list[dict[str, Any]], key: str) -> float:
 @click.option("--base-tree", default=None, help="A tree to run the dask-lm processes on as well (before / after).")
 @click.option("--score/--no-score", default=True, show_default=True, help="Also time `dask-lm score` cold.")
 @click.option("--compile-probe/--no-compile-probe", "probe", default=True, show_default=True)
-def main(shape: str, num_rows: int, repeats: int, base_tree: str | None, score: bool, probe: bool) -> None:
+@click.option(
+    "--warm-cluster/--no-warm-cluster",
+    "warm",
+    default=True,
+    show_default=True,
+    help="Also run the dask-lm processes (this tree) on a warm local cluster (`dask-lm cluster start`).",
+)
+def main(shape: str, num_rows: int, repeats: int, base_tree: str | None, score: bool, probe: bool, warm: bool) -> None:
     import transformers
     from score import write_dataset
     from score_processes import cli_process, policy_process, timed_process, user_process
 
     root = tempfile.mkdtemp(prefix="dask-lm-start-")
+    # a warm cluster of this benchmark's own (none of the user's is found by the cold arms)
+    os.environ["DASK_LM_CACHE_DIR"] = os.path.join(root, "cache")
     model_dir = build_model(shape, root, 2048)
     vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
     ids, lens = make_rows(num_rows, 16, 2048, 256, 1.0, vocab, 0, 0)
@@ -126,6 +137,21 @@ def main(shape: str, num_rows: int, repeats: int, base_tree: str | None, score: 
             if score:
                 out = os.path.join(root, f"score-{label}-{i}")
                 runs.setdefault(f"score, {label}", []).append(_with_tree(tree, cli_process, model_dir, data, out, []))
+    if warm:
+        _, up, _ = timed_process(
+            [sys.executable, "-m", "dask_lm", "cluster", "start", "--n-workers", "1"], "dask-lm cluster start"
+        )
+        print(f"dask-lm cluster start: {up:.1f} s (once; not in the processes below)", flush=True)
+        try:
+            for i in range(repeats):
+                out = os.path.join(root, f"policy-warm-{i}.parquet")
+                runs.setdefault("policy, warm cluster", []).append(policy_process(model_dir, data, out))
+                print("policy, warm cluster: " + json.dumps(runs["policy, warm cluster"][-1], default=str), flush=True)
+                if score:
+                    out = os.path.join(root, f"score-warm-{i}")
+                    runs.setdefault("score, warm cluster", []).append(cli_process(model_dir, data, out, []))
+        finally:
+            timed_process([sys.executable, "-m", "dask_lm", "cluster", "stop"], "dask-lm cluster stop")
     user = _median(runs["user"], "seconds")
     print(f"\n| process | wall (median of {repeats}) | against the user's script |")
     print("|---|---|---|")
