@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from dask_lm.engine import warm_cluster  # the standard library only: the CLI's start stays light
+
 __all__ = ["cluster_group"]
 
 
@@ -76,7 +78,6 @@ def cluster_group(exit_codes: Callable[[click.Context, Callable[[], None]], Any]
         """Start the local cluster that connect() would start, in the background, and leave it running."""
 
         def run() -> None:
-            from dask_lm.engine import warm_cluster
             from dask_lm.engine.cluster import count_gpus
 
             if n_workers is not None and n_workers < 1:
@@ -106,58 +107,59 @@ def cluster_group(exit_codes: Callable[[click.Context, Callable[[], None]], Any]
 
         exit_codes(ctx, run)
 
-    @cluster.command(epilog=_STATUS_EPILOG)
-    @click.pass_context
-    def status(ctx: click.Context) -> None:
+    def plain(epilog: str) -> Callable[[Callable[[], None]], click.Command]:
+        """A subcommand without options: the decorated function, run under the command's exit codes; its
+        docstring is the command's help."""
+
+        def make(body: Callable[[], None]) -> click.Command:
+            @cluster.command(name=body.__name__, epilog=epilog, help=body.__doc__)
+            @click.pass_context
+            def command(ctx: click.Context) -> None:
+                exit_codes(ctx, body)
+
+            return command
+
+        return make
+
+    @plain(epilog=_STATUS_EPILOG)
+    def status() -> None:
         """Say whether a warm local cluster runs: its address, workers, uptime and what its workers hold."""
+        from distributed import Client
 
-        def run() -> None:
-            from distributed import Client
-
-            from dask_lm.engine import warm_cluster
-
-            warm = warm_cluster.find()
-            if warm is None:
-                click.echo(f"dask-lm: no warm local cluster is running ({warm_cluster.folder()})")
-                return
+        warm = warm_cluster.find()
+        if warm is None:
+            click.echo(f"dask-lm: no warm local cluster is running ({warm_cluster.folder()})")
+            return
+        click.echo(
+            f"dask-lm: a warm local cluster runs at {warm.address} (pid {warm.pid}, up "
+            f"{_uptime(time.time() - warm.started_at)})\n  dashboard: {warm.dashboard}\n  log: {warm.log}"
+        )
+        try:
+            client = Client(warm.address, timeout=warm_cluster.ANSWER_S)
+        except (OSError, TimeoutError):
+            raise RuntimeError(f"its scheduler does not answer: `{warm_cluster.STOP_HINT}` stops it") from None
+        with client:
+            held = client.run(warm_cluster.holdings, on_error="return")
+        click.echo(f"  workers: {len(held)} ({warm.kind})")
+        for address, h in sorted(held.items()):
+            if isinstance(h, BaseException):
+                click.echo(f"    {address}: {type(h).__name__}: {h}")
+                continue
+            device = f", {h['device']} ({h['device_reserved_gib']:.2f} GiB reserved)" if "device" in h else ""
+            warm_state = "warm" if h["warm"] else "warming up"
             click.echo(
-                f"dask-lm: a warm local cluster runs at {warm.address} (pid {warm.pid}, up "
-                f"{_uptime(time.time() - warm.started_at)})\n  dashboard: {warm.dashboard}\n  log: {warm.log}"
+                f"    {address}: pid {h['pid']}, {warm_state}{device}, "
+                f"{h['replicas']} model replica(s), {h['policies']} Policy shard(s)"
             )
-            try:
-                client = Client(warm.address, timeout=warm_cluster.ANSWER_S)
-            except (OSError, TimeoutError):
-                raise RuntimeError(f"its scheduler does not answer: `{warm_cluster.STOP_HINT}` stops it") from None
-            with client:
-                held = client.run(warm_cluster.holdings, on_error="return")
-            click.echo(f"  workers: {len(held)} ({warm.kind})")
-            for address, h in sorted(held.items()):
-                if isinstance(h, BaseException):
-                    click.echo(f"    {address}: {type(h).__name__}: {h}")
-                    continue
-                device = f", {h['device']} ({h['device_reserved_gib']:.2f} GiB reserved)" if "device" in h else ""
-                warm_state = "warm" if h["warm"] else "warming up"
-                click.echo(
-                    f"    {address}: pid {h['pid']}, {warm_state}{device}, "
-                    f"{h['replicas']} model replica(s), {h['policies']} Policy shard(s)"
-                )
 
-        exit_codes(ctx, run)
-
-    @cluster.command(epilog=_STOP_EPILOG)
-    @click.pass_context
-    def stop(ctx: click.Context) -> None:
+    @plain(epilog=_STOP_EPILOG)
+    def stop() -> None:
         """Stop the warm local cluster: its workers closed, its files removed."""
-
-        def run() -> None:
-            from dask_lm.engine import warm_cluster
-
-            warm = warm_cluster.stop()
-            if warm is None:
-                click.echo(f"dask-lm: no warm local cluster is running ({warm_cluster.folder()})")
-                return
-            click.echo(f"dask-lm: stopped the warm local cluster at {warm.address} (pid {warm.pid}); its files removed")
-
-        exit_codes(ctx, run)
+        stopped = warm_cluster.stop()
+        click.echo(
+            f"dask-lm: stopped the warm local cluster at {stopped.address} (pid {stopped.pid}); its files removed"
+            if stopped is not None
+            else f"dask-lm: no warm local cluster is running ({warm_cluster.folder()})"
+        )
 
     return cluster
