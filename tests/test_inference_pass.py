@@ -53,6 +53,9 @@ class _FakeWorker:
     def __init__(self, plan: list[MicroBatch]) -> None:
         self.plan, self.finished = plan, 0
 
+    def compiled_now(self):
+        return self.compile
+
     def plan_pass(self, data, plan, mbs):
         return self.plan
 
@@ -217,7 +220,9 @@ def test_a_failed_decoder_compilation_turns_compilation_off_for_the_rank(caplog)
 
     class Rank:
         compile = True
+        compile_ahead = None  # no background compile: the call compiles
         calls = 0
+        compiled_now = RankModel.compiled_now
 
         def forward_micro_batch(self, data, mb):
             self.calls += 1
