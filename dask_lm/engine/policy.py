@@ -80,12 +80,23 @@ def _resolve_names(cfg: PolicyConfig) -> tuple[PolicyConfig, ModelSource]:
     ), source
 
 
-def _model_config(model_name: str, overrides: dict[str, Any] | None) -> Any:
-    """The model's Hugging Face config, read from its config.json on the driver (no weights, no CUDA), its sizes
-    within :mod:`dask_lm.io.config_limits` (``hf_config_overrides`` applied) before any worker allocates them."""
+def _check_model_config(model_name: str, overrides: dict[str, Any] | None) -> bool:
+    """The model's config.json within :mod:`dask_lm.io.config_limits` (``hf_config_overrides`` applied), read as
+    JSON on the driver before any worker allocates its sizes; whether there is one (without, transformers' own
+    error for the directory is the one to give, before any worker starts)."""
     config_path = os.path.join(model_name, modelcheck.CONFIG)
-    if os.path.isfile(config_path):
-        modelcheck.check_config(model_name)  # before transformers parses it: sizes, and nesting it would recurse on
+    if not os.path.isfile(config_path):
+        return False
+    # before transformers parses it: sizes, and nesting it would recurse on
+    raw = modelcheck.check_config(model_name)
+    if overrides:  # AutoConfig sets each override as a top-level attribute
+        check_config_limits({**raw, **overrides}, f"{config_path} with `policy.hf_config_overrides` {overrides}")
+    return True
+
+
+def _model_config(model_name: str, overrides: dict[str, Any] | None) -> Any:
+    """The model's Hugging Face config as transformers parses it (no weights, no CUDA), for the driver's FLOP count
+    and vocabulary size."""
     try:
         import transformers
 
@@ -95,6 +106,7 @@ def _model_config(model_name: str, overrides: dict[str, Any] | None) -> Any:
             f"`policy.model_name` = {model_name!r} is not a readable Hugging Face model directory: {e}"
         ) from e
     if overrides:
+        config_path = os.path.join(model_name, modelcheck.CONFIG)
         check_config_limits(config.to_dict(), f"{config_path} with `policy.hf_config_overrides` {overrides}")
     return config
 
@@ -148,10 +160,11 @@ class Policy(TrainingMixin, RefitMixin, PostingMixin):
             check_optim_config(self.cfg)
         self.tokenizer = tokenizer
         self.pad_token_id = self._pad_id(tokenizer)
-        self.hf_config = _model_config(self.cfg.model_name, self.cfg.hf_config_overrides)
-        text = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
-        self.vocab_size = getattr(text, "vocab_size", None)
-        self.flops_tracker = FLOPTracker.from_config(self.hf_config)
+        # transformers' parse of the config (its import: 1-4 s) runs while the ranks load, where there is a
+        # config.json to check first; without one, its error comes before any worker starts
+        parse_later = _check_model_config(self.cfg.model_name, self.cfg.hf_config_overrides)
+        if not parse_later:
+            self._read_model_config()
         clock.mark("config")
         self.client = as_client(cluster)
         if workers is not None:
@@ -190,6 +203,8 @@ class Policy(TrainingMixin, RefitMixin, PostingMixin):
                 options=options,
             )
             try:
+                if parse_later:
+                    self._read_model_config()
                 with progress.bar(self.client, len(futs), "loading the model", "rank") as (_id, load_bar):
                     self.worker_info = group.gather(futs, what="loading the model", progress=load_bar)
             except BaseException:
@@ -199,6 +214,12 @@ class Policy(TrainingMixin, RefitMixin, PostingMixin):
         #: where this Policy's start went, in seconds: the driver's steps and each rank's (engine/start_phases.py)
         self.start_phases: dict[str, Any] = clock.phases(self.worker_info)
         self._finalizer = weakref.finalize(self, shutdown_quietly, group)
+
+    def _read_model_config(self) -> None:
+        self.hf_config = _model_config(self.cfg.model_name, self.cfg.hf_config_overrides)
+        text = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
+        self.vocab_size = getattr(text, "vocab_size", None)
+        self.flops_tracker = FLOPTracker.from_config(self.hf_config)
 
     # ----------------------------------------------------------------------------------------- futures
     def submit(self, method: str, /, *args: Any, collect: bool = True, **kwargs: Any) -> Any:
