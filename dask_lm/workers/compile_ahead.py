@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,7 +69,8 @@ class CompileAhead:
         return self._done.wait(timeout)
 
     def _rows(self, lengths: tuple[int, ...]) -> TokenRows:
-        vocab = int(self._model.model.get_input_embeddings().num_embeddings)
+        hf: Any = self._model.model  # a transformers PreTrainedModel (Module's __getattr__ types it Tensor | Module)
+        vocab = int(hf.get_input_embeddings().num_embeddings)
         return TokenRows.from_lists(
             [[3 + (7 * i + 5 * j) % (vocab - 3) for j in range(n)] for i, n in enumerate(lengths)]
         )
