@@ -393,7 +393,7 @@ def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
 
     def run() -> None:
         import dask_lm
-        from dask_lm.demo import demo_data, demo_model
+        from dask_lm.demo import demo_data, demo_model, next_steps
         from dask_lm.io.local_cache import cache_root
 
         if rows < 2:
@@ -414,7 +414,7 @@ def demo(ctx: click.Context, rows: int, n_workers: int | None) -> None:
             data, output, model=model_dir, n_workers=n_workers, text_column="text", id_column="id"
         )
         _print_summary(result)
-        click.echo("\n".join(_next_steps(model_dir, data)))
+        click.echo("\n".join(next_steps(model_dir, data)))
 
     _exit_codes(ctx, run)
 
@@ -461,56 +461,6 @@ def nemo_rl(ctx: click.Context, script: str, args: tuple[str, ...], scheduler_ad
         run_script(script, list(args), scheduler_address=scheduler_address)
 
     _exit_codes(ctx, run)
-
-
-def _next_steps(model_dir: str, data: str) -> list[str]:
-    """The demo's last lines: what to type next on this machine, as printed (a shell runs them, comments and all;
-    tests/test_first_day.py does): score a file with the demo's model, shown on one of the demo's own files, into a
-    new folder of the current directory, then read it back."""
-    import shlex
-
-    output = next(
-        name for name in ("my-scores", *(f"my-scores-{i}" for i in range(2, 1000))) if not os.path.exists(name)
-    )
-    python = _python()
-    # ``dask-lm`` where the one on PATH is this environment's (beside this python, or the script running now);
-    # else the module, run by this interpreter
-    script = shutil.which("dask-lm")
-    here = script is not None and (
-        os.path.dirname(os.path.abspath(script)) == os.path.dirname(sys.executable)
-        or os.path.abspath(script) == os.path.abspath(sys.argv[0])
-    )
-    command = "dask-lm" if here else f"{python} -m dask_lm"
-    read = f"import dask_lm; print(dask_lm.read_scores({output!r}))"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a clone's, where dask-lm runs from one
-    where = (
-        os.path.join(repo, "docs", "quickstart.md")
-        if os.path.isfile(os.path.join(repo, "pyproject.toml")) and os.path.isdir(os.path.join(repo, "docs"))
-        else "docs/quickstart.md in the dask-lm repository"
-    )
-    sample, model = (shlex.quote(os.path.abspath(p)) for p in (os.path.join(data, "a.parquet"), model_dir))
-    return [
-        "",
-        "next:",
-        "  # score a parquet file of your own with this model (--text-column names your text column); on a demo file:",
-        f"  {command} score {sample} --model {model} --text-column text --output {output}",
-        "  # read the scores back as a pandas DataFrame (one row per input row, in input order):",
-        f'  {python} -c "{read}"',
-        f"  # more: {where}",
-    ]
-
-
-def _python() -> str:
-    """This interpreter as the shell should name it: ``python`` / ``python3`` where that is the one on PATH (an
-    activated environment), else its full path. Paths are compared unresolved: a virtualenv's python is a symlink
-    to the system's, whose packages differ."""
-    import shlex
-
-    for name in ("python", "python3"):
-        found = shutil.which(name)
-        if found is not None and os.path.abspath(found) == os.path.abspath(sys.executable):
-            return name
-    return shlex.quote(sys.executable)
 
 
 def _close(client: Any) -> None:

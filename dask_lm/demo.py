@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 
-__all__ = ["demo_model", "demo_data"]
+__all__ = ["demo_model", "demo_data", "next_steps"]
 
 
 def demo_model() -> str:
@@ -110,3 +111,53 @@ def demo_data(rows: int = 512) -> str:
     except OSError:  # built by a concurrent demo
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def next_steps(model_dir: str, data: str) -> list[str]:
+    """The demo's last lines: what to type next on this machine, as printed (a shell runs them, comments and all;
+    tests/test_first_day.py does): score a file with the demo's model, shown on one of the demo's own files, into a
+    new folder of the current directory, then read it back."""
+    import shlex
+
+    output = next(
+        name for name in ("my-scores", *(f"my-scores-{i}" for i in range(2, 1000))) if not os.path.exists(name)
+    )
+    python = _python()
+    # ``dask-lm`` where the one on PATH is this environment's (beside this python, or the script running now);
+    # else the module, run by this interpreter
+    script = shutil.which("dask-lm")
+    here = script is not None and (
+        os.path.dirname(os.path.abspath(script)) == os.path.dirname(sys.executable)
+        or os.path.abspath(script) == os.path.abspath(sys.argv[0])
+    )
+    command = "dask-lm" if here else f"{python} -m dask_lm"
+    read = f"import dask_lm; print(dask_lm.read_scores({output!r}))"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a clone's, where dask-lm runs from one
+    where = (
+        os.path.join(repo, "docs", "quickstart.md")
+        if os.path.isfile(os.path.join(repo, "pyproject.toml")) and os.path.isdir(os.path.join(repo, "docs"))
+        else "docs/quickstart.md in the dask-lm repository"
+    )
+    sample, model = (shlex.quote(os.path.abspath(p)) for p in (os.path.join(data, "a.parquet"), model_dir))
+    return [
+        "",
+        "next:",
+        "  # score a parquet file of your own with this model (--text-column names your text column); on a demo file:",
+        f"  {command} score {sample} --model {model} --text-column text --output {output}",
+        "  # read the scores back as a pandas DataFrame (one row per input row, in input order):",
+        f'  {python} -c "{read}"',
+        f"  # more: {where}",
+    ]
+
+
+def _python() -> str:
+    """This interpreter as the shell should name it: ``python`` / ``python3`` where that is the one on PATH (an
+    activated environment), else its full path. Paths are compared unresolved: a virtualenv's python is a symlink
+    to the system's, whose packages differ."""
+    import shlex
+
+    for name in ("python", "python3"):
+        found = shutil.which(name)
+        if found is not None and os.path.abspath(found) == os.path.abspath(sys.executable):
+            return name
+    return shlex.quote(sys.executable)

@@ -258,7 +258,7 @@ def test_the_next_commands_name_this_python_where_dask_lm_is_not_on_path(tmp_pat
     an ``--output`` already in the directory is not reused; ``demo --help`` says the demo ends with them."""
     import shlex
 
-    from dask_lm.cli import _next_steps
+    from dask_lm.demo import next_steps as _next_steps
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))

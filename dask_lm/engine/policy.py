@@ -44,71 +44,20 @@ from dask_lm.engine import progress
 from dask_lm.engine.cluster import as_client
 from dask_lm.engine.futures import Pending
 from dask_lm.engine.metrics import FLOPTracker
+from dask_lm.engine.model_config import check_model_config, model_config, resolve_names
 from dask_lm.engine.posting import PostingMixin
 from dask_lm.engine.shutdown import shutdown_quietly
 from dask_lm.engine.start_phases import PolicyStartClock
 from dask_lm.engine.training import TrainingMixin, submit_train
 from dask_lm.engine.worker_group import WorkerGroup
 from dask_lm.io import checkpoint as ckpt
-from dask_lm.io import hub, modelcheck
-from dask_lm.io.config_limits import check_config_limits
-from dask_lm.io.hub import ModelSource
+from dask_lm.io import modelcheck
 from dask_lm.refit.driver import RefitMixin
 from dask_lm.workers import tasks
 
 __all__ = ["Policy", "SUBMIT", "SUBMITTABLE", "Submittable"]
 
 FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3 value, NeMo RL's default range for Q / K / V scales
-
-
-def _resolve_names(cfg: PolicyConfig) -> tuple[PolicyConfig, ModelSource]:
-    """``cfg`` with a Hub ``model_name`` (and a Hub tokenizer name) replaced by local snapshot directories, resolved
-    here on the driver once, so every worker loads the same commit (:mod:`dask_lm.io.hub`). A copy: the caller's
-    config object keeps the names it was given."""
-    source = hub.resolve_model(cfg.model_name, revision=cfg.model_revision, what="`policy.model_name`")
-    tok = cfg.tokenizer.name
-    if tok == cfg.model_name:
-        tok = source.path
-    elif tok is not None and not os.path.exists(tok) and hub.looks_like_hub_id(tok):
-        tok = hub.resolve_model(tok, what="`policy.tokenizer.name`").path
-    elif tok is not None and os.path.isdir(tok):  # the workers' generation loads it: no code of its own either
-        modelcheck.refuse_remote_code(tok, "`policy.tokenizer.name`")
-    if source.path == cfg.model_name and tok == cfg.tokenizer.name:
-        return cfg, source
-    return dataclasses.replace(
-        cfg, model_name=source.path, tokenizer=dataclasses.replace(cfg.tokenizer, name=tok)
-    ), source
-
-
-def _check_model_config(model_name: str, overrides: dict[str, Any] | None) -> bool:
-    """The model's config.json within :mod:`dask_lm.io.config_limits` (``hf_config_overrides`` applied), read as
-    JSON on the driver before any worker allocates its sizes; whether there is one (without, transformers' own
-    error for the directory is the one to give, before any worker starts)."""
-    config_path = os.path.join(model_name, modelcheck.CONFIG)
-    if not os.path.isfile(config_path):
-        return False
-    # before transformers parses it: sizes, and nesting it would recurse on
-    raw = modelcheck.check_config(model_name)
-    if overrides:  # AutoConfig sets each override as a top-level attribute
-        check_config_limits({**raw, **overrides}, f"{config_path} with `policy.hf_config_overrides` {overrides}")
-    return True
-
-
-def _model_config(model_name: str, overrides: dict[str, Any] | None) -> Any:
-    """The model's Hugging Face config as transformers parses it (no weights, no CUDA), for the driver's FLOP count
-    and vocabulary size."""
-    try:
-        import transformers
-
-        config = transformers.AutoConfig.from_pretrained(model_name, trust_remote_code=False, **(overrides or {}))
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"`policy.model_name` = {model_name!r} is not a readable Hugging Face model directory: {e}"
-        ) from e
-    if overrides:
-        config_path = os.path.join(model_name, modelcheck.CONFIG)
-        check_config_limits(config.to_dict(), f"{config_path} with `policy.hf_config_overrides` {overrides}")
-    return config
 
 
 class Policy(TrainingMixin, RefitMixin, PostingMixin):
@@ -138,7 +87,7 @@ class Policy(TrainingMixin, RefitMixin, PostingMixin):
     ) -> None:
         self._group: WorkerGroup | None = None
         clock = PolicyStartClock()
-        self.cfg, self.model_source = _resolve_names(PolicyConfig.from_dict(config))
+        self.cfg, self.model_source = resolve_names(PolicyConfig.from_dict(config))
         if processor is not None:
             raise ValueError("`processor` (multimodal inputs) is not supported yet; pass processor=None")
         if weights_path is not None:
@@ -162,7 +111,7 @@ class Policy(TrainingMixin, RefitMixin, PostingMixin):
         self.pad_token_id = self._pad_id(tokenizer)
         # transformers' parse of the config (its import: 1-4 s) runs while the ranks load, where there is a
         # config.json to check first; without one, its error comes before any worker starts
-        parse_later = _check_model_config(self.cfg.model_name, self.cfg.hf_config_overrides)
+        parse_later = check_model_config(self.cfg.model_name, self.cfg.hf_config_overrides)
         if not parse_later:
             self._read_model_config()
         clock.mark("config")
@@ -216,7 +165,7 @@ class Policy(TrainingMixin, RefitMixin, PostingMixin):
         self._finalizer = weakref.finalize(self, shutdown_quietly, group)
 
     def _read_model_config(self) -> None:
-        self.hf_config = _model_config(self.cfg.model_name, self.cfg.hf_config_overrides)
+        self.hf_config = model_config(self.cfg.model_name, self.cfg.hf_config_overrides)
         text = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
         self.vocab_size = getattr(text, "vocab_size", None)
         self.flops_tracker = FLOPTracker.from_config(self.hf_config)
